@@ -1,0 +1,546 @@
+//! The subcommands.
+
+use std::fs::File;
+use std::io::{BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+use gpumem_core::calibrate::fit_context;
+use gpumem_core::dataset::{Measurement, ModelRef, read_measurements};
+use gpumem_core::estimate::{ESTIMATORS, Estimate, Estimator, by_name};
+use gpumem_core::eval::{Metrics, Outcome, metrics};
+use gpumem_core::families::{JobOptions, MAX_BATCH, ModelSpec};
+use gpumem_core::graph::Precision;
+use gpumem_core::profile::{self, GpuProfile};
+use gpumem_core::step::{Optimizer, TorchBehaviour};
+use gpumem_core::trace::Trace;
+use gpumem_core::units::{MIB, bytes_to_mib};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use crate::{CliError, CliResult};
+
+/// The model `gpumem estimate` uses when none is given: the first row of the seed's MLP data.
+pub const DEFAULT_MODEL: &str = "mlp:input=2346,output=197,depth=2,arch=pyramid,act=relu,dropout=0.338,batchnorm=true";
+const DEFAULT_BATCH: u64 = 996;
+
+/// Which GPU: a built-in profile or a profile file.
+#[derive(Args, Clone)]
+pub struct GpuChoice {
+    /// Built-in GPU profile (see `gpumem gpus`).
+    #[arg(long, default_value = "a100-40gb")]
+    gpu: String,
+    /// A profile TOML file (for example one written by `gpumem calibrate`); overrides --gpu.
+    #[arg(long)]
+    profile: Option<PathBuf>,
+}
+
+impl GpuChoice {
+    fn load(&self) -> CliResult<GpuProfile> {
+        match &self.profile {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
+                GpuProfile::from_toml(&text).map_err(|e| CliError::input(format!("{}: {e}", path.display())))
+            }
+            None => profile::builtin(&self.gpu).map_err(CliError::input),
+        }
+    }
+}
+
+/// The training job around a model.
+#[derive(Args, Clone)]
+pub struct JobArgs {
+    /// Optimizer: adam, adamw, sgd or sgd-momentum.
+    #[arg(long, default_value = "adam")]
+    optimizer: String,
+    /// Precision: fp32, amp-fp16 or amp-bf16.
+    #[arg(long, default_value = "fp32")]
+    precision: String,
+}
+
+impl JobArgs {
+    fn options(&self, batch: i64, profile: &GpuProfile) -> CliResult<JobOptions> {
+        if batch < 1 || batch as u64 > MAX_BATCH {
+            return Err(CliError::input(format!("--batch {batch} is out of range (1..={MAX_BATCH})")));
+        }
+        let mut job = JobOptions::new(batch as u64);
+        job.optimizer = Optimizer::parse(&self.optimizer).map_err(CliError::input)?;
+        job.precision = Precision::parse(&self.precision).map_err(CliError::input)?;
+        job.torch = TorchBehaviour::parse(&profile.torch);
+        job.cublas_workspace = profile.cublas_workspace();
+        Ok(job)
+    }
+}
+
+/// A model argument: a native spec, or a trace file.
+enum Model {
+    Native(ModelSpec),
+    TraceFile(Trace),
+}
+
+fn load_model(arg: &str) -> CliResult<Model> {
+    let path = Path::new(arg);
+    if path.is_file() {
+        let f = File::open(path).map_err(|e| CliError::input(format!("{arg}: {e}")))?;
+        return Trace::read(BufReader::new(f)).map(Model::TraceFile).map_err(|e| CliError::input(format!("{arg}: {e}")));
+    }
+    if arg.ends_with(".jsonl") || arg.ends_with(".trace") {
+        return Err(CliError::input(format!("{arg}: no such trace file")));
+    }
+    if let Some((prefix, _)) = arg.split_once(':')
+        && matches!(prefix, "torchvision" | "timm" | "hf" | "py")
+    {
+        return Err(CliError::input(format!("{arg}: {prefix}: models need the PyTorch bridge, which this build does not have yet; use a native spec (mlp:, cnn:, transformer:) or a trace file")));
+    }
+    ModelSpec::parse(arg).map(Model::Native).map_err(CliError::input)
+}
+
+fn model_trace(model: &Model, job: &JobOptions) -> CliResult<Trace> {
+    match model {
+        Model::Native(m) => m.trace(job).map_err(CliError::input),
+        Model::TraceFile(t) => Ok(t.clone()),
+    }
+}
+
+fn estimator(name: &str) -> CliResult<Box<dyn Estimator>> {
+    by_name(name).map_err(CliError::input)
+}
+
+fn mib(b: u64) -> f64 {
+    (bytes_to_mib(b) * 10.0).round() / 10.0
+}
+
+#[derive(Args)]
+pub struct EstimateArgs {
+    /// A native model spec (mlp:…, cnn:…, transformer:…) or a trace file. Default: a seed MLP.
+    model: Option<String>,
+    /// Batch size (ignored for trace files, which fix their own).
+    #[arg(long, allow_negative_numbers = true)]
+    batch: Option<i64>,
+    #[command(flatten)]
+    job: JobArgs,
+    #[command(flatten)]
+    gpu: GpuChoice,
+    /// replay (default), live-tensors or horus.
+    #[arg(long, default_value = "replay")]
+    estimator: String,
+    /// Print one JSON object (see docs/json.md).
+    #[arg(long)]
+    json: bool,
+}
+
+/// The stable JSON output of `estimate`.
+#[derive(Serialize)]
+struct EstimateJson<'a> {
+    model: String,
+    batch_size: u64,
+    estimator: &'a str,
+    gpu: &'a str,
+    peak_mib: f64,
+    peak_bytes: u64,
+    upper_bound_mib: f64,
+    upper_bound_bytes: u64,
+    capacity_mib: f64,
+    fits: bool,
+    upper_bound_fits: bool,
+    breakdown: serde_json::Map<String, serde_json::Value>,
+    breakdown_bytes: &'a gpumem_core::estimate::Breakdown,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    allocator: Option<&'a gpumem_core::allocator::AllocatorStats>,
+}
+
+pub fn estimate(a: EstimateArgs) -> CliResult {
+    let profile = a.gpu.load()?;
+    let (spec, batch) = match &a.model {
+        Some(m) => (m.clone(), a.batch.unwrap_or(32)),
+        None => (DEFAULT_MODEL.to_string(), a.batch.unwrap_or(DEFAULT_BATCH as i64)),
+    };
+    let model = load_model(&spec)?;
+    let job = a.job.options(batch, &profile)?;
+    let trace = model_trace(&model, &job)?;
+    let est = estimator(&a.estimator)?.estimate(&trace, &profile).map_err(CliError::input)?;
+    let model_name = trace.header.model.clone();
+    if a.json {
+        let breakdown = est.breakdown.items().iter().map(|(k, v)| (format!("{k}_mib"), serde_json::json!(mib(*v)))).collect();
+        let out = EstimateJson {
+            model: model_name,
+            batch_size: trace.header.batch_size,
+            estimator: est.estimator,
+            gpu: &est.gpu,
+            peak_mib: mib(est.peak_bytes),
+            peak_bytes: est.peak_bytes,
+            upper_bound_mib: mib(est.upper_bound_bytes),
+            upper_bound_bytes: est.upper_bound_bytes,
+            capacity_mib: mib(est.capacity_bytes),
+            fits: est.fits,
+            upper_bound_fits: est.upper_bound_bytes <= est.capacity_bytes,
+            breakdown,
+            breakdown_bytes: &est.breakdown,
+            allocator: est.allocator.as_ref(),
+        };
+        println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
+        return Ok(());
+    }
+    print_estimate(&model_name, trace.header.batch_size, &profile, &est);
+    Ok(())
+}
+
+fn print_estimate(model: &str, batch: u64, profile: &GpuProfile, est: &Estimate) {
+    println!("model      {model}");
+    println!("batch      {batch}");
+    println!("gpu        {} ({} MiB)", profile.display, profile.capacity_mib);
+    println!("estimator  {}", est.estimator);
+    println!();
+    println!("peak         {:>10.1} MiB   (as nvidia-smi will show it)", bytes_to_mib(est.peak_bytes));
+    println!("upper bound  {:>10.1} MiB", bytes_to_mib(est.upper_bound_bytes));
+    let verdict = match (est.fits, est.upper_bound_bytes <= est.capacity_bytes) {
+        (true, true) => "fits, with its upper bound",
+        (true, false) => "fits, but its upper bound does not: little headroom",
+        (false, _) => "does NOT fit: out of memory",
+    };
+    println!("verdict      {verdict}");
+    println!();
+    for (name, bytes) in est.breakdown.items() {
+        if bytes > 0 {
+            println!("  {name:<16} {:>10.1} MiB", bytes_to_mib(bytes));
+        }
+    }
+}
+
+#[derive(Args)]
+pub struct MaxBatchArgs {
+    /// A native model spec.
+    model: String,
+    #[command(flatten)]
+    job: JobArgs,
+    #[command(flatten)]
+    gpu: GpuChoice,
+    #[arg(long, default_value = "replay")]
+    estimator: String,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn max_batch(a: MaxBatchArgs) -> CliResult {
+    let profile = a.gpu.load()?;
+    let Model::Native(model) = load_model(&a.model)? else {
+        return Err(CliError::input(format!("{}: max-batch needs a model spec, not a trace file (a trace fixes its batch size)", a.model)));
+    };
+    let est = estimator(&a.estimator)?;
+    let fits = |b: u64| -> CliResult<Option<Estimate>> {
+        let job = a.job.options(b as i64, &profile)?;
+        let trace = model.trace(&job).map_err(CliError::input)?;
+        let e = est.estimate(&trace, &profile).map_err(CliError::input)?;
+        Ok((e.fits && e.upper_bound_bytes <= e.capacity_bytes).then_some(e))
+    };
+    // Exponential search for an upper limit, then bisection.
+    let (mut lo, mut best) = (0u64, None);
+    let mut hi = 1u64;
+    while hi <= MAX_BATCH {
+        match fits(hi)? {
+            Some(e) => {
+                lo = hi;
+                best = Some(e);
+                hi *= 2;
+            }
+            None => break,
+        }
+    }
+    let mut hi = hi.min(MAX_BATCH + 1);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        match fits(mid)? {
+            Some(e) => {
+                lo = mid;
+                best = Some(e);
+            }
+            None => hi = mid,
+        }
+    }
+    match best {
+        None => {
+            if a.json {
+                println!("{}", serde_json::json!({"model": model.to_spec_string(), "gpu": profile.name, "max_batch": 0}));
+            } else {
+                println!("even batch 1 does not fit on {} with its upper bound", profile.name);
+            }
+        }
+        Some(e) => {
+            if a.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"model": model.to_spec_string(), "gpu": profile.name, "max_batch": lo,
+                        "peak_mib": mib(e.peak_bytes), "upper_bound_mib": mib(e.upper_bound_bytes), "capacity_mib": profile.capacity_mib})
+                );
+            } else {
+                println!("max batch  {lo}");
+                println!("at it      peak {:.1} MiB, upper bound {:.1} MiB of {} MiB", bytes_to_mib(e.peak_bytes), bytes_to_mib(e.upper_bound_bytes), profile.capacity_mib);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct GpusArgs {
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn gpus(a: GpusArgs) -> CliResult {
+    let all = profile::catalogue();
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&all).map_err(CliError::other)?);
+        return Ok(());
+    }
+    println!("{:<16} {:<32} {:>10} {:>5} {:>8} {:>8} {:>8} {:>9} {:>8}", "name", "device", "MiB", "SMs", "fp32 TF", "bf16 TF", "GB/s", "context", "cuBLAS ws");
+    for p in all {
+        println!(
+            "{:<16} {:<32} {:>10} {:>5} {:>8.1} {:>8.1} {:>8.0} {:>9.0} {:>8.3}",
+            p.name,
+            p.display,
+            p.capacity_mib,
+            p.sm_count,
+            p.tflops.fp32,
+            p.tflops.bf16,
+            p.memory_bandwidth_gbs,
+            p.cuda_context_mib,
+            bytes_to_mib(p.cublas_workspace())
+        );
+    }
+    Ok(())
+}
+
+fn read_csv(path: &Path) -> CliResult<Vec<Measurement>> {
+    let f = File::open(path).map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
+    read_measurements(&path.display().to_string(), BufReader::new(f)).map_err(CliError::input)
+}
+
+/// The trace for a measured row, if gpumem can model it natively.
+fn row_trace(m: &Measurement, job: &JobArgs, profile: &GpuProfile) -> CliResult<Option<Trace>> {
+    let ModelRef::Native(spec) = &m.model else { return Ok(None) };
+    let mut opts = job.options(m.batch as i64, profile)?;
+    if let Some(o) = m.optimizer {
+        opts.optimizer = o;
+    }
+    if let Some(p) = m.precision {
+        opts.precision = p;
+    }
+    spec.trace(&opts).map(Some).map_err(|e| CliError::input(format!("line {}: {e}", m.line)))
+}
+
+#[derive(Args)]
+pub struct CalibrateArgs {
+    /// Measurements CSV (columns model, batch_size, measured_mib[, optimizer, precision], or the
+    /// seed's MLP schema).
+    measurements: PathBuf,
+    #[command(flatten)]
+    gpu: GpuChoice,
+    #[command(flatten)]
+    job: JobArgs,
+    /// Which rows to fit on, chosen by a rule and never by error: `all`, `first:N`, or
+    /// `smallest:N` (the N rows with the fewest parameters).
+    #[arg(long, default_value = "all")]
+    rows: String,
+    /// Where to write the calibrated profile.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+pub fn calibrate(a: CalibrateArgs) -> CliResult {
+    let profile = a.gpu.load()?;
+    let rows = read_csv(&a.measurements)?;
+    let mut runs = Vec::new();
+    for m in &rows {
+        if let Some(t) = row_trace(m, &a.job, &profile)? {
+            runs.push((m, t));
+        }
+    }
+    if runs.is_empty() {
+        return Err(CliError::input(format!("{}: no row has a model gpumem can build natively", a.measurements.display())));
+    }
+    let (rule, n) = match a.rows.split_once(':') {
+        None if a.rows == "all" => ("all", runs.len()),
+        Some((r @ ("first" | "smallest"), n)) => (r, n.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| CliError::input(format!("--rows {}: N must be a positive whole number", a.rows)))?),
+        _ => return Err(CliError::input(format!("--rows {}: expected all, first:N or smallest:N", a.rows))),
+    };
+    if rule == "smallest" {
+        runs.sort_by_key(|(m, t)| (t.header.parameters.unwrap_or(u64::MAX), m.line));
+    }
+    runs.truncate(n);
+    let fit_input: Vec<(Trace, u64)> = runs.iter().map(|(m, t)| (t.clone(), m.measured_bytes)).collect();
+    let cal = fit_context(&profile, &fit_input).map_err(CliError::input)?;
+    println!("fitted {} on {} rows ({rule}{}):", profile.name, cal.rows, if rule == "all" { String::new() } else { format!(":{n}") });
+    println!("  cuda_context_mib  {:.1}   (was {:.1})", cal.context_mib, profile.cuda_context_mib);
+    println!("  bound_fixed_mib   {:.1}", cal.profile.bound_fixed_mib);
+    println!("residuals (measured - fitted estimate):");
+    for ((m, _), r) in runs.iter().zip(&cal.residuals_mib) {
+        println!("  line {:>5}  {:>+8.1} MiB  {}", m.line, r, m.label);
+    }
+    let mut f = File::create(&a.out).map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
+    f.write_all(cal.profile.to_toml().as_bytes()).map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
+    println!("wrote {}", a.out.display());
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct EvalArgs {
+    /// Measurements CSV.
+    measurements: PathBuf,
+    #[command(flatten)]
+    gpu: GpuChoice,
+    #[command(flatten)]
+    job: JobArgs,
+    /// Where the per-row CSV and the scatter plots go.
+    #[arg(long, default_value = "gpumem-eval")]
+    out_dir: PathBuf,
+    /// Bin width for bin accuracy, in MiB.
+    #[arg(long, default_value_t = 1024)]
+    bin_mib: u64,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct EvalSummary {
+    estimator: String,
+    #[serde(flatten)]
+    metrics: Metrics,
+}
+
+pub fn eval(a: EvalArgs) -> CliResult {
+    let profile = a.gpu.load()?;
+    if a.bin_mib == 0 {
+        return Err(CliError::input("--bin-mib must be positive"));
+    }
+    let rows = read_csv(&a.measurements)?;
+    let mut names: Vec<String> = ESTIMATORS.iter().map(|s| s.to_string()).collect();
+    let published: Vec<String> = rows[0].published.iter().map(|(n, _)| format!("published:{n}")).collect();
+    names.extend(published.iter().cloned());
+    let estimators: Vec<Box<dyn Estimator>> = ESTIMATORS.iter().map(|n| by_name(n).expect("known")).collect();
+    let mut outcomes: Vec<Vec<(usize, Outcome)>> = vec![Vec::new(); names.len()];
+    let mut skipped = Vec::new();
+    let bar = ProgressBar::new(rows.len() as u64);
+    bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} rows {eta}").expect("valid template"));
+    for (ri, m) in rows.iter().enumerate() {
+        bar.inc(1);
+        for (k, (_, v)) in m.published.iter().enumerate() {
+            if let Some(v) = v {
+                outcomes[ESTIMATORS.len() + k].push((ri, Outcome { measured: m.measured_bytes, predicted: *v, upper: *v }));
+            }
+        }
+        let Some(trace) = row_trace(m, &a.job, &profile)? else {
+            skipped.push(m);
+            continue;
+        };
+        for (k, e) in estimators.iter().enumerate() {
+            let est = e.estimate(&trace, &profile).map_err(|e| CliError::input(format!("line {}: {e}", m.line)))?;
+            outcomes[k].push((ri, Outcome { measured: m.measured_bytes, predicted: est.peak_bytes, upper: est.upper_bound_bytes }));
+        }
+    }
+    bar.finish_and_clear();
+    let summaries: Vec<EvalSummary> = names
+        .iter()
+        .zip(&outcomes)
+        .filter(|(_, o)| !o.is_empty())
+        .map(|(n, o)| EvalSummary { estimator: n.clone(), metrics: metrics(&o.iter().map(|(_, x)| *x).collect::<Vec<_>>(), a.bin_mib) })
+        .collect();
+    std::fs::create_dir_all(&a.out_dir).map_err(|e| CliError::other(format!("{}: {e}", a.out_dir.display())))?;
+    write_rows_csv(&a.out_dir.join("rows.csv"), &rows, &names, &outcomes)?;
+    let series: Vec<(String, Vec<(f64, f64)>)> = names
+        .iter()
+        .zip(&outcomes)
+        .filter(|(_, o)| !o.is_empty())
+        .map(|(n, o)| (n.clone(), o.iter().map(|(_, x)| (bytes_to_mib(x.measured), bytes_to_mib(x.predicted))).collect()))
+        .collect();
+    crate::plot::scatter(&a.out_dir.join("scatter.svg"), &a.out_dir.join("scatter.png"), &series).map_err(CliError::other)?;
+    if a.json {
+        let out = serde_json::json!({"gpu": profile.name, "rows": rows.len(), "skipped": skipped.len(), "bin_mib": a.bin_mib, "estimators": summaries});
+        println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
+    } else {
+        println!("{} rows, {} modelled, {} skipped; GPU profile {} (context {:.1} MiB); bins of {} MiB", rows.len(), rows.len() - skipped.len(), skipped.len(), profile.name, profile.cuda_context_mib, a.bin_mib);
+        println!();
+        println!("{:<24} {:>6} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>8} {:>7} {:>8}", "estimator", "rows", "mean%", "median%", "p90%", "p95%", "<=5%", "<=10%", "under3%", "bin", "ub-miss");
+        for s in &summaries {
+            let m = &s.metrics;
+            println!(
+                "{:<24} {:>6} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>6.1}% {:>6.1}% {:>7.2}% {:>6.1}% {:>7.2}%",
+                s.estimator, m.rows, m.mean_ape, m.median_ape, m.p90_ape, m.p95_ape, 100.0 * m.within_5pct, 100.0 * m.within_10pct, 100.0 * m.under_3pct, 100.0 * m.bin_accuracy, 100.0 * m.bound_misses
+            );
+        }
+        for m in &skipped {
+            println!("skipped line {}: {} (needs the PyTorch bridge)", m.line, m.label);
+        }
+        println!();
+        println!("wrote {}, {} and {}", a.out_dir.join("rows.csv").display(), a.out_dir.join("scatter.svg").display(), a.out_dir.join("scatter.png").display());
+    }
+    Ok(())
+}
+
+fn write_rows_csv(path: &Path, rows: &[Measurement], names: &[String], outcomes: &[Vec<(usize, Outcome)>]) -> CliResult {
+    let f = File::create(path).map_err(|e| CliError::other(format!("{}: {e}", path.display())))?;
+    let mut w = csv::Writer::from_writer(BufWriter::new(f));
+    let mut header = vec!["line".to_string(), "model".into(), "batch_size".into(), "measured_mib".into()];
+    for n in names {
+        header.push(format!("{n}_mib"));
+        header.push(format!("{n}_upper_mib"));
+        header.push(format!("{n}_error_pct"));
+    }
+    let io = |e: csv::Error| CliError::other(format!("{}: {e}", path.display()));
+    w.write_record(&header).map_err(io)?;
+    let mut per_row: Vec<Vec<Option<Outcome>>> = vec![vec![None; names.len()]; rows.len()];
+    for (k, o) in outcomes.iter().enumerate() {
+        for (ri, x) in o {
+            per_row[*ri][k] = Some(*x);
+        }
+    }
+    for (m, cols) in rows.iter().zip(per_row) {
+        let mut rec = vec![m.line.to_string(), m.label.clone(), m.batch.to_string(), format!("{:.1}", bytes_to_mib(m.measured_bytes))];
+        for c in cols {
+            match c {
+                Some(x) => {
+                    rec.push(format!("{:.1}", bytes_to_mib(x.predicted)));
+                    rec.push(format!("{:.1}", bytes_to_mib(x.upper)));
+                    rec.push(format!("{:.3}", x.signed_pct()));
+                }
+                None => rec.extend([String::new(), String::new(), String::new()]),
+            }
+        }
+        w.write_record(&rec).map_err(io)?;
+    }
+    w.flush().map_err(|e| CliError::other(format!("{}: {e}", path.display())))?;
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct TraceArgs {
+    /// A native model spec.
+    model: String,
+    #[arg(long, allow_negative_numbers = true, default_value_t = 32)]
+    batch: i64,
+    #[command(flatten)]
+    job: JobArgs,
+    #[command(flatten)]
+    gpu: GpuChoice,
+    /// Output file (JSON Lines, docs/trace-format.md).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+pub fn trace(a: TraceArgs) -> CliResult {
+    let profile = a.gpu.load()?;
+    let Model::Native(model) = load_model(&a.model)? else {
+        return Err(CliError::input(format!("{}: already a trace file", a.model)));
+    };
+    let job = a.job.options(a.batch, &profile)?;
+    let t = model.trace(&job).map_err(CliError::input)?;
+    let f = File::create(&a.out).map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
+    let mut w = BufWriter::new(f);
+    t.write(&mut w).and_then(|_| w.flush()).map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
+    println!("wrote {} ({} events, {} iterations)", a.out.display(), t.events.len(), t.header.iterations);
+    let _ = MIB;
+    Ok(())
+}

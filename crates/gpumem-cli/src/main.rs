@@ -1,0 +1,83 @@
+//! The `gpumem` command: estimate a training job's GPU memory before it runs.
+//!
+//! Subcommands: `estimate`, `max-batch`, `gpus`, `calibrate`, `eval`, `trace`. Expected
+//! failures (bad input, unknown GPU, malformed files) print one line on stderr and exit with 2;
+//! other failures (I/O while writing) exit with 1. See docs/cli.md.
+
+mod commands;
+mod plot;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Exit code for bad input of any kind.
+pub const EXIT_BAD_INPUT: u8 = 2;
+/// Exit code for other failures.
+pub const EXIT_FAILURE: u8 = 1;
+
+/// An error with its exit code.
+#[derive(Debug)]
+pub enum CliError {
+    /// The user's input is wrong (exit 2).
+    Input(String),
+    /// Something else failed (exit 1).
+    Other(String),
+}
+
+impl CliError {
+    pub fn input(e: impl std::fmt::Display) -> Self {
+        CliError::Input(e.to_string())
+    }
+    pub fn other(e: impl std::fmt::Display) -> Self {
+        CliError::Other(e.to_string())
+    }
+}
+
+pub type CliResult<T = ()> = Result<T, CliError>;
+
+#[derive(Parser)]
+#[command(name = "gpumem", version, about = "How much GPU memory will this training job take? Answered before it touches a GPU.")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Estimate peak GPU memory (as nvidia-smi shows it) with a breakdown and an upper bound.
+    Estimate(commands::EstimateArgs),
+    /// Find the largest batch size whose upper bound fits on the GPU.
+    MaxBatch(commands::MaxBatchArgs),
+    /// List the built-in GPU profiles.
+    Gpus(commands::GpusArgs),
+    /// Fit a GPU profile's fixed costs from measured runs.
+    Calibrate(commands::CalibrateArgs),
+    /// Score every estimator against measured runs.
+    Eval(commands::EvalArgs),
+    /// Write the training-step trace of a native model.
+    Trace(commands::TraceArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Estimate(a) => commands::estimate(a),
+        Command::MaxBatch(a) => commands::max_batch(a),
+        Command::Gpus(a) => commands::gpus(a),
+        Command::Calibrate(a) => commands::calibrate(a),
+        Command::Eval(a) => commands::eval(a),
+        Command::Trace(a) => commands::trace(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(CliError::Input(m)) => {
+            eprintln!("error: {m}");
+            ExitCode::from(EXIT_BAD_INPUT)
+        }
+        Err(CliError::Other(m)) => {
+            eprintln!("error: {m}");
+            ExitCode::from(EXIT_FAILURE)
+        }
+    }
+}

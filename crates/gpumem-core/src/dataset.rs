@@ -1,0 +1,147 @@
+//! Measurement CSVs: what `calibrate` and `eval` read.
+//!
+//! Two schemas are recognised by their header: the seed's MLP dataset (`Filename`,
+//! `Max GPU Memory (MiB)`; each row's network is rebuilt from its file name) and gpumem's own
+//! (`model`, `batch_size`, `measured_mib`, optional `optimizer`, `precision`, `source`, `input`,
+//! `seq_len`). Other `*_mib` columns are kept as published estimates to compare against.
+
+use std::io::Read;
+
+use crate::families::{Mlp, ModelSpec};
+use crate::graph::Precision;
+use crate::step::Optimizer;
+use crate::units::mib_to_bytes;
+
+/// What a row's model is.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelRef {
+    /// A native family model gpumem builds itself.
+    Native(ModelSpec),
+    /// A reference only the PyTorch bridge can trace (torchvision:, timm:, hf:, py:).
+    External(String),
+}
+
+/// One measured training run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Measurement {
+    /// 1-based line in the file (the header is line 1).
+    pub line: usize,
+    pub label: String,
+    pub model: ModelRef,
+    pub batch: u64,
+    pub measured_bytes: u64,
+    pub optimizer: Option<Optimizer>,
+    pub precision: Option<Precision>,
+    /// Published estimates in this row: (column name without `_mib`, bytes or none).
+    pub published: Vec<(String, Option<u64>)>,
+}
+
+fn column(headers: &csv::StringRecord, name: &str) -> Option<usize> {
+    headers.iter().position(|h| h.trim() == name)
+}
+
+/// Reads a measurement CSV. Errors are one line: `NAME line N: column C: what is wrong`.
+pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measurement>, String> {
+    let mut rdr = csv::ReaderBuilder::new().flexible(false).from_reader(reader);
+    let headers = rdr.headers().map_err(|e| format!("{name} line 1: {}", one_line(&e)))?.clone();
+    let seed = column(&headers, "Filename").zip(column(&headers, "Max GPU Memory (MiB)"));
+    let generic = (column(&headers, "model"), column(&headers, "batch_size"), column(&headers, "measured_mib"));
+    if seed.is_none() && (generic.0.is_none() || generic.1.is_none() || generic.2.is_none()) {
+        return Err(format!(
+            "{name} line 1: expected columns model, batch_size, measured_mib (or the seed's Filename, Max GPU Memory (MiB)); found {}",
+            headers.iter().collect::<Vec<_>>().join(", ")
+        ));
+    }
+    let published_cols: Vec<(usize, String)> = headers
+        .iter()
+        .enumerate()
+        .filter(|(_, h)| h.ends_with("_mib") && *h != "measured_mib" && !h.starts_with("measured"))
+        .map(|(i, h)| (i, h.trim_end_matches("_mib").to_string()))
+        .collect();
+    let (opt_col, prec_col, src_col) = (column(&headers, "optimizer"), column(&headers, "precision"), column(&headers, "source"));
+    let mut out = Vec::new();
+    for (k, rec) in rdr.records().enumerate() {
+        let line = k + 2;
+        let rec = rec.map_err(|e| format!("{name} line {line}: {}", one_line(&e)))?;
+        let get = |i: usize| rec.get(i).unwrap_or("").trim();
+        let bad = |col: &str, msg: String| format!("{name} line {line}: column {col}: {msg}");
+        let mib = |col: &str, v: &str| -> Result<u64, String> {
+            let x: f64 = v.parse().map_err(|_| bad(col, format!("`{v}` is not a number")))?;
+            if !(x > 0.0 && x < 1e9) {
+                return Err(bad(col, format!("{x} MiB is not a plausible memory size")));
+            }
+            Ok(mib_to_bytes(x))
+        };
+        let m = if let Some((fcol, mcol)) = seed {
+            let (mlp, batch) = Mlp::from_seed_filename(get(fcol)).map_err(|e| bad("Filename", e))?;
+            Measurement {
+                line,
+                label: get(fcol).to_string(),
+                model: ModelRef::Native(ModelSpec::Mlp(mlp)),
+                batch,
+                measured_bytes: mib("Max GPU Memory (MiB)", get(mcol))?,
+                optimizer: Some(Optimizer::Adam),
+                precision: Some(Precision::Fp32),
+                published: Vec::new(),
+            }
+        } else {
+            let (mc, bc, vc) = (generic.0.unwrap(), generic.1.unwrap(), generic.2.unwrap());
+            let label = get(mc).to_string();
+            let reference = src_col.map(get).filter(|s| s.contains(':')).unwrap_or(&label).to_string();
+            let model = if reference.starts_with("mlp:") || reference.starts_with("cnn:") || reference.starts_with("transformer:") {
+                ModelRef::Native(ModelSpec::parse(&reference).map_err(|e| bad("model", e))?)
+            } else {
+                ModelRef::External(reference)
+            };
+            let batch: u64 = get(bc).parse().map_err(|_| bad("batch_size", format!("`{}` is not a whole number", get(bc))))?;
+            if batch == 0 {
+                return Err(bad("batch_size", "must be at least 1".into()));
+            }
+            let optimizer = match opt_col.map(get).filter(|s| !s.is_empty()) {
+                None => None,
+                // "adamw(hf-trainer)" style annotations keep their optimizer name.
+                Some(s) => Some(Optimizer::parse(s.split('(').next().unwrap_or(s)).map_err(|e| bad("optimizer", e))?),
+            };
+            let precision = match prec_col.map(get).filter(|s| !s.is_empty()) {
+                None => None,
+                Some(s) => Some(Precision::parse(s).map_err(|e| bad("precision", e))?),
+            };
+            let published = published_cols
+                .iter()
+                .map(|(i, n)| (n.clone(), get(*i).parse::<f64>().ok().filter(|x| *x > 0.0).map(mib_to_bytes)))
+                .collect();
+            Measurement { line, label, model, batch, measured_bytes: mib("measured_mib", get(vc))?, optimizer, precision, published }
+        };
+        out.push(m);
+    }
+    if out.is_empty() {
+        return Err(format!("{name}: no rows"));
+    }
+    Ok(out)
+}
+
+fn one_line(e: &impl std::fmt::Display) -> String {
+    e.to_string().replace('\n', " ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generic_schema_and_errors() {
+        let ok = "model,batch_size,measured_mib,horus_mib\n\"mlp:input=8,output=2,depth=1\",32,1500,2000\nresnet50,32,3934,\n";
+        let rows = read_measurements("d.csv", ok.as_bytes()).unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].published, vec![("horus".to_string(), Some(2000 << 20))]);
+        assert_eq!(rows[1].model, ModelRef::External("resnet50".into()));
+        let e = read_measurements("d.csv", "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1\",x,1500\n".as_bytes()).unwrap_err();
+        assert_eq!(e, "d.csv line 2: column batch_size: `x` is not a whole number");
+        let e = read_measurements("d.csv", "a,b\n1,2\n".as_bytes()).unwrap_err();
+        assert!(e.starts_with("d.csv line 1: expected columns model, batch_size, measured_mib"), "{e}");
+        let e = read_measurements("d.csv", "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1\",4,-3\n".as_bytes()).unwrap_err();
+        assert_eq!(e, "d.csv line 2: column measured_mib: -3 MiB is not a plausible memory size");
+        let e = read_measurements("d.csv", "model,batch_size,measured_mib\nmlp:input=8,4\n".as_bytes()).unwrap_err();
+        assert!(e.starts_with("d.csv line 2: "), "{e}");
+    }
+}

@@ -1,0 +1,199 @@
+//! The seed's Transformer family (GPUMemNet `NeuroNetGen_scripts/Transformer/transformer.py`):
+//! embedding + learned positions, PyTorch `TransformerEncoderLayer`/`TransformerDecoderLayer`
+//! stacks (batch_first, post-norm, ReLU feed-forward), mean over the sequence, a linear head.
+
+use std::fmt;
+
+use super::Keys;
+use crate::graph::{Activation, Bw, Dtype, Graph, GraphBuilder, Precision, TensorId};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransformerArch {
+    /// Encoder layers only.
+    Standard,
+    /// Decoder layers, with the embedded input as memory.
+    DecoderOnly,
+    /// layers/2 encoder layers, then layers/2 decoder layers reading the encoder's output.
+    Hybrid,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transformer {
+    pub vocab: u64,
+    pub embed: u64,
+    pub layers: u64,
+    pub heads: u64,
+    pub ff: u64,
+    pub dropout: f64,
+    pub seq: u64,
+    pub classes: u64,
+    pub arch: TransformerArch,
+    /// The flash kernel is used for fp16/bf16 attention (the GPU profile decides).
+    pub flash: bool,
+    pub samples: Option<u64>,
+    /// The seed's full-batch check forward (with grad) before training.
+    pub summary: bool,
+}
+
+impl Transformer {
+    pub(crate) fn from_keys(kv: &mut Keys) -> Result<Self, String> {
+        let arch = match kv.word("arch", Some("standard"))?.as_str() {
+            "standard" => TransformerArch::Standard,
+            "decoder_only" => TransformerArch::DecoderOnly,
+            "hybrid" => TransformerArch::Hybrid,
+            other => return Err(format!("transformer spec: unknown arch `{other}` (expected standard, decoder_only or hybrid)")),
+        };
+        let t = Transformer {
+            vocab: kv.uint("vocab", None, 1, 1 << 24)?,
+            embed: kv.uint("embed", None, 1, 1 << 16)?,
+            layers: kv.uint("layers", None, 1, 512)?,
+            heads: kv.uint("heads", None, 1, 1024)?,
+            ff: kv.uint("ff", None, 1, 1 << 18)?,
+            dropout: kv.float("dropout", 0.1, 0.0, 0.999)?,
+            seq: kv.uint("seq", None, 1, 1 << 20)?,
+            classes: kv.uint("classes", None, 1, 1 << 20)?,
+            arch,
+            flash: kv.boolean("flash", true)?,
+            samples: match kv.uint("samples", Some(0), 0, 1 << 40)? {
+                0 => None,
+                n => Some(n),
+            },
+            summary: kv.boolean("summary", false)?,
+        };
+        if t.embed % t.heads != 0 {
+            return Err(format!("transformer spec: embed={} is not divisible by heads={}", t.embed, t.heads));
+        }
+        if t.arch == TransformerArch::Hybrid && t.layers < 2 {
+            return Err("transformer spec: arch=hybrid needs layers >= 2".into());
+        }
+        Ok(t)
+    }
+
+    /// `F.multi_head_attention_forward` in training with need_weights=False, batch_first.
+    /// `q_in` and `kv_in` are `[B, S, E]`; the same id means self-attention.
+    fn attention(&self, g: &mut GraphBuilder, q_in: TensorId, kv_in: TensorId, b: u64) -> TensorId {
+        let (e, s, h) = (self.embed, self.seq, self.heads);
+        let w_in = g.param(3 * e * e);
+        let b_in = g.param(3 * e);
+        let w_out = g.param(e * e);
+        let b_out = g.param(e);
+        // The batch_first transpose makes the input non-contiguous: linear falls back to matmul,
+        // whose reshape copies it; the bias is added in place.
+        let qkv = if q_in == kv_in {
+            let xc = g.copy(q_in);
+            let proj = g.linear_with(xc, w_in, Some(b_in), e, 3 * e);
+            // unflatten/transpose/.contiguous(): a packed [3, S, B, E] copy.
+            g.copy(proj)
+        } else {
+            let qc = g.copy(q_in);
+            let q = g.linear_with(qc, w_in, Some(b_in), e, e);
+            let kc = g.copy(kv_in);
+            let kv = g.linear_with(kc, w_in, Some(b_in), e, 2 * e);
+            let kv = g.copy(kv);
+            g.cat(&[q, kv])
+        };
+        let dt = g.t(qkv).dtype;
+        let flash = self.flash && dt != Dtype::F32;
+        let att = g.sdpa(qkv, b, h, s, e / h, flash);
+        let merged = g.copy(att);
+        g.linear_with(merged, w_out, Some(b_out), e, e)
+    }
+
+    fn feed_forward(&self, g: &mut GraphBuilder, x: TensorId) -> TensorId {
+        let y = g.linear(x, self.embed, self.ff, true);
+        let y = g.activation(y, Activation::Relu);
+        let y = g.dropout(y, self.dropout);
+        let y = g.linear(y, self.ff, self.embed, true);
+        g.dropout(y, self.dropout)
+    }
+
+    fn encoder_layer(&self, g: &mut GraphBuilder, x: TensorId, b: u64) -> TensorId {
+        let sa = self.attention(g, x, x, b);
+        let sa = g.dropout(sa, self.dropout);
+        let x = g.add(x, sa);
+        let x = g.layer_norm(x, self.embed);
+        let ff = self.feed_forward(g, x);
+        let x = g.add(x, ff);
+        g.layer_norm(x, self.embed)
+    }
+
+    fn decoder_layer(&self, g: &mut GraphBuilder, x: TensorId, memory: TensorId, b: u64) -> TensorId {
+        let sa = self.attention(g, x, x, b);
+        let sa = g.dropout(sa, self.dropout);
+        let x = g.add(x, sa);
+        let x = g.layer_norm(x, self.embed);
+        let ca = self.attention(g, x, memory, b);
+        let ca = g.dropout(ca, self.dropout);
+        let x = g.add(x, ca);
+        let x = g.layer_norm(x, self.embed);
+        let ff = self.feed_forward(g, x);
+        let x = g.add(x, ff);
+        g.layer_norm(x, self.embed)
+    }
+
+    pub fn graph(&self, batch: u64, precision: Precision) -> Graph {
+        let mut g = GraphBuilder::new(precision);
+        let (b, s, e) = (batch, self.seq, self.embed);
+        let tokens = g.input(b * s, Dtype::I64);
+        let labels = g.input(b, Dtype::I64);
+        let emb = g.embedding(tokens, self.vocab, e);
+        let pos = g.param(s * e);
+        // x = embedding + positions: the [1, S, E] parameter's gradient is a reduction.
+        let mut x = g.node("add", &[emb, pos], &[(b * s * e, Dtype::F32)], &[], &[Bw::PassThrough(0), Bw::Grad(1)], b * s * e, false)[0];
+        let input = x;
+        match self.arch {
+            TransformerArch::Standard => {
+                for _ in 0..self.layers {
+                    x = self.encoder_layer(&mut g, x, b);
+                }
+            }
+            TransformerArch::DecoderOnly => {
+                for _ in 0..self.layers {
+                    x = self.decoder_layer(&mut g, x, input, b);
+                }
+            }
+            TransformerArch::Hybrid => {
+                let mut m = x;
+                for _ in 0..self.layers / 2 {
+                    m = self.encoder_layer(&mut g, m, b);
+                }
+                for _ in 0..self.layers / 2 {
+                    x = self.decoder_layer(&mut g, x, m, b);
+                }
+            }
+        }
+        let dt = g.t(x).dtype;
+        let pooled = g.node("mean", &[x], &[(b * e, dt)], &[], &[Bw::Grad(0)], b * s * e, false)[0];
+        let logits = g.linear(pooled, e, self.classes, true);
+        g.end_model(logits);
+        let per_layer = if self.arch == TransformerArch::DecoderOnly { 3 } else { 2 };
+        g.set_activations_per_sample(s * e * (2 + per_layer * self.layers) + s * self.ff * self.layers + self.classes);
+        let loss = g.cross_entropy(logits, labels);
+        g.finish(loss)
+    }
+}
+
+impl fmt::Display for Transformer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let arch = match self.arch {
+            TransformerArch::Standard => "standard",
+            TransformerArch::DecoderOnly => "decoder_only",
+            TransformerArch::Hybrid => "hybrid",
+        };
+        write!(
+            f,
+            "transformer:vocab={},embed={},layers={},heads={},ff={},dropout={},seq={},classes={},arch={arch}",
+            self.vocab, self.embed, self.layers, self.heads, self.ff, self.dropout, self.seq, self.classes
+        )?;
+        if !self.flash {
+            write!(f, ",flash=false")?;
+        }
+        if let Some(s) = self.samples {
+            write!(f, ",samples={s}")?;
+        }
+        if self.summary {
+            write!(f, ",summary=true")?;
+        }
+        Ok(())
+    }
+}

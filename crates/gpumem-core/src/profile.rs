@@ -1,0 +1,214 @@
+//! GPU profiles as data: a device plus the software stack's fixed costs.
+//!
+//! [`GpuProfile`] holds capacity, SM count, peak rates, bandwidth, the CUDA context (the fitted
+//! fixed cost), cuBLAS workspace sizing, the attention kernel the GPU runs, allocator options and
+//! the upper-bound margins. [`catalogue`] returns the built-in profiles (profiles/gpus.toml,
+//! embedded); [`GpuProfile::from_toml`] reads a user's file, such as one `gpumem calibrate` wrote.
+
+use serde::{Deserialize, Serialize};
+
+use crate::allocator::AllocatorConfig;
+use crate::units::{MIB, mib_to_bytes};
+
+const BUILTIN: &str = include_str!("../profiles/gpus.toml");
+
+/// Peak dense throughput in TFLOP/s per precision.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Tflops {
+    pub fp32: f64,
+    pub tf32: f64,
+    pub fp16: f64,
+    pub bf16: f64,
+}
+
+/// Which scaled-dot-product-attention kernel PyTorch picks on this GPU by default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SdpaBackend {
+    Flash,
+    MemEfficient,
+    Math,
+}
+
+fn default_workspaces() -> u32 {
+    2
+}
+fn default_bound_fixed() -> f64 {
+    64.0
+}
+fn default_bound_relative() -> f64 {
+    0.04
+}
+fn default_torch() -> String {
+    "2.1".into()
+}
+
+/// One GPU and software stack. Field units are those of the TOML file (MiB at the edges).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuProfile {
+    pub name: String,
+    pub display: String,
+    pub compute_capability: String,
+    pub capacity_mib: u64,
+    pub sm_count: u32,
+    pub tflops: Tflops,
+    pub memory_bandwidth_gbs: f64,
+    /// Memory the process holds outside PyTorch's allocator (context, kernels, libraries).
+    pub cuda_context_mib: f64,
+    /// Other memory outside the allocator (NCCL buffers, cuFFT plans…).
+    #[serde(default)]
+    pub non_allocator_mib: f64,
+    /// Overrides the per-architecture cuBLAS workspace size (bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cublas_workspace_bytes: Option<u64>,
+    /// cuBLAS workspaces in a training step (main thread + autograd thread).
+    #[serde(default = "default_workspaces")]
+    pub cublas_workspaces: u32,
+    pub sdpa: SdpaBackend,
+    /// `PYTORCH_CUDA_ALLOC_CONF` of the jobs that will run here.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub allocator: String,
+    /// PyTorch release whose behaviour the traces follow (optimizer temporaries, zero_grad).
+    #[serde(default = "default_torch")]
+    pub torch: String,
+    /// Upper bound = estimate + bound_fixed_mib + bound_relative × (estimate − context).
+    #[serde(default = "default_bound_fixed")]
+    pub bound_fixed_mib: f64,
+    #[serde(default = "default_bound_relative")]
+    pub bound_relative: f64,
+    /// Where the fixed costs came from (written by `gpumem calibrate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProfileFile {
+    gpu: Vec<GpuProfile>,
+}
+
+/// Why a profile could not be loaded or found.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProfileError {
+    #[error("unknown GPU `{name}`; known: {known}")]
+    Unknown { name: String, known: String },
+    #[error("bad profile: {0}")]
+    Parse(String),
+    #[error("bad profile `{name}`: {message}")]
+    Invalid { name: String, message: String },
+}
+
+impl GpuProfile {
+    pub fn capacity_bytes(&self) -> u64 {
+        self.capacity_mib * MIB
+    }
+    pub fn context_bytes(&self) -> u64 {
+        mib_to_bytes(self.cuda_context_mib)
+    }
+    pub fn non_allocator_bytes(&self) -> u64 {
+        mib_to_bytes(self.non_allocator_mib)
+    }
+    /// Compute capability major version (8 for "8.0").
+    pub fn cc_major(&self) -> u32 {
+        self.compute_capability.split('.').next().and_then(|m| m.parse().ok()).unwrap_or(0)
+    }
+    /// PyTorch's default cuBLAS workspace for this architecture (spec §2.3.3).
+    pub fn cublas_workspace(&self) -> u64 {
+        self.cublas_workspace_bytes.unwrap_or(if self.cc_major() == 9 { 32 << 20 } else { 8_519_680 })
+    }
+    pub fn allocator_config(&self) -> Result<AllocatorConfig, ProfileError> {
+        AllocatorConfig::parse(&self.allocator).map_err(|message| ProfileError::Invalid { name: self.name.clone(), message })
+    }
+    /// Bytes the caching allocator may reserve before cudaMalloc fails.
+    pub fn allocator_capacity(&self) -> u64 {
+        self.capacity_bytes().saturating_sub(self.context_bytes() + self.non_allocator_bytes())
+    }
+
+    fn validate(&self) -> Result<(), ProfileError> {
+        let bad = |message: &str| Err(ProfileError::Invalid { name: self.name.clone(), message: message.into() });
+        if self.capacity_mib == 0 {
+            return bad("capacity_mib must be positive");
+        }
+        if !(self.cuda_context_mib >= 0.0 && self.cuda_context_mib < self.capacity_mib as f64) {
+            return bad("cuda_context_mib must be between 0 and capacity_mib");
+        }
+        if !(self.non_allocator_mib >= 0.0 && self.bound_fixed_mib >= 0.0 && self.bound_relative >= 0.0) {
+            return bad("non_allocator_mib, bound_fixed_mib and bound_relative must not be negative");
+        }
+        self.allocator_config()?;
+        Ok(())
+    }
+
+    /// Reads a TOML file holding one or more `[[gpu]]` tables; returns them all.
+    pub fn parse_many(text: &str) -> Result<Vec<GpuProfile>, ProfileError> {
+        let file: ProfileFile = toml::from_str(text).map_err(|e| ProfileError::Parse(e.to_string().replace('\n', " ").trim().to_string()))?;
+        for p in &file.gpu {
+            p.validate()?;
+        }
+        Ok(file.gpu)
+    }
+
+    /// Reads a file with exactly one `[[gpu]]` table.
+    pub fn from_toml(text: &str) -> Result<GpuProfile, ProfileError> {
+        let mut all = Self::parse_many(text)?;
+        if all.len() != 1 {
+            return Err(ProfileError::Parse(format!("expected one [[gpu]] table, found {}", all.len())));
+        }
+        Ok(all.remove(0))
+    }
+
+    pub fn to_toml(&self) -> String {
+        #[derive(Serialize)]
+        struct Out<'a> {
+            gpu: [&'a GpuProfile; 1],
+        }
+        toml::to_string(&Out { gpu: [self] }).expect("profiles serialize")
+    }
+}
+
+/// The built-in profiles.
+pub fn catalogue() -> Vec<GpuProfile> {
+    GpuProfile::parse_many(BUILTIN).expect("built-in profiles are valid")
+}
+
+/// A built-in profile by name (case-insensitive; `_` and `-` are the same).
+pub fn builtin(name: &str) -> Result<GpuProfile, ProfileError> {
+    let norm = |s: &str| s.to_ascii_lowercase().replace('_', "-");
+    let all = catalogue();
+    let wanted = norm(name);
+    all.iter().find(|p| norm(&p.name) == wanted).cloned().ok_or_else(|| ProfileError::Unknown {
+        name: name.to_string(),
+        known: all.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", "),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn catalogue_has_the_required_gpus() {
+        let names: Vec<String> = catalogue().into_iter().map(|p| p.name).collect();
+        for n in ["a100-40gb", "a100-80gb", "h100-80gb-sxm", "h100-80gb-pcie", "h200", "v100-16gb", "v100-32gb", "t4", "l4", "a10", "l40s", "rtx3090", "rtx4090"] {
+            assert!(names.iter().any(|x| x == n), "{n} missing");
+        }
+    }
+
+    #[test]
+    fn workspace_follows_architecture() {
+        assert_eq!(builtin("A100_40GB").unwrap().cublas_workspace(), 8_519_680);
+        assert_eq!(builtin("h100-80gb-sxm").unwrap().cublas_workspace(), 32 << 20);
+    }
+
+    #[test]
+    fn round_trip_and_errors() {
+        let p = builtin("t4").unwrap();
+        assert_eq!(GpuProfile::from_toml(&p.to_toml()).unwrap(), p);
+        let e = builtin("b300").unwrap_err().to_string();
+        assert!(e.starts_with("unknown GPU `b300`; known: a100-40gb"), "{e}");
+        let e = GpuProfile::from_toml(&p.to_toml().replace("capacity_mib = 15360", "capacity_mib = 0")).unwrap_err();
+        assert_eq!(e.to_string(), "bad profile `t4`: capacity_mib must be positive");
+        assert!(GpuProfile::from_toml("[[gpu]]\nname = 3").unwrap_err().to_string().starts_with("bad profile:"));
+    }
+}

@@ -1,0 +1,533 @@
+//! Lowers op graphs into a training-step trace with PyTorch's memory semantics.
+//!
+//! [`TrainingLoop`] describes the loop (optimizer, precision, PyTorch release, iterations and
+//! their batch sizes, an optional warm-up forward such as torchsummary's); [`TrainingLoop::trace`]
+//! replays it over graphs built per batch size and records every allocation and free in the order
+//! PyTorch issues them (spec §3, §4, §6): parameters copied at setup; per iteration the loop head
+//! drops the previous batch, the new batch is copied in, `zero_grad(set_to_none=True)` frees the
+//! gradients, the forward allocates outputs and keeps what autograd saves, the previous `outputs`
+//! and `loss` die when reassigned, the backward allocates gradients node by node (stealing the
+//! first one into `p.grad`, accumulating later ones in place) and releases saved tensors, and the
+//! optimizer creates its state at the first step and allocates its foreach temporaries.
+
+use std::collections::HashMap;
+
+use crate::graph::{Bw, Graph, Precision, Role, TensorId};
+use crate::trace::{Category, Phase, Trace, TraceBuilder, TraceHeader};
+
+/// The optimizers gpumem models, with PyTorch's defaults (foreach on CUDA in 2.x).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Optimizer {
+    Adam,
+    AdamW,
+    Sgd,
+    SgdMomentum,
+}
+
+impl Optimizer {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "adam" => Ok(Optimizer::Adam),
+            "adamw" => Ok(Optimizer::AdamW),
+            "sgd" => Ok(Optimizer::Sgd),
+            "sgd-momentum" | "sgd_momentum" | "momentum" => Ok(Optimizer::SgdMomentum),
+            other => Err(format!("unknown optimizer `{other}` (expected adam, adamw, sgd or sgd-momentum)")),
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Optimizer::Adam => "adam",
+            Optimizer::AdamW => "adamw",
+            Optimizer::Sgd => "sgd",
+            Optimizer::SgdMomentum => "sgd-momentum",
+        }
+    }
+}
+
+/// PyTorch behaviour that changed between releases (spec §3.1.9, §4.1, §4.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum TorchBehaviour {
+    /// 1.13: `zero_grad` keeps zeroed grads, single-tensor optimizers.
+    V1_13,
+    /// 2.0: foreach Adam computes `denom` out of place (two parameter-sized temporaries).
+    V2_0,
+    /// 2.1 and later: foreach Adam adds eps in place (one parameter-sized temporary).
+    V2_1,
+}
+
+impl TorchBehaviour {
+    pub fn parse(version: &str) -> Self {
+        let mut it = version.split('.').map(|p| p.chars().take_while(char::is_ascii_digit).collect::<String>().parse::<u32>().unwrap_or(0));
+        match (it.next().unwrap_or(2), it.next().unwrap_or(1)) {
+            (0 | 1, _) => TorchBehaviour::V1_13,
+            (2, 0) => TorchBehaviour::V2_0,
+            _ => TorchBehaviour::V2_1,
+        }
+    }
+}
+
+/// How the training loop runs.
+#[derive(Debug, Clone)]
+pub struct TrainingLoop {
+    pub optimizer: Optimizer,
+    pub precision: Precision,
+    pub torch: TorchBehaviour,
+    /// Batch size of each simulated iteration, in order.
+    pub batches: Vec<u64>,
+    /// Batch size of a forward-only warm-up before training (torchsummary), if any.
+    pub warmup_batch: Option<u64>,
+    /// cuBLAS workspace bytes to record (replay substitutes the profile's size).
+    pub cublas_workspace: u64,
+}
+
+impl TrainingLoop {
+    /// `iterations` full batches of `batch`; when the epoch has `samples` samples, the short last
+    /// batch of the epoch is replayed too (it can fragment the cache), followed by two more.
+    pub fn new(optimizer: Optimizer, precision: Precision, batch: u64, samples: Option<u64>) -> Self {
+        let mut batches = vec![batch; 3];
+        if let Some(s) = samples {
+            let tail = s % batch;
+            if tail != 0 && s > batch {
+                batches.push(tail);
+                batches.extend([batch, batch]);
+            }
+        }
+        TrainingLoop {
+            optimizer,
+            precision,
+            torch: TorchBehaviour::V2_1,
+            batches,
+            warmup_batch: None,
+            cublas_workspace: 8_519_680,
+        }
+    }
+
+    /// Builds the trace. `build(b)` must return graphs with the same parameters for every `b`.
+    pub fn trace(&self, header: TraceHeader, build: &mut dyn FnMut(u64) -> Graph) -> Trace {
+        let mut e = Emitter::new(self, header);
+        let first = build(self.batches[0]);
+        e.setup(&first);
+        if let Some(wb) = self.warmup_batch {
+            let g = build(wb);
+            e.forward_only(&g);
+        }
+        let mut cache: HashMap<u64, Graph> = HashMap::new();
+        cache.insert(self.batches[0], first);
+        for &b in &self.batches {
+            let g = cache.entry(b).or_insert_with(|| build(b));
+            e.iteration(g);
+        }
+        e.b.finish()
+    }
+}
+
+/// A gradient buffer shared by pass-through ops (add, cat, clone).
+#[derive(Debug, Clone, Copy)]
+struct GradBuf {
+    id: u64,
+    refs: u32,
+}
+
+struct Emitter<'a> {
+    cfg: &'a TrainingLoop,
+    b: TraceBuilder,
+    /// Trace id of each parameter/buffer, by position in `setup_order`.
+    persistent: Vec<u64>,
+    /// Trace id of each parameter's `.grad`, by position in `params`.
+    grads: Vec<Option<u64>>,
+    opt_state: Vec<Vec<u64>>,
+    optimizer_steps: u32,
+    /// What the user's variables still hold from the previous iteration.
+    prev_inputs: Vec<u64>,
+    prev_output: Option<u64>,
+    prev_loss: Option<u64>,
+    main_workspace: bool,
+    autograd_workspace: bool,
+    scaler: Option<(u64, u64)>,
+}
+
+/// Per-pass state: trace ids and reference counts of the graph's live tensors.
+struct Pass {
+    id: Vec<Option<u64>>,
+    refs: Vec<u32>,
+}
+
+impl<'a> Emitter<'a> {
+    fn new(cfg: &'a TrainingLoop, mut header: TraceHeader) -> Self {
+        header.optimizer = cfg.optimizer.name().into();
+        header.precision = cfg.precision.name().into();
+        Emitter {
+            cfg,
+            b: TraceBuilder::new(header),
+            persistent: Vec::new(),
+            grads: Vec::new(),
+            opt_state: Vec::new(),
+            optimizer_steps: 0,
+            prev_inputs: Vec::new(),
+            prev_output: None,
+            prev_loss: None,
+            main_workspace: false,
+            autograd_workspace: false,
+            scaler: None,
+        }
+    }
+
+    fn setup(&mut self, g: &Graph) {
+        for &t in &g.setup_order {
+            let tensor = g.t(t);
+            let cat = if tensor.role == Role::Param { Category::Parameter } else { Category::Activation };
+            let id = self.b.alloc(tensor.bytes(), cat, Phase::Setup, "to_device");
+            self.persistent.push(id);
+        }
+        self.grads = vec![None; g.params.len()];
+        self.opt_state = vec![Vec::new(); g.params.len()];
+    }
+
+    /// Ids of the persistent tensors of `g` (parameters and buffers).
+    fn new_pass(&self, g: &Graph) -> Pass {
+        let mut id = vec![None; g.tensors.len()];
+        for (k, &t) in g.setup_order.iter().enumerate() {
+            id[t.0 as usize] = Some(self.persistent[k]);
+        }
+        // Forward uses + savers + holds.
+        let mut refs = vec![0u32; g.tensors.len()];
+        for n in &g.nodes {
+            for &i in &n.inputs {
+                refs[i.0 as usize] += 1;
+            }
+            for &s in &n.saved {
+                refs[s.0 as usize] += 1;
+            }
+        }
+        for &c in &g.autocast_cache {
+            refs[c.0 as usize] += 1;
+        }
+        if let Some(o) = g.output {
+            refs[o.0 as usize] += 1;
+        }
+        if let Some(l) = g.loss {
+            refs[l.0 as usize] += 1;
+        }
+        for &h in &g.user_holds {
+            refs[h.0 as usize] += 1;
+        }
+        Pass { id, refs }
+    }
+
+    fn release(&mut self, g: &Graph, p: &mut Pass, t: TensorId) {
+        let k = t.0 as usize;
+        if matches!(g.t(t).role, Role::Param | Role::Buffer) {
+            return;
+        }
+        debug_assert!(p.refs[k] > 0, "tensor released more often than referenced");
+        p.refs[k] -= 1;
+        if p.refs[k] == 0
+            && let Some(id) = p.id[k].take()
+        {
+            self.b.free(id);
+        }
+    }
+
+    fn workspace(&mut self, phase: Phase) {
+        let (done, name) = match phase {
+            Phase::Backward => (&mut self.autograd_workspace, "cublas_workspace"),
+            _ => (&mut self.main_workspace, "cublas_workspace"),
+        };
+        if !*done {
+            *done = true;
+            let bytes = self.cfg.cublas_workspace;
+            self.b.alloc(bytes, Category::Workspace, phase, name);
+        }
+    }
+
+    /// Runs the forward nodes; returns the pass with what is still alive.
+    fn forward(&mut self, g: &Graph, p: &mut Pass, phase: Phase, nodes: std::ops::Range<usize>) {
+        for ni in nodes {
+            let n = &g.nodes[ni];
+            for &o in &n.outputs {
+                let bytes = g.t(o).bytes();
+                p.id[o.0 as usize] = Some(self.b.alloc(bytes, Category::Activation, phase, n.name));
+            }
+            if n.cublas {
+                self.workspace(phase);
+            }
+            for &bytes in &n.temps {
+                let id = self.b.alloc(bytes, Category::Temporary, phase, n.name);
+                self.b.free(id);
+            }
+            self.b.op(n.name, n.flops, n.bytes / 2, n.bytes / 2);
+            for &i in &n.inputs {
+                self.release(g, p, i);
+            }
+            for &o in &n.outputs {
+                if p.refs[o.0 as usize] == 0
+                    && let Some(id) = p.id[o.0 as usize].take()
+                {
+                    self.b.free(id);
+                }
+            }
+        }
+    }
+
+    /// A forward without backward whose graph dies at the end (torchsummary's pass).
+    fn forward_only(&mut self, g: &Graph) {
+        let mut p = self.new_pass(g);
+        let mut inputs = Vec::new();
+        for &i in &g.inputs {
+            let id = self.b.alloc(g.t(i).bytes(), Category::InputBatch, Phase::Setup, "warmup_input");
+            p.id[i.0 as usize] = Some(id);
+            inputs.push(i);
+        }
+        self.forward(g, &mut p, Phase::Setup, 0..g.model_nodes);
+        // The output dies, then the graph: saved tensors are released newest first.
+        for ni in (0..g.model_nodes).rev() {
+            for &o in &g.nodes[ni].outputs {
+                if let Some(id) = p.id[o.0 as usize].take() {
+                    self.b.free(id);
+                }
+            }
+        }
+        for k in 0..p.id.len() {
+            if matches!(g.tensors[k].role, Role::Input | Role::Activation)
+                && let Some(id) = p.id[k].take()
+            {
+                self.b.free(id);
+            }
+        }
+    }
+
+    fn iteration(&mut self, g: &Graph) {
+        let mut p = self.new_pass(g);
+        // Loop head: rebinding `inputs, labels` drops last iteration's GPU copies.
+        for id in std::mem::take(&mut self.prev_inputs) {
+            self.b.free(id);
+        }
+        for &i in &g.inputs {
+            let id = self.b.alloc(g.t(i).bytes(), Category::InputBatch, Phase::Forward, "to_device");
+            p.id[i.0 as usize] = Some(id);
+        }
+        self.zero_grad();
+        self.forward(g, &mut p, Phase::Forward, 0..g.model_nodes);
+        if let Some(id) = self.prev_output.take() {
+            self.b.free(id);
+        }
+        self.forward(g, &mut p, Phase::Forward, g.model_nodes..g.nodes.len());
+        if let Some(id) = self.prev_loss.take() {
+            self.b.free(id);
+        }
+        for &c in &g.autocast_cache {
+            self.release(g, &mut p, c);
+        }
+        let root = self.scale_loss();
+        self.backward(g, &mut p, root);
+        self.step(g);
+        // What the user's variables keep until the next iteration.
+        self.prev_output = g.output.and_then(|o| p.id[o.0 as usize].take());
+        self.prev_loss = g.loss.and_then(|l| p.id[l.0 as usize].take());
+        for &h in &g.user_holds {
+            if let Some(id) = p.id[h.0 as usize].take() {
+                self.prev_inputs.push(id);
+            }
+        }
+        debug_assert!(
+            p.id.iter().enumerate().all(|(k, id)| id.is_none() || matches!(g.tensors[k].role, Role::Param | Role::Buffer)),
+            "a tensor outlived its iteration"
+        );
+        self.b.iteration_end();
+    }
+
+    fn zero_grad(&mut self) {
+        if self.cfg.torch == TorchBehaviour::V1_13 {
+            return; // grads are zeroed in place and kept
+        }
+        for k in 0..self.grads.len() {
+            if let Some(id) = self.grads[k].take() {
+                self.b.free(id);
+            }
+        }
+    }
+
+    /// GradScaler (fp16): `scaler.scale(loss)` multiplies by a lazily created scale tensor.
+    fn scale_loss(&mut self) -> Option<u64> {
+        if self.cfg.precision != Precision::AmpFp16 {
+            return None;
+        }
+        if self.scaler.is_none() {
+            let s = self.b.alloc(4, Category::OptimizerState, Phase::Forward, "grad_scaler");
+            let t = self.b.alloc(4, Category::OptimizerState, Phase::Forward, "grad_scaler");
+            self.scaler = Some((s, t));
+        }
+        Some(self.b.alloc(4, Category::Temporary, Phase::Forward, "scale_loss"))
+    }
+
+    fn backward(&mut self, g: &Graph, p: &mut Pass, scaled_root: Option<u64>) {
+        let Some(loss) = g.loss else { return };
+        let mut grad: Vec<Option<GradBuf>> = vec![None; g.tensors.len()];
+        let ones = self.b.alloc(4, Category::Temporary, Phase::Backward, "ones_like");
+        grad[loss.0 as usize] = Some(GradBuf { id: ones, refs: 1 });
+        let param_index: HashMap<TensorId, usize> = g.params.iter().enumerate().map(|(k, &t)| (t, k)).collect();
+        for ni in (0..g.nodes.len()).rev() {
+            let n = &g.nodes[ni];
+            let has_grad = n.outputs.iter().any(|o| grad[o.0 as usize].is_some());
+            if !n.bw.is_empty() && has_grad {
+                let incoming: Option<GradBuf> = n.outputs.first().and_then(|o| grad[o.0 as usize]);
+                let mut temps = Vec::new();
+                let mut allocated = false;
+                for step in &n.bw {
+                    match *step {
+                        Bw::Temp(bytes) => {
+                            temps.push(self.b.alloc(bytes, Category::Temporary, Phase::Backward, n.name));
+                        }
+                        Bw::Grad(i) | Bw::PassThrough(i) => {
+                            let t = n.inputs[i];
+                            let tensor = g.t(t);
+                            if !tensor.requires_grad {
+                                continue;
+                            }
+                            let new = match (*step, incoming) {
+                                (Bw::PassThrough(_), Some(mut buf)) => {
+                                    buf.refs += 1;
+                                    if let Some(o) = n.outputs.first() {
+                                        grad[o.0 as usize] = Some(buf);
+                                    }
+                                    buf
+                                }
+                                _ => {
+                                    let cat = if tensor.role == Role::Param { Category::Gradient } else { Category::Temporary };
+                                    let id = self.b.alloc(tensor.bytes(), cat, Phase::Backward, n.name);
+                                    allocated = true;
+                                    GradBuf { id, refs: 1 }
+                                }
+                            };
+                            if tensor.role == Role::Param {
+                                self.accumulate_param(param_index[&t], new, tensor.bytes());
+                            } else {
+                                self.accumulate(&mut grad, t, new, g.t(t).bytes());
+                            }
+                        }
+                    }
+                    if n.cublas && allocated {
+                        self.workspace(Phase::Backward);
+                    }
+                }
+                self.b.op(n.name, 2 * n.flops, n.bytes, n.bytes);
+                for id in temps {
+                    self.b.free(id);
+                }
+            }
+            // The incoming gradients die with the call, then the saved tensors.
+            for &o in &n.outputs {
+                if let Some(buf) = grad[o.0 as usize].take() {
+                    self.drop_grad(buf);
+                }
+            }
+            for &s in &n.saved {
+                self.release(g, p, s);
+            }
+        }
+        if let Some(id) = scaled_root {
+            self.b.free(id);
+        }
+    }
+
+    fn drop_grad(&mut self, mut buf: GradBuf) {
+        buf.refs -= 1;
+        if buf.refs == 0 {
+            self.b.free(buf.id);
+        }
+    }
+
+    /// InputBuffer::accumulate: keep the first gradient; add later ones in place when one of the
+    /// two is exclusively owned, else sum out of place.
+    fn accumulate(&mut self, grad: &mut [Option<GradBuf>], t: TensorId, new: GradBuf, bytes: u64) {
+        let k = t.0 as usize;
+        match grad[k] {
+            None => grad[k] = Some(new),
+            Some(old) if old.refs == 1 || new.refs == 1 => {
+                // In place into the exclusive one; the other reference dies.
+                if old.refs == 1 {
+                    self.drop_grad(new);
+                } else {
+                    grad[k] = Some(new);
+                    self.drop_grad(old);
+                }
+            }
+            Some(old) => {
+                let id = self.b.alloc(bytes, Category::Temporary, Phase::Backward, "accumulate");
+                grad[k] = Some(GradBuf { id, refs: 1 });
+                self.drop_grad(old);
+                self.drop_grad(new);
+            }
+        }
+    }
+
+    /// AccumulateGrad: the first gradient becomes `p.grad`; later ones are added in place.
+    fn accumulate_param(&mut self, k: usize, new: GradBuf, bytes: u64) {
+        if self.grads[k].is_none() && new.refs == 1 {
+            self.grads[k] = Some(new.id);
+            return;
+        }
+        if self.grads[k].is_none() {
+            // Shared with another consumer: a contract-obeying clone becomes p.grad.
+            self.grads[k] = Some(self.b.alloc(bytes, Category::Gradient, Phase::Backward, "accumulate_grad"));
+        }
+        self.drop_grad(new);
+    }
+
+    fn step(&mut self, g: &Graph) {
+        let sizes: Vec<u64> = g.params.iter().map(|&t| g.t(t).bytes()).collect();
+        let have: Vec<usize> = (0..sizes.len()).filter(|&k| self.grads[k].is_some() || self.cfg.torch == TorchBehaviour::V1_13).collect();
+        let ph = Phase::Optimizer;
+        if self.cfg.precision == Precision::AmpFp16 {
+            // unscale_: found_inf and the inverse scale (scalars); grads are unscaled in place.
+            let f = self.b.alloc(4, Category::Temporary, ph, "unscale");
+            let inv = self.b.alloc(4, Category::Temporary, ph, "unscale");
+            self.b.free(inv);
+            self.b.free(f);
+        }
+        let first = self.optimizer_steps == 0;
+        self.optimizer_steps += 1;
+        let foreach = self.cfg.torch >= TorchBehaviour::V2_0;
+        match self.cfg.optimizer {
+            Optimizer::Adam | Optimizer::AdamW => {
+                if first {
+                    for &k in &have {
+                        let a = self.b.alloc(sizes[k], Category::OptimizerState, ph, "exp_avg");
+                        let s = self.b.alloc(sizes[k], Category::OptimizerState, ph, "exp_avg_sq");
+                        self.opt_state[k] = vec![a, s];
+                    }
+                }
+                if foreach {
+                    // exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs): one bucket-sized temporary.
+                    let sqrt: Vec<u64> = have.iter().map(|&k| self.b.alloc(sizes[k], Category::Temporary, ph, "_foreach_sqrt")).collect();
+                    let denom: Vec<u64> = if self.cfg.torch == TorchBehaviour::V2_0 {
+                        have.iter().map(|&k| self.b.alloc(sizes[k], Category::Temporary, ph, "_foreach_add")).collect()
+                    } else {
+                        Vec::new()
+                    };
+                    for id in sqrt.into_iter().chain(denom) {
+                        self.b.free(id);
+                    }
+                } else {
+                    for &k in &have {
+                        let s = self.b.alloc(sizes[k], Category::Temporary, ph, "sqrt");
+                        let d = self.b.alloc(sizes[k], Category::Temporary, ph, "div");
+                        self.b.free(s);
+                        self.b.free(d);
+                    }
+                }
+            }
+            Optimizer::SgdMomentum => {
+                if first {
+                    for &k in &have {
+                        let m = self.b.alloc(sizes[k], Category::OptimizerState, ph, "momentum_buffer");
+                        self.opt_state[k] = vec![m];
+                    }
+                }
+            }
+            Optimizer::Sgd => {}
+        }
+        let total: u64 = sizes.iter().sum();
+        self.b.op("optimizer_step", 10 * total / 4, 4 * total, 2 * total);
+    }
+}

@@ -1,0 +1,440 @@
+//! The training-step trace: what one or more iterations do to device memory, in order.
+//!
+//! A [`Trace`] is a [`TraceHeader`] plus a list of [`Event`]s. Traces are produced by the native
+//! model families ([`crate::families`]) or read from a file (JSON Lines, see docs/trace-format.md).
+//! Every trace that exists in memory has been validated: ids are allocated before they are freed
+//! and never freed twice, so the estimators can replay it without checks.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io::{BufRead, Write};
+
+use serde::{Deserialize, Serialize};
+
+/// Format name written into every header line.
+pub const FORMAT_NAME: &str = "gpumem-trace";
+/// The current trace format version. Readers accept exactly the versions they know.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// What an allocation holds. Estimators report their breakdown by these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum Category {
+    Parameter,
+    Gradient,
+    OptimizerState,
+    Activation,
+    Temporary,
+    InputBatch,
+    Workspace,
+}
+
+impl Category {
+    pub const ALL: [Category; 7] = [
+        Category::Parameter,
+        Category::Gradient,
+        Category::OptimizerState,
+        Category::Activation,
+        Category::Temporary,
+        Category::InputBatch,
+        Category::Workspace,
+    ];
+    pub fn index(self) -> usize {
+        self as usize
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Category::Parameter => "parameter",
+            Category::Gradient => "gradient",
+            Category::OptimizerState => "optimizer_state",
+            Category::Activation => "activation",
+            Category::Temporary => "temporary",
+            Category::InputBatch => "input_batch",
+            Category::Workspace => "workspace",
+        }
+    }
+}
+
+/// Where in the training loop an event happens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Setup,
+    Forward,
+    Backward,
+    Optimizer,
+    ZeroGrad,
+}
+
+/// One event of a trace. Op names are interned: `op` indexes [`Trace::ops`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// A new storage of `bytes` on `stream`. `slot` is the dense index of its id (see [`Trace::ids`]).
+    Alloc { slot: u32, bytes: u64, category: Category, phase: Phase, op: u32, stream: u32 },
+    /// The storage in `slot` dies.
+    Free { slot: u32 },
+    /// A kernel: feeds the utilization model.
+    Op { op: u32, flops: u64, bytes_read: u64, bytes_written: u64 },
+    /// End of iteration `index` (0-based).
+    Iteration { index: u32 },
+}
+
+/// Header: what the trace describes and who produced it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TraceHeader {
+    pub format: String,
+    pub version: u32,
+    pub model: String,
+    pub batch_size: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq_len: Option<u64>,
+    pub optimizer: String,
+    pub precision: String,
+    pub producer: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub framework: Option<String>,
+    /// Trainable parameter count (the Horus formula needs it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parameters: Option<u64>,
+    /// Sum of layer output features per sample (the Horus formula needs it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activations_per_sample: Option<u64>,
+    pub iterations: u32,
+}
+
+impl TraceHeader {
+    pub fn new(model: impl Into<String>, batch_size: u64) -> Self {
+        TraceHeader {
+            format: FORMAT_NAME.into(),
+            version: FORMAT_VERSION,
+            model: model.into(),
+            batch_size,
+            seq_len: None,
+            optimizer: "adam".into(),
+            precision: "fp32".into(),
+            producer: format!("gpumem-native/{}", env!("CARGO_PKG_VERSION")),
+            framework: None,
+            parameters: None,
+            activations_per_sample: None,
+            iterations: 0,
+        }
+    }
+}
+
+/// A validated trace.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Trace {
+    pub header: TraceHeader,
+    pub events: Vec<Event>,
+    /// Interned op names.
+    pub ops: Vec<String>,
+    /// The producer's id for each dense slot.
+    pub ids: Vec<u64>,
+}
+
+/// Why a trace was rejected. `line` is 1-based (the header is line 1); 0 when built in memory.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}{message}", if *.line > 0 { format!("line {}: ", .line) } else { String::new() })]
+pub struct TraceError {
+    pub line: usize,
+    pub message: String,
+}
+
+fn err(line: usize, message: impl Into<String>) -> TraceError {
+    TraceError { line, message: message.into() }
+}
+
+/// Largest single allocation a trace may ask for (1 PiB): anything above is a corrupt size.
+pub const MAX_ALLOC_BYTES: u64 = 1 << 50;
+
+/// Builds a trace event by event, checking ids as it goes. Used by every producer and the reader.
+#[derive(Debug)]
+pub struct TraceBuilder {
+    header: TraceHeader,
+    events: Vec<Event>,
+    ops: Vec<String>,
+    op_index: HashMap<String, u32>,
+    ids: Vec<u64>,
+    live: HashMap<u64, u32>,
+    next_id: u64,
+    iterations: u32,
+}
+
+impl TraceBuilder {
+    pub fn new(header: TraceHeader) -> Self {
+        TraceBuilder {
+            header,
+            events: Vec::new(),
+            ops: Vec::new(),
+            op_index: HashMap::new(),
+            ids: Vec::new(),
+            live: HashMap::new(),
+            next_id: 1,
+            iterations: 0,
+        }
+    }
+
+    pub fn intern(&mut self, name: &str) -> u32 {
+        if let Some(&i) = self.op_index.get(name) {
+            return i;
+        }
+        let i = self.ops.len() as u32;
+        self.ops.push(name.to_string());
+        self.op_index.insert(name.to_string(), i);
+        i
+    }
+
+    /// Allocation with a fresh id chosen by the builder; returns the id.
+    pub fn alloc(&mut self, bytes: u64, category: Category, phase: Phase, op: &str) -> u64 {
+        let id = self.next_id;
+        self.alloc_with_id(0, id, bytes, category, phase, op, 0)
+            .expect("fresh ids are unique and sizes come from the producer");
+        id
+    }
+
+    /// Allocation with a caller-chosen id (ids may be reused after they are freed).
+    #[allow(clippy::too_many_arguments)]
+    pub fn alloc_with_id(
+        &mut self,
+        line: usize,
+        id: u64,
+        bytes: u64,
+        category: Category,
+        phase: Phase,
+        op: &str,
+        stream: u32,
+    ) -> Result<(), TraceError> {
+        if bytes > MAX_ALLOC_BYTES {
+            return Err(err(line, format!("alloc of id {id}: size {bytes} bytes is absurd (over 1 PiB)")));
+        }
+        if self.live.contains_key(&id) {
+            return Err(err(line, format!("alloc of id {id}, which is still live")));
+        }
+        let op = self.intern(op);
+        let slot = self.ids.len() as u32;
+        self.ids.push(id);
+        self.live.insert(id, slot);
+        self.next_id = self.next_id.max(id + 1);
+        self.events.push(Event::Alloc { slot, bytes, category, phase, op, stream });
+        Ok(())
+    }
+
+    pub fn free(&mut self, id: u64) {
+        self.free_at(0, id).expect("producer frees only live ids");
+    }
+
+    pub fn free_at(&mut self, line: usize, id: u64) -> Result<(), TraceError> {
+        match self.live.remove(&id) {
+            Some(slot) => {
+                self.events.push(Event::Free { slot });
+                Ok(())
+            }
+            None if self.ids.contains(&id) => Err(err(line, format!("double free of id {id}"))),
+            None => Err(err(line, format!("free of unknown id {id}"))),
+        }
+    }
+
+    pub fn op(&mut self, name: &str, flops: u64, bytes_read: u64, bytes_written: u64) {
+        let op = self.intern(name);
+        self.events.push(Event::Op { op, flops, bytes_read, bytes_written });
+    }
+
+    pub fn iteration_end(&mut self) {
+        self.events.push(Event::Iteration { index: self.iterations });
+        self.iterations += 1;
+    }
+
+    pub fn is_live(&self, id: u64) -> bool {
+        self.live.contains_key(&id)
+    }
+
+    pub fn finish(mut self) -> Trace {
+        self.header.iterations = self.iterations;
+        Trace { header: self.header, events: self.events, ops: self.ops, ids: self.ids }
+    }
+}
+
+/// One line of the file format (after the header line).
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "ev", rename_all = "snake_case", deny_unknown_fields)]
+enum Line {
+    Alloc {
+        id: u64,
+        bytes: serde_json::Number,
+        category: Category,
+        phase: Phase,
+        op: String,
+        #[serde(default)]
+        stream: u32,
+    },
+    Free {
+        id: u64,
+    },
+    Op {
+        op: String,
+        #[serde(default)]
+        flops: u64,
+        #[serde(default)]
+        bytes_read: u64,
+        #[serde(default)]
+        bytes_written: u64,
+    },
+    Iteration {
+        index: u32,
+    },
+}
+
+impl Trace {
+    /// Reads the JSON Lines format. Errors name the 1-based line and what is wrong.
+    pub fn read(reader: impl BufRead) -> Result<Trace, TraceError> {
+        let mut lines = reader.lines();
+        let first = match lines.next() {
+            None => return Err(err(1, "empty trace: expected a header line")),
+            Some(l) => l.map_err(|e| err(1, format!("cannot read: {e}")))?,
+        };
+        let header: TraceHeader = serde_json::from_str(&first)
+            .map_err(|e| err(1, format!("bad header: {}", one_line(&e))))?;
+        if header.format != FORMAT_NAME {
+            return Err(err(1, format!("field format: expected \"{FORMAT_NAME}\", found \"{}\"", header.format)));
+        }
+        if header.version != FORMAT_VERSION {
+            return Err(err(1, format!("field version: this gpumem reads version {FORMAT_VERSION}, found {}", header.version)));
+        }
+        let mut b = TraceBuilder::new(header);
+        let mut declared_iterations = 0u32;
+        for (i, line) in lines.enumerate() {
+            let n = i + 2;
+            let line = line.map_err(|e| err(n, format!("cannot read: {e}")))?;
+            if line.trim().is_empty() {
+                continue;
+            }
+            let parsed: Line =
+                serde_json::from_str(&line).map_err(|e| err(n, one_line(&e)))?;
+            match parsed {
+                Line::Alloc { id, bytes, category, phase, op, stream } => {
+                    let bytes = match (bytes.as_u64(), bytes.as_i64()) {
+                        (Some(b), _) => b,
+                        (None, Some(neg)) => return Err(err(n, format!("field bytes: negative size {neg}"))),
+                        (None, None) => return Err(err(n, format!("field bytes: size {bytes} is not a whole number of bytes or overflows"))),
+                    };
+                    b.alloc_with_id(n, id, bytes, category, phase, &op, stream)?;
+                }
+                Line::Free { id } => b.free_at(n, id)?,
+                Line::Op { op, flops, bytes_read, bytes_written } => b.op(&op, flops, bytes_read, bytes_written),
+                Line::Iteration { index } => {
+                    if index != b.iterations {
+                        return Err(err(n, format!("field index: expected iteration {}, found {index}", b.iterations)));
+                    }
+                    b.iteration_end();
+                    declared_iterations += 1;
+                }
+            }
+        }
+        let _ = declared_iterations;
+        Ok(b.finish())
+    }
+
+    /// Writes the JSON Lines format; `read` of the output gives back an equal trace.
+    pub fn write(&self, mut w: impl Write) -> std::io::Result<()> {
+        serde_json::to_writer(&mut w, &self.header)?;
+        writeln!(w)?;
+        for ev in &self.events {
+            let line = match *ev {
+                Event::Alloc { slot, bytes, category, phase, op, stream } => Line::Alloc {
+                    id: self.ids[slot as usize],
+                    bytes: bytes.into(),
+                    category,
+                    phase,
+                    op: self.ops[op as usize].clone(),
+                    stream,
+                },
+                Event::Free { slot } => Line::Free { id: self.ids[slot as usize] },
+                Event::Op { op, flops, bytes_read, bytes_written } => {
+                    Line::Op { op: self.ops[op as usize].clone(), flops, bytes_read, bytes_written }
+                }
+                Event::Iteration { index } => Line::Iteration { index },
+            };
+            serde_json::to_writer(&mut w, &line)?;
+            writeln!(w)?;
+        }
+        Ok(())
+    }
+
+    /// Number of dense slots (one per allocation event).
+    pub fn slots(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Total FLOPs and bytes moved per iteration, from the op events.
+    pub fn op_totals(&self) -> OpTotals {
+        let mut t = OpTotals::default();
+        for ev in &self.events {
+            if let Event::Op { flops, bytes_read, bytes_written, .. } = *ev {
+                t.kernels += 1;
+                t.flops += flops;
+                t.bytes += bytes_read + bytes_written;
+            }
+        }
+        let iters = self.header.iterations.max(1) as u64;
+        OpTotals { kernels: t.kernels / iters, flops: t.flops / iters, bytes: t.bytes / iters }
+    }
+}
+
+/// Per-iteration kernel work of a trace.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct OpTotals {
+    pub kernels: u64,
+    pub flops: u64,
+    pub bytes: u64,
+}
+
+fn one_line(e: &impl fmt::Display) -> String {
+    e.to_string().replace('\n', " ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header_line() -> String {
+        serde_json::to_string(&TraceHeader::new("t", 4)).unwrap()
+    }
+
+    fn read(body: &str) -> Result<Trace, TraceError> {
+        Trace::read(format!("{}\n{}", header_line(), body).as_bytes())
+    }
+
+    #[test]
+    fn round_trip() {
+        let mut b = TraceBuilder::new(TraceHeader::new("m", 8));
+        let a = b.alloc(1000, Category::Parameter, Phase::Setup, "p");
+        b.op("mm", 10, 20, 30);
+        let c = b.alloc(24, Category::Activation, Phase::Forward, "mm");
+        b.free(c);
+        b.iteration_end();
+        b.free(a);
+        let t = b.finish();
+        let mut out = Vec::new();
+        t.write(&mut out).unwrap();
+        assert_eq!(Trace::read(out.as_slice()).unwrap(), t);
+    }
+
+    #[test]
+    fn errors_name_line_and_field() {
+        let alloc = r#"{"ev":"alloc","id":1,"bytes":10,"category":"activation","phase":"forward","op":"x"}"#;
+        assert_eq!(read(r#"{"ev":"free","id":3}"#).unwrap_err().to_string(), "line 2: free of unknown id 3");
+        let e = read(&format!("{alloc}\n{{\"ev\":\"free\",\"id\":1}}\n{{\"ev\":\"free\",\"id\":1}}")).unwrap_err();
+        assert_eq!(e.to_string(), "line 4: double free of id 1");
+        let e = read(&alloc.replace("10", "-5")).unwrap_err();
+        assert_eq!(e.to_string(), "line 2: field bytes: negative size -5");
+        let e = read(&alloc.replace("10", "99999999999999999999999")).unwrap_err();
+        assert!(e.to_string().starts_with("line 2: field bytes: size"), "{e}");
+        let e = read(r#"{"ev":"alloc","id":1"#).unwrap_err();
+        assert!(e.to_string().starts_with("line 2: EOF"), "{e}");
+        let e = read(&alloc.replace("activation", "weights")).unwrap_err();
+        assert!(e.to_string().contains("unknown variant `weights`"), "{e}");
+        assert!(Trace::read("".as_bytes()).unwrap_err().to_string().contains("empty trace"));
+        let e = Trace::read(r#"{"format":"x"}"#.as_bytes()).unwrap_err();
+        assert!(e.to_string().starts_with("line 1: bad header"), "{e}");
+    }
+}
