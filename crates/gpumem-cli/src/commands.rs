@@ -12,16 +12,17 @@ use gpumem_core::eval::{Metrics, Outcome, metrics};
 use gpumem_core::families::{JobOptions, MAX_BATCH, ModelSpec};
 use gpumem_core::graph::Precision;
 use gpumem_core::profile::{self, GpuProfile};
+use gpumem_core::search;
 use gpumem_core::step::{Optimizer, TorchBehaviour};
 use gpumem_core::trace::Trace;
-use gpumem_core::units::{MIB, bytes_to_mib};
+use gpumem_core::units::bytes_to_mib;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use crate::{CliError, CliResult};
 
 /// The model `gpumem estimate` uses when none is given: the first row of the seed's MLP data.
-pub const DEFAULT_MODEL: &str = "mlp:input=2346,output=197,depth=2,arch=pyramid,act=relu,dropout=0.338,batchnorm=true";
+pub const DEFAULT_MODEL: &str = "mlp:input=2346,output=197,depth=2,arch=pyramid,act=relu,dropout=0.338,batchnorm=true,samples=4096,summary=true";
 const DEFAULT_BATCH: u64 = 996;
 
 /// Which GPU: a built-in profile or a profile file.
@@ -228,36 +229,8 @@ pub fn max_batch(a: MaxBatchArgs) -> CliResult {
         return Err(CliError::input(format!("{}: max-batch needs a model spec, not a trace file (a trace fixes its batch size)", a.model)));
     };
     let est = estimator(&a.estimator)?;
-    let fits = |b: u64| -> CliResult<Option<Estimate>> {
-        let job = a.job.options(b as i64, &profile)?;
-        let trace = model.trace(&job).map_err(CliError::input)?;
-        let e = est.estimate(&trace, &profile).map_err(CliError::input)?;
-        Ok((e.fits && e.upper_bound_bytes <= e.capacity_bytes).then_some(e))
-    };
-    // Exponential search for an upper limit, then bisection.
-    let (mut lo, mut best) = (0u64, None);
-    let mut hi = 1u64;
-    while hi <= MAX_BATCH {
-        match fits(hi)? {
-            Some(e) => {
-                lo = hi;
-                best = Some(e);
-                hi *= 2;
-            }
-            None => break,
-        }
-    }
-    let mut hi = hi.min(MAX_BATCH + 1);
-    while hi - lo > 1 {
-        let mid = lo + (hi - lo) / 2;
-        match fits(mid)? {
-            Some(e) => {
-                lo = mid;
-                best = Some(e);
-            }
-            None => hi = mid,
-        }
-    }
+    let job = a.job.options(1, &profile)?;
+    let best = search::max_batch(&model, &job, &profile, est.as_ref()).map_err(CliError::input)?;
     match best {
         None => {
             if a.json {
@@ -266,7 +239,7 @@ pub fn max_batch(a: MaxBatchArgs) -> CliResult {
                 println!("even batch 1 does not fit on {} with its upper bound", profile.name);
             }
         }
-        Some(e) => {
+        Some((lo, e)) => {
             if a.json {
                 println!(
                     "{}",
@@ -541,6 +514,5 @@ pub fn trace(a: TraceArgs) -> CliResult {
     let mut w = BufWriter::new(f);
     t.write(&mut w).and_then(|_| w.flush()).map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
     println!("wrote {} ({} events, {} iterations)", a.out.display(), t.events.len(), t.header.iterations);
-    let _ = MIB;
     Ok(())
 }

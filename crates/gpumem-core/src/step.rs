@@ -175,8 +175,8 @@ impl<'a> Emitter<'a> {
     fn setup(&mut self, g: &Graph) {
         for &t in &g.setup_order {
             let tensor = g.t(t);
-            let cat = if tensor.role == Role::Param { Category::Parameter } else { Category::Activation };
-            let id = self.b.alloc(tensor.bytes(), cat, Phase::Setup, "to_device");
+            // Buffers (BatchNorm running statistics) are model state, like parameters.
+            let id = self.b.alloc(tensor.bytes(), Category::Parameter, Phase::Setup, "to_device");
             self.persistent.push(id);
         }
         self.grads = vec![None; g.params.len()];

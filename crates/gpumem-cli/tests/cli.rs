@@ -1,0 +1,183 @@
+//! The `gpumem` binary end to end: outputs, error paths and exit codes.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn gpumem(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpumem")).args(args).output().expect("gpumem runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Asserts exit code 2 and a single-line error containing `needle`.
+fn bad_input(args: &[&str], needle: &str) {
+    let o = gpumem(args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{args:?}: stderr {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: error is not one line: {err}");
+    assert!(err.contains(needle), "{args:?}: `{err}` lacks `{needle}`");
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("gpumem-cli-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn write(name: &str, text: &str) -> PathBuf {
+    let p = tmp(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+const MLP: &str = "mlp:input=1024,output=10,depth=3,arch=pyramid,act=relu,dropout=0.2,batchnorm=true";
+
+#[test]
+fn estimate_on_the_embedded_default() {
+    let o = gpumem(&["estimate"]);
+    assert!(o.status.success());
+    let s = stdout(&o);
+    assert!(s.contains("peak") && s.contains("upper bound") && s.contains("context"), "{s}");
+}
+
+#[test]
+fn estimate_json_contract() {
+    for est in ["replay", "live-tensors", "horus"] {
+        let o = gpumem(&["estimate", MLP, "--batch", "64", "--gpu", "h100-80gb-sxm", "--estimator", est, "--json"]);
+        assert!(o.status.success(), "{est}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        for key in ["peak_mib", "peak_bytes", "upper_bound_mib", "capacity_mib", "fits", "breakdown", "estimator", "gpu"] {
+            assert!(v.get(key).is_some(), "{est}: missing {key}");
+        }
+        assert_eq!(v["estimator"], est);
+        assert_eq!(v["gpu"], "h100-80gb-sxm");
+        assert!(v["upper_bound_bytes"].as_u64() >= v["peak_bytes"].as_u64());
+    }
+}
+
+#[test]
+fn estimate_reads_a_trace_file_written_by_trace() {
+    let out = tmp("m.jsonl");
+    let o = gpumem(&["trace", MLP, "--batch", "32", "--out", out.to_str().unwrap()]);
+    assert!(o.status.success());
+    let from_file = gpumem(&["estimate", out.to_str().unwrap(), "--json"]);
+    let native = gpumem(&["estimate", MLP, "--batch", "32", "--json"]);
+    let a: serde_json::Value = serde_json::from_slice(&from_file.stdout).unwrap();
+    let b: serde_json::Value = serde_json::from_slice(&native.stdout).unwrap();
+    assert_eq!(a["peak_bytes"], b["peak_bytes"]);
+}
+
+#[test]
+fn bad_inputs_exit_2_with_one_line() {
+    bad_input(&["estimate", MLP, "--gpu", "b300"], "unknown GPU `b300`");
+    bad_input(&["estimate", MLP, "--batch", "0"], "--batch 0 is out of range");
+    bad_input(&["estimate", MLP, "--batch", "-4"], "--batch -4 is out of range");
+    bad_input(&["estimate", MLP, "--batch", "99999999999"], "out of range");
+    bad_input(&["estimate", "mlp:input=10,output=2,depth=1,act=swoosh"], "unknown activation `swoosh`");
+    bad_input(&["estimate", MLP, "--optimizer", "lion"], "unknown optimizer `lion`");
+    bad_input(&["estimate", MLP, "--precision", "fp8"], "unknown precision `fp8`");
+    bad_input(&["estimate", MLP, "--estimator", "oracle"], "unknown estimator `oracle`");
+    bad_input(&["estimate", "missing.jsonl"], "no such trace file");
+    bad_input(&["estimate", "timm:resnet50"], "PyTorch bridge");
+    bad_input(&["max-batch", "nonsense"], "has no `family:` prefix");
+}
+
+#[test]
+fn bad_traces_exit_2_naming_the_line() {
+    let header = r#"{"format":"gpumem-trace","version":1,"model":"t","batch_size":1,"optimizer":"adam","precision":"fp32","producer":"test","iterations":0}"#;
+    let alloc = r#"{"ev":"alloc","id":1,"bytes":1024,"category":"activation","phase":"forward","op":"x"}"#;
+    let cases = [
+        (format!("{header}\n{{\"ev\":\"free\",\"id\":9}}\n"), "line 2: free of unknown id 9"),
+        (format!("{header}\n{alloc}\n{{\"ev\":\"free\",\"id\":1}}\n{{\"ev\":\"free\",\"id\":1}}\n"), "line 4: double free of id 1"),
+        (format!("{header}\n{}\n", alloc.replace("1024", "-1")), "line 2: field bytes: negative size -1"),
+        (format!("{header}\n{}\n", alloc.replace("1024", "18446744073709551616")), "line 2: field bytes"),
+        (format!("{header}\n{{\"ev\":\"alloc\",\"id\":"), "line 2:"),
+        (header.replace("\"version\":1", "\"version\":7"), "line 1: field version"),
+    ];
+    for (i, (text, needle)) in cases.iter().enumerate() {
+        let p = write(&format!("bad{i}.jsonl"), text);
+        bad_input(&["estimate", p.to_str().unwrap()], needle);
+    }
+}
+
+#[test]
+fn bad_csvs_exit_2_naming_the_line() {
+    let p = write("bad1.csv", "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1\",abc,1500\n");
+    bad_input(&["eval", p.to_str().unwrap()], "line 2: column batch_size: `abc` is not a whole number");
+    let p = write("bad2.csv", "a,b\n1,2\n");
+    bad_input(&["calibrate", p.to_str().unwrap(), "--out", tmp("x.toml").to_str().unwrap()], "line 1: expected columns");
+    let p = write("bad3.csv", "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1\",4\n");
+    bad_input(&["eval", p.to_str().unwrap()], "line 2:");
+    bad_input(&["eval", "/nonexistent/data.csv"], "/nonexistent/data.csv");
+    let p = write("bad4.csv", "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1,act=nope\",4,1500\n");
+    bad_input(&["eval", p.to_str().unwrap()], "line 2: column model: unknown activation `nope`");
+}
+
+#[test]
+fn calibrate_then_use_the_profile() {
+    let data = write(
+        "cal.csv",
+        "model,batch_size,measured_mib\n\"mlp:input=64,output=2,depth=1\",8,900\n\"mlp:input=64,output=2,depth=2\",8,902\n\"mlp:input=2048,output=100,depth=4,arch=uniform\",512,1200\n",
+    );
+    let out = tmp("cal.toml");
+    let o = gpumem(&["calibrate", data.to_str().unwrap(), "--gpu", "l4", "--rows", "smallest:2", "--out", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(stdout(&o).contains("fitted l4 on 2 rows (smallest:2)"));
+    let e = gpumem(&["estimate", "mlp:input=64,output=2,depth=1", "--batch", "8", "--profile", out.to_str().unwrap(), "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&e.stdout).unwrap();
+    let peak = v["peak_mib"].as_f64().unwrap();
+    assert!((peak - 900.0).abs() <= 1.5, "calibrated estimate {peak} should reproduce the 900/902 MiB rows");
+    bad_input(&["calibrate", data.to_str().unwrap(), "--rows", "biggest:3", "--out", out.to_str().unwrap()], "--rows biggest:3");
+    let badp = write("bad.toml", "[[gpu]]\nname = 1\n");
+    bad_input(&["estimate", MLP, "--profile", badp.to_str().unwrap()], "bad profile");
+}
+
+#[test]
+fn max_batch_is_monotone_in_memory() {
+    let run = |gpu: &str| -> u64 {
+        let o = gpumem(&["max-batch", MLP, "--gpu", gpu, "--json"]);
+        assert!(o.status.success());
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["max_batch"].as_u64().unwrap()
+    };
+    assert!(run("t4") < run("a100-80gb"));
+}
+
+#[test]
+fn gpus_lists_the_catalogue() {
+    let s = stdout(&gpumem(&["gpus"]));
+    for n in ["a100-40gb", "h100-80gb-pcie", "h200", "v100-32gb", "t4", "l4", "a10", "l40s", "rtx3090", "rtx4090"] {
+        assert!(s.contains(n), "{n}");
+    }
+}
+
+fn seed_data() -> Option<PathBuf> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/gpumemnet_mlp_a100_40gb.csv");
+    p.exists().then_some(p)
+}
+
+/// The core acceptance: calibrate on the 10 smallest models, then score all 3,000 seed rows.
+#[test]
+fn seed_mlp_accuracy() {
+    let Some(data) = seed_data() else {
+        eprintln!("SKIPPED: ../shared/data is not beside this checkout");
+        return;
+    };
+    let profile = tmp("a100-cal.toml");
+    let o = gpumem(&["calibrate", data.to_str().unwrap(), "--gpu", "a100-40gb", "--rows", "smallest:10", "--out", profile.to_str().unwrap()]);
+    assert!(o.status.success());
+    let o = gpumem(&["eval", data.to_str().unwrap(), "--profile", profile.to_str().unwrap(), "--out-dir", tmp("eval").to_str().unwrap(), "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let replay = v["estimators"].as_array().unwrap().iter().find(|e| e["estimator"] == "replay").unwrap();
+    assert_eq!(replay["rows"], 3000);
+    assert!(replay["median_ape"].as_f64().unwrap() <= 1.0, "{replay}");
+    assert!(replay["p95_ape"].as_f64().unwrap() <= 4.0, "{replay}");
+    assert!(replay["under_3pct"].as_f64().unwrap() <= 0.01, "{replay}");
+    assert!(replay["bin_accuracy"].as_f64().unwrap() >= 0.99, "{replay}");
+    for f in ["rows.csv", "scatter.svg", "scatter.png"] {
+        assert!(tmp("eval").join(f).metadata().unwrap().len() > 100, "{f}");
+    }
+}

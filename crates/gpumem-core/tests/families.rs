@@ -1,0 +1,112 @@
+//! Every native family, optimizer and precision produces a valid trace whose replay behaves as
+//! PyTorch's memory semantics say it must.
+
+use gpumem_core::estimate::{Estimator, LiveTensors, Replay};
+use gpumem_core::families::{JobOptions, ModelSpec};
+use gpumem_core::graph::Precision;
+use gpumem_core::profile::builtin;
+use gpumem_core::step::Optimizer;
+use gpumem_core::trace::{Category, Event, Trace};
+
+const MODELS: [&str; 6] = [
+    "mlp:input=512,output=10,depth=3,arch=pyramid,act=gelu,dropout=0.2,batchnorm=true",
+    "mlp:input=64,output=1,depth=2,arch=gradual,act=prelu,head=sigmoid,samples=1000",
+    "cnn:classes=10,filters=16,depth=6,input=32,arch=residual,act=relu,batchnorm=true,dropout=0.1",
+    "cnn:classes=10,filters=16,depth=8,input=32,arch=dense,act=swish",
+    "transformer:vocab=1000,embed=64,layers=2,heads=4,ff=128,seq=32,classes=5,arch=hybrid",
+    "transformer:vocab=1000,embed=64,layers=2,heads=4,ff=128,seq=32,classes=5,arch=decoder_only",
+];
+
+fn trace(spec: &str, batch: u64, opt: Optimizer, prec: Precision) -> Trace {
+    let mut job = JobOptions::new(batch);
+    job.optimizer = opt;
+    job.precision = prec;
+    ModelSpec::parse(spec).unwrap().trace(&job).unwrap()
+}
+
+#[test]
+fn every_family_optimizer_and_precision_traces_and_round_trips() {
+    let p = builtin("a100-40gb").unwrap();
+    for spec in MODELS {
+        for opt in [Optimizer::Adam, Optimizer::AdamW, Optimizer::Sgd, Optimizer::SgdMomentum] {
+            for prec in [Precision::Fp32, Precision::AmpFp16, Precision::AmpBf16] {
+                let t = trace(spec, 8, opt, prec);
+                assert!(t.header.iterations >= 3, "{spec}");
+                let mut bytes = Vec::new();
+                t.write(&mut bytes).unwrap();
+                assert_eq!(Trace::read(bytes.as_slice()).unwrap(), t);
+                let r = Replay::default().estimate(&t, &p).unwrap();
+                let l = LiveTensors.estimate(&t, &p).unwrap();
+                assert!(r.peak_bytes > l.peak_bytes, "{spec}: the replay adds context and caching");
+                assert!(r.fits);
+            }
+        }
+    }
+}
+
+fn category_bytes(t: &Trace, c: Category) -> u64 {
+    t.events.iter().map(|e| match *e {
+        Event::Alloc { bytes, category, .. } if category == c => bytes,
+        _ => 0,
+    }).sum()
+}
+
+#[test]
+fn optimizer_state_matches_the_optimizer() {
+    let spec = MODELS[0];
+    let params: u64 = ModelSpec::parse(spec).unwrap().graph(8, Precision::Fp32).parameter_count();
+    assert_eq!(category_bytes(&trace(spec, 8, Optimizer::Adam, Precision::Fp32), Category::OptimizerState), 2 * 4 * params);
+    assert_eq!(category_bytes(&trace(spec, 8, Optimizer::SgdMomentum, Precision::Fp32), Category::OptimizerState), 4 * params);
+    assert_eq!(category_bytes(&trace(spec, 8, Optimizer::Sgd, Precision::Fp32), Category::OptimizerState), 0);
+}
+
+fn op_bytes(t: &Trace, name: &str) -> u64 {
+    let Some(op) = t.ops.iter().position(|o| o == name) else { return 0 };
+    t.events.iter().map(|e| match *e {
+        Event::Alloc { bytes, op: o, .. } if o as usize == op => bytes,
+        _ => 0,
+    }).sum()
+}
+
+#[test]
+fn autocast_halves_matmul_outputs_and_adds_weight_copies() {
+    let spec = "mlp:input=2048,output=10,depth=4,arch=uniform,act=relu";
+    let fp32 = trace(spec, 512, Optimizer::Adam, Precision::Fp32);
+    let amp = trace(spec, 512, Optimizer::Adam, Precision::AmpBf16);
+    // Forward outputs halve; backward gradients of the low-precision tensors halve too.
+    assert_eq!(2 * op_bytes(&amp, "addmm"), op_bytes(&fp32, "addmm"));
+    assert_eq!(op_bytes(&fp32, "to_copy"), 0);
+    let params = ModelSpec::parse(spec).unwrap().graph(512, Precision::Fp32).parameter_count();
+    let iters = amp.header.iterations as u64;
+    // Per iteration: a bf16 copy of every weight and bias (forward), an fp32 gradient of each
+    // (the cast's backward), the bf16 copy of the input batch for the first layer, and the fp32
+    // copy of the bf16 logits that softmax makes (plus its bf16 gradient).
+    assert_eq!(op_bytes(&amp, "to_copy"), iters * (2 * params + 4 * params + 2 * 512 * 2048 + (4 + 2) * 512 * 10));
+}
+
+#[test]
+fn gradients_are_freed_by_zero_grad_and_recreated() {
+    let t = trace(MODELS[0], 16, Optimizer::Adam, Precision::Fp32);
+    let params = ModelSpec::parse(MODELS[0]).unwrap().graph(16, Precision::Fp32).params.len() as u64;
+    let grads = t.events.iter().filter(|e| matches!(e, Event::Alloc { category: Category::Gradient, .. })).count() as u64;
+    assert_eq!(grads, params * t.header.iterations as u64, "one gradient per parameter per iteration");
+}
+
+#[test]
+fn peak_grows_with_batch() {
+    let p = builtin("a100-40gb").unwrap();
+    for spec in MODELS {
+        let small = Replay::default().estimate(&trace(spec, 4, Optimizer::Adam, Precision::Fp32), &p).unwrap();
+        let large = Replay::default().estimate(&trace(spec, 256, Optimizer::Adam, Precision::Fp32), &p).unwrap();
+        assert!(large.peak_bytes >= small.peak_bytes, "{spec}");
+    }
+}
+
+#[test]
+fn hopper_profiles_use_the_larger_cublas_workspace() {
+    let t = trace(MODELS[0], 8, Optimizer::Adam, Precision::Fp32);
+    let a100 = Replay::default().estimate(&t, &builtin("a100-80gb").unwrap()).unwrap();
+    let h100 = Replay::default().estimate(&t, &builtin("h100-80gb-sxm").unwrap()).unwrap();
+    assert_eq!(a100.breakdown.workspace, 2 * 8_519_680);
+    assert_eq!(h100.breakdown.workspace, 2 * (32 << 20));
+}
