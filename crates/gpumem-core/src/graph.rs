@@ -383,7 +383,8 @@ impl GraphBuilder {
         match b {
             Some(b) => {
                 let bc = self.autocast(b);
-                self.node("addmm", &[bc, xc, wc], &[(rows * out_f, dt)], &saved, &[Bw::Grad(0), Bw::Grad(1), Bw::Grad(2)], flops, true)[0]
+                // AddmmBackward computes mat1's grad, then mat2's, then the bias reduction.
+                self.node("addmm", &[bc, xc, wc], &[(rows * out_f, dt)], &saved, &[Bw::Grad(1), Bw::Grad(2), Bw::Grad(0)], flops, true)[0]
             }
             None => {
                 let saved: Vec<Saved> = saved.iter().map(|s| if let Saved::In(i) = s { Saved::In(i - 1) } else { *s }).collect();

@@ -363,8 +363,9 @@ impl<'a> Emitter<'a> {
     fn backward(&mut self, g: &Graph, p: &mut Pass, scaled_root: Option<u64>) {
         let Some(loss) = g.loss else { return };
         let mut grad: Vec<Option<GradBuf>> = vec![None; g.tensors.len()];
+        // The root gradient is also held by the engine until the whole backward returns.
         let ones = self.b.alloc(4, Category::Temporary, Phase::Backward, "ones_like");
-        grad[loss.0 as usize] = Some(GradBuf { id: ones, refs: 1 });
+        grad[loss.0 as usize] = Some(GradBuf { id: ones, refs: 2 });
         let param_index: HashMap<TensorId, usize> = g.params.iter().enumerate().map(|(k, &t)| (t, k)).collect();
         for ni in (0..g.nodes.len()).rev() {
             let n = &g.nodes[ni];
@@ -425,6 +426,7 @@ impl<'a> Emitter<'a> {
                 self.release(g, p, s);
             }
         }
+        self.drop_grad(GradBuf { id: ones, refs: 1 });
         if let Some(id) = scaled_root {
             self.b.free(id);
         }
@@ -505,7 +507,8 @@ impl<'a> Emitter<'a> {
                     } else {
                         Vec::new()
                     };
-                    for id in sqrt.into_iter().chain(denom) {
+                    // Python frees a list's items last to first.
+                    for id in sqrt.into_iter().chain(denom).rev() {
                         self.b.free(id);
                     }
                 } else {
