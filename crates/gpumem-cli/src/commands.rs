@@ -11,7 +11,8 @@ use gpumem_core::estimate::{ESTIMATORS, Estimate, Estimator, by_name};
 use gpumem_core::eval::{Metrics, Outcome, metrics};
 use gpumem_core::families::{JobOptions, MAX_BATCH, ModelSpec};
 use gpumem_core::graph::Precision;
-use gpumem_core::profile::{self, GpuProfile};
+use gpumem_core::profile::{self, GpuProfile, SdpaBackend};
+use gpumem_torch::{BridgeError, TorchTracer, TraceRequest, is_reference};
 use gpumem_core::search;
 use gpumem_core::step::{Optimizer, TorchBehaviour};
 use gpumem_core::trace::Trace;
@@ -57,6 +58,21 @@ pub struct JobArgs {
     /// Precision: fp32, amp-fp16 or amp-bf16.
     #[arg(long, default_value = "fp32")]
     precision: String,
+    /// Input shape CxHxW (PyTorch image models; default: the model's own).
+    #[arg(long)]
+    input: Option<String>,
+    /// Sequence length (PyTorch sequence models).
+    #[arg(long)]
+    seq_len: Option<u64>,
+    /// Activation checkpointing (PyTorch models that support it).
+    #[arg(long)]
+    checkpointing: bool,
+    /// channels_last memory format (PyTorch image models).
+    #[arg(long)]
+    channels_last: bool,
+    /// Gradient accumulation steps (PyTorch models).
+    #[arg(long, default_value_t = 1)]
+    grad_accum: u32,
 }
 
 impl JobArgs {
@@ -71,12 +87,55 @@ impl JobArgs {
         job.cublas_workspace = profile.cublas_workspace();
         Ok(job)
     }
+
+    /// The tracer request for a PyTorch reference.
+    fn request(&self, model: &str, job: &JobOptions, profile: &GpuProfile) -> CliResult<TraceRequest> {
+        if self.grad_accum == 0 {
+            return Err(CliError::input("--grad-accum must be at least 1"));
+        }
+        if let Some(i) = &self.input
+            && !(i.split('x').count() == 3 && i.split('x').all(|p| p.parse::<u64>().is_ok_and(|n| n > 0)))
+        {
+            return Err(CliError::input(format!("--input `{i}` is not CxHxW")));
+        }
+        let mut r = TraceRequest::new(model, job.batch);
+        r.optimizer = job.optimizer.name().into();
+        r.precision = job.precision.name().into();
+        r.input = self.input.clone();
+        r.seq_len = self.seq_len;
+        r.sdpa = match profile.sdpa {
+            SdpaBackend::Flash => "flash",
+            SdpaBackend::MemEfficient => "mem_efficient",
+            SdpaBackend::Math => "math",
+        }
+        .into();
+        r.checkpointing = self.checkpointing;
+        r.channels_last = self.channels_last;
+        r.grad_accum = self.grad_accum;
+        Ok(r)
+    }
+
+    fn native_only_check(&self) -> CliResult {
+        if self.input.is_some() || self.seq_len.is_some() || self.checkpointing || self.channels_last || self.grad_accum != 1 {
+            return Err(CliError::input("--input, --seq-len, --checkpointing, --channels-last and --grad-accum apply to PyTorch models (torchvision:, timm:, hf:, py:)"));
+        }
+        Ok(())
+    }
 }
 
-/// A model argument: a native spec, or a trace file.
+fn bridge_error(e: BridgeError) -> CliError {
+    match e {
+        BridgeError::BadReference(m) => CliError::Input(m),
+        BridgeError::Io(m) => CliError::Other(m),
+        BridgeError::Python(m) | BridgeError::Model(m) => CliError::Model(m),
+    }
+}
+
+/// A model argument: a native spec, a trace file, or a PyTorch reference.
 enum Model {
     Native(ModelSpec),
     TraceFile(Trace),
+    Torch(String),
 }
 
 fn load_model(arg: &str) -> CliResult<Model> {
@@ -88,18 +147,20 @@ fn load_model(arg: &str) -> CliResult<Model> {
     if arg.ends_with(".jsonl") || arg.ends_with(".trace") {
         return Err(CliError::input(format!("{arg}: no such trace file")));
     }
-    if let Some((prefix, _)) = arg.split_once(':')
-        && matches!(prefix, "torchvision" | "timm" | "hf" | "py")
-    {
-        return Err(CliError::input(format!("{arg}: {prefix}: models need the PyTorch bridge, which this build does not have yet; use a native spec (mlp:, cnn:, transformer:) or a trace file")));
+    if is_reference(arg) {
+        return Ok(Model::Torch(arg.to_string()));
     }
     ModelSpec::parse(arg).map(Model::Native).map_err(CliError::input)
 }
 
-fn model_trace(model: &Model, job: &JobOptions) -> CliResult<Trace> {
+fn model_trace(model: &Model, args: &JobArgs, job: &JobOptions, profile: &GpuProfile) -> CliResult<Trace> {
     match model {
-        Model::Native(m) => m.trace(job).map_err(CliError::input),
+        Model::Native(m) => {
+            args.native_only_check()?;
+            m.trace(job).map_err(CliError::input)
+        }
         Model::TraceFile(t) => Ok(t.clone()),
+        Model::Torch(r) => TorchTracer::from_env().trace(&args.request(r, job, profile)?).map_err(bridge_error),
     }
 }
 
@@ -158,7 +219,7 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
     };
     let model = load_model(&spec)?;
     let job = a.job.options(batch, &profile)?;
-    let trace = model_trace(&model, &job)?;
+    let trace = model_trace(&model, &a.job, &job, &profile)?;
     let est = estimator(&a.estimator)?.estimate(&trace, &profile).map_err(CliError::input)?;
     let model_name = trace.header.model.clone();
     if a.json {
@@ -225,16 +286,25 @@ pub struct MaxBatchArgs {
 
 pub fn max_batch(a: MaxBatchArgs) -> CliResult {
     let profile = a.gpu.load()?;
-    let Model::Native(model) = load_model(&a.model)? else {
-        return Err(CliError::input(format!("{}: max-batch needs a model spec, not a trace file (a trace fixes its batch size)", a.model)));
-    };
+    let model = load_model(&a.model)?;
     let est = estimator(&a.estimator)?;
     let job = a.job.options(1, &profile)?;
-    let best = search::max_batch(&model, &job, &profile, est.as_ref()).map_err(CliError::input)?;
+    let (name, best) = match &model {
+        Model::Native(m) => {
+            a.job.native_only_check()?;
+            (m.to_spec_string(), search::max_batch(m, &job, &profile, est.as_ref()).map_err(CliError::input)?)
+        }
+        Model::Torch(r) => {
+            // One batch-symbolic trace answers every batch size: no re-tracing during the search.
+            let sym = TorchTracer::from_env().symbolic(&a.job.request(r, &job, &profile)?).map_err(bridge_error)?;
+            (r.clone(), search::max_batch_with(&mut |b| sym.at(b), &profile, est.as_ref()).map_err(CliError::input)?)
+        }
+        Model::TraceFile(_) => return Err(CliError::input(format!("{}: max-batch needs a model, not a trace file (a trace fixes its batch size)", a.model))),
+    };
     match best {
         None => {
             if a.json {
-                println!("{}", serde_json::json!({"model": model.to_spec_string(), "gpu": profile.name, "max_batch": 0}));
+                println!("{}", serde_json::json!({"model": name, "gpu": profile.name, "max_batch": 0}));
             } else {
                 println!("even batch 1 does not fit on {} with its upper bound", profile.name);
             }
@@ -243,7 +313,7 @@ pub fn max_batch(a: MaxBatchArgs) -> CliResult {
             if a.json {
                 println!(
                     "{}",
-                    serde_json::json!({"model": model.to_spec_string(), "gpu": profile.name, "max_batch": lo,
+                    serde_json::json!({"model": name, "gpu": profile.name, "max_batch": lo,
                         "peak_mib": mib(e.peak_bytes), "upper_bound_mib": mib(e.upper_bound_bytes), "capacity_mib": profile.capacity_mib})
                 );
             } else {
@@ -291,9 +361,9 @@ fn read_csv(path: &Path) -> CliResult<Vec<Measurement>> {
     read_measurements(&path.display().to_string(), BufReader::new(f)).map_err(CliError::input)
 }
 
-/// The trace for a measured row, if gpumem can model it natively.
-fn row_trace(m: &Measurement, job: &JobArgs, profile: &GpuProfile) -> CliResult<Option<Trace>> {
-    let ModelRef::Native(spec) = &m.model else { return Ok(None) };
+/// The trace for a measured row: native models directly, PyTorch references through the
+/// bridge. `Err(reason)` inside `Ok` means the row cannot be modelled here (it is skipped).
+fn row_trace(m: &Measurement, job: &JobArgs, profile: &GpuProfile) -> CliResult<Result<Trace, String>> {
     let mut opts = job.options(m.batch as i64, profile)?;
     if let Some(o) = m.optimizer {
         opts.optimizer = o;
@@ -301,7 +371,16 @@ fn row_trace(m: &Measurement, job: &JobArgs, profile: &GpuProfile) -> CliResult<
     if let Some(p) = m.precision {
         opts.precision = p;
     }
-    spec.trace(&opts).map(Some).map_err(|e| CliError::input(format!("line {}: {e}", m.line)))
+    match &m.model {
+        ModelRef::Native(spec) => spec.trace(&opts).map(Ok).map_err(|e| CliError::input(format!("line {}: {e}", m.line))),
+        ModelRef::External(r) if is_reference(r) => {
+            let mut req = job.request(r, &opts, profile)?;
+            req.input = m.input.clone().or(req.input);
+            req.seq_len = m.seq_len.or(req.seq_len);
+            Ok(TorchTracer::from_env().trace(&req).map_err(|e| e.to_string()))
+        }
+        ModelRef::External(r) => Ok(Err(format!("`{r}` is neither a native spec nor a PyTorch reference"))),
+    }
 }
 
 #[derive(Args)]
@@ -313,8 +392,8 @@ pub struct CalibrateArgs {
     gpu: GpuChoice,
     #[command(flatten)]
     job: JobArgs,
-    /// Which rows to fit on, chosen by a rule and never by error: `all`, `first:N`, or
-    /// `smallest:N` (the N rows with the fewest parameters).
+    /// Which rows to fit on, chosen by a rule and never by error: `all`, `first:N`,
+    /// `smallest:N` (the N rows with the fewest parameters), or `lines:L1,L2` (file lines).
     #[arg(long, default_value = "all")]
     rows: String,
     /// Where to write the calibrated profile.
@@ -327,17 +406,27 @@ pub fn calibrate(a: CalibrateArgs) -> CliResult {
     let rows = read_csv(&a.measurements)?;
     let mut runs = Vec::new();
     for m in &rows {
-        if let Some(t) = row_trace(m, &a.job, &profile)? {
-            runs.push((m, t));
+        match row_trace(m, &a.job, &profile)? {
+            Ok(t) => runs.push((m, t)),
+            Err(why) => eprintln!("skipped line {}: {why}", m.line),
         }
     }
     if runs.is_empty() {
-        return Err(CliError::input(format!("{}: no row has a model gpumem can build natively", a.measurements.display())));
+        return Err(CliError::input(format!("{}: no row has a model gpumem can trace", a.measurements.display())));
     }
+    let bad_rows = || CliError::input(format!("--rows {}: expected all, first:N, smallest:N or lines:L1,L2,...", a.rows));
     let (rule, n) = match a.rows.split_once(':') {
         None if a.rows == "all" => ("all", runs.len()),
-        Some((r @ ("first" | "smallest"), n)) => (r, n.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| CliError::input(format!("--rows {}: N must be a positive whole number", a.rows)))?),
-        _ => return Err(CliError::input(format!("--rows {}: expected all, first:N or smallest:N", a.rows))),
+        Some(("lines", list)) => {
+            let lines: Vec<usize> = list.split(',').map(|l| l.trim().parse::<usize>()).collect::<Result<_, _>>().map_err(|_| bad_rows())?;
+            if let Some(l) = lines.iter().find(|l| !runs.iter().any(|(m, _)| m.line == **l)) {
+                return Err(CliError::input(format!("--rows {}: line {l} is not a traced row of {}", a.rows, a.measurements.display())));
+            }
+            runs.retain(|(m, _)| lines.contains(&m.line));
+            ("lines", runs.len())
+        }
+        Some((r @ ("first" | "smallest"), n)) => (r, n.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(bad_rows)?),
+        _ => return Err(bad_rows()),
     };
     if rule == "smallest" {
         runs.sort_by_key(|(m, t)| (t.header.parameters.unwrap_or(u64::MAX), m.line));
@@ -345,7 +434,7 @@ pub fn calibrate(a: CalibrateArgs) -> CliResult {
     runs.truncate(n);
     let fit_input: Vec<(Trace, u64)> = runs.iter().map(|(m, t)| (t.clone(), m.measured_bytes)).collect();
     let cal = fit_context(&profile, &fit_input).map_err(CliError::input)?;
-    println!("fitted {} on {} rows ({rule}{}):", profile.name, cal.rows, if rule == "all" { String::new() } else { format!(":{n}") });
+    println!("fitted {} on {} rows ({}):", profile.name, cal.rows, if rule == "all" { "all".to_string() } else { a.rows.clone() });
     println!("  cuda_context_mib  {:.1}   (was {:.1})", cal.context_mib, profile.cuda_context_mib);
     println!("  bound_fixed_mib   {:.1}", cal.profile.bound_fixed_mib);
     println!("residuals (measured - fitted estimate):");
@@ -405,9 +494,12 @@ pub fn eval(a: EvalArgs) -> CliResult {
                 outcomes[ESTIMATORS.len() + k].push((ri, Outcome { measured: m.measured_bytes, predicted: *v, upper: *v }));
             }
         }
-        let Some(trace) = row_trace(m, &a.job, &profile)? else {
-            skipped.push(m);
-            continue;
+        let trace = match row_trace(m, &a.job, &profile)? {
+            Ok(t) => t,
+            Err(why) => {
+                skipped.push((m, why));
+                continue;
+            }
         };
         for (k, e) in estimators.iter().enumerate() {
             let est = e.estimate(&trace, &profile).map_err(|e| CliError::input(format!("line {}: {e}", m.line)))?;
@@ -444,8 +536,8 @@ pub fn eval(a: EvalArgs) -> CliResult {
                 s.estimator, m.rows, m.mean_ape, m.median_ape, m.p90_ape, m.p95_ape, 100.0 * m.within_5pct, 100.0 * m.within_10pct, 100.0 * m.under_3pct, 100.0 * m.bin_accuracy, 100.0 * m.bound_misses
             );
         }
-        for m in &skipped {
-            println!("skipped line {}: {} (needs the PyTorch bridge)", m.line, m.label);
+        for (m, why) in &skipped {
+            println!("skipped line {}: {}: {why}", m.line, m.label);
         }
         println!();
         println!("wrote {}, {} and {}", a.out_dir.join("rows.csv").display(), a.out_dir.join("scatter.svg").display(), a.out_dir.join("scatter.png").display());
@@ -505,11 +597,12 @@ pub struct TraceArgs {
 
 pub fn trace(a: TraceArgs) -> CliResult {
     let profile = a.gpu.load()?;
-    let Model::Native(model) = load_model(&a.model)? else {
+    let model = load_model(&a.model)?;
+    if let Model::TraceFile(_) = model {
         return Err(CliError::input(format!("{}: already a trace file", a.model)));
-    };
+    }
     let job = a.job.options(a.batch, &profile)?;
-    let t = model.trace(&job).map_err(CliError::input)?;
+    let t = model_trace(&model, &a.job, &job, &profile)?;
     let f = File::create(&a.out).map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
     let mut w = BufWriter::new(f);
     t.write(&mut w).and_then(|_| w.flush()).map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;

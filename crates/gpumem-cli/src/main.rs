@@ -2,7 +2,8 @@
 //!
 //! Subcommands: `estimate`, `max-batch`, `gpus`, `calibrate`, `eval`, `trace`. Expected
 //! failures (bad input, unknown GPU, malformed files) print one line on stderr and exit with 2;
-//! other failures (I/O while writing) exit with 1. See docs/cli.md.
+//! a PyTorch model that cannot be traced exits with 3; other failures (I/O while writing) exit
+//! with 1. See docs/cli.md.
 
 mod commands;
 mod plot;
@@ -15,6 +16,8 @@ use clap::{Parser, Subcommand};
 pub const EXIT_BAD_INPUT: u8 = 2;
 /// Exit code for other failures.
 pub const EXIT_FAILURE: u8 = 1;
+/// Exit code when a PyTorch model cannot be traced (no torch, or the model itself failed).
+pub const EXIT_MODEL: u8 = 3;
 
 /// An error with its exit code.
 #[derive(Debug)]
@@ -23,6 +26,8 @@ pub enum CliError {
     Input(String),
     /// Something else failed (exit 1).
     Other(String),
+    /// A PyTorch model could not be traced: Python/torch missing, or the model failed (exit 3).
+    Model(String),
 }
 
 impl CliError {
@@ -78,6 +83,10 @@ fn main() -> ExitCode {
         Err(CliError::Other(m)) => {
             eprintln!("error: {m}");
             ExitCode::from(EXIT_FAILURE)
+        }
+        Err(CliError::Model(m)) => {
+            eprintln!("error: {m}");
+            ExitCode::from(EXIT_MODEL)
         }
     }
 }

@@ -34,6 +34,10 @@ pub struct Measurement {
     pub precision: Option<Precision>,
     /// Published estimates in this row: (column name without `_mib`, bytes or none).
     pub published: Vec<(String, Option<u64>)>,
+    /// Input shape `CxHxW` for image models (column `input`).
+    pub input: Option<String>,
+    /// Sequence length (column `seq_len`, or an `input` like `seq512`).
+    pub seq_len: Option<u64>,
 }
 
 fn column(headers: &csv::StringRecord, name: &str) -> Option<usize> {
@@ -83,6 +87,8 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
                 optimizer: Some(Optimizer::Adam),
                 precision: Some(Precision::Fp32),
                 published: Vec::new(),
+                input: None,
+                seq_len: None,
             }
         } else {
             let (mc, bc, vc) = (generic.0.unwrap(), generic.1.unwrap(), generic.2.unwrap());
@@ -110,7 +116,14 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
                 .iter()
                 .map(|(i, n)| (n.clone(), get(*i).parse::<f64>().ok().filter(|x| *x > 0.0).map(mib_to_bytes)))
                 .collect();
-            Measurement { line, label, model, batch, measured_bytes: mib("measured_mib", get(vc))?, optimizer, precision, published }
+            let input_text = column(&headers, "input").map(get).unwrap_or("");
+            let is_shape = |s: &str| s.split('x').count() == 3 && s.split('x').all(|p| p.parse::<u64>().is_ok_and(|n| n > 0));
+            let input = is_shape(input_text).then(|| input_text.to_string());
+            let seq_len = match column(&headers, "seq_len").map(get).filter(|s| !s.is_empty()) {
+                Some(s) => Some(s.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(|| bad("seq_len", format!("`{s}` is not a positive whole number")))?),
+                None => input_text.strip_prefix("seq").and_then(|s| s.parse().ok()),
+            };
+            Measurement { line, label, model, batch, measured_bytes: mib("measured_mib", get(vc))?, optimizer, precision, published, input, seq_len }
         };
         out.push(m);
     }

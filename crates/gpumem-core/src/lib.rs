@@ -28,5 +28,6 @@ pub mod graph;
 pub mod profile;
 pub mod search;
 pub mod step;
+pub mod symbolic;
 pub mod trace;
 pub mod units;

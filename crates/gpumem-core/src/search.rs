@@ -4,6 +4,7 @@
 use crate::estimate::{Estimate, EstimateError, Estimator};
 use crate::families::{JobOptions, MAX_BATCH, ModelSpec};
 use crate::profile::GpuProfile;
+use crate::trace::Trace;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SearchError {
@@ -16,8 +17,13 @@ pub enum SearchError {
 /// The largest batch in 1..=MAX_BATCH whose estimate fits with its upper bound, and that
 /// estimate; `None` if even batch 1 does not.
 pub fn max_batch(model: &ModelSpec, job: &JobOptions, profile: &GpuProfile, estimator: &dyn Estimator) -> Result<Option<(u64, Estimate)>, SearchError> {
-    let fits = |b: u64| -> Result<Option<Estimate>, SearchError> {
-        let trace = model.trace(&JobOptions { batch: b, ..*job }).map_err(SearchError::Model)?;
+    max_batch_with(&mut |b| model.trace(&JobOptions { batch: b, ..*job }), profile, estimator)
+}
+
+/// The same search over any source of traces by batch size (a symbolic trace, say).
+pub fn max_batch_with(trace_at: &mut dyn FnMut(u64) -> Result<Trace, String>, profile: &GpuProfile, estimator: &dyn Estimator) -> Result<Option<(u64, Estimate)>, SearchError> {
+    let mut fits = |b: u64| -> Result<Option<Estimate>, SearchError> {
+        let trace = trace_at(b).map_err(SearchError::Model)?;
         let e = estimator.estimate(&trace, profile)?;
         Ok((e.fits && e.upper_bound_bytes <= e.capacity_bytes).then_some(e))
     };

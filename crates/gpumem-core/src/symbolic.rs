@@ -1,0 +1,155 @@
+//! Batch-symbolic traces: one trace that answers any batch size.
+//!
+//! A model's training step issues the same allocations at every batch size; only their sizes
+//! change, and for a fixed model each size is an affine function of the batch, `c0 + c1·B`.
+//! [`SymbolicTrace::fit`] aligns traces taken at three batch sizes event by event, solves each
+//! size exactly from the first two and checks it against the third; [`SymbolicTrace::at`]
+//! evaluates the trace at any batch size, so a max-batch search needs no re-tracing.
+
+use crate::trace::{Category, Event, Phase, Trace, TraceHeader};
+
+/// `c0 + c1 · batch`, exact in integers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Affine {
+    pub c0: i128,
+    pub c1: i128,
+}
+
+impl Affine {
+    fn fit(points: &[(u64, u64)]) -> Option<Affine> {
+        let (b1, y1) = (points[0].0 as i128, points[0].1 as i128);
+        let (b2, y2) = (points[1].0 as i128, points[1].1 as i128);
+        if (y2 - y1) % (b2 - b1) != 0 {
+            return None;
+        }
+        let c1 = (y2 - y1) / (b2 - b1);
+        let f = Affine { c0: y1 - c1 * b1, c1 };
+        points.iter().all(|&(b, y)| f.eval(b) == Some(y)).then_some(f)
+    }
+
+    pub fn eval(&self, b: u64) -> Option<u64> {
+        u64::try_from(self.c0 + self.c1 * b as i128).ok()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum SymEvent {
+    Alloc { slot: u32, bytes: Affine, category: Category, phase: Phase, op: u32, stream: u32 },
+    Free { slot: u32 },
+    Op { op: u32, flops: Affine, bytes_read: Affine, bytes_written: Affine },
+    Iteration { index: u32 },
+}
+
+/// A trace whose sizes are functions of the batch size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SymbolicTrace {
+    header: TraceHeader,
+    events: Vec<SymEvent>,
+    ops: Vec<String>,
+    ids: Vec<u64>,
+    pub traced_at: Vec<u64>,
+}
+
+impl SymbolicTrace {
+    /// Batch sizes the bridge traces to fit a symbolic trace.
+    pub const FIT_BATCHES: [u64; 3] = [4, 6, 8];
+
+    /// Fits from traces of one model at different batch sizes (at least three).
+    pub fn fit(traces: &[Trace]) -> Result<SymbolicTrace, String> {
+        if traces.len() < 3 {
+            return Err("need traces at three or more batch sizes".into());
+        }
+        let first = &traces[0];
+        let n = first.events.len();
+        for t in &traces[1..] {
+            if t.events.len() != n {
+                return Err(format!("{} events at batch {} but {} at batch {}", n, first.header.batch_size, t.events.len(), t.header.batch_size));
+            }
+            if t.ops != first.ops || t.ids != first.ids {
+                return Err(format!("op names or ids differ between batch {} and {}", first.header.batch_size, t.header.batch_size));
+            }
+        }
+        let batches: Vec<u64> = traces.iter().map(|t| t.header.batch_size).collect();
+        let affine = |k: usize, get: &dyn Fn(&Event) -> u64| -> Result<Affine, String> {
+            let pts: Vec<(u64, u64)> = traces.iter().map(|t| (t.header.batch_size, get(&t.events[k]))).collect();
+            Affine::fit(&pts).ok_or_else(|| format!("event {} is not affine in the batch size: {pts:?}", k + 1))
+        };
+        let mut events = Vec::with_capacity(n);
+        for k in 0..n {
+            let e = first.events[k];
+            let same_kind = traces.iter().all(|t| std::mem::discriminant(&t.events[k]) == std::mem::discriminant(&e));
+            if !same_kind {
+                return Err(format!("event {} differs in kind across batch sizes", k + 1));
+            }
+            events.push(match e {
+                Event::Alloc { slot, category, phase, op, stream, .. } => {
+                    let ok = traces.iter().all(|t| matches!(t.events[k], Event::Alloc { slot: s, category: c, phase: p, op: o, stream: st, .. } if s == slot && c == category && p == phase && o == op && st == stream));
+                    if !ok {
+                        return Err(format!("allocation {} differs across batch sizes", k + 1));
+                    }
+                    SymEvent::Alloc { slot, bytes: affine(k, &|e| if let Event::Alloc { bytes, .. } = e { *bytes } else { 0 })?, category, phase, op, stream }
+                }
+                Event::Free { slot } => {
+                    if !traces.iter().all(|t| t.events[k] == e) {
+                        return Err(format!("free {} differs across batch sizes", k + 1));
+                    }
+                    SymEvent::Free { slot }
+                }
+                Event::Iteration { index } => SymEvent::Iteration { index },
+                Event::Op { op, .. } => SymEvent::Op {
+                    op,
+                    flops: affine(k, &|e| if let Event::Op { flops, .. } = e { *flops } else { 0 })?,
+                    bytes_read: affine(k, &|e| if let Event::Op { bytes_read, .. } = e { *bytes_read } else { 0 })?,
+                    bytes_written: affine(k, &|e| if let Event::Op { bytes_written, .. } = e { *bytes_written } else { 0 })?,
+                },
+            });
+        }
+        Ok(SymbolicTrace { header: first.header.clone(), events, ops: first.ops.clone(), ids: first.ids.clone(), traced_at: batches })
+    }
+
+    /// The trace at `batch`.
+    pub fn at(&self, batch: u64) -> Result<Trace, String> {
+        let neg = |k: usize| format!("event {} has a negative size at batch {batch}", k + 1);
+        let mut events = Vec::with_capacity(self.events.len());
+        for (k, e) in self.events.iter().enumerate() {
+            events.push(match *e {
+                SymEvent::Alloc { slot, bytes, category, phase, op, stream } => Event::Alloc { slot, bytes: bytes.eval(batch).ok_or_else(|| neg(k))?, category, phase, op, stream },
+                SymEvent::Free { slot } => Event::Free { slot },
+                SymEvent::Iteration { index } => Event::Iteration { index },
+                SymEvent::Op { op, flops, bytes_read, bytes_written } => Event::Op {
+                    op,
+                    flops: flops.eval(batch).unwrap_or(0),
+                    bytes_read: bytes_read.eval(batch).unwrap_or(0),
+                    bytes_written: bytes_written.eval(batch).unwrap_or(0),
+                },
+            });
+        }
+        let mut header = self.header.clone();
+        header.batch_size = batch;
+        Ok(Trace { header, events, ops: self.ops.clone(), ids: self.ids.clone() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::families::{JobOptions, ModelSpec};
+
+    #[test]
+    fn a_native_model_is_affine_in_the_batch() {
+        let m = ModelSpec::parse("cnn:classes=10,filters=16,depth=6,input=32,arch=residual,batchnorm=true,dropout=0.1").unwrap();
+        let traces: Vec<Trace> = SymbolicTrace::FIT_BATCHES.iter().map(|&b| m.trace(&JobOptions::new(b)).unwrap()).collect();
+        let s = SymbolicTrace::fit(&traces).unwrap();
+        for b in [1, 5, 13, 64] {
+            assert_eq!(s.at(b).unwrap(), m.trace(&JobOptions::new(b)).unwrap(), "batch {b}");
+        }
+    }
+
+    #[test]
+    fn misaligned_traces_are_refused() {
+        let a = ModelSpec::parse("mlp:input=8,output=2,depth=1").unwrap();
+        let b = ModelSpec::parse("mlp:input=8,output=2,depth=2").unwrap();
+        let ts = vec![a.trace(&JobOptions::new(4)).unwrap(), b.trace(&JobOptions::new(6)).unwrap(), a.trace(&JobOptions::new(8)).unwrap()];
+        assert!(SymbolicTrace::fit(&ts).is_err());
+    }
+}

@@ -1,0 +1,302 @@
+//! gpumem-torch: trace real PyTorch models through the `gpumem_trace` Python package.
+//!
+//! [`TorchTracer`] runs the tracer (embedded in this binary and unpacked into the cache directory)
+//! with the user's interpreter (`GPUMEM_PYTHON`, else `python3`), caches each trace by
+//! (reference, options, torch version, tracer version), and turns tracer failures into
+//! [`BridgeError`]s carrying the tail of the Python error. [`TraceRequest`] is what to trace;
+//! [`TorchTracer::symbolic`] traces a model at three batch sizes and fits a
+//! [`gpumem_core::symbolic::SymbolicTrace`], so any batch size is answered without re-tracing.
+
+use std::fs;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::UNIX_EPOCH;
+
+use gpumem_core::symbolic::SymbolicTrace;
+use gpumem_core::trace::Trace;
+
+/// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
+const SOURCES: [(&str, &str); 7] = [
+    ("__init__.py", include_str!("../../../python/gpumem_trace/__init__.py")),
+    ("__main__.py", include_str!("../../../python/gpumem_trace/__main__.py")),
+    ("amp.py", include_str!("../../../python/gpumem_trace/amp.py")),
+    ("cuda.py", include_str!("../../../python/gpumem_trace/cuda.py")),
+    ("loop.py", include_str!("../../../python/gpumem_trace/loop.py")),
+    ("models.py", include_str!("../../../python/gpumem_trace/models.py")),
+    ("tracer.py", include_str!("../../../python/gpumem_trace/tracer.py")),
+];
+
+/// Prefixes of model references only the tracer can resolve.
+pub const PREFIXES: [&str; 4] = ["torchvision:", "timm:", "hf:", "py:"];
+
+/// Whether `model` is a PyTorch model reference.
+pub fn is_reference(model: &str) -> bool {
+    PREFIXES.iter().any(|p| model.starts_with(p))
+}
+
+/// What to trace.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TraceRequest {
+    pub model: String,
+    pub batch: u64,
+    pub optimizer: String,
+    pub precision: String,
+    /// `CxHxW` for image models.
+    pub input: Option<String>,
+    pub seq_len: Option<u64>,
+    /// `flash`, `mem_efficient` or `math`: the best attention kernel the GPU has.
+    pub sdpa: String,
+    pub checkpointing: bool,
+    pub channels_last: bool,
+    pub grad_accum: u32,
+    pub iterations: u32,
+}
+
+impl TraceRequest {
+    pub fn new(model: impl Into<String>, batch: u64) -> Self {
+        TraceRequest {
+            model: model.into(),
+            batch,
+            optimizer: "adam".into(),
+            precision: "fp32".into(),
+            input: None,
+            seq_len: None,
+            sdpa: "flash".into(),
+            checkpointing: false,
+            channels_last: false,
+            grad_accum: 1,
+            iterations: 3,
+        }
+    }
+
+    fn args(&self) -> Vec<String> {
+        let mut a = vec![
+            self.model.clone(),
+            "--batch".into(),
+            self.batch.to_string(),
+            "--optimizer".into(),
+            self.optimizer.clone(),
+            "--precision".into(),
+            self.precision.clone(),
+            "--sdpa".into(),
+            self.sdpa.clone(),
+            "--iterations".into(),
+            self.iterations.to_string(),
+            "--grad-accum".into(),
+            self.grad_accum.to_string(),
+        ];
+        if let Some(i) = &self.input {
+            a.extend(["--input".into(), i.clone()]);
+        }
+        if let Some(s) = self.seq_len {
+            a.extend(["--seq-len".into(), s.to_string()]);
+        }
+        if self.checkpointing {
+            a.push("--checkpointing".into());
+        }
+        if self.channels_last {
+            a.push("--channels-last".into());
+        }
+        a
+    }
+}
+
+/// Why a trace could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum BridgeError {
+    /// The model reference or an option is wrong (the tracer's exit code 2).
+    #[error("{0}")]
+    BadReference(String),
+    /// The interpreter could not be run, or torch is missing.
+    #[error("{0}")]
+    Python(String),
+    /// The model itself failed, or the tracer timed out.
+    #[error("{0}")]
+    Model(String),
+    #[error("{0}")]
+    Io(String),
+}
+
+/// Runs the tracer and caches its traces.
+#[derive(Debug, Clone)]
+pub struct TorchTracer {
+    pub python: String,
+    pub cache_dir: PathBuf,
+    /// Seconds before a trace is abandoned.
+    pub timeout_s: u64,
+}
+
+/// FNV-1a: a stable hash for cache keys (std's hasher may change between releases).
+fn fnv(parts: &[&str]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for b in p.bytes().chain([0u8]) {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let v: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty() && !l.contains("Failed to initialize NumPy") && !l.contains("_conversion_method_template")).collect();
+    v[v.len().saturating_sub(lines)..].join(" | ")
+}
+
+impl TorchTracer {
+    /// Interpreter from `GPUMEM_PYTHON` (else `python3`); cache under `GPUMEM_CACHE`, else
+    /// `$XDG_CACHE_HOME/gpumem`, else `~/.cache/gpumem`.
+    pub fn from_env() -> Self {
+        let python = std::env::var("GPUMEM_PYTHON").ok().filter(|s| !s.is_empty()).unwrap_or_else(|| "python3".into());
+        let cache_dir = std::env::var_os("GPUMEM_CACHE")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("gpumem")))
+            .or_else(|| std::env::var_os("HOME").map(|d| PathBuf::from(d).join(".cache/gpumem")))
+            .unwrap_or_else(|| std::env::temp_dir().join("gpumem"));
+        let timeout_s = std::env::var("GPUMEM_TRACE_TIMEOUT").ok().and_then(|s| s.parse().ok()).unwrap_or(900);
+        TorchTracer { python, cache_dir, timeout_s }
+    }
+
+    fn io(&self, what: &Path, e: std::io::Error) -> BridgeError {
+        BridgeError::Io(format!("{}: {e}", what.display()))
+    }
+
+    /// Unpacks the embedded tracer (once per version of its sources); returns its parent dir.
+    fn package_dir(&self) -> Result<PathBuf, BridgeError> {
+        let digest = fnv(&SOURCES.iter().flat_map(|(n, s)| [*n, *s]).collect::<Vec<_>>());
+        let root = self.cache_dir.join(format!("tracer-{digest:016x}"));
+        let pkg = root.join("gpumem_trace");
+        if !pkg.join("tracer.py").exists() {
+            let tmp = self.cache_dir.join(format!("tracer-{digest:016x}.tmp{}", std::process::id()));
+            let tpkg = tmp.join("gpumem_trace");
+            fs::create_dir_all(&tpkg).map_err(|e| self.io(&tpkg, e))?;
+            for (name, text) in SOURCES {
+                fs::write(tpkg.join(name), text).map_err(|e| self.io(&tpkg, e))?;
+            }
+            if fs::rename(&tmp, &root).is_err() {
+                // Another process won the race; its copy is identical.
+                let _ = fs::remove_dir_all(&tmp);
+            }
+        }
+        Ok(root)
+    }
+
+    /// The torch version of the interpreter, remembered per interpreter and re-checked only when
+    /// torch's version file changes (so cache hits spawn no Python).
+    pub fn torch_version(&self) -> Result<String, BridgeError> {
+        let memo = self.cache_dir.join(format!("python-{:016x}.txt", fnv(&[&self.python])));
+        if let Ok(text) = fs::read_to_string(&memo) {
+            let mut it = text.lines();
+            if let (Some(ver), Some(file), Some(stamp)) = (it.next(), it.next(), it.next())
+                && mtime(Path::new(file)).map(|m| m.to_string()) == Some(stamp.to_string())
+            {
+                return Ok(ver.to_string());
+            }
+        }
+        let out = Command::new(&self.python)
+            .args(["-c", "import importlib.util as u, importlib.metadata as m; s=u.find_spec('torch'); print(m.version('torch')); print(s.submodule_search_locations[0] + '/version.py')"])
+            .output()
+            .map_err(|e| BridgeError::Python(format!("cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)", self.python)))?;
+        if !out.status.success() {
+            return Err(BridgeError::Python(format!(
+                "torch is not installed for `{}` ({}); install it there or set GPUMEM_PYTHON",
+                self.python,
+                tail(&String::from_utf8_lossy(&out.stderr), 1)
+            )));
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let mut it = text.lines();
+        let ver = it.next().unwrap_or("unknown").trim().to_string();
+        if let Some(file) = it.next()
+            && let Some(stamp) = mtime(Path::new(file.trim()))
+        {
+            let _ = fs::create_dir_all(&self.cache_dir);
+            let _ = fs::write(&memo, format!("{ver}\n{}\n{stamp}\n", file.trim()));
+        }
+        Ok(ver)
+    }
+
+    fn cache_path(&self, req: &TraceRequest, torch: &str) -> PathBuf {
+        let key = fnv(&[&format!("{req:?}"), torch, env!("CARGO_PKG_VERSION"), &format!("{:x}", fnv(&SOURCES.map(|s| s.1)))]);
+        self.cache_dir.join("traces").join(format!("{key:016x}.jsonl"))
+    }
+
+    /// The trace for `req`, from the cache or by running the tracer.
+    pub fn trace(&self, req: &TraceRequest) -> Result<Trace, BridgeError> {
+        let torch = self.torch_version()?;
+        let path = self.cache_path(req, &torch);
+        if let Ok(f) = fs::File::open(&path)
+            && let Ok(t) = Trace::read(BufReader::new(f))
+        {
+            return Ok(t);
+        }
+        let dir = path.parent().expect("cache path has a parent");
+        fs::create_dir_all(dir).map_err(|e| self.io(dir, e))?;
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        self.run(req, &tmp)?;
+        let f = fs::File::open(&tmp).map_err(|e| self.io(&tmp, e))?;
+        let t = Trace::read(BufReader::new(f)).map_err(|e| BridgeError::Model(format!("the tracer wrote a bad trace for {}: {e}", req.model)))?;
+        fs::rename(&tmp, &path).map_err(|e| self.io(&path, e))?;
+        Ok(t)
+    }
+
+    fn run(&self, req: &TraceRequest, out: &Path) -> Result<(), BridgeError> {
+        let pkg = self.package_dir()?;
+        let mut pythonpath = pkg.into_os_string();
+        if let Some(old) = std::env::var_os("PYTHONPATH") {
+            pythonpath.push(":");
+            pythonpath.push(old);
+        }
+        let mut cmd = Command::new(&self.python);
+        cmd.arg("-m").arg("gpumem_trace").args(req.args()).arg("--out").arg(out).arg("--timeout").arg(self.timeout_s.to_string());
+        cmd.env("PYTHONPATH", pythonpath).env("PYTHONDONTWRITEBYTECODE", "1");
+        let res = cmd.output().map_err(|e| BridgeError::Python(format!("cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)", self.python)))?;
+        if res.status.success() {
+            return Ok(());
+        }
+        let msg = tail(&String::from_utf8_lossy(&res.stderr), 3);
+        let msg = msg.strip_prefix("gpumem_trace: ").unwrap_or(&msg).to_string();
+        Err(match res.status.code() {
+            Some(2) => BridgeError::BadReference(msg),
+            Some(3) | Some(4) => BridgeError::Model(format!("tracer failed: {msg}")),
+            _ => BridgeError::Python(format!("tracer failed ({}): {msg}", res.status)),
+        })
+    }
+
+    /// Traces `req` at three batch sizes and fits a batch-symbolic trace.
+    pub fn symbolic(&self, req: &TraceRequest) -> Result<SymbolicTrace, BridgeError> {
+        let mut traces = Vec::new();
+        for b in SymbolicTrace::FIT_BATCHES {
+            traces.push(self.trace(&TraceRequest { batch: b, ..req.clone() })?);
+        }
+        SymbolicTrace::fit(&traces).map_err(|e| BridgeError::Model(format!("{}: its traces do not align across batch sizes ({e}); trace each batch size instead", req.model)))
+    }
+}
+
+fn mtime(p: &Path) -> Option<u128> {
+    fs::metadata(p).ok()?.modified().ok()?.duration_since(UNIX_EPOCH).ok().map(|d| d.as_nanos())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn references_and_arguments() {
+        assert!(is_reference("timm:resnet50") && is_reference("hf:GPT2LMHeadModel(n_layer=2)") && !is_reference("mlp:input=3"));
+        let mut r = TraceRequest::new("timm:resnet50", 8);
+        r.input = Some("3x160x160".into());
+        r.checkpointing = true;
+        let a = r.args().join(" ");
+        assert!(a.starts_with("timm:resnet50 --batch 8 --optimizer adam"), "{a}");
+        assert!(a.contains("--input 3x160x160") && a.ends_with("--checkpointing"), "{a}");
+    }
+
+    #[test]
+    fn a_missing_interpreter_is_a_clear_error() {
+        let t = TorchTracer { python: "/nonexistent/python".into(), cache_dir: std::env::temp_dir().join("gpumem-bridge-test"), timeout_s: 5 };
+        let e = t.trace(&TraceRequest::new("timm:resnet50", 2)).unwrap_err().to_string();
+        assert!(e.contains("cannot run the Python interpreter `/nonexistent/python`"), "{e}");
+    }
+}

@@ -1,0 +1,175 @@
+"""The training loop the tracer runs, mirroring a standard PyTorch loop on a CUDA device:
+
+    for inputs, labels in loader:            # rebinding drops last iteration's GPU batch
+        inputs, labels = inputs.cuda(), labels.cuda()
+        optimizer.zero_grad()                 # set_to_none: frees the gradients
+        with autocast(): outputs = model(inputs); loss = loss_fn(outputs, labels)
+        scaler.scale(loss).backward()         # or loss.backward()
+        scaler.step(optimizer); scaler.update()   # or optimizer.step()
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import amp, cuda
+from .models import resolve
+from .tracer import Recorder, TraceMode
+
+DEVICE = "meta"
+
+
+@dataclass
+class TraceOptions:
+    model: str
+    batch: int = 32
+    optimizer: str = "adam"
+    precision: str = "fp32"
+    iterations: int = 3
+    input_shape: tuple = None
+    seq_len: int = None
+    sdpa: str = "flash"
+    checkpointing: bool = False
+    channels_last: bool = False
+    grad_accum: int = 1
+    lr: float = 1e-3
+    extra: dict = field(default_factory=dict)
+
+
+def make_optimizer(name, params, lr):
+    name = name.lower()
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, foreach=True)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, foreach=True)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, foreach=True)
+    if name in ("sgd-momentum", "sgd_momentum"):
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
+    raise ValueError(f"unknown optimizer `{name}` (expected adam, adamw, sgd or sgd-momentum)")
+
+
+class GradScaler:
+    """torch.amp.GradScaler's tensor work without its host synchronisation (no values on meta)."""
+
+    def __init__(self):
+        self.scale_t = None
+
+    def scale(self, loss):
+        if self.scale_t is None:
+            self.scale_t = torch.full((), 65536.0, device=DEVICE)
+            self.growth = torch.full((), 0, dtype=torch.int32, device=DEVICE)
+        return loss * self.scale_t
+
+    def step(self, optimizer):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        inv = self.scale_t.double().reciprocal().float()
+        found = torch.full((), 0.0, device=DEVICE)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        del inv
+        optimizer.step()
+        torch._amp_update_scale_(self.scale_t, self.growth, found, 2.0, 0.5, 2000)
+
+
+def _count_activations(model):
+    """Per-sample sum of leaf-module output sizes (the Horus formula's input)."""
+    total = [0]
+    handles = []
+
+    def hook(_m, _i, out):
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                total[0] += t.numel() // max(t.shape[0], 1)
+
+    for m in model.modules():
+        if not list(m.children()):
+            handles.append(m.register_forward_hook(hook))
+    return total, handles
+
+
+def trace_training(opts: TraceOptions, out_path: str):
+    """Runs the loop and writes the trace to ``out_path``; returns the header."""
+    t0 = time.time()
+    job = resolve(opts.model, input_shape=opts.input_shape, seq_len=opts.seq_len, batch_hint=opts.batch)
+    model = job.model
+    model.train()
+    if opts.checkpointing:
+        if hasattr(model, "set_grad_checkpointing"):
+            model.set_grad_checkpointing(True)
+        elif hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable()
+        else:
+            raise ValueError(f"{opts.model}: activation checkpointing is not supported by this model")
+    low = {"fp32": None, "amp-fp16": torch.float16, "amp-bf16": torch.bfloat16}
+    if opts.precision not in low:
+        raise ValueError(f"unknown precision `{opts.precision}` (expected fp32, amp-fp16 or amp-bf16)")
+    rec = Recorder()
+    mode = TraceMode(rec, DEVICE)
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    specs = job.batch_specs(opts.batch)
+    acts, hooks = _count_activations(model)
+    with cuda.patches(opts.sdpa), mode:
+        rec.phase = "setup"
+        model.to(DEVICE)
+        if opts.channels_last:
+            model.to(memory_format=torch.channels_last)
+        optimizer = make_optimizer(opts.optimizer, [p for p in model.parameters() if p.requires_grad], opts.lr)
+        scaler = GradScaler() if opts.precision == "amp-fp16" else None
+        autocast = amp.Autocast(low[opts.precision]) if low[opts.precision] else None
+        batch = outputs = loss = None
+        for it in range(opts.iterations):
+            for micro in range(opts.grad_accum):
+                batch = None  # the loop head rebinds the batch variables
+                rec.phase, rec.category = "forward", "input_batch"
+                batch = [torch.empty(shape, dtype=dtype, device=DEVICE) for shape, dtype in specs]
+                if opts.channels_last and batch[0].dim() == 4:
+                    batch[0] = batch[0].to(memory_format=torch.channels_last)
+                rec.category = None
+                if micro == 0:
+                    rec.phase = "zero_grad"
+                    optimizer.zero_grad(set_to_none=True)
+                rec.phase = "forward"
+                if autocast is not None:
+                    with autocast:
+                        outputs = job.forward(model, batch)
+                        loss = job.loss(outputs, batch)
+                    autocast.clear()
+                else:
+                    outputs = job.forward(model, batch)
+                    loss = job.loss(outputs, batch)
+                if it == 0 and micro == 0:
+                    for h in hooks:
+                        h.remove()
+                if opts.grad_accum > 1:
+                    loss = loss / opts.grad_accum
+                rec.phase = "backward"
+                (scaler.scale(loss) if scaler else loss).backward()
+                for p in model.parameters():
+                    if p.grad is not None:
+                        rec.relabel(p.grad, "gradient")
+            rec.phase = "optimizer"
+            if scaler:
+                scaler.step(optimizer)
+            else:
+                optimizer.step()
+            for state in optimizer.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor) and v.device.type == DEVICE:
+                        rec.relabel(v, "optimizer_state")
+            rec.iteration_end()
+    header = {
+        "model": opts.model,
+        "batch_size": opts.batch,
+        "optimizer": opts.optimizer,
+        "precision": opts.precision,
+        "producer": "gpumem_trace/0.1.0",
+        "framework": f"torch {torch.__version__}",
+        "parameters": params,
+        "activations_per_sample": int(acts[0]),
+        "trace_seconds": round(time.time() - t0, 3),
+    }
+    if job.seq_len:
+        header["seq_len"] = job.seq_len
+    rec.write(out_path, header)
+    return header

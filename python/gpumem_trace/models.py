@@ -1,0 +1,218 @@
+"""Model references: ``torchvision:NAME``, ``timm:NAME``, ``hf:CLASS(key=value,...)`` and
+``py:path/to/file.py:function``. Each resolves to a ``Job``: the model (built on the CPU with
+weight initialisation skipped), how to make a batch of a given size, and the loss."""
+
+import contextlib
+import difflib
+import importlib
+import importlib.util
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ReferenceError_(Exception):
+    """A bad model reference (exit code 2)."""
+
+
+class Job:
+    def __init__(self, model, batch_specs, loss, forward=None, seq_len=None, input_shape=None):
+        self.model = model
+        self.batch_specs = batch_specs  # batch size -> list of (shape, dtype) of the batch tensors
+        self.loss = loss  # (output, batch tensors) -> scalar
+        self.forward = forward or (lambda m, b: m(b[0]))
+        self.seq_len = seq_len
+        self.input_shape = input_shape
+
+
+@contextlib.contextmanager
+def no_init():
+    """Skips weight initialisation while a model is built: shapes are all the tracer needs."""
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(nn.init, n) for n in names}
+    for n in names:
+        setattr(nn.init, n, lambda t, *a, **k: t)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
+def _kwargs(text, ref):
+    out = {}
+    for item in filter(None, (s.strip() for s in re.split(r"[;,]", text))):
+        if "=" not in item:
+            raise ReferenceError_(f"{ref}: `{item}` is not key=value")
+        k, v = (s.strip() for s in item.split("=", 1))
+        for conv in (int, float):
+            try:
+                v = conv(v)
+                break
+            except ValueError:
+                pass
+        else:
+            v = {"true": True, "false": False, "True": True, "False": False}.get(v, v)
+        out[k] = v
+    return out
+
+
+def _split_call(spec, ref):
+    m = re.fullmatch(r"([^()]+)(?:\((.*)\))?", spec.strip())
+    if not m:
+        raise ReferenceError_(f"{ref}: cannot parse `{spec}`")
+    return m.group(1).strip(), _kwargs(m.group(2) or "", ref)
+
+
+def _require(module, hint):
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ReferenceError_(f"cannot import {module}: {e} (install it: pip install {hint})") from e
+
+
+def _unknown(kind, name, known):
+    close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ReferenceError_(f"unknown {kind} model `{name}`{hint}")
+
+
+def _classification(model, shape, classes, batch_first_key="logits"):
+    def loss(out, batch):
+        if isinstance(out, (tuple, list)):
+            out = out[0]
+        elif hasattr(out, batch_first_key):
+            out = getattr(out, batch_first_key)
+        return F.cross_entropy(out, batch[1])
+
+    return Job(model, lambda b: [((b, *shape), torch.float32), ((b,), torch.long)], loss, input_shape=shape)
+
+
+def torchvision_job(spec, ref, input_shape):
+    tv = _require("torchvision", "torchvision")
+    name, kw = _split_call(spec, ref)
+    known = tv.models.list_models()
+    if name not in known:
+        _unknown("torchvision", name, known)
+    if name == "inception_v3":
+        kw.setdefault("init_weights", False)
+    with no_init():
+        model = tv.models.get_model(name, weights=None, **kw)
+    shape = input_shape or ((3, 299, 299) if name == "inception_v3" else (3, 224, 224))
+    return _classification(model, shape, kw.get("num_classes", 1000))
+
+
+def timm_job(spec, ref, input_shape):
+    timm = _require("timm", "timm")
+    name, kw = _split_call(spec, ref)
+    if not timm.is_model(name):
+        _unknown("timm", name, timm.list_models())
+    with no_init():
+        model = timm.create_model(name, pretrained=False, **kw)
+    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", {}) or {}
+    shape = input_shape or tuple(cfg.get("input_size", (3, 224, 224)))
+    return _classification(model, shape, getattr(model, "num_classes", 1000) or 1000)
+
+
+# Hub names the seed used, as config keys (no Hub access).
+HF_NAMED = {
+    "xlnet-base-cased": {"d_model": 768, "n_layer": 12, "n_head": 12, "d_inner": 3072},
+    "xlnet-large-cased": {"d_model": 1024, "n_layer": 24, "n_head": 16, "d_inner": 4096},
+    "bert-base-uncased": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072},
+    "bert-large-uncased": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096},
+    "gpt2": {"n_embd": 768, "n_layer": 12, "n_head": 12},
+    "gpt2-medium": {"n_embd": 1024, "n_layer": 24, "n_head": 16},
+    "gpt2-large": {"n_embd": 1280, "n_layer": 36, "n_head": 20},
+    "gpt2-xl": {"n_embd": 1600, "n_layer": 48, "n_head": 25},
+}
+# Short keys of the seed's data files.
+HF_ALIASES = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads", "ffn": "intermediate_size", "vocab": "vocab_size"}
+
+
+def hf_job(spec, ref, seq_len):
+    tr = _require("transformers", "transformers")
+    m = re.fullmatch(r"([^()]+)(?:\((.*)\))?", spec.strip())
+    if not m:
+        raise ReferenceError_(f"{ref}: cannot parse `{spec}`")
+    name, inner = m.group(1).strip(), (m.group(2) or "").strip()
+    if inner and "=" not in inner:
+        if inner not in HF_NAMED:
+            raise ReferenceError_(f"{ref}: `{inner}` is a Hub name gpumem does not know offline; give config keys instead")
+        kw = dict(HF_NAMED[inner])
+    else:
+        kw = _kwargs(inner, ref)
+    cls = getattr(tr, name, None)
+    if cls is None or not isinstance(cls, type) or not hasattr(cls, "config_class"):
+        known = [n for n in dir(tr) if n[:1].isupper() and ("For" in n or n.endswith("Model"))]
+        _unknown("Hugging Face", name, known)
+    config_cls = cls.config_class
+    fields = set(config_cls().to_dict())
+    mapped = {}
+    for k, v in kw.items():
+        k2 = k if k in fields else HF_ALIASES.get(k, k)
+        if k2 == "vocab_size" or k2 in fields:
+            mapped[k2] = v
+        elif k == "vocab":
+            mapped["vocab_size"] = v
+        else:
+            raise ReferenceError_(f"{ref}: {config_cls.__name__} has no field `{k}`")
+    config = config_cls(**mapped)
+    with no_init():
+        model = cls(config)
+    limits = [getattr(config, k, None) for k in ("max_position_embeddings", "n_positions")]
+    seq = seq_len or min([512] + [n for n in limits if isinstance(n, int) and n > 0])
+    if "sequenceclassification" in name.lower():
+        specs = lambda b: [((b, seq), torch.long), ((b,), torch.long)]  # noqa: E731
+    else:
+        specs = lambda b: [((b, seq), torch.long), ((b, seq), torch.long)]  # noqa: E731
+    return Job(model, specs, lambda out, batch: out.loss, forward=lambda m, b: m(input_ids=b[0], labels=b[1]), seq_len=seq)
+
+
+def py_job(spec, ref, batch_hint):
+    if spec.count(":") < 1:
+        raise ReferenceError_(f"{ref}: expected py:path/to/file.py:function")
+    path, func = spec.rsplit(":", 1)
+    s = importlib.util.spec_from_file_location("gpumem_user_model", path)
+    if s is None:
+        raise ReferenceError_(f"{ref}: cannot load `{path}`")
+    mod = importlib.util.module_from_spec(s)
+    try:
+        s.loader.exec_module(mod)
+    except FileNotFoundError as e:
+        raise ReferenceError_(f"{ref}: {e}") from e
+    fn = getattr(mod, func, None)
+    if fn is None:
+        _unknown("py", func, [n for n in dir(mod) if not n.startswith("_")])
+
+    def call(b):
+        with no_init():
+            out = fn(b)
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise ReferenceError_(f"{ref}: {func}(batch_size) must return (model, batch, loss_fn)")
+        return out
+
+    model, _, loss = call(batch_hint)
+
+    def specs(b):
+        batch = call(b)[1]
+        ts = list(batch) if isinstance(batch, (tuple, list)) else [batch]
+        return [(tuple(t.shape), t.dtype) for t in ts]
+
+    return Job(model, specs, lambda out, b: loss(out, b if len(b) > 1 else b[0]))
+
+
+def resolve(ref, input_shape=None, seq_len=None, batch_hint=2):
+    kind, sep, spec = ref.partition(":")
+    if not sep:
+        raise ReferenceError_(f"`{ref}` is not a model reference (torchvision:NAME, timm:NAME, hf:CLASS(...), py:FILE:FUNCTION)")
+    if kind == "torchvision":
+        return torchvision_job(spec, ref, input_shape)
+    if kind == "timm":
+        return timm_job(spec, ref, input_shape)
+    if kind == "hf":
+        return hf_job(spec, ref, seq_len)
+    if kind == "py":
+        return py_job(spec, ref, batch_hint)
+    raise ReferenceError_(f"unknown model source `{kind}` in `{ref}` (expected torchvision, timm, hf or py)")

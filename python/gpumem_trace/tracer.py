@@ -1,0 +1,167 @@
+"""Recording storages and kernels as gpumem trace events."""
+
+import json
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+try:
+    from torch.utils.flop_counter import flop_registry
+except ImportError:  # older torch
+    flop_registry = {}
+
+aten = torch.ops.aten
+
+# Ops that call cuBLAS: the first one on a thread allocates that thread's workspace.
+CUBLAS_OPS = {
+    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addbmm, aten.addmv, aten.mv,
+    aten.addr, aten.dot, aten.vdot,
+}
+CUBLAS_WORKSPACE_BYTES = 8_519_680  # resized per GPU by gpumem's replay
+
+DEFAULT_CATEGORY = {
+    "setup": "parameter",
+    "forward": "activation",
+    "backward": "temporary",
+    "optimizer": "temporary",
+    "zero_grad": "temporary",
+}
+
+
+class Recorder:
+    """The event list of one trace. Storage keys are mapped to fresh ids, so reused addresses
+    never confuse lifetimes."""
+
+    def __init__(self):
+        self.events = []
+        self.live = {}  # storage key -> (id, index of its alloc event)
+        self.next_id = 1
+        self.phase = "setup"
+        self.category = None  # overrides the phase's default category
+        self.iterations = 0
+        self.closed = False
+        self.workspaces = set()
+
+    def alloc(self, key, nbytes, op, category=None):
+        i = self.next_id
+        self.next_id += 1
+        cat = category or self.category or DEFAULT_CATEGORY[self.phase]
+        self.events.append({"ev": "alloc", "id": i, "bytes": int(nbytes), "category": cat, "phase": self.phase, "op": op})
+        if key is not None:
+            self.live[key] = (i, len(self.events) - 1)
+        return i
+
+    def free(self, key):
+        if self.closed:
+            return
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.events.append({"ev": "free", "id": entry[0]})
+
+    def op(self, name, flops, bytes_read, bytes_written):
+        self.events.append({"ev": "op", "op": name, "flops": int(flops), "bytes_read": int(bytes_read), "bytes_written": int(bytes_written)})
+
+    def iteration_end(self):
+        self.events.append({"ev": "iteration", "index": self.iterations})
+        self.iterations += 1
+
+    def relabel(self, tensor, category):
+        """Gives the allocation holding ``tensor`` a category known only later (p.grad, state)."""
+        entry = self.live.get(storage_key(tensor))
+        if entry is not None:
+            self.events[entry[1]]["category"] = category
+
+    def workspace(self, thread):
+        if thread not in self.workspaces:
+            self.workspaces.add(thread)
+            self.alloc(None, CUBLAS_WORKSPACE_BYTES, "cublas_workspace", category="workspace")
+
+    def write(self, path, header):
+        self.closed = True
+        header = dict(header, format="gpumem-trace", version=1, iterations=self.iterations)
+        with open(path, "w") as f:
+            f.write(json.dumps(header) + "\n")
+            for e in self.events:
+                f.write(json.dumps(e, separators=(",", ":")) + "\n")
+
+
+def storage_key(t):
+    return t.untyped_storage()._cdata
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+def _nbytes(x):
+    return sum(t.numel() * t.element_size() for t in _tensors(x))
+
+
+class TraceMode(TorchDispatchMode):
+    """Sees every ATen op below autograd; records new device storages and their deaths."""
+
+    def __init__(self, recorder, device="meta"):
+        super().__init__()
+        self.r = recorder
+        self.device = device
+
+    def track(self, t, op):
+        if t.device.type != self.device:
+            return
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.r.live or st.nbytes() == 0:
+            return
+        self.r.alloc(key, st.nbytes(), op)
+        weakref.finalize(st, self.r.free, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = data_dependent(func, args, kwargs)
+        if out is NotImplemented:
+            out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        for t in _tensors(out):
+            self.track(t, name)
+        if func.overloadpacket in CUBLAS_OPS:
+            self.r.workspace("autograd" if self.r.phase == "backward" else "main")
+        flops = 0
+        f = flop_registry.get(func.overloadpacket)
+        if f is not None:
+            try:
+                flops = f(*args, **kwargs, out_val=out)
+            except Exception:
+                flops = 0
+        self.r.op(name, flops, _nbytes(args), _nbytes(out))
+        return out
+
+
+def data_dependent(func, args, kwargs):
+    """Meta tensors have no values: answer value-dependent ops with a plausible stand-in (sizes
+    are the worst case, so memory is never underestimated)."""
+    p = func.overloadpacket
+    if p is aten._local_scalar_dense:
+        t = args[0]
+        return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
+    if p in (aten.equal, aten.is_nonzero, aten.allclose):
+        return True
+    if p is aten.nonzero:
+        t = args[0]
+        return torch.empty((t.numel(), t.dim()), dtype=torch.long, device=t.device)
+    if p is aten.masked_select:
+        t = args[0]
+        return torch.empty((t.numel(),), dtype=t.dtype, device=t.device)
+    if p in (aten._unique2, aten.unique_dim, aten.unique_consecutive, aten._unique):
+        t = args[0]
+        n = t.numel()
+        outs = [torch.empty((n,), dtype=t.dtype, device=t.device), torch.empty(t.shape, dtype=torch.long, device=t.device), torch.empty((n,), dtype=torch.long, device=t.device)]
+        return tuple(outs[:3 if p is not aten._unique else 2])
+    return NotImplemented
