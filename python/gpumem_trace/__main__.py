@@ -60,8 +60,6 @@ def main(argv=None):
         trace_training(opts, a.out)
     except ReferenceError_ as e:
         return fail(2, str(e))
-    except ValueError as e:
-        return fail(2, str(e))
     except TimeoutError:
         return fail(4, f"tracing {a.model} timed out after {a.timeout:g} s")
     except Exception as e:  # the model's own failure

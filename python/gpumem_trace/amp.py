@@ -6,6 +6,8 @@ cast every time), a set of ops run in fp32, softmax-like ops produce fp32 (fp16 
 half→float kernel; bf16 input is converted first), and a few ops promote to the widest dtype.
 """
 
+import types
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -74,7 +76,13 @@ class Autocast(TorchFunctionMode):
             if ts:
                 wide = max((t.dtype for t in ts), key=lambda d: torch.finfo(d).bits)
                 return func(*_map(args, lambda t: t.to(wide) if t.is_floating_point() and t.dtype != wide else t), **kwargs)
-        return func(*args, **kwargs)
+        inner = _unguarded(func)
+        if inner is None:
+            return func(*args, **kwargs)
+        # A Python function that dispatched to us as a whole (multi_head_attention_forward, say):
+        # run its body with this mode active again, so the ops inside it are cast too.
+        with self:
+            return inner(*args, **kwargs)
 
     def softmax(self, func, log, args, kwargs):
         x = args[0]
@@ -97,6 +105,22 @@ class Autocast(TorchFunctionMode):
 
     def clear(self):
         self.cache.clear()
+
+
+_GUARDS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+
+
+def _unguarded(func):
+    """A copy of a ``torch.nn.functional`` Python function whose ``has_torch_function`` guards
+    say no, so its body runs under the mode instead of dispatching to it again; ``None`` for
+    anything else."""
+    g = getattr(func, "__globals__", None)
+    if not isinstance(func, types.FunctionType) or getattr(func, "__module__", None) != F.__name__ or g is None:
+        return None
+    no = lambda *a, **k: False  # noqa: E731
+    clone = types.FunctionType(func.__code__, {**g, **{n: no for n in _GUARDS}}, func.__name__, func.__defaults__, func.__closure__)
+    clone.__kwdefaults__ = func.__kwdefaults__
+    return clone
 
 
 def _flat(x):

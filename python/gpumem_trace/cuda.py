@@ -53,9 +53,33 @@ def make_sdpa(capability):
     return sdpa
 
 
+_meta_lib = None
+
+
+def register_meta_kernels():
+    """Ops with a CUDA kernel but no Meta kernel would run their math decomposition on meta
+    tensors (allocating intermediates CUDA never allocates, and saving different tensors for
+    backward). Give them a Meta kernel that runs the decomposition out of the tracer's sight, so
+    the trace shows one kernel with its outputs, as on CUDA."""
+    global _meta_lib
+    if _meta_lib is not None:
+        return
+    _meta_lib = torch.library.Library("aten", "IMPL")
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith("aten::") or not (has(name, "CUDA") and has(name, "CompositeImplicitAutograd") and not has(name, "Meta")):
+            continue
+        base, _, overload = name[len("aten::"):].partition(".")
+        op = getattr(getattr(torch.ops.aten, base), overload or "default")
+        # Library.impl refuses Meta kernels for such ops (core wants decompositions there);
+        # the C++ registration underneath does exactly what we need.
+        _meta_lib.m.impl(name[len("aten::"):], "Meta", lambda *a, _op=op, **k: _op.decompose(*a, **k), False)
+
+
 @contextlib.contextmanager
 def patches(sdpa_capability):
     """Installs CUDA behaviour for the duration of a trace."""
+    register_meta_kernels()
     saved = (F.dropout, F.scaled_dot_product_attention)
     F.dropout = _dropout
     F.scaled_dot_product_attention = make_sdpa(sdpa_capability)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import amp, cuda
-from .models import resolve
+from .models import ReferenceError_, resolve
 from .tracer import Recorder, TraceMode
 
 DEVICE = "meta"
@@ -47,7 +47,7 @@ def make_optimizer(name, params, lr):
         return torch.optim.SGD(params, lr=lr, foreach=True)
     if name in ("sgd-momentum", "sgd_momentum"):
         return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
-    raise ValueError(f"unknown optimizer `{name}` (expected adam, adamw, sgd or sgd-momentum)")
+    raise ReferenceError_(f"unknown optimizer `{name}` (expected adam, adamw, sgd or sgd-momentum)")
 
 
 class GradScaler:
@@ -100,10 +100,10 @@ def trace_training(opts: TraceOptions, out_path: str):
         elif hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
         else:
-            raise ValueError(f"{opts.model}: activation checkpointing is not supported by this model")
+            raise ReferenceError_(f"{opts.model}: activation checkpointing is not supported by this model")
     low = {"fp32": None, "amp-fp16": torch.float16, "amp-bf16": torch.bfloat16}
     if opts.precision not in low:
-        raise ValueError(f"unknown precision `{opts.precision}` (expected fp32, amp-fp16 or amp-bf16)")
+        raise ReferenceError_(f"unknown precision `{opts.precision}` (expected fp32, amp-fp16 or amp-bf16)")
     rec = Recorder()
     mode = TraceMode(rec, DEVICE)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -120,7 +120,10 @@ def trace_training(opts: TraceOptions, out_path: str):
         batch = outputs = loss = None
         for it in range(opts.iterations):
             for micro in range(opts.grad_accum):
-                batch = None  # the loop head rebinds the batch variables
+                # The loop head rebinds `inputs, labels = ...`: the old batch dies in that order.
+                for i in range(len(batch or [])):
+                    batch[i] = None
+                batch = None
                 rec.phase, rec.category = "forward", "input_batch"
                 batch = [torch.empty(shape, dtype=dtype, device=DEVICE) for shape, dtype in specs]
                 if opts.channels_last and batch[0].dim() == 4:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 
 class ReferenceError_(Exception):
-    """A bad model reference (exit code 2)."""
+    """A bad model reference or option (exit code 2)."""
 
 
 class Job:
@@ -171,9 +171,12 @@ def hf_job(spec, ref, seq_len):
 
 
 def py_job(spec, ref, batch_hint):
-    if spec.count(":") < 1:
+    """``py:FILE.py:FUNCTION`` or ``py:FILE.py:FUNCTION(key=value,...)``: FUNCTION(batch_size,
+    **keys) returns (model, batch, loss_fn); loss_fn(output, batch) gives the loss."""
+    m = re.fullmatch(r"(.+):([A-Za-z_][A-Za-z0-9_]*)(?:\((.*)\))?", spec.strip())
+    if not m:
         raise ReferenceError_(f"{ref}: expected py:path/to/file.py:function")
-    path, func = spec.rsplit(":", 1)
+    path, func, kw = m.group(1), m.group(2), _kwargs(m.group(3) or "", ref)
     s = importlib.util.spec_from_file_location("gpumem_user_model", path)
     if s is None:
         raise ReferenceError_(f"{ref}: cannot load `{path}`")
@@ -188,7 +191,7 @@ def py_job(spec, ref, batch_hint):
 
     def call(b):
         with no_init():
-            out = fn(b)
+            out = fn(b, **kw)
         if not (isinstance(out, tuple) and len(out) == 3):
             raise ReferenceError_(f"{ref}: {func}(batch_size) must return (model, batch, loss_fn)")
         return out

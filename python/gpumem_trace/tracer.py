@@ -112,6 +112,7 @@ class TraceMode(TorchDispatchMode):
         super().__init__()
         self.r = recorder
         self.device = device
+        self.last_op = None
 
     def track(self, t, op):
         if t.device.type != self.device:
@@ -125,10 +126,19 @@ class TraceMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if in_place_on_gpu(func, args, kwargs, self.r.phase, self.last_op):
+            # While a Python dispatch mode is active, PyTorch treats every tensor as a subclass
+            # (`isTensorSubclassLike`) and takes out-of-place paths: the autograd engine sums
+            # two gradients of one tensor out of place, and linear adds its bias out of place.
+            # On a GPU both happen in place; an alias of the first operand is the same memory.
+            self.r.op("add_", 0, _nbytes(args), 0)
+            return aten.alias(args[0])
         out = data_dependent(func, args, kwargs)
         if out is NotImplemented:
             out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
+        if name not in VIEW_OPS:
+            self.last_op = name
         for t in _tensors(out):
             self.track(t, name)
         if func.overloadpacket in CUBLAS_OPS:
@@ -142,6 +152,30 @@ class TraceMode(TorchDispatchMode):
                 flops = 0
         self.r.op(name, flops, _nbytes(args), _nbytes(out))
         return out
+
+
+VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "permute", "expand", "alias", "detach", "select", "slice"}
+
+
+def in_place_on_gpu(func, args, kwargs, phase, last_op):
+    """An out-of-place add that a GPU run does in place: the autograd engine's sum of two
+    same-shaped gradients (InputBuffer::accumulate), or linear's bias added to a fresh matmul
+    output."""
+    if func is not aten.add.Tensor or len(args) != 2 or kwargs.get("alpha", 1) != 1:
+        return False
+    a, b = args
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    if phase == "backward":
+        return a.shape == b.shape and a.dtype == b.dtype and _dense(a) and _dense(b)
+    return (phase == "forward" and last_op in ("mm", "bmm") and b.dim() == 1 and b.requires_grad and a.dim() >= 2
+            and a.shape[-1] == b.shape[0] and a.dtype == b.dtype and a.is_contiguous())
+
+
+def _dense(t):
+    from torch._prims_common import is_non_overlapping_and_dense
+
+    return is_non_overlapping_and_dense(t)
 
 
 def data_dependent(func, args, kwargs):

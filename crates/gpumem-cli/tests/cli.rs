@@ -80,8 +80,21 @@ fn bad_inputs_exit_2_with_one_line() {
     bad_input(&["estimate", MLP, "--precision", "fp8"], "unknown precision `fp8`");
     bad_input(&["estimate", MLP, "--estimator", "oracle"], "unknown estimator `oracle`");
     bad_input(&["estimate", "missing.jsonl"], "no such trace file");
-    bad_input(&["estimate", "timm:resnet50"], "PyTorch bridge");
     bad_input(&["max-batch", "nonsense"], "has no `family:` prefix");
+}
+
+#[test]
+fn a_missing_python_is_exit_3_with_a_clear_message() {
+    let o = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args(["estimate", "timm:resnet50", "--batch", "2"])
+        .env("GPUMEM_PYTHON", "/nonexistent/python3")
+        .env("GPUMEM_CACHE", tmp("cache"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(err.contains("cannot run the Python interpreter `/nonexistent/python3`"), "{err}");
+    bad_input(&["estimate", MLP, "--input", "3x224x224"], "apply to PyTorch models");
 }
 
 #[test]

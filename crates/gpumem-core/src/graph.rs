@@ -148,6 +148,9 @@ pub struct Graph {
     pub autocast_cache: Vec<TensorId>,
     /// Per-sample activation count (the Horus formula's input).
     pub activations_per_sample: u64,
+    /// Python variables that keep a tensor alive past its last use: (tensor, node after which
+    /// the variable is dropped), e.g. a layer's `src` argument until the layer returns.
+    pub holds: Vec<(TensorId, usize)>,
 }
 
 impl Graph {
@@ -300,6 +303,13 @@ impl GraphBuilder {
         }
     }
 
+    /// A Python variable holds `t` until the node added last (a function's argument, held
+    /// until the function returns).
+    pub fn hold_until_now(&mut self, t: TensorId) {
+        let last = self.g.nodes.len().saturating_sub(1);
+        self.g.holds.push((t, last));
+    }
+
     /// Adds forward temporaries to the last node.
     pub fn with_temps(&mut self, temps: &[u64]) {
         if let Some(n) = self.g.nodes.last_mut() {
@@ -367,6 +377,12 @@ impl GraphBuilder {
         self.linear_with(x, w, b, in_f, out_f)
     }
 
+    /// Registers a linear layer's weight (and bias) now.
+    pub fn linear_params(&mut self, in_f: u64, out_f: u64, bias: bool) -> (TensorId, Option<TensorId>) {
+        let w = self.param(out_f * in_f);
+        (w, bias.then(|| self.param(out_f)))
+    }
+
     /// A linear layer with given weights (shared or pre-registered parameters).
     pub fn linear_with(&mut self, x: TensorId, w: TensorId, b: Option<TensorId>, in_f: u64, out_f: u64) -> TensorId {
         let rows = self.g.t(x).numel / in_f;
@@ -395,11 +411,22 @@ impl GraphBuilder {
 
     /// `nn.BatchNorm1d/2d` in training mode over `channels`.
     pub fn batch_norm(&mut self, x: TensorId, channels: u64) -> TensorId {
+        let params = self.batch_norm_params(channels);
+        self.batch_norm_with(x, params, channels)
+    }
+
+    /// Registers a BatchNorm's weight, bias and running statistics now.
+    pub fn batch_norm_params(&mut self, channels: u64) -> (TensorId, TensorId) {
         let w = self.param(channels);
         let b = self.param(channels);
         self.buffer(channels, Dtype::F32);
         self.buffer(channels, Dtype::F32);
         self.buffer(1, Dtype::I64);
+        (w, b)
+    }
+
+    /// A BatchNorm with parameters from [`GraphBuilder::batch_norm_params`].
+    pub fn batch_norm_with(&mut self, x: TensorId, (w, b): (TensorId, TensorId), channels: u64) -> TensorId {
         let t = self.g.t(x).clone();
         let outs = self.node(
             "batch_norm",
@@ -415,8 +442,12 @@ impl GraphBuilder {
 
     /// `nn.LayerNorm(features)`; autocast runs it in fp32 (output fp32).
     pub fn layer_norm(&mut self, x: TensorId, features: u64) -> TensorId {
-        let w = self.param(features);
-        let b = self.param(features);
+        let params = (self.param(features), self.param(features));
+        self.layer_norm_with(x, params, features)
+    }
+
+    /// A LayerNorm whose weight and bias were registered already.
+    pub fn layer_norm_with(&mut self, x: TensorId, (w, b): (TensorId, TensorId), features: u64) -> TensorId {
         let x32 = self.to_f32(x);
         let n = self.g.t(x32).numel;
         let rows = n / features;
@@ -534,8 +565,21 @@ impl GraphBuilder {
     /// and its spatial size.
     #[allow(clippy::too_many_arguments)]
     pub fn conv2d(&mut self, x: TensorId, batch: u64, in_c: u64, out_c: u64, hw: u64, k: u64, stride: u64, pad: u64, bias: bool) -> (TensorId, u64) {
+        let params = self.conv_params(in_c, out_c, k, bias);
+        self.conv2d_with(x, params, batch, in_c, out_c, hw, k, stride, pad)
+    }
+
+    /// Registers a conv's weight (and bias) now, for modules whose parameters are defined in
+    /// another order than they run.
+    pub fn conv_params(&mut self, in_c: u64, out_c: u64, k: u64, bias: bool) -> (TensorId, Option<TensorId>) {
         let w = self.param(out_c * in_c * k * k);
         let b = if bias { Some(self.param(out_c)) } else { None };
+        (w, b)
+    }
+
+    /// A conv with parameters from [`GraphBuilder::conv_params`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv2d_with(&mut self, x: TensorId, (w, b): (TensorId, Option<TensorId>), batch: u64, in_c: u64, out_c: u64, hw: u64, k: u64, stride: u64, pad: u64) -> (TensorId, u64) {
         let out_hw = (hw + 2 * pad - k) / stride + 1;
         let out_numel = batch * out_c * out_hw * out_hw;
         let flops = 2 * out_numel * in_c * k * k;
@@ -581,6 +625,11 @@ impl GraphBuilder {
     /// `nn.Embedding(vocab, dim)` lookup of `tokens` int64 ids; its weight grad is dense.
     pub fn embedding(&mut self, ids: TensorId, vocab: u64, dim: u64) -> TensorId {
         let w = self.param(vocab * dim);
+        self.embedding_with(ids, w, dim)
+    }
+
+    /// An embedding lookup in a table registered already.
+    pub fn embedding_with(&mut self, ids: TensorId, w: TensorId, dim: u64) -> TensorId {
         let n = self.g.t(ids).numel;
         // The backward sorts the indices (int64 temporaries) before the scatter-add.
         self.node("embedding", &[w, ids], &[(n * dim, Dtype::F32)], &[Saved::In(1)], &[Bw::Temp(8 * n), Bw::Temp(8 * n), Bw::Grad(0)], n * dim, false)[0]
@@ -601,8 +650,9 @@ impl GraphBuilder {
             let outs = self.node(
                 "flash_attention",
                 &[qkv],
-                &[(n, dt), (batch * heads * seq, Dtype::F32)],
-                &[Saved::In(0), Saved::Out(0), Saved::Out(1)],
+                // out, logsumexp, the philox seed [2] and offset (uint64)
+                &[(n, dt), (batch * heads * seq, Dtype::F32), (2, Dtype::I64), (1, Dtype::I64)],
+                &[Saved::In(0), Saved::Out(0), Saved::Out(1), Saved::Out(2), Saved::Out(3)],
                 &[Bw::Temp(4 * batch * rounded * heads * d_round), Bw::Temp(4 * batch * heads * rounded), Bw::Temp(3 * n * dt.size()), Bw::Grad(0), Bw::Temp(3 * n * dt.size())],
                 flops,
                 false,
@@ -613,8 +663,9 @@ impl GraphBuilder {
             let outs = self.node(
                 "efficient_attention",
                 &[qkv],
-                &[(n, dt), (lse, Dtype::F32)],
-                &[Saved::In(0), Saved::Out(0), Saved::Out(1)],
+                // out, logsumexp, the philox seed and offset (int64 scalars)
+                &[(n, dt), (lse, Dtype::F32), (1, Dtype::I64), (1, Dtype::I64)],
+                &[Saved::In(0), Saved::Out(0), Saved::Out(1), Saved::Out(2), Saved::Out(3)],
                 &[Bw::Temp(4 * batch * heads * seq), Bw::Temp(3 * n * dt.size()), Bw::Grad(0), Bw::Temp(3 * n * dt.size())],
                 flops,
                 false,

@@ -121,11 +121,16 @@ impl TrainingLoop {
     }
 }
 
-/// A gradient buffer shared by pass-through ops (add, cat, clone).
-#[derive(Debug, Clone, Copy)]
-struct GradBuf {
-    id: u64,
-    refs: u32,
+/// Gradient buffers of one backward pass, shared by pass-through ops (add, cat, clone):
+/// (trace id, references).
+#[derive(Debug, Default)]
+struct GradBufs(Vec<(u64, u32)>);
+
+impl GradBufs {
+    fn new_buf(&mut self, id: u64) -> usize {
+        self.0.push((id, 1));
+        self.0.len() - 1
+    }
 }
 
 struct Emitter<'a> {
@@ -211,6 +216,9 @@ impl<'a> Emitter<'a> {
         for &h in &g.user_holds {
             refs[h.0 as usize] += 1;
         }
+        for &(t, _) in &g.holds {
+            refs[t.0 as usize] += 1;
+        }
         Pass { id, refs }
     }
 
@@ -265,6 +273,9 @@ impl<'a> Emitter<'a> {
                 {
                     self.b.free(id);
                 }
+            }
+            for &(t, _) in g.holds.iter().filter(|(_, at)| *at == ni) {
+                self.release(g, p, t);
             }
         }
     }
@@ -360,55 +371,50 @@ impl<'a> Emitter<'a> {
         Some(self.b.alloc(4, Category::Temporary, Phase::Forward, "scale_loss"))
     }
 
+    /// The autograd engine, node by node in reverse creation order: the node allocates its
+    /// outputs (and temporaries); when it returns, its incoming gradients die, then its saved
+    /// tensors; then its outputs go to the next nodes' input buffers (spec §3.1.6–3.1.8).
     fn backward(&mut self, g: &Graph, p: &mut Pass, scaled_root: Option<u64>) {
         let Some(loss) = g.loss else { return };
-        let mut grad: Vec<Option<GradBuf>> = vec![None; g.tensors.len()];
-        // The root gradient is also held by the engine until the whole backward returns.
+        let mut bufs = GradBufs::default();
+        let mut grad: Vec<Option<usize>> = vec![None; g.tensors.len()];
         let ones = self.b.alloc(4, Category::Temporary, Phase::Backward, "ones_like");
-        grad[loss.0 as usize] = Some(GradBuf { id: ones, refs: 2 });
+        let root = bufs.new_buf(ones);
+        // The engine also holds the root gradient until the whole backward returns.
+        bufs.0[root].1 += 1;
+        grad[loss.0 as usize] = Some(root);
         let param_index: HashMap<TensorId, usize> = g.params.iter().enumerate().map(|(k, &t)| (t, k)).collect();
         for ni in (0..g.nodes.len()).rev() {
             let n = &g.nodes[ni];
-            let has_grad = n.outputs.iter().any(|o| grad[o.0 as usize].is_some());
-            if !n.bw.is_empty() && has_grad {
-                let incoming: Option<GradBuf> = n.outputs.first().and_then(|o| grad[o.0 as usize]);
+            let incoming: Vec<usize> = n.outputs.iter().filter_map(|o| grad[o.0 as usize].take()).collect();
+            let mut outputs: Vec<(TensorId, usize)> = Vec::new();
+            if !n.bw.is_empty() && !incoming.is_empty() {
                 let mut temps = Vec::new();
-                let mut allocated = false;
                 for step in &n.bw {
                     match *step {
-                        Bw::Temp(bytes) => {
-                            temps.push(self.b.alloc(bytes, Category::Temporary, Phase::Backward, n.name));
-                        }
+                        Bw::Temp(bytes) => temps.push(self.b.alloc(bytes, Category::Temporary, Phase::Backward, n.name)),
                         Bw::Grad(i) | Bw::PassThrough(i) => {
                             let t = n.inputs[i];
                             let tensor = g.t(t);
                             if !tensor.requires_grad {
                                 continue;
                             }
-                            let new = match (*step, incoming) {
-                                (Bw::PassThrough(_), Some(mut buf)) => {
-                                    buf.refs += 1;
-                                    if let Some(o) = n.outputs.first() {
-                                        grad[o.0 as usize] = Some(buf);
-                                    }
-                                    buf
+                            let out = match *step {
+                                Bw::PassThrough(_) => {
+                                    bufs.0[incoming[0]].1 += 1;
+                                    incoming[0]
                                 }
                                 _ => {
                                     let cat = if tensor.role == Role::Param { Category::Gradient } else { Category::Temporary };
                                     let id = self.b.alloc(tensor.bytes(), cat, Phase::Backward, n.name);
-                                    allocated = true;
-                                    GradBuf { id, refs: 1 }
+                                    if n.cublas {
+                                        self.workspace(Phase::Backward);
+                                    }
+                                    bufs.new_buf(id)
                                 }
                             };
-                            if tensor.role == Role::Param {
-                                self.accumulate_param(param_index[&t], new, tensor.bytes());
-                            } else {
-                                self.accumulate(&mut grad, t, new, g.t(t).bytes());
-                            }
+                            outputs.push((t, out));
                         }
-                    }
-                    if n.cublas && allocated {
-                        self.workspace(Phase::Backward);
                     }
                 }
                 self.b.op(n.name, 2 * n.flops, n.bytes, n.bytes);
@@ -416,64 +422,65 @@ impl<'a> Emitter<'a> {
                     self.b.free(id);
                 }
             }
-            // The incoming gradients die with the call, then the saved tensors.
-            for &o in &n.outputs {
-                if let Some(buf) = grad[o.0 as usize].take() {
-                    self.drop_grad(buf);
-                }
+            for b in incoming {
+                self.drop_grad(&mut bufs, b);
             }
             for &s in &n.saved {
                 self.release(g, p, s);
             }
+            for (t, out) in outputs {
+                match param_index.get(&t) {
+                    Some(&k) => self.accumulate_param(&mut bufs, k, out, g.t(t).bytes()),
+                    None => self.accumulate(&mut bufs, &mut grad, t, out, g.t(t).bytes()),
+                }
+            }
         }
-        self.drop_grad(GradBuf { id: ones, refs: 1 });
+        self.drop_grad(&mut bufs, root);
         if let Some(id) = scaled_root {
             self.b.free(id);
         }
     }
 
-    fn drop_grad(&mut self, mut buf: GradBuf) {
-        buf.refs -= 1;
-        if buf.refs == 0 {
-            self.b.free(buf.id);
+    fn drop_grad(&mut self, bufs: &mut GradBufs, b: usize) {
+        let e = &mut bufs.0[b];
+        e.1 -= 1;
+        if e.1 == 0 {
+            self.b.free(e.0);
         }
     }
 
-    /// InputBuffer::accumulate: keep the first gradient; add later ones in place when one of the
-    /// two is exclusively owned, else sum out of place.
-    fn accumulate(&mut self, grad: &mut [Option<GradBuf>], t: TensorId, new: GradBuf, bytes: u64) {
+    /// InputBuffer::accumulate: keep the first gradient; add a later one in place into whichever
+    /// of the two is exclusively owned (the other reference dies), else sum out of place.
+    fn accumulate(&mut self, bufs: &mut GradBufs, grad: &mut [Option<usize>], t: TensorId, new: usize, bytes: u64) {
         let k = t.0 as usize;
-        match grad[k] {
-            None => grad[k] = Some(new),
-            Some(old) if old.refs == 1 || new.refs == 1 => {
-                // In place into the exclusive one; the other reference dies.
-                if old.refs == 1 {
-                    self.drop_grad(new);
-                } else {
-                    grad[k] = Some(new);
-                    self.drop_grad(old);
-                }
-            }
-            Some(old) => {
-                let id = self.b.alloc(bytes, Category::Temporary, Phase::Backward, "accumulate");
-                grad[k] = Some(GradBuf { id, refs: 1 });
-                self.drop_grad(old);
-                self.drop_grad(new);
-            }
+        let Some(old) = grad[k] else {
+            grad[k] = Some(new);
+            return;
+        };
+        if bufs.0[old].1 == 1 {
+            self.drop_grad(bufs, new);
+        } else if bufs.0[new].1 == 1 {
+            grad[k] = Some(new);
+            self.drop_grad(bufs, old);
+        } else {
+            let id = self.b.alloc(bytes, Category::Temporary, Phase::Backward, "accumulate");
+            grad[k] = Some(bufs.new_buf(id));
+            self.drop_grad(bufs, old);
+            self.drop_grad(bufs, new);
         }
     }
 
-    /// AccumulateGrad: the first gradient becomes `p.grad`; later ones are added in place.
-    fn accumulate_param(&mut self, k: usize, new: GradBuf, bytes: u64) {
-        if self.grads[k].is_none() && new.refs == 1 {
-            self.grads[k] = Some(new.id);
-            return;
-        }
+    /// AccumulateGrad: the first gradient becomes `p.grad` (stolen, when nothing else holds
+    /// it; else a clone); later ones are added in place.
+    fn accumulate_param(&mut self, bufs: &mut GradBufs, k: usize, new: usize, bytes: u64) {
         if self.grads[k].is_none() {
-            // Shared with another consumer: a contract-obeying clone becomes p.grad.
+            if bufs.0[new].1 == 1 {
+                self.grads[k] = Some(bufs.0[new].0);
+                return;
+            }
             self.grads[k] = Some(self.b.alloc(bytes, Category::Gradient, Phase::Backward, "accumulate_grad"));
         }
-        self.drop_grad(new);
+        self.drop_grad(bufs, new);
     }
 
     fn step(&mut self, g: &Graph) {

@@ -218,7 +218,9 @@ impl TorchTracer {
     }
 
     fn cache_path(&self, req: &TraceRequest, torch: &str) -> PathBuf {
-        let key = fnv(&[&format!("{req:?}"), torch, env!("CARGO_PKG_VERSION"), &format!("{:x}", fnv(&SOURCES.map(|s| s.1)))]);
+        // A user's model file is part of the key: editing it must not serve a stale trace.
+        let user_file = req.model.strip_prefix("py:").and_then(|r| r.rsplit_once(':')).map(|(path, _)| mtime(Path::new(path)).unwrap_or(0).to_string()).unwrap_or_default();
+        let key = fnv(&[&format!("{req:?}"), torch, env!("CARGO_PKG_VERSION"), &format!("{:x}", fnv(&SOURCES.map(|s| s.1))), &user_file]);
         self.cache_dir.join("traces").join(format!("{key:016x}.jsonl"))
     }
 

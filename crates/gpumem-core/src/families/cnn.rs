@@ -133,6 +133,20 @@ impl Cnn {
         (y, hw)
     }
 
+    /// A 3×3 ConvBlock whose parameters were registered already.
+    #[allow(clippy::too_many_arguments)]
+    fn conv_block_with(&self, g: &mut GraphBuilder, x: TensorId, (conv, norm): ((TensorId, Option<TensorId>), Option<(TensorId, TensorId)>), b: u64, cin: u64, cout: u64, hw: u64, stride: u64, dropout: bool) -> (TensorId, u64) {
+        let (mut y, hw) = g.conv2d_with(x, conv, b, cin, cout, hw, 3, stride, 1);
+        if let Some(n) = norm {
+            y = g.batch_norm_with(y, n, cout);
+        }
+        y = g.activation(y, self.act);
+        if dropout {
+            y = g.dropout(y, self.dropout);
+        }
+        (y, hw)
+    }
+
     pub fn graph(&self, batch: u64, precision: Precision) -> Graph {
         let mut g = GraphBuilder::new(precision);
         let b = batch;
@@ -147,17 +161,23 @@ impl Cnn {
                 for i in 0..self.depth / 2 {
                     let out = ((self.filters as f64 * growth.powi(i as i32) + 1e-9).floor()).min(MAX_FILTERS) as u64;
                     let stride = if i % 2 == 1 && hw > 7 { 2 } else { 1 };
-                    let residual = if c != out || stride != 1 {
-                        let (mut s, _) = g.conv2d(x, b, c, out, hw, 1, stride, 0, true);
-                        if self.batchnorm {
-                            s = g.batch_norm(s, out);
+                    // Parameters in definition order (conv1, conv2, shortcut); the shortcut runs first.
+                    let bn = self.batchnorm;
+                    let c1 = (g.conv_params(c, out, 3, true), bn.then(|| g.batch_norm_params(out)));
+                    let c2 = (g.conv_params(out, out, 3, true), bn.then(|| g.batch_norm_params(out)));
+                    let shortcut = (c != out || stride != 1).then(|| (g.conv_params(c, out, 1, true), bn.then(|| g.batch_norm_params(out))));
+                    let residual = match shortcut {
+                        Some((conv, norm)) => {
+                            let (mut s, _) = g.conv2d_with(x, conv, b, c, out, hw, 1, stride, 0);
+                            if let Some(n) = norm {
+                                s = g.batch_norm_with(s, n, out);
+                            }
+                            s
                         }
-                        s
-                    } else {
-                        x
+                        None => x,
                     };
-                    let (y, h1) = self.conv_block(&mut g, x, b, c, out, hw, 3, stride, 1, drop, self.act);
-                    let (y, h2) = self.conv_block(&mut g, y, b, out, out, h1, 3, 1, 1, drop, self.act);
+                    let (y, h1) = self.conv_block_with(&mut g, x, c1, b, c, out, hw, stride, drop);
+                    let (y, h2) = self.conv_block_with(&mut g, y, c2, b, out, out, h1, 1, drop);
                     x = g.add(y, residual);
                     acts += 2 * out * h2 * h2;
                     c = out;

@@ -69,26 +69,42 @@ impl Transformer {
         Ok(t)
     }
 
+    /// An `nn.MultiheadAttention`'s parameters: in_proj (packed q, k, v) then out_proj.
+    fn attention_params(&self, g: &mut GraphBuilder) -> Attn {
+        let e = self.embed;
+        let in_proj = (g.param(3 * e * e), Some(g.param(3 * e)));
+        Attn { in_proj, out_proj: g.linear_params(e, e, true) }
+    }
+
+    /// A layer's parameters in PyTorch's registration order: self_attn, [multihead_attn],
+    /// linear1, linear2, norm1, norm2, [norm3].
+    fn layer_params(&self, g: &mut GraphBuilder, decoder: bool) -> Layer {
+        let (e, f) = (self.embed, self.ff);
+        let self_attn = self.attention_params(g);
+        let cross_attn = decoder.then(|| self.attention_params(g));
+        let linear1 = g.linear_params(e, f, true);
+        let linear2 = g.linear_params(f, e, true);
+        let norms = (0..if decoder { 3 } else { 2 }).map(|_| (g.param(e), g.param(e))).collect();
+        Layer { self_attn, cross_attn, linear1, linear2, norms }
+    }
+
     /// `F.multi_head_attention_forward` in training with need_weights=False, batch_first.
     /// `q_in` and `kv_in` are `[B, S, E]`; the same id means self-attention.
-    fn attention(&self, g: &mut GraphBuilder, q_in: TensorId, kv_in: TensorId, b: u64) -> TensorId {
+    fn attention(&self, g: &mut GraphBuilder, p: &Attn, q_in: TensorId, kv_in: TensorId, b: u64) -> TensorId {
         let (e, s, h) = (self.embed, self.seq, self.heads);
-        let w_in = g.param(3 * e * e);
-        let b_in = g.param(3 * e);
-        let w_out = g.param(e * e);
-        let b_out = g.param(e);
+        let (w_in, b_in) = p.in_proj;
         // The batch_first transpose makes the input non-contiguous: linear falls back to matmul,
         // whose reshape copies it; the bias is added in place.
         let qkv = if q_in == kv_in {
             let xc = g.copy(q_in);
-            let proj = g.linear_with(xc, w_in, Some(b_in), e, 3 * e);
+            let proj = g.linear_with(xc, w_in, b_in, e, 3 * e);
             // unflatten/transpose/.contiguous(): a packed [3, S, B, E] copy.
             g.copy(proj)
         } else {
             let qc = g.copy(q_in);
-            let q = g.linear_with(qc, w_in, Some(b_in), e, e);
+            let q = g.linear_with(qc, w_in, b_in, e, e);
             let kc = g.copy(kv_in);
-            let kv = g.linear_with(kc, w_in, Some(b_in), e, 2 * e);
+            let kv = g.linear_with(kc, w_in, b_in, e, 2 * e);
             let kv = g.copy(kv);
             g.cat(&[q, kv])
         };
@@ -96,39 +112,38 @@ impl Transformer {
         let flash = self.flash && dt != Dtype::F32;
         let att = g.sdpa(qkv, b, h, s, e / h, flash);
         let merged = g.copy(att);
-        g.linear_with(merged, w_out, Some(b_out), e, e)
+        g.linear_with(merged, p.out_proj.0, p.out_proj.1, e, e)
     }
 
-    fn feed_forward(&self, g: &mut GraphBuilder, x: TensorId) -> TensorId {
-        let y = g.linear(x, self.embed, self.ff, true);
+    fn feed_forward(&self, g: &mut GraphBuilder, p: &Layer, x: TensorId) -> TensorId {
+        let y = g.linear_with(x, p.linear1.0, p.linear1.1, self.embed, self.ff);
         let y = g.activation(y, Activation::Relu);
         let y = g.dropout(y, self.dropout);
-        let y = g.linear(y, self.ff, self.embed, true);
+        let y = g.linear_with(y, p.linear2.0, p.linear2.1, self.ff, self.embed);
         g.dropout(y, self.dropout)
     }
 
-    fn encoder_layer(&self, g: &mut GraphBuilder, x: TensorId, b: u64) -> TensorId {
-        let sa = self.attention(g, x, x, b);
+    /// Post-norm: x = norm1(x + dropout(sa(x))); [x = norm2(x + dropout(mha(x, memory)))];
+    /// x = normN(x + ff(x)).
+    fn layer(&self, g: &mut GraphBuilder, p: &Layer, src: TensorId, memory: Option<TensorId>, b: u64) -> TensorId {
+        let e = self.embed;
+        let x = src;
+        let sa = self.attention(g, &p.self_attn, x, x, b);
         let sa = g.dropout(sa, self.dropout);
         let x = g.add(x, sa);
-        let x = g.layer_norm(x, self.embed);
-        let ff = self.feed_forward(g, x);
-        let x = g.add(x, ff);
-        g.layer_norm(x, self.embed)
-    }
-
-    fn decoder_layer(&self, g: &mut GraphBuilder, x: TensorId, memory: TensorId, b: u64) -> TensorId {
-        let sa = self.attention(g, x, x, b);
-        let sa = g.dropout(sa, self.dropout);
-        let x = g.add(x, sa);
-        let x = g.layer_norm(x, self.embed);
-        let ca = self.attention(g, x, memory, b);
-        let ca = g.dropout(ca, self.dropout);
-        let x = g.add(x, ca);
-        let x = g.layer_norm(x, self.embed);
-        let ff = self.feed_forward(g, x);
-        let x = g.add(x, ff);
-        g.layer_norm(x, self.embed)
+        let mut x = g.layer_norm_with(x, p.norms[0], e);
+        if let (Some(cross), Some(m)) = (&p.cross_attn, memory) {
+            let ca = self.attention(g, cross, x, m, b);
+            let ca = g.dropout(ca, self.dropout);
+            let y = g.add(x, ca);
+            x = g.layer_norm_with(y, p.norms[1], e);
+        }
+        let ff = self.feed_forward(g, p, x);
+        let y = g.add(x, ff);
+        let out = g.layer_norm_with(y, p.norms[p.norms.len() - 1], e);
+        // `forward(src, ...)` keeps its argument until it returns.
+        g.hold_until_now(src);
+        out
     }
 
     pub fn graph(&self, batch: u64, precision: Precision) -> Graph {
@@ -136,41 +151,63 @@ impl Transformer {
         let (b, s, e) = (batch, self.seq, self.embed);
         let tokens = g.input(b * s, Dtype::I64);
         let labels = g.input(b, Dtype::I64);
-        let emb = g.embedding(tokens, self.vocab, e);
+        // Registration order: the model's own positional parameter, then embedding, the
+        // stack(s), fc_out.
         let pos = g.param(s * e);
+        let table = g.param(self.vocab * e);
+        let (n_enc, n_dec) = match self.arch {
+            TransformerArch::Standard => (self.layers, 0),
+            TransformerArch::DecoderOnly => (0, self.layers),
+            TransformerArch::Hybrid => (self.layers / 2, self.layers / 2),
+        };
+        let enc: Vec<Layer> = (0..n_enc).map(|_| self.layer_params(&mut g, false)).collect();
+        let dec: Vec<Layer> = (0..n_dec).map(|_| self.layer_params(&mut g, true)).collect();
+        let head = g.linear_params(e, self.classes, true);
+        let emb = g.embedding_with(tokens, table, e);
         // x = embedding + positions: the [1, S, E] parameter's gradient is a reduction.
         let mut x = g.node("add", &[emb, pos], &[(b * s * e, Dtype::F32)], &[], &[Bw::PassThrough(0), Bw::Grad(1)], b * s * e, false)[0];
         let input = x;
-        match self.arch {
-            TransformerArch::Standard => {
-                for _ in 0..self.layers {
-                    x = self.encoder_layer(&mut g, x, b);
-                }
-            }
-            TransformerArch::DecoderOnly => {
-                for _ in 0..self.layers {
-                    x = self.decoder_layer(&mut g, x, input, b);
-                }
-            }
-            TransformerArch::Hybrid => {
-                let mut m = x;
-                for _ in 0..self.layers / 2 {
-                    m = self.encoder_layer(&mut g, m, b);
-                }
-                for _ in 0..self.layers / 2 {
-                    x = self.decoder_layer(&mut g, x, m, b);
-                }
-            }
+        let mut memory = input;
+        // The stacks' `src`/`tgt` and the model's `x` hold each stack's input until it returns.
+        for p in &enc {
+            x = self.layer(&mut g, p, x, None, b);
+        }
+        if !enc.is_empty() {
+            g.hold_until_now(input);
+        }
+        if self.arch == TransformerArch::Hybrid {
+            memory = x;
+            x = input;
+        }
+        for p in &dec {
+            x = self.layer(&mut g, p, x, Some(memory), b);
+        }
+        if !dec.is_empty() {
+            g.hold_until_now(input);
+            g.hold_until_now(memory);
         }
         let dt = g.t(x).dtype;
         let pooled = g.node("mean", &[x], &[(b * e, dt)], &[], &[Bw::Grad(0)], b * s * e, false)[0];
-        let logits = g.linear(pooled, e, self.classes, true);
+        let logits = g.linear_with(pooled, head.0, head.1, e, self.classes);
         g.end_model(logits);
         let per_layer = if self.arch == TransformerArch::DecoderOnly { 3 } else { 2 };
         g.set_activations_per_sample(s * e * (2 + per_layer * self.layers) + s * self.ff * self.layers + self.classes);
         let loss = g.cross_entropy(logits, labels);
         g.finish(loss)
     }
+}
+
+struct Attn {
+    in_proj: (TensorId, Option<TensorId>),
+    out_proj: (TensorId, Option<TensorId>),
+}
+
+struct Layer {
+    self_attn: Attn,
+    cross_attn: Option<Attn>,
+    linear1: (TensorId, Option<TensorId>),
+    linear2: (TensorId, Option<TensorId>),
+    norms: Vec<(TensorId, TensorId)>,
 }
 
 impl fmt::Display for Transformer {

@@ -1,0 +1,135 @@
+//! The bridge against a real PyTorch: set GPUMEM_PYTHON to an interpreter with torch.
+//! Without it these tests report a skip, unless GPUMEM_TEST_REQUIRE_TORCH=1 (CI sets it once it
+//! has installed torch), in which case a missing torch fails them.
+
+use std::path::PathBuf;
+
+use gpumem_core::estimate::{Estimator, Replay};
+use gpumem_core::families::{JobOptions, ModelSpec};
+use gpumem_core::profile::builtin;
+use gpumem_core::symbolic::SymbolicTrace;
+use gpumem_torch::{TorchTracer, TraceRequest};
+
+fn tracer() -> Option<TorchTracer> {
+    match std::env::var("GPUMEM_PYTHON") {
+        Ok(p) if !p.is_empty() => Some(TorchTracer { python: p, cache_dir: PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("gpumem-cache"), timeout_s: 600 }),
+        _ => {
+            assert!(std::env::var("GPUMEM_TEST_REQUIRE_TORCH").as_deref() != Ok("1"), "GPUMEM_PYTHON is not set but torch is required");
+            eprintln!("SKIPPED: set GPUMEM_PYTHON to an interpreter with torch to run the bridge tests");
+            None
+        }
+    }
+}
+
+fn seed_models() -> String {
+    format!("{}/../../python/tests/seed_models.py", env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn a_symbolic_trace_equals_a_direct_trace_at_an_untraced_batch() {
+    let Some(t) = tracer() else { return };
+    for model in [format!("py:{}:mlp(input=64,output=10,depth=3,act=gelu,dropout=0.2,batchnorm=true)", seed_models()), "torchvision:resnet18(num_classes=10)".to_string()] {
+        let mut req = TraceRequest::new(model.clone(), 4);
+        if model.starts_with("torchvision") {
+            req.input = Some("3x32x32".into());
+        }
+        let sym = t.symbolic(&req).unwrap();
+        for b in [3, 12] {
+            let direct = t.trace(&TraceRequest { batch: b, ..req.clone() }).unwrap();
+            assert_eq!(sym.at(b).unwrap().events, direct.events, "{model} at batch {b}");
+        }
+    }
+}
+
+/// A small deterministic generator for the random configurations.
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self, lo: u64, hi: u64) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        lo + (self.0 >> 33) % (hi - lo + 1)
+    }
+    fn pick<'a>(&mut self, xs: &[&'a str]) -> &'a str {
+        xs[self.next(0, xs.len() as u64 - 1) as usize]
+    }
+}
+
+/// Random native configurations: (family, keys, batch).
+fn configs(n: usize, seed: u64) -> Vec<(&'static str, String, u64)> {
+    let mut r = Lcg(seed);
+    let acts = ["relu", "leaky_relu", "prelu", "elu", "selu", "tanh", "softplus", "swish", "mish", "gelu"];
+    (0..n)
+        .map(|i| match i % 3 {
+            0 => {
+                let input = r.next(8, 2048);
+                let output = r.next(2, (input / 4).max(2));
+                let keys = format!(
+                    "input={input},output={output},depth={},arch={},act={},dropout={},batchnorm={}",
+                    r.next(1, 6),
+                    r.pick(&["pyramid", "uniform", "bottleneck", "gradual"]),
+                    r.pick(&acts),
+                    ["0.0", "0.2", "0.4"][r.next(0, 2) as usize],
+                    r.next(0, 1) == 1
+                );
+                ("mlp", keys, r.next(1, 64) * 4)
+            }
+            1 => {
+                let keys = format!(
+                    "classes={},filters={},depth={},input={},arch={},act={},dropout={},batchnorm={},pool_every={}",
+                    r.next(2, 100),
+                    r.next(1, 8) * 8,
+                    r.next(2, 10),
+                    r.next(8, 32) * 2,
+                    r.pick(&["pyramid", "reverse_pyramid", "uniform", "bottleneck", "gradual", "hourglass", "residual", "dense"]),
+                    r.pick(&acts),
+                    ["0.0", "0.2"][r.next(0, 1) as usize],
+                    r.next(0, 1) == 1,
+                    r.next(2, 5)
+                );
+                ("cnn", keys, r.next(1, 8) * 2)
+            }
+            _ => {
+                let heads = [1, 2, 4, 8][r.next(0, 3) as usize];
+                let keys = format!(
+                    "vocab={},embed={},layers={},heads={heads},ff={},seq={},classes={},dropout=0.1,arch={}",
+                    r.next(100, 5000),
+                    heads * 8 * r.next(1, 8),
+                    r.next(1, 4),
+                    r.next(1, 8) * 64,
+                    r.next(1, 8) * 16,
+                    r.next(2, 20),
+                    r.pick(&["standard", "decoder_only", "hybrid"])
+                );
+                let keys = if keys.ends_with("hybrid") && keys.contains("layers=1,") { keys.replace("layers=1,", "layers=2,") } else { keys };
+                ("transformer", keys, r.next(1, 8) * 2)
+            }
+        })
+        .collect()
+}
+
+/// Native Rust families against the same networks traced through real PyTorch: the replay peaks
+/// agree within 1%. CI checks GPUMEM_CONSISTENCY_N configurations (default 12).
+#[test]
+fn native_families_match_pytorch() {
+    let Some(t) = tracer() else { return };
+    let n = std::env::var("GPUMEM_CONSISTENCY_N").ok().and_then(|s| s.parse().ok()).unwrap_or(12);
+    let profile = builtin("a100-40gb").unwrap();
+    let mut worst: f64 = 0.0;
+    let mut report = Vec::new();
+    for (family, keys, batch) in configs(n, 2026) {
+        let native = ModelSpec::parse(&format!("{family}:{keys}")).unwrap().trace(&JobOptions::new(batch)).unwrap();
+        let torch = t.trace(&TraceRequest::new(format!("py:{}:{family}({keys})", seed_models()), batch)).unwrap();
+        let (a, b) = (Replay::default().estimate(&native, &profile).unwrap().peak_bytes, Replay::default().estimate(&torch, &profile).unwrap().peak_bytes);
+        let err = (a as f64 - b as f64) / b as f64 * 100.0;
+        worst = worst.max(err.abs());
+        report.push(format!("{err:+.3}% native {a} torch {b} {family}:{keys} batch {batch}"));
+    }
+    eprintln!("{}", report.join("\n"));
+    assert!(worst <= 1.0, "worst disagreement {worst:.3}% > 1%:\n{}", report.join("\n"));
+}
+
+#[test]
+fn a_symbolic_fit_rejects_what_does_not_align() {
+    let a = ModelSpec::parse("mlp:input=8,output=2,depth=1").unwrap();
+    let traces: Vec<_> = [4u64, 6, 8].iter().map(|&b| a.trace(&JobOptions::new(b)).unwrap()).collect();
+    assert!(SymbolicTrace::fit(&traces[..2]).is_err(), "two traces are not enough");
+}

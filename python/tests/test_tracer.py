@@ -1,0 +1,141 @@
+"""Tests of gpumem_trace: traces are valid, CUDA behaviour is applied, errors are clear."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+PKG = HERE.parent
+FIX = HERE / "fixtures" / "user_models.py"
+
+
+def run(args, tmp_path, timeout=120):
+    out = tmp_path / "t.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(PKG))
+    p = subprocess.run([sys.executable, "-m", "gpumem_trace", *args, "--out", str(out)], capture_output=True, text=True, env=env, timeout=timeout)
+    events = []
+    if p.returncode == 0:
+        lines = out.read_text().splitlines()
+        events = [json.loads(l) for l in lines]
+    return p, events
+
+
+def check_valid(events):
+    header, evs = events[0], events[1:]
+    assert header["format"] == "gpumem-trace" and header["version"] == 1
+    live, seen = set(), set()
+    for e in evs:
+        if e["ev"] == "alloc":
+            assert e["id"] not in live and e["bytes"] > 0
+            live.add(e["id"])
+            seen.add(e["id"])
+        elif e["ev"] == "free":
+            assert e["id"] in live, f"free of {e['id']} not live"
+            live.remove(e["id"])
+    assert header["iterations"] == sum(1 for e in evs if e["ev"] == "iteration") >= 2
+    return header, evs
+
+
+def allocs(evs, **match):
+    return [e for e in evs if e["ev"] == "alloc" and all(e.get(k) == v for k, v in match.items())]
+
+
+def test_tiny_model_trace_is_valid_and_categorised(tmp_path):
+    p, ev = run([f"py:{FIX}:tiny", "--batch", "8"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    header, evs = check_valid(ev)
+    assert header["parameters"] == 16 * 32 + 32 + 32 * 4 + 4
+    # Adam: two state tensors per parameter, created once.
+    assert len(allocs(evs, category="optimizer_state")) == 2 * 4
+    # Gradients are re-created every iteration (zero_grad(set_to_none=True)).
+    assert len(allocs(evs, category="gradient")) == 4 * header["iterations"]
+    # CUDA's fused dropout keeps a 1-byte mask: 8 x 32 bytes.
+    assert any(e["op"] == "native_dropout" and e["bytes"] == 8 * 32 for e in evs if e["ev"] == "alloc")
+    # One cuBLAS workspace per thread (main + autograd).
+    assert len(allocs(evs, category="workspace")) == 2
+    assert any(e["ev"] == "op" and e["op"] == "mm" and e["flops"] > 0 for e in evs)
+
+
+def test_options_change_the_trace(tmp_path):
+    _, sgd = run([f"py:{FIX}:tiny", "--batch", "8", "--optimizer", "sgd"], tmp_path)
+    assert not allocs(sgd[1:], category="optimizer_state")
+    _, acc = run([f"py:{FIX}:tiny", "--batch", "8", "--grad-accum", "2"], tmp_path)
+    fwd = [e for e in acc[1:] if e["ev"] == "alloc" and e["category"] == "input_batch"]
+    assert len(fwd) == 2 * 2 * 3  # two tensors, two micro-batches, three iterations
+
+
+def test_amp_fp16_casts_weights_and_scales_the_loss(tmp_path):
+    p, ev = run([f"py:{FIX}:tiny", "--batch", "8", "--precision", "amp-fp16"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    _, evs = check_valid(ev)
+    casts = [e for e in allocs(evs, phase="forward") if e["op"] == "_to_copy"]
+    assert any(e["bytes"] == 16 * 32 * 2 for e in casts), "fp16 copy of the first weight"
+    assert any(e["op"] == "_amp_foreach_non_finite_check_and_unscale_" for e in evs if e["ev"] == "op")
+
+
+def test_attention_uses_the_kernel_the_gpu_has(tmp_path):
+    _, flash = run([f"py:{FIX}:attention", "--batch", "2", "--precision", "amp-bf16", "--sdpa", "flash"], tmp_path)
+    assert any(e["ev"] == "op" and e["op"] == "_scaled_dot_product_flash_attention" for e in flash[1:])
+    _, eff = run([f"py:{FIX}:attention", "--batch", "2", "--sdpa", "flash"], tmp_path)
+    assert any(e["ev"] == "op" and e["op"] == "_scaled_dot_product_efficient_attention" for e in eff[1:]), "fp32 cannot use flash"
+    _, math = run([f"py:{FIX}:attention", "--batch", "2", "--sdpa", "math"], tmp_path)
+    assert math and not any(e["ev"] == "op" and "efficient" in e["op"] for e in math[1:])
+
+
+def test_value_dependent_ops_are_answered(tmp_path):
+    p, ev = run([f"py:{FIX}:data_dependent", "--batch", "4"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    check_valid(ev)
+
+
+def test_unknown_model_lists_close_matches(tmp_path):
+    pytest.importorskip("timm")
+    p, _ = run(["timm:resnet5O", "--batch", "2"], tmp_path)
+    assert p.returncode == 2
+    assert "unknown timm model `resnet5O`; did you mean resnet50" in p.stderr
+
+
+def test_import_failure_is_reported(tmp_path):
+    p, _ = run([f"py:{HERE / 'fixtures' / 'broken_import.py'}:model", "--batch", "2"], tmp_path)
+    assert p.returncode == 3
+    assert "ModuleNotFoundError" in p.stderr and "a_module_that_does_not_exist" in p.stderr
+
+
+def test_exception_inside_forward_is_reported(tmp_path):
+    p, _ = run([f"py:{FIX}:raises", "--batch", "2"], tmp_path)
+    assert p.returncode == 3
+    assert "failed while tracing: ValueError: boom" in p.stderr and "user_models.py" in p.stderr
+
+
+def test_timeout(tmp_path):
+    p, _ = run([f"py:{FIX}:slow", "--batch", "2", "--timeout", "1"], tmp_path, timeout=60)
+    assert p.returncode == 4
+    assert "timed out after 1 s" in p.stderr
+
+
+def test_bad_options(tmp_path):
+    p, _ = run([f"py:{FIX}:tiny", "--batch", "0"], tmp_path)
+    assert p.returncode == 2
+    p, _ = run(["resnet50", "--batch", "2"], tmp_path)
+    assert p.returncode == 2 and "is not a model reference" in p.stderr
+
+
+def test_torchvision_model(tmp_path):
+    pytest.importorskip("torchvision")
+    p, ev = run(["torchvision:resnet18", "--batch", "2", "--input", "3x64x64"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    header, _ = check_valid(ev)
+    assert header["parameters"] == 11689512
+
+
+def test_hugging_face_model_without_the_hub(tmp_path):
+    pytest.importorskip("transformers")
+    ref = "hf:BertForMaskedLM(hidden_size=64,num_hidden_layers=2,num_attention_heads=2,intermediate_size=128,vocab_size=1000)"
+    p, ev = run([ref, "--batch", "2", "--seq-len", "32"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    header, _ = check_valid(ev)
+    assert header["seq_len"] == 32
