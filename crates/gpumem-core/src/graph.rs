@@ -80,6 +80,9 @@ pub struct Tensor {
     pub dtype: Dtype,
     pub role: Role,
     pub requires_grad: bool,
+    /// A view of this tensor's storage: allocates nothing and keeps its base alive; its
+    /// gradient is a tensor of its own size.
+    pub base: Option<TensorId>,
 }
 
 impl Tensor {
@@ -229,7 +232,7 @@ impl GraphBuilder {
     }
 
     fn tensor(&mut self, numel: u64, dtype: Dtype, role: Role, requires_grad: bool) -> TensorId {
-        self.g.tensors.push(Tensor { numel, dtype, role, requires_grad });
+        self.g.tensors.push(Tensor { numel, dtype, role, requires_grad, base: None });
         TensorId((self.g.tensors.len() - 1) as u32)
     }
 
@@ -555,6 +558,37 @@ impl GraphBuilder {
         self.node("cat", xs, &[(numel, dt)], &[], &bw, numel, false)[0]
     }
 
+    /// Views of equal parts of `x` (`proj[0], proj[1], ...` of a packed projection). Each view's
+    /// backward (`select_backward`) fills a zeroed buffer of the whole `x`; the first becomes
+    /// `x`'s gradient and the later ones are added into it in place.
+    pub fn unpack(&mut self, x: TensorId, parts: u64) -> Vec<TensorId> {
+        let t = self.g.t(x).clone();
+        let part = (t.numel / parts, t.dtype);
+        // The views' strided gradients are first copied (one part at a time), then scattered.
+        let part_bytes = part.0 * part.1.size();
+        let outs = self.node("unpack", &[x], &vec![part; parts as usize], &[], &[Bw::Temp(part_bytes), Bw::Grad(0), Bw::Temp(t.bytes())], 0, false);
+        for &o in &outs {
+            self.g.tensors[o.0 as usize].base = Some(x);
+        }
+        outs
+    }
+
+    /// A strided view of `x` (a transpose): no memory, but its incoming gradient is strided too
+    /// and gets copied before the producer's backward can use it.
+    pub fn strided_view(&mut self, x: TensorId) -> TensorId {
+        let t = self.g.t(x).clone();
+        let v = self.node("transpose", &[x], &[(t.numel, t.dtype)], &[], &[Bw::Grad(0)], 0, false)[0];
+        self.g.tensors[v.0 as usize].base = Some(x);
+        v
+    }
+
+    /// A `.contiguous()` copy of a reshaped view whose backward has to copy the gradient back
+    /// into the original layout (a reshape of a non-contiguous gradient).
+    pub fn contiguous_copy(&mut self, x: TensorId) -> TensorId {
+        let t = self.g.t(x).clone();
+        self.node("clone", &[x], &[(t.numel, t.dtype)], &[], &[Bw::Grad(0)], t.numel, false)[0]
+    }
+
     /// A copy (`.contiguous()`, a non-viewable reshape): nothing saved, gradient passes through.
     pub fn copy(&mut self, x: TensorId) -> TensorId {
         let t = self.g.t(x).clone();
@@ -635,38 +669,39 @@ impl GraphBuilder {
         self.node("embedding", &[w, ids], &[(n * dim, Dtype::F32)], &[Saved::In(1)], &[Bw::Temp(8 * n), Bw::Temp(8 * n), Bw::Grad(0)], n * dim, false)[0]
     }
 
-    /// Scaled dot-product attention on `batch × heads × seq × head_dim` q, k, v (one packed
-    /// buffer `qkv`), with the kernel the GPU and dtype allow. Its backward returns separate
-    /// dq, dk, dv; each `select_backward` then fills a zeroed packed buffer, the later ones being
-    /// accumulated in place into the first.
-    pub fn sdpa(&mut self, qkv: TensorId, batch: u64, heads: u64, seq: u64, head_dim: u64, flash: bool) -> TensorId {
-        let dt = self.g.t(qkv).dtype;
+    /// Scaled dot-product attention on `batch × heads × seq × head_dim` q, k, v, with the kernel
+    /// the GPU and dtype allow (flash for fp16/bf16 where the GPU has it, else memory-efficient).
+    /// Saves q, k, v, the output and the log-sum-exp; its backward returns dq, dk, dv.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sdpa(&mut self, q: TensorId, k: TensorId, v: TensorId, batch: u64, heads: u64, seq: u64, head_dim: u64, flash: bool) -> TensorId {
+        let dt = self.g.t(q).dtype;
         let n = batch * heads * seq * head_dim;
         let flops = 4 * batch * heads * seq * seq * head_dim;
-        let low = dt != Dtype::F32;
-        if flash && low {
+        let saved = [Saved::In(0), Saved::In(1), Saved::In(2), Saved::Out(0), Saved::Out(1), Saved::Out(2), Saved::Out(3)];
+        if flash && dt != Dtype::F32 {
             let rounded = seq.div_ceil(128) * 128;
             let d_round = head_dim.div_ceil(32) * 32;
+            // out, logsumexp, the philox seed [2] and offset (uint64); backward: fp32 dq_accum
+            // and softmax_d buffers.
             let outs = self.node(
                 "flash_attention",
-                &[qkv],
-                // out, logsumexp, the philox seed [2] and offset (uint64)
+                &[q, k, v],
                 &[(n, dt), (batch * heads * seq, Dtype::F32), (2, Dtype::I64), (1, Dtype::I64)],
-                &[Saved::In(0), Saved::Out(0), Saved::Out(1), Saved::Out(2), Saved::Out(3)],
-                &[Bw::Temp(4 * batch * rounded * heads * d_round), Bw::Temp(4 * batch * heads * rounded), Bw::Temp(3 * n * dt.size()), Bw::Grad(0), Bw::Temp(3 * n * dt.size())],
+                &saved,
+                &[Bw::Temp(4 * batch * rounded * heads * d_round), Bw::Temp(4 * batch * heads * rounded), Bw::Grad(0), Bw::Grad(1), Bw::Grad(2)],
                 flops,
                 false,
             );
             outs[0]
         } else {
             let lse = batch * heads * seq.div_ceil(32) * 32;
+            // out, logsumexp, the philox seed and offset (int64 scalars)
             let outs = self.node(
                 "efficient_attention",
-                &[qkv],
-                // out, logsumexp, the philox seed and offset (int64 scalars)
+                &[q, k, v],
                 &[(n, dt), (lse, Dtype::F32), (1, Dtype::I64), (1, Dtype::I64)],
-                &[Saved::In(0), Saved::Out(0), Saved::Out(1), Saved::Out(2), Saved::Out(3)],
-                &[Bw::Temp(4 * batch * heads * seq), Bw::Temp(3 * n * dt.size()), Bw::Grad(0), Bw::Temp(3 * n * dt.size())],
+                &saved,
+                &[Bw::Grad(0), Bw::Grad(1), Bw::Grad(2)],
                 flops,
                 false,
             );

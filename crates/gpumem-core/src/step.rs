@@ -229,10 +229,14 @@ impl<'a> Emitter<'a> {
         }
         debug_assert!(p.refs[k] > 0, "tensor released more often than referenced");
         p.refs[k] -= 1;
-        if p.refs[k] == 0
-            && let Some(id) = p.id[k].take()
-        {
-            self.b.free(id);
+        if p.refs[k] == 0 {
+            if let Some(id) = p.id[k].take() {
+                self.b.free(id);
+            }
+            // A dead view lets go of its base.
+            if let Some(base) = g.t(t).base {
+                self.release(g, p, base);
+            }
         }
     }
 
@@ -253,8 +257,11 @@ impl<'a> Emitter<'a> {
         for ni in nodes {
             let n = &g.nodes[ni];
             for &o in &n.outputs {
-                let bytes = g.t(o).bytes();
-                p.id[o.0 as usize] = Some(self.b.alloc(bytes, Category::Activation, phase, n.name));
+                match g.t(o).base {
+                    // A view allocates nothing and keeps its base alive.
+                    Some(base) => p.refs[base.0 as usize] += 1,
+                    None => p.id[o.0 as usize] = Some(self.b.alloc(g.t(o).bytes(), Category::Activation, phase, n.name)),
+                }
             }
             if n.cublas {
                 self.workspace(phase);
@@ -268,10 +275,9 @@ impl<'a> Emitter<'a> {
                 self.release(g, p, i);
             }
             for &o in &n.outputs {
-                if p.refs[o.0 as usize] == 0
-                    && let Some(id) = p.id[o.0 as usize].take()
-                {
-                    self.b.free(id);
+                if p.refs[o.0 as usize] == 0 {
+                    p.refs[o.0 as usize] = 1;
+                    self.release(g, p, o);
                 }
             }
             for &(t, _) in g.holds.iter().filter(|(_, at)| *at == ni) {

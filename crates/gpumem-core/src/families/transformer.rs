@@ -95,24 +95,29 @@ impl Transformer {
         let (w_in, b_in) = p.in_proj;
         // The batch_first transpose makes the input non-contiguous: linear falls back to matmul,
         // whose reshape copies it; the bias is added in place.
-        let qkv = if q_in == kv_in {
+        let (q, k, v) = if q_in == kv_in {
             let xc = g.copy(q_in);
             let proj = g.linear_with(xc, w_in, b_in, e, 3 * e);
-            // unflatten/transpose/.contiguous(): a packed [3, S, B, E] copy.
-            g.copy(proj)
+            // unflatten/transpose/.contiguous(): a packed [3, S, B, E] copy, viewed as q, k, v.
+            let packed = g.contiguous_copy(proj);
+            let p = g.unpack(packed, 3);
+            (p[0], p[1], p[2])
         } else {
             let qc = g.copy(q_in);
             let q = g.linear_with(qc, w_in, b_in, e, e);
             let kc = g.copy(kv_in);
             let kv = g.linear_with(kc, w_in, b_in, e, 2 * e);
-            let kv = g.copy(kv);
-            g.cat(&[q, kv])
+            let packed = g.contiguous_copy(kv);
+            let p = g.unpack(packed, 2);
+            (q, p[0], p[1])
         };
-        let dt = g.t(qkv).dtype;
+        let dt = g.t(q).dtype;
         let flash = self.flash && dt != Dtype::F32;
-        let att = g.sdpa(qkv, b, h, s, e / h, flash);
+        let att = g.sdpa(q, k, v, b, h, s, e / h, flash);
         let merged = g.copy(att);
-        g.linear_with(merged, p.out_proj.0, p.out_proj.1, e, e)
+        let out = g.linear_with(merged, p.out_proj.0, p.out_proj.1, e, e);
+        // Back to batch-first: `attn_output.transpose(1, 0)`.
+        g.strided_view(out)
     }
 
     fn feed_forward(&self, g: &mut GraphBuilder, p: &Layer, x: TensorId) -> TensorId {
