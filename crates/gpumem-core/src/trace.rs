@@ -147,6 +147,27 @@ fn err(line: usize, message: impl Into<String>) -> TraceError {
 /// Largest single allocation a trace may ask for (1 PiB): anything above is a corrupt size.
 pub const MAX_ALLOC_BYTES: u64 = 1 << 50;
 
+/// A multiplicative hasher for integer ids (the default SipHash costs more than the rest of
+/// reading a trace line).
+#[derive(Default, Clone, Copy)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(5) ^ b as u64).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+type IdMap<V> = HashMap<u64, V, std::hash::BuildHasherDefault<IdHasher>>;
+
 /// Builds a trace event by event, checking ids as it goes. Used by every producer and the reader.
 #[derive(Debug)]
 pub struct TraceBuilder {
@@ -155,7 +176,7 @@ pub struct TraceBuilder {
     ops: Vec<String>,
     op_index: HashMap<String, u32>,
     ids: Vec<u64>,
-    live: HashMap<u64, u32>,
+    live: IdMap<u32>,
     next_id: u64,
     iterations: u32,
 }
@@ -168,7 +189,7 @@ impl TraceBuilder {
             ops: Vec::new(),
             op_index: HashMap::new(),
             ids: Vec::new(),
-            live: HashMap::new(),
+            live: IdMap::default(),
             next_id: 1,
             iterations: 0,
         }
@@ -254,45 +275,49 @@ impl TraceBuilder {
     }
 }
 
-/// One line of the file format (after the header line).
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(tag = "ev", rename_all = "snake_case", deny_unknown_fields)]
-enum Line {
-    Alloc {
-        id: u64,
-        bytes: serde_json::Number,
-        category: Category,
-        phase: Phase,
-        op: String,
-        #[serde(default)]
-        stream: u32,
-    },
-    Free {
-        id: u64,
-    },
-    Op {
-        op: String,
-        #[serde(default)]
-        flops: u64,
-        #[serde(default)]
-        bytes_read: u64,
-        #[serde(default)]
-        bytes_written: u64,
-    },
-    Iteration {
-        index: u32,
-    },
+/// One line of the file format (after the header line), flat for speed: `ev` says which
+/// fields must be present. Op names borrow from the line.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Line<'a> {
+    ev: &'a str,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    id: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    bytes: Option<serde_json::Number>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    category: Option<Category>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    phase: Option<Phase>,
+    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
+    op: Option<std::borrow::Cow<'a, str>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    stream: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    flops: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    bytes_read: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    bytes_written: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    index: Option<u32>,
+}
+
+fn need<T>(v: Option<T>, line: usize, ev: &str, field: &str) -> Result<T, TraceError> {
+    v.ok_or_else(|| err(line, format!("{ev} event: missing field `{field}`")))
 }
 
 impl Trace {
     /// Reads the JSON Lines format. Errors name the 1-based line and what is wrong.
-    pub fn read(reader: impl BufRead) -> Result<Trace, TraceError> {
-        let mut lines = reader.lines();
+    pub fn read(mut reader: impl BufRead) -> Result<Trace, TraceError> {
+        let mut text = String::new();
+        reader.read_to_string(&mut text).map_err(|e| err(0, format!("cannot read: {e}")))?;
+        let mut lines = text.lines();
         let first = match lines.next() {
             None => return Err(err(1, "empty trace: expected a header line")),
-            Some(l) => l.map_err(|e| err(1, format!("cannot read: {e}")))?,
+            Some(l) => l,
         };
-        let header: TraceHeader = serde_json::from_str(&first)
+        let header: TraceHeader = serde_json::from_str(first)
             .map_err(|e| err(1, format!("bad header: {}", one_line(&e))))?;
         if header.format != FORMAT_NAME {
             return Err(err(1, format!("field format: expected \"{FORMAT_NAME}\", found \"{}\"", header.format)));
@@ -304,30 +329,38 @@ impl Trace {
         let mut declared_iterations = 0u32;
         for (i, line) in lines.enumerate() {
             let n = i + 2;
-            let line = line.map_err(|e| err(n, format!("cannot read: {e}")))?;
             if line.trim().is_empty() {
                 continue;
             }
-            let parsed: Line =
-                serde_json::from_str(&line).map_err(|e| err(n, one_line(&e)))?;
-            match parsed {
-                Line::Alloc { id, bytes, category, phase, op, stream } => {
+            let l: Line = serde_json::from_str(line).map_err(|e| err(n, one_line(&e)))?;
+            match l.ev {
+                "alloc" => {
+                    let id = need(l.id, n, "alloc", "id")?;
+                    let bytes = need(l.bytes, n, "alloc", "bytes")?;
                     let bytes = match (bytes.as_u64(), bytes.as_i64()) {
                         (Some(b), _) => b,
                         (None, Some(neg)) => return Err(err(n, format!("field bytes: negative size {neg}"))),
                         (None, None) => return Err(err(n, format!("field bytes: size {bytes} is not a whole number of bytes or overflows"))),
                     };
-                    b.alloc_with_id(n, id, bytes, category, phase, &op, stream)?;
+                    let category = need(l.category, n, "alloc", "category")?;
+                    let phase = need(l.phase, n, "alloc", "phase")?;
+                    let op = need(l.op, n, "alloc", "op")?;
+                    b.alloc_with_id(n, id, bytes, category, phase, &op, l.stream.unwrap_or(0))?;
                 }
-                Line::Free { id } => b.free_at(n, id)?,
-                Line::Op { op, flops, bytes_read, bytes_written } => b.op(&op, flops, bytes_read, bytes_written),
-                Line::Iteration { index } => {
+                "free" => b.free_at(n, need(l.id, n, "free", "id")?)?,
+                "op" => {
+                    let op = need(l.op, n, "op", "op")?;
+                    b.op(&op, l.flops.unwrap_or(0), l.bytes_read.unwrap_or(0), l.bytes_written.unwrap_or(0));
+                }
+                "iteration" => {
+                    let index = need(l.index, n, "iteration", "index")?;
                     if index != b.iterations {
                         return Err(err(n, format!("field index: expected iteration {}, found {index}", b.iterations)));
                     }
                     b.iteration_end();
                     declared_iterations += 1;
                 }
+                other => return Err(err(n, format!("unknown event `{other}` (expected alloc, free, op or iteration)"))),
             }
         }
         let _ = declared_iterations;
@@ -340,19 +373,26 @@ impl Trace {
         writeln!(w)?;
         for ev in &self.events {
             let line = match *ev {
-                Event::Alloc { slot, bytes, category, phase, op, stream } => Line::Alloc {
-                    id: self.ids[slot as usize],
-                    bytes: bytes.into(),
-                    category,
-                    phase,
-                    op: self.ops[op as usize].clone(),
-                    stream,
+                Event::Alloc { slot, bytes, category, phase, op, stream } => Line {
+                    ev: "alloc",
+                    id: Some(self.ids[slot as usize]),
+                    bytes: Some(bytes.into()),
+                    category: Some(category),
+                    phase: Some(phase),
+                    op: Some(self.ops[op as usize].as_str().into()),
+                    stream: (stream != 0).then_some(stream),
+                    ..Default::default()
                 },
-                Event::Free { slot } => Line::Free { id: self.ids[slot as usize] },
-                Event::Op { op, flops, bytes_read, bytes_written } => {
-                    Line::Op { op: self.ops[op as usize].clone(), flops, bytes_read, bytes_written }
-                }
-                Event::Iteration { index } => Line::Iteration { index },
+                Event::Free { slot } => Line { ev: "free", id: Some(self.ids[slot as usize]), ..Default::default() },
+                Event::Op { op, flops, bytes_read, bytes_written } => Line {
+                    ev: "op",
+                    op: Some(self.ops[op as usize].as_str().into()),
+                    flops: Some(flops),
+                    bytes_read: Some(bytes_read),
+                    bytes_written: Some(bytes_written),
+                    ..Default::default()
+                },
+                Event::Iteration { index } => Line { ev: "iteration", index: Some(index), ..Default::default() },
             };
             serde_json::to_writer(&mut w, &line)?;
             writeln!(w)?;
