@@ -65,6 +65,15 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // `gpumem ... | head` closes stdout early: that is not an error worth a panic message.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info.payload().downcast_ref::<String>().map(String::as_str).unwrap_or("");
+        if msg.contains("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(0);
+        }
+        default_hook(info);
+    }));
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Estimate(a) => commands::estimate(a),
