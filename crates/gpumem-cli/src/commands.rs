@@ -174,7 +174,8 @@ fn mib(b: u64) -> f64 {
 
 #[derive(Args)]
 pub struct EstimateArgs {
-    /// A native model spec (mlp:…, cnn:…, transformer:…) or a trace file. Default: a seed MLP.
+    /// A native spec (mlp:…, cnn:…, transformer:…), a PyTorch reference (torchvision:, timm:,
+    /// hf:, py:) or a trace file. Default: a seed MLP.
     model: Option<String>,
     /// Batch size (ignored for trace files, which fix their own).
     #[arg(long, allow_negative_numbers = true)]
@@ -271,7 +272,7 @@ fn print_estimate(model: &str, batch: u64, profile: &GpuProfile, est: &Estimate)
 
 #[derive(Args)]
 pub struct MaxBatchArgs {
-    /// A native model spec.
+    /// A native model spec or a PyTorch reference (torchvision:, timm:, hf:, py:).
     model: String,
     #[command(flatten)]
     job: JobArgs,
@@ -582,7 +583,7 @@ fn write_rows_csv(path: &Path, rows: &[Measurement], names: &[String], outcomes:
 
 #[derive(Args)]
 pub struct TraceArgs {
-    /// A native model spec.
+    /// A native model spec or a PyTorch reference.
     model: String,
     #[arg(long, allow_negative_numbers = true, default_value_t = 32)]
     batch: i64,

@@ -93,6 +93,25 @@ pub struct Estimate {
     pub timeline: Vec<TimelinePoint>,
 }
 
+impl Estimate {
+    /// An estimate that is just its breakdown's total (the baselines: no allocator, no margin).
+    fn without_allocator(estimator: &'static str, profile: &GpuProfile, breakdown: Breakdown) -> Estimate {
+        let peak = breakdown.total();
+        Estimate {
+            estimator,
+            gpu: profile.name.clone(),
+            peak_bytes: peak,
+            upper_bound_bytes: peak,
+            capacity_bytes: profile.capacity_bytes(),
+            fits: peak <= profile.capacity_bytes(),
+            breakdown,
+            allocator: None,
+            fragmentation_bytes: None,
+            timeline: Vec::new(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EstimateError {
     #[error(transparent)]
@@ -269,18 +288,7 @@ impl Estimator for LiveTensors {
                 _ => {}
             }
         }
-        Ok(Estimate {
-            estimator: self.name(),
-            gpu: profile.name.clone(),
-            peak_bytes: peak,
-            upper_bound_bytes: peak,
-            capacity_bytes: profile.capacity_bytes(),
-            fits: peak <= profile.capacity_bytes(),
-            breakdown: Breakdown::from_categories(&at_peak),
-            allocator: None,
-            fragmentation_bytes: None,
-            timeline: Vec::new(),
-        })
+        Ok(Estimate::without_allocator(self.name(), profile, Breakdown::from_categories(&at_peak)))
     }
 }
 
@@ -304,18 +312,6 @@ impl Estimator for Horus {
             temporaries: 4 * b * p,
             ..Default::default()
         };
-        let peak = breakdown.total();
-        Ok(Estimate {
-            estimator: self.name(),
-            gpu: profile.name.clone(),
-            peak_bytes: peak,
-            upper_bound_bytes: peak,
-            capacity_bytes: profile.capacity_bytes(),
-            fits: peak <= profile.capacity_bytes(),
-            breakdown,
-            allocator: None,
-            fragmentation_bytes: None,
-            timeline: Vec::new(),
-        })
+        Ok(Estimate::without_allocator(self.name(), profile, breakdown))
     }
 }

@@ -94,6 +94,11 @@ impl Tensor {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TensorId(pub u32);
 
+/// A conv or linear layer's weight and optional bias, registered ahead of use.
+pub type LayerParams = (TensorId, Option<TensorId>);
+/// A normalization layer's weight and bias.
+pub type NormParams = (TensorId, TensorId);
+
 /// One step of a node's backward, in the order PyTorch allocates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Bw {
@@ -202,6 +207,24 @@ impl Activation {
             "sigmoid" => Activation::Sigmoid,
             other => return Err(format!("unknown activation `{other}` (expected one of {})", Self::NAMES.join(", "))),
         })
+    }
+
+    /// The spec name (`relu`, `leaky_relu`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Activation::Relu => "relu",
+            Activation::LeakyRelu => "leaky_relu",
+            Activation::Prelu => "prelu",
+            Activation::Elu => "elu",
+            Activation::Selu => "selu",
+            Activation::Tanh => "tanh",
+            Activation::Softplus => "softplus",
+            Activation::Swish => "swish",
+            Activation::Mish => "mish",
+            Activation::Gelu => "gelu",
+            Activation::Identity => "identity",
+            Activation::Sigmoid => "sigmoid",
+        }
     }
 
     /// Whether autograd saves the output (`result`) rather than the input (`self`).
@@ -365,7 +388,7 @@ impl GraphBuilder {
     }
 
     /// Cast up to fp32 for ops autocast runs in fp32 (layer_norm, losses).
-    fn to_f32(&mut self, x: TensorId) -> TensorId {
+    fn cast_up(&mut self, x: TensorId) -> TensorId {
         let t = self.g.t(x).clone();
         if self.precision.low().is_none() || t.dtype == Dtype::F32 {
             return x;
@@ -451,7 +474,7 @@ impl GraphBuilder {
 
     /// A LayerNorm whose weight and bias were registered already.
     pub fn layer_norm_with(&mut self, x: TensorId, (w, b): (TensorId, TensorId), features: u64) -> TensorId {
-        let x32 = self.to_f32(x);
+        let x32 = self.cast_up(x);
         let n = self.g.t(x32).numel;
         let rows = n / features;
         let outs = self.node(
@@ -509,7 +532,7 @@ impl GraphBuilder {
         let t = self.g.t(x).clone();
         if self.precision == Precision::AmpBf16 && t.dtype == Dtype::BF16 {
             // bf16 input is converted to an fp32 copy first (fp16 has a fused half→float kernel).
-            let x32 = self.to_f32(x);
+            let x32 = self.cast_up(x);
             return self.node("softmax", &[x32], &[(t.numel, Dtype::F32)], &[Saved::Out(0)], &[Bw::Grad(0)], 5 * t.numel, false)[0];
         }
         let dt = if self.precision.low().is_some() { Dtype::F32 } else { t.dtype };
@@ -519,7 +542,7 @@ impl GraphBuilder {
     /// `nn.CrossEntropyLoss()` = log_softmax + nll_loss (mean). Returns the scalar loss.
     pub fn cross_entropy(&mut self, logits: TensorId, labels: TensorId) -> TensorId {
         let t = self.g.t(logits).clone();
-        let x = if self.precision == Precision::AmpBf16 { self.to_f32(logits) } else { logits };
+        let x = if self.precision == Precision::AmpBf16 { self.cast_up(logits) } else { logits };
         let dt = if self.precision.low().is_some() { Dtype::F32 } else { t.dtype };
         let logp = self.node("log_softmax", &[x], &[(t.numel, dt)], &[Saved::Out(0)], &[Bw::Grad(0)], 5 * t.numel, false)[0];
         let outs = self.node(
@@ -536,7 +559,7 @@ impl GraphBuilder {
 
     /// `nn.BCEWithLogitsLoss()` (mean) on `[B, 1]` logits and float targets.
     pub fn bce_with_logits(&mut self, logits: TensorId, target: TensorId) -> TensorId {
-        let x = self.to_f32(logits);
+        let x = self.cast_up(logits);
         let n = self.g.t(x).numel;
         let loss = self.node("bce_with_logits", &[x, target], &[(1, Dtype::F32)], &[Saved::In(0), Saved::In(1)], &[Bw::Grad(0), Bw::Temp(4 * n)], 8 * n, false)[0];
         // log_sigmoid output and buffer, (1 - target), the product: freed inside the op.

@@ -326,7 +326,6 @@ impl Trace {
             return Err(err(1, format!("field version: this gpumem reads version {FORMAT_VERSION}, found {}", header.version)));
         }
         let mut b = TraceBuilder::new(header);
-        let mut declared_iterations = 0u32;
         for (i, line) in lines.enumerate() {
             let n = i + 2;
             if line.trim().is_empty() {
@@ -358,12 +357,10 @@ impl Trace {
                         return Err(err(n, format!("field index: expected iteration {}, found {index}", b.iterations)));
                     }
                     b.iteration_end();
-                    declared_iterations += 1;
                 }
                 other => return Err(err(n, format!("unknown event `{other}` (expected alloc, free, op or iteration)"))),
             }
         }
-        let _ = declared_iterations;
         Ok(b.finish())
     }
 

@@ -3,7 +3,7 @@
 use std::fmt;
 
 use super::Keys;
-use crate::graph::{Activation, Dtype, Graph, GraphBuilder, Precision, TensorId};
+use crate::graph::{Activation, Dtype, Graph, GraphBuilder, LayerParams, NormParams, Precision, TensorId};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CnnArch {
@@ -135,7 +135,7 @@ impl Cnn {
 
     /// A 3×3 ConvBlock whose parameters were registered already.
     #[allow(clippy::too_many_arguments)]
-    fn conv_block_with(&self, g: &mut GraphBuilder, x: TensorId, (conv, norm): ((TensorId, Option<TensorId>), Option<(TensorId, TensorId)>), b: u64, cin: u64, cout: u64, hw: u64, stride: u64, dropout: bool) -> (TensorId, u64) {
+    fn conv_block_with(&self, g: &mut GraphBuilder, x: TensorId, (conv, norm): (LayerParams, Option<NormParams>), b: u64, cin: u64, cout: u64, hw: u64, stride: u64, dropout: bool) -> (TensorId, u64) {
         let (mut y, hw) = g.conv2d_with(x, conv, b, cin, cout, hw, 3, stride, 1);
         if let Some(n) = norm {
             y = g.batch_norm_with(y, n, cout);
@@ -243,19 +243,13 @@ impl Cnn {
 impl fmt::Display for Cnn {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let arch = ARCHS.iter().find(|(_, a)| *a == self.arch).map(|(n, _)| *n).unwrap_or("pyramid");
-        let act = Activation::NAMES.iter().find(|n| Activation::parse(n).ok() == Some(self.act)).unwrap_or(&"relu");
+        let act = self.act.name();
         write!(
             f,
             "cnn:channels={},classes={},filters={},depth={},input={},arch={},act={},dropout={},batchnorm={},pooling={},pool_every={}",
             self.channels, self.classes, self.filters, self.depth, self.input, arch, act, self.dropout, self.batchnorm, self.pooling, self.pool_every
         )?;
-        if let Some(s) = self.samples {
-            write!(f, ",samples={s}")?;
-        }
-        if self.summary {
-            write!(f, ",summary=true")?;
-        }
-        Ok(())
+        super::write_loop_keys(f, self.samples, self.summary)
     }
 }
 

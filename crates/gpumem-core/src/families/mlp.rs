@@ -194,18 +194,12 @@ impl Mlp {
 
 impl fmt::Display for Mlp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let act = crate::graph::Activation::NAMES.iter().find(|n| Activation::parse(n).ok() == Some(self.act)).unwrap_or(&"relu");
+        let act = self.act.name();
         write!(f, "mlp:input={},output={},depth={},arch={},act={},dropout={},batchnorm={}", self.input, self.output, self.depth, self.arch.name(), act, self.dropout, self.batchnorm)?;
         if self.output == 1 && self.head == MlpHead::Sigmoid {
             write!(f, ",head=sigmoid")?;
         }
-        if let Some(s) = self.samples {
-            write!(f, ",samples={s}")?;
-        }
-        if self.summary {
-            write!(f, ",summary=true")?;
-        }
-        Ok(())
+        super::write_loop_keys(f, self.samples, self.summary)
     }
 }
 

@@ -135,6 +135,17 @@ impl ModelSpec {
     }
 }
 
+/// The training-loop keys every family's spec string ends with.
+pub(crate) fn write_loop_keys(f: &mut std::fmt::Formatter<'_>, samples: Option<u64>, summary: bool) -> std::fmt::Result {
+    if let Some(s) = samples {
+        write!(f, ",samples={s}")?;
+    }
+    if summary {
+        write!(f, ",summary=true")?;
+    }
+    Ok(())
+}
+
 /// `key=value` pairs of a spec; every key must be used.
 pub(crate) struct Keys {
     family: String,

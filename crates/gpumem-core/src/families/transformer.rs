@@ -60,7 +60,7 @@ impl Transformer {
             },
             summary: kv.boolean("summary", false)?,
         };
-        if t.embed % t.heads != 0 {
+        if !t.embed.is_multiple_of(t.heads) {
             return Err(format!("transformer spec: embed={} is not divisible by heads={}", t.embed, t.heads));
         }
         if t.arch == TransformerArch::Hybrid && t.layers < 2 {
@@ -230,12 +230,6 @@ impl fmt::Display for Transformer {
         if !self.flash {
             write!(f, ",flash=false")?;
         }
-        if let Some(s) = self.samples {
-            write!(f, ",samples={s}")?;
-        }
-        if self.summary {
-            write!(f, ",summary=true")?;
-        }
-        Ok(())
+        super::write_loop_keys(f, self.samples, self.summary)
     }
 }
