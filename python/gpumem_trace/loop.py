@@ -72,6 +72,25 @@ class GradScaler:
         torch._amp_update_scale_(self.scale_t, self.growth, found, 2.0, 0.5, 2000)
 
 
+def to_device_keeping_ties(model):
+    """``model.to(device)`` as on a GPU: there a CPU→CUDA move swaps each parameter's data in
+    place, so weights tied between modules (GPT-2's lm_head and wte) stay one parameter. A move to
+    meta creates new parameters instead, which would untie them; convert each tensor once and
+    re-tie."""
+    owners = {}
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((m, name))
+    memo = {}
+    model._apply(lambda t: memo.setdefault(id(t), (t, t.to(DEVICE)))[1])
+    for refs in owners.values():
+        first = refs[0][0]._parameters[refs[0][1]]
+        for m, name in refs[1:]:
+            m._parameters[name] = first
+    memo.clear()
+
+
 def _count_activations(model):
     """Per-sample sum of leaf-module output sizes (the Horus formula's input)."""
     total = [0]
@@ -111,7 +130,7 @@ def trace_training(opts: TraceOptions, out_path: str):
     acts, hooks = _count_activations(model)
     with cuda.patches(opts.sdpa), mode:
         rec.phase = "setup"
-        model.to(DEVICE)
+        to_device_keeping_ties(model)
         if opts.channels_last:
             model.to(memory_format=torch.channels_last)
         optimizer = make_optimizer(opts.optimizer, [p for p in model.parameters() if p.requires_grad], opts.lr)
