@@ -140,7 +140,6 @@ struct Emitter<'a> {
     persistent: Vec<u64>,
     /// Trace id of each parameter's `.grad`, by position in `params`.
     grads: Vec<Option<u64>>,
-    opt_state: Vec<Vec<u64>>,
     optimizer_steps: u32,
     /// What the user's variables still hold from the previous iteration.
     prev_inputs: Vec<u64>,
@@ -148,7 +147,8 @@ struct Emitter<'a> {
     prev_loss: Option<u64>,
     main_workspace: bool,
     autograd_workspace: bool,
-    scaler: Option<(u64, u64)>,
+    /// GradScaler's scale and growth tracker exist (created at the first `scale`).
+    scaler_ready: bool,
 }
 
 /// Per-pass state: trace ids and reference counts of the graph's live tensors.
@@ -166,14 +166,13 @@ impl<'a> Emitter<'a> {
             b: TraceBuilder::new(header),
             persistent: Vec::new(),
             grads: Vec::new(),
-            opt_state: Vec::new(),
             optimizer_steps: 0,
             prev_inputs: Vec::new(),
             prev_output: None,
             prev_loss: None,
             main_workspace: false,
             autograd_workspace: false,
-            scaler: None,
+            scaler_ready: false,
         }
     }
 
@@ -185,7 +184,6 @@ impl<'a> Emitter<'a> {
             self.persistent.push(id);
         }
         self.grads = vec![None; g.params.len()];
-        self.opt_state = vec![Vec::new(); g.params.len()];
     }
 
     /// Ids of the persistent tensors of `g` (parameters and buffers).
@@ -241,18 +239,16 @@ impl<'a> Emitter<'a> {
     }
 
     fn workspace(&mut self, phase: Phase) {
-        let (done, name) = match phase {
-            Phase::Backward => (&mut self.autograd_workspace, "cublas_workspace"),
-            _ => (&mut self.main_workspace, "cublas_workspace"),
-        };
+        // One per thread: the main thread's, and the autograd engine's for backward.
+        let done = if phase == Phase::Backward { &mut self.autograd_workspace } else { &mut self.main_workspace };
         if !*done {
             *done = true;
             let bytes = self.cfg.cublas_workspace;
-            self.b.alloc(bytes, Category::Workspace, phase, name);
+            self.b.alloc(bytes, Category::Workspace, phase, "cublas_workspace");
         }
     }
 
-    /// Runs the forward nodes; returns the pass with what is still alive.
+    /// Runs forward nodes, releasing each tensor when its last reference goes.
     fn forward(&mut self, g: &Graph, p: &mut Pass, phase: Phase, nodes: std::ops::Range<usize>) {
         for ni in nodes {
             let n = &g.nodes[ni];
@@ -289,11 +285,9 @@ impl<'a> Emitter<'a> {
     /// A forward without backward whose graph dies at the end (torchsummary's pass).
     fn forward_only(&mut self, g: &Graph) {
         let mut p = self.new_pass(g);
-        let mut inputs = Vec::new();
         for &i in &g.inputs {
             let id = self.b.alloc(g.t(i).bytes(), Category::InputBatch, Phase::Setup, "warmup_input");
             p.id[i.0 as usize] = Some(id);
-            inputs.push(i);
         }
         self.forward(g, &mut p, Phase::Setup, 0..g.model_nodes);
         // The output dies, then the graph: saved tensors are released newest first.
@@ -369,10 +363,10 @@ impl<'a> Emitter<'a> {
         if self.cfg.precision != Precision::AmpFp16 {
             return None;
         }
-        if self.scaler.is_none() {
-            let s = self.b.alloc(4, Category::OptimizerState, Phase::Forward, "grad_scaler");
-            let t = self.b.alloc(4, Category::OptimizerState, Phase::Forward, "grad_scaler");
-            self.scaler = Some((s, t));
+        if !self.scaler_ready {
+            self.b.alloc(4, Category::OptimizerState, Phase::Forward, "grad_scaler");
+            self.b.alloc(4, Category::OptimizerState, Phase::Forward, "grad_scaler");
+            self.scaler_ready = true;
         }
         Some(self.b.alloc(4, Category::Temporary, Phase::Forward, "scale_loss"))
     }
@@ -507,9 +501,9 @@ impl<'a> Emitter<'a> {
             Optimizer::Adam | Optimizer::AdamW => {
                 if first {
                     for &k in &have {
-                        let a = self.b.alloc(sizes[k], Category::OptimizerState, ph, "exp_avg");
-                        let s = self.b.alloc(sizes[k], Category::OptimizerState, ph, "exp_avg_sq");
-                        self.opt_state[k] = vec![a, s];
+                        // exp_avg, exp_avg_sq: kept for the whole run.
+                        self.b.alloc(sizes[k], Category::OptimizerState, ph, "exp_avg");
+                        self.b.alloc(sizes[k], Category::OptimizerState, ph, "exp_avg_sq");
                     }
                 }
                 if foreach {
@@ -536,8 +530,7 @@ impl<'a> Emitter<'a> {
             Optimizer::SgdMomentum => {
                 if first {
                     for &k in &have {
-                        let m = self.b.alloc(sizes[k], Category::OptimizerState, ph, "momentum_buffer");
-                        self.opt_state[k] = vec![m];
+                        self.b.alloc(sizes[k], Category::OptimizerState, ph, "momentum_buffer");
                     }
                 }
             }

@@ -26,6 +26,23 @@ fn config() -> impl Strategy<Value = AllocatorConfig> {
     ]
 }
 
+/// Runs one operation; a failed malloc (out of memory) leaves nothing live.
+fn apply(a: &mut CachingAllocator, live: &mut Vec<(BlockId, u64)>, op: Op) {
+    match op {
+        Op::Malloc { size, stream } => {
+            if let Ok(b) = a.malloc(size, stream) {
+                live.push((b, size));
+            }
+        }
+        Op::Free { pick } => {
+            if !live.is_empty() {
+                let (b, _) = live.swap_remove(pick % live.len());
+                a.free(b);
+            }
+        }
+    }
+}
+
 fn check(a: &CachingAllocator, live: &[(BlockId, u64)]) {
     let st = a.stats();
     let snap = a.snapshot();
@@ -53,19 +70,7 @@ proptest! {
         let mut a = CachingAllocator::new(cfg.clone(), 2 << 30);
         let mut live: Vec<(BlockId, u64)> = Vec::new();
         for o in ops {
-            match o {
-                Op::Malloc { size, stream } => {
-                    if let Ok(b) = a.malloc(size, stream) {
-                        live.push((b, size));
-                    }
-                }
-                Op::Free { pick } => {
-                    if !live.is_empty() {
-                        let (b, _) = live.swap_remove(pick % live.len());
-                        a.free(b);
-                    }
-                }
-            }
+            apply(&mut a, &mut live, o);
             check(&a, &live);
         }
         for (b, _) in live.drain(..) {
@@ -88,19 +93,7 @@ proptest! {
         let mut a = CachingAllocator::new(AllocatorConfig::default(), cap);
         let mut live = Vec::new();
         for o in ops {
-            match o {
-                Op::Malloc { size, stream } => {
-                    if let Ok(b) = a.malloc(size, stream) {
-                        live.push((b, size));
-                    }
-                }
-                Op::Free { pick } => {
-                    if !live.is_empty() {
-                        let (b, _) = live.swap_remove(pick % live.len());
-                        a.free(b);
-                    }
-                }
-            }
+            apply(&mut a, &mut live, o);
             prop_assert!(a.stats().peak_reserved <= cap);
         }
     }
