@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 use gpumem_core::calibrate::fit_context;
-use gpumem_core::dataset::{Measurement, ModelRef, read_measurements};
+use gpumem_core::dataset::{Measurement, ModelRef, is_input_shape, read_measurements};
 use gpumem_core::estimate::{ESTIMATORS, Estimate, Estimator, by_name};
 use gpumem_core::eval::{Metrics, Outcome, metrics};
 use gpumem_core::families::{JobOptions, MAX_BATCH, ModelSpec};
@@ -94,7 +94,7 @@ impl JobArgs {
             return Err(CliError::input("--grad-accum must be at least 1"));
         }
         if let Some(i) = &self.input
-            && !(i.split('x').count() == 3 && i.split('x').all(|p| p.parse::<u64>().is_ok_and(|n| n > 0)))
+            && !is_input_shape(i)
         {
             return Err(CliError::input(format!("--input `{i}` is not CxHxW")));
         }

@@ -40,6 +40,11 @@ pub struct Measurement {
     pub seq_len: Option<u64>,
 }
 
+/// Whether `s` is an image input shape `CxHxW` of positive sizes.
+pub fn is_input_shape(s: &str) -> bool {
+    s.split('x').count() == 3 && s.split('x').all(|p| p.parse::<u64>().is_ok_and(|n| n > 0))
+}
+
 fn column(headers: &csv::StringRecord, name: &str) -> Option<usize> {
     headers.iter().position(|h| h.trim() == name)
 }
@@ -117,8 +122,7 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
                 .map(|(i, n)| (n.clone(), get(*i).parse::<f64>().ok().filter(|x| *x > 0.0).map(mib_to_bytes)))
                 .collect();
             let input_text = column(&headers, "input").map(get).unwrap_or("");
-            let is_shape = |s: &str| s.split('x').count() == 3 && s.split('x').all(|p| p.parse::<u64>().is_ok_and(|n| n > 0));
-            let input = is_shape(input_text).then(|| input_text.to_string());
+            let input = is_input_shape(input_text).then(|| input_text.to_string());
             let seq_len = match column(&headers, "seq_len").map(get).filter(|s| !s.is_empty()) {
                 Some(s) => Some(s.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(|| bad("seq_len", format!("`{s}` is not a positive whole number")))?),
                 None => input_text.strip_prefix("seq").and_then(|s| s.parse().ok()),
