@@ -138,9 +138,13 @@ pub fn by_name(name: &str) -> Result<Box<dyn Estimator>, String> {
 
 pub const ESTIMATORS: [&str; 3] = ["replay", "live-tensors", "horus"];
 
-fn upper_bound(profile: &GpuProfile, peak: u64, fixed: u64) -> u64 {
+/// Op names of convolution kernels (PyTorch's and the native families').
+const CONVOLUTIONS: [&str; 2] = ["convolution", "conv2d"];
+
+fn upper_bound(profile: &GpuProfile, trace: &Trace, peak: u64, fixed: u64) -> u64 {
     let variable = peak.saturating_sub(fixed) as f64;
-    peak + mib_to_bytes(profile.bound_fixed_mib) + (variable * profile.bound_relative).round() as u64
+    let conv_workspace = trace.largest_output(&CONVOLUTIONS) as f64 * profile.conv_workspace_bound;
+    peak + mib_to_bytes(profile.bound_fixed_mib) + (variable * profile.bound_relative + conv_workspace).round() as u64
 }
 
 /// The caching-allocator replay.
@@ -243,7 +247,7 @@ impl Estimator for Replay {
             estimator: self.name(),
             gpu: profile.name.clone(),
             peak_bytes: peak,
-            upper_bound_bytes: upper_bound(profile, peak, fixed),
+            upper_bound_bytes: upper_bound(profile, trace, peak, fixed),
             capacity_bytes: profile.capacity_bytes(),
             fits,
             breakdown,

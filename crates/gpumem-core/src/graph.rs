@@ -127,8 +127,9 @@ pub struct Node {
     pub temps: Vec<u64>,
     pub bw: Vec<Bw>,
     pub flops: u64,
-    /// Bytes read and written by the forward kernel(s).
-    pub bytes: u64,
+    /// Bytes the forward kernel(s) read (inputs) and write (outputs).
+    pub bytes_read: u64,
+    pub bytes_written: u64,
     /// Calls cuBLAS (the first call on a thread allocates that thread's workspace).
     pub cublas: bool,
 }
@@ -304,7 +305,8 @@ impl GraphBuilder {
         };
         let mut saved_ids: Vec<TensorId> = if rg { saved.iter().map(resolve).collect() } else { Vec::new() };
         saved_ids.dedup();
-        let bytes = inputs.iter().chain(&outs).map(|&i| self.g.t(i).bytes()).sum();
+        let bytes_read = inputs.iter().map(|&i| self.g.t(i).bytes()).sum();
+        let bytes_written = outs.iter().map(|&i| self.g.t(i).bytes()).sum();
         self.g.nodes.push(Node {
             name,
             inputs: inputs.to_vec(),
@@ -313,7 +315,8 @@ impl GraphBuilder {
             temps: Vec::new(),
             bw: if rg { bw.to_vec() } else { Vec::new() },
             flops,
-            bytes,
+            bytes_read,
+            bytes_written,
             cublas,
         });
         outs

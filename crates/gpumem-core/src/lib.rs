@@ -31,3 +31,4 @@ pub mod step;
 pub mod symbolic;
 pub mod trace;
 pub mod units;
+pub mod utilization;

@@ -39,6 +39,9 @@ fn default_bound_fixed() -> f64 {
 fn default_bound_relative() -> f64 {
     0.04
 }
+fn default_conv_workspace_bound() -> f64 {
+    4.0
+}
 fn default_torch() -> String {
     "2.1".into()
 }
@@ -54,6 +57,11 @@ pub struct GpuProfile {
     pub sm_count: u32,
     pub tflops: Tflops,
     pub memory_bandwidth_gbs: f64,
+    /// Board power limit and idle draw, watts (for energy estimates).
+    #[serde(default)]
+    pub power_w: f64,
+    #[serde(default)]
+    pub idle_power_w: f64,
     /// Memory the process holds outside PyTorch's allocator (context, kernels, libraries).
     pub cuda_context_mib: f64,
     /// Other memory outside the allocator (NCCL buffers, cuFFT plans…).
@@ -77,6 +85,10 @@ pub struct GpuProfile {
     pub bound_fixed_mib: f64,
     #[serde(default = "default_bound_relative")]
     pub bound_relative: f64,
+    /// The bound also allows this many times the largest convolution output for cuDNN's
+    /// workspaces, which cuDNN sizes at run time by the algorithm it picks (not modelled).
+    #[serde(default = "default_conv_workspace_bound")]
+    pub conv_workspace_bound: f64,
     /// Where the fixed costs came from (written by `gpumem calibrate`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub calibration: Option<String>,

@@ -266,7 +266,7 @@ impl<'a> Emitter<'a> {
                 let id = self.b.alloc(bytes, Category::Temporary, phase, n.name);
                 self.b.free(id);
             }
-            self.b.op(n.name, n.flops, n.bytes / 2, n.bytes / 2);
+            self.b.op(n.name, n.flops, n.bytes_read, n.bytes_written);
             for &i in &n.inputs {
                 self.release(g, p, i);
             }
@@ -417,7 +417,8 @@ impl<'a> Emitter<'a> {
                         }
                     }
                 }
-                self.b.op(n.name, 2 * n.flops, n.bytes, n.bytes);
+                // Backward reads what forward read and wrote, and writes input-sized gradients.
+                self.b.op(n.name, 2 * n.flops, n.bytes_read + n.bytes_written, n.bytes_read);
                 for id in temps {
                     self.b.free(id);
                 }

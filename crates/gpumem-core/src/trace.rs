@@ -402,6 +402,20 @@ impl Trace {
         self.ids.len()
     }
 
+    /// The largest output (bytes written) of any kernel whose op name is in `names`.
+    pub fn largest_output(&self, names: &[&str]) -> u64 {
+        let wanted: Vec<u32> =
+            self.ops.iter().enumerate().filter(|(_, n)| names.contains(&n.as_str())).map(|(i, _)| i as u32).collect();
+        self.events
+            .iter()
+            .filter_map(|ev| match *ev {
+                Event::Op { op, bytes_written, .. } if wanted.contains(&op) => Some(bytes_written),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Total FLOPs and bytes moved per iteration, from the op events.
     pub fn op_totals(&self) -> OpTotals {
         let mut t = OpTotals::default();

@@ -1,0 +1,170 @@
+//! How busy a training job keeps the GPU: a physical model from the trace's kernels.
+//!
+//! Each `op` event becomes a kernel whose time is the larger of its compute time (FLOPs at the
+//! profile's peak for the precision the kernel runs in, times an efficiency) and its memory time
+//! (bytes at the profile's bandwidth, times an efficiency), plus a fixed start-up cost. The host
+//! issues kernels one by one (a dispatch cost per kernel plus a per-step overhead); a step takes
+//! the longer of the GPU's and the host's time. From there, DCGM's run-average fields follow:
+//! - GRACT: fraction of the step some kernel runs;
+//! - SMACT: the same, weighted by the share of SMs a kernel's grid covers;
+//! - SMOCC: SMACT weighted by the warps a kernel keeps resident per SM;
+//! - DRAMA: bytes moved over the step's peak-bandwidth capacity;
+//! - FP32A: non-tensor-core FP32 FLOPs over the step's FP32 capacity.
+//!
+//! [`physical`] returns a [`Utilization`]; [`HostModel`] holds the host-side costs.
+
+use serde::{Deserialize, Serialize};
+
+use crate::profile::GpuProfile;
+use crate::trace::{Event, Trace};
+
+/// Run-average DCGM profiling fields, fractions 0–1.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Utilization {
+    pub smact: f64,
+    pub smocc: f64,
+    pub gract: f64,
+    pub dram: f64,
+    pub fp32: f64,
+}
+
+/// Host-side costs of one training step (PyTorch eager on a recent CPU).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HostModel {
+    /// CPU time to dispatch one kernel through the framework.
+    pub dispatch_s: f64,
+    /// Python, data-loader hand-off and bookkeeping per step.
+    pub step_overhead_s: f64,
+    /// Data loading per sample on the host (a map-style DataLoader in the main process).
+    pub per_sample_s: f64,
+}
+
+impl Default for HostModel {
+    fn default() -> Self {
+        HostModel { dispatch_s: 8e-6, step_overhead_s: 1e-3, per_sample_s: 6e-6 }
+    }
+}
+
+/// Fractions of the peak rates that real kernels reach.
+const COMPUTE_EFFICIENCY: f64 = 0.7;
+const MEMORY_EFFICIENCY: f64 = 0.8;
+/// Launch-to-finish floor of any kernel.
+const KERNEL_FLOOR_S: f64 = 2e-6;
+/// Output elements one SM takes per wave: a 128×128 GEMM tile; 1024 threads of an elementwise grid.
+const TILE_ELEMENTS: f64 = 16384.0;
+const THREADS_PER_SM: f64 = 1024.0;
+/// Resident warps over the SM's maximum: GEMM/conv kernels trade occupancy for registers.
+const TENSOR_OCCUPANCY: f64 = 0.25;
+const ELEMENTWISE_OCCUPANCY: f64 = 0.7;
+
+/// What a kernel's arithmetic runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unit {
+    /// cuDNN convolutions (TF32 by default in fp32 training) and cuBLAS GEMMs.
+    Conv,
+    Gemm,
+    Elementwise,
+}
+
+fn unit(op: &str) -> Unit {
+    if op.starts_with("conv") {
+        Unit::Conv
+    } else if matches!(op, "addmm" | "mm" | "bmm" | "baddbmm" | "matmul" | "linear" | "addbmm")
+        || op.contains("attention")
+    {
+        Unit::Gemm
+    } else {
+        Unit::Elementwise
+    }
+}
+
+/// Peak FLOP/s of a kernel on `unit` for a trace in `precision`.
+fn peak_flops(profile: &GpuProfile, unit: Unit, precision: &str) -> f64 {
+    let t = &profile.tflops;
+    let tflops = match (unit, precision) {
+        (Unit::Elementwise, _) => t.fp32,
+        (_, "amp-fp16") => t.fp16,
+        (_, "amp-bf16") => t.bf16,
+        // PyTorch's defaults: cudnn.allow_tf32 = True, cuda.matmul.allow_tf32 = False.
+        (Unit::Conv, _) => t.tf32,
+        (Unit::Gemm, _) => t.fp32,
+    };
+    tflops.max(1e-3) * 1e12
+}
+
+/// Per-step utilization of `trace` on `profile`.
+pub fn physical(trace: &Trace, profile: &GpuProfile, host: &HostModel) -> Utilization {
+    let bandwidth = profile.memory_bandwidth_gbs.max(1e-3) * 1e9;
+    let sms = f64::from(profile.sm_count.max(1));
+    let precision = trace.header.precision.as_str();
+    let (mut busy, mut sm_busy, mut occupied, mut dram, mut fp32, mut kernels) = (0.0, 0.0, 0.0, 0.0, 0.0, 0u64);
+    for ev in &trace.events {
+        let Event::Op { op, flops, bytes_read, bytes_written } = *ev else { continue };
+        let unit = unit(&trace.ops[op as usize]);
+        let bytes = (bytes_read + bytes_written) as f64;
+        let compute = flops as f64 / (peak_flops(profile, unit, precision) * COMPUTE_EFFICIENCY);
+        let memory = bytes / (bandwidth * MEMORY_EFFICIENCY);
+        let time = compute.max(memory) + KERNEL_FLOOR_S;
+        let outputs = bytes_written as f64 / 4.0;
+        let (coverage, occupancy) = match unit {
+            Unit::Elementwise => ((outputs / (THREADS_PER_SM * sms)).min(1.0), ELEMENTWISE_OCCUPANCY),
+            _ => ((outputs / (TILE_ELEMENTS * sms)).clamp(1.0 / sms, 1.0), TENSOR_OCCUPANCY),
+        };
+        let coverage = coverage.max(1.0 / sms);
+        busy += time;
+        sm_busy += time * coverage;
+        occupied += time * coverage * occupancy;
+        dram += bytes / bandwidth;
+        if unit == Unit::Elementwise || (unit == Unit::Gemm && precision == "fp32") {
+            fp32 += flops as f64 / (profile.tflops.fp32.max(1e-3) * 1e12);
+        }
+        kernels += 1;
+    }
+    let iterations = trace.header.iterations.max(1) as f64;
+    let host_s = (kernels as f64 * host.dispatch_s) / iterations
+        + host.step_overhead_s
+        + host.per_sample_s * trace.header.batch_size as f64;
+    let step = (busy / iterations).max(host_s);
+    if step <= 0.0 {
+        return Utilization::default();
+    }
+    let per_step = |x: f64| (x / iterations / step).clamp(0.0, 1.0);
+    Utilization { smact: per_step(sm_busy), smocc: per_step(occupied), gract: per_step(busy), dram: per_step(dram), fp32: per_step(fp32) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::families::{JobOptions, ModelSpec};
+    use crate::profile::builtin;
+
+    fn util(spec: &str, batch: u64, gpu: &str) -> Utilization {
+        let trace = ModelSpec::parse(spec).unwrap().trace(&JobOptions::new(batch)).unwrap();
+        physical(&trace, &builtin(gpu).unwrap(), &HostModel::default())
+    }
+
+    #[test]
+    fn fields_are_fractions_and_ordered() {
+        let u = util("mlp:input=4096,output=10,depth=6,arch=uniform,act=relu", 512, "a100-40gb");
+        for x in [u.smact, u.smocc, u.gract, u.dram, u.fp32] {
+            assert!((0.0..=1.0).contains(&x), "{u:?}");
+        }
+        assert!(u.smocc <= u.smact && u.smact <= u.gract, "{u:?}");
+    }
+
+    #[test]
+    fn bigger_batches_keep_the_gpu_busier() {
+        let small = util("mlp:input=256,output=10,depth=3,arch=uniform,act=relu", 8, "a100-40gb");
+        let large = util("mlp:input=4096,output=10,depth=3,arch=uniform,act=relu", 1024, "a100-40gb");
+        assert!(small.gract < 0.5, "a tiny job is launch-bound: {small:?}");
+        assert!(large.gract > small.gract && large.smact > small.smact, "{small:?} {large:?}");
+    }
+
+    #[test]
+    fn a_faster_gpu_is_less_busy_on_the_same_job() {
+        let spec = "mlp:input=4096,output=10,depth=6,arch=uniform,act=relu";
+        let a100 = util(spec, 4096, "a100-40gb");
+        let h100 = util(spec, 4096, "h100-80gb-sxm");
+        assert!(h100.gract < a100.gract, "{a100:?} {h100:?}");
+    }
+}
