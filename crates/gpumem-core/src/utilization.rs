@@ -163,8 +163,8 @@ mod tests {
     #[test]
     fn a_faster_gpu_is_less_busy_on_the_same_job() {
         let spec = "mlp:input=4096,output=10,depth=6,arch=uniform,act=relu";
-        let a100 = util(spec, 4096, "a100-40gb");
-        let h100 = util(spec, 4096, "h100-80gb-sxm");
+        let a100 = util(spec, 64, "a100-40gb");
+        let h100 = util(spec, 64, "h100-80gb-sxm");
         assert!(h100.gract < a100.gract, "{a100:?} {h100:?}");
     }
 }
