@@ -58,7 +58,7 @@ fn check(a: &CachingAllocator, live: &[(BlockId, u64)]) {
     }
     for &(b, request) in live {
         let size = a.block_size(b);
-        assert!(size >= request && size % 512 == 0, "block {size} for request {request}");
+        assert!(size >= request && size.is_multiple_of(512), "block {size} for request {request}");
     }
 }
 

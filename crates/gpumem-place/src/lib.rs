@@ -287,11 +287,12 @@ impl Policy {
         }
         let free = gpu.free_bytes();
         let need = match self.memory {
+            // An empty GPU is the most any job can get: it always qualifies.
+            _ if gpu.residents.is_empty() => 0,
             MemoryView::Blind => 0,
             MemoryView::Oracle => job.true_bytes?,
             MemoryView::Estimate { headroom_bytes } => match job.memory {
                 Some(m) => m.estimate_bytes + headroom_bytes,
-                None if gpu.residents.is_empty() => 0,
                 None => return None,
             },
         };

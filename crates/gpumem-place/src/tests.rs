@@ -105,6 +105,8 @@ fn estimate_form_needs_headroom_and_failed_estimates_need_an_empty_gpu() {
     failed.memory = None;
     assert_eq!(place("first-fit", estimate(), &c, &failed), None);
     assert_eq!(place("first-fit", estimate(), &cluster([25, 0, 25, 25]), &failed), Some(vec![1]));
+    // An estimate above the GPU's size still gets an empty GPU (it can get nothing better).
+    assert_eq!(place("best-fit", estimate(), &cluster([1, 0, 1, 1]), &job(1, 1, 45, 1, 0.1)), Some(vec![1]));
 }
 
 #[test]

@@ -1,0 +1,272 @@
+//! The seed authors' CARMA workload: 51 training tasks, their published run times and memory,
+//! the estimates CARMA was given, and Philly-derived arrival traces.
+//!
+//! [`load_tasks`] joins carma_tasks.csv with carma_workloads_readme.csv through the mapping in
+//! carma-tasks.toml (embedded; see its comments for the rules) into [`Task`]s; [`load_arrivals`]
+//! reads a trace; [`Task::published`] gives the Horus, FakeTensor and GPUMemNet figures.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use gpumem_place::{Load, MIB};
+use serde::Deserialize;
+
+const MAPPING: &str = include_str!("../carma-tasks.toml");
+
+/// What gpumem traces for a task (the `replay` estimator).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize)]
+pub struct ModelRef {
+    pub model: String,
+    pub input: Option<String>,
+    pub seq_len: Option<u64>,
+    pub optimizer: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Entry {
+    prefix: String,
+    workload: Option<String>,
+    minutes: Option<f64>,
+    per_epoch_of: Option<u32>,
+    model: Option<String>,
+    input: Option<String>,
+    seq_len: Option<u64>,
+    optimizer: Option<String>,
+    unmodelled: Option<String>,
+    load: Option<Load>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Mapping {
+    task: Vec<Entry>,
+}
+
+/// One CARMA task.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Task {
+    pub name: String,
+    pub command: String,
+    pub batch: u64,
+    pub gpus: u32,
+    /// Measured peak per GPU (nvidia-smi).
+    pub measured_bytes: u64,
+    /// Published estimates; `None` where the estimator failed (40000 in the data).
+    pub horus_bytes: Option<u64>,
+    pub faketensor_bytes: Option<u64>,
+    pub gpumemnet_bytes: Option<u64>,
+    /// Exclusive run time.
+    pub work_s: f64,
+    /// How the run time was derived (for the docs and `--json`).
+    pub work_rule: String,
+    pub model: Option<ModelRef>,
+    pub unmodelled: Option<String>,
+    /// Solo utilization for tasks without a trace.
+    pub fallback_load: Option<Load>,
+}
+
+impl Task {
+    /// A published estimate by estimator name (`measured`, `horus`, `faketensor`, `gpumemnet`).
+    pub fn published(&self, estimator: &str) -> Option<Option<u64>> {
+        match estimator {
+            "measured" => Some(Some(self.measured_bytes)),
+            "horus" => Some(self.horus_bytes),
+            "faketensor" => Some(self.faketensor_bytes),
+            "gpumemnet" => Some(self.gpumemnet_bytes),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct TaskRow {
+    task: String,
+    command: String,
+    batch_size: u64,
+    gpus: u32,
+    measured_mib: f64,
+    horus_mib: f64,
+    faketensor_mib: f64,
+    gpumemnet_mib: f64,
+}
+
+#[derive(Debug, Deserialize)]
+struct ReadmeRow {
+    model: String,
+    batch_size: u64,
+    exclusive_time_min: f64,
+    epochs: String,
+}
+
+/// CARMA writes 40000 MiB when an estimator failed.
+const FAILED_MIB: f64 = 40000.0;
+
+fn published_bytes(mib: f64) -> Option<u64> {
+    (mib.is_finite() && mib > 0.0 && mib < FAILED_MIB).then(|| (mib * MIB as f64).round() as u64)
+}
+
+fn read_csv<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<Vec<T>, String> {
+    let mut r = csv::Reader::from_path(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    r.deserialize()
+        .enumerate()
+        .map(|(i, row)| row.map_err(|e| format!("{}: line {}: {e}", path.display(), i + 2)))
+        .collect()
+}
+
+/// `--epochs N` from a command line.
+fn epochs_in(command: &str) -> Option<u32> {
+    let mut words = command.split_whitespace();
+    while let Some(w) = words.next() {
+        if w == "--epochs" {
+            return words.next()?.parse().ok();
+        }
+    }
+    None
+}
+
+/// Reads the tasks and their run times.
+pub fn load_tasks(tasks_csv: &Path, readme_csv: &Path) -> Result<Vec<Task>, String> {
+    let mapping: Mapping = toml::from_str(MAPPING).map_err(|e| format!("carma-tasks.toml: {e}"))?;
+    let readme: Vec<ReadmeRow> = read_csv(readme_csv)?;
+    let rows: Vec<TaskRow> = read_csv(tasks_csv)?;
+    let mut tasks = Vec::with_capacity(rows.len());
+    for (i, row) in rows.into_iter().enumerate() {
+        let at = format!("{}: line {}", tasks_csv.display(), i + 2);
+        let entry = mapping
+            .task
+            .iter()
+            .find(|e| row.task.starts_with(&e.prefix))
+            .ok_or_else(|| format!("{at}: no mapping for task `{}` (see carma-tasks.toml)", row.task))?;
+        let (work_min, work_rule) = run_minutes(entry, &row, &readme).map_err(|e| format!("{at}: {e}"))?;
+        if row.measured_mib.is_nan() || row.measured_mib <= 0.0 || row.gpus == 0 {
+            return Err(format!("{at}: measured_mib and gpus must be positive"));
+        }
+        let model = entry.model.as_ref().map(|m| ModelRef {
+            model: m.clone(),
+            input: entry.input.clone(),
+            seq_len: entry.seq_len,
+            optimizer: entry.optimizer.clone().unwrap_or_else(|| "adam".into()),
+        });
+        tasks.push(Task {
+            name: row.task,
+            command: row.command,
+            batch: row.batch_size,
+            gpus: row.gpus,
+            measured_bytes: (row.measured_mib * MIB as f64).round() as u64,
+            horus_bytes: published_bytes(row.horus_mib),
+            faketensor_bytes: published_bytes(row.faketensor_mib),
+            gpumemnet_bytes: published_bytes(row.gpumemnet_mib),
+            work_s: work_min * 60.0,
+            work_rule,
+            model,
+            unmodelled: entry.unmodelled.clone(),
+            fallback_load: entry.load,
+        });
+    }
+    Ok(tasks)
+}
+
+/// Minutes alone on the GPU, and the rule that gave them.
+fn run_minutes(entry: &Entry, row: &TaskRow, readme: &[ReadmeRow]) -> Result<(f64, String), String> {
+    if let Some(m) = entry.minutes {
+        return Ok((m, "stated in carma-tasks.toml".into()));
+    }
+    let workload = entry.workload.as_deref().ok_or("mapping has neither workload nor minutes")?;
+    let candidates: Vec<&ReadmeRow> = readme.iter().filter(|r| r.model == workload).collect();
+    let r = match candidates.iter().find(|r| r.batch_size == row.batch_size) {
+        Some(r) => *r,
+        None if candidates.len() == 1 => candidates[0],
+        None => return Err(format!("the readme has no `{workload}` row at batch {}", row.batch_size)),
+    };
+    if r.epochs == "20/50" {
+        let epochs = epochs_in(&row.command).ok_or_else(|| format!("`{}` has no --epochs", row.command))?;
+        Ok((r.exclusive_time_min * f64::from(epochs), format!("{workload} b{}: {} min/epoch x {epochs}", r.batch_size, r.exclusive_time_min)))
+    } else if let Some(epochs) = entry.per_epoch_of {
+        Ok((r.exclusive_time_min * f64::from(epochs), format!("{workload}: {} min/epoch x {epochs}", r.exclusive_time_min)))
+    } else {
+        Ok((r.exclusive_time_min, format!("{workload} b{}: {} min", r.batch_size, r.exclusive_time_min)))
+    }
+}
+
+/// Reads an arrival trace (`arrival_s,task`) against the known tasks: (arrival, task index).
+pub fn load_arrivals(trace_csv: &Path, tasks: &[Task]) -> Result<Vec<(f64, usize)>, String> {
+    #[derive(Deserialize)]
+    struct Row {
+        arrival_s: f64,
+        task: String,
+    }
+    let index: HashMap<&str, usize> = tasks.iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
+    let rows: Vec<Row> = read_csv(trace_csv)?;
+    rows.into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let at = format!("{}: line {}", trace_csv.display(), i + 2);
+            if !(r.arrival_s.is_finite() && r.arrival_s >= 0.0) {
+                return Err(format!("{at}: arrival_s must be a non-negative number"));
+            }
+            let t = index.get(r.task.as_str()).ok_or_else(|| format!("{at}: unknown task `{}`", r.task))?;
+            Ok((r.arrival_s, *t))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data() -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/carma")
+    }
+
+    #[test]
+    fn every_task_maps_to_a_run_time() {
+        let d = data();
+        if !d.exists() {
+            return;
+        }
+        let tasks = load_tasks(&d.join("carma_tasks.csv"), &d.join("carma_workloads_readme.csv")).unwrap();
+        assert_eq!(tasks.len(), 51);
+        let by = |n: &str| tasks.iter().find(|t| t.name == n).unwrap();
+        assert_eq!(by("resnet2").work_s, 32.58 * 60.0);
+        assert!((by("resnet18_cifar100_50e_1").work_s - 0.49 * 50.0 * 60.0).abs() < 1e-9);
+        // The `_50e_3` task's command says 20 epochs; the command wins.
+        assert!((by("resnet18_cifar100_50e_3").work_s - 0.17 * 20.0 * 60.0).abs() < 1e-9);
+        assert_eq!(by("xlnet_large_cased_2").gpus, 2);
+        assert_eq!(by("BERT_base").faketensor_bytes, None, "40000 means the estimator failed");
+        assert_eq!(by("vgg").horus_bytes.map(|b| b / MIB), Some(21525));
+        assert!(by("maskrcnn").unmodelled.is_some() && by("vgg3").model.is_some());
+        for t in &tasks {
+            assert!(t.work_s > 0.0, "{}", t.name);
+            assert!(t.model.is_some() != t.unmodelled.is_some(), "{}: a model or a reason", t.name);
+            assert!(t.model.is_some() || t.fallback_load.is_some(), "{}: unmodelled tasks state a load", t.name);
+        }
+        for trace in ["philly_trace-t1.csv", "philly_trace-t2.csv", "philly_heavy-60-tasks.csv", "philly_mix-90-tasks.csv"] {
+            assert!(load_arrivals(&d.join(trace), &tasks).unwrap().len() >= 60, "{trace}");
+        }
+    }
+
+    #[test]
+    fn bad_rows_are_one_line_errors() {
+        let dir = std::env::temp_dir().join(format!("gpumem-carma-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let readme = dir.join("readme.csv");
+        std::fs::write(&readme, "model,batch_size,gpus,exclusive_time_min,epochs,measured_gb,family\nvgg16,32,1,50,1,6.7,imagenet\nvgg16,128,1,44,1,21.9,imagenet\n").unwrap();
+        let tasks = dir.join("tasks.csv");
+        let head = "task,command,summary,dataset,batch_size,gpus,measured_mib,horus_mib,faketensor_mib,gpumemnet_mib\n";
+        std::fs::write(&tasks, format!("{head}vgg,python vgg.py,s,d,32,1,6684,1,1,8000\nzebra,python z.py,s,d,32,1,1,1,1,1\n")).unwrap();
+        let e = load_tasks(&tasks, &readme).unwrap_err();
+        assert!(e.ends_with("line 3: no mapping for task `zebra` (see carma-tasks.toml)") && !e.contains('\n'), "{e}");
+        std::fs::write(&tasks, format!("{head}vgg2,python vgg.py,s,d,64,1,11760,1,1,8000\n")).unwrap();
+        let e = load_tasks(&tasks, &readme).unwrap_err();
+        assert!(e.contains("line 2: the readme has no `vgg16` row at batch 64"), "{e}");
+        std::fs::write(&tasks, format!("{head}vgg,python vgg.py,s,d,32,1,6684,1,1,8000\n")).unwrap();
+        let ok = load_tasks(&tasks, &readme).unwrap();
+        let trace = dir.join("trace.csv");
+        std::fs::write(&trace, "arrival_s,task\n0,vgg\n5,vgg9\n").unwrap();
+        let e = load_arrivals(&trace, &ok).unwrap_err();
+        assert!(e.ends_with("line 3: unknown task `vgg9`"), "{e}");
+        std::fs::write(&trace, "arrival_s,task\n-1,vgg\n").unwrap();
+        assert!(load_arrivals(&trace, &ok).unwrap_err().contains("non-negative"));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

@@ -1,0 +1,20 @@
+//! gpumem-sim: a trace-driven, discrete-event simulator of training jobs on shared GPUs.
+//!
+//! [`simulate`] replays [`SimJob`]s (arrival, GPUs, exclusive run time, true memory, the
+//! estimate under test, utilization) on a cluster of [`GpuSpec`]s under a placement policy from
+//! gpumem-place, with FIFO queueing (optional EASY backfill), CARMA's warm-up rule, out-of-memory
+//! crashes and exclusive recovery ([`SimConfig`]), and a replaceable [`Interference`] model; the
+//! [`Report`] holds makespan, waits, completion times, crashes, wasted GPU time, busy fraction,
+//! SMACT and energy, plus every [`Run`] for timelines. [`carma`] loads the seed authors' CARMA
+//! workload; [`synth`] makes large synthetic ones.
+
+pub mod carma;
+pub mod interference;
+mod sim;
+pub mod synth;
+
+pub use interference::{Interference, NoInterference, ProportionalSharing};
+pub use sim::{GpuSpec, Outcome, Report, Run, SimConfig, SimError, SimJob, simulate};
+
+#[cfg(test)]
+mod tests;
