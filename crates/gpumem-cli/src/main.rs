@@ -1,12 +1,13 @@
 //! The `gpumem` command: estimate a training job's GPU memory before it runs.
 //!
-//! Subcommands: `estimate`, `max-batch`, `gpus`, `calibrate`, `eval`, `trace`. Expected
+//! Subcommands: `estimate`, `max-batch`, `gpus`, `calibrate`, `eval`, `trace`, `simulate`. Expected
 //! failures (bad input, unknown GPU, malformed files) print one line on stderr and exit with 2;
 //! a PyTorch model that cannot be traced exits with 3; other failures (I/O while writing) exit
 //! with 1. See docs/cli.md.
 
 mod commands;
 mod plot;
+mod simulate;
 
 use std::process::ExitCode;
 
@@ -62,6 +63,7 @@ enum Command {
     Eval(commands::EvalArgs),
     /// Write the training-step trace of a native model.
     Trace(commands::TraceArgs),
+    Simulate(simulate::SimulateArgs),
 }
 
 fn main() -> ExitCode {
@@ -82,6 +84,7 @@ fn main() -> ExitCode {
         Command::Calibrate(a) => commands::calibrate(a),
         Command::Eval(a) => commands::eval(a),
         Command::Trace(a) => commands::trace(a),
+        Command::Simulate(a) => simulate::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,4 +1,5 @@
-//! Actual-vs-predicted scatter plots (SVG and PNG) with plotters and an embedded font.
+//! Plots with plotters and an embedded font: actual-vs-predicted scatters and simulation
+//! timelines (SVG and PNG).
 
 use std::path::Path;
 use std::sync::Once;
@@ -52,5 +53,84 @@ where
             .legend(move |(x, y)| Circle::new((x + 10, y), 4, color.filled()));
     }
     chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperLeft).draw().map_err(err)?;
+    root.present().map_err(err)
+}
+
+/// Per-GPU timeline of a simulation: one band per GPU, concurrent jobs stacked in lanes,
+/// crashed runs in red.
+pub fn timeline(svg: &Path, png: &Path, title: &str, gpus: usize, runs: &[gpumem_sim::Run], labels: &[String]) -> Result<(), String> {
+    register();
+    let height = (160 + 90 * gpus as u32).min(4000);
+    draw_timeline(SVGBackend::new(svg, (1400, height)).into_drawing_area(), title, gpus, runs, labels).map_err(|e| format!("{}: {e}", svg.display()))?;
+    draw_timeline(BitMapBackend::new(png, (1400, height)).into_drawing_area(), title, gpus, runs, labels).map_err(|e| format!("{}: {e}", png.display()))
+}
+
+/// Lane of each run within its GPU band (greedy interval colouring), and lanes per GPU.
+fn lanes(gpus: usize, runs: &[gpumem_sim::Run]) -> (Vec<Vec<(usize, usize)>>, Vec<usize>) {
+    let mut order: Vec<usize> = (0..runs.len()).collect();
+    order.sort_by(|&a, &b| runs[a].start_s.total_cmp(&runs[b].start_s));
+    let mut ends: Vec<Vec<f64>> = vec![Vec::new(); gpus];
+    let mut placed: Vec<Vec<(usize, usize)>> = vec![Vec::new(); gpus];
+    for r in order {
+        for &g in &runs[r].gpus {
+            let lane = match ends[g].iter().position(|&e| e <= runs[r].start_s) {
+                Some(l) => l,
+                None => {
+                    ends[g].push(0.0);
+                    ends[g].len() - 1
+                }
+            };
+            ends[g][lane] = runs[r].end_s;
+            placed[g].push((r, lane));
+        }
+    }
+    let counts = ends.iter().map(|e| e.len().max(1)).collect();
+    (placed, counts)
+}
+
+fn draw_timeline<DB: DrawingBackend>(root: DrawingArea<DB, plotters::coord::Shift>, title: &str, gpus: usize, runs: &[gpumem_sim::Run], labels: &[String]) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    root.fill(&WHITE).map_err(err)?;
+    let end_h = runs.iter().map(|r| r.end_s).fold(0.0f64, f64::max) / 3600.0;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..end_h.max(0.01) * 1.02, 0.0..gpus as f64)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("hours")
+        .y_desc("GPU")
+        .y_labels((gpus + 1).min(41))
+        .y_label_formatter(&|v| format!("{}", v.floor() as usize))
+        .disable_y_mesh()
+        .draw()
+        .map_err(err)?;
+    let (placed, counts) = lanes(gpus, runs);
+    for (g, on) in placed.iter().enumerate() {
+        let lane_h = 0.9 / counts[g] as f64;
+        chart
+            .draw_series(on.iter().map(|&(r, lane)| {
+                let run = &runs[r];
+                let y0 = g as f64 + 0.05 + lane as f64 * lane_h;
+                let color = if run.outcome == gpumem_sim::Outcome::Finished { COLORS[run.job % COLORS.len()].mix(0.8) } else { RED.mix(1.0) };
+                Rectangle::new([(run.start_s / 3600.0, y0), (run.end_s / 3600.0, y0 + lane_h * 0.9)], color.filled())
+            }))
+            .map_err(err)?;
+        if gpus <= 16 {
+            let font = ("sans-serif", 10).into_font().color(&BLACK);
+            chart
+                .draw_series(on.iter().filter(|&&(r, _)| runs[r].end_s - runs[r].start_s > end_h * 3600.0 / 40.0).map(|&(r, lane)| {
+                    let y = g as f64 + 0.05 + (lane as f64 + 0.6) * lane_h;
+                    Text::new(labels.get(runs[r].job).cloned().unwrap_or_default(), (runs[r].start_s / 3600.0, y), font.clone())
+                }))
+                .map_err(err)?;
+        }
+    }
     root.present().map_err(err)
 }

@@ -8,9 +8,9 @@
 //!
 //! Rules: `exclusive`; `round-robin` (memory-blind, as CARMA's); `first-fit`, `best-fit`,
 //! `most-free-memory`, `least-utilized`, each by true memory (oracle), by estimate + headroom
-//! (CARMA's 2 GiB) or blind; and gpumem's `safe-pack`, which counts every job at the larger of
-//! what the GPU shows for it and its upper bound, admits a job only if its upper bound fits, runs
-//! jobs it cannot model alone, and prefers GPUs whose summed utilization stays below saturation.
+//! (CARMA's 2 GiB) or blind; and gpumem's `safe-pack`, which admits a job only if its upper bound
+//! fits beside what the residents show (their bounds while they warm up), runs jobs it cannot
+//! model alone, consolidates while summed utilization stays below saturation and caps it above.
 
 use std::fmt;
 
@@ -76,6 +76,8 @@ pub struct Resident {
     pub used_bytes: u64,
     /// The upper bound it was admitted with (0 when unknown).
     pub bound_bytes: u64,
+    /// From then on `used_bytes` shows its steady peak (training reaches it in the first steps).
+    pub warm_at_s: f64,
     pub load: Load,
     pub exclusive: bool,
 }
@@ -100,9 +102,10 @@ impl Gpu {
     pub fn free_bytes(&self) -> u64 {
         self.capacity_bytes.saturating_sub(self.used_bytes())
     }
-    /// Free memory when every resident may still grow to its upper bound.
-    pub fn free_bound_bytes(&self) -> u64 {
-        let held: u64 = self.residents.iter().map(|r| r.used_bytes.max(r.bound_bytes)).sum();
+    /// Free memory when residents still warming up may grow to their upper bounds.
+    pub fn free_bound_bytes(&self, now_s: f64) -> u64 {
+        let held: u64 =
+            self.residents.iter().map(|r| if now_s >= r.warm_at_s { r.used_bytes } else { r.used_bytes.max(r.bound_bytes) }).sum();
         self.capacity_bytes.saturating_sub(held)
     }
     pub fn load(&self) -> Load {
@@ -134,6 +137,7 @@ impl Cluster {
                 job: job.id,
                 used_bytes: job.true_bytes.unwrap_or(0),
                 bound_bytes: job.memory.map_or(0, |m| m.upper_bound_bytes),
+                warm_at_s: now_s + warmup_s,
                 load: job.load,
                 exclusive: alone,
             });
@@ -214,13 +218,14 @@ pub struct Policy {
     pub carma_filter: bool,
     /// safe-pack: margin above the upper bound.
     pub safe_headroom_bytes: u64,
-    /// safe-pack: the summed utilization pressure it accepts on a shared GPU.
+    /// safe-pack: the summed utilization pressure it accepts on a shared GPU (2: under
+    /// proportional sharing no job drops below half speed).
     pub max_pressure: f64,
 }
 
 impl Policy {
     pub fn new(rule: Rule, memory: MemoryView) -> Self {
-        Policy { rule, memory, carma_filter: false, safe_headroom_bytes: 512 * MIB, max_pressure: 1.5 }
+        Policy { rule, memory, carma_filter: false, safe_headroom_bytes: 512 * MIB, max_pressure: 2.0 }
     }
 
     /// Parses `RULE` or `RULE+carma` (the utilization filter).
@@ -260,7 +265,7 @@ impl Policy {
             if self.carma_filter && carma_busy(gpu.load()) {
                 continue;
             }
-            if let Some(score) = self.score(gpu, job) {
+            if let Some(score) = self.score(gpu, job, now_s) {
                 candidates.push((g, score));
             }
         }
@@ -281,9 +286,9 @@ impl Policy {
     }
 
     /// `None` if `job` may not go on `gpu`; otherwise a rank key (lower is preferred).
-    fn score(&self, gpu: &Gpu, job: &Job) -> Option<f64> {
+    fn score(&self, gpu: &Gpu, job: &Job, now_s: f64) -> Option<f64> {
         if self.rule == Rule::SafePack {
-            return self.safe_pack_score(gpu, job);
+            return self.safe_pack_score(gpu, job, now_s);
         }
         let free = gpu.free_bytes();
         let need = match self.memory {
@@ -308,27 +313,25 @@ impl Policy {
         })
     }
 
-    /// safe-pack: the upper bound must fit beside every resident's bound. Shared GPUs that stay
-    /// below saturation come first, tightest memory fit first (keeping large holes for large
-    /// jobs); then an empty GPU; then shared GPUs that would saturate, by pressure, up to
-    /// `max_pressure`.
-    fn safe_pack_score(&self, gpu: &Gpu, job: &Job) -> Option<f64> {
+    /// safe-pack: the upper bound must fit beside what residents show (or, while they warm up,
+    /// their bounds). Shared GPUs that stay at or below saturation come first, tightest memory
+    /// fit first (consolidating keeps empty GPUs for large and multi-GPU jobs); then an empty
+    /// GPU; then shared GPUs that would saturate, least pressure first, up to `max_pressure`.
+    fn safe_pack_score(&self, gpu: &Gpu, job: &Job, now_s: f64) -> Option<f64> {
         if gpu.residents.is_empty() {
             return Some(1.0);
         }
         let need = job.memory?.upper_bound_bytes + self.safe_headroom_bytes;
-        let free = gpu.free_bound_bytes();
-        if need > free {
+        let free = gpu.free_bound_bytes(now_s);
+        let pressure = gpu.load().plus(job.load).pressure();
+        if need > free || pressure > self.max_pressure {
             return None;
         }
-        let pressure = gpu.load().plus(job.load).pressure();
         if pressure <= 1.0 {
             // In [0, 1): tighter fit first.
             Some((free - need) as f64 / gpu.capacity_bytes.max(1) as f64)
-        } else if pressure <= self.max_pressure {
-            Some(2.0 + pressure)
         } else {
-            None
+            Some(1.0 + pressure)
         }
     }
 }

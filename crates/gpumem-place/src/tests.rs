@@ -156,15 +156,19 @@ fn recovery_jobs_run_alone_and_keep_others_off() {
 #[test]
 fn safe_pack_admits_by_upper_bound_against_residents_bounds() {
     let mut c = cluster([0, 0, 0, 0]);
-    // A resident that shows 10 GiB but may grow to 20 GiB.
+    // A resident that shows 10 GiB so far but may grow to 20 GiB while it warms up (until t = 30).
     let mut r = job(10, 1, 19, 10, 0.2);
     r.memory = Some(MemoryDemand { estimate_bytes: 19 * GIB, upper_bound_bytes: 20 * GIB });
-    c.assign(&r, &[0], false, -100.0, 0.0);
+    c.assign(&r, &[0], false, 0.0, 30.0);
+    // A daemon may offer the GPU as soon as the job's memory shows up.
+    c.gpus[0].warm_until_s = 0.0;
     let p = Policy::parse("safe-pack", MemoryView::Blind).unwrap();
     // Bound 19 + 0.5 headroom ≤ 20 free-by-bound: shares GPU 0 (tightest fit below saturation).
-    assert_eq!(p.place(&c, &job(1, 1, 18, 18, 0.3), 0.0), Some(vec![0]));
+    assert_eq!(p.place(&c, &job(1, 1, 18, 18, 0.3), 10.0), Some(vec![0]));
     // Bound 20 + 0.5 does not fit beside the resident's bound (though 30 GiB show free): empty GPU.
-    assert_eq!(p.place(&c, &job(1, 1, 19, 19, 0.3), 0.0), Some(vec![1]));
+    assert_eq!(p.place(&c, &job(1, 1, 19, 19, 0.3), 10.0), Some(vec![1]));
+    // Warmed up, the resident counts at what it shows: 30 GiB free.
+    assert_eq!(p.place(&c, &job(1, 1, 19, 19, 0.3), 40.0), Some(vec![0]));
 }
 
 #[test]
@@ -177,10 +181,14 @@ fn safe_pack_avoids_saturation_when_it_can() {
     // Pressure 0.8 + 0.5 > 1: the empty GPU 3 first.
     assert_eq!(p.place(&c, &job(1, 1, 5, 5, 0.5), 0.0), Some(vec![3]));
     c.assign(&job(13, 1, 5, 5, 0.8), &[3], false, -100.0, 0.0);
-    // All shared: the least pressure within the cap (1.3 ≤ 1.5).
+    // All shared: the least pressure within the cap (1.3 ≤ 2).
     assert_eq!(p.place(&c, &job(1, 1, 5, 5, 0.5), 0.0), Some(vec![0]));
-    // 0.8 + 0.8 = 1.6 above the cap: wait.
-    assert_eq!(p.place(&c, &job(1, 1, 5, 5, 0.8), 0.0), None);
+    // 0.8 + 1.3 = 2.1 above the cap: wait.
+    assert_eq!(p.place(&c, &job(1, 1, 5, 5, 1.3), 0.0), None);
+    // Below saturation, consolidate: a lightly loaded shared GPU beats an empty one.
+    let mut light = cluster([0, 0, 0, 0]);
+    light.assign(&job(20, 1, 5, 5, 0.2), &[2], false, -100.0, 0.0);
+    assert_eq!(p.place(&light, &job(1, 1, 5, 5, 0.3), 0.0), Some(vec![2]));
 }
 
 #[test]
