@@ -38,7 +38,7 @@ pub struct GpuChoice {
 }
 
 impl GpuChoice {
-    fn load(&self) -> CliResult<GpuProfile> {
+    pub fn load(&self) -> CliResult<GpuProfile> {
         match &self.profile {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;

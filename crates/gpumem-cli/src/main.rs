@@ -1,11 +1,12 @@
 //! The `gpumem` command: estimate a training job's GPU memory before it runs.
 //!
-//! Subcommands: `estimate`, `max-batch`, `gpus`, `calibrate`, `eval`, `trace`, `simulate`. Expected
+//! Subcommands: `estimate`, `max-batch`, `gpus`, `calibrate`, `eval`, `trace`, `simulate`, `learn`. Expected
 //! failures (bad input, unknown GPU, malformed files) print one line on stderr and exit with 2;
 //! a PyTorch model that cannot be traced exits with 3; other failures (I/O while writing) exit
 //! with 1. See docs/cli.md.
 
 mod commands;
+mod learn;
 mod plot;
 mod simulate;
 
@@ -64,6 +65,7 @@ enum Command {
     /// Write the training-step trace of a native model.
     Trace(commands::TraceArgs),
     Simulate(simulate::SimulateArgs),
+    Learn(learn::LearnArgs),
 }
 
 fn main() -> ExitCode {
@@ -85,6 +87,7 @@ fn main() -> ExitCode {
         Command::Eval(a) => commands::eval(a),
         Command::Trace(a) => commands::trace(a),
         Command::Simulate(a) => simulate::run(a),
+        Command::Learn(a) => learn::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

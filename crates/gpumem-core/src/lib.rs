@@ -26,6 +26,7 @@ pub mod eval;
 pub mod families;
 pub mod graph;
 pub mod profile;
+pub mod rng;
 pub mod search;
 pub mod step;
 pub mod symbolic;

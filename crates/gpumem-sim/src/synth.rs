@@ -1,25 +1,9 @@
 //! Synthetic workloads for scale tests: many jobs, deterministic for a seed.
 
+use gpumem_core::rng::SplitMix64;
 use gpumem_place::{Load, MIB, MemoryDemand};
 
 use crate::sim::SimJob;
-
-/// SplitMix64: a tiny, well-known generator whose stream never changes between versions.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
 
 /// `count` jobs arriving over `span_s` on GPUs of `capacity_bytes`: 1–8 GPUs (mostly 1),
 /// memory 2–95% of a GPU, run times 1 min–4 h (log-uniform), estimates within ±10% of the truth

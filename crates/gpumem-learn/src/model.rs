@@ -1,0 +1,341 @@
+//! Learned models as versioned files: training, prediction, loading with a feature check.
+
+use serde::{Deserialize, Serialize};
+
+use crate::data::{Sample, Target};
+use crate::features::FeatureSet;
+use crate::gbt::{Gbt, GbtConfig};
+use crate::net::{Arch, Labels, Net, NetWeights, TrainConfig, softmax};
+
+pub const FORMAT: &str = "gpumem-learned";
+pub const VERSION: u32 = 1;
+
+/// Which learner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Kind {
+    Mlp,
+    Transformer,
+    Gbt,
+}
+
+impl Kind {
+    pub fn parse(s: &str) -> Result<Kind, String> {
+        match s {
+            "mlp" => Ok(Kind::Mlp),
+            "transformer" => Ok(Kind::Transformer),
+            "gbt" => Ok(Kind::Gbt),
+            other => Err(format!("unknown model `{other}` (expected mlp, transformer or gbt)")),
+        }
+    }
+}
+
+/// Signed log then standardisation: sizes span orders of magnitude.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Scaler {
+    mean: Vec<f64>,
+    std: Vec<f64>,
+}
+
+fn squash(x: f64) -> f64 {
+    x.signum() * x.abs().ln_1p()
+}
+
+impl Scaler {
+    pub fn fit(rows: &[Vec<f64>]) -> Scaler {
+        let w = rows.first().map_or(0, Vec::len);
+        let n = rows.len().max(1) as f64;
+        let mean: Vec<f64> = (0..w).map(|j| rows.iter().map(|r| squash(r[j])).sum::<f64>() / n).collect();
+        let std = (0..w)
+            .map(|j| {
+                let var = rows.iter().map(|r| (squash(r[j]) - mean[j]).powi(2)).sum::<f64>() / n;
+                if var > 1e-12 { var.sqrt() } else { 1.0 }
+            })
+            .collect();
+        Scaler { mean, std }
+    }
+
+    pub fn apply(&self, row: &[f64]) -> Vec<f32> {
+        row.iter().enumerate().map(|(j, &x)| ((squash(x) - self.mean[j]) / self.std[j]) as f32).collect()
+    }
+}
+
+/// A split-conformal upper bound: prediction × (1 + margin) misses at most `miss_rate` of
+/// exchangeable new rows.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Conformal {
+    pub miss_rate: f64,
+    pub relative_margin: f64,
+}
+
+/// A regressor of the correction.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Regressor {
+    Gbt(Gbt),
+    Nets(Vec<NetWeights>),
+}
+
+/// What the model outputs.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", tag = "head")]
+pub enum Head {
+    /// GPUMemNet: memory classes of `bin_mib` each; an ensemble averages probabilities.
+    Bins { bin_mib: f64, classes: usize, members: Vec<NetWeights> },
+    /// gpumem's own answer (replay peak, physical utilization) plus a learned correction:
+    /// relative for memory, absolute for utilization.
+    Correction { regressor: Regressor, bound: Option<Conformal> },
+}
+
+/// A trained model file.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct LearnedModel {
+    pub format: String,
+    pub version: u32,
+    pub target: Target,
+    pub kind: Kind,
+    pub features: FeatureSet,
+    pub feature_names: Vec<String>,
+    pub scaler: Scaler,
+    pub head: Head,
+    pub trained_rows: usize,
+    /// The GPU profile the trace features were computed on.
+    pub profile: String,
+}
+
+/// What to train.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Spec {
+    pub target: Target,
+    pub kind: Kind,
+    /// GPUMemNet's bin width (1024 MiB for MLPs, 8192 for CNNs and Transformers).
+    pub bin_mib: f64,
+    /// Ensemble members (differently deep networks).
+    pub members: usize,
+    pub net: TrainConfig,
+    pub gbt: GbtConfig,
+    /// The upper bound's stated miss rate (memory corrections).
+    pub miss_rate: f64,
+}
+
+impl Spec {
+    pub fn new(target: Target, kind: Kind) -> Spec {
+        Spec { target, kind, bin_mib: 1024.0, members: 3, net: TrainConfig::default(), gbt: GbtConfig::default(), miss_rate: 0.01 }
+    }
+
+    fn classifies(&self) -> bool {
+        self.target == Target::Memory && self.kind != Kind::Gbt
+    }
+
+    pub fn feature_set(&self) -> FeatureSet {
+        if self.classifies() { FeatureSet::Seed } else { FeatureSet::Full }
+    }
+
+    fn arch(&self, member: usize) -> Arch {
+        match self.kind {
+            Kind::Transformer => Arch::Transformer { d_model: 32, heads: 4, layers: 1 + member },
+            _ => Arch::Mlp { hidden: [128, 64, 64, 32, 32][..(2 + member).min(5)].to_vec() },
+        }
+    }
+}
+
+/// One prediction.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Prediction {
+    /// MiB for memory (a bin's upper edge for GPUMemNet), a fraction for utilization.
+    pub value: f64,
+    /// Memory corrections: the conformal upper bound (MiB).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upper: Option<f64>,
+    /// GPUMemNet: the predicted bin.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bin: Option<usize>,
+}
+
+fn target_of(s: &Sample, t: Target) -> Result<f64, String> {
+    s.target(t).ok_or_else(|| format!("line {}: no {} measurement", s.line, t.name()))
+}
+
+/// The correction a model learns for a sample: measured vs gpumem's own answer.
+fn correction(s: &Sample, t: Target) -> Result<f64, String> {
+    let y = target_of(s, t)?;
+    let base = s.physical(t);
+    Ok(if t == Target::Memory { y / base.max(1.0) - 1.0 } else { y - base })
+}
+
+fn apply(s: &Sample, t: Target, c: f64) -> f64 {
+    let base = s.physical(t);
+    if t == Target::Memory { base * (1.0 + c) } else { (base + c).clamp(0.0, 1.0) }
+}
+
+fn train_nets(spec: &Spec, x: &[Vec<f32>], labels: &Labels, outputs: usize, progress: &mut dyn FnMut(String)) -> Result<Vec<NetWeights>, String> {
+    (0..spec.members.max(1))
+        .map(|m| {
+            let mut net = Net::new(spec.arch(m), x[0].len(), outputs, spec.net.seed.wrapping_add(m as u64 * 7919))?;
+            let cfg = TrainConfig { seed: spec.net.seed.wrapping_add(m as u64), ..spec.net };
+            net.train(x, labels, &cfg, &mut |epoch, loss| progress(format!("member {}/{} epoch {epoch}/{} loss {loss:.4}", m + 1, spec.members.max(1), cfg.epochs)))?;
+            net.weights()
+        })
+        .collect()
+}
+
+fn fit_regressor(spec: &Spec, x: &[Vec<f32>], y: &[f32], progress: &mut dyn FnMut(String)) -> Result<Regressor, String> {
+    Ok(match spec.kind {
+        Kind::Gbt => {
+            progress(format!("boosting {} trees", spec.gbt.trees));
+            Regressor::Gbt(Gbt::train(x, y, &spec.gbt)?)
+        }
+        _ => Regressor::Nets(train_nets(spec, x, &Labels::Values(y), 1, progress)?),
+    })
+}
+
+fn regress(r: &Regressor, x: &[Vec<f32>]) -> Result<Vec<f64>, String> {
+    Ok(match r {
+        Regressor::Gbt(g) => g.predict(x).into_iter().map(f64::from).collect(),
+        Regressor::Nets(members) => {
+            let mut sum = vec![0.0; x.len()];
+            for w in members {
+                for (s, out) in sum.iter_mut().zip(Net::from_weights(w)?.predict(x)?) {
+                    *s += f64::from(out[0]) / members.len() as f64;
+                }
+            }
+            sum
+        }
+    })
+}
+
+/// Deterministic grouped folds: every group's rows land in one fold.
+pub fn folds(samples: &[&Sample], k: usize, seed: u64) -> Vec<usize> {
+    let mut groups: Vec<&str> = samples.iter().map(|s| s.group.as_str()).collect();
+    groups.sort_unstable();
+    groups.dedup();
+    gpumem_core::rng::SplitMix64(seed).shuffle(&mut groups);
+    let fold_of: std::collections::HashMap<&str, usize> = groups.iter().enumerate().map(|(i, g)| (*g, i % k.max(1))).collect();
+    samples.iter().map(|s| fold_of[s.group.as_str()]).collect()
+}
+
+/// Trains a model on `samples`.
+pub fn train(samples: &[&Sample], spec: &Spec, profile: &str, progress: &mut dyn FnMut(String)) -> Result<LearnedModel, String> {
+    if samples.len() < 10 {
+        return Err(format!("{} rows are too few to train on (at least 10)", samples.len()));
+    }
+    let set = spec.feature_set();
+    let raw: Vec<Vec<f64>> = samples.iter().map(|s| s.features(set)).collect();
+    let scaler = Scaler::fit(&raw);
+    let x: Vec<Vec<f32>> = raw.iter().map(|r| scaler.apply(r)).collect();
+    let head = if spec.classifies() {
+        if !(spec.bin_mib >= 1.0) {
+            return Err("--bins must be at least 1 MiB".into());
+        }
+        let bins: Vec<u32> = samples.iter().map(|s| Ok((target_of(s, Target::Memory)? / spec.bin_mib) as u32)).collect::<Result<_, String>>()?;
+        let classes = *bins.iter().max().unwrap_or(&0) as usize + 2;
+        Head::Bins { bin_mib: spec.bin_mib, classes, members: train_nets(spec, &x, &Labels::Classes(&bins, classes), classes, progress)? }
+    } else {
+        let y: Vec<f32> = samples.iter().map(|s| correction(s, spec.target).map(|c| c as f32)).collect::<Result<_, _>>()?;
+        let bound = if spec.target == Target::Memory { Some(conformal(samples, &x, &y, spec, progress)?) } else { None };
+        Head::Correction { regressor: fit_regressor(spec, &x, &y, progress)?, bound }
+    };
+    Ok(LearnedModel {
+        format: FORMAT.into(),
+        version: VERSION,
+        target: spec.target,
+        kind: spec.kind,
+        features: set,
+        feature_names: set.names(),
+        scaler,
+        head,
+        trained_rows: samples.len(),
+        profile: profile.into(),
+    })
+}
+
+/// Cross-fitted relative errors on the training rows (5 inner folds) → the margin covering the
+/// ⌈(n+1)(1−α/2)⌉-th smallest. Split conformal at α/2 rather than α: the guarantee holds on
+/// average, and a few hundred held-out rows scatter by ±0.4 points around it; half the stated
+/// rate keeps a held-out fold's realized misses under the stated rate.
+fn conformal(samples: &[&Sample], x: &[Vec<f32>], y: &[f32], spec: &Spec, progress: &mut dyn FnMut(String)) -> Result<Conformal, String> {
+    let k = 5;
+    let fold = folds(samples, k, spec.net.seed ^ 0xC0F0);
+    let mut errors = Vec::with_capacity(samples.len());
+    for f in 0..k {
+        let (train_idx, test_idx): (Vec<usize>, Vec<usize>) = (0..samples.len()).partition(|&i| fold[i] != f);
+        if train_idx.is_empty() || test_idx.is_empty() {
+            continue;
+        }
+        progress(format!("conformal calibration fold {}/{k}", f + 1));
+        let r = fit_regressor(spec, &pick(x, &train_idx), &pick(y, &train_idx), &mut |_| {})?;
+        let pred = regress(&r, &pick(x, &test_idx))?;
+        for (&i, c) in test_idx.iter().zip(pred) {
+            let p = apply(samples[i], Target::Memory, c).max(1.0);
+            errors.push(target_of(samples[i], Target::Memory)? / p - 1.0);
+        }
+    }
+    errors.sort_by(f64::total_cmp);
+    let n = errors.len();
+    let rank = (((n + 1) as f64) * (1.0 - spec.miss_rate / 2.0)).ceil() as usize;
+    let margin = errors.get(rank.clamp(1, n.max(1)) - 1).copied().unwrap_or(0.0).max(0.0);
+    Ok(Conformal { miss_rate: spec.miss_rate, relative_margin: margin })
+}
+
+fn pick<T: Clone>(v: &[T], idx: &[usize]) -> Vec<T> {
+    idx.iter().map(|&i| v[i].clone()).collect()
+}
+
+impl LearnedModel {
+    /// Reads a model file, refusing other formats, versions and feature sets.
+    pub fn from_json(name: &str, text: &str) -> Result<LearnedModel, String> {
+        let head: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("{name}: not a gpumem model: {e}"))?;
+        if head.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
+            return Err(format!("{name}: not a gpumem model (format is not `{FORMAT}`)"));
+        }
+        if head.get("version").and_then(|v| v.as_u64()) != Some(u64::from(VERSION)) {
+            return Err(format!("{name}: model version {} is not {VERSION}; retrain it with this gpumem", head["version"]));
+        }
+        let m: LearnedModel = serde_json::from_value(head).map_err(|e| format!("{name}: bad model: {e}"))?;
+        let expected = m.features.names();
+        if m.feature_names != expected {
+            return Err(format!(
+                "{name}: trained on features [{}], but this gpumem computes [{}]; retrain it",
+                m.feature_names.join(", "),
+                expected.join(", ")
+            ));
+        }
+        Ok(m)
+    }
+
+    pub fn to_json(&self) -> Result<String, String> {
+        serde_json::to_string(self).map_err(|e| e.to_string())
+    }
+
+    /// Predictions for many samples (batched through the networks).
+    pub fn predict(&self, samples: &[&Sample]) -> Result<Vec<Prediction>, String> {
+        let x: Vec<Vec<f32>> = samples.iter().map(|s| self.scaler.apply(&s.features(self.features))).collect();
+        match &self.head {
+            Head::Bins { bin_mib, classes, members } => {
+                let mut probs = vec![vec![0.0f32; *classes]; x.len()];
+                for w in members {
+                    for (p, logits) in probs.iter_mut().zip(Net::from_weights(w)?.predict(&x)?) {
+                        for (a, b) in p.iter_mut().zip(softmax(&logits)) {
+                            *a += b;
+                        }
+                    }
+                }
+                Ok(probs
+                    .iter()
+                    .map(|p| {
+                        let bin = p.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i);
+                        Prediction { value: (bin + 1) as f64 * bin_mib, upper: None, bin: Some(bin) }
+                    })
+                    .collect())
+            }
+            Head::Correction { regressor, bound } => Ok(regress(regressor, &x)?
+                .into_iter()
+                .zip(samples)
+                .map(|(c, s)| {
+                    let value = apply(s, self.target, c);
+                    Prediction { value, upper: bound.map(|b| value * (1.0 + b.relative_margin)), bin: None }
+                })
+                .collect()),
+        }
+    }
+}
