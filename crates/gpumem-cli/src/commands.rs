@@ -17,6 +17,7 @@ use gpumem_core::search;
 use gpumem_core::step::{Optimizer, TorchBehaviour};
 use gpumem_core::trace::Trace;
 use gpumem_core::units::bytes_to_mib;
+use gpumem_core::utilization::{HostModel, Utilization, physical};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
@@ -187,9 +188,53 @@ pub struct EstimateArgs {
     /// replay (default), live-tensors or horus.
     #[arg(long, default_value = "replay")]
     estimator: String,
+    /// A model from `gpumem learn train` (repeatable): a memory model adds its estimate (and
+    /// bound), a utilization model replaces the physical model's figure. Native specs only.
+    #[arg(long)]
+    learned_model: Vec<PathBuf>,
     /// Print one JSON object (see docs/json.md).
     #[arg(long)]
     json: bool,
+}
+
+/// A learned model's answer for the job.
+#[derive(Serialize)]
+struct LearnedJson {
+    target: &'static str,
+    model: String,
+    value: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    upper: Option<f64>,
+}
+
+fn learned_needs_native() -> CliError {
+    CliError::input("--learned-model needs a native model spec (its features come from the model's layers)")
+}
+
+/// The learned models' predictions for a native model, and the utilization they leave.
+fn learned(paths: &[PathBuf], model: &Model, trace: &Trace, batch: u64, profile: &GpuProfile, util: &mut Utilization) -> CliResult<Vec<LearnedJson>> {
+    if paths.is_empty() {
+        return Ok(Vec::new());
+    }
+    let Model::Native(spec) = model else { return Err(learned_needs_native()) };
+    let summary = gpumem_learn::features::trace_summary(trace, profile).map_err(CliError::input)?;
+    let sample = gpumem_learn::Sample::new(0, spec.to_spec_string(), String::new(), gpumem_learn::features::ModelFacts::of_native(spec, batch), summary);
+    let mut out = Vec::new();
+    for path in paths {
+        let m = crate::learn::read_model(path)?;
+        let p = m.predict(&[&sample]).map_err(CliError::input)?[0];
+        use gpumem_learn::Target;
+        match m.target {
+            Target::Memory => {}
+            Target::Smact => util.smact = p.value,
+            Target::Smocc => util.smocc = p.value,
+            Target::Gract => util.gract = p.value,
+            Target::Dram => util.dram = p.value,
+            Target::Fp32 => util.fp32 = p.value,
+        }
+        out.push(LearnedJson { target: m.target.name(), model: path.display().to_string(), value: p.value, upper: p.upper });
+    }
+    Ok(out)
 }
 
 /// The stable JSON output of `estimate`.
@@ -210,6 +255,20 @@ struct EstimateJson<'a> {
     breakdown_bytes: &'a gpumem_core::estimate::Breakdown,
     #[serde(skip_serializing_if = "Option::is_none")]
     allocator: Option<&'a gpumem_core::allocator::AllocatorStats>,
+    /// Run-average DCGM fields (physical model, or learned models where given).
+    utilization: UtilizationJson,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    learned: Vec<LearnedJson>,
+}
+
+#[derive(Serialize)]
+struct UtilizationJson {
+    smact: f64,
+    smocc: f64,
+    gract: f64,
+    dram: f64,
+    fp32: f64,
+    step_ms: f64,
 }
 
 pub fn estimate(a: EstimateArgs) -> CliResult {
@@ -219,10 +278,15 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
         None => (DEFAULT_MODEL.to_string(), a.batch.unwrap_or(DEFAULT_BATCH as i64)),
     };
     let model = load_model(&spec)?;
+    if !a.learned_model.is_empty() && !matches!(model, Model::Native(_)) {
+        return Err(learned_needs_native());
+    }
     let job = a.job.options(batch, &profile)?;
     let trace = model_trace(&model, &a.job, &job, &profile)?;
     let est = estimator(&a.estimator)?.estimate(&trace, &profile).map_err(CliError::input)?;
     let model_name = trace.header.model.clone();
+    let mut util = physical(&trace, &profile, &HostModel::default());
+    let learned = learned(&a.learned_model, &model, &trace, trace.header.batch_size, &profile, &mut util)?;
     if a.json {
         let breakdown = est.breakdown.items().iter().map(|(k, v)| (format!("{k}_mib"), serde_json::json!(mib(*v)))).collect();
         let out = EstimateJson {
@@ -240,11 +304,30 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             breakdown,
             breakdown_bytes: &est.breakdown,
             allocator: est.allocator.as_ref(),
+            utilization: UtilizationJson { smact: util.smact, smocc: util.smocc, gract: util.gract, dram: util.dram, fp32: util.fp32, step_ms: util.step_s * 1e3 },
+            learned,
         };
         println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
         return Ok(());
     }
     print_estimate(&model_name, trace.header.batch_size, &profile, &est);
+    println!();
+    println!(
+        "utilization  SMACT {:.2}  SMOCC {:.2}  GRACT {:.2}  DRAMA {:.2}  FP32A {:.2}  ({:.1} ms/step){}",
+        util.smact,
+        util.smocc,
+        util.gract,
+        util.dram,
+        util.fp32,
+        util.step_s * 1e3,
+        if learned.iter().any(|l| l.target != "memory") { "  [learned where given]" } else { "  [physical model]" }
+    );
+    for l in learned.iter().filter(|l| l.target == "memory") {
+        match l.upper {
+            Some(u) => println!("learned      {:.1} MiB, upper bound {u:.1} MiB ({})", l.value, l.model),
+            None => println!("learned      {:.1} MiB ({})", l.value, l.model),
+        }
+    }
     Ok(())
 }
 
@@ -462,6 +545,10 @@ pub struct EvalArgs {
     /// Bin width for bin accuracy, in MiB.
     #[arg(long, default_value_t = 1024)]
     bin_mib: u64,
+    /// Memory models from `gpumem learn train` to score beside the others (repeatable; native
+    /// datasets only). Score them on rows they were not trained on.
+    #[arg(long)]
+    learned_model: Vec<PathBuf>,
     /// Print the summary as JSON.
     #[arg(long)]
     json: bool,
@@ -508,6 +595,26 @@ pub fn eval(a: EvalArgs) -> CliResult {
         }
     }
     bar.finish_and_clear();
+    if !a.learned_model.is_empty() {
+        let samples = crate::learn::load_dataset(&a.measurements, &profile)?;
+        let refs: Vec<&gpumem_learn::Sample> = samples.iter().collect();
+        for path in &a.learned_model {
+            let model = crate::learn::read_model(path)?;
+            if model.target != gpumem_learn::Target::Memory {
+                return Err(CliError::input(format!("{}: eval scores memory models; this one predicts {}", path.display(), model.target.name())));
+            }
+            let stem = path.file_stem().map_or("model".into(), |s| s.to_string_lossy().into_owned());
+            names.push(format!("learned:{stem}"));
+            let mut scored = Vec::new();
+            for (s, p) in samples.iter().zip(model.predict(&refs).map_err(CliError::input)?) {
+                if let Some(ri) = rows.iter().position(|m| m.line == s.line) {
+                    let mib = |x: f64| gpumem_core::units::mib_to_bytes(x);
+                    scored.push((ri, Outcome { measured: rows[ri].measured_bytes, predicted: mib(p.value), upper: mib(p.upper.unwrap_or(p.value)) }));
+                }
+            }
+            outcomes.push(scored);
+        }
+    }
     let summaries: Vec<EvalSummary> = names
         .iter()
         .zip(&outcomes)

@@ -93,6 +93,10 @@ impl Sample {
         self.targets.get(&t).copied()
     }
 
+    pub fn set_target(&mut self, t: Target, value: f64) {
+        self.targets.insert(t, value);
+    }
+
     /// What gpumem's own physical/replay model says for `t` (the baseline a learned model corrects).
     pub fn physical(&self, t: Target) -> f64 {
         let u = &self.summary.utilization;
@@ -167,7 +171,7 @@ pub fn load(path: &Path, profile: &GpuProfile, mut progress: impl FnMut(usize, u
         };
         let group = m.label.split("_batch:").next().unwrap_or(&m.label).to_string();
         let mut sample = Sample::new(m.line, m.label.clone(), group, facts, summary);
-        sample.targets.insert(Target::Memory, bytes_to_mib(m.measured_bytes));
+        sample.set_target(Target::Memory, bytes_to_mib(m.measured_bytes));
         for t in &Target::ALL[1..] {
             if let Some(i) = column(&headers, t.column()) {
                 let v = rec.get(i).unwrap_or("").trim();
@@ -175,7 +179,7 @@ pub fn load(path: &Path, profile: &GpuProfile, mut progress: impl FnMut(usize, u
                 if !(0.0..=1.0).contains(&x) {
                     return Err(at(format!("column {}: {x} is not a fraction in [0, 1]", t.column())));
                 }
-                sample.targets.insert(*t, x);
+                sample.set_target(*t, x);
             }
         }
         out.push(sample);

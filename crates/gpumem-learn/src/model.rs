@@ -1,5 +1,7 @@
 //! Learned models as versioned files: training, prediction, loading with a feature check.
 
+use std::sync::OnceLock;
+
 use serde::{Deserialize, Serialize};
 
 use crate::data::{Sample, Target};
@@ -101,6 +103,9 @@ pub struct LearnedModel {
     pub trained_rows: usize,
     /// The GPU profile the trace features were computed on.
     pub profile: String,
+    /// The networks, built from their weights on first use.
+    #[serde(skip)]
+    nets: OnceLock<Result<Vec<Net>, String>>,
 }
 
 /// What to train.
@@ -189,14 +194,18 @@ fn fit_regressor(spec: &Spec, x: &[Vec<f32>], y: &[f32], progress: &mut dyn FnMu
     })
 }
 
-fn regress(r: &Regressor, x: &[Vec<f32>]) -> Result<Vec<f64>, String> {
+fn build(weights: &[NetWeights]) -> Result<Vec<Net>, String> {
+    weights.iter().map(Net::from_weights).collect()
+}
+
+fn regress(r: &Regressor, nets: &[Net], x: &[Vec<f32>]) -> Result<Vec<f64>, String> {
     Ok(match r {
         Regressor::Gbt(g) => g.predict(x).into_iter().map(f64::from).collect(),
-        Regressor::Nets(members) => {
+        Regressor::Nets(_) => {
             let mut sum = vec![0.0; x.len()];
-            for w in members {
-                for (s, out) in sum.iter_mut().zip(Net::from_weights(w)?.predict(x)?) {
-                    *s += f64::from(out[0]) / members.len() as f64;
+            for net in nets {
+                for (s, out) in sum.iter_mut().zip(net.predict(x)?) {
+                    *s += f64::from(out[0]) / nets.len() as f64;
                 }
             }
             sum
@@ -224,7 +233,7 @@ pub fn train(samples: &[&Sample], spec: &Spec, profile: &str, progress: &mut dyn
     let scaler = Scaler::fit(&raw);
     let x: Vec<Vec<f32>> = raw.iter().map(|r| scaler.apply(r)).collect();
     let head = if spec.classifies() {
-        if !(spec.bin_mib >= 1.0) {
+        if spec.bin_mib.is_nan() || spec.bin_mib < 1.0 {
             return Err("--bins must be at least 1 MiB".into());
         }
         let bins: Vec<u32> = samples.iter().map(|s| Ok((target_of(s, Target::Memory)? / spec.bin_mib) as u32)).collect::<Result<_, String>>()?;
@@ -246,6 +255,7 @@ pub fn train(samples: &[&Sample], spec: &Spec, profile: &str, progress: &mut dyn
         head,
         trained_rows: samples.len(),
         profile: profile.into(),
+        nets: OnceLock::new(),
     })
 }
 
@@ -264,7 +274,11 @@ fn conformal(samples: &[&Sample], x: &[Vec<f32>], y: &[f32], spec: &Spec, progre
         }
         progress(format!("conformal calibration fold {}/{k}", f + 1));
         let r = fit_regressor(spec, &pick(x, &train_idx), &pick(y, &train_idx), &mut |_| {})?;
-        let pred = regress(&r, &pick(x, &test_idx))?;
+        let nets = match &r {
+            Regressor::Nets(w) => build(w)?,
+            Regressor::Gbt(_) => Vec::new(),
+        };
+        let pred = regress(&r, &nets, &pick(x, &test_idx))?;
         for (&i, c) in test_idx.iter().zip(pred) {
             let p = apply(samples[i], Target::Memory, c).max(1.0);
             errors.push(target_of(samples[i], Target::Memory)? / p - 1.0);
@@ -307,14 +321,23 @@ impl LearnedModel {
         serde_json::to_string(self).map_err(|e| e.to_string())
     }
 
+    fn nets(&self) -> Result<&[Net], String> {
+        let weights: &[NetWeights] = match &self.head {
+            Head::Bins { members, .. } | Head::Correction { regressor: Regressor::Nets(members), .. } => members,
+            Head::Correction { regressor: Regressor::Gbt(_), .. } => &[],
+        };
+        self.nets.get_or_init(|| build(weights)).as_deref().map_err(Clone::clone)
+    }
+
     /// Predictions for many samples (batched through the networks).
     pub fn predict(&self, samples: &[&Sample]) -> Result<Vec<Prediction>, String> {
         let x: Vec<Vec<f32>> = samples.iter().map(|s| self.scaler.apply(&s.features(self.features))).collect();
+        let nets = self.nets()?;
         match &self.head {
-            Head::Bins { bin_mib, classes, members } => {
+            Head::Bins { bin_mib, classes, .. } => {
                 let mut probs = vec![vec![0.0f32; *classes]; x.len()];
-                for w in members {
-                    for (p, logits) in probs.iter_mut().zip(Net::from_weights(w)?.predict(&x)?) {
+                for net in nets {
+                    for (p, logits) in probs.iter_mut().zip(net.predict(&x)?) {
                         for (a, b) in p.iter_mut().zip(softmax(&logits)) {
                             *a += b;
                         }
@@ -328,7 +351,7 @@ impl LearnedModel {
                     })
                     .collect())
             }
-            Head::Correction { regressor, bound } => Ok(regress(regressor, &x)?
+            Head::Correction { regressor, bound } => Ok(regress(regressor, nets, &x)?
                 .into_iter()
                 .zip(samples)
                 .map(|(c, s)| {
@@ -337,5 +360,109 @@ impl LearnedModel {
                 })
                 .collect()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::features::{ModelFacts, trace_summary};
+    use gpumem_core::families::{JobOptions, ModelSpec};
+    use gpumem_core::profile::builtin;
+    use gpumem_core::rng::SplitMix64;
+
+    /// Native MLP jobs whose "measured" memory is the replay's plus a batch-dependent excess
+    /// and whose SMACT is the physical model's, shifted.
+    fn samples(n: usize) -> Vec<Sample> {
+        let profile = builtin("a100-40gb").unwrap();
+        let mut rng = SplitMix64(11);
+        (0..n)
+            .map(|i| {
+                let input = 16 + (rng.unit() * 2000.0) as u64;
+                let batch = 8 + (rng.unit() * 500.0) as u64;
+                let spec = format!("mlp:input={input},output=10,depth={},act=relu", 1 + i % 4);
+                let m = ModelSpec::parse(&spec).unwrap();
+                let trace = m.trace(&JobOptions::new(batch)).unwrap();
+                let mut s = Sample::new(i + 2, spec.clone(), spec, ModelFacts::of_native(&m, batch), trace_summary(&trace, &profile).unwrap());
+                let peak = s.physical(Target::Memory);
+                s.set_target(Target::Memory, peak * (1.0 + batch as f64 / 10_000.0));
+                let smact = s.physical(Target::Smact);
+                s.set_target(Target::Smact, (smact * 0.5 + 0.05).min(1.0));
+                s
+            })
+            .collect()
+    }
+
+    #[test]
+    fn corrections_learn_what_gpumem_misses() {
+        let rows = samples(120);
+        let refs: Vec<&Sample> = rows.iter().collect();
+        for target in [Target::Memory, Target::Smact] {
+            let mut spec = Spec::new(target, Kind::Gbt);
+            spec.gbt.trees = 100;
+            let m = train(&refs, &spec, "a100-40gb", &mut |_| {}).unwrap();
+            let pred = m.predict(&refs).unwrap();
+            let err = |f: &dyn Fn(&Sample) -> f64| refs.iter().map(|s| (f(s) - s.target(target).unwrap()).abs()).sum::<f64>();
+            let learned: f64 = refs.iter().zip(&pred).map(|(s, p)| (p.value - s.target(target).unwrap()).abs()).sum();
+            assert!(learned < err(&|s| s.physical(target)) / 2.0, "{target:?}: the correction halves gpumem's own error");
+            if target == Target::Memory {
+                assert!(pred.iter().all(|p| p.upper.unwrap() >= p.value), "a bound above every estimate");
+            }
+        }
+    }
+
+    #[test]
+    fn classifier_ensembles_separate_bins() {
+        let rows = samples(120);
+        let refs: Vec<&Sample> = rows.iter().collect();
+        let mut spec = Spec::new(Target::Memory, Kind::Mlp);
+        spec.bin_mib = 8.0;
+        spec.members = 2;
+        spec.net.epochs = 60;
+        let m = train(&refs, &spec, "a100-40gb", &mut |_| {}).unwrap();
+        assert_eq!(m.features, FeatureSet::Seed, "GPUMemNet sees only the seed's features");
+        let pred = m.predict(&refs).unwrap();
+        let right = refs.iter().zip(&pred).filter(|(s, p)| p.bin == Some((s.target(Target::Memory).unwrap() / 8.0) as usize)).count();
+        assert!(right * 2 > refs.len(), "better than chance on its own training rows: {right}/{}", refs.len());
+    }
+
+    #[test]
+    fn model_files_round_trip_and_refuse_strangers() {
+        let rows = samples(30);
+        let refs: Vec<&Sample> = rows.iter().collect();
+        let mut spec = Spec::new(Target::Smact, Kind::Mlp);
+        spec.net.epochs = 3;
+        spec.members = 1;
+        let m = train(&refs, &spec, "a100-40gb", &mut |_| {}).unwrap();
+        let json = m.to_json().unwrap();
+        let back = LearnedModel::from_json("m.json", &json).unwrap();
+        assert_eq!(back.predict(&refs).unwrap(), m.predict(&refs).unwrap());
+        let e = LearnedModel::from_json("m.json", &json.replace("\"version\":1", "\"version\":9")).unwrap_err();
+        assert!(e.contains("model version 9 is not 1"), "{e}");
+        let e = LearnedModel::from_json("m.json", &json.replace("\"physical_smact\"", "\"weather\"")).unwrap_err();
+        assert!(e.contains("trained on features") && e.contains("weather") && !e.contains('\n'), "{e}");
+        let e = LearnedModel::from_json("m.json", "{\"format\":\"onnx\"}").unwrap_err();
+        assert!(e.contains("not a gpumem model"), "{e}");
+    }
+
+    #[test]
+    fn folds_keep_groups_together_and_are_deterministic() {
+        let rows = samples(40);
+        let mut refs: Vec<&Sample> = rows.iter().collect();
+        let mut twin = rows[0].clone();
+        twin.line = 999;
+        refs.push(&twin);
+        let f = folds(&refs, 4, 5);
+        assert_eq!(f, folds(&refs, 4, 5));
+        assert_eq!(f[0], f[40], "a configuration never straddles folds");
+        assert!((0..4).all(|k| f.contains(&k)));
+    }
+
+    #[test]
+    fn too_few_rows_is_an_error() {
+        let rows = samples(5);
+        let refs: Vec<&Sample> = rows.iter().collect();
+        let e = train(&refs, &Spec::new(Target::Memory, Kind::Gbt), "x", &mut |_| {}).unwrap_err();
+        assert!(e.contains("too few"), "{e}");
     }
 }

@@ -54,6 +54,7 @@ pub struct NetWeights {
 }
 
 /// A network ready to run or train.
+#[derive(Debug)]
 pub struct Net {
     arch: Arch,
     inputs: usize,
@@ -63,6 +64,33 @@ pub struct Net {
 
 type Result<T> = std::result::Result<T, String>;
 
+/// Creates a network's parameters in a fixed order from a seeded generator.
+struct Init {
+    rng: SplitMix64,
+    params: Vec<(String, Var)>,
+}
+
+impl Init {
+    fn tensor(&mut self, name: &str, shape: &[usize], fan_in: usize, fill: Option<f32>) -> Result<()> {
+        let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| fill.unwrap_or(((self.rng.unit() * 2.0 - 1.0) * bound) as f32)).collect();
+        let t = Tensor::from_vec(v, shape, &Device::Cpu).map_err(err)?;
+        self.params.push((name.to_string(), Var::from_tensor(&t).map_err(err)?));
+        Ok(())
+    }
+
+    fn linear(&mut self, name: &str, inputs: usize, outputs: usize) -> Result<()> {
+        self.tensor(&format!("{name}.w"), &[outputs, inputs], inputs, None)?;
+        self.tensor(&format!("{name}.b"), &[outputs], inputs, None)
+    }
+
+    fn layer_norm(&mut self, name: &str, width: usize) -> Result<()> {
+        self.tensor(&format!("{name}.g"), &[width], 1, Some(1.0))?;
+        self.tensor(&format!("{name}.b"), &[width], 1, Some(0.0))
+    }
+}
+
 fn err(e: candle_core::Error) -> String {
     e.to_string()
 }
@@ -70,53 +98,38 @@ fn err(e: candle_core::Error) -> String {
 impl Net {
     /// A freshly initialised network (uniform ±1/√fan_in, LayerNorm gains 1).
     pub fn new(arch: Arch, inputs: usize, outputs: usize, seed: u64) -> Result<Net> {
-        let mut rng = SplitMix64(seed);
-        let mut params = Vec::new();
-        let mut add = |name: String, shape: &[usize], fan_in: usize, fill: Option<f32>| -> Result<()> {
-            let n: usize = shape.iter().product();
-            let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
-            let v: Vec<f32> = (0..n).map(|_| fill.unwrap_or(((rng.unit() * 2.0 - 1.0) * bound) as f32)).collect();
-            let t = Tensor::from_vec(v, shape, &Device::Cpu).map_err(err)?;
-            params.push((name, Var::from_tensor(&t).map_err(err)?));
-            Ok(())
-        };
-        let linear = |add: &mut dyn FnMut(String, &[usize], usize, Option<f32>) -> Result<()>, name: &str, i: usize, o: usize| -> Result<()> {
-            add(format!("{name}.w"), &[o, i], i, None)?;
-            add(format!("{name}.b"), &[o], i, None)
-        };
+        let mut init = Init { rng: SplitMix64(seed), params: Vec::new() };
         match &arch {
             Arch::Mlp { hidden } => {
                 let mut width = inputs;
                 for (k, &h) in hidden.iter().enumerate() {
-                    linear(&mut add, &format!("l{k}"), width, h)?;
+                    init.linear(&format!("l{k}"), width, h)?;
                     width = h;
                 }
-                linear(&mut add, "out", width, outputs)?;
+                init.linear("out", width, outputs)?;
             }
             Arch::Transformer { d_model, heads, layers } => {
-                if heads == &0 || d_model % heads != 0 {
+                if *heads == 0 || d_model % heads != 0 {
                     return Err(format!("d_model {d_model} is not a multiple of {heads} heads"));
                 }
                 let d = *d_model;
-                add("emb.w".into(), &[inputs, d], 1, None)?;
-                add("emb.b".into(), &[inputs, d], 1, None)?;
+                init.tensor("emb.w", &[inputs, d], 1, None)?;
+                init.tensor("emb.b", &[inputs, d], 1, None)?;
                 for l in 0..*layers {
                     for ln in ["ln1", "ln2"] {
-                        add(format!("b{l}.{ln}.g"), &[d], 1, Some(1.0))?;
-                        add(format!("b{l}.{ln}.b"), &[d], 1, Some(0.0))?;
+                        init.layer_norm(&format!("b{l}.{ln}"), d)?;
                     }
                     for p in ["q", "k", "v", "o"] {
-                        linear(&mut add, &format!("b{l}.{p}"), d, d)?;
+                        init.linear(&format!("b{l}.{p}"), d, d)?;
                     }
-                    linear(&mut add, &format!("b{l}.ff1"), d, 2 * d)?;
-                    linear(&mut add, &format!("b{l}.ff2"), 2 * d, d)?;
+                    init.linear(&format!("b{l}.ff1"), d, 2 * d)?;
+                    init.linear(&format!("b{l}.ff2"), 2 * d, d)?;
                 }
-                add("lnf.g".into(), &[d], 1, Some(1.0))?;
-                add("lnf.b".into(), &[d], 1, Some(0.0))?;
-                linear(&mut add, "out", d, outputs)?;
+                init.layer_norm("lnf", d)?;
+                init.linear("out", d, outputs)?;
             }
         }
-        Ok(Net { arch, inputs, outputs, params })
+        Ok(Net { arch, inputs, outputs, params: init.params })
     }
 
     pub fn from_weights(w: &NetWeights) -> Result<Net> {
