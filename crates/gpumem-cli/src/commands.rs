@@ -166,7 +166,7 @@ fn model_trace(model: &Model, args: &JobArgs, job: &JobOptions, profile: &GpuPro
 }
 
 fn estimator(name: &str) -> CliResult<Box<dyn Estimator>> {
-    by_name(name).map_err(CliError::input)
+    by_name(name).map_err(|e| CliError::input(if name == "learned" { "--estimator learned applies to `estimate` with --learned-model".into() } else { e }))
 }
 
 fn mib(b: u64) -> f64 {
@@ -185,7 +185,8 @@ pub struct EstimateArgs {
     job: JobArgs,
     #[command(flatten)]
     gpu: GpuChoice,
-    /// replay (default), live-tensors or horus.
+    /// replay (default), live-tensors, horus, or learned (the hybrid: needs a memory model from
+    /// `gpumem learn train --target memory --model gbt` in --learned-model).
     #[arg(long, default_value = "replay")]
     estimator: String,
     /// A model from `gpumem learn train` (repeatable): a memory model adds its estimate (and
@@ -283,10 +284,21 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
     }
     let job = a.job.options(batch, &profile)?;
     let trace = model_trace(&model, &a.job, &job, &profile)?;
-    let est = estimator(&a.estimator)?.estimate(&trace, &profile).map_err(CliError::input)?;
+    let hybrid = a.estimator == "learned";
+    let mut est = estimator(if hybrid { "replay" } else { &a.estimator })?.estimate(&trace, &profile).map_err(CliError::input)?;
     let model_name = trace.header.model.clone();
     let mut util = physical(&trace, &profile, &HostModel::default());
     let learned = learned(&a.learned_model, &model, &trace, trace.header.batch_size, &profile, &mut util)?;
+    if hybrid {
+        // The hybrid: replay's breakdown, the learned peak and its conformal bound.
+        let Some(l) = learned.iter().find(|l| l.target == "memory" && l.upper.is_some()) else {
+            return Err(CliError::input("--estimator learned needs a hybrid memory model: --learned-model M.json (gpumem learn train --target memory --model gbt)"));
+        };
+        est.estimator = "learned";
+        est.peak_bytes = gpumem_core::units::mib_to_bytes(l.value);
+        est.upper_bound_bytes = gpumem_core::units::mib_to_bytes(l.upper.unwrap_or(l.value)).max(est.peak_bytes);
+        est.fits = est.fits && est.peak_bytes <= est.capacity_bytes;
+    }
     if a.json {
         let breakdown = est.breakdown.items().iter().map(|(k, v)| (format!("{k}_mib"), serde_json::json!(mib(*v)))).collect();
         let out = EstimateJson {

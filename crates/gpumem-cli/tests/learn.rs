@@ -86,6 +86,10 @@ fn train_predict_estimate_eval() {
     for k in ["smact", "smocc", "gract", "dram", "fp32", "step_ms"] {
         assert!(v["utilization"][k].as_f64().is_some(), "{k}");
     }
+    let h = json(&["estimate", "--json", "--estimator", "learned", "--learned-model", hybrid.to_str().unwrap()]);
+    assert_eq!(h["estimator"], "learned");
+    assert_eq!(h["peak_mib"].as_f64().unwrap().round(), learned[0]["value"].as_f64().unwrap().round());
+    bad_input(&["estimate", "--estimator", "learned"], "--estimator learned needs a hybrid memory model");
     let ev = json(&["eval", &data, "--learned-model", hybrid.to_str().unwrap(), "--out-dir", tmp("eval").to_str().unwrap(), "--json"]);
     assert!(ev["estimators"].as_array().unwrap().iter().any(|e| e["estimator"] == "learned:hybrid"));
     // A PyTorch reference has no layer facts.
