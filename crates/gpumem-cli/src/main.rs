@@ -1,11 +1,12 @@
 //! The `gpumem` command: estimate a training job's GPU memory before it runs.
 //!
-//! Subcommands: `estimate`, `max-batch`, `gpus`, `calibrate`, `eval`, `trace`, `simulate`, `learn`. Expected
+//! Subcommands: `estimate`, `max-batch`, `gpus`, `calibrate`, `eval`, `trace`, `simulate`, `learn`, `dataset`. Expected
 //! failures (bad input, unknown GPU, malformed files) print one line on stderr and exit with 2;
 //! a PyTorch model that cannot be traced exits with 3; other failures (I/O while writing) exit
 //! with 1. See docs/cli.md.
 
 mod commands;
+mod dataset;
 mod learn;
 mod plot;
 mod simulate;
@@ -66,6 +67,7 @@ enum Command {
     Trace(commands::TraceArgs),
     Simulate(simulate::SimulateArgs),
     Learn(learn::LearnArgs),
+    Dataset(dataset::DatasetArgs),
 }
 
 fn main() -> ExitCode {
@@ -94,6 +96,7 @@ fn main() -> ExitCode {
         Command::Trace(a) => commands::trace(a),
         Command::Simulate(a) => simulate::run(a),
         Command::Learn(a) => learn::run(a),
+        Command::Dataset(a) => dataset::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -53,9 +53,15 @@ fn column(headers: &csv::StringRecord, name: &str) -> Option<usize> {
 pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measurement>, String> {
     let mut rdr = csv::ReaderBuilder::new().flexible(false).from_reader(reader);
     let headers = rdr.headers().map_err(|e| format!("{name} line 1: {}", one_line(&e)))?.clone();
-    let seed = column(&headers, "Filename").zip(column(&headers, "Max GPU Memory (MiB)"));
-    let generic = (column(&headers, "model"), column(&headers, "batch_size"), column(&headers, "measured_mib"));
-    if seed.is_none() && (generic.0.is_none() || generic.1.is_none() || generic.2.is_none()) {
+    // A `model` column (gpumem's schema, or a collected dataset in the seed's schema plus
+    // `model`) wins over rebuilding MLPs from the seed's `Filename`.
+    let batch_col = column(&headers, "batch_size").or_else(|| column(&headers, "Batch Size"));
+    let memory_col = column(&headers, "measured_mib").or_else(|| column(&headers, "Max GPU Memory (MiB)"));
+    let generic = (column(&headers, "model"), batch_col, memory_col);
+    let generic_ok = generic.0.is_some() && generic.1.is_some() && generic.2.is_some();
+    let seed = column(&headers, "Filename").zip(column(&headers, "Max GPU Memory (MiB)")).filter(|_| !generic_ok);
+    let status_col = column(&headers, "status");
+    if seed.is_none() && !generic_ok {
         return Err(format!(
             "{name} line 1: expected columns model, batch_size, measured_mib (or the seed's Filename, Max GPU Memory (MiB)); found {}",
             headers.iter().collect::<Vec<_>>().join(", ")
@@ -73,6 +79,10 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
         let line = k + 2;
         let rec = rec.map_err(|e| format!("{name} line {line}: {}", one_line(&e)))?;
         let get = |i: usize| rec.get(i).unwrap_or("").trim();
+        // Collected rows that crashed, ran out of memory or timed out measure no peak.
+        if status_col.is_some_and(|c| !get(c).is_empty() && get(c) != "ok") {
+            continue;
+        }
         let bad = |col: &str, msg: String| format!("{name} line {line}: column {col}: {msg}");
         let mib = |col: &str, v: &str| -> Result<u64, String> {
             let x: f64 = v.parse().map_err(|_| bad(col, format!("`{v}` is not a number")))?;
@@ -104,9 +114,9 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
             } else {
                 ModelRef::External(reference)
             };
-            let batch: u64 = get(bc).parse().map_err(|_| bad("batch_size", format!("`{}` is not a whole number", get(bc))))?;
+            let batch: u64 = get(bc).parse().map_err(|_| bad(&headers[bc], format!("`{}` is not a whole number", get(bc))))?;
             if batch == 0 {
-                return Err(bad("batch_size", "must be at least 1".into()));
+                return Err(bad(&headers[bc], "must be at least 1".into()));
             }
             let optimizer = match opt_col.map(get).filter(|s| !s.is_empty()) {
                 None => None,
@@ -127,12 +137,12 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
                 Some(s) => Some(s.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(|| bad("seq_len", format!("`{s}` is not a positive whole number")))?),
                 None => input_text.strip_prefix("seq").and_then(|s| s.parse().ok()),
             };
-            Measurement { line, label, model, batch, measured_bytes: mib("measured_mib", get(vc))?, optimizer, precision, published, input, seq_len }
+            Measurement { line, label, model, batch, measured_bytes: mib(&headers[vc], get(vc))?, optimizer, precision, published, input, seq_len }
         };
         out.push(m);
     }
     if out.is_empty() {
-        return Err(format!("{name}: no rows"));
+        return Err(format!("{name}: no rows{}", if status_col.is_some() { " with status ok" } else { "" }));
     }
     Ok(out)
 }

@@ -34,7 +34,8 @@ impl ModelFacts {
         let activation = match spec {
             ModelSpec::Mlp(m) => m.act,
             ModelSpec::Cnn(c) => c.act,
-            ModelSpec::Transformer(_) => Activation::Gelu,
+            // PyTorch's Transformer layers use ReLU in their feed-forward.
+            ModelSpec::Transformer(_) => Activation::Relu,
         };
         ModelFacts {
             depth: linear + conv,

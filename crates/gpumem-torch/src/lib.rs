@@ -17,13 +17,15 @@ use gpumem_core::symbolic::SymbolicTrace;
 use gpumem_core::trace::Trace;
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 7] = [
+const SOURCES: [(&str, &str); 9] = [
     ("__init__.py", include_str!("../../../python/gpumem_trace/__init__.py")),
     ("__main__.py", include_str!("../../../python/gpumem_trace/__main__.py")),
     ("amp.py", include_str!("../../../python/gpumem_trace/amp.py")),
     ("cuda.py", include_str!("../../../python/gpumem_trace/cuda.py")),
+    ("families.py", include_str!("../../../python/gpumem_trace/families.py")),
     ("loop.py", include_str!("../../../python/gpumem_trace/loop.py")),
     ("models.py", include_str!("../../../python/gpumem_trace/models.py")),
+    ("run.py", include_str!("../../../python/gpumem_trace/run.py")),
     ("tracer.py", include_str!("../../../python/gpumem_trace/tracer.py")),
 ];
 
@@ -243,7 +245,9 @@ impl TorchTracer {
         Ok(t)
     }
 
-    fn run(&self, req: &TraceRequest, out: &Path) -> Result<(), BridgeError> {
+    /// `python -m MODULE` with the embedded package importable (the tracer, or the workload
+    /// runner `gpumem_trace.run`).
+    pub fn module_command(&self, module: &str) -> Result<Command, BridgeError> {
         let pkg = self.package_dir()?;
         let mut pythonpath = pkg.into_os_string();
         if let Some(old) = std::env::var_os("PYTHONPATH") {
@@ -251,8 +255,13 @@ impl TorchTracer {
             pythonpath.push(old);
         }
         let mut cmd = Command::new(&self.python);
-        cmd.arg("-m").arg("gpumem_trace").args(req.args()).arg("--out").arg(out).arg("--timeout").arg(self.timeout_s.to_string());
-        cmd.env("PYTHONPATH", pythonpath).env("PYTHONDONTWRITEBYTECODE", "1");
+        cmd.arg("-m").arg(module).env("PYTHONPATH", pythonpath).env("PYTHONDONTWRITEBYTECODE", "1");
+        Ok(cmd)
+    }
+
+    fn run(&self, req: &TraceRequest, out: &Path) -> Result<(), BridgeError> {
+        let mut cmd = self.module_command("gpumem_trace")?;
+        cmd.args(req.args()).arg("--out").arg(out).arg("--timeout").arg(self.timeout_s.to_string());
         let res = cmd.output().map_err(|e| BridgeError::Python(format!("cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)", self.python)))?;
         if res.status.success() {
             return Ok(());
