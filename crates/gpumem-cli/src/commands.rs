@@ -426,9 +426,20 @@ pub struct GpusArgs {
     /// Print JSON.
     #[arg(long)]
     json: bool,
+    /// Show a running daemon's GPUs (live memory, utilization, jobs) instead of the profiles;
+    /// `--server` alone means GPUMEM_SERVER or http://127.0.0.1:7878.
+    #[arg(long, num_args = 0..=1, default_missing_value = "")]
+    server: Option<String>,
+    /// Bearer token for --server (default: GPUMEM_TOKEN).
+    #[arg(long, env = "GPUMEM_TOKEN", hide_env_values = true)]
+    token: Option<String>,
 }
 
 pub fn gpus(a: GpusArgs) -> CliResult {
+    if let Some(url) = a.server {
+        let url = Some(url).filter(|u| !u.is_empty());
+        return crate::server::live_gpus(&crate::server::server_args_for_gpus(url, a.token), a.json);
+    }
     let all = profile::catalogue();
     if a.json {
         println!("{}", serde_json::to_string_pretty(&all).map_err(CliError::other)?);
@@ -483,7 +494,11 @@ fn row_trace(m: &Measurement, job: &JobArgs, profile: &GpuProfile) -> CliResult<
 pub struct CalibrateArgs {
     /// Measurements CSV (columns model, batch_size, measured_mib[, optimizer, precision], or the
     /// seed's MLP schema).
-    measurements: PathBuf,
+    measurements: Option<PathBuf>,
+    /// Instead of a CSV: the daemon's state directory; its finished jobs with a model and a
+    /// measured peak are the rows (their job ids are the `lines`).
+    #[arg(long, conflicts_with = "measurements")]
+    from_history: Option<PathBuf>,
     #[command(flatten)]
     gpu: GpuChoice,
     #[command(flatten)]
@@ -497,9 +512,47 @@ pub struct CalibrateArgs {
     out: PathBuf,
 }
 
+/// Finished daemon jobs with a model, a batch and a measured peak, as measurement rows.
+fn history_rows(state: &Path) -> CliResult<Vec<Measurement>> {
+    let db = state.join("jobs.db");
+    if !db.exists() {
+        return Err(CliError::input(format!("{}: no job store here (a `gpumem serve --state` directory?)", state.display())));
+    }
+    let store = gpumem_server::store::Store::open(&db).map_err(CliError::input)?;
+    let rows: Vec<Measurement> = store
+        .load()
+        .map_err(CliError::input)?
+        .into_iter()
+        .filter(|j| j.state == gpumem_server::wire::JobState::Finished)
+        .filter_map(|j| {
+            let model = j.request.model.as_deref().and_then(|m| ModelSpec::parse(m).ok())?;
+            Some(Measurement {
+                line: j.id as usize,
+                label: format!("job {}", j.id),
+                model: ModelRef::Native(model),
+                batch: j.request.batch?,
+                measured_bytes: j.peak_bytes.filter(|&p| p > 0)?,
+                optimizer: None,
+                precision: None,
+                published: Vec::new(),
+                input: None,
+                seq_len: None,
+            })
+        })
+        .collect();
+    if rows.is_empty() {
+        return Err(CliError::input(format!("{}: no finished job has a native model spec and a measured peak", state.display())));
+    }
+    Ok(rows)
+}
+
 pub fn calibrate(a: CalibrateArgs) -> CliResult {
     let profile = a.gpu.load()?;
-    let rows = read_csv(&a.measurements)?;
+    let (rows, source) = match (&a.measurements, &a.from_history) {
+        (Some(p), None) => (read_csv(p)?, p.display().to_string()),
+        (None, Some(dir)) => (history_rows(dir)?, format!("{} (history)", dir.display())),
+        _ => return Err(CliError::input("give a measurements CSV or --from-history STATE_DIR")),
+    };
     let mut runs = Vec::new();
     for m in &rows {
         match row_trace(m, &a.job, &profile)? {
@@ -508,7 +561,7 @@ pub fn calibrate(a: CalibrateArgs) -> CliResult {
         }
     }
     if runs.is_empty() {
-        return Err(CliError::input(format!("{}: no row has a model gpumem can trace", a.measurements.display())));
+        return Err(CliError::input(format!("{source}: no row has a model gpumem can trace")));
     }
     let bad_rows = || CliError::input(format!("--rows {}: expected all, first:N, smallest:N or lines:L1,L2,...", a.rows));
     let (rule, n) = match a.rows.split_once(':') {
@@ -516,7 +569,7 @@ pub fn calibrate(a: CalibrateArgs) -> CliResult {
         Some(("lines", list)) => {
             let lines: Vec<usize> = list.split(',').map(|l| l.trim().parse::<usize>()).collect::<Result<_, _>>().map_err(|_| bad_rows())?;
             if let Some(l) = lines.iter().find(|l| !runs.iter().any(|(m, _)| m.line == **l)) {
-                return Err(CliError::input(format!("--rows {}: line {l} is not a traced row of {}", a.rows, a.measurements.display())));
+                return Err(CliError::input(format!("--rows {}: line {l} is not a traced row of {source}", a.rows)));
             }
             runs.retain(|(m, _)| lines.contains(&m.line));
             ("lines", runs.len())

@@ -1,6 +1,7 @@
 //! The `gpumem` command: estimate a training job's GPU memory before it runs.
 //!
-//! Subcommands: `estimate`, `max-batch`, `gpus`, `calibrate`, `eval`, `trace`, `simulate`, `learn`, `dataset`. Expected
+//! Subcommands: `estimate`, `max-batch`, `gpus`, `calibrate`, `eval`, `trace`, `simulate`, `learn`, `dataset`, and the daemon's `serve`, `submit`, `jobs`, `job`,
+//! `cancel`, `load-test`. Expected
 //! failures (bad input, unknown GPU, malformed files) print one line on stderr and exit with 2;
 //! a PyTorch model that cannot be traced exits with 3; other failures (I/O while writing) exit
 //! with 1. See docs/cli.md.
@@ -9,6 +10,7 @@ mod commands;
 mod dataset;
 mod learn;
 mod plot;
+mod server;
 mod simulate;
 
 use std::process::ExitCode;
@@ -68,6 +70,28 @@ enum Command {
     Simulate(simulate::SimulateArgs),
     Learn(learn::LearnArgs),
     Dataset(dataset::DatasetArgs),
+    /// Run the resource manager daemon.
+    Serve(server::ServeArgs),
+    /// Submit a training job to the daemon.
+    Submit(server::SubmitArgs),
+    /// List the daemon's jobs.
+    Jobs(server::JobsArgs),
+    /// One job of the daemon (or its log).
+    Job(server::JobArgs2),
+    /// Cancel a job (SIGTERM, then SIGKILL after the grace period).
+    Cancel(server::CancelArgs),
+    /// Submit many small jobs to a daemon and report throughput and latency.
+    LoadTest(server::LoadTestArgs),
+    /// Internal: supervise one job run (used by the daemon).
+    #[command(name = "_supervise", hide = true)]
+    Supervise(SuperviseArgs),
+}
+
+#[derive(clap::Args)]
+struct SuperviseArgs {
+    dir: std::path::PathBuf,
+    #[arg(last = true, required = true)]
+    argv: Vec<String>,
 }
 
 fn main() -> ExitCode {
@@ -97,6 +121,13 @@ fn main() -> ExitCode {
         Command::Simulate(a) => simulate::run(a),
         Command::Learn(a) => learn::run(a),
         Command::Dataset(a) => dataset::run(a),
+        Command::Serve(a) => server::serve(a),
+        Command::Submit(a) => server::submit(a),
+        Command::Jobs(a) => server::jobs(a),
+        Command::Job(a) => server::job(a),
+        Command::Cancel(a) => server::cancel(a),
+        Command::LoadTest(a) => server::load_test(a),
+        Command::Supervise(a) => return ExitCode::from(gpumem_server::launcher::supervise(&a.dir, &a.argv).clamp(0, 255) as u8),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,399 @@
+//! `gpumem serve` and the client commands that talk to it: submit, jobs, job, cancel, gpus --server.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use gpumem_core::profile;
+use gpumem_monitor::{FakeMonitor, Monitor, NvmlMonitor};
+use gpumem_server::wire::{GpuView, JobRequest, JobView, Submitted};
+use gpumem_server::{Config, Daemon};
+use serde::Deserialize;
+
+use crate::{CliError, CliResult};
+
+pub const DEFAULT_SERVER: &str = "http://127.0.0.1:7878";
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Address to listen on. Anything but loopback needs --token.
+    #[arg(long, default_value = "127.0.0.1:7878")]
+    addr: String,
+    /// Directory for the job store, logs and run files.
+    #[arg(long, default_value = "gpumem-state")]
+    state: PathBuf,
+    /// Bearer token clients must send (default: GPUMEM_TOKEN; required off loopback).
+    #[arg(long, env = "GPUMEM_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// No GPUs here: serve fake ones, e.g. 4xa100-40gb (jobs report memory through
+    /// $GPUMEM_FAKE_MEMORY_FILE).
+    #[arg(long)]
+    fake_gpus: Option<String>,
+    /// The GPU profile for estimates on real GPUs (built-in name).
+    #[arg(long, default_value = "a100-40gb")]
+    gpu: String,
+    /// Daemon settings (TOML): policy, headroom_mib, warmup_s, max_retries, grace_s, tick_ms, on_lost.
+    #[arg(long)]
+    config: Option<PathBuf>,
+}
+
+pub fn serve(a: ServeArgs) -> CliResult {
+    let addr: SocketAddr = a.addr.parse().map_err(|_| CliError::input(format!("--addr `{}` is not HOST:PORT", a.addr)))?;
+    let config = match &a.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|e| CliError::input(format!("{}: {e}", p.display())))?;
+            Config::from_toml(&text).map_err(|e| CliError::input(format!("{}: {e}", p.display())))?
+        }
+        None => Config::default(),
+    };
+    if !addr.ip().is_loopback() && a.token.as_deref().is_none_or(str::is_empty) {
+        return Err(CliError::input(format!("refusing to listen on {addr} without a token: anyone who can reach it could run commands (set --token or GPUMEM_TOKEN)")));
+    }
+    let (monitor, fake, prof): (Box<dyn Monitor>, _, _) = match &a.fake_gpus {
+        Some(spec) => {
+            let (n, name) = spec
+                .split_once('x')
+                .and_then(|(n, g)| Some((n.parse::<usize>().ok().filter(|n| (1..=1024).contains(n))?, g)))
+                .ok_or_else(|| CliError::input(format!("--fake-gpus `{spec}` is not COUNTxGPU (e.g. 4xa100-40gb)")))?;
+            let p = profile::builtin(name).map_err(CliError::input)?;
+            let m = FakeMonitor::new(n, &p.display, p.capacity_bytes());
+            let gpus = m.gpus.clone();
+            (Box::new(m), Some(gpus), p)
+        }
+        None => {
+            let m = NvmlMonitor::new(&[], 1000).map_err(|e| CliError::other(format!("{e} (no GPU here? use --fake-gpus 4xa100-40gb)")))?;
+            let n = m.gpu_count() as u32;
+            let m = NvmlMonitor::new(&(0..n).collect::<Vec<_>>(), 1000).map_err(|e| CliError::other(e.to_string()))?;
+            (Box::new(m), None, profile::builtin(&a.gpu).map_err(CliError::input)?)
+        }
+    };
+    let exe = std::env::current_exe().map_err(|e| CliError::other(format!("cannot find the gpumem binary: {e}")))?;
+    let daemon = Daemon::open(&a.state, monitor, fake, prof, config, exe).map_err(CliError::other)?;
+    gpumem_server::api::serve(Arc::new(daemon), addr, a.token).map_err(CliError::other)
+}
+
+/// How to reach the daemon.
+#[derive(Args, Clone)]
+pub struct ServerArgs {
+    /// The daemon's URL (default: GPUMEM_SERVER, else http://127.0.0.1:7878).
+    #[arg(long, env = "GPUMEM_SERVER", default_value = DEFAULT_SERVER)]
+    server: String,
+    /// Bearer token (default: GPUMEM_TOKEN).
+    #[arg(long, env = "GPUMEM_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ErrorBody {
+    error: String,
+}
+
+impl ServerArgs {
+    fn agent(&self) -> ureq::Agent {
+        ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(60))).http_status_as_error(false).build().into()
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.server.trim_end_matches('/'))
+    }
+
+    /// Sends a request; a non-2xx answer becomes a one-line error (4xx: bad input, exit 2).
+    fn call(&self, method: &str, path: &str, body: Option<&impl serde::Serialize>) -> CliResult<String> {
+        let agent = self.agent();
+        let url = self.url(path);
+        let auth = self.token.as_ref().map(|t| format!("Bearer {t}"));
+        let res = match (method, body) {
+            ("GET", _) => {
+                let mut r = agent.get(&url);
+                if let Some(a) = &auth {
+                    r = r.header("Authorization", a);
+                }
+                r.call()
+            }
+            (_, Some(b)) => {
+                let mut r = agent.post(&url);
+                if let Some(a) = &auth {
+                    r = r.header("Authorization", a);
+                }
+                r.send_json(b)
+            }
+            _ => {
+                let mut r = agent.post(&url);
+                if let Some(a) = &auth {
+                    r = r.header("Authorization", a);
+                }
+                r.send_empty()
+            }
+        };
+        let mut res = res.map_err(|e| CliError::other(format!("{}: {e} (is `gpumem serve` running?)", self.server)))?;
+        let status = res.status().as_u16();
+        let text = res.body_mut().read_to_string().map_err(|e| CliError::other(format!("{}: {e}", self.server)))?;
+        if (200..300).contains(&status) {
+            return Ok(text);
+        }
+        let msg = serde_json::from_str::<ErrorBody>(&text).map(|e| e.error).unwrap_or(text);
+        if (400..500).contains(&status) { Err(CliError::input(format!("{status}: {msg}"))) } else { Err(CliError::other(format!("{status}: {msg}"))) }
+    }
+
+    fn get<T: for<'de> Deserialize<'de>>(&self, path: &str) -> CliResult<(T, String)> {
+        let text = self.call("GET", path, None::<&()>)?;
+        let v = serde_json::from_str(&text).map_err(|e| CliError::other(format!("{}: unexpected answer: {e}", self.server)))?;
+        Ok((v, text))
+    }
+}
+
+#[derive(Args)]
+pub struct SubmitArgs {
+    /// A job file (TOML with the fields of the API: command = ["python", "train.py"], gpus,
+    /// model, batch, mem_mib, env, cwd, priority, name, shell).
+    file: Option<PathBuf>,
+    /// The command to run, after `--` (no shell): `gpumem submit --gpus 1 -- python train.py`.
+    #[arg(last = true)]
+    cmd: Vec<String>,
+    /// Run this string through /bin/sh instead.
+    #[arg(long, conflicts_with = "cmd")]
+    shell: Option<String>,
+    #[arg(long)]
+    gpus: Option<u32>,
+    #[arg(long)]
+    mem_mib: Option<u64>,
+    /// Model spec or reference for the estimate (with --batch).
+    #[arg(long)]
+    model: Option<String>,
+    #[arg(long)]
+    batch: Option<u64>,
+    #[arg(long)]
+    priority: Option<i32>,
+    #[arg(long)]
+    name: Option<String>,
+    #[command(flatten)]
+    server: ServerArgs,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn submit(a: SubmitArgs) -> CliResult {
+    let mut req: JobRequest = match &a.file {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|e| CliError::input(format!("{}: {e}", p.display())))?;
+            toml::from_str(&text).map_err(|e| CliError::input(format!("{}: {}", p.display(), e.to_string().replace('\n', " "))))?
+        }
+        None => JobRequest {
+            command: Vec::new(),
+            shell: false,
+            name: None,
+            cwd: std::env::current_dir().ok().map(|d| d.display().to_string()),
+            env: Default::default(),
+            gpus: 1,
+            model: None,
+            batch: None,
+            mem_mib: None,
+            priority: 0,
+        },
+    };
+    if let Some(s) = &a.shell {
+        req.command = vec![s.clone()];
+        req.shell = true;
+    } else if !a.cmd.is_empty() {
+        req.command = a.cmd.clone();
+        req.shell = false;
+    }
+    if req.command.is_empty() {
+        return Err(CliError::input("no command: give a job file, `-- PROGRAM ARGS…` or --shell"));
+    }
+    req.gpus = a.gpus.unwrap_or(req.gpus);
+    req.mem_mib = a.mem_mib.or(req.mem_mib);
+    req.model = a.model.clone().or(req.model);
+    req.batch = a.batch.or(req.batch);
+    req.priority = a.priority.unwrap_or(req.priority);
+    req.name = a.name.clone().or(req.name);
+    let text = a.server.call("POST", "/jobs", Some(&req))?;
+    if a.json {
+        println!("{text}");
+        return Ok(());
+    }
+    let s: Submitted = serde_json::from_str(&text).map_err(|e| CliError::other(e.to_string()))?;
+    match s.estimate_mib {
+        Some(e) => println!("job {} {} (estimate {e:.0} MiB, bound {:.0} MiB)", s.id, s.state.name(), s.bound_mib.unwrap_or(e)),
+        None => println!("job {} {}", s.id, s.state.name()),
+    }
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct JobsArgs {
+    /// Only jobs in this state.
+    #[arg(long)]
+    state: Option<String>,
+    #[command(flatten)]
+    server: ServerArgs,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn jobs(a: JobsArgs) -> CliResult {
+    let path = match &a.state {
+        Some(s) => format!("/jobs?state={s}"),
+        None => "/jobs".into(),
+    };
+    let (jobs, text): (Vec<JobView>, _) = a.server.get(&path)?;
+    if a.json {
+        println!("{text}");
+        return Ok(());
+    }
+    println!("{:>6}  {:<15} {:<9} {:>10} {:>10}  command", "id", "state", "gpus", "est MiB", "peak MiB");
+    for j in jobs {
+        let gpus = j.assigned.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+        let cmd = j.request.command.join(" ");
+        let f = |x: Option<f64>| x.map_or("-".into(), |v| format!("{v:.0}"));
+        println!("{:>6}  {:<15} {:<9} {:>10} {:>10}  {}", j.id, j.state.name(), gpus, f(j.estimate_mib), f(j.peak_mib), cmd.chars().take(60).collect::<String>());
+    }
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct JobArgs2 {
+    id: u64,
+    #[command(flatten)]
+    server: ServerArgs,
+    #[arg(long)]
+    json: bool,
+    /// Print the last bytes of its log instead.
+    #[arg(long)]
+    log: bool,
+}
+
+pub fn job(a: JobArgs2) -> CliResult {
+    if a.log {
+        print!("{}", a.server.call("GET", &format!("/jobs/{}/log", a.id), None::<&()>)?);
+        return Ok(());
+    }
+    let (j, text): (JobView, _) = a.server.get(&format!("/jobs/{}", a.id))?;
+    if a.json {
+        println!("{text}");
+        return Ok(());
+    }
+    println!("job {} ({})", j.id, j.request.name.as_deref().unwrap_or("-"));
+    println!("  state      {}", j.state.name());
+    println!("  command    {}{}", j.request.command.join(" "), if j.request.shell { "  (shell)" } else { "" });
+    println!("  gpus       {} requested, on {:?}", j.request.gpus, j.assigned);
+    println!("  memory     estimate {}, bound {}, peak {}", mib(j.estimate_mib), mib(j.bound_mib), mib(j.peak_mib));
+    println!("  retries    {}", j.retries);
+    if let Some(c) = j.exit_code {
+        println!("  exit code  {c}");
+    }
+    if let Some(e) = &j.error {
+        println!("  note       {e}");
+    }
+    Ok(())
+}
+
+fn mib(x: Option<f64>) -> String {
+    x.map_or("-".into(), |v| format!("{v:.0} MiB"))
+}
+
+#[derive(Args)]
+pub struct CancelArgs {
+    id: u64,
+    #[command(flatten)]
+    server: ServerArgs,
+}
+
+pub fn cancel(a: CancelArgs) -> CliResult {
+    let text = a.server.call("POST", &format!("/jobs/{}/cancel", a.id), None::<&()>)?;
+    let j: JobView = serde_json::from_str(&text).map_err(|e| CliError::other(e.to_string()))?;
+    println!("job {}: {}", j.id, if j.state.is_final() { j.state.name() } else { "cancelling" });
+    Ok(())
+}
+
+/// `gpumem gpus --server`: the daemon's live view.
+pub fn live_gpus(server: &ServerArgs, json: bool) -> CliResult {
+    let (gpus, text): (Vec<GpuView>, _) = server.get("/gpus")?;
+    if json {
+        println!("{text}");
+        return Ok(());
+    }
+    for g in gpus {
+        println!(
+            "gpu {}  {:<26} {:>8.0} / {:>6.0} MiB  util {:>3.0}%  SMACT {}  jobs {:?}",
+            g.index,
+            g.name,
+            g.used_mib,
+            g.total_mib,
+            g.util * 100.0,
+            g.smact.map_or("-".into(), |s| format!("{s:.2}")),
+            g.jobs
+        );
+    }
+    Ok(())
+}
+
+pub fn server_args_for_gpus(server: Option<String>, token: Option<String>) -> ServerArgs {
+    ServerArgs { server: server.unwrap_or_else(|| std::env::var("GPUMEM_SERVER").unwrap_or_else(|_| DEFAULT_SERVER.into())), token }
+}
+
+#[derive(Args)]
+pub struct LoadTestArgs {
+    /// Submissions to send.
+    #[arg(long, default_value_t = 5000)]
+    jobs: usize,
+    /// Concurrent connections.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Stop sending after this many seconds.
+    #[arg(long, default_value_t = 30.0)]
+    seconds: f64,
+    #[command(flatten)]
+    server: ServerArgs,
+}
+
+/// Submits jobs as fast as the daemon takes them; reports the rate and latency percentiles, then
+/// checks that every accepted job is stored.
+pub fn load_test(a: LoadTestArgs) -> CliResult {
+    let before = a.server.get::<Vec<JobView>>("/jobs")?.0.len();
+    let started = Instant::now();
+    let per = a.jobs.div_ceil(a.concurrency.max(1));
+    let results: Vec<(Vec<f64>, usize)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..a.concurrency.max(1))
+            .map(|_| {
+                s.spawn(|| {
+                    let (mut lat, mut failed) = (Vec::with_capacity(per), 0);
+                    let req = serde_json::json!({"command": ["true"], "gpus": 1, "mem_mib": 100, "name": "load-test"});
+                    for _ in 0..per {
+                        if started.elapsed().as_secs_f64() > a.seconds {
+                            break;
+                        }
+                        let t = Instant::now();
+                        match a.server.call("POST", "/jobs", Some(&req)) {
+                            Ok(_) => lat.push(t.elapsed().as_secs_f64() * 1e3),
+                            Err(_) => failed += 1,
+                        }
+                    }
+                    (lat, failed)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+    });
+    let elapsed = started.elapsed().as_secs_f64();
+    let mut lat: Vec<f64> = results.iter().flat_map(|r| r.0.iter().copied()).collect();
+    let failed: usize = results.iter().map(|r| r.1).sum();
+    lat.sort_by(f64::total_cmp);
+    let pct = |q: f64| lat.get(((q * lat.len() as f64).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0.0);
+    let stored = a.server.get::<Vec<JobView>>("/jobs")?.0.len() - before;
+    println!(
+        "{} submissions accepted in {elapsed:.2} s = {:.0}/s over {} connections; latency p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; {failed} failed; {stored} stored",
+        lat.len(),
+        lat.len() as f64 / elapsed,
+        a.concurrency,
+        pct(0.5),
+        pct(0.99),
+        lat.last().copied().unwrap_or(0.0)
+    );
+    if stored != lat.len() {
+        return Err(CliError::other(format!("{} submissions were accepted but {stored} are stored", lat.len())));
+    }
+    Ok(())
+}

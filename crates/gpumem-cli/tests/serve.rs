@@ -1,0 +1,247 @@
+//! The daemon end to end: a real `gpumem serve` on loopback with four fake A100s, real child
+//! processes, the real SQLite store; restart after SIGKILL; security; a short load run.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_gpumem")
+}
+
+fn gpumem(args: &[&str]) -> Output {
+    Command::new(bin()).args(args).output().expect("gpumem runs")
+}
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("gpumem-serve-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Server {
+    fn start(state: &Path, port: u16) -> Server {
+        let cfg = state.join("daemon.toml");
+        std::fs::write(&cfg, "policy = \"first-fit\"\nwarmup_s = 1\ntick_ms = 50\ngrace_s = 1\nmax_retries = 2\n").unwrap();
+        let addr = format!("127.0.0.1:{port}");
+        let child = Command::new(bin())
+            .args(["serve", "--fake-gpus", "4xa100-40gb", "--addr", &addr, "--state", state.join("state").to_str().unwrap(), "--config", cfg.to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let url = format!("http://{addr}");
+        let s = Server { child, url };
+        s.wait_until(|| std::net::TcpStream::connect(&addr).is_ok(), "the daemon listens");
+        s
+    }
+
+    fn run(&self, args: &[&str]) -> String {
+        // The server flag goes right after the subcommand: anything after `--` is the job's.
+        let mut full: Vec<&str> = vec![args[0], "--server", &self.url];
+        full.extend(&args[1..]);
+        let o = gpumem(&full);
+        assert!(o.status.success(), "{full:?}: {}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    fn submit(&self, args: &[&str]) -> u64 {
+        let mut full = vec!["submit", "--json"];
+        full.extend(args);
+        let v: serde_json::Value = serde_json::from_str(&self.run(&full)).unwrap();
+        v["id"].as_u64().unwrap()
+    }
+
+    fn job(&self, id: u64) -> serde_json::Value {
+        serde_json::from_str(&self.run(&["job", &id.to_string(), "--json"])).unwrap()
+    }
+
+    fn state(&self, id: u64) -> String {
+        self.job(id)["state"].as_str().unwrap().to_string()
+    }
+
+    fn wait_until(&self, mut f: impl FnMut() -> bool, what: &str) {
+        let t = Instant::now();
+        while !f() {
+            assert!(t.elapsed() < Duration::from_secs(60), "timed out waiting until {what}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A plain GET over a socket (the test needs no HTTP client of its own).
+fn http_get(url: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let addr = url.trim_start_matches("http://");
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    c.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// A shell job that reports `mib` of fake GPU memory, then runs `rest`.
+fn fake_job(mib: u64, rest: &str) -> String {
+    format!("echo $(({mib}*1048576)) > \"$GPUMEM_FAKE_MEMORY_FILE\"; {rest}")
+}
+
+#[test]
+fn jobs_queue_collocate_crash_recover_and_finish() {
+    let d = dir("e2e");
+    let s = Server::start(&d, free_port());
+    let a = s.submit(&["--mem-mib", "30000", "--shell", &fake_job(30000, "sleep 3")]);
+    s.wait_until(|| s.job(a)["peak_mib"].as_f64() == Some(30000.0), "A's memory shows up");
+    // Fits beside A (30000 + 6000 + 2048 headroom <= 40960): first-fit collocates it on A's GPU.
+    let b = s.submit(&["--mem-mib", "6000", "--shell", &fake_job(6000, "sleep 1")]);
+    // Runs out of memory on its first attempt only; then runs alone.
+    let c = s.submit(&["--mem-mib", "2000", "--shell", "if [ \"$GPUMEM_JOB_ATTEMPT\" = 1 ]; then echo 'torch.OutOfMemoryError: CUDA out of memory.'; exit 1; fi; echo recovered"]);
+    let dd = s.submit(&["--mem-mib", "1000", "--", "/bin/sleep", "60"]);
+    let e = s.submit(&["--mem-mib", "1000", "--gpus", "2", "--", "/bin/sh", "-c", "echo two GPUs: $CUDA_VISIBLE_DEVICES"]);
+    let f = s.submit(&["--mem-mib", "1000", "--", "/bin/sh", "-c", "echo broken; exit 3"]);
+    s.wait_until(|| s.state(dd) == "running", "D runs");
+    s.run(&["cancel", &dd.to_string()]);
+    s.wait_until(|| [a, b, c, dd, e, f].iter().all(|&j| ["finished", "failed", "cancelled"].contains(&s.state(j).as_str())), "every job ends");
+    let (ja, jb, jc, jd, je, jf) = (s.job(a), s.job(b), s.job(c), s.job(dd), s.job(e), s.job(f));
+    assert_eq!(ja["state"], "finished");
+    assert_eq!(jb["state"], "finished");
+    assert_eq!(jb["assigned"], ja["assigned"], "B collocated with A");
+    assert_eq!((jc["state"].as_str(), jc["retries"].as_u64()), (Some("finished"), Some(1)), "C crashed once and recovered: {jc}");
+    assert_eq!(jd["state"], "cancelled");
+    assert_eq!((je["state"].as_str(), je["assigned"].as_array().unwrap().len()), (Some("finished"), 2));
+    assert_eq!(jf["state"], "failed");
+    assert!(jf["error"].as_str().unwrap().contains("exit code 3: broken"), "{jf}");
+    let log = s.run(&["job", &c.to_string(), "--log"]);
+    assert_eq!((log.matches("CUDA out of memory").count(), log.matches("recovered").count()), (1, 1), "{log}");
+    let metrics = http_get(&s.url, "/metrics");
+    assert!(metrics.contains("gpumem_oom_crashes_total 1") && metrics.contains("gpumem_queue_length 0"), "{metrics}");
+    assert!(metrics.contains("gpumem_gpu_memory_total_bytes{gpu=\"3\"}"), "{metrics}");
+    let list: Vec<serde_json::Value> = serde_json::from_str(&s.run(&["jobs", "--json"])).unwrap();
+    assert_eq!(list.len(), 6);
+    assert!(list.iter().all(|j| j.get("id").is_some() && j.get("state").is_some()));
+}
+
+#[test]
+fn a_killed_daemon_loses_and_repeats_nothing() {
+    let d = dir("restart");
+    let port = free_port();
+    let mut s = Server::start(&d, port);
+    let marks = d.join("marks");
+    std::fs::create_dir_all(&marks).unwrap();
+    // Six jobs that each need a whole GPU: four run, two wait.
+    let ids: Vec<u64> = (0..6)
+        .map(|i| s.submit(&["--mem-mib", "35000", "--shell", &fake_job(35000, &format!("sleep 2; echo run >> {}/{i}", marks.display()))]))
+        .collect();
+    s.wait_until(|| ids.iter().filter(|&&j| s.state(j) == "running").count() == 4, "four run");
+    s.kill(); // SIGKILL: no chance to clean up
+    std::thread::sleep(Duration::from_millis(300));
+    let s = Server::start(&d, port);
+    s.wait_until(|| ids.iter().all(|&j| s.state(j) == "finished"), "all six finish after the restart");
+    for i in 0..6 {
+        let runs = std::fs::read_to_string(marks.join(i.to_string())).unwrap();
+        assert_eq!(runs.lines().count(), 1, "job {i} ran {} times", runs.lines().count());
+    }
+}
+
+#[test]
+fn security() {
+    let d = dir("sec");
+    // A remote bind without a token refuses to start.
+    let o = gpumem(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "0.0.0.0:0", "--state", d.join("st").to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("refusing to listen on 0.0.0.0:0 without a token"));
+    // With a token, requests without it are refused.
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut child = Command::new(bin())
+        .args(["serve", "--fake-gpus", "1xa100-40gb", "--addr", &addr, "--state", d.join("st2").to_str().unwrap(), "--token", "s3cret"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while std::net::TcpStream::connect(&addr).is_err() {
+        assert!(t.elapsed() < Duration::from_secs(30));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let url = format!("http://{addr}");
+    let o = gpumem(&["jobs", "--server", &url]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("401: missing or wrong bearer token"));
+    let o = gpumem(&["jobs", "--server", &url, "--token", "s3cret"]);
+    assert!(o.status.success());
+    // Oversized and malformed bodies, through a raw socket.
+    let raw = |body: &str| -> String {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(&addr).unwrap();
+        write!(c, "POST /jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+        let mut out = String::new();
+        let _ = c.read_to_string(&mut out);
+        out
+    };
+    assert!(raw(&"x".repeat(100_000)).starts_with("HTTP/1.1 413"));
+    let bad = raw("{\"command\": [\"true\"], \"surprise\": 1}");
+    assert!(bad.starts_with("HTTP/1.1 400") && bad.contains("unknown field `surprise`"), "{bad}");
+    assert!(raw("not json").starts_with("HTTP/1.1 400"));
+    // No shell unless asked: `;` and `$HOME` reach the program verbatim.
+    let o = gpumem(&["submit", "--server", &url, "--token", "s3cret", "--json", "--", "/bin/echo", "a;", "$HOME"]);
+    let id = serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["id"].as_u64().unwrap();
+    let t = Instant::now();
+    loop {
+        let o = gpumem(&["job", &id.to_string(), "--log", "--server", &url, "--token", "s3cret"]);
+        if String::from_utf8_lossy(&o.stdout).contains("a; $HOME") {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "the job's output never appeared");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+#[test]
+fn load_nothing_lost() {
+    let d = dir("load");
+    let s = Server::start(&d, free_port());
+    let out = s.run(&["load-test", "--jobs", "1000", "--concurrency", "4", "--seconds", "60"]);
+    assert!(out.contains("1000 submissions accepted") && out.contains("0 failed") && out.contains("1000 stored"), "{out}");
+}
+
+#[test]
+fn the_daemons_history_calibrates_a_profile() {
+    let d = dir("history");
+    let s = Server::start(&d, free_port());
+    let spec = "mlp:input=2048,output=10,depth=3,act=relu";
+    let est: serde_json::Value = serde_json::from_slice(&gpumem(&["estimate", spec, "--batch", "128", "--json"]).stdout).unwrap();
+    // The "GPU" shows 500 MiB more than gpumem predicts: a heavier CUDA context.
+    let shown = est["peak_mib"].as_f64().unwrap().round() as u64 + 500;
+    let ids: Vec<u64> = (0..2).map(|_| s.submit(&["--model", spec, "--batch", "128", "--shell", &fake_job(shown, "sleep 0.5")])).collect();
+    s.wait_until(|| ids.iter().all(|&j| s.state(j) == "finished"), "both finish");
+    let out = d.join("cal.toml");
+    let o = gpumem(&["calibrate", "--from-history", d.join("state").to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    let fitted: f64 = text.lines().find(|l| l.contains("cuda_context_mib")).and_then(|l| l.split_whitespace().nth(1)).unwrap().parse().unwrap();
+    assert!((fitted - 1929.0).abs() <= 1.0, "context 1429 + 500 expected: {text}");
+}

@@ -1,0 +1,525 @@
+//! The daemon's state and its scheduling loop.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use gpumem_core::estimate::{Estimator, Replay};
+use gpumem_core::families::{JobOptions, ModelSpec};
+use gpumem_core::profile::GpuProfile;
+use gpumem_core::step::TorchBehaviour;
+use gpumem_core::units::bytes_to_mib;
+use gpumem_monitor::{FakeGpus, Monitor};
+use gpumem_place::{Cluster, Load, MIB, MemoryDemand, MemoryView, Policy, Resident};
+use serde::Deserialize;
+
+use crate::launcher::{Exit, JobDir, Launch, alive, launch, signal_group};
+use crate::store::{Job, Store};
+use crate::wire::{GpuView, JobRequest, JobState, JobView, Submitted};
+
+/// What happens to a job whose process vanished while the daemon was down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OnLost {
+    Requeue,
+    Fail,
+}
+
+/// `gpumem serve --config FILE.toml`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Any placement policy of gpumem-place (`safe-pack`, `first-fit+carma`, …).
+    pub policy: String,
+    /// Free memory kept above an estimate (CARMA: 2 GiB).
+    pub headroom_mib: u64,
+    /// A GPU just given a job is not offered again until the job's memory shows up or this passes.
+    pub warmup_s: f64,
+    /// Exclusive re-runs after out-of-memory crashes before a job fails.
+    pub max_retries: u32,
+    /// Seconds between SIGTERM and SIGKILL when cancelling.
+    pub grace_s: f64,
+    /// Scheduling period.
+    pub tick_ms: u64,
+    pub on_lost: OnLost,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config { policy: "safe-pack".into(), headroom_mib: 2048, warmup_s: 30.0, max_retries: 3, grace_s: 10.0, tick_ms: 200, on_lost: OnLost::Requeue }
+    }
+}
+
+impl Config {
+    pub fn from_toml(text: &str) -> Result<Config, String> {
+        let c: Config = toml::from_str(text).map_err(|e| e.to_string().replace('\n', " "))?;
+        c.policy()?;
+        if !(c.warmup_s >= 0.0 && c.grace_s >= 0.0 && c.tick_ms >= 10) {
+            return Err("warmup_s and grace_s must be non-negative, tick_ms at least 10".into());
+        }
+        Ok(c)
+    }
+
+    pub fn policy(&self) -> Result<Policy, String> {
+        Policy::parse(&self.policy, MemoryView::Estimate { headroom_bytes: self.headroom_mib * MIB })
+    }
+}
+
+pub fn now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+/// gpumem's estimate (peak, upper bound) for a native spec or PyTorch reference at `batch`.
+pub fn estimate(profile: &GpuProfile, model: &str, batch: u64) -> Result<(u64, u64), String> {
+    let trace = if gpumem_torch::is_reference(model) {
+        let mut req = gpumem_torch::TraceRequest::new(model, batch);
+        req.sdpa = format!("{:?}", profile.sdpa).to_lowercase().replace("memefficient", "mem_efficient");
+        gpumem_torch::TorchTracer::from_env().trace(&req).map_err(|e| e.to_string())?
+    } else {
+        let spec = ModelSpec::parse(model)?;
+        let mut job = JobOptions::new(batch);
+        job.torch = TorchBehaviour::parse(&profile.torch);
+        job.cublas_workspace = profile.cublas_workspace();
+        spec.trace(&job)?
+    };
+    let est = Replay::default().estimate(&trace, profile).map_err(|e| e.to_string())?;
+    Ok((est.peak_bytes, est.upper_bound_bytes))
+}
+
+struct Inner {
+    store: Store,
+    jobs: BTreeMap<u64, Job>,
+    monitor: Box<dyn Monitor>,
+    /// Runs started by this daemon process (the others were re-attached after a restart).
+    children: HashMap<u64, Child>,
+    /// Cancelled runs: when to send SIGKILL.
+    kill_at: HashMap<u64, f64>,
+    gpus: Vec<GpuView>,
+    /// Memory each running job shows now (per GPU).
+    observed: HashMap<u64, u64>,
+    /// GPU → (job, until): not offered while that job's memory has not shown up.
+    warm: HashMap<u32, (u64, f64)>,
+    oom_crashes: u64,
+}
+
+/// The daemon: jobs, GPUs, policy.
+pub struct Daemon {
+    inner: Mutex<Inner>,
+    pub state_dir: PathBuf,
+    /// The `gpumem` binary that supervises runs.
+    supervisor: PathBuf,
+    fake: Option<FakeGpus>,
+    pub profile: GpuProfile,
+    pub config: Config,
+    policy: Policy,
+}
+
+impl Daemon {
+    /// Opens the state directory (creating it), loading every job it holds.
+    pub fn open(state_dir: &Path, monitor: Box<dyn Monitor>, fake: Option<FakeGpus>, profile: GpuProfile, config: Config, supervisor: PathBuf) -> Result<Daemon, String> {
+        std::fs::create_dir_all(state_dir.join("jobs")).map_err(|e| format!("{}: {e}", state_dir.display()))?;
+        let store = Store::open(&state_dir.join("jobs.db"))?;
+        let jobs = store.load()?.into_iter().map(|j| (j.id, j)).collect();
+        let policy = config.policy()?;
+        let inner = Inner {
+            store,
+            jobs,
+            monitor,
+            children: HashMap::new(),
+            kill_at: HashMap::new(),
+            gpus: Vec::new(),
+            observed: HashMap::new(),
+            warm: HashMap::new(),
+            oom_crashes: 0,
+        };
+        Ok(Daemon { inner: Mutex::new(inner), state_dir: state_dir.to_path_buf(), supervisor, fake, profile, config, policy })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves consistent data (every write goes to SQLite first).
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn gpu_count(&self) -> usize {
+        self.lock().monitor.gpu_count()
+    }
+
+    /// Stores a validated submission; `estimate` is (peak, bound) bytes per GPU.
+    pub fn submit(&self, request: JobRequest, estimate: Option<(u64, u64)>) -> Result<Submitted, String> {
+        let mut inner = self.lock();
+        let mut job = Job {
+            id: 0,
+            request,
+            state: JobState::Queued,
+            assigned: Vec::new(),
+            estimate_bytes: estimate.map(|e| e.0),
+            bound_bytes: estimate.map(|e| e.1),
+            peak_bytes: None,
+            submitted_at: now(),
+            started_at: None,
+            finished_at: None,
+            exit_code: None,
+            retries: 0,
+            error: None,
+            pid: None,
+            cancel_requested: false,
+        };
+        job.id = inner.store.insert(&job)?;
+        let out = Submitted { id: job.id, state: job.state, estimate_mib: job.estimate_bytes.map(bytes_to_mib), bound_mib: job.bound_bytes.map(bytes_to_mib) };
+        inner.jobs.insert(job.id, job);
+        Ok(out)
+    }
+
+    pub fn jobs(&self, state: Option<JobState>) -> Vec<JobView> {
+        self.lock().jobs.values().filter(|j| state.is_none_or(|s| j.state == s)).map(view).collect()
+    }
+
+    pub fn job(&self, id: u64) -> Option<JobView> {
+        self.lock().jobs.get(&id).map(view)
+    }
+
+    pub fn log_tail(&self, id: u64, bytes: u64) -> Option<String> {
+        self.lock().jobs.contains_key(&id).then(|| JobDir::new(&self.state_dir, id).log_tail(bytes))
+    }
+
+    pub fn gpus(&self) -> Vec<GpuView> {
+        self.lock().gpus.clone()
+    }
+
+    /// Cancels a job: at once if it waits, by SIGTERM (then SIGKILL after the grace period) if
+    /// it runs. `Err` if it has already ended or does not exist.
+    pub fn cancel(&self, id: u64) -> Result<JobView, (u16, String)> {
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        let job = inner.jobs.get_mut(&id).ok_or((404, format!("no job {id}")))?;
+        if job.state.is_final() {
+            return Err((409, format!("job {id} has already ended ({})", job.state.name())));
+        }
+        let t = now();
+        if job.state.is_waiting() {
+            job.state = JobState::Cancelled;
+            job.finished_at = Some(t);
+            inner.store.transition(job, t, Some("cancelled while waiting")).map_err(|e| (500, e))?;
+        } else {
+            job.cancel_requested = true;
+            inner.store.transition(job, t, Some("cancel requested")).map_err(|e| (500, e))?;
+            if let Some(pid) = job.pid {
+                signal_group(pid, libc::SIGTERM);
+            }
+            inner.kill_at.insert(id, t + self.config.grace_s);
+        }
+        Ok(view(job))
+    }
+
+    /// One scheduling round: collect ended runs, read the GPUs, place waiting jobs.
+    pub fn tick(&self) -> Result<(), String> {
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        let t = now();
+        self.reap(inner, t)?;
+        self.observe(inner, t);
+        self.place(inner, t)
+    }
+
+    fn reap(&self, inner: &mut Inner, t: f64) -> Result<(), String> {
+        let active: Vec<u64> = inner.jobs.values().filter(|j| matches!(j.state, JobState::Starting | JobState::Running)).map(|j| j.id).collect();
+        for id in active {
+            let dir = JobDir::new(&self.state_dir, id);
+            let mut ended = dir.exit();
+            if let Some(child) = inner.children.get_mut(&id)
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                inner.children.remove(&id);
+                // The supervisor writes the exit file; if it was killed first, its own status stands.
+                use std::os::unix::process::ExitStatusExt;
+                ended = ended.or(dir.exit()).or_else(|| Some(status.code().map_or(Exit::Signal(status.signal().unwrap_or(9)), Exit::Code)));
+            }
+            let job = inner.jobs.get_mut(&id).expect("active job exists");
+            if job.state == JobState::Starting
+                && let Some(pid) = dir.pid()
+            {
+                job.pid = Some(pid);
+                job.state = JobState::Running;
+                inner.store.transition(job, t, Some("running"))?;
+            }
+            if let Some(exit) = ended {
+                self.finish(inner, id, exit, &dir, t)?;
+                continue;
+            }
+            let ours = inner.children.contains_key(&id);
+            let job = inner.jobs.get_mut(&id).expect("active job exists");
+            let gone = match (job.state, job.pid) {
+                (JobState::Running, Some(pid)) => !ours && !alive(pid),
+                // Recorded as starting, but no supervisor ever wrote its pid.
+                (JobState::Starting, _) => !ours && t - job.started_at.unwrap_or(t) > 5.0,
+                _ => false,
+            };
+            if gone {
+                let note = "its process vanished while the daemon was down";
+                match self.config.on_lost {
+                    OnLost::Requeue => {
+                        job.state = JobState::Queued;
+                        job.assigned.clear();
+                        job.pid = None;
+                        job.error = Some(format!("requeued: {note}"));
+                    }
+                    OnLost::Fail => {
+                        job.state = JobState::Failed;
+                        job.finished_at = Some(t);
+                        job.error = Some(note.into());
+                    }
+                }
+                inner.store.transition(job, t, Some(note))?;
+            } else if let (Some(&deadline), Some(pid)) = (inner.kill_at.get(&id), job.pid)
+                && t >= deadline
+            {
+                signal_group(pid, libc::SIGKILL);
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(&self, inner: &mut Inner, id: u64, exit: Exit, dir: &JobDir, t: f64) -> Result<(), String> {
+        inner.kill_at.remove(&id);
+        inner.observed.remove(&id);
+        let job = inner.jobs.get_mut(&id).expect("job exists");
+        job.exit_code = Some(exit.code());
+        job.pid = None;
+        let note;
+        if job.cancel_requested {
+            job.state = JobState::Cancelled;
+            note = "cancelled".to_string();
+        } else if exit.success() {
+            job.state = JobState::Finished;
+            note = "finished".into();
+        } else if dir.ran_out_of_memory() {
+            inner.oom_crashes += 1;
+            job.retries += 1;
+            if job.retries > self.config.max_retries {
+                job.state = JobState::Failed;
+                job.error = Some(format!("out of GPU memory {} times", job.retries));
+            } else {
+                job.state = JobState::OomRecovering;
+                job.error = Some(format!("out of GPU memory on {:?}; re-running alone", job.assigned));
+            }
+            note = "out of memory".into();
+        } else {
+            job.state = JobState::Failed;
+            let last = dir.log_tail(4096).lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").to_string();
+            job.error = Some(format!("exit code {}: {last}", exit.code()));
+            note = "failed".into();
+        }
+        if job.state.is_final() {
+            job.finished_at = Some(t);
+        }
+        inner.store.transition(job, t, Some(&note))
+    }
+
+    /// Reads the GPUs (fake GPUs first learn what their jobs report) and each job's memory.
+    fn observe(&self, inner: &mut Inner, t: f64) {
+        let running: Vec<&Job> = inner.jobs.values().filter(|j| j.state == JobState::Running).collect();
+        let mut observed: HashMap<u64, u64> = HashMap::new();
+        if let Some(fake) = &self.fake
+            && let Ok(mut gpus) = fake.lock()
+        {
+            for g in gpus.iter_mut() {
+                g.processes.clear();
+            }
+            for j in &running {
+                let bytes: u64 = std::fs::read_to_string(JobDir::new(&self.state_dir, j.id).fake_memory()).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0);
+                observed.insert(j.id, bytes);
+                for &g in &j.assigned {
+                    if let Some(gpu) = gpus.get_mut(g as usize) {
+                        gpu.processes.push((j.pid.unwrap_or(0), bytes));
+                    }
+                }
+            }
+        }
+        let mut views = Vec::new();
+        for g in 0..inner.monitor.gpu_count() as u32 {
+            let Ok(r) = inner.monitor.read(g) else { continue };
+            if self.fake.is_none() {
+                // Real GPUs: a job's memory is that of the processes in its process group.
+                for j in &running {
+                    if j.assigned.contains(&g) {
+                        let mine: u64 = r.processes.iter().filter(|(pid, _)| j.pid.is_some_and(|pg| process_group(*pid) == Some(pg))).map(|p| p.1).sum();
+                        let e = observed.entry(j.id).or_default();
+                        *e = (*e).max(mine);
+                    }
+                }
+            }
+            views.push(GpuView {
+                index: g,
+                name: r.name,
+                used_mib: bytes_to_mib(r.used_bytes),
+                total_mib: bytes_to_mib(r.total_bytes),
+                util: r.util,
+                smact: r.dcgm.map(|d| d.smact),
+                smocc: r.dcgm.map(|d| d.smocc),
+                dram: r.dcgm.map(|d| d.dram),
+                jobs: running.iter().filter(|j| j.assigned.contains(&g)).map(|j| j.id).collect(),
+            });
+        }
+        for (id, bytes) in &observed {
+            if let Some(j) = inner.jobs.get_mut(id) {
+                j.peak_bytes = Some(j.peak_bytes.unwrap_or(0).max(*bytes));
+            }
+        }
+        inner.warm.retain(|_, (job, until)| t < *until && observed.get(job).copied().unwrap_or(0) == 0);
+        inner.observed = observed;
+        inner.gpus = views;
+    }
+
+    /// Places waiting jobs in order (recovering first, then by priority and age) until one
+    /// must wait: the queue is FIFO, as CARMA's.
+    fn place(&self, inner: &mut Inner, t: f64) -> Result<(), String> {
+        let mut waiting: Vec<&Job> = inner.jobs.values().filter(|j| j.state.is_waiting()).collect();
+        waiting.sort_by_key(|j| (j.state != JobState::OomRecovering, -j.request.priority, j.id));
+        let order: Vec<u64> = waiting.iter().map(|j| j.id).collect();
+        for id in order {
+            let cluster = self.cluster(inner, t);
+            let job = &inner.jobs[&id];
+            let want = placement_view(job);
+            let Some(gpus) = self.policy.place(&cluster, &want, t) else { break };
+            let gpus: Vec<u32> = gpus.into_iter().map(|g| g as u32).collect();
+            self.start(inner, id, &gpus, t)?;
+        }
+        Ok(())
+    }
+
+    fn cluster(&self, inner: &Inner, t: f64) -> Cluster {
+        let mut cluster = Cluster::new(inner.gpus.iter().map(|g| (g.total_mib * MIB as f64) as u64));
+        for (k, gv) in inner.gpus.iter().enumerate() {
+            let gpu = &mut cluster.gpus[k];
+            let mine: Vec<&Job> = inner.jobs.values().filter(|j| matches!(j.state, JobState::Starting | JobState::Running) && j.assigned.contains(&gv.index)).collect();
+            let n = mine.len().max(1) as f64;
+            let load = Load { smact: gv.smact.unwrap_or(gv.util) / n, smocc: gv.smocc.unwrap_or(0.0) / n, dram: gv.dram.unwrap_or(0.0) / n };
+            let mut ours = 0;
+            for j in &mine {
+                let used = inner.observed.get(&j.id).copied().unwrap_or(0);
+                ours += used;
+                gpu.residents.push(Resident {
+                    job: j.id,
+                    used_bytes: used,
+                    bound_bytes: j.bound_bytes.or(j.estimate_bytes).unwrap_or(0),
+                    warm_at_s: if used > 0 { f64::NEG_INFINITY } else { j.started_at.unwrap_or(t) + self.config.warmup_s },
+                    load,
+                    exclusive: self.policy.runs_alone(&placement_view(j)),
+                });
+            }
+            // Memory of processes that are not the daemon's jobs (other users, the driver).
+            let other = ((gv.used_mib * MIB as f64) as u64).saturating_sub(ours);
+            if other > 0 {
+                gpu.residents.push(Resident { job: u64::MAX - k as u64, used_bytes: other, bound_bytes: 0, warm_at_s: f64::NEG_INFINITY, load: Load::default(), exclusive: false });
+            }
+            if let Some(&(_, until)) = inner.warm.get(&gv.index) {
+                gpu.warm_until_s = until;
+            }
+        }
+        cluster
+    }
+
+    fn start(&self, inner: &mut Inner, id: u64, gpus: &[u32], t: f64) -> Result<(), String> {
+        let dir = JobDir::new(&self.state_dir, id);
+        let job = inner.jobs.get_mut(&id).expect("job exists");
+        job.state = JobState::Starting;
+        job.assigned = gpus.to_vec();
+        job.started_at = Some(t);
+        job.pid = None;
+        // Recorded before the process exists: after a crash of the daemon here, the job is
+        // requeued (no pid file appears), never run twice.
+        inner.store.transition(job, t, Some(&format!("placed on GPUs {gpus:?}")))?;
+        let launch_spec = Launch { request: &job.request, dir: &dir, gpus, job_id: id, attempt: job.retries + 1, fake: self.fake.is_some() };
+        match launch(&self.supervisor, &launch_spec) {
+            Ok(child) => {
+                job.pid = Some(child.id());
+                inner.store.update(job)?;
+                inner.children.insert(id, child);
+                for &g in gpus {
+                    inner.warm.insert(g, (id, t + self.config.warmup_s));
+                }
+            }
+            Err(e) => {
+                job.state = JobState::Failed;
+                job.finished_at = Some(t);
+                job.error = Some(e);
+                inner.store.transition(job, t, Some("could not start"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Prometheus text exposition.
+    pub fn metrics(&self) -> String {
+        let inner = self.lock();
+        let mut by_state: BTreeMap<&str, u64> = BTreeMap::new();
+        for j in inner.jobs.values() {
+            *by_state.entry(j.state.name()).or_default() += 1;
+        }
+        let mut out = String::new();
+        let mut gauge = |name: &str, help: &str, lines: Vec<(String, f64)>| {
+            out += &format!("# HELP {name} {help}\n# TYPE {name} gauge\n");
+            for (labels, v) in lines {
+                out += &format!("{name}{labels} {v}\n");
+            }
+        };
+        let waiting = inner.jobs.values().filter(|j| j.state.is_waiting()).count();
+        let running = inner.jobs.values().filter(|j| j.state == JobState::Running).count();
+        gauge("gpumem_queue_length", "Jobs waiting for GPUs.", vec![(String::new(), waiting as f64)]);
+        gauge("gpumem_running_jobs", "Jobs running.", vec![(String::new(), running as f64)]);
+        gauge("gpumem_jobs", "Jobs by state.", by_state.iter().map(|(s, n)| (format!("{{state=\"{s}\"}}"), *n as f64)).collect());
+        gauge("gpumem_gpu_memory_used_bytes", "GPU memory in use.", inner.gpus.iter().map(|g| (format!("{{gpu=\"{}\"}}", g.index), (g.used_mib * MIB as f64).round())).collect());
+        gauge("gpumem_gpu_memory_total_bytes", "GPU memory.", inner.gpus.iter().map(|g| (format!("{{gpu=\"{}\"}}", g.index), (g.total_mib * MIB as f64).round())).collect());
+        gauge("gpumem_gpu_utilization", "NVML GPU utilization (0-1).", inner.gpus.iter().map(|g| (format!("{{gpu=\"{}\"}}", g.index), g.util)).collect());
+        gauge("gpumem_gpu_smact", "DCGM SM activity (0-1).", inner.gpus.iter().filter_map(|g| Some((format!("{{gpu=\"{}\"}}", g.index), g.smact?))).collect());
+        out += &format!("# HELP gpumem_oom_crashes_total Out-of-memory crashes seen.\n# TYPE gpumem_oom_crashes_total counter\ngpumem_oom_crashes_total {}\n", inner.oom_crashes);
+        let errors: Vec<f64> = inner
+            .jobs
+            .values()
+            .filter(|j| j.state == JobState::Finished)
+            .filter_map(|j| Some((j.estimate_bytes? as f64 - j.peak_bytes? as f64) / (j.peak_bytes? as f64).max(1.0)))
+            .collect();
+        let mean = if errors.is_empty() { 0.0 } else { errors.iter().map(|e| e.abs()).sum::<f64>() / errors.len() as f64 };
+        out += &format!(
+            "# HELP gpumem_estimate_error_ratio Mean |estimate - peak| / peak of finished jobs.\n# TYPE gpumem_estimate_error_ratio gauge\ngpumem_estimate_error_ratio {mean}\n# HELP gpumem_estimated_finished_jobs Finished jobs with an estimate and a measured peak.\n# TYPE gpumem_estimated_finished_jobs gauge\ngpumem_estimated_finished_jobs {}\n",
+            errors.len()
+        );
+        out
+    }
+}
+
+fn placement_view(j: &Job) -> gpumem_place::Job {
+    let memory = match (j.estimate_bytes, j.bound_bytes) {
+        (Some(e), b) => Some(MemoryDemand { estimate_bytes: e, upper_bound_bytes: b.unwrap_or(e).max(e) }),
+        _ => None,
+    };
+    // A job that ran out of memory once always runs alone afterwards (CARMA's recovery rule).
+    gpumem_place::Job { id: j.id, gpus: j.request.gpus, memory, true_bytes: None, load: Load::default(), exclusive: j.retries > 0 }
+}
+
+fn view(j: &Job) -> JobView {
+    JobView {
+        id: j.id,
+        state: j.state,
+        request: j.request.clone(),
+        assigned: j.assigned.clone(),
+        estimate_mib: j.estimate_bytes.map(bytes_to_mib),
+        bound_mib: j.bound_bytes.map(bytes_to_mib),
+        peak_mib: j.peak_bytes.map(bytes_to_mib),
+        submitted_at: j.submitted_at,
+        started_at: j.started_at,
+        finished_at: j.finished_at,
+        exit_code: j.exit_code,
+        retries: j.retries,
+        error: j.error.clone(),
+    }
+}
+
+/// The process group of `pid` (Linux /proc).
+fn process_group(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name: state, ppid, pgrp, …
+    stat.rsplit_once(')')?.1.split_whitespace().nth(2)?.parse().ok()
+}

@@ -1,0 +1,178 @@
+//! The daemon's wire types: what clients send and what they get back (JSON).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// A job's life: `queued` → `running` → `finished` | `failed` | `cancelled`; an out-of-memory
+/// crash goes to `oom-recovering` (waiting for an exclusive GPU) and back to `running`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum JobState {
+    Queued,
+    /// Being launched (recorded before the process starts, so a restart can tell).
+    Starting,
+    Running,
+    Finished,
+    Failed,
+    Cancelled,
+    OomRecovering,
+}
+
+impl JobState {
+    pub fn name(self) -> &'static str {
+        match self {
+            JobState::Queued => "queued",
+            JobState::Starting => "starting",
+            JobState::Running => "running",
+            JobState::Finished => "finished",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+            JobState::OomRecovering => "oom-recovering",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<JobState> {
+        [
+            JobState::Queued,
+            JobState::Starting,
+            JobState::Running,
+            JobState::Finished,
+            JobState::Failed,
+            JobState::Cancelled,
+            JobState::OomRecovering,
+        ]
+        .into_iter()
+        .find(|j| j.name() == s)
+    }
+
+    pub fn is_final(self) -> bool {
+        matches!(self, JobState::Finished | JobState::Failed | JobState::Cancelled)
+    }
+
+    /// Waiting for GPUs.
+    pub fn is_waiting(self) -> bool {
+        matches!(self, JobState::Queued | JobState::OomRecovering)
+    }
+}
+
+/// A submission.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobRequest {
+    /// The program and its arguments, run directly (no shell).
+    pub command: Vec<String>,
+    /// Run `command` (a single string) through `/bin/sh -c` instead.
+    #[serde(default)]
+    pub shell: bool,
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Working directory (default: the daemon's).
+    #[serde(default)]
+    pub cwd: Option<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default = "one")]
+    pub gpus: u32,
+    /// A native model spec for the estimate (with `batch`)...
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub batch: Option<u64>,
+    /// ...or an explicit memory request per GPU.
+    #[serde(default)]
+    pub mem_mib: Option<u64>,
+    /// Higher runs first; ties in submission order.
+    #[serde(default)]
+    pub priority: i32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// Limits a request must respect.
+pub const MAX_ARGS: usize = 256;
+pub const MAX_ARG_BYTES: usize = 4096;
+pub const MAX_ENV: usize = 128;
+
+impl JobRequest {
+    /// One-line reason a request is unacceptable, if it is.
+    pub fn validate(&self, max_gpus: usize) -> Result<(), String> {
+        if self.command.is_empty() || self.command[0].is_empty() {
+            return Err("command must name a program".into());
+        }
+        if self.shell && self.command.len() != 1 {
+            return Err("a shell job's command is one string".into());
+        }
+        if self.command.len() > MAX_ARGS || self.command.iter().any(|a| a.len() > MAX_ARG_BYTES || a.contains('\0')) {
+            return Err(format!("command: at most {MAX_ARGS} arguments of {MAX_ARG_BYTES} bytes, no NUL bytes"));
+        }
+        if self.env.len() > MAX_ENV || self.env.iter().any(|(k, v)| k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0')) {
+            return Err(format!("env: at most {MAX_ENV} variables; names without `=` or NUL"));
+        }
+        if self.gpus == 0 || self.gpus as usize > max_gpus {
+            return Err(format!("gpus must be between 1 and {max_gpus}"));
+        }
+        if self.model.is_some() != self.batch.is_some() {
+            return Err("model and batch go together".into());
+        }
+        if self.batch == Some(0) || self.mem_mib == Some(0) {
+            return Err("batch and mem_mib must be positive".into());
+        }
+        if self.name.as_ref().is_some_and(|n| n.len() > 200) {
+            return Err("name: at most 200 bytes".into());
+        }
+        Ok(())
+    }
+}
+
+/// A job as the daemon reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobView {
+    pub id: u64,
+    pub state: JobState,
+    pub request: JobRequest,
+    /// GPUs of the current or last run.
+    pub assigned: Vec<u32>,
+    pub estimate_mib: Option<f64>,
+    pub bound_mib: Option<f64>,
+    /// The most memory the monitor saw for it (per GPU).
+    pub peak_mib: Option<f64>,
+    pub submitted_at: f64,
+    pub started_at: Option<f64>,
+    pub finished_at: Option<f64>,
+    pub exit_code: Option<i32>,
+    /// Out-of-memory crashes so far.
+    pub retries: u32,
+    pub error: Option<String>,
+}
+
+/// A GPU as the daemon sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuView {
+    pub index: u32,
+    pub name: String,
+    pub used_mib: f64,
+    pub total_mib: f64,
+    pub util: f64,
+    pub smact: Option<f64>,
+    pub smocc: Option<f64>,
+    pub dram: Option<f64>,
+    pub jobs: Vec<u64>,
+}
+
+/// Response to a submission.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Submitted {
+    pub id: u64,
+    pub state: JobState,
+    pub estimate_mib: Option<f64>,
+    pub bound_mib: Option<f64>,
+}
+
+/// An error body: `{"error": "one line"}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApiError {
+    pub error: String,
+}
