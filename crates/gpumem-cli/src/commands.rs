@@ -11,7 +11,7 @@ use gpumem_core::estimate::{ESTIMATORS, Estimate, Estimator, by_name};
 use gpumem_core::eval::{Metrics, Outcome, metrics};
 use gpumem_core::families::{JobOptions, MAX_BATCH, ModelSpec};
 use gpumem_core::graph::Precision;
-use gpumem_core::profile::{self, GpuProfile, SdpaBackend};
+use gpumem_core::profile::{self, GpuProfile};
 use gpumem_torch::{BridgeError, TorchTracer, TraceRequest, is_reference};
 use gpumem_core::search;
 use gpumem_core::step::{Optimizer, TorchBehaviour};
@@ -99,17 +99,11 @@ impl JobArgs {
         {
             return Err(CliError::input(format!("--input `{i}` is not CxHxW")));
         }
-        let mut r = TraceRequest::new(model, job.batch);
+        let mut r = TraceRequest::for_gpu(model, job.batch, profile);
         r.optimizer = job.optimizer.name().into();
         r.precision = job.precision.name().into();
         r.input = self.input.clone();
         r.seq_len = self.seq_len;
-        r.sdpa = match profile.sdpa {
-            SdpaBackend::Flash => "flash",
-            SdpaBackend::MemEfficient => "mem_efficient",
-            SdpaBackend::Math => "math",
-        }
-        .into();
         r.checkpointing = self.checkpointing;
         r.channels_last = self.channels_last;
         r.grad_accum = self.grad_accum;

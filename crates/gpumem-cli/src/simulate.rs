@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 use gpumem_core::estimate::{Estimator, Replay};
-use gpumem_core::profile::{self, GpuProfile, SdpaBackend};
+use gpumem_core::profile::{self, GpuProfile};
 use gpumem_core::utilization::{HostModel, physical};
 use gpumem_place::{Load, MIB, MemoryDemand, MemoryView, Policy, Rule};
 use gpumem_sim::carma::{ModelRef, Task, load_arrivals, load_tasks};
@@ -130,16 +130,10 @@ fn model_tasks(tasks: &[&Task], profile: &GpuProfile) -> CliResult<HashMap<Strin
     let mut by_key = HashMap::new();
     for (m, batch) in distinct {
         bar.set_message(format!("{} b{batch}", m.model));
-        let mut req = TraceRequest::new(&m.model, batch);
+        let mut req = TraceRequest::for_gpu(&m.model, batch, profile);
         req.optimizer = m.optimizer.clone();
         req.input = m.input.clone();
         req.seq_len = m.seq_len;
-        req.sdpa = match profile.sdpa {
-            SdpaBackend::Flash => "flash",
-            SdpaBackend::MemEfficient => "mem_efficient",
-            SdpaBackend::Math => "math",
-        }
-        .into();
         let trace = tracer.trace(&req).map_err(|e| CliError::Model(format!("{} b{batch}: {e}", m.model)))?;
         let est = Replay::default().estimate(&trace, profile).map_err(CliError::input)?;
         let u = physical(&trace, profile, &HostModel::default());

@@ -3,28 +3,19 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-fn gpumem(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_gpumem")).args(args).output().expect("gpumem runs")
+mod common;
+use common::{bad_input, gpumem};
+
+fn tmp(name: &str) -> PathBuf {
+    common::scratch("cli-test", name)
 }
+
 
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
-/// Asserts exit code 2 and a single-line error containing `needle`.
-fn bad_input(args: &[&str], needle: &str) {
-    let o = gpumem(args);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{args:?}: stderr {err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: error is not one line: {err}");
-    assert!(err.contains(needle), "{args:?}: `{err}` lacks `{needle}`");
-}
 
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("gpumem-cli-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
-}
 
 fn write(name: &str, text: &str) -> PathBuf {
     let p = tmp(name);

@@ -1,12 +1,9 @@
 //! The data pipeline end to end without a GPU: generate → collect (fake GPU) → calibrate → eval
 //! → learn, 20 jobs per family; resuming; error paths.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+mod common;
+use common::{bad_input, gpumem};
 
-fn gpumem(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_gpumem")).args(args).output().expect("gpumem runs")
-}
 
 fn ok(args: &[&str]) -> String {
     let o = gpumem(args);
@@ -14,14 +11,9 @@ fn ok(args: &[&str]) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
-fn dir() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("gpumem-dataset-test-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 fn p(name: &str) -> String {
-    dir().join(name).display().to_string()
+    common::scratch("dataset-test", name).display().to_string()
 }
 
 #[test]
@@ -54,13 +46,6 @@ fn generate_collect_eval_learn() {
     ok(&["learn", "predict", &p("gpumemnet.json"), &data, "--out", &p("pred.csv")]);
 }
 
-fn bad_input(args: &[&str], needle: &str) {
-    let o = gpumem(args);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
-    assert!(err.contains(needle), "{args:?}: `{err}` lacks `{needle}`");
-}
 
 #[test]
 fn dataset_errors_are_one_line() {

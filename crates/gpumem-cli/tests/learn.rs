@@ -1,23 +1,21 @@
 //! `gpumem learn` end to end on the seed's MLP measurements: the acceptance figures of the
 //! learned estimators, and the error paths.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::PathBuf;
 
-fn gpumem(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_gpumem")).args(args).output().expect("gpumem runs")
+mod common;
+use common::{bad_input, gpumem};
+
+fn tmp(name: &str) -> PathBuf {
+    common::scratch("learn-test", name)
 }
 
 fn mlp_data() -> Option<String> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/gpumemnet_mlp_a100_40gb.csv");
-    p.exists().then(|| p.display().to_string())
+    common::shared_data("gpumemnet_mlp_a100_40gb.csv").map(|p| p.display().to_string())
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("gpumem-learn-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
-}
+
+
 
 fn json(args: &[&str]) -> serde_json::Value {
     let o = gpumem(args);
@@ -97,13 +95,6 @@ fn train_predict_estimate_eval() {
     assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
-fn bad_input(args: &[&str], needle: &str) {
-    let o = gpumem(args);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
-    assert!(err.contains(needle), "{args:?}: `{err}` lacks `{needle}`");
-}
 
 #[test]
 fn learn_errors_are_one_line() {

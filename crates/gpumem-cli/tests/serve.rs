@@ -3,16 +3,15 @@
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_gpumem")
 }
 
-fn gpumem(args: &[&str]) -> Output {
-    Command::new(bin()).args(args).output().expect("gpumem runs")
-}
+mod common;
+use common::gpumem;
 
 fn dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("gpumem-serve-{}-{name}", std::process::id()));

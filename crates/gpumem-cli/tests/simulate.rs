@@ -4,11 +4,14 @@
 //! it and GPUMEM_TEST_REQUIRE_TORCH=1); the error paths run everywhere.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn gpumem(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_gpumem")).args(args).output().expect("gpumem runs")
+mod common;
+use common::{bad_input, gpumem};
+
+fn tmp(name: &str) -> PathBuf {
+    common::scratch("sim-test", name)
 }
+
 
 fn data() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data")
@@ -18,11 +21,6 @@ fn carma(file: &str) -> String {
     data().join("carma").join(file).display().to_string()
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("gpumem-sim-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
-}
 
 fn torch() -> bool {
     if std::env::var_os("GPUMEM_PYTHON").is_some() {
@@ -33,13 +31,6 @@ fn torch() -> bool {
     false
 }
 
-fn bad_input(args: &[&str], needle: &str) {
-    let o = gpumem(args);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{args:?}: stderr {err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: error is not one line: {err}");
-    assert!(err.contains(needle), "{args:?}: `{err}` lacks `{needle}`");
-}
 
 #[test]
 fn bad_simulate_input_is_a_one_line_error() {

@@ -30,6 +30,17 @@ pub enum SdpaBackend {
     Math,
 }
 
+impl SdpaBackend {
+    /// The name in profiles and on the tracer's command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            SdpaBackend::Flash => "flash",
+            SdpaBackend::MemEfficient => "mem_efficient",
+            SdpaBackend::Math => "math",
+        }
+    }
+}
+
 fn default_workspaces() -> u32 {
     2
 }

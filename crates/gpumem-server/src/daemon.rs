@@ -74,8 +74,7 @@ pub fn now() -> f64 {
 /// gpumem's estimate (peak, upper bound) for a native spec or PyTorch reference at `batch`.
 pub fn estimate(profile: &GpuProfile, model: &str, batch: u64) -> Result<(u64, u64), String> {
     let trace = if gpumem_torch::is_reference(model) {
-        let mut req = gpumem_torch::TraceRequest::new(model, batch);
-        req.sdpa = format!("{:?}", profile.sdpa).to_lowercase().replace("memefficient", "mem_efficient");
+        let req = gpumem_torch::TraceRequest::for_gpu(model, batch, profile);
         gpumem_torch::TorchTracer::from_env().trace(&req).map_err(|e| e.to_string())?
     } else {
         let spec = ModelSpec::parse(model)?;

@@ -72,6 +72,11 @@ impl TraceRequest {
         }
     }
 
+    /// A request at `batch` for a job that will run on `profile`'s GPU (its attention kernel).
+    pub fn for_gpu(model: impl Into<String>, batch: u64, profile: &gpumem_core::profile::GpuProfile) -> Self {
+        TraceRequest { sdpa: profile.sdpa.name().into(), ..TraceRequest::new(model, batch) }
+    }
+
     fn args(&self) -> Vec<String> {
         let mut a = vec![
             self.model.clone(),
