@@ -113,7 +113,7 @@ fn collect_cmd(a: CollectArgs) -> CliResult {
             (Box::new(runner), Box::new(fake), 0)
         }
         None => {
-            let monitor = NvmlMonitor::new(&[a.gpu], 100).map_err(|e| CliError::other(format!("{e} (no GPU here? use --fake-gpu NAME)")))?;
+            let monitor = NvmlMonitor::new(Some(&[a.gpu]), 100).map_err(|e| CliError::other(format!("{e} (no GPU here? use --fake-gpu NAME)")))?;
             let runner = PythonRunner { tracer: TorchTracer::from_env(), seconds: a.seconds, device: "cuda:0".into() };
             (Box::new(runner), Box::new(monitor), a.gpu)
         }

@@ -63,9 +63,7 @@ pub fn serve(a: ServeArgs) -> CliResult {
             (Box::new(m), Some(gpus), p)
         }
         None => {
-            let m = NvmlMonitor::new(&[], 1000).map_err(|e| CliError::other(format!("{e} (no GPU here? use --fake-gpus 4xa100-40gb)")))?;
-            let n = m.gpu_count() as u32;
-            let m = NvmlMonitor::new(&(0..n).collect::<Vec<_>>(), 1000).map_err(|e| CliError::other(e.to_string()))?;
+            let m = NvmlMonitor::new(None, 1000).map_err(|e| CliError::other(format!("{e} (no GPU here? use --fake-gpus 4xa100-40gb)")))?;
             (Box::new(m), None, profile::builtin(&a.gpu).map_err(CliError::input)?)
         }
     };

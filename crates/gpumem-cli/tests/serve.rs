@@ -1,7 +1,6 @@
 //! The daemon end to end: a real `gpumem serve` on loopback with four fake A100s, real child
 //! processes, the real SQLite store; restart after SIGKILL; security; a short load run.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -20,8 +19,16 @@ fn dir(name: &str) -> PathBuf {
     d
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+/// Spawns `gpumem ARGS` (a `serve`) and returns it with the URL it announces.
+fn spawn_daemon(args: &[&str]) -> (Child, String) {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(bin()).args(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let first = lines.next().and_then(Result::ok).unwrap_or_default();
+    let url = first.rsplit(' ').next().filter(|u| u.starts_with("http://")).unwrap_or_else(|| panic!("no address announced: `{first}`")).to_string();
+    // Keep draining stderr so the daemon never blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+    (child, url)
 }
 
 struct Server {
@@ -30,20 +37,15 @@ struct Server {
 }
 
 impl Server {
-    fn start(state: &Path, port: u16) -> Server {
+    /// Starts a daemon on an ephemeral loopback port (chosen by the daemon itself, so parallel
+    /// tests never race for one) and learns its address from its first line on stderr.
+    fn start(state: &Path) -> Server {
         let cfg = state.join("daemon.toml");
         std::fs::write(&cfg, "policy = \"first-fit\"\nwarmup_s = 1\ntick_ms = 50\ngrace_s = 1\nmax_retries = 2\n").unwrap();
-        let addr = format!("127.0.0.1:{port}");
-        let child = Command::new(bin())
-            .args(["serve", "--fake-gpus", "4xa100-40gb", "--addr", &addr, "--state", state.join("state").to_str().unwrap(), "--config", cfg.to_str().unwrap()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let url = format!("http://{addr}");
-        let s = Server { child, url };
-        s.wait_until(|| std::net::TcpStream::connect(&addr).is_ok(), "the daemon listens");
-        s
+        let dir = state.join("state");
+        let args = ["serve", "--fake-gpus", "4xa100-40gb", "--addr", "127.0.0.1:0", "--state", dir.to_str().unwrap(), "--config", cfg.to_str().unwrap()];
+        let (child, url) = spawn_daemon(&args);
+        Server { child, url }
     }
 
     fn run(&self, args: &[&str]) -> String {
@@ -109,7 +111,7 @@ fn fake_job(mib: u64, rest: &str) -> String {
 #[test]
 fn jobs_queue_collocate_crash_recover_and_finish() {
     let d = dir("e2e");
-    let s = Server::start(&d, free_port());
+    let s = Server::start(&d);
     let a = s.submit(&["--mem-mib", "30000", "--shell", &fake_job(30000, "sleep 3")]);
     s.wait_until(|| s.job(a)["peak_mib"].as_f64() == Some(30000.0), "A's memory shows up");
     // Fits beside A (30000 + 6000 + 2048 headroom <= 40960): first-fit collocates it on A's GPU.
@@ -144,8 +146,7 @@ fn jobs_queue_collocate_crash_recover_and_finish() {
 #[test]
 fn a_killed_daemon_loses_and_repeats_nothing() {
     let d = dir("restart");
-    let port = free_port();
-    let mut s = Server::start(&d, port);
+    let mut s = Server::start(&d);
     let marks = d.join("marks");
     std::fs::create_dir_all(&marks).unwrap();
     // Six jobs that each need a whole GPU: four run, two wait.
@@ -155,7 +156,7 @@ fn a_killed_daemon_loses_and_repeats_nothing() {
     s.wait_until(|| ids.iter().filter(|&&j| s.state(j) == "running").count() == 4, "four run");
     s.kill(); // SIGKILL: no chance to clean up
     std::thread::sleep(Duration::from_millis(300));
-    let s = Server::start(&d, port);
+    let s = Server::start(&d);
     s.wait_until(|| ids.iter().all(|&j| s.state(j) == "finished"), "all six finish after the restart");
     for i in 0..6 {
         let runs = std::fs::read_to_string(marks.join(i.to_string())).unwrap();
@@ -171,20 +172,8 @@ fn security() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("refusing to listen on 0.0.0.0:0 without a token"));
     // With a token, requests without it are refused.
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let mut child = Command::new(bin())
-        .args(["serve", "--fake-gpus", "1xa100-40gb", "--addr", &addr, "--state", d.join("st2").to_str().unwrap(), "--token", "s3cret"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while std::net::TcpStream::connect(&addr).is_err() {
-        assert!(t.elapsed() < Duration::from_secs(30));
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let url = format!("http://{addr}");
+    let (mut child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", d.join("st2").to_str().unwrap(), "--token", "s3cret"]);
+    let addr = url.trim_start_matches("http://").to_string();
     let o = gpumem(&["jobs", "--server", &url]);
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("401: missing or wrong bearer token"));
@@ -222,7 +211,7 @@ fn security() {
 #[test]
 fn load_nothing_lost() {
     let d = dir("load");
-    let s = Server::start(&d, free_port());
+    let s = Server::start(&d);
     let out = s.run(&["load-test", "--jobs", "1000", "--concurrency", "4", "--seconds", "60"]);
     assert!(out.contains("1000 submissions accepted") && out.contains("0 failed") && out.contains("1000 stored"), "{out}");
 }
@@ -230,7 +219,7 @@ fn load_nothing_lost() {
 #[test]
 fn the_daemons_history_calibrates_a_profile() {
     let d = dir("history");
-    let s = Server::start(&d, free_port());
+    let s = Server::start(&d);
     let spec = "mlp:input=2048,output=10,depth=3,act=relu";
     let est: serde_json::Value = serde_json::from_slice(&gpumem(&["estimate", spec, "--batch", "128", "--json"]).stdout).unwrap();
     // The "GPU" shows 500 MiB more than gpumem predicts: a heavier CUDA context.

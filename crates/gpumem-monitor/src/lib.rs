@@ -68,10 +68,14 @@ pub struct NvmlMonitor {
 }
 
 impl NvmlMonitor {
-    /// Loads the driver's NVML; starts `dcgmi dmon` for `gpus` at `period_ms` if available.
-    pub fn new(gpus: &[u32], period_ms: u32) -> Result<NvmlMonitor, MonitorError> {
+    /// Loads the driver's NVML; starts `dcgmi dmon` for `gpus` (all when `None`) at `period_ms`
+    /// if dcgmi is available.
+    pub fn new(gpus: Option<&[u32]>, period_ms: u32) -> Result<NvmlMonitor, MonitorError> {
         let nvml = nvml_wrapper::Nvml::init().map_err(|e| MonitorError::Nvml(e.to_string()))?;
-        Ok(NvmlMonitor { nvml, dcgm: DcgmiStream::start(gpus, period_ms) })
+        let all: Vec<u32> = (0..nvml.device_count().unwrap_or(0)).collect();
+        let watch = gpus.unwrap_or(&all);
+        let dcgm = if watch.is_empty() { None } else { DcgmiStream::start(watch, period_ms) };
+        Ok(NvmlMonitor { nvml, dcgm })
     }
 }
 
@@ -259,7 +263,7 @@ mod tests {
     #[test]
     fn nvml_fails_cleanly_without_a_driver() {
         // On machines with a GPU this succeeds; either way it must not panic.
-        match NvmlMonitor::new(&[0], 100) {
+        match NvmlMonitor::new(Some(&[0]), 100) {
             Ok(mut m) => assert!(m.gpu_count() == 0 || m.read(0).is_ok()),
             Err(MonitorError::Nvml(msg)) => assert!(!msg.is_empty()),
             Err(e) => panic!("{e}"),

@@ -187,10 +187,18 @@ pub fn signal_group(pid: u32, signal: i32) {
     }
 }
 
-/// Whether a process exists (zombies included; reap children before asking).
+/// Whether `pid` is still one of gpumem's supervisors (zombies included; reap children before
+/// asking). Where /proc exists the command line must name `_supervise`, so a pid the system has
+/// since given to another program does not keep a finished job "running".
 pub fn alive(pid: u32) -> bool {
     // SAFETY: signal 0 only checks for existence and permission.
-    unsafe { libc::kill(pid as i32, 0) == 0 }
+    if unsafe { libc::kill(pid as i32, 0) } != 0 {
+        return false;
+    }
+    match fs::read(format!("/proc/{pid}/cmdline")) {
+        Ok(cmd) => cmd.split(|&b| b == 0).any(|arg| arg == b"_supervise"),
+        Err(_) => !Path::new("/proc/self").exists(),
+    }
 }
 
 #[cfg(test)]
@@ -215,6 +223,12 @@ mod tests {
         let d = dir("missing");
         assert_eq!(supervise(&d.0, &["/nonexistent/program".into()]), 127);
         assert!(d.log_tail(1000).contains("cannot start"));
+    }
+
+    #[test]
+    fn only_supervisors_count_as_alive() {
+        assert!(!alive(std::process::id()), "the test runner is not a supervisor");
+        assert!(!alive(u32::MAX / 2), "no such process");
     }
 
     #[test]
