@@ -48,6 +48,9 @@ struct LearnSpec {
     /// Training epochs per network.
     #[arg(long, default_value_t = 150)]
     epochs: usize,
+    /// AdamW learning rate of the networks.
+    #[arg(long, default_value_t = 2e-3)]
+    lr: f64,
     /// Boosted trees.
     #[arg(long, default_value_t = 300)]
     trees: usize,
@@ -73,6 +76,10 @@ impl LearnSpec {
         if self.members == 0 || self.epochs == 0 || self.trees == 0 {
             return Err(CliError::input("--members, --epochs and --trees must be at least 1"));
         }
+        if !(self.lr > 0.0 && self.lr < 1.0) {
+            return Err(CliError::input("--lr must be between 0 and 1"));
+        }
+        s.net.lr = self.lr;
         s.bin_mib = self.bins;
         s.members = self.members;
         s.net.epochs = self.epochs;
