@@ -42,15 +42,15 @@ struct LearnSpec {
     /// GPUMemNet's memory bin width, MiB (the seed: 1024 for MLPs, 8192 for CNNs/Transformers).
     #[arg(long, default_value_t = 1024.0)]
     bins: f64,
-    /// Ensemble members (networks of different depths).
-    #[arg(long, default_value_t = 3)]
-    members: usize,
-    /// Training epochs per network.
-    #[arg(long, default_value_t = 150)]
-    epochs: usize,
-    /// AdamW learning rate of the networks.
-    #[arg(long, default_value_t = 2e-3)]
-    lr: f64,
+    /// Ensemble members (networks of different depths; default 3 MLPs or 1 Transformer).
+    #[arg(long)]
+    members: Option<usize>,
+    /// Training epochs per network (default 150 for MLPs, 1500 for Transformers).
+    #[arg(long)]
+    epochs: Option<usize>,
+    /// AdamW learning rate of the networks (default 0.002 for MLPs, 0.003 for Transformers).
+    #[arg(long)]
+    lr: Option<f64>,
     /// Boosted trees.
     #[arg(long, default_value_t = 300)]
     trees: usize,
@@ -73,16 +73,16 @@ impl LearnSpec {
         if !(self.miss_rate > 0.0 && self.miss_rate < 1.0) {
             return Err(CliError::input("--miss-rate must be between 0 and 1"));
         }
-        if self.members == 0 || self.epochs == 0 || self.trees == 0 {
+        if self.members == Some(0) || self.epochs == Some(0) || self.trees == 0 {
             return Err(CliError::input("--members, --epochs and --trees must be at least 1"));
         }
-        if !(self.lr > 0.0 && self.lr < 1.0) {
+        if self.lr.is_some_and(|lr| !(lr > 0.0 && lr < 1.0)) {
             return Err(CliError::input("--lr must be between 0 and 1"));
         }
-        s.net.lr = self.lr;
+        s.net.lr = self.lr.unwrap_or(s.net.lr);
         s.bin_mib = self.bins;
-        s.members = self.members;
-        s.net.epochs = self.epochs;
+        s.members = self.members.unwrap_or(s.members);
+        s.net.epochs = self.epochs.unwrap_or(s.net.epochs);
         s.net.seed = self.seed;
         s.gbt.trees = self.trees;
         s.miss_rate = self.miss_rate;

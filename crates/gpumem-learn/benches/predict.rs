@@ -49,11 +49,11 @@ fn model(target: Target, kind: Kind) -> LearnedModel {
     gpumem_learn::model::train(&refs, &spec, "a100-40gb", &mut |_| {}).unwrap()
 }
 
-#[divan::bench(args = ["gpumemnet-mlp-x3", "gpumemnet-transformer-x3", "hybrid-gbt", "smact-gbt"])]
+#[divan::bench(args = ["gpumemnet-mlp-x3", "gpumemnet-transformer", "hybrid-gbt", "smact-gbt"])]
 fn predict_one(bencher: divan::Bencher, which: &str) {
     let m = match which {
         "gpumemnet-mlp-x3" => model(Target::Memory, Kind::Mlp),
-        "gpumemnet-transformer-x3" => model(Target::Memory, Kind::Transformer),
+        "gpumemnet-transformer" => model(Target::Memory, Kind::Transformer),
         "hybrid-gbt" => model(Target::Memory, Kind::Gbt),
         _ => model(Target::Smact, Kind::Gbt),
     };
