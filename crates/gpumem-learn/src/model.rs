@@ -434,6 +434,22 @@ mod tests {
     }
 
     #[test]
+    fn transformer_classifiers_train_and_round_trip() {
+        let rows = samples(60);
+        let refs: Vec<&Sample> = rows.iter().collect();
+        let mut spec = Spec::new(Target::Memory, Kind::Transformer);
+        assert_eq!((spec.members, spec.net.epochs), (1, 1500), "the defaults that reach the seed's accuracy");
+        spec.bin_mib = 8.0;
+        spec.members = 2;
+        spec.net.epochs = 20;
+        let m = train(&refs, &spec, "a100-40gb", &mut |_| {}).unwrap();
+        let p = m.predict(&refs).unwrap();
+        assert!(p.iter().all(|p| p.bin.is_some() && p.value > 0.0));
+        let back = LearnedModel::from_json("t.json", &m.to_json().unwrap()).unwrap();
+        assert_eq!(back.predict(&refs).unwrap(), p);
+    }
+
+    #[test]
     fn model_files_round_trip_and_refuse_strangers() {
         let rows = samples(30);
         let refs: Vec<&Sample> = rows.iter().collect();
