@@ -134,6 +134,13 @@ pub struct TorchTracer {
     pub timeout_s: u64,
 }
 
+/// A name for a temporary file or directory, unique per process and call: the threads of one
+/// process (parallel tests, a daemon's requests) may write the same cache entry at once.
+fn temp_suffix() -> String {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    format!("tmp{}-{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+}
+
 /// FNV-1a: a stable hash for cache keys (std's hasher may change between releases).
 fn fnv(parts: &[&str]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -175,7 +182,7 @@ impl TorchTracer {
         let root = self.cache_dir.join(format!("tracer-{digest:016x}"));
         let pkg = root.join("gpumem_trace");
         if !pkg.join("tracer.py").exists() {
-            let tmp = self.cache_dir.join(format!("tracer-{digest:016x}.tmp{}", std::process::id()));
+            let tmp = self.cache_dir.join(format!("tracer-{digest:016x}.{}", temp_suffix()));
             let tpkg = tmp.join("gpumem_trace");
             fs::create_dir_all(&tpkg).map_err(|e| self.io(&tpkg, e))?;
             for (name, text) in SOURCES {
@@ -242,7 +249,7 @@ impl TorchTracer {
         }
         let dir = path.parent().expect("cache path has a parent");
         fs::create_dir_all(dir).map_err(|e| self.io(dir, e))?;
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        let tmp = path.with_extension(temp_suffix());
         self.run(req, &tmp)?;
         let f = fs::File::open(&tmp).map_err(|e| self.io(&tmp, e))?;
         let t = Trace::read(BufReader::new(f)).map_err(|e| BridgeError::Model(format!("the tracer wrote a bad trace for {}: {e}", req.model)))?;
