@@ -14,7 +14,7 @@ use gpumem_core::graph::Precision;
 use gpumem_core::profile::{self, GpuProfile};
 use gpumem_torch::{BridgeError, TorchTracer, TraceRequest, is_reference};
 use gpumem_core::search;
-use gpumem_core::step::{Optimizer, TorchBehaviour};
+use gpumem_core::step::Optimizer;
 use gpumem_core::trace::Trace;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_core::utilization::{HostModel, Utilization, physical};
@@ -39,6 +39,10 @@ pub struct GpuChoice {
 }
 
 impl GpuChoice {
+    pub fn new(gpu: &str, profile: Option<PathBuf>) -> Self {
+        GpuChoice { gpu: gpu.into(), profile }
+    }
+
     pub fn load(&self) -> CliResult<GpuProfile> {
         match &self.profile {
             Some(path) => {
@@ -48,6 +52,13 @@ impl GpuChoice {
             None => profile::builtin(&self.gpu).map_err(CliError::input),
         }
     }
+}
+
+/// `COUNTxGPU` (e.g. `4xa100-40gb`) of option `flag`, with 1..=`max` GPUs.
+pub fn gpu_count<'a>(flag: &str, spec: &'a str, max: usize) -> CliResult<(usize, &'a str)> {
+    spec.split_once('x')
+        .and_then(|(n, g)| Some((n.parse::<usize>().ok().filter(|n| (1..=max).contains(n))?, g)))
+        .ok_or_else(|| CliError::input(format!("{flag} `{spec}` is not COUNTxGPU (e.g. 4xa100-40gb)")))
 }
 
 /// The training job around a model.
@@ -81,11 +92,9 @@ impl JobArgs {
         if batch < 1 || batch as u64 > MAX_BATCH {
             return Err(CliError::input(format!("--batch {batch} is out of range (1..={MAX_BATCH})")));
         }
-        let mut job = JobOptions::new(batch as u64);
+        let mut job = JobOptions::on(profile, batch as u64);
         job.optimizer = Optimizer::parse(&self.optimizer).map_err(CliError::input)?;
         job.precision = Precision::parse(&self.precision).map_err(CliError::input)?;
-        job.torch = TorchBehaviour::parse(&profile.torch);
-        job.cublas_workspace = profile.cublas_workspace();
         Ok(job)
     }
 

@@ -48,15 +48,11 @@ pub fn serve(a: ServeArgs) -> CliResult {
         }
         None => Config::default(),
     };
-    if !addr.ip().is_loopback() && a.token.as_deref().is_none_or(str::is_empty) {
-        return Err(CliError::input(format!("refusing to listen on {addr} without a token: anyone who can reach it could run commands (set --token or GPUMEM_TOKEN)")));
-    }
+    // Checked before anything starts, as a bad-input error.
+    gpumem_server::api::check_bind(addr, a.token.as_deref()).map_err(CliError::input)?;
     let (monitor, fake, prof): (Box<dyn Monitor>, _, _) = match &a.fake_gpus {
         Some(spec) => {
-            let (n, name) = spec
-                .split_once('x')
-                .and_then(|(n, g)| Some((n.parse::<usize>().ok().filter(|n| (1..=1024).contains(n))?, g)))
-                .ok_or_else(|| CliError::input(format!("--fake-gpus `{spec}` is not COUNTxGPU (e.g. 4xa100-40gb)")))?;
+            let (n, name) = crate::commands::gpu_count("--fake-gpus", spec, 1024)?;
             let p = profile::builtin(name).map_err(CliError::input)?;
             let m = FakeMonitor::new(n, &p.display, p.capacity_bytes());
             let gpus = m.gpus.clone();

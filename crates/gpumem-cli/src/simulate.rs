@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 use gpumem_core::estimate::{Estimator, Replay};
-use gpumem_core::profile::{self, GpuProfile};
+use gpumem_core::profile::GpuProfile;
 use gpumem_core::utilization::{HostModel, physical};
 use gpumem_place::{Load, MIB, MemoryDemand, MemoryView, Policy, Rule};
 use gpumem_sim::carma::{ModelRef, Task, load_arrivals, load_tasks};
@@ -14,6 +14,7 @@ use gpumem_torch::{TorchTracer, TraceRequest};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+use crate::commands::{GpuChoice, gpu_count};
 use crate::{CliError, CliResult, plot};
 
 /// Estimators the simulator can hand to a policy.
@@ -92,19 +93,10 @@ struct SimJson<'a> {
     unmodelled: Vec<&'a str>,
 }
 
+/// The cluster of `--gpus COUNTxGPU`, its GPUs described by `--profile` when given.
 fn cluster(spec: &str, file: Option<&Path>) -> CliResult<(usize, GpuProfile)> {
-    let (count, name) = spec
-        .split_once('x')
-        .and_then(|(n, g)| Some((n.parse::<usize>().ok().filter(|&n| (1..=100_000).contains(&n))?, g)))
-        .ok_or_else(|| CliError::input(format!("--gpus `{spec}` is not COUNTxGPU (e.g. 4xa100-40gb)")))?;
-    let profile = match file {
-        Some(path) => {
-            let text = std::fs::read_to_string(path).map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
-            GpuProfile::from_toml(&text).map_err(|e| CliError::input(format!("{}: {e}", path.display())))?
-        }
-        None => profile::builtin(name).map_err(CliError::input)?,
-    };
-    Ok((count, profile))
+    let (count, name) = gpu_count("--gpus", spec, 100_000)?;
+    Ok((count, GpuChoice::new(name, file.map(Path::to_path_buf)).load()?))
 }
 
 /// gpumem's own answer for a task: replay estimate and bound, and the physical utilization.

@@ -12,7 +12,6 @@ use gpumem_core::families::{JobOptions, ModelSpec};
 use gpumem_core::graph::Precision;
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::rng::SplitMix64;
-use gpumem_core::step::TorchBehaviour;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_core::utilization::{HostModel, physical};
 use gpumem_learn::features::ModelFacts;
@@ -153,10 +152,7 @@ impl Running for SimulatedJob {
 impl Runner for SimulatedRunner {
     fn start(&mut self, job: &Job, gpu: u32) -> Result<Box<dyn Running>, String> {
         let spec = ModelSpec::parse(&job.model)?;
-        let mut opts = JobOptions::new(job.batch);
-        opts.torch = TorchBehaviour::parse(&self.profile.torch);
-        opts.cublas_workspace = self.profile.cublas_workspace();
-        let trace = spec.trace(&opts)?;
+        let trace = spec.trace(&JobOptions::on(&self.profile, job.batch))?;
         let est = Replay::default().estimate(&trace, &self.profile).map_err(|e| e.to_string())?;
         let u = physical(&trace, &self.profile, &HostModel::default());
         // Noise depends on the seed and the job, not on the order jobs run in (resuming keeps it).

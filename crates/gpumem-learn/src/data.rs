@@ -10,7 +10,6 @@ use gpumem_core::dataset::{ModelRef, read_measurements};
 use gpumem_core::families::JobOptions;
 use gpumem_core::graph::Activation;
 use gpumem_core::profile::GpuProfile;
-use gpumem_core::step::TorchBehaviour;
 use gpumem_core::units::bytes_to_mib;
 use serde::{Deserialize, Serialize};
 
@@ -158,11 +157,9 @@ pub fn load(path: &Path, profile: &GpuProfile, mut progress: impl FnMut(usize, u
         let ModelRef::Native(spec) = &m.model else {
             return Err(at("learned features need a native model spec (mlp:, cnn:, transformer:) or the seed's schema".into()));
         };
-        let mut job = JobOptions::new(m.batch);
+        let mut job = JobOptions::on(profile, m.batch);
         job.optimizer = m.optimizer.unwrap_or(job.optimizer);
         job.precision = m.precision.unwrap_or(job.precision);
-        job.torch = TorchBehaviour::parse(&profile.torch);
-        job.cublas_workspace = profile.cublas_workspace();
         let trace = spec.trace(&job).map_err(at)?;
         let summary = trace_summary(&trace, profile).map_err(at)?;
         let facts = match seed_row_facts(rec, &headers, m.batch) {

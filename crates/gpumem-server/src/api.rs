@@ -141,12 +141,17 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.daemon.metrics()).into_response()
 }
 
-/// Serves until SIGINT or SIGTERM, scheduling every `tick`. Refuses a non-loopback address
-/// without a token.
-pub fn serve(daemon: Arc<Daemon>, addr: SocketAddr, token: Option<String>) -> Result<(), String> {
-    if !addr.ip().is_loopback() && token.as_deref().is_none_or(str::is_empty) {
+/// Refuses a non-loopback address without a token: anyone who could reach it could run commands.
+pub fn check_bind(addr: SocketAddr, token: Option<&str>) -> Result<(), String> {
+    if !addr.ip().is_loopback() && token.is_none_or(str::is_empty) {
         return Err(format!("refusing to listen on {addr} without a token: anyone who can reach it could run commands (set --token or GPUMEM_TOKEN)"));
     }
+    Ok(())
+}
+
+/// Serves until SIGINT or SIGTERM, scheduling every `tick` (after [`check_bind`]).
+pub fn serve(daemon: Arc<Daemon>, addr: SocketAddr, token: Option<String>) -> Result<(), String> {
+    check_bind(addr, token.as_deref())?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("{addr}: {e}"))?;

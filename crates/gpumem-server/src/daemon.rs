@@ -9,7 +9,6 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use gpumem_core::estimate::{Estimator, Replay};
 use gpumem_core::families::{JobOptions, ModelSpec};
 use gpumem_core::profile::GpuProfile;
-use gpumem_core::step::TorchBehaviour;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_monitor::{FakeGpus, Monitor};
 use gpumem_place::{Cluster, Load, MIB, MemoryDemand, MemoryView, Policy, Resident};
@@ -77,11 +76,7 @@ pub fn estimate(profile: &GpuProfile, model: &str, batch: u64) -> Result<(u64, u
         let req = gpumem_torch::TraceRequest::for_gpu(model, batch, profile);
         gpumem_torch::TorchTracer::from_env().trace(&req).map_err(|e| e.to_string())?
     } else {
-        let spec = ModelSpec::parse(model)?;
-        let mut job = JobOptions::new(batch);
-        job.torch = TorchBehaviour::parse(&profile.torch);
-        job.cublas_workspace = profile.cublas_workspace();
-        spec.trace(&job)?
+        ModelSpec::parse(model)?.trace(&JobOptions::on(profile, batch))?
     };
     let est = Replay::default().estimate(&trace, profile).map_err(|e| e.to_string())?;
     Ok((est.peak_bytes, est.upper_bound_bytes))

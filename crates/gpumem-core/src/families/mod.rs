@@ -16,6 +16,7 @@ pub use transformer::{Transformer, TransformerArch};
 use std::collections::BTreeMap;
 
 use crate::graph::{Graph, Precision};
+use crate::profile::GpuProfile;
 use crate::step::{Optimizer, TorchBehaviour, TrainingLoop};
 use crate::trace::{Trace, TraceHeader};
 
@@ -46,6 +47,12 @@ impl JobOptions {
             torch: TorchBehaviour::V2_1,
             cublas_workspace: 8_519_680,
         }
+    }
+
+    /// Defaults for a job on `profile`'s GPU and PyTorch release (its cuBLAS workspace size and
+    /// the release's optimizer and zero_grad behaviour).
+    pub fn on(profile: &GpuProfile, batch: u64) -> Self {
+        JobOptions { torch: TorchBehaviour::parse(&profile.torch), cublas_workspace: profile.cublas_workspace(), ..JobOptions::new(batch) }
     }
 }
 
