@@ -7,11 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CACHE="${GPUMEM_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpumem-ci}"
-PY_PACKAGES="torch==2.9.1 torchvision==0.24.1 timm==1.0.31 transformers==5.24.0 pytest==9.2.0 numpy==2.4.6"
+PY_PACKAGES="torch==2.9.1 torchvision==0.24.1 timm==1.0.31 transformers==5.24.0 segmentation-models-pytorch==0.6.0 pytest==9.2.0 numpy==2.4.6"
 VENV="$CACHE/venv-$(echo "$PY_PACKAGES" | cksum | cut -d' ' -f1)"
 
 if [ -z "${GPUMEM_PYTHON:-}" ]; then
-  if ! "$VENV/bin/python" -c "import torch, torchvision, timm, transformers, pytest" 2>/dev/null; then
+  if ! "$VENV/bin/python" -c "import torch, torchvision, timm, transformers, segmentation_models_pytorch, pytest" 2>/dev/null; then
     echo "== installing the tracer's test environment into $VENV (cached)"
     rm -rf "$VENV"
     mkdir -p "$CACHE"

@@ -24,6 +24,9 @@ def main(argv=None):
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--data-parallel", type=int, default=1, help="GPUs of a torch.nn.DataParallel job; the trace is GPU 0's")
+    p.add_argument("--validate", default="none", choices=["none", "no-grad", "grad"],
+                   help="after training, two eval-mode batches under torch.no_grad() or with autograd on")
     p.add_argument("--timeout", type=float, default=0, help="seconds; 0 = none")
     a = p.parse_args(argv)
 
@@ -31,8 +34,8 @@ def main(argv=None):
         print(f"gpumem_trace: {msg}", file=sys.stderr)
         return code
 
-    if a.batch < 1 or a.iterations < 2 or a.grad_accum < 1:
-        return fail(2, "--batch and --grad-accum must be at least 1 and --iterations at least 2")
+    if a.batch < 1 or a.iterations < 2 or a.grad_accum < 1 or a.data_parallel < 1:
+        return fail(2, "--batch, --grad-accum and --data-parallel must be at least 1 and --iterations at least 2")
     shape = None
     if a.input:
         try:
@@ -55,7 +58,8 @@ def main(argv=None):
         signal.setitimer(signal.ITIMER_REAL, a.timeout)
     opts = TraceOptions(model=a.model, batch=a.batch, optimizer=a.optimizer, precision=a.precision, iterations=a.iterations,
                         input_shape=shape, seq_len=a.seq_len, sdpa=a.sdpa, checkpointing=a.checkpointing,
-                        channels_last=a.channels_last, grad_accum=a.grad_accum)
+                        channels_last=a.channels_last, grad_accum=a.grad_accum, data_parallel=a.data_parallel,
+                        validate=a.validate)
     try:
         trace_training(opts, a.out)
     except ReferenceError_ as e:

@@ -15,6 +15,7 @@ import torch
 
 from . import amp, cuda
 from .models import ReferenceError_, resolve
+from .parallel import DataParallel
 from .tracer import Recorder, TraceMode
 
 DEVICE = "meta"
@@ -33,6 +34,8 @@ class TraceOptions:
     checkpointing: bool = False
     channels_last: bool = False
     grad_accum: int = 1
+    data_parallel: int = 1  # GPUs of a torch.nn.DataParallel job (traced as GPU 0)
+    validate: str = "none"  # after training: two eval-mode batches, "no-grad" or "grad"
     lr: float = 1e-3
     extra: dict = field(default_factory=dict)
 
@@ -128,6 +131,16 @@ def trace_training(opts: TraceOptions, out_path: str):
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     specs = job.batch_specs(opts.batch)
     acts, hooks = _count_activations(model)
+    parallel = DataParallel(model, opts.data_parallel) if opts.data_parallel > 1 else None
+
+    def forward_and_loss(batch):
+        """model(inputs) and the loss, through DataParallel's scatter/replicate/gather if asked."""
+        outputs = parallel(job.forward, batch) if parallel else job.forward(model, batch)
+        loss = job.loss(outputs, batch)
+        if loss.dim() > 0:  # DataParallel gathers one loss per replica: `loss.mean()`
+            loss = loss.mean()
+        return outputs, loss
+
     with cuda.patches(opts.sdpa), mode:
         rec.phase = "setup"
         to_device_keeping_ties(model)
@@ -154,12 +167,10 @@ def trace_training(opts: TraceOptions, out_path: str):
                 rec.phase = "forward"
                 if autocast is not None:
                     with autocast:
-                        outputs = job.forward(model, batch)
-                        loss = job.loss(outputs, batch)
+                        outputs, loss = forward_and_loss(batch)
                     autocast.clear()
                 else:
-                    outputs = job.forward(model, batch)
-                    loss = job.loss(outputs, batch)
+                    outputs, loss = forward_and_loss(batch)
                 if it == 0 and micro == 0:
                     for h in hooks:
                         h.remove()
@@ -180,6 +191,27 @@ def trace_training(opts: TraceOptions, out_path: str):
                     if isinstance(v, torch.Tensor) and v.device.type == DEVICE:
                         rec.relabel(v, "optimizer_state")
             rec.iteration_end()
+        if opts.validate != "none":
+            # The validation loop reuses the names: each batch, output and loss is rebound only
+            # once the next exists. Under no_grad nothing more lives; without it (a common slip)
+            # each output keeps its whole autograd graph until the next one is computed.
+            model.eval()
+            rec.kernels = False
+            with (torch.enable_grad() if opts.validate == "grad" else torch.no_grad()):
+                for _ in range(2):
+                    for i in range(len(batch or [])):
+                        batch[i] = None
+                    batch = None
+                    rec.phase, rec.category = "forward", "input_batch"
+                    batch = [torch.empty(shape, dtype=dtype, device=DEVICE) for shape, dtype in specs]
+                    rec.category = None
+                    if autocast is not None:
+                        with autocast:
+                            outputs, loss = forward_and_loss(batch)
+                        autocast.clear()
+                    else:
+                        outputs, loss = forward_and_loss(batch)
+            rec.kernels = True
     header = {
         "model": opts.model,
         "batch_size": opts.batch,
@@ -193,5 +225,9 @@ def trace_training(opts: TraceOptions, out_path: str):
     }
     if job.seq_len:
         header["seq_len"] = job.seq_len
+    if parallel:
+        header["data_parallel"] = opts.data_parallel
+    if opts.validate != "none":
+        header["validate"] = opts.validate
     rec.write(out_path, header)
     return header

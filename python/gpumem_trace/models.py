@@ -1,11 +1,13 @@
-"""Model references: ``torchvision:NAME``, ``timm:NAME``, ``hf:CLASS(key=value,...)`` and
-``py:path/to/file.py:function``. Each resolves to a ``Job``: the model (built on the CPU with
-weight initialisation skipped), how to make a batch of a given size, and the loss."""
+"""Model references: ``torchvision:NAME``, ``timm:NAME``, ``hf:CLASS(key=value,...)``,
+``smp:ARCH(key=value,...)`` (segmentation_models_pytorch) and ``py:path/to/file.py:function``.
+Each resolves to a ``Job``: the model (built on the CPU with weight initialisation skipped), how
+to make a batch of a given size, and the loss."""
 
 import contextlib
 import difflib
 import importlib
 import importlib.util
+import inspect
 import re
 
 import torch
@@ -90,17 +92,52 @@ def _classification(model, shape, classes, batch_first_key="logits"):
     return Job(model, lambda b: [((b, *shape), torch.float32), ((b,), torch.long)], loss, input_shape=shape)
 
 
+def _segmentation(model, shape):
+    """Per-pixel class targets and the loss of torchvision's segmentation references:
+    cross-entropy on ``out``, plus half of it on ``aux`` where the model has that head."""
+
+    def loss(out, batch):
+        if not isinstance(out, dict):
+            return F.cross_entropy(out, batch[1])
+        total = F.cross_entropy(out["out"], batch[1])
+        if out.get("aux") is not None:
+            total = total + 0.5 * F.cross_entropy(out["aux"], batch[1])
+        return total
+
+    return Job(model, lambda b: [((b, *shape), torch.float32), ((b, *shape[1:]), torch.long)], loss, input_shape=shape)
+
+
+def _torchvision_input(tv, name, family):
+    """The input the model's own pretrained transforms make (read from its weights' metadata,
+    nothing is downloaded): crop size for classification and video (16 frames), resize size
+    for segmentation."""
+    try:
+        t = tv.models.get_model_weights(name).DEFAULT.transforms()
+    except Exception:  # a builder without published weights
+        t = None
+    size = getattr(t, "resize_size", None) if family == "segmentation" else getattr(t, "crop_size", None)
+    side = (size or [520 if family == "segmentation" else 224])[0]
+    return (3, 16, side, side) if family == "video" else (3, side, side)
+
+
 def torchvision_job(spec, ref, input_shape):
     tv = _require("torchvision", "torchvision")
     name, kw = _split_call(spec, ref)
     known = tv.models.list_models()
     if name not in known:
         _unknown("torchvision", name, known)
+    family = next((m for m in ("segmentation", "video", "detection", "optical_flow") if name in tv.models.list_models(module=getattr(tv.models, m))), "classification")
+    if family in ("detection", "optical_flow"):
+        raise ReferenceError_(f"{ref}: torchvision {family.replace('_', '-')} models train on per-image targets the tracer does not make yet (classification, segmentation and video models work)")
     if name == "inception_v3":
         kw.setdefault("init_weights", False)
+    if "weights_backbone" in inspect.signature(tv.models.get_model_builder(name)).parameters:
+        kw.setdefault("weights_backbone", None)  # no download of pretrained backbone weights
     with no_init():
         model = tv.models.get_model(name, weights=None, **kw)
-    shape = input_shape or ((3, 299, 299) if name == "inception_v3" else (3, 224, 224))
+    shape = input_shape or _torchvision_input(tv, name, family)
+    if family == "segmentation":
+        return _segmentation(model, shape)
     return _classification(model, shape, kw.get("num_classes", 1000))
 
 
@@ -114,6 +151,35 @@ def timm_job(spec, ref, input_shape):
     cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", {}) or {}
     shape = input_shape or tuple(cfg.get("input_size", (3, 224, 224)))
     return _classification(model, shape, getattr(model, "num_classes", 1000) or 1000)
+
+
+def smp_job(spec, ref, input_shape):
+    """``smp:ARCH(key=value,...)``: segmentation_models_pytorch's ``create_model(ARCH, **keys)``
+    with no encoder weights. ``loss=ce`` (default) or ``loss=dice`` (smp's DiceLoss); one class
+    trains a binary mask with BCE, more a class map. Input 3×512×512 unless given."""
+    smp = _require("segmentation_models_pytorch", "segmentation-models-pytorch")
+    arch, kw = _split_call(spec, ref)
+    known = sorted(smp.MODEL_ARCHITECTURES_MAPPING) if hasattr(smp, "MODEL_ARCHITECTURES_MAPPING") else []
+    match = {k.lower(): k for k in known}.get(arch.lower())
+    if match is None:
+        _unknown("segmentation_models_pytorch", arch, known)
+    loss_name = str(kw.pop("loss", "ce")).lower()
+    if loss_name not in ("ce", "dice"):
+        raise ReferenceError_(f"{ref}: loss `{loss_name}` is not ce or dice")
+    kw.setdefault("encoder_weights", None)
+    with no_init():
+        model = smp.create_model(match, **kw)
+    classes = int(kw.get("classes", 1))
+    shape = input_shape or (kw.get("in_channels", 3), 512, 512)
+    if classes == 1:
+        dice = smp.losses.DiceLoss(mode="binary") if loss_name == "dice" else None
+        target = lambda b: ((b, 1, *shape[1:]), torch.float32)  # noqa: E731
+        loss = (lambda out, batch: dice(out, batch[1])) if dice else (lambda out, batch: F.binary_cross_entropy_with_logits(out, batch[1]))
+    else:
+        dice = smp.losses.DiceLoss(mode="multiclass") if loss_name == "dice" else None
+        target = lambda b: ((b, *shape[1:]), torch.long)  # noqa: E731
+        loss = (lambda out, batch: dice(out, batch[1])) if dice else (lambda out, batch: F.cross_entropy(out, batch[1]))
+    return Job(model, lambda b: [((b, *shape), torch.float32), target(b)], loss, input_shape=shape)
 
 
 # Hub names the seed used, as config keys (no Hub access).
@@ -209,13 +275,15 @@ def py_job(spec, ref, batch_hint):
 def resolve(ref, input_shape=None, seq_len=None, batch_hint=2):
     kind, sep, spec = ref.partition(":")
     if not sep:
-        raise ReferenceError_(f"`{ref}` is not a model reference (torchvision:NAME, timm:NAME, hf:CLASS(...), py:FILE:FUNCTION)")
+        raise ReferenceError_(f"`{ref}` is not a model reference (torchvision:NAME, timm:NAME, hf:CLASS(...), smp:ARCH(...), py:FILE:FUNCTION)")
     if kind == "torchvision":
         return torchvision_job(spec, ref, input_shape)
     if kind == "timm":
         return timm_job(spec, ref, input_shape)
     if kind == "hf":
         return hf_job(spec, ref, seq_len)
+    if kind == "smp":
+        return smp_job(spec, ref, input_shape)
     if kind == "py":
         return py_job(spec, ref, batch_hint)
-    raise ReferenceError_(f"unknown model source `{kind}` in `{ref}` (expected torchvision, timm, hf or py)")
+    raise ReferenceError_(f"unknown model source `{kind}` in `{ref}` (expected torchvision, timm, hf, smp or py)")

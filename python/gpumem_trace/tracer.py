@@ -42,6 +42,7 @@ class Recorder:
         self.iterations = 0
         self.closed = False
         self.workspaces = set()
+        self.kernels = True  # off during validation: utilization is the training step's
 
     def alloc(self, key, nbytes, op, category=None):
         i = self.next_id
@@ -60,6 +61,8 @@ class Recorder:
             self.events.append({"ev": "free", "id": entry[0]})
 
     def op(self, name, flops, bytes_read, bytes_written):
+        if not self.kernels:
+            return
         self.events.append({"ev": "op", "op": name, "flops": int(flops), "bytes_read": int(bytes_read), "bytes_written": int(bytes_written)})
 
     def iteration_end(self):

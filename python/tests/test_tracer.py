@@ -139,3 +139,80 @@ def test_hugging_face_model_without_the_hub(tmp_path):
     assert p.returncode == 0, p.stderr
     header, _ = check_valid(ev)
     assert header["seq_len"] == 32
+
+
+def test_data_parallel_traces_gpu0(tmp_path):
+    """DataParallel over 2 GPUs at batch 8: GPU 0 runs 4 rows, gathers the whole batch's output,
+    and gets its gradients as one flat reduce_add_coalesced buffer per step."""
+    p, ev = run([f"py:{FIX}:tiny", "--batch", "8", "--data-parallel", "2"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    header, evs = check_valid(ev)
+    assert header["data_parallel"] == 2 and header["batch_size"] == 8
+    _, direct = run([f"py:{FIX}:tiny", "--batch", "4"], tmp_path)
+    fwd = lambda es: sorted(e["bytes"] for e in allocs(es, phase="forward", op="addmm"))  # noqa: E731
+    assert fwd(evs) == fwd(direct[1:]), "GPU 0's replica runs half the batch"
+    gathered = [e for e in allocs(evs, phase="forward") if e["op"] in ("empty", "new_empty") and e["category"] != "input_batch"]
+    assert any(e["bytes"] == 8 * 4 * 4 for e in gathered), "the full batch's logits gathered on GPU 0"
+    grads = allocs(evs, category="gradient")
+    assert len(grads) == header["iterations"]
+    assert all(g["bytes"] == header["parameters"] * 4 for g in grads)
+
+
+def test_data_parallel_must_be_positive(tmp_path):
+    p, _ = run([f"py:{FIX}:tiny", "--batch", "8", "--data-parallel", "0"], tmp_path)
+    assert p.returncode == 2 and "--data-parallel" in p.stderr
+
+
+def test_torchvision_segmentation_and_video_models(tmp_path):
+    pytest.importorskip("torchvision")
+    # Segmentation: per-pixel targets, the aux head's loss too; no backbone weights downloaded.
+    p, ev = run(["torchvision:fcn_resnet50(aux_loss=True,num_classes=5)", "--batch", "2", "--input", "3x64x64"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    _, evs = check_valid(ev)
+    assert any(e["bytes"] == 2 * 64 * 64 * 8 for e in allocs(evs, category="input_batch")), "int64 mask of 2x64x64"
+    # Video: 16-frame clips at the weights' crop size.
+    p, ev = run(["torchvision:r3d_18", "--batch", "1"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    _, evs = check_valid(ev)
+    assert any(e["bytes"] == 3 * 16 * 112 * 112 * 4 for e in allocs(evs, category="input_batch"))
+    # Detection needs targets: a clear refusal.
+    p, _ = run(["torchvision:maskrcnn_resnet50_fpn", "--batch", "1"], tmp_path)
+    assert p.returncode == 2 and "detection models train on per-image targets" in p.stderr
+
+
+def test_segmentation_models_pytorch(tmp_path):
+    pytest.importorskip("segmentation_models_pytorch")
+    p, ev = run(["smp:Unet(encoder_name=resnet18,classes=3,loss=dice)", "--batch", "2", "--input", "3x64x64"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    _, evs = check_valid(ev)
+    assert any(e["bytes"] == 2 * 64 * 64 * 8 for e in allocs(evs, category="input_batch")), "int64 class map"
+    p, _ = run(["smp:Unett", "--batch", "2"], tmp_path)
+    assert p.returncode == 2 and "did you mean unet" in p.stderr
+    p, _ = run(["smp:Unet(loss=focal)", "--batch", "2"], tmp_path)
+    assert p.returncode == 2 and "loss `focal` is not ce or dice" in p.stderr
+
+
+def test_validation_pass(tmp_path):
+    """Two eval batches after training; without no_grad each output keeps its graph, so more
+    lives at once. No kernels are recorded for it (utilization is the training step's)."""
+
+    def validation_peak(mode):
+        p, ev = run([f"py:{FIX}:tiny", "--batch", "64", "--validate", mode], tmp_path)
+        assert p.returncode == 0, p.stderr
+        header, evs = check_valid(ev)
+        assert header["validate"] == mode
+        last = max(i for i, e in enumerate(evs) if e["ev"] == "iteration")
+        sizes, live, peak = {}, 0, 0
+        for i, e in enumerate(evs):
+            if e["ev"] == "alloc":
+                sizes[e["id"]] = e["bytes"]
+                live += e["bytes"]
+            elif e["ev"] == "free":
+                live -= sizes[e["id"]]
+            if i > last:
+                peak = max(peak, live)
+                assert e["ev"] != "op"
+        assert sum(1 for e in evs[last:] if e["ev"] == "alloc" and e["category"] == "input_batch") == 2 * 2
+        return peak
+
+    assert validation_peak("grad") > validation_peak("no-grad")

@@ -85,6 +85,14 @@ pub struct JobArgs {
     /// Gradient accumulation steps (PyTorch models).
     #[arg(long, default_value_t = 1)]
     grad_accum: u32,
+    /// GPUs of a torch.nn.DataParallel job (PyTorch models): --batch is then the whole batch
+    /// the wrapper splits, and the estimate is GPU 0's, the most loaded.
+    #[arg(long, default_value_t = 1)]
+    data_parallel: u32,
+    /// After training, two eval-mode batches (PyTorch models): none, no-grad, or grad (a
+    /// validation loop without torch.no_grad(), which keeps each output's graph alive).
+    #[arg(long, default_value = "none", value_parser = ["none", "no-grad", "grad"])]
+    validate: String,
 }
 
 impl JobArgs {
@@ -103,6 +111,9 @@ impl JobArgs {
         if self.grad_accum == 0 {
             return Err(CliError::input("--grad-accum must be at least 1"));
         }
+        if self.data_parallel == 0 || self.data_parallel > 64 {
+            return Err(CliError::input(format!("--data-parallel {} is out of range (1..=64)", self.data_parallel)));
+        }
         if let Some(i) = &self.input
             && !is_input_shape(i)
         {
@@ -116,12 +127,16 @@ impl JobArgs {
         r.checkpointing = self.checkpointing;
         r.channels_last = self.channels_last;
         r.grad_accum = self.grad_accum;
+        r.data_parallel = self.data_parallel;
+        r.validate = self.validate.clone();
         Ok(r)
     }
 
     fn native_only_check(&self) -> CliResult {
-        if self.input.is_some() || self.seq_len.is_some() || self.checkpointing || self.channels_last || self.grad_accum != 1 {
-            return Err(CliError::input("--input, --seq-len, --checkpointing, --channels-last and --grad-accum apply to PyTorch models (torchvision:, timm:, hf:, py:)"));
+        if self.input.is_some() || self.seq_len.is_some() || self.checkpointing || self.channels_last || self.grad_accum != 1 || self.data_parallel != 1 || self.validate != "none" {
+            return Err(CliError::input(
+                "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel and --validate apply to PyTorch models (torchvision:, timm:, hf:, smp:, py:)",
+            ));
         }
         Ok(())
     }
@@ -179,7 +194,7 @@ fn mib(b: u64) -> f64 {
 #[derive(Args)]
 pub struct EstimateArgs {
     /// A native spec (mlp:…, cnn:…, transformer:…), a PyTorch reference (torchvision:, timm:,
-    /// hf:, py:) or a trace file. Default: a seed MLP.
+    /// hf:, smp:, py:) or a trace file. Default: a seed MLP.
     model: Option<String>,
     /// Batch size (ignored for trace files, which fix their own).
     #[arg(long, allow_negative_numbers = true)]
@@ -370,7 +385,7 @@ fn print_estimate(model: &str, batch: u64, profile: &GpuProfile, est: &Estimate)
 
 #[derive(Args)]
 pub struct MaxBatchArgs {
-    /// A native model spec or a PyTorch reference (torchvision:, timm:, hf:, py:).
+    /// A native model spec or a PyTorch reference (torchvision:, timm:, hf:, smp:, py:).
     model: String,
     #[command(flatten)]
     job: JobArgs,
@@ -395,8 +410,11 @@ pub fn max_batch(a: MaxBatchArgs) -> CliResult {
         }
         Model::Torch(r) => {
             // One batch-symbolic trace answers every batch size: no re-tracing during the search.
+            // DataParallel: search the rows per GPU; the answer is the whole batch.
             let sym = TorchTracer::from_env().symbolic(&a.job.request(r, &job, &profile)?).map_err(bridge_error)?;
-            (r.clone(), search::max_batch_with(&mut |b| sym.at(b), &profile, est.as_ref()).map_err(CliError::input)?)
+            let gpus = u64::from(a.job.data_parallel);
+            let best = search::max_batch_with(&mut |b| sym.at(b * gpus), &profile, est.as_ref()).map_err(CliError::input)?;
+            (r.clone(), best.map(|(b, e)| (b * gpus, e)))
         }
         Model::TraceFile(_) => return Err(CliError::input(format!("{}: max-batch needs a model, not a trace file (a trace fixes its batch size)", a.model))),
     };
@@ -487,6 +505,7 @@ fn row_trace(m: &Measurement, job: &JobArgs, profile: &GpuProfile) -> CliResult<
             let mut req = job.request(r, &opts, profile)?;
             req.input = m.input.clone().or(req.input);
             req.seq_len = m.seq_len.or(req.seq_len);
+            req.data_parallel = m.data_parallel.unwrap_or(req.data_parallel);
             Ok(TorchTracer::from_env().trace(&req).map_err(|e| e.to_string()))
         }
         ModelRef::External(r) => Ok(Err(format!("`{r}` is neither a native spec nor a PyTorch reference"))),
@@ -540,6 +559,7 @@ fn history_rows(state: &Path) -> CliResult<Vec<Measurement>> {
                 published: Vec::new(),
                 input: None,
                 seq_len: None,
+                data_parallel: None,
             })
         })
         .collect();

@@ -10,7 +10,7 @@ use gpumem_core::utilization::{HostModel, physical};
 use gpumem_place::{Load, MIB, MemoryDemand, MemoryView, Policy, Rule};
 use gpumem_sim::carma::{ModelRef, Task, load_arrivals, load_tasks};
 use gpumem_sim::{GpuSpec, Interference, NoInterference, ProportionalSharing, Report, SimConfig, SimJob, simulate};
-use gpumem_torch::{TorchTracer, TraceRequest};
+use gpumem_torch::{BridgeError, TorchTracer, TraceRequest};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
@@ -99,44 +99,70 @@ fn cluster(spec: &str, file: Option<&Path>) -> CliResult<(usize, GpuProfile)> {
     Ok((count, GpuChoice::new(name, file.map(Path::to_path_buf)).load()?))
 }
 
-/// gpumem's own answer for a task: replay estimate and bound, and the physical utilization.
+/// gpumem's own answer for a task: replay estimate and bound, and its utilization alone.
 #[derive(Debug, Clone, Copy)]
 struct Modelled {
     memory: MemoryDemand,
     load: Load,
 }
 
+/// A task's utilization alone: the physical model's figures while its kernels run, times the
+/// share of its measured run time the GPU is busy (steps × modelled step time over the run
+/// time; the rest is the input pipeline and the host). DCGM's run averages dilute the same way.
+/// Where the steps are unknown the GPU is taken as always busy (the cautious side).
+fn solo_load(u: &gpumem_core::utilization::Utilization, task: &Task) -> Load {
+    let busy = task.train_steps.map_or(1.0, |n| (n as f64 * u.step_s / task.work_s).min(1.0));
+    Load { smact: u.smact * busy, smocc: u.smocc * busy, dram: u.dram * busy }
+}
+
 /// Traces every distinct modelled task once (cached by the tracer) and estimates it.
 fn model_tasks(tasks: &[&Task], profile: &GpuProfile) -> CliResult<HashMap<String, Modelled>> {
-    let mut distinct: Vec<(&ModelRef, u64)> = Vec::new();
+    let mut distinct: Vec<&ModelRef> = Vec::new();
     for t in tasks {
         if let Some(m) = &t.model
-            && !distinct.contains(&(m, t.batch))
+            && !distinct.contains(&m)
         {
-            distinct.push((m, t.batch));
+            distinct.push(m);
         }
     }
     let tracer = TorchTracer::from_env();
     let bar = ProgressBar::new(distinct.len() as u64);
     bar.set_style(ProgressStyle::with_template("tracing {bar:30} {pos}/{len} {msg}").expect("valid template"));
     let mut by_key = HashMap::new();
-    for (m, batch) in distinct {
-        bar.set_message(format!("{} b{batch}", m.model));
-        let mut req = TraceRequest::for_gpu(&m.model, batch, profile);
+    for m in distinct {
+        bar.set_message(format!("{} b{}", m.model, m.batch));
+        let mut req = TraceRequest::for_gpu(&m.model, m.batch, profile);
         req.optimizer = m.optimizer.clone();
         req.input = m.input.clone();
         req.seq_len = m.seq_len;
-        let trace = tracer.trace(&req).map_err(|e| CliError::Model(format!("{} b{batch}: {e}", m.model)))?;
+        req.data_parallel = m.data_parallel;
+        if let Some(v) = &m.validate {
+            req.validate = v.clone();
+        }
+        let trace = match tracer.trace(&req) {
+            Ok(t) => t,
+            // A library this interpreter lacks (say segmentation-models-pytorch): the task is
+            // left unmodelled here, as the tasks gpumem cannot trace at all are.
+            Err(BridgeError::BadReference(e)) => {
+                bar.suspend(|| eprintln!("warning: {} b{}: {e}; its tasks run without a gpumem estimate", m.model, m.batch));
+                bar.inc(1);
+                continue;
+            }
+            Err(e) => return Err(CliError::Model(format!("{} b{}: {e}", m.model, m.batch))),
+        };
         let est = Replay::default().estimate(&trace, profile).map_err(CliError::input)?;
         let u = physical(&trace, profile, &HostModel::default());
         let memory = MemoryDemand { estimate_bytes: est.peak_bytes, upper_bound_bytes: est.upper_bound_bytes };
-        by_key.insert(format!("{}|{batch}", m.model), Modelled { memory, load: Load { smact: u.smact, smocc: u.smocc, dram: u.dram } });
+        by_key.insert(m, (memory, u));
         bar.inc(1);
     }
     bar.finish_and_clear();
     Ok(tasks
         .iter()
-        .filter_map(|t| Some((t.name.clone(), *by_key.get(&format!("{}|{}", t.model.as_ref()?.model, t.batch))?)))
+        .filter_map(|t| {
+            let (memory, u) = by_key.get(t.model.as_ref()?)?;
+            Some((t.name.clone(), Modelled { memory: *memory, load: solo_load(u, t) }))
+        })
         .collect())
 }
 

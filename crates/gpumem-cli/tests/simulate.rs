@@ -83,10 +83,12 @@ fn carma_traces_compare() {
         }
         let safe = rows.iter().find(|r| r["policy"] == "safe-pack" && r["estimator"] == "replay").unwrap();
         let unmodelled: Vec<&str> = safe["unmodelled"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
-        let cannot = ["UNet", "dlrm", "gpt2_large_2", "maskrcnn", "mnist_train", "xlnet_base_cased_2", "xlnet_large_cased_2"];
+        let cannot = ["dlrm", "maskrcnn", "mnist_train"];
         assert!(!unmodelled.is_empty() && unmodelled.iter().all(|t| cannot.contains(t)), "{trace}: {unmodelled:?}");
+        // The acceptance: at least 25% shorter than exclusive placement, with no crash (above).
         let exclusive = rows.iter().find(|r| r["policy"] == "exclusive").unwrap();
-        assert!(safe["makespan_s"].as_f64() < exclusive["makespan_s"].as_f64(), "{trace}: safe-pack is not faster than exclusive");
+        let (safe_s, excl_s) = (safe["makespan_s"].as_f64().unwrap(), exclusive["makespan_s"].as_f64().unwrap());
+        assert!(safe_s <= 0.75 * excl_s, "{trace}: safe-pack + replay {safe_s:.0} s vs exclusive {excl_s:.0} s");
         // Deterministic.
         assert_eq!(gpumem(&args).stdout, o.stdout, "{trace}");
     }

@@ -3,7 +3,12 @@
 //! Two schemas are recognised by their header: the seed's MLP dataset (`Filename`,
 //! `Max GPU Memory (MiB)`; each row's network is rebuilt from its file name) and gpumem's own
 //! (`model`, `batch_size`, `measured_mib`, optional `optimizer`, `precision`, `source`, `input`,
-//! `seq_len`). Other `*_mib` columns are kept as published estimates to compare against.
+//! `seq_len`, `gpus`). Other `*_mib` columns are kept as published estimates to compare against.
+//!
+//! `gpus` reads "N" or "N (note)"; N > 1 is a `torch.nn.DataParallel` job over N GPUs (the only
+//! multi-GPU setup in the seed's data), measured per GPU. Its `batch_size` is what the script's
+//! loader feeds the wrapper, except where the optimizer says `hf-trainer`: Hugging Face's Trainer
+//! takes a per-device batch and feeds N times it.
 
 use std::io::Read;
 
@@ -17,7 +22,7 @@ use crate::units::mib_to_bytes;
 pub enum ModelRef {
     /// A native family model gpumem builds itself.
     Native(ModelSpec),
-    /// A reference only the PyTorch bridge can trace (torchvision:, timm:, hf:, py:).
+    /// A reference only the PyTorch bridge can trace (torchvision:, timm:, hf:, smp:, py:).
     External(String),
 }
 
@@ -38,6 +43,8 @@ pub struct Measurement {
     pub input: Option<String>,
     /// Sequence length (column `seq_len`, or an `input` like `seq512`).
     pub seq_len: Option<u64>,
+    /// GPUs of a data-parallel job (column `gpus` above 1); `batch` is then the whole batch.
+    pub data_parallel: Option<u32>,
 }
 
 /// Whether `s` is an image input shape `CxHxW` of positive sizes.
@@ -104,6 +111,7 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
                 published: Vec::new(),
                 input: None,
                 seq_len: None,
+                data_parallel: None,
             }
         } else {
             let (mc, bc, vc) = (generic.0.unwrap(), generic.1.unwrap(), generic.2.unwrap());
@@ -114,9 +122,21 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
             } else {
                 ModelRef::External(reference)
             };
-            let batch: u64 = get(bc).parse().map_err(|_| bad(&headers[bc], format!("`{}` is not a whole number", get(bc))))?;
+            let mut batch: u64 = get(bc).parse().map_err(|_| bad(&headers[bc], format!("`{}` is not a whole number", get(bc))))?;
             if batch == 0 {
                 return Err(bad(&headers[bc], "must be at least 1".into()));
+            }
+            let gpus = match column(&headers, "gpus").map(get).filter(|s| !s.is_empty()) {
+                None => 1,
+                Some(s) => s
+                    .split(|c: char| !c.is_ascii_digit())
+                    .next()
+                    .and_then(|n| n.parse::<u32>().ok())
+                    .filter(|n| (1..=64).contains(n))
+                    .ok_or_else(|| bad("gpus", format!("`{s}` does not start with a GPU count (1..=64)")))?,
+            };
+            if gpus > 1 && opt_col.map(get).is_some_and(|s| s.contains("hf-trainer")) {
+                batch *= u64::from(gpus);
             }
             let optimizer = match opt_col.map(get).filter(|s| !s.is_empty()) {
                 None => None,
@@ -137,7 +157,8 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
                 Some(s) => Some(s.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(|| bad("seq_len", format!("`{s}` is not a positive whole number")))?),
                 None => input_text.strip_prefix("seq").and_then(|s| s.parse().ok()),
             };
-            Measurement { line, label, model, batch, measured_bytes: mib(&headers[vc], get(vc))?, optimizer, precision, published, input, seq_len }
+            let data_parallel = (gpus > 1).then_some(gpus);
+            Measurement { line, label, model, batch, measured_bytes: mib(&headers[vc], get(vc))?, optimizer, precision, published, input, seq_len, data_parallel }
         };
         out.push(m);
     }
@@ -170,5 +191,17 @@ mod tests {
         assert_eq!(e, "d.csv line 2: column measured_mib: -3 MiB is not a plausible memory size");
         let e = read_measurements("d.csv", "model,batch_size,measured_mib\nmlp:input=8,4\n".as_bytes()).unwrap_err();
         assert!(e.starts_with("d.csv line 2: "), "{e}");
+    }
+
+    #[test]
+    fn data_parallel_rows() {
+        let csv = "model,batch_size,measured_mib,optimizer,gpus\n\
+                   a,8,100,adamw,1\n\
+                   b,8,100,adamw,2 (torch.nn.DataParallel)\n\
+                   c,4,100,adamw(hf-trainer),2 (data parallel)\n";
+        let rows = read_measurements("d.csv", csv.as_bytes()).unwrap();
+        assert_eq!(rows.iter().map(|r| (r.batch, r.data_parallel)).collect::<Vec<_>>(), vec![(8, None), (8, Some(2)), (8, Some(2))]);
+        let e = read_measurements("d.csv", "model,batch_size,measured_mib,gpus\na,8,100,two\n".as_bytes()).unwrap_err();
+        assert_eq!(e, "d.csv line 2: column gpus: `two` does not start with a GPU count (1..=64)");
     }
 }

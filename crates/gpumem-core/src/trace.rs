@@ -99,6 +99,12 @@ pub struct TraceHeader {
     /// Sum of layer output features per sample (the Horus formula needs it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub activations_per_sample: Option<u64>,
+    /// GPUs of a `torch.nn.DataParallel` job; the trace is GPU 0's (it holds the most).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_parallel: Option<u32>,
+    /// A validation pass after training: `no-grad`, or `grad` (autograd left on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validate: Option<String>,
     pub iterations: u32,
 }
 
@@ -116,6 +122,8 @@ impl TraceHeader {
             framework: None,
             parameters: None,
             activations_per_sample: None,
+            data_parallel: None,
+            validate: None,
             iterations: 0,
         }
     }

@@ -17,9 +17,15 @@ const MAPPING: &str = include_str!("../carma-tasks.toml");
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize)]
 pub struct ModelRef {
     pub model: String,
+    /// The batch the script feeds its model (what the trace runs).
+    pub batch: u64,
     pub input: Option<String>,
     pub seq_len: Option<u64>,
     pub optimizer: String,
+    /// GPUs of a `torch.nn.DataParallel` task (1: one GPU); the trace is GPU 0's.
+    pub data_parallel: u32,
+    /// The script's validation pass, where it shapes the peak (`grad`: without no_grad).
+    pub validate: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -33,6 +39,11 @@ struct Entry {
     input: Option<String>,
     seq_len: Option<u64>,
     optimizer: Option<String>,
+    /// The batch the script feeds the model, where the csv's batch_size is another figure.
+    batch: Option<u64>,
+    /// Training samples per epoch (the dataset's size), where known.
+    train_samples: Option<u64>,
+    validate: Option<String>,
     unmodelled: Option<String>,
     load: Option<Load>,
 }
@@ -57,6 +68,9 @@ pub struct Task {
     pub gpumemnet_bytes: Option<u64>,
     /// Exclusive run time.
     pub work_s: f64,
+    /// Training steps in that run time (samples per epoch / batch × epochs), where the dataset's
+    /// size is known: with the model's time per step, how much of the run the GPU is busy.
+    pub train_steps: Option<u64>,
     /// How the run time was derived (for the docs and `--json`).
     pub work_rule: String,
     pub model: Option<ModelRef>,
@@ -137,16 +151,22 @@ pub fn load_tasks(tasks_csv: &Path, readme_csv: &Path) -> Result<Vec<Task>, Stri
             .iter()
             .find(|e| row.task.starts_with(&e.prefix))
             .ok_or_else(|| format!("{at}: no mapping for task `{}` (see carma-tasks.toml)", row.task))?;
-        let (work_min, work_rule) = run_minutes(entry, &row, &readme).map_err(|e| format!("{at}: {e}"))?;
+        let (work_min, epochs, work_rule) = run_minutes(entry, &row, &readme).map_err(|e| format!("{at}: {e}"))?;
         if row.measured_mib.is_nan() || row.measured_mib <= 0.0 || row.gpus == 0 {
             return Err(format!("{at}: measured_mib and gpus must be positive"));
         }
+        // Every multi-GPU CARMA task wraps its model in torch.nn.DataParallel.
+        let batch = entry.batch.unwrap_or(row.batch_size);
         let model = entry.model.as_ref().map(|m| ModelRef {
             model: m.clone(),
+            batch,
             input: entry.input.clone(),
             seq_len: entry.seq_len,
             optimizer: entry.optimizer.clone().unwrap_or_else(|| "adam".into()),
+            data_parallel: row.gpus,
+            validate: entry.validate.clone(),
         });
+        let train_steps = entry.train_samples.zip(epochs).map(|(n, e)| n.div_ceil(batch.max(1)) * u64::from(e));
         tasks.push(Task {
             name: row.task,
             command: row.command,
@@ -157,6 +177,7 @@ pub fn load_tasks(tasks_csv: &Path, readme_csv: &Path) -> Result<Vec<Task>, Stri
             faketensor_bytes: published_bytes(row.faketensor_mib),
             gpumemnet_bytes: published_bytes(row.gpumemnet_mib),
             work_s: work_min * 60.0,
+            train_steps,
             work_rule,
             model,
             unmodelled: entry.unmodelled.clone(),
@@ -166,10 +187,10 @@ pub fn load_tasks(tasks_csv: &Path, readme_csv: &Path) -> Result<Vec<Task>, Stri
     Ok(tasks)
 }
 
-/// Minutes alone on the GPU, and the rule that gave them.
-fn run_minutes(entry: &Entry, row: &TaskRow, readme: &[ReadmeRow]) -> Result<(f64, String), String> {
+/// Minutes alone on the GPU, the epochs they cover (where known), and the rule that gave them.
+fn run_minutes(entry: &Entry, row: &TaskRow, readme: &[ReadmeRow]) -> Result<(f64, Option<u32>, String), String> {
     if let Some(m) = entry.minutes {
-        return Ok((m, "stated in carma-tasks.toml".into()));
+        return Ok((m, None, "stated in carma-tasks.toml".into()));
     }
     let workload = entry.workload.as_deref().ok_or("mapping has neither workload nor minutes")?;
     let candidates: Vec<&ReadmeRow> = readme.iter().filter(|r| r.model == workload).collect();
@@ -180,11 +201,11 @@ fn run_minutes(entry: &Entry, row: &TaskRow, readme: &[ReadmeRow]) -> Result<(f6
     };
     if r.epochs == "20/50" {
         let epochs = epochs_in(&row.command).ok_or_else(|| format!("`{}` has no --epochs", row.command))?;
-        Ok((r.exclusive_time_min * f64::from(epochs), format!("{workload} b{}: {} min/epoch x {epochs}", r.batch_size, r.exclusive_time_min)))
+        Ok((r.exclusive_time_min * f64::from(epochs), Some(epochs), format!("{workload} b{}: {} min/epoch x {epochs}", r.batch_size, r.exclusive_time_min)))
     } else if let Some(epochs) = entry.per_epoch_of {
-        Ok((r.exclusive_time_min * f64::from(epochs), format!("{workload}: {} min/epoch x {epochs}", r.exclusive_time_min)))
+        Ok((r.exclusive_time_min * f64::from(epochs), Some(epochs), format!("{workload}: {} min/epoch x {epochs}", r.exclusive_time_min)))
     } else {
-        Ok((r.exclusive_time_min, format!("{workload} b{}: {} min", r.batch_size, r.exclusive_time_min)))
+        Ok((r.exclusive_time_min, r.epochs.parse().ok(), format!("{workload} b{}: {} min", r.batch_size, r.exclusive_time_min)))
     }
 }
 
@@ -235,6 +256,17 @@ mod tests {
         assert_eq!(by("BERT_base").faketensor_bytes, None, "40000 means the estimator failed");
         assert_eq!(by("vgg").horus_bytes.map(|b| b / MIB), Some(21525));
         assert!(by("maskrcnn").unmodelled.is_some() && by("vgg3").model.is_some());
+        // Two-GPU tasks are DataParallel; Trainer's per-device batch 8 feeds 16 per step.
+        let xlnet = by("xlnet_base_cased_2").model.clone().unwrap();
+        assert_eq!((xlnet.batch, xlnet.data_parallel), (16, 2));
+        assert_eq!(by("vgg").model.as_ref().unwrap().data_parallel, 1);
+        // Steps: ImageNet at batch 64 for one epoch; CIFAR-100 at batch 32 for 20 epochs; the
+        // U-Net at its script's batch 8 for 90 epochs of VOC.
+        assert_eq!(by("resnet2").train_steps, Some(1_281_167u64.div_ceil(64)));
+        assert_eq!(by("resnet18_cifar100_20e_1").train_steps, Some(50_000u64.div_ceil(32) * 20));
+        assert_eq!(by("UNet").train_steps, Some(1_464u64.div_ceil(8) * 90));
+        assert_eq!(by("UNet").model.as_ref().unwrap().validate.as_deref(), Some("grad"));
+        assert_eq!(by("BERT_base").train_steps, None);
         for t in &tasks {
             assert!(t.work_s > 0.0, "{}", t.name);
             assert!(t.model.is_some() != t.unmodelled.is_some(), "{}: a model or a reason", t.name);

@@ -17,7 +17,7 @@ use gpumem_core::symbolic::SymbolicTrace;
 use gpumem_core::trace::Trace;
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 9] = [
+const SOURCES: [(&str, &str); 10] = [
     ("__init__.py", include_str!("../../../python/gpumem_trace/__init__.py")),
     ("__main__.py", include_str!("../../../python/gpumem_trace/__main__.py")),
     ("amp.py", include_str!("../../../python/gpumem_trace/amp.py")),
@@ -25,12 +25,13 @@ const SOURCES: [(&str, &str); 9] = [
     ("families.py", include_str!("../../../python/gpumem_trace/families.py")),
     ("loop.py", include_str!("../../../python/gpumem_trace/loop.py")),
     ("models.py", include_str!("../../../python/gpumem_trace/models.py")),
+    ("parallel.py", include_str!("../../../python/gpumem_trace/parallel.py")),
     ("run.py", include_str!("../../../python/gpumem_trace/run.py")),
     ("tracer.py", include_str!("../../../python/gpumem_trace/tracer.py")),
 ];
 
 /// Prefixes of model references only the tracer can resolve.
-pub const PREFIXES: [&str; 4] = ["torchvision:", "timm:", "hf:", "py:"];
+pub const PREFIXES: [&str; 5] = ["torchvision:", "timm:", "hf:", "smp:", "py:"];
 
 /// Whether `model` is a PyTorch model reference.
 pub fn is_reference(model: &str) -> bool {
@@ -52,6 +53,12 @@ pub struct TraceRequest {
     pub checkpointing: bool,
     pub channels_last: bool,
     pub grad_accum: u32,
+    /// GPUs of a `torch.nn.DataParallel` job (1: none); `batch` is then the whole batch the
+    /// wrapper splits, and the trace is GPU 0's.
+    pub data_parallel: u32,
+    /// After training, two eval-mode batches: `none`, `no-grad` or `grad` (a validation loop
+    /// without `torch.no_grad()` keeps each output's autograd graph alive).
+    pub validate: String,
     pub iterations: u32,
 }
 
@@ -68,6 +75,8 @@ impl TraceRequest {
             checkpointing: false,
             channels_last: false,
             grad_accum: 1,
+            data_parallel: 1,
+            validate: "none".into(),
             iterations: 3,
         }
     }
@@ -98,6 +107,12 @@ impl TraceRequest {
         }
         if let Some(s) = self.seq_len {
             a.extend(["--seq-len".into(), s.to_string()]);
+        }
+        if self.data_parallel > 1 {
+            a.extend(["--data-parallel".into(), self.data_parallel.to_string()]);
+        }
+        if self.validate != "none" {
+            a.extend(["--validate".into(), self.validate.clone()]);
         }
         if self.checkpointing {
             a.push("--checkpointing".into());
@@ -288,10 +303,12 @@ impl TorchTracer {
     }
 
     /// Traces `req` at three batch sizes and fits a batch-symbolic trace.
+    /// A DataParallel request is traced at whole multiples of its GPU count (every GPU gets the
+    /// same rows), so the fit is exact at any multiple.
     pub fn symbolic(&self, req: &TraceRequest) -> Result<SymbolicTrace, BridgeError> {
         let mut traces = Vec::new();
         for b in SymbolicTrace::FIT_BATCHES {
-            traces.push(self.trace(&TraceRequest { batch: b, ..req.clone() })?);
+            traces.push(self.trace(&TraceRequest { batch: b * u64::from(req.data_parallel.max(1)), ..req.clone() })?);
         }
         SymbolicTrace::fit(&traces).map_err(|e| BridgeError::Model(format!("{}: its traces do not align across batch sizes ({e}); trace each batch size instead", req.model)))
     }

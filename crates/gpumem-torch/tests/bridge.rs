@@ -41,6 +41,26 @@ fn a_symbolic_trace_equals_a_direct_trace_at_an_untraced_batch() {
     }
 }
 
+/// DataParallel over two GPUs: the symbolic trace (fitted at 8, 12 and 16) equals a direct trace
+/// at a multiple of two it did not see; GPU 0's peak sits above a single GPU's at its chunk
+/// (gathered outputs, replica gradients held until the reduce).
+#[test]
+fn a_data_parallel_symbolic_trace_equals_a_direct_trace() {
+    let Some(t) = tracer() else { return };
+    let mut req = TraceRequest::new("torchvision:resnet18(num_classes=10)", 4);
+    req.input = Some("3x32x32".into());
+    req.data_parallel = 2;
+    let sym = t.symbolic(&req).unwrap();
+    assert_eq!(sym.traced_at, vec![8, 12, 16]);
+    let direct = t.trace(&TraceRequest { batch: 20, ..req.clone() }).unwrap();
+    assert_eq!(direct.header.data_parallel, Some(2));
+    assert_eq!(sym.at(20).unwrap().events, direct.events);
+    let single = t.trace(&TraceRequest { batch: 10, data_parallel: 1, ..req.clone() }).unwrap();
+    let profile = builtin("a100-40gb").unwrap();
+    let peak = |tr| Replay::default().estimate(tr, &profile).unwrap().peak_bytes;
+    assert!(peak(&direct) > peak(&single), "GPU 0 of two at batch 20 holds more than one GPU at batch 10");
+}
+
 /// A small deterministic generator for the random configurations.
 struct Lcg(u64);
 impl Lcg {
