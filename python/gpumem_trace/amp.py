@@ -113,9 +113,11 @@ _GUARDS = ("has_torch_function", "has_torch_function_unary", "has_torch_function
 def _unguarded(func):
     """A copy of a ``torch.nn.functional`` Python function whose ``has_torch_function`` guards
     say no, so its body runs under the mode instead of dispatching to it again; ``None`` for
-    anything else."""
+    anything else. Judged by where the code lives, not ``__module__``: ``boolean_dispatch``
+    wrappers (``F.max_pool2d``) claim to be functional's but call guarded functions that would
+    dispatch straight back here."""
     g = getattr(func, "__globals__", None)
-    if not isinstance(func, types.FunctionType) or getattr(func, "__module__", None) != F.__name__ or g is None:
+    if not isinstance(func, types.FunctionType) or g is None or func.__code__.co_filename != F.__file__:
         return None
     no = lambda *a, **k: False  # noqa: E731
     clone = types.FunctionType(func.__code__, {**g, **{n: no for n in _GUARDS}}, func.__name__, func.__defaults__, func.__closure__)

@@ -8,6 +8,7 @@
         scaler.step(optimizer); scaler.update()   # or optimizer.step()
 """
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -133,13 +134,33 @@ def trace_training(opts: TraceOptions, out_path: str):
     acts, hooks = _count_activations(model)
     parallel = DataParallel(model, opts.data_parallel) if opts.data_parallel > 1 else None
 
+    def next_batch(old):
+        """The loop head rebinds `inputs, labels = ...`: the old batch dies, in that order,
+        before the new one is moved to the GPU."""
+        for i in range(len(old or [])):
+            old[i] = None
+        rec.phase, rec.category = "forward", "input_batch"
+        new = [torch.empty(shape, dtype=dtype, device=DEVICE) for shape, dtype in specs]
+        if opts.channels_last and new[0].dim() == 4:
+            new[0] = new[0].to(memory_format=torch.channels_last)
+        rec.category = None
+        return new
+
     def forward_and_loss(batch):
-        """model(inputs) and the loss, through DataParallel's scatter/replicate/gather if asked."""
-        outputs = parallel(job.forward, batch) if parallel else job.forward(model, batch)
-        loss = job.loss(outputs, batch)
-        if loss.dim() > 0:  # DataParallel gathers one loss per replica: `loss.mean()`
-            loss = loss.mean()
+        """model(inputs) and the loss, under autocast and through DataParallel's
+        scatter/replicate/gather where asked. The caller rebinds `outputs, loss` and then
+        calls `end_autocast()`: leaving `with autocast():` clears the cast cache only after the
+        assignments inside it have dropped the previous outputs."""
+        with autocast if autocast is not None else contextlib.nullcontext():
+            outputs = parallel(job.forward, batch) if parallel else job.forward(model, batch)
+            loss = job.loss(outputs, batch)
+            if loss.dim() > 0:  # DataParallel gathers one loss per replica: `loss.mean()`
+                loss = loss.mean()
         return outputs, loss
+
+    def end_autocast():
+        if autocast is not None:
+            autocast.clear()
 
     with cuda.patches(opts.sdpa), mode:
         rec.phase = "setup"
@@ -152,25 +173,13 @@ def trace_training(opts: TraceOptions, out_path: str):
         batch = outputs = loss = None
         for it in range(opts.iterations):
             for micro in range(opts.grad_accum):
-                # The loop head rebinds `inputs, labels = ...`: the old batch dies in that order.
-                for i in range(len(batch or [])):
-                    batch[i] = None
-                batch = None
-                rec.phase, rec.category = "forward", "input_batch"
-                batch = [torch.empty(shape, dtype=dtype, device=DEVICE) for shape, dtype in specs]
-                if opts.channels_last and batch[0].dim() == 4:
-                    batch[0] = batch[0].to(memory_format=torch.channels_last)
-                rec.category = None
+                batch = next_batch(batch)
                 if micro == 0:
                     rec.phase = "zero_grad"
                     optimizer.zero_grad(set_to_none=True)
                 rec.phase = "forward"
-                if autocast is not None:
-                    with autocast:
-                        outputs, loss = forward_and_loss(batch)
-                    autocast.clear()
-                else:
-                    outputs, loss = forward_and_loss(batch)
+                outputs, loss = forward_and_loss(batch)
+                end_autocast()
                 if it == 0 and micro == 0:
                     for h in hooks:
                         h.remove()
@@ -199,18 +208,9 @@ def trace_training(opts: TraceOptions, out_path: str):
             rec.kernels = False
             with (torch.enable_grad() if opts.validate == "grad" else torch.no_grad()):
                 for _ in range(2):
-                    for i in range(len(batch or [])):
-                        batch[i] = None
-                    batch = None
-                    rec.phase, rec.category = "forward", "input_batch"
-                    batch = [torch.empty(shape, dtype=dtype, device=DEVICE) for shape, dtype in specs]
-                    rec.category = None
-                    if autocast is not None:
-                        with autocast:
-                            outputs, loss = forward_and_loss(batch)
-                        autocast.clear()
-                    else:
-                        outputs, loss = forward_and_loss(batch)
+                    batch = next_batch(batch)
+                    outputs, loss = forward_and_loss(batch)
+                    end_autocast()
             rec.kernels = True
     header = {
         "model": opts.model,

@@ -216,3 +216,12 @@ def test_validation_pass(tmp_path):
         return peak
 
     assert validation_peak("grad") > validation_peak("no-grad")
+
+
+def test_amp_on_models_with_boolean_dispatch_functions(tmp_path):
+    """F.max_pool2d is a boolean_dispatch wrapper: autocast must not recurse into it."""
+    pytest.importorskip("torchvision")
+    for precision in ("amp-fp16", "amp-bf16"):
+        p, ev = run(["torchvision:resnet18", "--batch", "2", "--input", "3x32x32", "--precision", precision], tmp_path)
+        assert p.returncode == 0, p.stderr
+        check_valid(ev)
