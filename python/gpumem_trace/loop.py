@@ -9,10 +9,12 @@
 """
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.checkpoint
 
 from . import amp, cuda
 from .models import ReferenceError_, resolve
@@ -95,6 +97,37 @@ def to_device_keeping_ties(model):
     memo.clear()
 
 
+def checkpoint_blocks(model, name):
+    """Activation checkpointing for a model without a switch of its own, as one does it by hand
+    (FSDP's ``apply_activation_checkpointing`` with a block-type check): every instance of the
+    model's most repeated composite block (ties: the outermost) runs under non-reentrant
+    ``torch.utils.checkpoint``. Containers (Sequential, ModuleList, ModuleDict) are not blocks."""
+    containers = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+    count, depth = {}, {}
+
+    def visit(m, d):
+        for c in m.children():
+            if not isinstance(c, containers) and next(c.children(), None) is not None and any(p.requires_grad for p in c.parameters()):
+                count[type(c)] = count.get(type(c), 0) + 1
+                depth[type(c)] = min(depth.get(type(c), d), d)
+            visit(c, d + 1)
+
+    visit(model, 0)
+    if not count or max(count.values()) < 2:
+        raise ReferenceError_(f"{name}: activation checkpointing needs repeated blocks, and this model has none")
+    block = max(count, key=lambda t: (count[t], -depth[t]))
+    for m in model.modules():
+        if type(m) is block:
+            m.forward = functools.partial(_checkpointed, m.forward)
+
+
+def _checkpointed(forward, *args, **kwargs):
+    # Lists are copied: the recomputation in backward must see them as they were (DenseNet
+    # appends each layer's output to the list its layers receive).
+    args = tuple(list(a) if isinstance(a, list) else a for a in args)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
 def _count_activations(model):
     """Per-sample sum of leaf-module output sizes (the Horus formula's input)."""
     total = [0]
@@ -123,7 +156,7 @@ def trace_training(opts: TraceOptions, out_path: str):
         elif hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
         else:
-            raise ReferenceError_(f"{opts.model}: activation checkpointing is not supported by this model")
+            checkpoint_blocks(model, opts.model)
     low = {"fp32": None, "amp-fp16": torch.float16, "amp-bf16": torch.bfloat16}
     if opts.precision not in low:
         raise ReferenceError_(f"unknown precision `{opts.precision}` (expected fp32, amp-fp16 or amp-bf16)")

@@ -225,3 +225,19 @@ def test_amp_on_models_with_boolean_dispatch_functions(tmp_path):
         p, ev = run(["torchvision:resnet18", "--batch", "2", "--input", "3x32x32", "--precision", precision], tmp_path)
         assert p.returncode == 0, p.stderr
         check_valid(ev)
+
+
+def test_checkpointing_models_without_a_switch(tmp_path):
+    """torchvision models have no checkpointing switch: every repeated block is checkpointed,
+    so backward recomputes their convolutions; a model without repeated blocks is refused."""
+    pytest.importorskip("torchvision")
+
+    def backward_convs(extra):
+        p, ev = run(["torchvision:resnet18", "--batch", "2", "--input", "3x32x32", *extra], tmp_path)
+        assert p.returncode == 0, p.stderr
+        _, evs = check_valid(ev)
+        return sum(1 for e in evs if e["ev"] == "alloc" and e["phase"] == "backward" and e["op"] == "convolution")
+
+    assert backward_convs([]) == 0 < backward_convs(["--checkpointing"])
+    p, _ = run(["torchvision:vgg11", "--batch", "2", "--input", "3x32x32", "--checkpointing"], tmp_path)
+    assert p.returncode == 2 and "needs repeated blocks" in p.stderr
