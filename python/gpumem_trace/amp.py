@@ -6,9 +6,12 @@ cast every time), a set of ops run in fp32, softmax-like ops produce fp32 (fp16 
 half→float kernel; bf16 input is converted first), and a few ops promote to the widest dtype.
 """
 
+import contextlib
+import inspect
 import types
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -46,6 +49,15 @@ class Autocast(TorchFunctionMode):
         super().__init__()
         self.dtype = dtype
         self.cache = {}
+        self.depth = 0  # how many `with` blocks are open: checkpoint asks at forward time
+
+    def __enter__(self):
+        self.depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        return super().__exit__(*exc)
 
     def low(self, t):
         if not (t.is_floating_point() and t.dtype == torch.float32):
@@ -105,6 +117,30 @@ class Autocast(TorchFunctionMode):
 
     def clear(self):
         self.cache.clear()
+
+    @contextlib.contextmanager
+    def under_checkpoint(self):
+        """torch.utils.checkpoint recomputes a segment in backward under the autocast state of
+        its forward (it re-enters ``torch.autocast``; leaving it clears the cast cache). This
+        mode is not torch.autocast, so give non-reentrant checkpoint a default ``context_fn``
+        whose recompute context does the same with this mode."""
+        inner = inspect.unwrap(torch.utils.checkpoint.checkpoint)
+        saved = inner.__kwdefaults__["context_fn"]
+
+        def context_fn():
+            return contextlib.nullcontext(), (self._recompute() if self.depth else contextlib.nullcontext())
+
+        inner.__kwdefaults__["context_fn"] = context_fn
+        try:
+            yield
+        finally:
+            inner.__kwdefaults__["context_fn"] = saved
+
+    @contextlib.contextmanager
+    def _recompute(self):
+        with self:
+            yield
+        self.clear()
 
 
 _GUARDS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")

@@ -195,14 +195,14 @@ def trace_training(opts: TraceOptions, out_path: str):
         if autocast is not None:
             autocast.clear()
 
-    with cuda.patches(opts.sdpa), mode:
+    autocast = amp.Autocast(low[opts.precision]) if low[opts.precision] else None
+    with cuda.patches(opts.sdpa), mode, (autocast.under_checkpoint() if autocast else contextlib.nullcontext()):
         rec.phase = "setup"
         to_device_keeping_ties(model)
         if opts.channels_last:
             model.to(memory_format=torch.channels_last)
         optimizer = make_optimizer(opts.optimizer, [p for p in model.parameters() if p.requires_grad], opts.lr)
         scaler = GradScaler() if opts.precision == "amp-fp16" else None
-        autocast = amp.Autocast(low[opts.precision]) if low[opts.precision] else None
         batch = outputs = loss = None
         for it in range(opts.iterations):
             for micro in range(opts.grad_accum):

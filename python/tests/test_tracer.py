@@ -241,3 +241,14 @@ def test_checkpointing_models_without_a_switch(tmp_path):
     assert backward_convs([]) == 0 < backward_convs(["--checkpointing"])
     p, _ = run(["torchvision:vgg11", "--batch", "2", "--input", "3x32x32", "--checkpointing"], tmp_path)
     assert p.returncode == 2 and "needs repeated blocks" in p.stderr
+
+
+def test_checkpointing_with_mixed_precision(tmp_path):
+    """Checkpoint recomputes in backward under the forward's autocast state, so the recomputed
+    tensors match (else torch.utils.checkpoint raises) and are low-precision casts again."""
+    pytest.importorskip("torchvision")
+    p, ev = run(["torchvision:resnet18", "--batch", "2", "--input", "3x32x32", "--precision", "amp-fp16", "--checkpointing"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    _, evs = check_valid(ev)
+    recast = [e for e in allocs(evs, phase="backward") if e["op"] == "_to_copy"]
+    assert recast, "weights cast to fp16 again for the recomputation"
