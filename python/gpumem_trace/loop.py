@@ -166,6 +166,7 @@ def trace_training(opts: TraceOptions, out_path: str):
     specs = job.batch_specs(opts.batch)
     acts, hooks = _count_activations(model)
     parallel = DataParallel(model, opts.data_parallel) if opts.data_parallel > 1 else None
+    autocast = amp.Autocast(low[opts.precision]) if low[opts.precision] else None
 
     def next_batch(old):
         """The loop head rebinds `inputs, labels = ...`: the old batch dies, in that order,
@@ -195,7 +196,6 @@ def trace_training(opts: TraceOptions, out_path: str):
         if autocast is not None:
             autocast.clear()
 
-    autocast = amp.Autocast(low[opts.precision]) if low[opts.precision] else None
     with cuda.patches(opts.sdpa), mode, (autocast.under_checkpoint() if autocast else contextlib.nullcontext()):
         rec.phase = "setup"
         to_device_keeping_ties(model)
