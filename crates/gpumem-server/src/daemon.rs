@@ -143,23 +143,7 @@ impl Daemon {
     /// Stores a validated submission; `estimate` is (peak, bound) bytes per GPU.
     pub fn submit(&self, request: JobRequest, estimate: Option<(u64, u64)>) -> Result<Submitted, String> {
         let mut inner = self.lock();
-        let mut job = Job {
-            id: 0,
-            request,
-            state: JobState::Queued,
-            assigned: Vec::new(),
-            estimate_bytes: estimate.map(|e| e.0),
-            bound_bytes: estimate.map(|e| e.1),
-            peak_bytes: None,
-            submitted_at: now(),
-            started_at: None,
-            finished_at: None,
-            exit_code: None,
-            retries: 0,
-            error: None,
-            pid: None,
-            cancel_requested: false,
-        };
+        let mut job = Job::queued(request, estimate, now());
         job.id = inner.store.insert(&job)?;
         let out = Submitted { id: job.id, state: job.state, estimate_mib: job.estimate_bytes.map(bytes_to_mib), bound_mib: job.bound_bytes.map(bytes_to_mib) };
         inner.jobs.insert(job.id, job);

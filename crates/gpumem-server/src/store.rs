@@ -29,6 +29,30 @@ pub struct Job {
     pub cancel_requested: bool,
 }
 
+impl Job {
+    /// A new submission waiting in the queue (its id comes from the store); `estimate` is
+    /// (peak, bound) bytes per GPU.
+    pub fn queued(request: JobRequest, estimate: Option<(u64, u64)>, submitted_at: f64) -> Job {
+        Job {
+            id: 0,
+            request,
+            state: JobState::Queued,
+            assigned: Vec::new(),
+            estimate_bytes: estimate.map(|e| e.0),
+            bound_bytes: estimate.map(|e| e.1),
+            peak_bytes: None,
+            submitted_at,
+            started_at: None,
+            finished_at: None,
+            exit_code: None,
+            retries: 0,
+            error: None,
+            pid: None,
+            cancel_requested: false,
+        }
+    }
+}
+
 pub struct Store {
     conn: Connection,
 }
@@ -206,23 +230,7 @@ mod tests {
     use super::*;
 
     fn job() -> Job {
-        Job {
-            id: 0,
-            request: serde_json::from_str(r#"{"command": ["true"]}"#).unwrap(),
-            state: JobState::Queued,
-            assigned: vec![],
-            estimate_bytes: Some(5 << 30),
-            bound_bytes: Some(6 << 30),
-            peak_bytes: None,
-            submitted_at: 1.0,
-            started_at: None,
-            finished_at: None,
-            exit_code: None,
-            retries: 0,
-            error: None,
-            pid: None,
-            cancel_requested: false,
-        }
+        Job::queued(serde_json::from_str(r#"{"command": ["true"]}"#).unwrap(), Some((5 << 30, 6 << 30)), 1.0)
     }
 
     #[test]
