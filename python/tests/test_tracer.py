@@ -24,6 +24,13 @@ def run(args, tmp_path, timeout=120):
     return p, events
 
 
+def traced(args, tmp_path):
+    """A trace that must succeed: its header and events, checked by check_valid."""
+    p, ev = run(args, tmp_path)
+    assert p.returncode == 0, p.stderr
+    return check_valid(ev)
+
+
 def check_valid(events):
     header, evs = events[0], events[1:]
     assert header["format"] == "gpumem-trace" and header["version"] == 1
@@ -45,9 +52,7 @@ def allocs(evs, **match):
 
 
 def test_tiny_model_trace_is_valid_and_categorised(tmp_path):
-    p, ev = run([f"py:{FIX}:tiny", "--batch", "8"], tmp_path)
-    assert p.returncode == 0, p.stderr
-    header, evs = check_valid(ev)
+    header, evs = traced([f"py:{FIX}:tiny", "--batch", "8"], tmp_path)
     assert header["parameters"] == 16 * 32 + 32 + 32 * 4 + 4
     # Adam: two state tensors per parameter, created once.
     assert len(allocs(evs, category="optimizer_state")) == 2 * 4
@@ -69,9 +74,7 @@ def test_options_change_the_trace(tmp_path):
 
 
 def test_amp_fp16_casts_weights_and_scales_the_loss(tmp_path):
-    p, ev = run([f"py:{FIX}:tiny", "--batch", "8", "--precision", "amp-fp16"], tmp_path)
-    assert p.returncode == 0, p.stderr
-    _, evs = check_valid(ev)
+    _, evs = traced([f"py:{FIX}:tiny", "--batch", "8", "--precision", "amp-fp16"], tmp_path)
     casts = [e for e in allocs(evs, phase="forward") if e["op"] == "_to_copy"]
     assert any(e["bytes"] == 16 * 32 * 2 for e in casts), "fp16 copy of the first weight"
     assert any(e["op"] == "_amp_foreach_non_finite_check_and_unscale_" for e in evs if e["ev"] == "op")
@@ -87,9 +90,7 @@ def test_attention_uses_the_kernel_the_gpu_has(tmp_path):
 
 
 def test_value_dependent_ops_are_answered(tmp_path):
-    p, ev = run([f"py:{FIX}:data_dependent", "--batch", "4"], tmp_path)
-    assert p.returncode == 0, p.stderr
-    check_valid(ev)
+    traced([f"py:{FIX}:data_dependent", "--batch", "4"], tmp_path)
 
 
 def test_unknown_model_lists_close_matches(tmp_path):
@@ -126,27 +127,21 @@ def test_bad_options(tmp_path):
 
 def test_torchvision_model(tmp_path):
     pytest.importorskip("torchvision")
-    p, ev = run(["torchvision:resnet18", "--batch", "2", "--input", "3x64x64"], tmp_path)
-    assert p.returncode == 0, p.stderr
-    header, _ = check_valid(ev)
+    header, _ = traced(["torchvision:resnet18", "--batch", "2", "--input", "3x64x64"], tmp_path)
     assert header["parameters"] == 11689512
 
 
 def test_hugging_face_model_without_the_hub(tmp_path):
     pytest.importorskip("transformers")
     ref = "hf:BertForMaskedLM(hidden_size=64,num_hidden_layers=2,num_attention_heads=2,intermediate_size=128,vocab_size=1000)"
-    p, ev = run([ref, "--batch", "2", "--seq-len", "32"], tmp_path)
-    assert p.returncode == 0, p.stderr
-    header, _ = check_valid(ev)
+    header, _ = traced([ref, "--batch", "2", "--seq-len", "32"], tmp_path)
     assert header["seq_len"] == 32
 
 
 def test_data_parallel_traces_gpu0(tmp_path):
     """DataParallel over 2 GPUs at batch 8: GPU 0 runs 4 rows, gathers the whole batch's output,
     and gets its gradients as one flat reduce_add_coalesced buffer per step."""
-    p, ev = run([f"py:{FIX}:tiny", "--batch", "8", "--data-parallel", "2"], tmp_path)
-    assert p.returncode == 0, p.stderr
-    header, evs = check_valid(ev)
+    header, evs = traced([f"py:{FIX}:tiny", "--batch", "8", "--data-parallel", "2"], tmp_path)
     assert header["data_parallel"] == 2 and header["batch_size"] == 8
     _, direct = run([f"py:{FIX}:tiny", "--batch", "4"], tmp_path)
     fwd = lambda es: sorted(e["bytes"] for e in allocs(es, phase="forward", op="addmm"))  # noqa: E731
@@ -166,14 +161,10 @@ def test_data_parallel_must_be_positive(tmp_path):
 def test_torchvision_segmentation_and_video_models(tmp_path):
     pytest.importorskip("torchvision")
     # Segmentation: per-pixel targets, the aux head's loss too; no backbone weights downloaded.
-    p, ev = run(["torchvision:fcn_resnet50(aux_loss=True,num_classes=5)", "--batch", "2", "--input", "3x64x64"], tmp_path)
-    assert p.returncode == 0, p.stderr
-    _, evs = check_valid(ev)
+    _, evs = traced(["torchvision:fcn_resnet50(aux_loss=True,num_classes=5)", "--batch", "2", "--input", "3x64x64"], tmp_path)
     assert any(e["bytes"] == 2 * 64 * 64 * 8 for e in allocs(evs, category="input_batch")), "int64 mask of 2x64x64"
     # Video: 16-frame clips at the weights' crop size.
-    p, ev = run(["torchvision:r3d_18", "--batch", "1"], tmp_path)
-    assert p.returncode == 0, p.stderr
-    _, evs = check_valid(ev)
+    _, evs = traced(["torchvision:r3d_18", "--batch", "1"], tmp_path)
     assert any(e["bytes"] == 3 * 16 * 112 * 112 * 4 for e in allocs(evs, category="input_batch"))
     # Detection needs targets: a clear refusal.
     p, _ = run(["torchvision:maskrcnn_resnet50_fpn", "--batch", "1"], tmp_path)
@@ -182,9 +173,7 @@ def test_torchvision_segmentation_and_video_models(tmp_path):
 
 def test_segmentation_models_pytorch(tmp_path):
     pytest.importorskip("segmentation_models_pytorch")
-    p, ev = run(["smp:Unet(encoder_name=resnet18,classes=3,loss=dice)", "--batch", "2", "--input", "3x64x64"], tmp_path)
-    assert p.returncode == 0, p.stderr
-    _, evs = check_valid(ev)
+    _, evs = traced(["smp:Unet(encoder_name=resnet18,classes=3,loss=dice)", "--batch", "2", "--input", "3x64x64"], tmp_path)
     assert any(e["bytes"] == 2 * 64 * 64 * 8 for e in allocs(evs, category="input_batch")), "int64 class map"
     p, _ = run(["smp:Unett", "--batch", "2"], tmp_path)
     assert p.returncode == 2 and "did you mean unet" in p.stderr
@@ -197,9 +186,7 @@ def test_validation_pass(tmp_path):
     lives at once. No kernels are recorded for it (utilization is the training step's)."""
 
     def validation_peak(mode):
-        p, ev = run([f"py:{FIX}:tiny", "--batch", "64", "--validate", mode], tmp_path)
-        assert p.returncode == 0, p.stderr
-        header, evs = check_valid(ev)
+        header, evs = traced([f"py:{FIX}:tiny", "--batch", "64", "--validate", mode], tmp_path)
         assert header["validate"] == mode
         last = max(i for i, e in enumerate(evs) if e["ev"] == "iteration")
         sizes, live, peak = {}, 0, 0
@@ -222,9 +209,7 @@ def test_amp_on_models_with_boolean_dispatch_functions(tmp_path):
     """F.max_pool2d is a boolean_dispatch wrapper: autocast must not recurse into it."""
     pytest.importorskip("torchvision")
     for precision in ("amp-fp16", "amp-bf16"):
-        p, ev = run(["torchvision:resnet18", "--batch", "2", "--input", "3x32x32", "--precision", precision], tmp_path)
-        assert p.returncode == 0, p.stderr
-        check_valid(ev)
+        traced(["torchvision:resnet18", "--batch", "2", "--input", "3x32x32", "--precision", precision], tmp_path)
 
 
 def test_checkpointing_models_without_a_switch(tmp_path):
@@ -233,9 +218,7 @@ def test_checkpointing_models_without_a_switch(tmp_path):
     pytest.importorskip("torchvision")
 
     def backward_convs(extra):
-        p, ev = run(["torchvision:resnet18", "--batch", "2", "--input", "3x32x32", *extra], tmp_path)
-        assert p.returncode == 0, p.stderr
-        _, evs = check_valid(ev)
+        _, evs = traced(["torchvision:resnet18", "--batch", "2", "--input", "3x32x32", *extra], tmp_path)
         return sum(1 for e in evs if e["ev"] == "alloc" and e["phase"] == "backward" and e["op"] == "convolution")
 
     assert backward_convs([]) == 0 < backward_convs(["--checkpointing"])
@@ -247,8 +230,6 @@ def test_checkpointing_with_mixed_precision(tmp_path):
     """Checkpoint recomputes in backward under the forward's autocast state, so the recomputed
     tensors match (else torch.utils.checkpoint raises) and are low-precision casts again."""
     pytest.importorskip("torchvision")
-    p, ev = run(["torchvision:resnet18", "--batch", "2", "--input", "3x32x32", "--precision", "amp-fp16", "--checkpointing"], tmp_path)
-    assert p.returncode == 0, p.stderr
-    _, evs = check_valid(ev)
+    _, evs = traced(["torchvision:resnet18", "--batch", "2", "--input", "3x32x32", "--precision", "amp-fp16", "--checkpointing"], tmp_path)
     recast = [e for e in allocs(evs, phase="backward") if e["op"] == "_to_copy"]
     assert recast, "weights cast to fp16 again for the recomputation"
