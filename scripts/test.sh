@@ -1,38 +1,58 @@
 #!/usr/bin/env bash
-# The whole test suite: Rust (all crates) and the Python tracer against a real PyTorch.
-# Installs what the tests need into a cached virtual environment (torch from the package index,
-# CPU is enough: the tracer never touches a GPU). If torch cannot be installed the bridge tests
-# report a skip; once it is installed they are required.
+# The whole test suite: Rust (all crates) and the Python tracer against real PyTorch releases.
+# Installs what the tests need into cached virtual environments (torch from the package index,
+# CPU is enough: the tracer never touches a GPU):
+#   pinned  — the release the Rust bridge tests and the recorded figures use;
+#   newest  — the newest releases on the index, so a new torch that breaks the tracer fails CI.
+# The tracer's tests run against both; the Rust bridge tests against the pinned one. If torch
+# cannot be installed the bridge tests report a skip; once it is installed they are required.
+# GPUMEM_PYTHON, when set, replaces both environments.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CACHE="${GPUMEM_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpumem-ci}"
-PY_PACKAGES="torch==2.9.1 torchvision==0.24.1 timm==1.0.31 transformers==5.24.0 segmentation-models-pytorch==0.6.0 pytest==9.2.0 numpy==2.4.6"
-VENV="$CACHE/venv-$(echo "$PY_PACKAGES" | cksum | cut -d' ' -f1)"
+COMMON="timm==1.0.31 transformers==5.24.0 segmentation-models-pytorch==0.6.0 pytest==9.2.0 numpy==2.4.6"
+PINNED="torch==2.9.1 torchvision==0.24.1 $COMMON"
+NEWEST="torch==2.15.0 torchvision==0.29.2 $COMMON"
 
-if [ -z "${GPUMEM_PYTHON:-}" ]; then
-  if ! "$VENV/bin/python" -c "import torch, torchvision, timm, transformers, segmentation_models_pytorch, pytest" 2>/dev/null; then
-    echo "== installing the tracer's test environment into $VENV (cached)"
-    rm -rf "$VENV"
+# venv PACKAGES: the cached environment's interpreter, installed on first use; empty if the
+# install failed.
+venv() {
+  local dir="$CACHE/venv-$(echo "$1" | cksum | cut -d' ' -f1)"
+  if ! "$dir/bin/python" -c "import torch, torchvision, timm, transformers, segmentation_models_pytorch, pytest" 2>/dev/null; then
+    echo "== installing $1 into $dir (cached)" >&2
+    rm -rf "$dir"
     mkdir -p "$CACHE"
-    python3 -m venv "$VENV"
+    python3 -m venv "$dir"
     # shellcheck disable=SC2086
-    if ! "$VENV/bin/pip" install -q --disable-pip-version-check $PY_PACKAGES; then
-      echo "WARNING: could not install PyTorch; the PyTorch bridge tests will be skipped"
+    if ! "$dir/bin/pip" install -q --disable-pip-version-check $1 >&2; then
+      echo "WARNING: could not install $1" >&2
+      return 0
     fi
   fi
-  if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-    export GPUMEM_PYTHON="$VENV/bin/python"
-  fi
+  echo "$dir/bin/python"
+}
+
+tracer_tests() {
+  echo "== Python tracer tests ($1: $("$1" -c 'import torch; print("torch", torch.__version__)'))"
+  (cd python && PYTHONDONTWRITEBYTECODE=1 "$1" -m pytest -q -p no:cacheprovider tests)
+}
+
+if [ -n "${GPUMEM_PYTHON:-}" ]; then
+  tracer_tests "$GPUMEM_PYTHON"
+else
+  pinned="$(venv "$PINNED")"
+  newest="$(venv "$NEWEST")"
+  for py in "$pinned" "$newest"; do
+    if [ -n "$py" ]; then tracer_tests "$py"; else echo "SKIPPED: Python tracer tests in an environment that did not install"; fi
+  done
+  if [ -n "$pinned" ]; then export GPUMEM_PYTHON="$pinned"; fi
 fi
 
 if [ -n "${GPUMEM_PYTHON:-}" ]; then
   export GPUMEM_TEST_REQUIRE_TORCH=1
-  echo "== Python tracer tests ($GPUMEM_PYTHON)"
-  (cd python && PYTHONDONTWRITEBYTECODE=1 "$GPUMEM_PYTHON" -m pytest -q -p no:cacheprovider tests)
 else
-  echo "SKIPPED: Python tracer tests (no PyTorch)"
+  echo "SKIPPED: PyTorch bridge tests (no PyTorch)"
 fi
-
-echo "== Rust tests"
+echo "== Rust tests (bridge against ${GPUMEM_PYTHON:-nothing})"
 cargo test --release --workspace

@@ -1,32 +1,45 @@
-"""Command line: ``python -m gpumem_trace MODEL --batch N --out FILE [options]``.
+"""Command line: ``python -m gpumem_trace MODEL --batch N [N ...] --out FILE [FILE ...] [options]``.
+
+Several batch sizes are traced in one process (the model built anew for each, the imports paid
+once), each into its own file: what gpumem needs to fit a batch-symbolic trace.
 
 Exit codes: 0 trace written; 2 bad model reference or option; 3 the model failed (import error
 inside it, exception in forward/backward); 4 timed out.
 """
 
 import argparse
+import re
 import signal
 import sys
 import traceback
 
 
+# The oldest torch release the tracer is tested on (scripts/test.sh runs the pinned and newest).
+OLDEST_TORCH = (2, 4)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="gpumem_trace", description=__doc__.splitlines()[0])
     p.add_argument("model")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--out", required=True)
+    p.add_argument("--batch", type=int, nargs="+", default=[32])
+    p.add_argument("--out", nargs="+", required=True)
     p.add_argument("--optimizer", default="adam")
     p.add_argument("--precision", default="fp32")
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--input", help="input shape CxHxW for image models")
     p.add_argument("--seq-len", type=int)
-    p.add_argument("--sdpa", default="flash", choices=["flash", "mem_efficient", "math"])
+    p.add_argument("--gpu-capability", default="8.0", help="compute capability of the GPU the job will run on (decides the attention kernel)")
+    p.add_argument("--sdpa", choices=["flash", "efficient", "cudnn", "math"], help="force this attention kernel where it applies")
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--data-parallel", type=int, default=1, help="GPUs of a torch.nn.DataParallel job; the trace is GPU 0's")
     p.add_argument("--validate", default="none", choices=["none", "no-grad", "grad"],
                    help="after training, two eval-mode batches under torch.no_grad() or with autograd on")
+    p.add_argument("--outputs", choices=["kept", "dropped"],
+                   help="whether the loop holds the model's output through backward (default: kept, dropped for hf: models as their Trainer runs them)")
+    p.add_argument("--attention-mask", default="none", choices=["none", "padded"],
+                   help="hf: models: pass the attention mask of a padded batch (materialised by the model) instead of none")
     p.add_argument("--timeout", type=float, default=0, help="seconds; 0 = none")
     a = p.parse_args(argv)
 
@@ -34,8 +47,12 @@ def main(argv=None):
         print(f"gpumem_trace: {msg}", file=sys.stderr)
         return code
 
-    if a.batch < 1 or a.iterations < 2 or a.grad_accum < 1 or a.data_parallel < 1:
+    if min(a.batch) < 1 or a.iterations < 2 or a.grad_accum < 1 or a.data_parallel < 1:
         return fail(2, "--batch, --grad-accum and --data-parallel must be at least 1 and --iterations at least 2")
+    if len(a.batch) != len(a.out):
+        return fail(2, f"{len(a.batch)} batch sizes but {len(a.out)} output files")
+    if not re.fullmatch(r"\d+\.\d+", a.gpu_capability):
+        return fail(2, f"--gpu-capability `{a.gpu_capability}` is not MAJOR.MINOR (e.g. 9.0)")
     shape = None
     if a.input:
         try:
@@ -44,9 +61,12 @@ def main(argv=None):
         except (ValueError, AssertionError):
             return fail(2, f"--input `{a.input}` is not CxHxW")
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError as e:
         return fail(3, f"cannot import torch: {e} (install it in this interpreter)")
+    version = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+    if version < OLDEST_TORCH:
+        return fail(3, f"torch {torch.__version__} is older than {'.'.join(map(str, OLDEST_TORCH))}, the oldest release the tracer supports")
     from .loop import TraceOptions, trace_training
     from .models import ReferenceError_
 
@@ -56,12 +76,14 @@ def main(argv=None):
     if a.timeout > 0:
         signal.signal(signal.SIGALRM, on_alarm)
         signal.setitimer(signal.ITIMER_REAL, a.timeout)
-    opts = TraceOptions(model=a.model, batch=a.batch, optimizer=a.optimizer, precision=a.precision, iterations=a.iterations,
-                        input_shape=shape, seq_len=a.seq_len, sdpa=a.sdpa, checkpointing=a.checkpointing,
+    opts = TraceOptions(model=a.model, batch=a.batch[0], optimizer=a.optimizer, precision=a.precision, iterations=a.iterations,
+                        input_shape=shape, seq_len=a.seq_len, gpu_capability=a.gpu_capability, sdpa=a.sdpa, checkpointing=a.checkpointing,
                         channels_last=a.channels_last, grad_accum=a.grad_accum, data_parallel=a.data_parallel,
-                        validate=a.validate)
+                        validate=a.validate, outputs=a.outputs, attention_mask=a.attention_mask)
     try:
-        trace_training(opts, a.out)
+        for batch, out in zip(a.batch, a.out):
+            opts.batch = batch
+            trace_training(opts, out)
     except ReferenceError_ as e:
         return fail(2, str(e))
     except TimeoutError:

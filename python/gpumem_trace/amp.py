@@ -7,6 +7,7 @@ half→float kernel; bf16 input is converted first), and a few ops promote to th
 """
 
 import contextlib
+import functools
 import inspect
 import types
 
@@ -17,21 +18,33 @@ from torch.overrides import TorchFunctionMode
 
 aten = torch.ops.aten
 
-LOW = {
-    F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.mm, torch.Tensor.mm,
-    torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.addmm, torch.Tensor.addmm, torch.addbmm,
-    torch.addmv, torch.mv, torch.einsum, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
-    F.conv_transpose3d, F.prelu, torch.chain_matmul, torch.addr,
-}
-FP32 = {
-    F.layer_norm, torch.layer_norm, F.group_norm, torch.group_norm, F.softplus, torch.exp, torch.Tensor.exp,
-    torch.log, torch.Tensor.log, torch.pow, torch.Tensor.pow, torch.rsqrt, torch.reciprocal, torch.log1p, torch.expm1,
-    F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.nll_loss, F.binary_cross_entropy_with_logits, F.kl_div,
-    F.cosine_similarity, torch.cdist, torch.dist, torch.norm, F.normalize, torch.logsumexp, F.interpolate,
-    F.multilabel_margin_loss, F.soft_margin_loss, F.margin_ranking_loss, F.poisson_nll_loss, F.cosine_embedding_loss,
-}
+def _entry_points(*names, modules=(torch, torch.Tensor, F, torch.linalg)):
+    """Every Python function that reaches the named ATen ops (``torch.exp``, ``Tensor.exp``,
+    ``F.softplus`` …), where this torch has it."""
+    return {getattr(m, n) for n in names for m in modules if callable(getattr(m, n, None))}
+
+
+# CUDA autocast's op lists (aten/src/ATen/autocast_mode.h: AT_FORALL_LOWER_PRECISION_FP,
+# AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE), unchanged from 2.4 to 2.15
+# but for rms_norm (fp32 from 2.12); see docs/sdpa.md.
+LOW = _entry_points(
+    "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "prelu", "addmm",
+    "addmv", "addr", "matmul", "einsum", "mm", "mv", "vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul",
+    "multi_dot", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "scaled_dot_product_attention",
+) | {torch.Tensor.__matmul__, torch.Tensor.__rmatmul__}
+FP32 = _entry_points(
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "sinh", "tan",
+    "pow", "softplus", "layer_norm", "group_norm", "frobenius_norm", "nuclear_norm", "cosine_similarity", "poisson_nll_loss",
+    "cosine_embedding_loss", "nll_loss", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss",
+    "mse_loss", "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
+    "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp", "interpolate",
+    "upsample", "upsample_nearest", "upsample_bilinear", "norm", "normalize",
+    *(["rms_norm"] if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 12) else []),
+) | {torch.Tensor.__pow__, torch.Tensor.__rpow__}
+# Ops that compute in fp32 unless given a dtype (fp32_set_opt_dtype); softmax has its own path.
+SET_OPT_DTYPE = _entry_points("prod", "cumprod", "cumsum", "sum", "vector_norm", "matrix_norm")
 SOFTMAX = {F.softmax: False, torch.softmax: False, torch.Tensor.softmax: False, F.log_softmax: True, torch.log_softmax: True, torch.Tensor.log_softmax: True}
-PROMOTE = {torch.cat, torch.stack, torch.addcmul, torch.addcdiv, torch.atan2, torch.cross, torch.dot, torch.vdot, torch.tensordot, torch.index_put}
+PROMOTE = _entry_points("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sample", "index_put", "tensordot", "scatter_add")
 
 
 def _map(x, fn):
@@ -44,19 +57,27 @@ def _map(x, fn):
     return x
 
 
+# The emulated autocast modes entered now, innermost last (``torch.autocast`` calls in model
+# code pause or start them).
+_ACTIVE = []
+
+
 class Autocast(TorchFunctionMode):
     def __init__(self, dtype):
         super().__init__()
         self.dtype = dtype
         self.cache = {}
         self.depth = 0  # how many `with` blocks are open: checkpoint asks at forward time
+        self.enabled = True  # False inside the model's own `torch.autocast(..., enabled=False)`
 
     def __enter__(self):
         self.depth += 1
+        _ACTIVE.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         self.depth -= 1
+        _ACTIVE.pop()
         return super().__exit__(*exc)
 
     def low(self, t):
@@ -74,11 +95,15 @@ class Autocast(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in LOW:
+        if not self.enabled:
+            return func(*args, **kwargs)
+        if func in LOW or getattr(func, "autocast_low", False):
             return func(*_map(args, self.low), **_map(kwargs, self.low))
         if func in FP32:
             up = lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t  # noqa: E731
             return func(*_map(args, up), **_map(kwargs, up))
+        if func in SET_OPT_DTYPE and kwargs.get("dtype") is None and args and isinstance(args[0], torch.Tensor) and args[0].dtype in (torch.float16, torch.bfloat16):
+            return func(*args, **kwargs, dtype=torch.float32)
         if func in SOFTMAX:
             return self.softmax(func, SOFTMAX[func], args, kwargs)
         if func is F.cross_entropy:
@@ -141,6 +166,67 @@ class Autocast(TorchFunctionMode):
         with self:
             yield
         self.clear()
+
+
+_REAL_AUTOCAST = torch.autocast
+
+
+class _AutocastCall:
+    """``torch.autocast(...)`` as model code calls it while tracing. The job runs on a CUDA
+    device (the tracer's tensors are on meta), so CUDA autocast is emulated: ``enabled=False``
+    pauses the emulated mode (rotary embeddings computed in fp32), ``enabled=True`` starts one
+    with its dtype (a model that autocasts itself); other devices' autocast is the real one."""
+
+    def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+        self.args = (device_type, dtype, enabled)
+        self.real = None if device_type in ("cuda", "meta") else _REAL_AUTOCAST(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+        self.undo = []
+
+    def __enter__(self):
+        if self.real is not None:
+            return self.real.__enter__()
+        _, dtype, enabled = self.args
+        outer = _ACTIVE[-1] if _ACTIVE else None
+        if not enabled and outer is not None and outer.enabled:
+            outer.enabled = False
+            self.undo.append(lambda: setattr(outer, "enabled", True))
+        elif enabled and (outer is None or not outer.enabled or outer.dtype != (dtype or torch.float16)):
+            mode = Autocast(dtype or torch.float16)
+            mode.__enter__()
+            self.undo.append(lambda: (mode.__exit__(None, None, None), mode.clear()))
+        return self
+
+    def __exit__(self, *exc):
+        if self.real is not None:
+            return self.real.__exit__(*exc)
+        while self.undo:
+            self.undo.pop()()
+        return False
+
+    def __call__(self, fn):  # used as a decorator
+        @functools.wraps(fn)
+        def wrapped(*a, **k):
+            with _AutocastCall(*self.args):
+                return fn(*a, **k)
+
+        return wrapped
+
+
+@contextlib.contextmanager
+def model_autocast_calls():
+    """Routes ``torch.autocast`` / ``torch.amp.autocast`` / ``torch.cuda.amp.autocast`` calls in
+    model code to the emulation while tracing."""
+    cuda_amp = getattr(torch.cuda, "amp", None)
+    saved = (torch.autocast, torch.amp.autocast, getattr(cuda_amp, "autocast", None))
+    torch.autocast = torch.amp.autocast = _AutocastCall
+    if cuda_amp is not None:
+        cuda_amp.autocast = lambda enabled=True, dtype=torch.float16, cache_enabled=True: _AutocastCall("cuda", dtype, enabled)
+    try:
+        yield
+    finally:
+        torch.autocast, torch.amp.autocast = saved[0], saved[1]
+        if cuda_amp is not None:
+            cuda_amp.autocast = saved[2]
 
 
 _GUARDS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")

@@ -6,6 +6,9 @@
         with autocast(): outputs = model(inputs); loss = loss_fn(outputs, labels)
         scaler.scale(loss).backward()         # or loss.backward()
         scaler.step(optimizer); scaler.update()   # or optimizer.step()
+
+Hugging Face models train as their Trainer runs them, ``loss = model(**batch).loss``: the output
+(the logits) is not held through backward (``--outputs kept`` for a loop that holds it).
 """
 
 import contextlib
@@ -19,7 +22,8 @@ import torch.utils.checkpoint
 from . import amp, cuda
 from .models import ReferenceError_, resolve
 from .parallel import DataParallel
-from .tracer import Recorder, TraceMode
+from .sdpa import Stack
+from .tracer import ModulePaths, Recorder, TraceMode
 
 DEVICE = "meta"
 
@@ -33,14 +37,27 @@ class TraceOptions:
     iterations: int = 3
     input_shape: tuple = None
     seq_len: int = None
-    sdpa: str = "flash"
+    gpu_capability: str = "8.0"  # compute capability of the GPU the job will run on
+    sdpa: str = None  # a forced attention kernel (flash, efficient, cudnn, math), else PyTorch's choice
     checkpointing: bool = False
     channels_last: bool = False
     grad_accum: int = 1
     data_parallel: int = 1  # GPUs of a torch.nn.DataParallel job (traced as GPU 0)
     validate: str = "none"  # after training: two eval-mode batches, "no-grad" or "grad"
+    outputs: str = None  # "kept" or "dropped" through backward; None: the model source's usual loop
+    attention_mask: str = "none"  # "padded": Hugging Face models get the attention mask of a padded batch
     lr: float = 1e-3
     extra: dict = field(default_factory=dict)
+
+
+# --precision: (autocast dtype, dtype of the weights and optimizer state when not fp32).
+PRECISIONS = {
+    "fp32": (None, None),
+    "amp-fp16": (torch.float16, None),
+    "amp-bf16": (torch.bfloat16, None),
+    "fp16": (None, torch.float16),
+    "bf16": (None, torch.bfloat16),
+}
 
 
 def make_optimizer(name, params, lr):
@@ -78,18 +95,19 @@ class GradScaler:
         torch._amp_update_scale_(self.scale_t, self.growth, found, 2.0, 0.5, 2000)
 
 
-def to_device_keeping_ties(model):
-    """``model.to(device)`` as on a GPU: there a CPU→CUDA move swaps each parameter's data in
-    place, so weights tied between modules (GPT-2's lm_head and wte) stay one parameter. A move to
-    meta creates new parameters instead, which would untie them; convert each tensor once and
-    re-tie."""
+def to_device_keeping_ties(model, dtype=None):
+    """``model.to(device[, dtype])`` as on a GPU: there a CPU→CUDA move swaps each parameter's
+    data in place, so weights tied between modules (GPT-2's lm_head and wte) stay one parameter.
+    A move to meta creates new parameters instead, which would untie them; convert each tensor
+    once and re-tie. ``dtype`` converts floating-point parameters and buffers (pure bf16/fp16
+    training: ``model.to(device, torch.bfloat16)``)."""
     owners = {}
     for m in model.modules():
         for name, p in m._parameters.items():
             if p is not None:
                 owners.setdefault(id(p), []).append((m, name))
     memo = {}
-    model._apply(lambda t: memo.setdefault(id(t), (t, t.to(DEVICE)))[1])
+    model._apply(lambda t: memo.setdefault(id(t), (t, t.to(DEVICE, dtype) if dtype is not None and t.is_floating_point() else t.to(DEVICE)))[1])
     for refs in owners.values():
         first = refs[0][0]._parameters[refs[0][1]]
         for m, name in refs[1:]:
@@ -147,7 +165,7 @@ def _count_activations(model):
 def trace_training(opts: TraceOptions, out_path: str):
     """Runs the loop and writes the trace to ``out_path``; returns the header."""
     t0 = time.time()
-    job = resolve(opts.model, input_shape=opts.input_shape, seq_len=opts.seq_len, batch_hint=opts.batch)
+    job = resolve(opts.model, input_shape=opts.input_shape, seq_len=opts.seq_len, batch_hint=opts.batch, attention_mask=opts.attention_mask)
     model = job.model
     model.train()
     if opts.checkpointing:
@@ -157,16 +175,20 @@ def trace_training(opts: TraceOptions, out_path: str):
             model.gradient_checkpointing_enable()
         else:
             checkpoint_blocks(model, opts.model)
-    low = {"fp32": None, "amp-fp16": torch.float16, "amp-bf16": torch.bfloat16}
-    if opts.precision not in low:
-        raise ReferenceError_(f"unknown precision `{opts.precision}` (expected fp32, amp-fp16 or amp-bf16)")
+    if opts.precision not in PRECISIONS:
+        raise ReferenceError_(f"unknown precision `{opts.precision}` (expected {', '.join(PRECISIONS)})")
+    autocast_dtype, weights_dtype = PRECISIONS[opts.precision]
     rec = Recorder()
-    mode = TraceMode(rec, DEVICE)
+    paths = ModulePaths(model)
+    mode = TraceMode(rec, DEVICE, paths)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     specs = job.batch_specs(opts.batch)
     acts, hooks = _count_activations(model)
     parallel = DataParallel(model, opts.data_parallel) if opts.data_parallel > 1 else None
-    autocast = amp.Autocast(low[opts.precision]) if low[opts.precision] else None
+    autocast = amp.Autocast(autocast_dtype) if autocast_dtype else None
+    # `loss = model(**batch).loss` (Hugging Face's Trainer) drops the model's output before
+    # backward; `outputs = model(x); loss = criterion(outputs, y)` keeps it alive through it.
+    keep_outputs = job.keeps_outputs if opts.outputs is None else opts.outputs == "kept"
 
     def next_batch(old):
         """The loop head rebinds `inputs, labels = ...`: the old batch dies, in that order,
@@ -174,7 +196,8 @@ def trace_training(opts: TraceOptions, out_path: str):
         for i in range(len(old or [])):
             old[i] = None
         rec.phase, rec.category = "forward", "input_batch"
-        new = [torch.empty(shape, dtype=dtype, device=DEVICE) for shape, dtype in specs]
+        # Pure low-precision training feeds its inputs in the weights' dtype.
+        new = [torch.empty(shape, dtype=weights_dtype if weights_dtype and dtype.is_floating_point else dtype, device=DEVICE) for shape, dtype in specs]
         if opts.channels_last and new[0].dim() == 4:
             new[0] = new[0].to(memory_format=torch.channels_last)
         rec.category = None
@@ -196,9 +219,9 @@ def trace_training(opts: TraceOptions, out_path: str):
         if autocast is not None:
             autocast.clear()
 
-    with cuda.patches(opts.sdpa), mode, (autocast.under_checkpoint() if autocast else contextlib.nullcontext()):
+    with cuda.patches(Stack.here(opts.gpu_capability, opts.sdpa)), amp.model_autocast_calls(), paths, mode, (autocast.under_checkpoint() if autocast else contextlib.nullcontext()):
         rec.phase = "setup"
-        to_device_keeping_ties(model)
+        to_device_keeping_ties(model, weights_dtype)
         if opts.channels_last:
             model.to(memory_format=torch.channels_last)
         optimizer = make_optimizer(opts.optimizer, [p for p in model.parameters() if p.requires_grad], opts.lr)
@@ -212,6 +235,8 @@ def trace_training(opts: TraceOptions, out_path: str):
                     optimizer.zero_grad(set_to_none=True)
                 rec.phase = "forward"
                 outputs, loss = forward_and_loss(batch)
+                if not keep_outputs:
+                    outputs = None
                 end_autocast()
                 if it == 0 and micro == 0:
                     for h in hooks:

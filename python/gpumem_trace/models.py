@@ -20,8 +20,10 @@ class ReferenceError_(Exception):
 
 
 class Job:
-    def __init__(self, model, batch_specs, loss, forward=None, seq_len=None, input_shape=None):
+    def __init__(self, model, batch_specs, loss, forward=None, seq_len=None, input_shape=None, keeps_outputs=True):
         self.model = model
+        # Whether the usual loop for this kind of model holds its output through backward.
+        self.keeps_outputs = keeps_outputs
         self.batch_specs = batch_specs  # batch size -> list of (shape, dtype) of the batch tensors
         self.loss = loss  # (output, batch tensors) -> scalar
         self.forward = forward or (lambda m, b: m(b[0]))
@@ -197,7 +199,35 @@ HF_NAMED = {
 HF_ALIASES = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads", "ffn": "intermediate_size", "vocab": "vocab_size"}
 
 
-def hf_job(spec, ref, seq_len):
+# Keys of an hf: reference that are not config fields but config arguments.
+HF_CONFIG_ARGUMENTS = {"attn_implementation"}
+
+
+def _padded_batches(tr):
+    """The batch is padded: Hugging Face's checks whether an attention mask can be dropped
+    (every token attended, so SDPA's `is_causal` or no mask will do) must answer no. Those checks
+    read the mask's values, which meta tensors do not have."""
+    try:
+        import transformers.masking_utils as mu  # transformers 4.53+
+
+        mu.fast_all = lambda t: torch.zeros((), dtype=torch.bool, device=t.device)
+    except ImportError:
+        pass
+    try:
+        from transformers.modeling_attn_mask_utils import AttentionMaskConverter  # older releases
+
+        AttentionMaskConverter._ignore_causal_mask_sdpa = staticmethod(lambda *a, **k: False)
+    except ImportError:
+        pass
+
+
+def hf_job(spec, ref, seq_len, attention_mask="none"):
+    """``hf:CLASS(key=value,...)``: a transformers class built from its config with these keys
+    (no Hub access), trained the way its head trains: language models (causal, masked,
+    sequence-to-sequence) on token ids with ``labels``, sequence classifiers on one label per
+    sequence, image classifiers on ``pixel_values`` at the config's image size, contrastive
+    models (CLIP, SigLIP) on text and images with ``return_loss``. ``attention_mask="padded"``
+    passes a mask of a padded batch, which Hugging Face then materialises."""
     tr = _require("transformers", "transformers")
     m = re.fullmatch(r"([^()]+)(?:\((.*)\))?", spec.strip())
     if not m:
@@ -209,7 +239,11 @@ def hf_job(spec, ref, seq_len):
         kw = dict(HF_NAMED[inner])
     else:
         kw = _kwargs(inner, ref)
-    cls = getattr(tr, name, None)
+    try:
+        cls = getattr(tr, name, None)
+    except ImportError as e:  # transformers refuses this torch (it needs a newer one)
+        raise ReferenceError_(f"{ref}: transformers {tr.__version__} cannot use torch {torch.__version__} ({str(e).strip() or 'its models need a newer torch'}); "
+                              "install a transformers release that supports this torch") from e
     if cls is None or not isinstance(cls, type) or not hasattr(cls, "config_class"):
         known = [n for n in dir(tr) if n[:1].isupper() and ("For" in n or n.endswith("Model"))]
         _unknown("Hugging Face", name, known)
@@ -218,22 +252,54 @@ def hf_job(spec, ref, seq_len):
     mapped = {}
     for k, v in kw.items():
         k2 = k if k in fields else HF_ALIASES.get(k, k)
-        if k2 == "vocab_size" or k2 in fields:
+        if k2 == "vocab_size" or k2 in fields or k2 in HF_CONFIG_ARGUMENTS:
             mapped[k2] = v
         elif k == "vocab":
             mapped["vocab_size"] = v
         else:
             raise ReferenceError_(f"{ref}: {config_cls.__name__} has no field `{k}`")
     config = config_cls(**mapped)
+    lower = name.lower()
+    if ("sequenceclassification" in lower or getattr(config, "is_encoder_decoder", False)) and getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = 0  # batches of more than one sequence need one
+    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = config.pad_token_id  # labels are shifted right behind it, as pretrained configs set
     with no_init():
         model = cls(config)
-    limits = [getattr(config, k, None) for k in ("max_position_embeddings", "n_positions")]
+    text = getattr(config, "text_config", None) or config
+    limits = [getattr(text, k, None) for k in ("max_position_embeddings", "n_positions")]
     seq = seq_len or min([512] + [n for n in limits if isinstance(n, int) and n > 0])
-    if "sequenceclassification" in name.lower():
-        specs = lambda b: [((b, seq), torch.long), ((b,), torch.long)]  # noqa: E731
+    vision = getattr(config, "vision_config", None) or config
+    side = getattr(vision, "image_size", 224)
+    side = side[0] if isinstance(side, (list, tuple)) else side
+    image = (getattr(vision, "num_channels", 3), side, side)
+    ids = lambda b: ((b, seq), torch.long)  # noqa: E731
+    if "forimageclassification" in lower:
+        specs = lambda b: [((b, *image), torch.float32), ((b,), torch.long)]  # noqa: E731
+        forward = lambda m, b: m(pixel_values=b[0], labels=b[1])  # noqa: E731
+        seq = None
+    elif hasattr(model, "get_image_features") and hasattr(model, "get_text_features") and "for" not in lower:
+        specs = lambda b: [ids(b), ((b, *image), torch.float32)]  # noqa: E731
+        forward = lambda m, b: m(input_ids=b[0], pixel_values=b[1], return_loss=True, **_mask(b, 2))  # noqa: E731
+    elif "sequenceclassification" in lower:
+        specs = lambda b: [ids(b), ((b,), torch.long)]  # noqa: E731
+        forward = lambda m, b: m(input_ids=b[0], labels=b[1], **_mask(b, 2))  # noqa: E731
     else:
-        specs = lambda b: [((b, seq), torch.long), ((b, seq), torch.long)]  # noqa: E731
-    return Job(model, specs, lambda out, batch: out.loss, forward=lambda m, b: m(input_ids=b[0], labels=b[1]), seq_len=seq)
+        specs = lambda b: [ids(b), ids(b)]  # noqa: E731
+        forward = lambda m, b: m(input_ids=b[0], labels=b[1], **_mask(b, 2))  # noqa: E731
+    if attention_mask == "padded":
+        if seq is None:
+            raise ReferenceError_(f"{ref}: --attention-mask applies to models that take token ids")
+        _padded_batches(tr)
+        base = specs
+        specs = lambda b: base(b) + [ids(b)]  # noqa: E731
+    # Hugging Face's Trainer takes `loss = model(**batch).loss`: the output is not held.
+    return Job(model, specs, lambda out, batch: out.loss, forward=forward, seq_len=seq, input_shape=image if seq is None else None, keeps_outputs=False)
+
+
+def _mask(batch, index):
+    """The attention mask, where the batch carries one (it is then the last tensor)."""
+    return {"attention_mask": batch[index]} if len(batch) > index else {}
 
 
 def py_job(spec, ref, batch_hint):
@@ -272,7 +338,7 @@ def py_job(spec, ref, batch_hint):
     return Job(model, specs, lambda out, b: loss(out, b if len(b) > 1 else b[0]))
 
 
-def resolve(ref, input_shape=None, seq_len=None, batch_hint=2):
+def resolve(ref, input_shape=None, seq_len=None, batch_hint=2, attention_mask="none"):
     kind, sep, spec = ref.partition(":")
     if not sep:
         raise ReferenceError_(f"`{ref}` is not a model reference (torchvision:NAME, timm:NAME, hf:CLASS(...), smp:ARCH(...), py:FILE:FUNCTION)")
@@ -280,8 +346,10 @@ def resolve(ref, input_shape=None, seq_len=None, batch_hint=2):
         return torchvision_job(spec, ref, input_shape)
     if kind == "timm":
         return timm_job(spec, ref, input_shape)
+    if attention_mask != "none" and kind != "hf":
+        raise ReferenceError_(f"--attention-mask applies to Hugging Face models (hf:), not `{ref}`")
     if kind == "hf":
-        return hf_job(spec, ref, seq_len)
+        return hf_job(spec, ref, seq_len, attention_mask)
     if kind == "smp":
         return smp_job(spec, ref, input_shape)
     if kind == "py":

@@ -4,7 +4,10 @@ import json
 import weakref
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .sdpa import KERNEL_BUFFERS
 
 try:
     from torch.utils.flop_counter import flop_registry
@@ -44,11 +47,14 @@ class Recorder:
         self.workspaces = set()
         self.kernels = True  # off during validation: utilization is the training step's
 
-    def alloc(self, key, nbytes, op, category=None):
+    def alloc(self, key, nbytes, op, category=None, module=""):
         i = self.next_id
         self.next_id += 1
         cat = category or self.category or DEFAULT_CATEGORY[self.phase]
-        self.events.append({"ev": "alloc", "id": i, "bytes": int(nbytes), "category": cat, "phase": self.phase, "op": op})
+        e = {"ev": "alloc", "id": i, "bytes": int(nbytes), "category": cat, "phase": self.phase, "op": op}
+        if module:
+            e["module"] = module
+        self.events.append(e)
         if key is not None:
             self.live[key] = (i, len(self.events) - 1)
         return i
@@ -59,6 +65,12 @@ class Recorder:
         entry = self.live.pop(key, None)
         if entry is not None:
             self.events.append({"ev": "free", "id": entry[0]})
+
+    def transient(self, nbytes, op, module=""):
+        """A buffer a kernel allocates and frees before it returns."""
+        if nbytes > 0:
+            i = self.alloc(None, nbytes, op, category="temporary", module=module)
+            self.events.append({"ev": "free", "id": i})
 
     def op(self, name, flops, bytes_read, bytes_written):
         if not self.kernels:
@@ -108,13 +120,72 @@ def _nbytes(x):
     return sum(t.numel() * t.element_size() for t in _tensors(x))
 
 
+# The autograd node being run (torch >= 2.1; on older ones backward allocations name no module).
+_current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+class ModulePaths(TorchFunctionMode):
+    """Which module an allocation belongs to, by its path in ``named_modules()``. In forward it is
+    the innermost module whose forward is running (global module hooks keep the stack). In
+    backward it is the module whose forward created the autograd node being run: this mode
+    tags every node with the module path as the node is created."""
+
+    KEY = "gpumem_module"
+
+    def __init__(self, model):
+        super().__init__()
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.stack = []
+        self.handles = []
+
+    def __enter__(self):
+        hooks = torch.nn.modules.module
+        self.handles = [hooks.register_module_forward_pre_hook(self._enter_module), hooks.register_module_forward_hook(self._leave_module)]
+        return super().__enter__()
+
+    def _enter_module(self, module, inputs):
+        # A module outside the model (a loss module) belongs to whoever called it.
+        self.stack.append(self.names.get(id(module), self.top()))
+
+    def _leave_module(self, module, inputs, output):
+        if self.stack:
+            self.stack.pop()
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return super().__exit__(*exc)
+
+    def top(self):
+        return self.stack[-1] if self.stack else ""
+
+    def current(self):
+        """The module of the op running now. Forward code running inside backward (activation
+        checkpointing's recomputation) has a stack of its own."""
+        if self.stack:
+            return self.stack[-1]
+        node = _current_autograd_node()
+        return node.metadata.get(self.KEY, "") if node is not None else ""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.stack:
+            path = self.stack[-1]
+            for t in _tensors(out):
+                node = t.grad_fn
+                if node is not None and self.KEY not in node.metadata:
+                    node.metadata[self.KEY] = path
+        return out
+
+
 class TraceMode(TorchDispatchMode):
     """Sees every ATen op below autograd; records new device storages and their deaths."""
 
-    def __init__(self, recorder, device="meta"):
+    def __init__(self, recorder, device="meta", modules=None):
         super().__init__()
         self.r = recorder
         self.device = device
+        self.modules = modules
         self.last_op = None
 
     def track(self, t, op):
@@ -124,7 +195,7 @@ class TraceMode(TorchDispatchMode):
         key = st._cdata
         if key in self.r.live or st.nbytes() == 0:
             return
-        self.r.alloc(key, st.nbytes(), op)
+        self.r.alloc(key, st.nbytes(), op, module=self.modules.current() if self.modules else "")
         weakref.finalize(st, self.r.free, key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -144,6 +215,10 @@ class TraceMode(TorchDispatchMode):
             self.last_op = name
         for t in _tensors(out):
             self.track(t, name)
+        buffers = KERNEL_BUFFERS.get(func)
+        if buffers is not None:
+            for nbytes in buffers(args, out):
+                self.r.transient(nbytes, name, self.modules.current() if self.modules else "")
         if func.overloadpacket in CUBLAS_OPS:
             self.r.workspace("autograd" if self.r.phase == "backward" else "main")
         flops = 0
@@ -176,9 +251,16 @@ def in_place_on_gpu(func, args, kwargs, phase, last_op):
 
 
 def _dense(t):
-    from torch._prims_common import is_non_overlapping_and_dense
-
-    return is_non_overlapping_and_dense(t)
+    """Whether ``t``'s elements fill its storage span exactly once, in some dimension order
+    (PyTorch's non-overlapping-and-dense rule; its helper is private and was renamed in 2.15)."""
+    if t.numel() == 0:
+        return True
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def data_dependent(func, args, kwargs):

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use gpumem_core::calibrate::fit_context;
 use gpumem_core::dataset::{Measurement, ModelRef, is_input_shape, read_measurements};
-use gpumem_core::estimate::{ESTIMATORS, Estimate, Estimator, by_name};
+use gpumem_core::estimate::{Breakdown, ESTIMATORS, Estimate, Estimator, PeakAt, Replay, by_name};
 use gpumem_core::eval::{Metrics, Outcome, metrics};
 use gpumem_core::families::{JobOptions, MAX_BATCH, ModelSpec};
 use gpumem_core::graph::Precision;
@@ -67,7 +67,8 @@ pub struct JobArgs {
     /// Optimizer: adam, adamw, sgd or sgd-momentum.
     #[arg(long, default_value = "adam")]
     optimizer: String,
-    /// Precision: fp32, amp-fp16 or amp-bf16.
+    /// Precision: fp32, amp-fp16, amp-bf16 (autocast), or fp16/bf16 (pure: weights, gradients
+    /// and optimizer state in that dtype; PyTorch models).
     #[arg(long, default_value = "fp32")]
     precision: String,
     /// Input shape CxHxW (PyTorch image models; default: the model's own).
@@ -93,6 +94,16 @@ pub struct JobArgs {
     /// validation loop without torch.no_grad(), which keeps each output's graph alive).
     #[arg(long, default_value = "none", value_parser = ["none", "no-grad", "grad"])]
     validate: String,
+    /// Whether the training loop holds the model's output through backward (PyTorch models):
+    /// kept (`outputs = model(x); loss = criterion(outputs, y)`) or dropped (`loss =
+    /// model(**batch).loss`, as Hugging Face's Trainer runs). Default: dropped for hf: models,
+    /// kept for the others.
+    #[arg(long, value_parser = ["kept", "dropped"])]
+    outputs: Option<String>,
+    /// Hugging Face models: `padded` passes the attention mask of a padded batch, which the
+    /// model materialises (and which keeps flash attention out); `none` passes no mask.
+    #[arg(long, default_value = "none", value_parser = ["none", "padded"])]
+    attention_mask: String,
 }
 
 impl JobArgs {
@@ -129,13 +140,15 @@ impl JobArgs {
         r.grad_accum = self.grad_accum;
         r.data_parallel = self.data_parallel;
         r.validate = self.validate.clone();
+        r.outputs = self.outputs.clone();
+        r.attention_mask = self.attention_mask.clone();
         Ok(r)
     }
 
     fn native_only_check(&self) -> CliResult {
-        if self.input.is_some() || self.seq_len.is_some() || self.checkpointing || self.channels_last || self.grad_accum != 1 || self.data_parallel != 1 || self.validate != "none" {
+        if self.input.is_some() || self.seq_len.is_some() || self.checkpointing || self.channels_last || self.grad_accum != 1 || self.data_parallel != 1 || self.validate != "none" || self.outputs.is_some() || self.attention_mask != "none" {
             return Err(CliError::input(
-                "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel and --validate apply to PyTorch models (torchvision:, timm:, hf:, smp:, py:)",
+                "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs and --attention-mask apply to PyTorch models (torchvision:, timm:, hf:, smp:, py:)",
             ));
         }
         Ok(())
@@ -179,7 +192,7 @@ fn model_trace(model: &Model, args: &JobArgs, job: &JobOptions, profile: &GpuPro
             m.trace(job).map_err(CliError::input)
         }
         Model::TraceFile(t) => Ok(t.clone()),
-        Model::Torch(r) => TorchTracer::from_env().trace(&args.request(r, job, profile)?).map_err(bridge_error),
+        Model::Torch(r) => TorchTracer::from_env().trace_for_reestimates(&args.request(r, job, profile)?).map_err(bridge_error),
     }
 }
 
@@ -211,6 +224,10 @@ pub struct EstimateArgs {
     /// bound), a utilization model replaces the physical model's figure. Native specs only.
     #[arg(long)]
     learned_model: Vec<PathBuf>,
+    /// Draw the replay's memory over the traced step (live bytes per category stacked,
+    /// reserved memory as a line) into this SVG file.
+    #[arg(long)]
+    timeline: Option<PathBuf>,
     /// Print one JSON object (see docs/json.md).
     #[arg(long)]
     json: bool,
@@ -273,11 +290,29 @@ struct EstimateJson<'a> {
     breakdown: serde_json::Map<String, serde_json::Value>,
     breakdown_bytes: &'a gpumem_core::estimate::Breakdown,
     #[serde(skip_serializing_if = "Option::is_none")]
+    peak_at: Option<&'a PeakAt>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reserved_peak: Option<MomentJson<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     allocator: Option<&'a gpumem_core::allocator::AllocatorStats>,
     /// Run-average DCGM fields (physical model, or learned models where given).
     utilization: UtilizationJson,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     learned: Vec<LearnedJson>,
+}
+
+/// The breakdown at the peak of reserved memory, where it is not the allocated peak's.
+#[derive(Serialize)]
+struct MomentJson<'a> {
+    peak_at: &'a PeakAt,
+    allocated_mib: f64,
+    reserved_mib: f64,
+    breakdown: serde_json::Map<String, serde_json::Value>,
+    breakdown_bytes: &'a Breakdown,
+}
+
+fn breakdown_mib(b: &Breakdown) -> serde_json::Map<String, serde_json::Value> {
+    b.items().iter().map(|(k, v)| (format!("{k}_mib"), serde_json::json!(mib(*v)))).collect()
 }
 
 #[derive(Serialize)]
@@ -303,7 +338,19 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
     let job = a.job.options(batch, &profile)?;
     let trace = model_trace(&model, &a.job, &job, &profile)?;
     let hybrid = a.estimator == "learned";
-    let mut est = estimator(if hybrid { "replay" } else { &a.estimator })?.estimate(&trace, &profile).map_err(CliError::input)?;
+    let mut est = if a.timeline.is_some() {
+        if hybrid || a.estimator != "replay" {
+            return Err(CliError::input("--timeline draws the replay estimator's allocator; use --estimator replay"));
+        }
+        Replay { timeline: true }.estimate(&trace, &profile)
+    } else {
+        estimator(if hybrid { "replay" } else { &a.estimator })?.estimate(&trace, &profile)
+    }
+    .map_err(CliError::input)?;
+    if let Some(svg) = &a.timeline {
+        let title = format!("{} · batch {} · {}", trace.header.model, trace.header.batch_size, profile.name);
+        crate::plot::memory_timeline(svg, &title, &est.timeline, est.peak_at.as_ref().map(|p| p.event)).map_err(CliError::other)?;
+    }
     let model_name = trace.header.model.clone();
     let mut util = physical(&trace, &profile, &HostModel::default());
     let learned = learned(&a.learned_model, &model, &trace, trace.header.batch_size, &profile, &mut util)?;
@@ -318,7 +365,6 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
         est.fits = est.fits && est.peak_bytes <= est.capacity_bytes;
     }
     if a.json {
-        let breakdown = est.breakdown.items().iter().map(|(k, v)| (format!("{k}_mib"), serde_json::json!(mib(*v)))).collect();
         let out = EstimateJson {
             model: model_name,
             batch_size: trace.header.batch_size,
@@ -331,8 +377,16 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             capacity_mib: mib(est.capacity_bytes),
             fits: est.fits,
             upper_bound_fits: est.upper_bound_bytes <= est.capacity_bytes,
-            breakdown,
+            breakdown: breakdown_mib(&est.breakdown),
             breakdown_bytes: &est.breakdown,
+            peak_at: est.peak_at.as_ref(),
+            reserved_peak: est.reserved_peak.as_ref().map(|m| MomentJson {
+                peak_at: &m.at,
+                allocated_mib: mib(m.allocated),
+                reserved_mib: mib(m.reserved),
+                breakdown: breakdown_mib(&m.breakdown),
+                breakdown_bytes: &m.breakdown,
+            }),
             allocator: est.allocator.as_ref(),
             utilization: UtilizationJson { smact: util.smact, smocc: util.smocc, gract: util.gract, dram: util.dram, fp32: util.fp32, step_ms: util.step_s * 1e3 },
             learned,
@@ -340,7 +394,7 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
         println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
         return Ok(());
     }
-    print_estimate(&model_name, trace.header.batch_size, &profile, &est);
+    print_estimate(&model_name, trace.header.batch_size, trace.header.iterations, &profile, &est);
     println!();
     println!(
         "utilization  SMACT {:.2}  SMOCC {:.2}  GRACT {:.2}  DRAMA {:.2}  FP32A {:.2}  ({:.1} ms/step){}",
@@ -361,7 +415,7 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
     Ok(())
 }
 
-fn print_estimate(model: &str, batch: u64, profile: &GpuProfile, est: &Estimate) {
+fn print_estimate(model: &str, batch: u64, iterations: u32, profile: &GpuProfile, est: &Estimate) {
     println!("model      {model}");
     println!("batch      {batch}");
     println!("gpu        {} ({} MiB)", profile.display, profile.capacity_mib);
@@ -376,9 +430,28 @@ fn print_estimate(model: &str, batch: u64, profile: &GpuProfile, est: &Estimate)
     };
     println!("verdict      {verdict}");
     println!();
-    for (name, bytes) in est.breakdown.items() {
+    match &est.peak_at {
+        Some(at) => println!("at the peak of allocated memory — {}:", at.describe(iterations)),
+        None => println!("at the peak:"),
+    }
+    print_breakdown(&est.breakdown);
+    if let Some(m) = &est.reserved_peak {
+        println!();
+        println!(
+            "the peak of reserved memory, {:.1} MiB (with {:.1} MiB allocated) — {}:",
+            bytes_to_mib(m.reserved),
+            bytes_to_mib(m.allocated),
+            m.at.describe(iterations)
+        );
+        print_breakdown(&m.breakdown);
+    }
+}
+
+fn print_breakdown(b: &Breakdown) {
+    for (name, bytes) in b.items() {
         if bytes > 0 {
-            println!("  {name:<16} {:>10.1} MiB", bytes_to_mib(bytes));
+            let note = if name == "allocator_slack" { "   (reserved − allocated: cached and split blocks, rounding)" } else { "" };
+            println!("  {name:<16} {:>10.1} MiB{note}", bytes_to_mib(bytes));
         }
     }
 }
@@ -506,6 +579,7 @@ fn row_trace(m: &Measurement, job: &JobArgs, profile: &GpuProfile) -> CliResult<
             req.input = m.input.clone().or(req.input);
             req.seq_len = m.seq_len.or(req.seq_len);
             req.data_parallel = m.data_parallel.unwrap_or(req.data_parallel);
+            req.outputs = m.outputs.clone().or(req.outputs);
             Ok(TorchTracer::from_env().trace(&req).map_err(|e| e.to_string()))
         }
         ModelRef::External(r) => Ok(Err(format!("`{r}` is neither a native spec nor a PyTorch reference"))),
@@ -560,6 +634,7 @@ fn history_rows(state: &Path) -> CliResult<Vec<Measurement>> {
                 input: None,
                 seq_len: None,
                 data_parallel: None,
+                outputs: None,
             })
         })
         .collect();

@@ -134,3 +134,79 @@ where
     }
     root.present().map_err(err)
 }
+
+/// The replay's memory over one trace: live bytes per category stacked (allocated memory),
+/// reserved memory as a line, the allocated peak marked. x is the event index.
+pub fn memory_timeline(svg: &Path, title: &str, points: &[gpumem_core::estimate::TimelinePoint], peak_event: Option<u32>) -> Result<(), String> {
+    register();
+    draw_memory(SVGBackend::new(svg, (1400, 700)).into_drawing_area(), title, points, peak_event).map_err(|e| format!("{}: {e}", svg.display()))
+}
+
+/// At most this many x positions are drawn: each keeps the largest point of its stretch of
+/// events, so no peak is lost.
+const TIMELINE_COLUMNS: usize = 2000;
+
+fn draw_memory<DB: DrawingBackend>(root: DrawingArea<DB, plotters::coord::Shift>, title: &str, points: &[gpumem_core::estimate::TimelinePoint], peak_event: Option<u32>) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    use gpumem_core::trace::Category;
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    root.fill(&WHITE).map_err(err)?;
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let last = points.last().map_or(1, |p| p.event.max(1));
+    let per = (last as usize).div_ceil(TIMELINE_COLUMNS).max(1) as u32;
+    let mut columns: Vec<gpumem_core::estimate::TimelinePoint> = Vec::new();
+    for p in points {
+        match columns.last_mut() {
+            Some(c) if c.event / per == p.event / per => {
+                if p.reserved > c.reserved || p.allocated > c.allocated {
+                    *c = gpumem_core::estimate::TimelinePoint { event: c.event, ..*p };
+                }
+            }
+            _ => columns.push(*p),
+        }
+    }
+    // Headroom above the highest point for the legend.
+    let top = columns.iter().map(|p| mib(p.reserved.max(p.live.iter().sum()))).fold(1.0, f64::max) * 1.3;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(80)
+        .build_cartesian_2d(0f64..last as f64, 0f64..top)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("trace event (setup, then each iteration's forward, backward, optimizer)")
+        .y_desc("MiB")
+        .x_label_formatter(&|v| format!("{v:.0}"))
+        .y_label_formatter(&|v| format!("{v:.0}"))
+        .draw()
+        .map_err(err)?;
+    // Stacked areas, drawn from the top of the stack down so each covers the ones below it.
+    let colors = [RGBColor(31, 119, 180), RGBColor(44, 160, 44), RGBColor(148, 103, 189), RGBColor(255, 127, 14), RGBColor(188, 189, 34), RGBColor(23, 190, 207), RGBColor(140, 86, 75)];
+    for k in (0..Category::ALL.len()).rev() {
+        let color = colors[k];
+        let stacked = columns.iter().map(|p| (p.event as f64, mib(p.live[..=k].iter().sum())));
+        chart
+            .draw_series(AreaSeries::new(stacked, 0.0, color.mix(0.85)).border_style(color))
+            .map_err(err)?
+            .label(Category::ALL[k].name())
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], color.filled()));
+    }
+    chart
+        .draw_series(LineSeries::new(columns.iter().map(|p| (p.event as f64, mib(p.reserved))), BLACK.stroke_width(2)))
+        .map_err(err)?
+        .label("reserved (allocator)")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 15, y)], BLACK.stroke_width(2)));
+    if let Some(e) = peak_event {
+        chart
+            .draw_series(LineSeries::new([(e as f64, 0.0), (e as f64, top)], RED.stroke_width(1)))
+            .map_err(err)?
+            .label("peak of allocated memory")
+            .legend(|(x, y)| PathElement::new([(x, y), (x + 15, y)], RED));
+    }
+    chart.configure_series_labels().background_style(WHITE).border_style(BLACK).position(SeriesLabelPosition::UpperRight).draw().map_err(err)?;
+    root.present().map_err(err)
+}

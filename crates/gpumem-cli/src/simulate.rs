@@ -139,6 +139,7 @@ fn model_tasks(tasks: &[&Task], profile: &GpuProfile) -> CliResult<HashMap<Strin
         if let Some(v) = &m.validate {
             req.validate = v.clone();
         }
+        req.outputs = m.outputs.clone();
         let trace = match tracer.trace(&req) {
             Ok(t) => t,
             // A library this interpreter lacks (say segmentation-models-pytorch): the task is

@@ -30,7 +30,7 @@ fn replay_100k_events(bencher: Bencher) {
         let off = ids.len() as u32;
         ids.extend(one.ids.iter().map(|i| i + off as u64 * 1_000_000));
         events.extend(one.events.iter().map(|e| match *e {
-            gpumem_core::trace::Event::Alloc { slot, bytes, category, phase, op, stream } => gpumem_core::trace::Event::Alloc { slot: slot + off, bytes, category, phase, op, stream },
+            gpumem_core::trace::Event::Alloc { slot, bytes, category, phase, op, module, stream } => gpumem_core::trace::Event::Alloc { slot: slot + off, bytes, category, phase, op, module, stream },
             gpumem_core::trace::Event::Free { slot } => gpumem_core::trace::Event::Free { slot: slot + off },
             other => other,
         }));

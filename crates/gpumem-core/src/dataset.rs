@@ -45,6 +45,9 @@ pub struct Measurement {
     pub seq_len: Option<u64>,
     /// GPUs of a data-parallel job (column `gpus` above 1); `batch` is then the whole batch.
     pub data_parallel: Option<u32>,
+    /// Whether the job's loop held the model's output through backward (`kept`/`dropped`;
+    /// column `outputs`, or `dropped` where the optimizer says `hf-trainer`).
+    pub outputs: Option<String>,
 }
 
 /// Whether `s` is an image input shape `CxHxW` of positive sizes.
@@ -112,6 +115,7 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
                 input: None,
                 seq_len: None,
                 data_parallel: None,
+                outputs: None,
             }
         } else {
             let (mc, bc, vc) = (generic.0.unwrap(), generic.1.unwrap(), generic.2.unwrap());
@@ -158,7 +162,12 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
                 None => input_text.strip_prefix("seq").and_then(|s| s.parse().ok()),
             };
             let data_parallel = (gpus > 1).then_some(gpus);
-            Measurement { line, label, model, batch, measured_bytes: mib(&headers[vc], get(vc))?, optimizer, precision, published, input, seq_len, data_parallel }
+            let outputs = match column(&headers, "outputs").map(get).filter(|s| !s.is_empty()) {
+                Some(s @ ("kept" | "dropped")) => Some(s.to_string()),
+                Some(s) => return Err(bad("outputs", format!("`{s}` is not kept or dropped"))),
+                None => opt_col.map(get).is_some_and(|s| s.contains("hf-trainer")).then(|| "dropped".to_string()),
+            };
+            Measurement { line, label, model, batch, measured_bytes: mib(&headers[vc], get(vc))?, optimizer, precision, published, input, seq_len, data_parallel, outputs }
         };
         out.push(m);
     }

@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use crate::allocator::{AllocatorStats, CachingAllocator, OutOfMemory};
 use crate::profile::{GpuProfile, ProfileError};
-use crate::trace::{Category, Event, Trace};
+use crate::trace::{Category, Event, Phase, Trace};
 use crate::units::mib_to_bytes;
 
 /// Peak memory split by what holds it, in bytes, at the moment of the peak.
@@ -62,12 +62,55 @@ impl Breakdown {
     }
 }
 
-/// One point of the allocator timeline: after event `event`, these many bytes.
+/// One point of the allocator timeline: after event `event`, the live bytes per category (in
+/// [`Category::ALL`] order), and what the allocator has allocated and reserved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct TimelinePoint {
     pub event: u32,
+    pub live: [u64; 7],
     pub allocated: u64,
     pub reserved: u64,
+}
+
+/// Where in the training step an instant falls: the allocation that reached it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PeakAt {
+    pub phase: Phase,
+    /// The kernel that allocated.
+    pub op: String,
+    /// The module it ran for (its path in the model, e.g. `layer4.2.conv3`), where known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub module: Option<String>,
+    /// 0-based training iteration; the trace's iteration count for a validation pass after
+    /// training.
+    pub iteration: u32,
+    /// Index of the event in the trace.
+    pub event: u32,
+}
+
+impl PeakAt {
+    fn of(trace: &Trace, event: usize, iteration: u32) -> Option<PeakAt> {
+        let Event::Alloc { phase, op, module, .. } = trace.events[event] else { return None };
+        Some(PeakAt { phase, op: trace.ops[op as usize].clone(), module: trace.module(module).map(str::to_string), iteration, event: event as u32 })
+    }
+
+    /// "backward, layer4.2.conv3 (convolution_backward), iteration 2"
+    pub fn describe(&self, iterations: u32) -> String {
+        let phase = if self.iteration >= iterations { "validation".to_string() } else { self.phase.name().to_string() };
+        let module = self.module.as_deref().map(|m| format!("{m} ")).unwrap_or_default();
+        let iteration = if self.iteration >= iterations { String::new() } else { format!(", iteration {}", self.iteration + 1) };
+        format!("{phase}, {module}({}){iteration}", self.op)
+    }
+}
+
+/// Memory at one instant of the replay: what is live by category (with the context, and
+/// `allocator_slack` = reserved − live), and where in the step it is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Moment {
+    pub breakdown: Breakdown,
+    pub allocated: u64,
+    pub reserved: u64,
+    pub at: PeakAt,
 }
 
 /// What an estimator says about a trace on a GPU.
@@ -83,7 +126,16 @@ pub struct Estimate {
     /// The job runs without an out-of-memory error (the replay includes the allocator's
     /// release-and-retry path).
     pub fits: bool,
+    /// What is live at the peak of allocated memory (the replay's; for the baselines, their
+    /// own peak), by category; `allocator_slack` is reserved − live at that instant.
     pub breakdown: Breakdown,
+    /// Where the peak of allocated memory happens (replay and live-tensors).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_at: Option<PeakAt>,
+    /// The peak of reserved memory — what nvidia-smi shows — where it falls at another instant
+    /// than the peak of allocated memory (replay only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reserved_peak: Option<Moment>,
     /// Allocator counters (replay only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub allocator: Option<AllocatorStats>,
@@ -105,6 +157,8 @@ impl Estimate {
             capacity_bytes: profile.capacity_bytes(),
             fits: peak <= profile.capacity_bytes(),
             breakdown,
+            peak_at: None,
+            reserved_peak: None,
             allocator: None,
             fragmentation_bytes: None,
             timeline: Vec::new(),
@@ -154,10 +208,22 @@ pub struct Replay {
     pub timeline: bool,
 }
 
+/// An instant of a replay: the event that reached it, the live bytes per category then, and
+/// the allocator's totals.
+#[derive(Debug, Clone, Copy, Default)]
+struct Instant {
+    event: usize,
+    iteration: u32,
+    live: [u64; 7],
+    allocated: u64,
+    reserved: u64,
+}
+
 /// Result of one replay run.
 struct Run {
     stats: AllocatorStats,
-    at_peak: [u64; 7],
+    allocated_peak: Instant,
+    reserved_peak: Instant,
     fragmentation: u64,
     timeline: Vec<TimelinePoint>,
     oom: Option<OutOfMemory>,
@@ -170,9 +236,8 @@ impl Replay {
         let workspace = profile.cublas_workspace();
         let mut alloc = CachingAllocator::new(cfg, capacity);
         let mut slots: Vec<Option<(crate::allocator::BlockId, u8, u64)>> = vec![None; trace.slots()];
-        let mut live = [0u64; 7];
-        let mut at_peak = [0u64; 7];
-        let mut best = 0u64;
+        let mut now = Instant::default();
+        let (mut allocated_peak, mut reserved_peak) = (Instant::default(), Instant::default());
         let mut fragmentation = 0;
         let mut timeline = Vec::new();
         let mut oom = None;
@@ -186,12 +251,15 @@ impl Replay {
                     match alloc.malloc(bytes, stream) {
                         Ok(b) => {
                             let c = category.index();
-                            live[c] += bytes;
+                            now.live[c] += bytes;
                             slots[slot as usize] = Some((b, c as u8, bytes));
-                            let reserved = alloc.stats().reserved;
-                            if reserved > best {
-                                best = reserved;
-                                at_peak = live;
+                            let s = alloc.stats();
+                            (now.event, now.allocated, now.reserved) = (n, s.allocated, s.reserved);
+                            if now.allocated > allocated_peak.allocated {
+                                allocated_peak = now;
+                            }
+                            if now.reserved > reserved_peak.reserved {
+                                reserved_peak = now;
                                 if self.timeline {
                                     fragmentation = alloc.inactive_split_bytes();
                                 }
@@ -206,23 +274,36 @@ impl Replay {
                 Event::Free { slot } => {
                     if let Some((b, c, bytes)) = slots[slot as usize].take() {
                         alloc.free(b);
-                        live[c as usize] -= bytes;
+                        now.live[c as usize] -= bytes;
                     }
                 }
-                Event::Op { .. } | Event::Iteration { .. } => continue,
+                Event::Iteration { .. } => {
+                    now.iteration += 1;
+                    continue;
+                }
+                Event::Op { .. } => continue,
             }
             if self.timeline {
                 let s = alloc.stats();
-                let point = TimelinePoint { event: n as u32, allocated: s.allocated, reserved: s.reserved };
-                if timeline.last().is_none_or(|p: &TimelinePoint| (p.allocated, p.reserved) != (s.allocated, s.reserved)) {
-                    timeline.push(point);
+                if timeline.last().is_none_or(|p: &TimelinePoint| (p.allocated, p.reserved, p.live) != (s.allocated, s.reserved, now.live)) {
+                    timeline.push(TimelinePoint { event: n as u32, live: now.live, allocated: s.allocated, reserved: s.reserved });
                 }
             }
         }
         if !self.timeline {
             fragmentation = alloc.inactive_split_bytes();
         }
-        Ok(Run { stats: *alloc.stats(), at_peak, fragmentation, timeline, oom })
+        Ok(Run { stats: *alloc.stats(), allocated_peak, reserved_peak, fragmentation, timeline, oom })
+    }
+}
+
+impl Instant {
+    /// The breakdown of this instant, the fixed costs counted as context.
+    fn moment(&self, trace: &Trace, fixed: u64) -> Option<Moment> {
+        let mut breakdown = Breakdown::from_categories(&self.live);
+        breakdown.context = fixed;
+        breakdown.allocator_slack = self.reserved.saturating_sub(self.live.iter().sum());
+        Some(Moment { breakdown, allocated: self.allocated, reserved: self.reserved, at: PeakAt::of(trace, self.event, self.iteration)? })
     }
 }
 
@@ -240,9 +321,8 @@ impl Estimator for Replay {
             run = self.run(trace, profile, u64::MAX / 4)?;
         }
         let peak = fixed + run.stats.peak_reserved;
-        let mut breakdown = Breakdown::from_categories(&run.at_peak);
-        breakdown.context = fixed;
-        breakdown.allocator_slack = run.stats.peak_reserved.saturating_sub(run.at_peak.iter().sum());
+        let at_allocated = run.allocated_peak.moment(trace, fixed);
+        let reserved_peak = (run.reserved_peak.event != run.allocated_peak.event).then(|| run.reserved_peak.moment(trace, fixed)).flatten();
         Ok(Estimate {
             estimator: self.name(),
             gpu: profile.name.clone(),
@@ -250,7 +330,9 @@ impl Estimator for Replay {
             upper_bound_bytes: upper_bound(profile, trace, peak, fixed),
             capacity_bytes: profile.capacity_bytes(),
             fits,
-            breakdown,
+            breakdown: at_allocated.as_ref().map_or(Breakdown { context: fixed, ..Default::default() }, |m| m.breakdown),
+            peak_at: at_allocated.map(|m| m.at),
+            reserved_peak,
             allocator: Some(run.stats),
             fragmentation_bytes: Some(run.fragmentation),
             timeline: run.timeline,
@@ -271,7 +353,8 @@ impl Estimator for LiveTensors {
         let mut sizes: Vec<(u64, u8)> = vec![(0, 0); trace.slots()];
         let mut live = [0u64; 7];
         let (mut total, mut peak, mut at_peak) = (0u64, 0u64, [0u64; 7]);
-        for ev in &trace.events {
+        let (mut iteration, mut peak_event) = (0u32, None);
+        for (n, ev) in trace.events.iter().enumerate() {
             match *ev {
                 // The cuBLAS workspace is not a tensor: FakeTensor never sees it.
                 Event::Alloc { category: Category::Workspace, .. } => {}
@@ -282,6 +365,7 @@ impl Estimator for LiveTensors {
                     if total > peak {
                         peak = total;
                         at_peak = live;
+                        peak_event = Some((n, iteration));
                     }
                 }
                 Event::Free { slot } => {
@@ -289,10 +373,13 @@ impl Estimator for LiveTensors {
                     live[c as usize] -= bytes;
                     total -= bytes;
                 }
-                _ => {}
+                Event::Iteration { .. } => iteration += 1,
+                Event::Op { .. } => {}
             }
         }
-        Ok(Estimate::without_allocator(self.name(), profile, Breakdown::from_categories(&at_peak)))
+        let mut est = Estimate::without_allocator(self.name(), profile, Breakdown::from_categories(&at_peak));
+        est.peak_at = peak_event.and_then(|(n, i)| PeakAt::of(trace, n, i));
+        Ok(est)
     }
 }
 

@@ -21,12 +21,16 @@ pub struct Tflops {
     pub bf16: f64,
 }
 
-/// Which scaled-dot-product-attention kernel PyTorch picks on this GPU by default.
+/// A scaled-dot-product-attention kernel a profile forces on its jobs (as
+/// `torch.nn.attention.sdpa_kernel` would); without one the tracer picks the kernel PyTorch's
+/// dispatch picks for the GPU's compute capability, the installed torch and the inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SdpaBackend {
     Flash,
-    MemEfficient,
+    #[serde(alias = "mem_efficient")]
+    Efficient,
+    Cudnn,
     Math,
 }
 
@@ -35,7 +39,8 @@ impl SdpaBackend {
     pub fn name(self) -> &'static str {
         match self {
             SdpaBackend::Flash => "flash",
-            SdpaBackend::MemEfficient => "mem_efficient",
+            SdpaBackend::Efficient => "efficient",
+            SdpaBackend::Cudnn => "cudnn",
             SdpaBackend::Math => "math",
         }
     }
@@ -84,7 +89,8 @@ pub struct GpuProfile {
     /// cuBLAS workspaces in a training step (main thread + autograd thread).
     #[serde(default = "default_workspaces")]
     pub cublas_workspaces: u32,
-    pub sdpa: SdpaBackend,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sdpa: Option<SdpaBackend>,
     /// `PYTORCH_CUDA_ALLOC_CONF` of the jobs that will run here.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub allocator: String,

@@ -6,10 +6,14 @@
 //! size exactly from the first two and checks it against the third; [`SymbolicTrace::at`]
 //! evaluates the trace at any batch size, so a max-batch search needs no re-tracing.
 
-use crate::trace::{Category, Event, Phase, Trace, TraceHeader};
+use std::io::{BufRead, Write};
+
+use serde::{Deserialize, Serialize};
+
+use crate::trace::{Category, Event, Phase, Trace, TraceBuilder, TraceHeader};
 
 /// `c0 + c1 · batch`, exact in integers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Affine {
     pub c0: i128,
     pub c1: i128,
@@ -32,16 +36,16 @@ impl Affine {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 enum SymEvent {
-    Alloc { slot: u32, bytes: Affine, category: Category, phase: Phase, op: u32, stream: u32 },
+    Alloc { slot: u32, bytes: Affine, category: Category, phase: Phase, op: u32, module: u32, stream: u32 },
     Free { slot: u32 },
     Op { op: u32, flops: Affine, bytes_read: Affine, bytes_written: Affine },
     Iteration { index: u32 },
 }
 
 /// A trace whose sizes are functions of the batch size.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SymbolicTrace {
     header: TraceHeader,
     events: Vec<SymEvent>,
@@ -82,12 +86,12 @@ impl SymbolicTrace {
                 return Err(format!("event {} differs in kind across batch sizes", k + 1));
             }
             events.push(match e {
-                Event::Alloc { slot, category, phase, op, stream, .. } => {
-                    let ok = traces.iter().all(|t| matches!(t.events[k], Event::Alloc { slot: s, category: c, phase: p, op: o, stream: st, .. } if s == slot && c == category && p == phase && o == op && st == stream));
+                Event::Alloc { slot, category, phase, op, module, stream, .. } => {
+                    let ok = traces.iter().all(|t| matches!(t.events[k], Event::Alloc { slot: s, category: c, phase: p, op: o, module: m, stream: st, .. } if s == slot && c == category && p == phase && o == op && m == module && st == stream));
                     if !ok {
                         return Err(format!("allocation {} differs across batch sizes", k + 1));
                     }
-                    SymEvent::Alloc { slot, bytes: affine(k, &|e| if let Event::Alloc { bytes, .. } = e { *bytes } else { 0 })?, category, phase, op, stream }
+                    SymEvent::Alloc { slot, bytes: affine(k, &|e| if let Event::Alloc { bytes, .. } = e { *bytes } else { 0 })?, category, phase, op, module, stream }
                 }
                 Event::Free { slot } => {
                     if !traces.iter().all(|t| t.events[k] == e) {
@@ -113,7 +117,7 @@ impl SymbolicTrace {
         let mut events = Vec::with_capacity(self.events.len());
         for (k, e) in self.events.iter().enumerate() {
             events.push(match *e {
-                SymEvent::Alloc { slot, bytes, category, phase, op, stream } => Event::Alloc { slot, bytes: bytes.eval(batch).ok_or_else(|| neg(k))?, category, phase, op, stream },
+                SymEvent::Alloc { slot, bytes, category, phase, op, module, stream } => Event::Alloc { slot, bytes: bytes.eval(batch).ok_or_else(|| neg(k))?, category, phase, op, module, stream },
                 SymEvent::Free { slot } => Event::Free { slot },
                 SymEvent::Iteration { index } => Event::Iteration { index },
                 SymEvent::Op { op, flops, bytes_read, bytes_written } => Event::Op {
@@ -130,6 +134,61 @@ impl SymbolicTrace {
     }
 }
 
+/// Format name of a stored symbolic trace (gpumem's own cache files, not an exchange format).
+const FILE_FORMAT: &str = "gpumem-symbolic-trace";
+const FILE_VERSION: u32 = 1;
+
+#[derive(Serialize, Deserialize)]
+struct File<T> {
+    format: String,
+    version: u32,
+    trace: T,
+}
+
+impl SymbolicTrace {
+    /// Writes the trace as one JSON document.
+    pub fn write(&self, w: impl Write) -> Result<(), String> {
+        serde_json::to_writer(w, &File { format: FILE_FORMAT.into(), version: FILE_VERSION, trace: self }).map_err(|e| e.to_string())
+    }
+
+    /// Reads what [`SymbolicTrace::write`] wrote, and checks that it evaluates to a valid trace
+    /// (a damaged file is refused, never replayed; ids and frees are the same at every batch
+    /// size, so one batch size checks them all).
+    pub fn read(r: impl BufRead) -> Result<SymbolicTrace, String> {
+        let f: File<SymbolicTrace> = serde_json::from_reader(r).map_err(|e| e.to_string())?;
+        if f.format != FILE_FORMAT || f.version != FILE_VERSION {
+            return Err(format!("not a {FILE_FORMAT} version {FILE_VERSION}"));
+        }
+        let sym = f.trace;
+        let b = *sym.traced_at.first().ok_or("no batch sizes it was fitted at")?;
+        sym.at(b).and_then(|t| validated(&t))?;
+        Ok(sym)
+    }
+}
+
+/// `t` rebuilt through [`TraceBuilder`], which checks every id, slot and name.
+fn validated(t: &Trace) -> Result<(), String> {
+    let name = |i: u32| t.ops.get(i as usize).map(String::as_str).ok_or_else(|| format!("name {i} out of range"));
+    let id = |slot: u32| t.ids.get(slot as usize).copied().ok_or_else(|| format!("slot {slot} out of range"));
+    let mut b = TraceBuilder::new(t.header.clone());
+    for e in &t.events {
+        match *e {
+            Event::Alloc { slot, bytes, category, phase, op, module, stream } => {
+                let module = if module == crate::trace::NO_MODULE { None } else { Some(name(module)?) };
+                b.alloc_with_id(0, id(slot)?, bytes, category, phase, name(op)?, module, stream).map_err(|e| e.to_string())?
+            }
+            Event::Free { slot } => b.free_at(0, id(slot)?).map_err(|e| e.to_string())?,
+            Event::Op { op, flops, bytes_read, bytes_written } => b.op(name(op)?, flops, bytes_read, bytes_written),
+            Event::Iteration { .. } => b.iteration_end(),
+        }
+    }
+    let rebuilt = b.finish();
+    if rebuilt.ids != t.ids {
+        return Err("ids do not match their slots".into());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,6 +202,21 @@ mod tests {
         for b in [1, 5, 13, 64] {
             assert_eq!(s.at(b).unwrap(), m.trace(&JobOptions::new(b)).unwrap(), "batch {b}");
         }
+    }
+
+    #[test]
+    fn a_stored_symbolic_trace_reads_back_and_damage_is_refused() {
+        let m = ModelSpec::parse("mlp:input=8,output=2,depth=2").unwrap();
+        let traces: Vec<Trace> = SymbolicTrace::FIT_BATCHES.iter().map(|&b| m.trace(&JobOptions::new(b)).unwrap()).collect();
+        let s = SymbolicTrace::fit(&traces).unwrap();
+        let mut out = Vec::new();
+        s.write(&mut out).unwrap();
+        assert_eq!(SymbolicTrace::read(out.as_slice()).unwrap(), s);
+        assert!(SymbolicTrace::read(&out[..out.len() / 2]).is_err(), "truncated");
+        let text = String::from_utf8(out).unwrap();
+        // A free of a slot that was never allocated.
+        let bad = text.replacen(r#"{"Free":{"slot":"#, r#"{"Free":{"slot":9999"#, 1);
+        assert!(SymbolicTrace::read(bad.as_bytes()).is_err());
     }
 
     #[test]

@@ -66,11 +66,29 @@ pub enum Phase {
     ZeroGrad,
 }
 
-/// One event of a trace. Op names are interned: `op` indexes [`Trace::ops`].
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Setup => "setup",
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Optimizer => "optimizer",
+            Phase::ZeroGrad => "zero_grad",
+        }
+    }
+}
+
+/// `module` of an allocation that no module made (the optimizer, a loss computed outside one).
+pub const NO_MODULE: u32 = u32::MAX;
+
+/// One event of a trace. Op names and module paths are interned: `op` and `module` index
+/// [`Trace::ops`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {
-    /// A new storage of `bytes` on `stream`. `slot` is the dense index of its id (see [`Trace::ids`]).
-    Alloc { slot: u32, bytes: u64, category: Category, phase: Phase, op: u32, stream: u32 },
+    /// A new storage of `bytes` on `stream`, made by kernel `op` on behalf of `module` (its path
+    /// in the model, e.g. `layer4.2.conv3`; [`NO_MODULE`] if none). `slot` is the dense index of
+    /// its id (see [`Trace::ids`]).
+    Alloc { slot: u32, bytes: u64, category: Category, phase: Phase, op: u32, module: u32, stream: u32 },
     /// The storage in `slot` dies.
     Free { slot: u32 },
     /// A kernel: feeds the utilization model.
@@ -134,7 +152,7 @@ impl TraceHeader {
 pub struct Trace {
     pub header: TraceHeader,
     pub events: Vec<Event>,
-    /// Interned op names.
+    /// Interned names: kernels' op names and modules' paths.
     pub ops: Vec<String>,
     /// The producer's id for each dense slot.
     pub ids: Vec<u64>,
@@ -216,7 +234,7 @@ impl TraceBuilder {
     /// Allocation with a fresh id chosen by the builder; returns the id.
     pub fn alloc(&mut self, bytes: u64, category: Category, phase: Phase, op: &str) -> u64 {
         let id = self.next_id;
-        self.alloc_with_id(0, id, bytes, category, phase, op, 0)
+        self.alloc_with_id(0, id, bytes, category, phase, op, None, 0)
             .expect("fresh ids are unique and sizes come from the producer");
         id
     }
@@ -231,6 +249,7 @@ impl TraceBuilder {
         category: Category,
         phase: Phase,
         op: &str,
+        module: Option<&str>,
         stream: u32,
     ) -> Result<(), TraceError> {
         if bytes > MAX_ALLOC_BYTES {
@@ -240,11 +259,12 @@ impl TraceBuilder {
             return Err(err(line, format!("alloc of id {id}, which is still live")));
         }
         let op = self.intern(op);
+        let module = module.map_or(NO_MODULE, |m| self.intern(m));
         let slot = self.ids.len() as u32;
         self.ids.push(id);
         self.live.insert(id, slot);
         self.next_id = self.next_id.max(id + 1);
-        self.events.push(Event::Alloc { slot, bytes, category, phase, op, stream });
+        self.events.push(Event::Alloc { slot, bytes, category, phase, op, module, stream });
         Ok(())
     }
 
@@ -299,6 +319,8 @@ struct Line<'a> {
     phase: Option<Phase>,
     #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
     op: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
+    module: Option<std::borrow::Cow<'a, str>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     stream: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -352,7 +374,7 @@ impl Trace {
                     let category = need(l.category, n, "alloc", "category")?;
                     let phase = need(l.phase, n, "alloc", "phase")?;
                     let op = need(l.op, n, "alloc", "op")?;
-                    b.alloc_with_id(n, id, bytes, category, phase, &op, l.stream.unwrap_or(0))?;
+                    b.alloc_with_id(n, id, bytes, category, phase, &op, l.module.as_deref(), l.stream.unwrap_or(0))?;
                 }
                 "free" => b.free_at(n, need(l.id, n, "free", "id")?)?,
                 "op" => {
@@ -378,13 +400,14 @@ impl Trace {
         writeln!(w)?;
         for ev in &self.events {
             let line = match *ev {
-                Event::Alloc { slot, bytes, category, phase, op, stream } => Line {
+                Event::Alloc { slot, bytes, category, phase, op, module, stream } => Line {
                     ev: "alloc",
                     id: Some(self.ids[slot as usize]),
                     bytes: Some(bytes.into()),
                     category: Some(category),
                     phase: Some(phase),
                     op: Some(self.ops[op as usize].as_str().into()),
+                    module: self.module(module).map(Into::into),
                     stream: (stream != 0).then_some(stream),
                     ..Default::default()
                 },
@@ -403,6 +426,11 @@ impl Trace {
             writeln!(w)?;
         }
         Ok(())
+    }
+
+    /// The path of interned module `module`, if any.
+    pub fn module(&self, module: u32) -> Option<&str> {
+        (module != NO_MODULE).then(|| self.ops[module as usize].as_str())
     }
 
     /// Number of dense slots (one per allocation event).

@@ -26,6 +26,9 @@ pub struct ModelRef {
     pub data_parallel: u32,
     /// The script's validation pass, where it shapes the peak (`grad`: without no_grad).
     pub validate: Option<String>,
+    /// Whether the script's loop holds the model's output through backward (`kept`,
+    /// `dropped`); unset: the model source's usual loop.
+    pub outputs: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -44,6 +47,7 @@ struct Entry {
     /// Training samples per epoch (the dataset's size), where known.
     train_samples: Option<u64>,
     validate: Option<String>,
+    outputs: Option<String>,
     unmodelled: Option<String>,
     load: Option<Load>,
 }
@@ -165,6 +169,7 @@ pub fn load_tasks(tasks_csv: &Path, readme_csv: &Path) -> Result<Vec<Task>, Stri
             optimizer: entry.optimizer.clone().unwrap_or_else(|| "adam".into()),
             data_parallel: row.gpus,
             validate: entry.validate.clone(),
+            outputs: entry.outputs.clone(),
         });
         let train_steps = entry.train_samples.zip(epochs).map(|(n, e)| n.div_ceil(batch.max(1)) * u64::from(e));
         tasks.push(Task {

@@ -8,7 +8,7 @@
 //! [`gpumem_core::symbolic::SymbolicTrace`], so any batch size is answered without re-tracing.
 
 use std::fs;
-use std::io::BufReader;
+use std::io::{BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::UNIX_EPOCH;
@@ -17,7 +17,7 @@ use gpumem_core::symbolic::SymbolicTrace;
 use gpumem_core::trace::Trace;
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 10] = [
+const SOURCES: [(&str, &str); 11] = [
     ("__init__.py", include_str!("../../../python/gpumem_trace/__init__.py")),
     ("__main__.py", include_str!("../../../python/gpumem_trace/__main__.py")),
     ("amp.py", include_str!("../../../python/gpumem_trace/amp.py")),
@@ -27,6 +27,7 @@ const SOURCES: [(&str, &str); 10] = [
     ("models.py", include_str!("../../../python/gpumem_trace/models.py")),
     ("parallel.py", include_str!("../../../python/gpumem_trace/parallel.py")),
     ("run.py", include_str!("../../../python/gpumem_trace/run.py")),
+    ("sdpa.py", include_str!("../../../python/gpumem_trace/sdpa.py")),
     ("tracer.py", include_str!("../../../python/gpumem_trace/tracer.py")),
 ];
 
@@ -48,8 +49,11 @@ pub struct TraceRequest {
     /// `CxHxW` for image models.
     pub input: Option<String>,
     pub seq_len: Option<u64>,
-    /// `flash`, `mem_efficient` or `math`: the best attention kernel the GPU has.
-    pub sdpa: String,
+    /// Compute capability of the GPU the job will run on (`9.0`): with the installed torch it
+    /// decides which attention kernel runs.
+    pub gpu_capability: String,
+    /// An attention kernel the profile forces (`flash`, `efficient`, `cudnn`, `math`).
+    pub sdpa: Option<String>,
     pub checkpointing: bool,
     pub channels_last: bool,
     pub grad_accum: u32,
@@ -59,6 +63,12 @@ pub struct TraceRequest {
     /// After training, two eval-mode batches: `none`, `no-grad` or `grad` (a validation loop
     /// without `torch.no_grad()` keeps each output's autograd graph alive).
     pub validate: String,
+    /// Whether the loop holds the model's output through backward (`kept`, `dropped`); `None`:
+    /// the model source's usual loop (Hugging Face's Trainer drops it, others keep it).
+    pub outputs: Option<String>,
+    /// `padded`: Hugging Face models get the attention mask of a padded batch (materialised);
+    /// `none`: no mask.
+    pub attention_mask: String,
     pub iterations: u32,
 }
 
@@ -71,32 +81,38 @@ impl TraceRequest {
             precision: "fp32".into(),
             input: None,
             seq_len: None,
-            sdpa: "flash".into(),
+            gpu_capability: "8.0".into(),
+            sdpa: None,
             checkpointing: false,
             channels_last: false,
             grad_accum: 1,
             data_parallel: 1,
             validate: "none".into(),
+            outputs: None,
+            attention_mask: "none".into(),
             iterations: 3,
         }
     }
 
     /// A request at `batch` for a job that will run on `profile`'s GPU (its attention kernel).
     pub fn for_gpu(model: impl Into<String>, batch: u64, profile: &gpumem_core::profile::GpuProfile) -> Self {
-        TraceRequest { sdpa: profile.sdpa.name().into(), ..TraceRequest::new(model, batch) }
+        TraceRequest {
+            gpu_capability: profile.compute_capability.clone(),
+            sdpa: profile.sdpa.map(|b| b.name().to_string()),
+            ..TraceRequest::new(model, batch)
+        }
     }
 
+    /// The tracer's arguments, except the batch sizes and output files.
     fn args(&self) -> Vec<String> {
         let mut a = vec![
             self.model.clone(),
-            "--batch".into(),
-            self.batch.to_string(),
             "--optimizer".into(),
             self.optimizer.clone(),
             "--precision".into(),
             self.precision.clone(),
-            "--sdpa".into(),
-            self.sdpa.clone(),
+            "--gpu-capability".into(),
+            self.gpu_capability.clone(),
             "--iterations".into(),
             self.iterations.to_string(),
             "--grad-accum".into(),
@@ -113,6 +129,15 @@ impl TraceRequest {
         }
         if self.validate != "none" {
             a.extend(["--validate".into(), self.validate.clone()]);
+        }
+        if let Some(s) = &self.sdpa {
+            a.extend(["--sdpa".into(), s.clone()]);
+        }
+        if let Some(o) = &self.outputs {
+            a.extend(["--outputs".into(), o.clone()]);
+        }
+        if self.attention_mask != "none" {
+            a.extend(["--attention-mask".into(), self.attention_mask.clone()]);
         }
         if self.checkpointing {
             a.push("--checkpointing".into());
@@ -246,30 +271,115 @@ impl TorchTracer {
         Ok(ver)
     }
 
-    fn cache_path(&self, req: &TraceRequest, torch: &str) -> PathBuf {
+    fn cache_key(&self, req: &TraceRequest, torch: &str) -> u64 {
         // A user's model file is part of the key: editing it must not serve a stale trace.
         let user_file = req.model.strip_prefix("py:").and_then(|r| r.rsplit_once(':')).map(|(path, _)| mtime(Path::new(path)).unwrap_or(0).to_string()).unwrap_or_default();
-        let key = fnv(&[&format!("{req:?}"), torch, env!("CARGO_PKG_VERSION"), &format!("{:x}", fnv(&SOURCES.map(|s| s.1))), &user_file]);
-        self.cache_dir.join("traces").join(format!("{key:016x}.jsonl"))
+        fnv(&[&format!("{req:?}"), torch, env!("CARGO_PKG_VERSION"), &format!("{:x}", fnv(&SOURCES.map(|s| s.1))), &user_file])
     }
 
-    /// The trace for `req`, from the cache or by running the tracer.
+    fn cache_path(&self, req: &TraceRequest, torch: &str) -> PathBuf {
+        self.cache_dir.join("traces").join(format!("{:016x}.jsonl", self.cache_key(req, torch)))
+    }
+
+    /// Where the batch-symbolic trace of `req`'s model and options (any batch) is kept.
+    fn symbolic_path(&self, req: &TraceRequest, torch: &str) -> PathBuf {
+        let key = self.cache_key(&TraceRequest { batch: 0, ..req.clone() }, torch);
+        self.cache_dir.join("traces").join(format!("{key:016x}.sym.json"))
+    }
+
+    fn cached_symbolic(&self, req: &TraceRequest, torch: &str) -> Option<SymbolicTrace> {
+        let f = fs::File::open(self.symbolic_path(req, torch)).ok()?;
+        SymbolicTrace::read(BufReader::new(f)).ok()
+    }
+
+    /// Batch sizes a symbolic trace of `req` is fitted at, besides `with` where given: whole
+    /// multiples of a DataParallel job's GPU count (every GPU gets the same rows), so the fit is
+    /// exact at any multiple.
+    fn fit_batches(req: &TraceRequest, with: Option<u64>) -> Vec<u64> {
+        let gpus = u64::from(req.data_parallel.max(1));
+        let mut batches: Vec<u64> = with.into_iter().collect();
+        for b in SymbolicTrace::FIT_BATCHES.map(|b| b * gpus) {
+            if batches.len() < SymbolicTrace::FIT_BATCHES.len() && !batches.contains(&b) {
+                batches.push(b);
+            }
+        }
+        batches
+    }
+
+    /// The trace for `req`: evaluated from the model's batch-symbolic trace where one is
+    /// cached, else from the trace cache, else by running the tracer.
     pub fn trace(&self, req: &TraceRequest) -> Result<Trace, BridgeError> {
+        self.trace_with(req, false)
+    }
+
+    /// [`TorchTracer::trace`], and where the tracer must run, two more batch sizes in the same
+    /// process to fit the model's batch-symbolic trace: the next batch size of this model and
+    /// options then costs no Python at all (what a user trying batch sizes wants).
+    pub fn trace_for_reestimates(&self, req: &TraceRequest) -> Result<Trace, BridgeError> {
+        self.trace_with(req, true)
+    }
+
+    fn trace_with(&self, req: &TraceRequest, fit: bool) -> Result<Trace, BridgeError> {
         let torch = self.torch_version()?;
-        let path = self.cache_path(req, &torch);
-        if let Ok(f) = fs::File::open(&path)
-            && let Ok(t) = Trace::read(BufReader::new(f))
-        {
+        let symbolic_ok = req.batch % u64::from(req.data_parallel.max(1)) == 0;
+        if symbolic_ok && let Some(sym) = self.cached_symbolic(req, &torch) && let Ok(t) = sym.at(req.batch) {
             return Ok(t);
         }
-        let dir = path.parent().expect("cache path has a parent");
-        fs::create_dir_all(dir).map_err(|e| self.io(dir, e))?;
+        let path = self.cache_path(req, &torch);
+        if let Some(t) = read_trace(&path) {
+            return Ok(t);
+        }
+        let batches = if fit && symbolic_ok { Self::fit_batches(req, Some(req.batch)) } else { vec![req.batch] };
+        let mut traces = self.run_and_cache(req, &torch, &batches)?;
+        if traces.len() == SymbolicTrace::FIT_BATCHES.len() {
+            self.cache_symbolic(req, &torch, &traces);
+        }
+        Ok(traces.swap_remove(0))
+    }
+
+    /// Runs the tracer once for `batches` (the first is `req`'s own batch size where it matters)
+    /// and caches each trace; returns them in that order.
+    fn run_and_cache(&self, req: &TraceRequest, torch: &str, batches: &[u64]) -> Result<Vec<Trace>, BridgeError> {
+        let dir = self.cache_dir.join("traces");
+        fs::create_dir_all(&dir).map_err(|e| self.io(&dir, e))?;
+        let jobs: Vec<(PathBuf, PathBuf)> = batches
+            .iter()
+            .map(|&b| {
+                let path = self.cache_path(&TraceRequest { batch: b, ..req.clone() }, torch);
+                let tmp = path.with_extension(temp_suffix());
+                (path, tmp)
+            })
+            .collect();
+        self.run(req, batches, &jobs.iter().map(|(_, tmp)| tmp.as_path()).collect::<Vec<_>>())?;
+        let mut traces = Vec::new();
+        for ((path, tmp), b) in jobs.iter().zip(batches) {
+            let f = fs::File::open(tmp).map_err(|e| self.io(tmp, e))?;
+            let t = Trace::read(BufReader::new(f)).map_err(|e| BridgeError::Model(format!("the tracer wrote a bad trace for {} at batch {b}: {e}", req.model)))?;
+            fs::rename(tmp, path).map_err(|e| self.io(path, e))?;
+            traces.push(t);
+        }
+        Ok(traces)
+    }
+
+    /// Fits and stores the symbolic trace; a model whose traces do not align (batch-dependent
+    /// control flow) simply has none, and is traced per batch size.
+    fn cache_symbolic(&self, req: &TraceRequest, torch: &str, traces: &[Trace]) -> Option<SymbolicTrace> {
+        let mut sorted: Vec<&Trace> = traces.iter().collect();
+        sorted.sort_by_key(|t| t.header.batch_size);
+        let sym = SymbolicTrace::fit(&sorted.into_iter().cloned().collect::<Vec<_>>()).ok()?;
+        let path = self.symbolic_path(req, torch);
         let tmp = path.with_extension(temp_suffix());
-        self.run(req, &tmp)?;
-        let f = fs::File::open(&tmp).map_err(|e| self.io(&tmp, e))?;
-        let t = Trace::read(BufReader::new(f)).map_err(|e| BridgeError::Model(format!("the tracer wrote a bad trace for {}: {e}", req.model)))?;
-        fs::rename(&tmp, &path).map_err(|e| self.io(&path, e))?;
-        Ok(t)
+        let written = fs::File::create(&tmp).ok().and_then(|f| {
+            let mut w = std::io::BufWriter::new(f);
+            sym.write(&mut w).ok()?;
+            w.flush().ok()
+        });
+        if written.is_some() {
+            let _ = fs::rename(&tmp, &path);
+        } else {
+            let _ = fs::remove_file(&tmp);
+        }
+        Some(sym)
     }
 
     /// `python -m MODULE` with the embedded package importable (the tracer, or the workload
@@ -286,12 +396,15 @@ impl TorchTracer {
         Ok(cmd)
     }
 
-    fn run(&self, req: &TraceRequest, out: &Path) -> Result<(), BridgeError> {
+    fn run(&self, req: &TraceRequest, batches: &[u64], outs: &[&Path]) -> Result<(), BridgeError> {
         let mut cmd = self.module_command("gpumem_trace")?;
-        cmd.args(req.args()).arg("--out").arg(out).arg("--timeout").arg(self.timeout_s.to_string());
+        cmd.args(req.args()).arg("--batch").args(batches.iter().map(u64::to_string)).arg("--out").args(outs).arg("--timeout").arg(self.timeout_s.to_string());
         let res = cmd.output().map_err(|e| BridgeError::Python(format!("cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)", self.python)))?;
         if res.status.success() {
             return Ok(());
+        }
+        for out in outs {
+            let _ = fs::remove_file(out);
         }
         let msg = tail(&String::from_utf8_lossy(&res.stderr), 3);
         let msg = msg.strip_prefix("gpumem_trace: ").unwrap_or(&msg).to_string();
@@ -302,16 +415,23 @@ impl TorchTracer {
         })
     }
 
-    /// Traces `req` at three batch sizes and fits a batch-symbolic trace.
-    /// A DataParallel request is traced at whole multiples of its GPU count (every GPU gets the
-    /// same rows), so the fit is exact at any multiple.
+    /// The batch-symbolic trace of `req`'s model and options: from the cache, or fitted from
+    /// traces at [`SymbolicTrace::FIT_BATCHES`] (one tracer run).
     pub fn symbolic(&self, req: &TraceRequest) -> Result<SymbolicTrace, BridgeError> {
-        let mut traces = Vec::new();
-        for b in SymbolicTrace::FIT_BATCHES {
-            traces.push(self.trace(&TraceRequest { batch: b * u64::from(req.data_parallel.max(1)), ..req.clone() })?);
+        let torch = self.torch_version()?;
+        if let Some(sym) = self.cached_symbolic(req, &torch) {
+            return Ok(sym);
         }
-        SymbolicTrace::fit(&traces).map_err(|e| BridgeError::Model(format!("{}: its traces do not align across batch sizes ({e}); trace each batch size instead", req.model)))
+        let batches = Self::fit_batches(req, None);
+        let cached: Vec<Option<Trace>> = batches.iter().map(|&b| read_trace(&self.cache_path(&TraceRequest { batch: b, ..req.clone() }, &torch))).collect();
+        let traces = if cached.iter().all(Option::is_some) { cached.into_iter().flatten().collect() } else { self.run_and_cache(req, &torch, &batches)? };
+        self.cache_symbolic(req, &torch, &traces)
+            .ok_or_else(|| BridgeError::Model(format!("{}: its traces do not align across batch sizes; trace each batch size instead", req.model)))
     }
+}
+
+fn read_trace(path: &Path) -> Option<Trace> {
+    Trace::read(BufReader::new(fs::File::open(path).ok()?)).ok()
 }
 
 fn mtime(p: &Path) -> Option<u128> {
@@ -329,8 +449,17 @@ mod tests {
         r.input = Some("3x160x160".into());
         r.checkpointing = true;
         let a = r.args().join(" ");
-        assert!(a.starts_with("timm:resnet50 --batch 8 --optimizer adam"), "{a}");
+        assert!(a.starts_with("timm:resnet50 --optimizer adam --precision fp32 --gpu-capability 8.0"), "{a}");
         assert!(a.contains("--input 3x160x160") && a.ends_with("--checkpointing"), "{a}");
+    }
+
+    #[test]
+    fn every_tracer_source_is_embedded() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python/gpumem_trace");
+        let mut on_disk: Vec<String> = fs::read_dir(&dir).unwrap().filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.ends_with(".py")).collect();
+        on_disk.sort();
+        let embedded: Vec<&str> = SOURCES.iter().map(|(n, _)| *n).collect();
+        assert_eq!(on_disk, embedded, "SOURCES must list python/gpumem_trace/*.py, sorted");
     }
 
     #[test]

@@ -21,6 +21,13 @@ fn tracer() -> Option<TorchTracer> {
     }
 }
 
+/// A trace taken by the tracer itself, never evaluated from a cached symbolic trace: its own
+/// cache directory holds no symbolic traces.
+fn direct(t: &TorchTracer, req: &TraceRequest) -> gpumem_core::trace::Trace {
+    let fresh = TorchTracer { cache_dir: t.cache_dir.join("direct"), ..t.clone() };
+    fresh.trace(req).unwrap()
+}
+
 fn seed_models() -> String {
     format!("{}/../../python/tests/seed_models.py", env!("CARGO_MANIFEST_DIR"))
 }
@@ -35,7 +42,7 @@ fn a_symbolic_trace_equals_a_direct_trace_at_an_untraced_batch() {
         }
         let sym = t.symbolic(&req).unwrap();
         for b in [3, 12] {
-            let direct = t.trace(&TraceRequest { batch: b, ..req.clone() }).unwrap();
+            let direct = direct(&t, &TraceRequest { batch: b, ..req.clone() });
             assert_eq!(sym.at(b).unwrap().events, direct.events, "{model} at batch {b}");
         }
     }
@@ -52,13 +59,36 @@ fn a_data_parallel_symbolic_trace_equals_a_direct_trace() {
     req.data_parallel = 2;
     let sym = t.symbolic(&req).unwrap();
     assert_eq!(sym.traced_at, vec![8, 12, 16]);
-    let direct = t.trace(&TraceRequest { batch: 20, ..req.clone() }).unwrap();
+    let direct = direct(&t, &TraceRequest { batch: 20, ..req.clone() });
     assert_eq!(direct.header.data_parallel, Some(2));
     assert_eq!(sym.at(20).unwrap().events, direct.events);
     let single = t.trace(&TraceRequest { batch: 10, data_parallel: 1, ..req.clone() }).unwrap();
     let profile = builtin("a100-40gb").unwrap();
     let peak = |tr| Replay::default().estimate(tr, &profile).unwrap().peak_bytes;
     assert!(peak(&direct) > peak(&single), "GPU 0 of two at batch 20 holds more than one GPU at batch 10");
+}
+
+/// The first estimate of a model traces it at its batch size and two more, in one tracer run;
+/// an estimate at another batch size is then evaluated from the cached symbolic trace — no new
+/// tracer run (nothing new in the trace cache) — and equals a trace taken directly.
+#[test]
+fn a_second_batch_size_reuses_the_symbolic_trace() {
+    let Some(t) = tracer() else { return };
+    let t = TorchTracer { cache_dir: t.cache_dir.join("reestimate"), ..t };
+    let _ = std::fs::remove_dir_all(&t.cache_dir);
+    let model = "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=1000)";
+    let mut req = TraceRequest::new(model, 10);
+    req.seq_len = Some(64);
+    let first = t.trace_for_reestimates(&req).unwrap();
+    assert_eq!(first.header.batch_size, 10);
+    let files = || std::fs::read_dir(t.cache_dir.join("traces")).unwrap().count();
+    let before = files();
+    assert_eq!(before, 4, "three traces and one symbolic trace");
+    let second = t.trace(&TraceRequest { batch: 14, ..req.clone() }).unwrap();
+    assert_eq!(files(), before, "no tracer run for the second batch size");
+    assert_eq!(second.events, direct(&t, &TraceRequest { batch: 14, ..req.clone() }).events);
+    let profile = builtin("h200").unwrap();
+    assert!(Replay::default().estimate(&second, &profile).unwrap().peak_bytes > Replay::default().estimate(&first, &profile).unwrap().peak_bytes);
 }
 
 /// A small deterministic generator for the random configurations.

@@ -122,6 +122,9 @@ impl ModelSpec {
         if job.batch == 0 || job.batch > MAX_BATCH {
             return Err(format!("batch size {} is out of range (1..={MAX_BATCH})", job.batch));
         }
+        if job.precision.is_pure() {
+            return Err(format!("--precision {} (pure low precision) applies to PyTorch models; the native families train in fp32 or under autocast (amp-fp16, amp-bf16)", job.precision.name()));
+        }
         let mut lp = TrainingLoop::new(job.optimizer, job.precision, job.batch, self.samples());
         lp.torch = job.torch;
         lp.cublas_workspace = job.cublas_workspace;
