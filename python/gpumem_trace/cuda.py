@@ -7,6 +7,7 @@
 """
 
 import contextlib
+import types
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +77,15 @@ def patches(stack):
     saved = (F.dropout, F.scaled_dot_product_attention)
     F.dropout = _dropout
     F.scaled_dot_product_attention = make_sdpa(stack)
+    # torch.utils.checkpoint looks up a device module for the tensors' device to stash its RNG
+    # state; before 2.5 there is none for meta. A meta "device" that was never initialised has
+    # no RNG state to stash, as checkpoint then concludes.
+    shim = not hasattr(torch, "meta")
+    if shim:
+        torch.meta = types.SimpleNamespace(_initialized=False, device_count=lambda: 0)
     try:
         yield
     finally:
         F.dropout, F.scaled_dot_product_attention = saved
+        if shim:
+            del torch.meta

@@ -47,6 +47,8 @@ class Stack:
     cudnn_compiled: int
     cuda_major: int
     forced: str = None  # a backend the user forced (a profile's `sdpa`), else None
+    enabled: frozenset = frozenset(BACKENDS)  # torch.backends.cuda.enable_*_sdp switches
+    context_order: tuple = None  # the context's priority order (2.6+), as torch reports it
 
     @classmethod
     def here(cls, capability, forced=None):
@@ -61,17 +63,18 @@ class Stack:
         except Exception:
             compiled = runtime
         cap = tuple(int(x) for x in (capability or "8.0").split(".")[:2])
-        return cls(_version(torch.__version__), cap, runtime, compiled, _version(torch.version.cuda or "12")[0], forced)
+        switches = {FLASH: "flash_sdp_enabled", EFFICIENT: "mem_efficient_sdp_enabled", CUDNN: "cudnn_sdp_enabled", MATH: "math_sdp_enabled"}
+        # cuDNN's switch reads off in 2.4, where its kernel is opt-in by an environment variable.
+        enabled = frozenset(b for b, f in switches.items() if getattr(torch.backends.cuda, f, lambda: True)())
+        order = tuple(_ENUM[i] for i in torch._C._get_sdp_priority_order() if i in _ENUM) if hasattr(torch._C, "_get_sdp_priority_order") else None
+        return cls(_version(torch.__version__), cap, runtime, compiled, _version(torch.version.cuda or "12")[0], forced, enabled, order)
 
     def at_least(self, *v):
         return self.torch[: len(v)] >= v
 
     def order(self):
         """``priority_order()`` in sdp_utils.cpp."""
-        if hasattr(torch._C, "_get_sdp_priority_order"):  # 2.6+: the context's order, user-settable
-            order = [_ENUM[i] for i in torch._C._get_sdp_priority_order() if i in _ENUM]
-        else:
-            order = [FLASH, EFFICIENT, MATH, CUDNN]
+        order = list(self.context_order or (FLASH, EFFICIENT, MATH, CUDNN))
         if self.prefers_cudnn():
             order = [CUDNN] + [b for b in order if b != CUDNN]
         elif self.torch[:2] == (2, 4):
@@ -151,7 +154,7 @@ def can_flash(c, s):
     q, k, v = c.q, c.k, c.v
     cap = s.capability
     d = q.shape[-1]
-    if not torch.backends.cuda.flash_sdp_enabled() or c.mask is not None or not c.dense(True):
+    if FLASH not in s.enabled or c.mask is not None or not c.dense(True):
         return False
     if not _in_range(cap, (8, 0), s.max_capability()) or q.dtype not in _HALF or not (q.dtype == k.dtype == v.dtype):
         return False
@@ -170,7 +173,7 @@ def can_flash(c, s):
 def can_efficient(c, s):
     q, k, v = c.q, c.k, c.v
     cap = s.capability
-    if not torch.backends.cuda.mem_efficient_sdp_enabled() or not c.dense(False):
+    if EFFICIENT not in s.enabled or not c.dense(False):
         return False
     if not _in_range(cap, (5, 0), s.max_capability()) or not (q.dtype == k.dtype == v.dtype):
         return False
@@ -192,7 +195,7 @@ def can_cudnn(c, s):
         # 2.4 runs it only when opted in (TORCH_CUDNN_SDPA_ENABLED), without gradients, on a
         # packed-QKV layout: never for a training step.
         return False
-    if not getattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)() or s.cudnn_compiled < 90000:
+    if CUDNN not in s.enabled or s.cudnn_compiled < 90000:
         return False
     if not _in_range(cap, (8, 0), s.max_capability()) or q.dtype not in _HALF or not (q.dtype == k.dtype == v.dtype):
         return False
@@ -246,7 +249,7 @@ def choose(c, s):
     order = [s.forced] if s.forced else s.order()
     for backend in order:
         if backend == MATH:
-            if torch.backends.cuda.math_sdp_enabled():
+            if MATH in s.enabled:
                 return MATH
         elif CHECKS[backend](c, s):
             return backend

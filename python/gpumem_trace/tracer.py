@@ -265,7 +265,7 @@ def _dense(t):
 
 def data_dependent(func, args, kwargs):
     """Meta tensors have no values: answer value-dependent ops with a plausible stand-in (sizes
-    are the worst case, so memory is never underestimated)."""
+    of selections are the worst case, so memory is never underestimated)."""
     p = func.overloadpacket
     if p is aten._local_scalar_dense:
         t = args[0]
@@ -279,8 +279,9 @@ def data_dependent(func, args, kwargs):
         t = args[0]
         return torch.empty((t.numel(),), dtype=t.dtype, device=t.device)
     if p in (aten._unique2, aten.unique_dim, aten.unique_consecutive, aten._unique):
+        # One distinct value: code branches on "all rows agree" (Bart's one <eos> per row),
+        # and these outputs are too small to matter for memory.
         t = args[0]
-        n = t.numel()
-        outs = [torch.empty((n,), dtype=t.dtype, device=t.device), torch.empty(t.shape, dtype=torch.long, device=t.device), torch.empty((n,), dtype=torch.long, device=t.device)]
+        outs = [torch.empty((1,), dtype=t.dtype, device=t.device), torch.empty(t.shape, dtype=torch.long, device=t.device), torch.empty((1,), dtype=torch.long, device=t.device)]
         return tuple(outs[:3 if p is not aten._unique else 2])
     return NotImplemented

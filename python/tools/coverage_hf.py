@@ -18,7 +18,8 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1]
 SUFFIXES = ("ForCausalLM", "ForMaskedLM", "ForSequenceClassification")
-# Small sizes under every name configs use for them; only the keys a config has are given.
+# Small sizes under every name configs use for them; only the keys a config has are given. Head
+# dimensions keep their defaults: several configs tie them to other fields (MLA's rope dims).
 SMALL = {
     "hidden_size": 64, "n_embd": 64, "d_model": 64, "dim": 64, "embed_dim": 64, "n_embed": 64, "d_embed": 64,
     "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
@@ -27,9 +28,10 @@ SMALL = {
     "decoder_attention_heads": 4, "num_key_value_heads": 2,
     "intermediate_size": 128, "n_inner": 128, "ffn_dim": 128, "d_ff": 128, "d_inner": 128, "encoder_ffn_dim": 128,
     "decoder_ffn_dim": 128, "hidden_dim": 128, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
-    "head_dim": 16, "d_kv": 16, "d_head": 16,
     "vocab_size": 1024, "max_position_embeddings": 512, "n_positions": 512,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    # Special tokens inside the small vocabulary (defaults index a full-size one).
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }
 
 # The families people train in 2026, each small, for the precision × option matrix (--families).
@@ -41,7 +43,7 @@ FAMILIES = [
     f"hf:Qwen3ForCausalLM({LM},head_dim=32)",
     f"hf:Gemma2ForCausalLM({LM},head_dim=32)",
     f"hf:Gemma3ForCausalLM({LM},head_dim=32)",
-    f"hf:Phi3ForCausalLM({LM})",
+    f"hf:Phi3ForCausalLM({LM},pad_token_id=0)",
     "hf:GPTNeoXForCausalLM(hidden_size=128,intermediate_size=256,num_hidden_layers=2,num_attention_heads=4,vocab_size=2048)",
     "hf:GPT2LMHeadModel(n_embd=128,n_layer=2,n_head=4,vocab_size=2048)",
     "hf:OPTForCausalLM(hidden_size=128,ffn_dim=256,num_hidden_layers=2,num_attention_heads=4,word_embed_proj_dim=128,vocab_size=2048)",
@@ -117,7 +119,7 @@ def main():
 
     if args.families:
         return families(args)
-    names = sorted(n for n in dir(transformers) if n.endswith(SUFFIXES) and not n.startswith(("TF", "Flax")))
+    names = sorted(n for n in dir(transformers) if n.endswith(SUFFIXES) and not n.startswith(("TF", "Flax", "Auto")))
     if args.only:
         names = [n for n in names if n in args.only.split(",")]
     rows = []
