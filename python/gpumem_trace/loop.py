@@ -180,7 +180,7 @@ def trace_training(opts: TraceOptions, out_path: str):
     autocast_dtype, weights_dtype = PRECISIONS[opts.precision]
     rec = Recorder()
     paths = ModulePaths(model)
-    mode = TraceMode(rec, DEVICE, paths)
+    mode = TraceMode(rec, paths, DEVICE)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     specs = job.batch_specs(opts.batch)
     acts, hooks = _count_activations(model)

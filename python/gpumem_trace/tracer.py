@@ -134,7 +134,8 @@ class ModulePaths(TorchFunctionMode):
 
     def __init__(self, model):
         super().__init__()
-        self.names = {id(m): n for n, m in model.named_modules()}
+        # The root's own code (a loss computed in forward) is named by its class.
+        self.names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
         self.stack = []
         self.handles = []
 
@@ -181,7 +182,7 @@ class ModulePaths(TorchFunctionMode):
 class TraceMode(TorchDispatchMode):
     """Sees every ATen op below autograd; records new device storages and their deaths."""
 
-    def __init__(self, recorder, device="meta", modules=None):
+    def __init__(self, recorder, modules, device="meta"):
         super().__init__()
         self.r = recorder
         self.device = device
@@ -195,7 +196,7 @@ class TraceMode(TorchDispatchMode):
         key = st._cdata
         if key in self.r.live or st.nbytes() == 0:
             return
-        self.r.alloc(key, st.nbytes(), op, module=self.modules.current() if self.modules else "")
+        self.r.alloc(key, st.nbytes(), op, module=self.modules.current())
         weakref.finalize(st, self.r.free, key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -215,10 +216,10 @@ class TraceMode(TorchDispatchMode):
             self.last_op = name
         for t in _tensors(out):
             self.track(t, name)
-        buffers = KERNEL_BUFFERS.get(func)
+        buffers = KERNEL_BUFFERS.get(func.overloadpacket)
         if buffers is not None:
             for nbytes in buffers(args, out):
-                self.r.transient(nbytes, name, self.modules.current() if self.modules else "")
+                self.r.transient(nbytes, name, self.modules.current())
         if func.overloadpacket in CUBLAS_OPS:
             self.r.workspace("autograd" if self.r.phase == "backward" else "main")
         flops = 0
@@ -252,7 +253,7 @@ def in_place_on_gpu(func, args, kwargs, phase, last_op):
 
 def _dense(t):
     """Whether ``t``'s elements fill its storage span exactly once, in some dimension order
-    (PyTorch's non-overlapping-and-dense rule; its helper is private and was renamed in 2.15)."""
+    (PyTorch's non-overlapping-and-dense rule; its helper is private and was renamed in 2.11)."""
     if t.numel() == 0:
         return True
     expected = 1
@@ -275,6 +276,16 @@ def data_dependent(func, args, kwargs):
     if p is aten.nonzero:
         t = args[0]
         return torch.empty((t.numel(), t.dim()), dtype=torch.long, device=t.device)
+    if p is aten.index and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+        # Boolean-mask indexing (x[mask]): every element selected. Each k-dim mask becomes k
+        # index tensors of its size, as nonzero would give.
+        indices = []
+        for i in args[1]:
+            if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
+                indices += [torch.empty((i.numel(),), dtype=torch.long, device=i.device)] * i.dim()
+            else:
+                indices.append(i)
+        return func(args[0], indices)
     if p is aten.masked_select:
         t = args[0]
         return torch.empty((t.numel(),), dtype=t.dtype, device=t.device)

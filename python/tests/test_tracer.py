@@ -134,6 +134,10 @@ def test_llama_style_model_under_mixed_precision(tmp_path):
     _, evs = traced([ref, "--batch", "2", "--seq-len", "64", "--precision", "amp-bf16", "--gpu-capability", "9.0"], tmp_path)
     ops = {e["op"] for e in evs if e["ev"] == "op"}
     assert ops & {"_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention"}, "a fused kernel, not math"
+    # On an A100 flash runs; its backward's softmax_d [B, H, round128(L)] fp32 comes and goes.
+    _, evs = traced([ref, "--batch", "2", "--seq-len", "64", "--precision", "amp-bf16", "--gpu-capability", "8.0"], tmp_path)
+    softmax_d = [e for e in allocs(evs, op="_scaled_dot_product_flash_attention_backward") if e["bytes"] == 2 * 4 * 128 * 4]
+    assert softmax_d and all(any(f["ev"] == "free" and f["id"] == e["id"] for f in evs) for e in softmax_d)
 
 
 def test_hugging_face_outputs_dropped_as_the_trainer_does(tmp_path):

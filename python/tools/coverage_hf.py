@@ -29,7 +29,8 @@ SMALL = {
     "intermediate_size": 128, "n_inner": 128, "ffn_dim": 128, "d_ff": 128, "d_inner": 128, "encoder_ffn_dim": 128,
     "decoder_ffn_dim": 128, "hidden_dim": 128, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
     "vocab_size": 1024, "max_position_embeddings": 512, "n_positions": 512,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+    "topk_group": 1,
     # Special tokens inside the small vocabulary (defaults index a full-size one).
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }
@@ -66,6 +67,8 @@ small = json.loads(sys.argv[2])
 kw = {k: v for k, v in small.items() if k in fields}
 if "num_key_value_heads" in kw and "num_attention_heads" not in kw:
     kw.pop("num_key_value_heads")
+elif "num_key_value_heads" in kw and "kv_lora_rank" in fields:
+    kw["num_key_value_heads"] = kw["num_attention_heads"]  # latent attention (MLA) repeats k/v by their ratio
 config = cls.config_class(**kw)
 with torch.device("meta"):
     cls(config)
