@@ -48,6 +48,34 @@ fn estimate_json_contract() {
     }
 }
 
+/// The breakdown is the allocated peak's: context + live categories + slack add up to what is
+/// reserved then; `peak_at` says where it is; the reserved peak, where elsewhere, has its own.
+#[test]
+fn estimate_explains_its_peak() {
+    let o = gpumem(&["estimate", MLP, "--batch", "64", "--json"]);
+    assert!(o.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let at = &v["peak_at"];
+    assert!(["forward", "backward", "optimizer"].contains(&at["phase"].as_str().unwrap()), "{at}");
+    assert!(at["op"].is_string() && at["iteration"].is_u64() && at["event"].is_u64(), "{at}");
+    let total: u64 = v["breakdown_bytes"].as_object().unwrap().values().map(|b| b.as_u64().unwrap()).sum();
+    assert!(total <= v["peak_bytes"].as_u64().unwrap());
+    if let Some(r) = v.get("reserved_peak") {
+        let total: u64 = r["breakdown_bytes"].as_object().unwrap().values().map(|b| b.as_u64().unwrap()).sum();
+        assert_eq!(total, v["peak_bytes"].as_u64().unwrap(), "at the reserved peak the breakdown is the whole peak");
+    } else {
+        assert_eq!(total, v["peak_bytes"].as_u64().unwrap());
+    }
+    let text = stdout(&gpumem(&["estimate", MLP, "--batch", "64"]));
+    assert!(text.contains("at the peak of allocated memory — "), "{text}");
+    let svg = tmp("timeline.svg");
+    let o = gpumem(&["estimate", MLP, "--batch", "64", "--timeline", svg.to_str().unwrap()]);
+    assert!(o.status.success());
+    let drawn = std::fs::read_to_string(&svg).unwrap();
+    assert!(drawn.starts_with("<svg") && drawn.contains("activation") && drawn.contains("reserved"), "{}", &drawn[..200.min(drawn.len())]);
+    bad_input(&["estimate", MLP, "--estimator", "horus", "--timeline", svg.to_str().unwrap()], "--timeline draws the replay");
+}
+
 #[test]
 fn estimate_reads_a_trace_file_written_by_trace() {
     let out = tmp("m.jsonl");
@@ -69,6 +97,9 @@ fn bad_inputs_exit_2_with_one_line() {
     bad_input(&["estimate", "mlp:input=10,output=2,depth=1,act=swoosh"], "unknown activation `swoosh`");
     bad_input(&["estimate", MLP, "--optimizer", "lion"], "unknown optimizer `lion`");
     bad_input(&["estimate", MLP, "--precision", "fp8"], "unknown precision `fp8`");
+    bad_input(&["estimate", MLP, "--precision", "bf16"], "--precision bf16 (pure low precision) applies to PyTorch models");
+    bad_input(&["estimate", MLP, "--outputs", "kept"], "apply to PyTorch models");
+    bad_input(&["estimate", MLP, "--attention-mask", "padded"], "apply to PyTorch models");
     bad_input(&["estimate", MLP, "--estimator", "oracle"], "unknown estimator `oracle`");
     bad_input(&["estimate", "missing.jsonl"], "no such trace file");
     bad_input(&["max-batch", "nonsense"], "has no `family:` prefix");

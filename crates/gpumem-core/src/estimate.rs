@@ -406,3 +406,41 @@ impl Estimator for Horus {
         Ok(Estimate::without_allocator(self.name(), profile, breakdown))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::builtin;
+    use crate::trace::{TraceBuilder, TraceHeader};
+
+    const MIB: u64 = 1 << 20;
+
+    /// Three 6 MiB activations share one 20 MiB segment (the allocated peak, 18 MiB, in
+    /// forward); two are freed, leaving holes of 6 and 8 MiB, so the optimizer's 9 MiB
+    /// temporary needs a segment of its own (the reserved peak, with less allocated).
+    #[test]
+    fn the_breakdown_is_the_allocated_peaks_and_the_reserved_peak_has_its_own() {
+        let mut b = TraceBuilder::new(TraceHeader::new("t", 1));
+        for (id, module) in [(1, "fc1"), (2, "fc2"), (3, "fc3")] {
+            b.alloc_with_id(0, id, 6 * MIB, Category::Activation, Phase::Forward, "mm", Some(module), 0).unwrap();
+        }
+        b.free(1);
+        b.free(3);
+        b.iteration_end();
+        b.alloc_with_id(0, 4, 9 * MIB, Category::Temporary, Phase::Optimizer, "_foreach_sqrt", None, 0).unwrap();
+        let t = b.finish();
+        let profile = builtin("a100-40gb").unwrap();
+        let e = Replay::default().estimate(&t, &profile).unwrap();
+        assert_eq!(e.breakdown.activations, 18 * MIB);
+        let at = e.peak_at.as_ref().unwrap();
+        assert_eq!((at.phase, at.op.as_str(), at.module.as_deref(), at.iteration), (Phase::Forward, "mm", Some("fc3"), 0));
+        assert_eq!(at.describe(1), "forward, fc3 (mm), iteration 1");
+        assert_eq!(e.breakdown.allocator_slack, 2 * MIB, "the segment's unused 2 MiB");
+        let r = e.reserved_peak.as_ref().expect("reserved peaks at the optimizer's new segment");
+        assert_eq!((r.at.phase, r.at.iteration, r.at.module.as_deref()), (Phase::Optimizer, 1, None));
+        assert_eq!((r.breakdown.activations, r.breakdown.temporaries, r.reserved), (6 * MIB, 9 * MIB, 40 * MIB));
+        assert_eq!(r.breakdown.total(), e.peak_bytes, "at the reserved peak the breakdown is the whole peak");
+        assert!(e.breakdown.total() < e.peak_bytes);
+        assert_eq!(r.at.describe(1), "validation, (_foreach_sqrt)", "an iteration past the trace's count is its validation pass");
+    }
+}
