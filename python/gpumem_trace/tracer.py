@@ -170,13 +170,21 @@ class ModulePaths(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.stack:
-            path = self.stack[-1]
-            for t in _tensors(out):
-                node = t.grad_fn
-                if node is not None and self.KEY not in node.metadata:
-                    node.metadata[self.KEY] = path
+        for t in _tensors(out):
+            self._tag(t.grad_fn, self.top())
         return out
+
+    def _tag(self, node, path):
+        """Tags ``node`` and the untagged nodes behind it: those a composite function (say
+        cross_entropy's log_softmax) made inside the call. Every call's outputs are tagged as
+        they appear (outside any module with ""), so the walk stops at the call's inputs."""
+        todo = [node]
+        while todo:
+            n = todo.pop()
+            if n is None or self.KEY in n.metadata:
+                continue
+            n.metadata[self.KEY] = path
+            todo.extend(f for f, _ in n.next_functions)
 
 
 class TraceMode(TorchDispatchMode):

@@ -332,7 +332,7 @@ impl TorchTracer {
         let batches = if fit && symbolic_ok { Self::fit_batches(req, Some(req.batch)) } else { vec![req.batch] };
         let mut traces = self.run_and_cache(req, &torch, &batches)?;
         if traces.len() == SymbolicTrace::FIT_BATCHES.len() {
-            self.cache_symbolic(req, &torch, &traces);
+            let _ = self.cache_symbolic(req, &torch, &traces);
         }
         Ok(traces.swap_remove(0))
     }
@@ -362,11 +362,9 @@ impl TorchTracer {
     }
 
     /// Fits and stores the symbolic trace; a model whose traces do not align (batch-dependent
-    /// control flow) simply has none, and is traced per batch size.
-    fn cache_symbolic(&self, req: &TraceRequest, torch: &str, traces: &[Trace]) -> Option<SymbolicTrace> {
-        let mut sorted: Vec<&Trace> = traces.iter().collect();
-        sorted.sort_by_key(|t| t.header.batch_size);
-        let sym = SymbolicTrace::fit(&sorted.into_iter().cloned().collect::<Vec<_>>()).ok()?;
+    /// control flow) has none, and is traced per batch size.
+    fn cache_symbolic(&self, req: &TraceRequest, torch: &str, traces: &[Trace]) -> Result<SymbolicTrace, String> {
+        let sym = SymbolicTrace::fit(traces)?;
         let path = self.symbolic_path(req, torch);
         let tmp = path.with_extension(temp_suffix());
         let written = fs::File::create(&tmp).ok().and_then(|f| {
@@ -379,7 +377,7 @@ impl TorchTracer {
         } else {
             let _ = fs::remove_file(&tmp);
         }
-        Some(sym)
+        Ok(sym)
     }
 
     /// `python -m MODULE` with the embedded package importable (the tracer, or the workload
@@ -426,7 +424,7 @@ impl TorchTracer {
         let cached: Vec<Option<Trace>> = batches.iter().map(|&b| read_trace(&self.cache_path(&TraceRequest { batch: b, ..req.clone() }, &torch))).collect();
         let traces = if cached.iter().all(Option::is_some) { cached.into_iter().flatten().collect() } else { self.run_and_cache(req, &torch, &batches)? };
         self.cache_symbolic(req, &torch, &traces)
-            .ok_or_else(|| BridgeError::Model(format!("{}: its traces do not align across batch sizes; trace each batch size instead", req.model)))
+            .map_err(|e| BridgeError::Model(format!("{}: its traces do not align across batch sizes ({e}); trace each batch size instead", req.model)))
     }
 }
 
