@@ -223,11 +223,12 @@ def _padded_batches(tr):
 
 def hf_job(spec, ref, seq_len, attention_mask="none"):
     """``hf:CLASS(key=value,...)``: a transformers class built from its config with these keys
-    (no Hub access), trained the way its head trains: language models (causal, masked,
-    sequence-to-sequence) on token ids with ``labels``, sequence classifiers on one label per
-    sequence, image classifiers on ``pixel_values`` at the config's image size, contrastive
-    models (CLIP, SigLIP) on text and images with ``return_loss``. ``attention_mask="padded"``
-    passes a mask of a padded batch, which Hugging Face then materialises."""
+    (no Hub access), trained the way its head trains, on the input it reads
+    (``main_input_name``: token ids of ``seq_len``, images at the config's size, raw audio of
+    ``seq_len`` samples, log-mel frames): language models (causal, masked, sequence-to-sequence)
+    with token ``labels``, sequence/image/audio classifiers with one label per sample,
+    contrastive models (CLIP, SigLIP) on text and images with ``return_loss``.
+    ``attention_mask="padded"`` passes a mask of a padded batch, which the model materialises."""
     tr = _require("transformers", "transformers")
     m = re.fullmatch(r"([^()]+)(?:\((.*)\))?", spec.strip())
     if not m:
@@ -274,27 +275,33 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
     side = side[0] if isinstance(side, (list, tuple)) else side
     image = (getattr(vision, "num_channels", 3), side, side)
     ids = lambda b: ((b, seq), torch.long)  # noqa: E731
-    if "forimageclassification" in lower:
-        specs = lambda b: [((b, *image), torch.float32), ((b,), torch.long)]  # noqa: E731
-        forward = lambda m, b: m(pixel_values=b[0], labels=b[1])  # noqa: E731
-        seq = None
-    elif hasattr(model, "get_image_features") and hasattr(model, "get_text_features") and "for" not in lower:
+    # What the model reads (`main_input_name`): token ids, images, raw audio, or spectrograms.
+    main = getattr(model, "main_input_name", "input_ids")
+    if main == "pixel_values":
+        x, seq = (lambda b: ((b, *image), torch.float32)), None
+    elif main == "input_values":  # raw audio: --seq-len samples, default one second at 16 kHz
+        samples = seq_len or 16000
+        x, seq = (lambda b: ((b, samples), torch.float32)), None
+    elif main == "input_features":  # log-mel frames, as many as the encoder takes
+        frames = seq_len or 2 * getattr(config, "max_source_positions", 1500)
+        x, seq = (lambda b: ((b, getattr(config, "num_mel_bins", 80), frames), torch.float32)), None
+    else:
+        x = ids
+    one_label = any(k in lower for k in ("sequenceclassification", "imageclassification", "audioclassification"))
+    if hasattr(model, "get_image_features") and hasattr(model, "get_text_features") and "for" not in lower:
         specs = lambda b: [ids(b), ((b, *image), torch.float32)]  # noqa: E731
         forward = lambda m, b: m(input_ids=b[0], pixel_values=b[1], return_loss=True, **_mask(b, 2))  # noqa: E731
-    elif "sequenceclassification" in lower:
-        specs = lambda b: [ids(b), ((b,), torch.long)]  # noqa: E731
-        forward = lambda m, b: m(input_ids=b[0], labels=b[1], **_mask(b, 2))  # noqa: E731
     else:
-        specs = lambda b: [ids(b), ids(b)]  # noqa: E731
-        forward = lambda m, b: m(input_ids=b[0], labels=b[1], **_mask(b, 2))  # noqa: E731
+        specs = lambda b: [x(b), ((b,), torch.long) if one_label else ids(b)]  # noqa: E731
+        forward = lambda m, b: m(**{main: b[0]}, labels=b[1], **_mask(b, 2))  # noqa: E731
     if attention_mask == "padded":
         if seq is None:
-            raise ReferenceError_(f"{ref}: --attention-mask applies to models that take token ids")
+            raise ReferenceError_(f"{ref}: --attention-mask applies to models that read token ids")
         _padded_batches(tr)
         base = specs
         specs = lambda b: base(b) + [ids(b)]  # noqa: E731
     # Hugging Face's Trainer takes `loss = model(**batch).loss`: the output is not held.
-    return Job(model, specs, lambda out, batch: out.loss, forward=forward, seq_len=seq, input_shape=image if seq is None else None, keeps_outputs=False)
+    return Job(model, specs, lambda out, batch: out.loss, forward=forward, seq_len=seq, input_shape=image if main == "pixel_values" else None, keeps_outputs=False)
 
 
 def _mask(batch, index):

@@ -28,7 +28,7 @@ SMALL = {
     "decoder_attention_heads": 4, "num_key_value_heads": 2,
     "intermediate_size": 128, "n_inner": 128, "ffn_dim": 128, "d_ff": 128, "d_inner": 128, "encoder_ffn_dim": 128,
     "decoder_ffn_dim": 128, "hidden_dim": 128, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
-    "vocab_size": 1024, "max_position_embeddings": 512, "n_positions": 512,
+    "vocab_size": 1024, "max_position_embeddings": 512, "n_positions": 512, "rotary_dim": 8,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
     "topk_group": 1,
     # Special tokens inside the small vocabulary (defaults index a full-size one).
