@@ -107,7 +107,9 @@ def to_device_keeping_ties(model, dtype=None):
             if p is not None:
                 owners.setdefault(id(p), []).append((m, name))
     memo = {}
-    model._apply(lambda t: memo.setdefault(id(t), (t, t.to(DEVICE, dtype) if dtype is not None and t.is_floating_point() else t.to(DEVICE)))[1])
+    # A copy even of a model built on meta: its tensors become the trace's parameters.
+    to = lambda t: t.to(DEVICE, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype, copy=True)  # noqa: E731
+    model._apply(lambda t: memo.setdefault(id(t), (t, to(t)))[1])
     for refs in owners.values():
         first = refs[0][0]._parameters[refs[0][1]]
         for m, name in refs[1:]:

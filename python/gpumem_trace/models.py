@@ -45,6 +45,19 @@ def no_init():
             setattr(nn.init, n, f)
 
 
+def build(make):
+    """``make()`` run to build a model where it costs nothing: on the meta device, so a 70B
+    model builds in seconds without its weights in memory; or, where construction reads tensor
+    values (a timm model's schedule computed with ``.tolist()``), on the CPU with weight
+    initialisation skipped. Either way the tracer then moves the model to its meta "GPU"."""
+    try:
+        with torch.device("meta"), no_init():
+            return make()
+    except Exception:
+        with no_init():
+            return make()
+
+
 def _kwargs(text, ref):
     out = {}
     for item in filter(None, (s.strip() for s in re.split(r"[;,]", text))):
@@ -135,8 +148,7 @@ def torchvision_job(spec, ref, input_shape):
         kw.setdefault("init_weights", False)
     if "weights_backbone" in inspect.signature(tv.models.get_model_builder(name)).parameters:
         kw.setdefault("weights_backbone", None)  # no download of pretrained backbone weights
-    with no_init():
-        model = tv.models.get_model(name, weights=None, **kw)
+    model = build(lambda: tv.models.get_model(name, weights=None, **kw))
     shape = input_shape or _torchvision_input(tv, name, family)
     if family == "segmentation":
         return _segmentation(model, shape)
@@ -148,8 +160,7 @@ def timm_job(spec, ref, input_shape):
     name, kw = _split_call(spec, ref)
     if not timm.is_model(name):
         _unknown("timm", name, timm.list_models())
-    with no_init():
-        model = timm.create_model(name, pretrained=False, **kw)
+    model = build(lambda: timm.create_model(name, pretrained=False, **kw))
     cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", {}) or {}
     shape = input_shape or tuple(cfg.get("input_size", (3, 224, 224)))
     return _classification(model, shape, getattr(model, "num_classes", 1000) or 1000)
@@ -169,8 +180,7 @@ def smp_job(spec, ref, input_shape):
     if loss_name not in ("ce", "dice"):
         raise ReferenceError_(f"{ref}: loss `{loss_name}` is not ce or dice")
     kw.setdefault("encoder_weights", None)
-    with no_init():
-        model = smp.create_model(match, **kw)
+    model = build(lambda: smp.create_model(match, **kw))
     classes = int(kw.get("classes", 1))
     shape = input_shape or (kw.get("in_channels", 3), 512, 512)
     if classes == 1:
@@ -265,8 +275,7 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
         config.pad_token_id = 0  # batches of more than one sequence need one
     if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = config.pad_token_id  # labels are shifted right behind it, as pretrained configs set
-    with no_init():
-        model = cls(config)
+    model = build(lambda: cls(config))
     text = getattr(config, "text_config", None) or config
     limits = [getattr(text, k, None) for k in ("max_position_embeddings", "n_positions")]
     seq = seq_len or min([512] + [n for n in limits if isinstance(n, int) and n > 0])
@@ -329,8 +338,7 @@ def py_job(spec, ref, batch_hint):
         _unknown("py", func, [n for n in dir(mod) if not n.startswith("_")])
 
     def call(b):
-        with no_init():
-            out = fn(b, **kw)
+        out = build(lambda: fn(b, **kw))
         if not (isinstance(out, tuple) and len(out) == 3):
             raise ReferenceError_(f"{ref}: {func}(batch_size) must return (model, batch, loss_fn)")
         return out
