@@ -69,9 +69,18 @@ if "num_key_value_heads" in kw and "num_attention_heads" not in kw:
     kw.pop("num_key_value_heads")
 elif "num_key_value_heads" in kw and "kv_lora_rank" in fields:
     kw["num_key_value_heads"] = kw["num_attention_heads"]  # latent attention (MLA) repeats k/v by their ratio
-config = cls.config_class(**kw)
-with torch.device("meta"):
-    cls(config)
+def parameters(kw):
+    with torch.device("meta"):
+        return sum(p.numel() for p in cls(cls.config_class(**kw)).parameters())
+try:
+    n = parameters(kw)
+except Exception as e:  # a model that refuses grouped-query attention
+    if "num_key_value_heads" not in kw or "num_key_value_heads" not in str(e):
+        raise
+    kw["num_key_value_heads"] = kw["num_attention_heads"]
+    n = parameters(kw)
+if n > 200_000_000:
+    raise SystemExit(f"not small: {n / 1e6:.0f}M parameters with the small keys (sub-configs keep their sizes)")
 print(json.dumps(kw))
 """
 
