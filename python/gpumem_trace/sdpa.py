@@ -37,6 +37,10 @@ def _env_true(name):
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _env_false(name):
+    return os.environ.get(name, "").strip().lower() in ("0", "false", "no", "off")
+
+
 @dataclass(frozen=True)
 class Stack:
     """What the choice depends on: torch's release, the target GPU, the cuDNN torch loads."""
@@ -100,10 +104,6 @@ class Stack:
     def max_capability(self):
         """Newest architecture the fused kernels are built for."""
         return (9, 0) if not self.at_least(2, 7) else (12, 0) if self.torch[:2] == (2, 7) else (12, 1)
-
-
-def _env_false(name):
-    return os.environ.get(name, "").strip().lower() in ("0", "false", "no", "off")
 
 
 @dataclass
