@@ -275,8 +275,9 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
             raise ReferenceError_(f"{ref}: {config_cls.__name__} has no field `{k}`")
     config = config_cls(**mapped)
     lower = name.lower()
-    if ("sequenceclassification" in lower or getattr(config, "is_encoder_decoder", False)) and getattr(config, "pad_token_id", None) is None:
-        config.pad_token_id = 0  # batches of more than one sequence need one
+    for c in {id(config): config, id(getattr(config, "text_config", None) or config): getattr(config, "text_config", None) or config}.values():
+        if ("sequenceclassification" in lower or getattr(c, "is_encoder_decoder", False)) and getattr(c, "pad_token_id", None) is None:
+            c.pad_token_id = 0  # batches of more than one sequence need one (a nested text config too)
     if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = config.pad_token_id  # labels are shifted right behind it, as pretrained configs set
     model = build(lambda: cls(config))

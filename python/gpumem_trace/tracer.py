@@ -274,8 +274,11 @@ def _dense(t):
 
 def data_dependent(func, args, kwargs):
     """Meta tensors have no values: answer value-dependent ops with a plausible stand-in (sizes
-    of selections are the worst case, so memory is never underestimated)."""
+    of selections are the worst case, so memory is never underestimated). CPU tensors (Python
+    ints a model turned into tensors, say) have their values and are computed."""
     p = func.overloadpacket
+    if not (args and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta"):
+        return NotImplemented
     if p is aten._local_scalar_dense:
         t = args[0]
         return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)

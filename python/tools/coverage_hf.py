@@ -10,6 +10,7 @@ one-line cause) or `skipped` (its config or model does not build small, with the
 
 import argparse
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -18,8 +19,8 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1]
 SUFFIXES = ("ForCausalLM", "ForMaskedLM", "ForSequenceClassification")
-# Small sizes under every name configs use for them; only the keys a config has are given. Head
-# dimensions keep their defaults: several configs tie them to other fields (MLA's rope dims).
+# Small sizes under every name configs use for them; only the keys a config has are given
+# (head_dim = hidden / heads, except where latent attention ties it to its rope dimensions).
 SMALL = {
     "hidden_size": 64, "n_embd": 64, "d_model": 64, "dim": 64, "embed_dim": 64, "n_embed": 64, "d_embed": 64,
     "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
@@ -28,7 +29,7 @@ SMALL = {
     "decoder_attention_heads": 4, "num_key_value_heads": 2,
     "intermediate_size": 128, "n_inner": 128, "ffn_dim": 128, "d_ff": 128, "d_inner": 128, "encoder_ffn_dim": 128,
     "decoder_ffn_dim": 128, "hidden_dim": 128, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
-    "vocab_size": 1024, "max_position_embeddings": 512, "n_positions": 512, "rotary_dim": 8,
+    "head_dim": 16, "vocab_size": 1024, "max_position_embeddings": 512, "n_positions": 512, "rotary_dim": 8,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
     "topk_group": 1,
     # Special tokens inside the small vocabulary (defaults index a full-size one).
@@ -69,6 +70,12 @@ if "num_key_value_heads" in kw and "num_attention_heads" not in kw:
     kw.pop("num_key_value_heads")
 elif "num_key_value_heads" in kw and "kv_lora_rank" in fields:
     kw["num_key_value_heads"] = kw["num_attention_heads"]  # latent attention (MLA) repeats k/v by their ratio
+if "qk_rope_head_dim" in fields:
+    kw.pop("head_dim", None)
+if int(sys.argv[3]):  # hybrid stacks: enough layers that full-attention ones exist among them
+    for k in ("num_hidden_layers", "num_layers", "n_layer", "n_layers"):
+        if k in kw:
+            kw[k] = 8
 def parameters(kw):
     with torch.device("meta"):
         return sum(p.numel() for p in cls(cls.config_class(**kw)).parameters())
@@ -81,7 +88,7 @@ except Exception as e:  # a model that refuses grouped-query attention
     n = parameters(kw)
 if n > 200_000_000:
     raise SystemExit(f"not small: {n / 1e6:.0f}M parameters with the small keys (sub-configs keep their sizes)")
-print(json.dumps(kw))
+print(json.dumps([kw, getattr(cls, "main_input_name", "input_ids")]))
 """
 
 
@@ -89,12 +96,10 @@ def reference(name, kw):
     return f"hf:{name}({','.join(f'{k}={v}' for k, v in kw.items())})"
 
 
-def probe(name, timeout):
-    """The small config keys for `name`, or the reason it does not build small."""
-    import json
-
+def probe(name, timeout, deep=False):
+    """The small config keys for `name` and what it reads, or the reason it does not build small."""
     try:
-        p = subprocess.run([sys.executable, "-c", PROBE, name, json.dumps(SMALL)], capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run([sys.executable, "-c", PROBE, name, json.dumps(SMALL), str(int(deep))], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return None, f"building it took over {timeout} s"
     if p.returncode != 0:
@@ -102,10 +107,11 @@ def probe(name, timeout):
     return json.loads(p.stdout.strip().splitlines()[-1]), ""
 
 
-def trace(ref, args, precision=None, extra=()):
+def trace(ref, args, precision=None, extra=(), tokens=True):
     out = f"/tmp/gpumem-coverage-hf-{os.getpid()}.jsonl"
     env = dict(os.environ, PYTHONPATH=str(PKG))
-    cmd = [sys.executable, "-m", "gpumem_trace", ref, "--batch", "2", "--seq-len", str(args.seq_len), "--precision", precision or args.precision,
+    length = ["--seq-len", str(args.seq_len)] if tokens else []  # audio models read their default length
+    cmd = [sys.executable, "-m", "gpumem_trace", ref, "--batch", "2", *length, "--precision", precision or args.precision,
            "--gpu-capability", args.gpu_capability, "--out", out, "--timeout", str(args.timeout), *extra]
     t0 = time.time()
     try:
@@ -113,7 +119,8 @@ def trace(ref, args, precision=None, extra=()):
         ok, cause = p.returncode == 0, "" if p.returncode == 0 else (p.stderr.strip().splitlines() or ["?"])[-1].replace("gpumem_trace: ", "")
     except subprocess.TimeoutExpired:
         ok, cause = False, f"killed after {args.timeout + 60} s"
-    return ok, cause[:400], time.time() - t0
+    # The tracer's message starts with the reference: keep what follows it.
+    return ok, cause.split(" failed while tracing: ", 1)[-1][:400], time.time() - t0
 
 
 def main():
@@ -136,13 +143,20 @@ def main():
         names = [n for n in names if n in args.only.split(",")]
     rows = []
     for i, name in enumerate(names):
-        kw, why = probe(name, args.timeout)
-        if kw is None:
+        found, why = probe(name, args.timeout)
+        if found is None:
             rows.append((name, "skipped", "", "", why))
             print(f"[{i + 1}/{len(names)}] skipped {name}: {why}", flush=True)
             continue
+        kw, main_input = found
         ref = reference(name, kw)
-        ok, cause, secs = trace(ref, args)
+        ok, cause, secs = trace(ref, args, tokens=main_input == "input_ids")
+        if not ok and "can only be called on Attention layers" in cause:
+            # A hybrid stack whose two small layers are both linear-attention ones.
+            found, _ = probe(name, args.timeout, deep=True)
+            if found is not None:
+                ref = reference(name, found[0])
+                ok, cause, secs = trace(ref, args, tokens=main_input == "input_ids")
         rows.append((name, "ok" if ok else "failed", f"{secs:.1f}", ref, cause))
         print(f"[{i + 1}/{len(names)}] {'ok' if ok else 'FAILED'} {name} {secs:.1f}s {cause}", flush=True)
     with open(args.out, "w", newline="") as f:
