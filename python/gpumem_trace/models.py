@@ -281,6 +281,8 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
     if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = config.pad_token_id  # labels are shifted right behind it, as pretrained configs set
     model = build(lambda: cls(config))
+    if hasattr(model, "set_default_language") and getattr(config, "default_language", None) is None and getattr(config, "languages", None):
+        model.set_default_language(config.languages[0])  # X-MOD's adapters need one
     text = getattr(config, "text_config", None) or config
     limits = [getattr(text, k, None) for k in ("max_position_embeddings", "n_positions")]
     seq = seq_len or min([512] + [n for n in limits if isinstance(n, int) and n > 0])
@@ -298,15 +300,27 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
         x, seq = (lambda b: ((b, samples), torch.float32)), None
     elif main == "input_features":  # log-mel frames, as many as the encoder takes
         frames = seq_len or 2 * getattr(config, "max_source_positions", 1500)
-        x, seq = (lambda b: ((b, getattr(config, "num_mel_bins", 80), frames), torch.float32)), None
+        stacked = getattr(config, "feature_projection_input_dim", None)  # Wav2Vec2-BERT: frames first
+        shape = (frames, stacked) if stacked else (getattr(config, "num_mel_bins", 80), frames)
+        x, seq = (lambda b: ((b, *shape), torch.float32)), None
     else:
         x = ids
     one_label = any(k in lower for k in ("sequenceclassification", "imageclassification", "audioclassification"))
+    label = (lambda b: ((b,), torch.long)) if one_label else ids
+    codebooks = getattr(config, "num_codebooks", None)
+    if main == "input_ids" and isinstance(codebooks, int) and codebooks > 1:
+        # Audio-token decoders (MusicGen): every codebook's stream, ids as (batch × codebooks, seq).
+        x = lambda b: ((b * codebooks, seq), torch.long)  # noqa: E731
+        label = lambda b: ((b, seq, codebooks), torch.long)  # noqa: E731
     if hasattr(model, "get_image_features") and hasattr(model, "get_text_features") and "for" not in lower:
         specs = lambda b: [ids(b), ((b, *image), torch.float32)]  # noqa: E731
         forward = lambda m, b: m(input_ids=b[0], pixel_values=b[1], return_loss=True, **_mask(b, 2))  # noqa: E731
+    elif main == "input_ids" and "pixel_values" in inspect.signature(model.forward).parameters and hasattr(config, "vision_config") | hasattr(config, "image_size"):
+        # A text head over an image too (GIT's captions, ViLT's masked words): both inputs.
+        specs = lambda b: [ids(b), label(b), ((b, *image), torch.float32)]  # noqa: E731
+        forward = lambda m, b: m(input_ids=b[0], labels=b[1], pixel_values=b[2], **_mask(b, 3))  # noqa: E731
     else:
-        specs = lambda b: [x(b), ((b,), torch.long) if one_label else ids(b)]  # noqa: E731
+        specs = lambda b: [x(b), label(b)]  # noqa: E731
         forward = lambda m, b: m(**{main: b[0]}, labels=b[1], **_mask(b, 2))  # noqa: E731
     if attention_mask == "padded":
         if seq is None:

@@ -218,7 +218,16 @@ class TraceMode(TorchDispatchMode):
             return aten.alias(args[0])
         out = data_dependent(func, args, kwargs)
         if out is NotImplemented:
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except RuntimeError:
+                # CUDA kernels take CPU scalars (`x.masked_fill(m, torch.tensor(v))`); meta ones
+                # do not: give them the scalars on meta.
+                on_meta = lambda x: x.to(self.device) if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() == 0 else x  # noqa: E731
+                moved = (tuple(on_meta(a) for a in args), {k: on_meta(v) for k, v in kwargs.items()})
+                if all(x is y for x, y in zip(moved[0], args)) and all(moved[1][k] is kwargs[k] for k in kwargs):
+                    raise
+                out = func(*moved[0], **moved[1])
         name = func.overloadpacket.__name__
         if name not in VIEW_OPS:
             self.last_op = name
