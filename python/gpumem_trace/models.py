@@ -275,7 +275,8 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
             raise ReferenceError_(f"{ref}: {config_cls.__name__} has no field `{k}`")
     config = config_cls(**mapped)
     lower = name.lower()
-    for c in {id(config): config, id(getattr(config, "text_config", None) or config): getattr(config, "text_config", None) or config}.values():
+    text = getattr(config, "text_config", None) or config
+    for c in (config,) if text is config else (config, text):
         if ("sequenceclassification" in lower or getattr(c, "is_encoder_decoder", False)) and getattr(c, "pad_token_id", None) is None:
             c.pad_token_id = 0  # batches of more than one sequence need one (a nested text config too)
     if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
@@ -283,7 +284,6 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
     model = build(lambda: cls(config))
     if hasattr(model, "set_default_language") and getattr(config, "default_language", None) is None and getattr(config, "languages", None):
         model.set_default_language(config.languages[0])  # X-MOD's adapters need one
-    text = getattr(config, "text_config", None) or config
     limits = [getattr(text, k, None) for k in ("max_position_embeddings", "n_positions")]
     seq = seq_len or min([512] + [n for n in limits if isinstance(n, int) and n > 0])
     vision = getattr(config, "vision_config", None) or config
@@ -315,7 +315,8 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
     if hasattr(model, "get_image_features") and hasattr(model, "get_text_features") and "for" not in lower:
         specs = lambda b: [ids(b), ((b, *image), torch.float32)]  # noqa: E731
         forward = lambda m, b: m(input_ids=b[0], pixel_values=b[1], return_loss=True, **_mask(b, 2))  # noqa: E731
-    elif main == "input_ids" and "pixel_values" in inspect.signature(model.forward).parameters and hasattr(config, "vision_config") | hasattr(config, "image_size"):
+    elif (lower.endswith(("forcausallm", "formaskedlm")) and "pixel_values" in inspect.signature(model.forward).parameters
+          and (hasattr(config, "vision_config") or hasattr(config, "image_size"))):
         # A text head over an image too (GIT's captions, ViLT's masked words): both inputs.
         specs = lambda b: [ids(b), label(b), ((b, *image), torch.float32)]  # noqa: E731
         forward = lambda m, b: m(input_ids=b[0], labels=b[1], pixel_values=b[2], **_mask(b, 3))  # noqa: E731
