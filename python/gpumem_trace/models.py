@@ -308,8 +308,8 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
     one_label = any(k in lower for k in ("sequenceclassification", "imageclassification", "audioclassification"))
     label = (lambda b: ((b,), torch.long)) if one_label else ids
     codebooks = getattr(config, "num_codebooks", None)
-    if main == "input_ids" and isinstance(codebooks, int) and codebooks > 1:
-        # Audio-token decoders (MusicGen): every codebook's stream, ids as (batch × codebooks, seq).
+    if name.startswith("Musicgen") and isinstance(codebooks, int) and codebooks > 1:
+        # MusicGen's decoders read every codebook's stream, ids as (batch × codebooks, seq).
         x = lambda b: ((b * codebooks, seq), torch.long)  # noqa: E731
         label = lambda b: ((b, seq, codebooks), torch.long)  # noqa: E731
     if hasattr(model, "get_image_features") and hasattr(model, "get_text_features") and "for" not in lower:
