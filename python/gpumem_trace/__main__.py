@@ -70,8 +70,12 @@ def main(argv=None):
     from .loop import TraceOptions, trace_training
     from .models import ReferenceError_
 
+    class TimedOut(BaseException):
+        """Not an Exception: the model's and the tracer's own fallbacks (``except Exception``)
+        must not swallow the alarm and run the model again."""
+
     def on_alarm(*_):
-        raise TimeoutError
+        raise TimedOut
 
     if a.timeout > 0:
         signal.signal(signal.SIGALRM, on_alarm)
@@ -86,7 +90,7 @@ def main(argv=None):
             trace_training(opts, out)
     except ReferenceError_ as e:
         return fail(2, str(e))
-    except TimeoutError:
+    except TimedOut:
         return fail(4, f"tracing {a.model} timed out after {a.timeout:g} s")
     except Exception as e:  # the model's own failure
         tb = traceback.extract_tb(e.__traceback__)
