@@ -9,7 +9,7 @@ use gpumem_learn::kfold::{Report, kfold};
 use gpumem_learn::{Kind, LearnedModel, Sample, Spec, Target, data};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::commands::GpuChoice;
+use crate::args::GpuChoice;
 use crate::{CliError, CliResult};
 
 #[derive(Args)]
@@ -244,13 +244,8 @@ fn print_report(r: &Report, t: Target) {
     }
 }
 
-pub fn read_model(path: &Path) -> CliResult<LearnedModel> {
-    let text = std::fs::read_to_string(path).map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
-    LearnedModel::from_json(&path.display().to_string(), &text).map_err(CliError::input)
-}
-
 fn predict_cmd(a: PredictArgs) -> CliResult {
-    let model = read_model(&a.model)?;
+    let model = LearnedModel::read(&a.model).map_err(CliError::input)?;
     let profile = a.gpu.load()?;
     let rows = load_dataset(&a.dataset, &profile)?;
     let refs: Vec<&Sample> = rows.iter().collect();

@@ -6,12 +6,18 @@
 //! a PyTorch model that cannot be traced exits with 3; other failures (I/O while writing) exit
 //! with 1. See docs/cli.md.
 
-mod commands;
+mod args;
+mod calibrate;
 mod dataset;
+mod estimate;
+mod eval;
+mod gpus;
 mod learn;
+mod max_batch;
 mod plot;
 mod server;
 mod simulate;
+mod trace;
 
 use std::process::ExitCode;
 
@@ -56,17 +62,17 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Estimate peak GPU memory (as nvidia-smi shows it) with a breakdown and an upper bound.
-    Estimate(commands::EstimateArgs),
+    Estimate(estimate::EstimateArgs),
     /// Find the largest batch size whose upper bound fits on the GPU.
-    MaxBatch(commands::MaxBatchArgs),
+    MaxBatch(max_batch::MaxBatchArgs),
     /// List the built-in GPU profiles.
-    Gpus(commands::GpusArgs),
+    Gpus(gpus::GpusArgs),
     /// Fit a GPU profile's fixed costs from measured runs.
-    Calibrate(commands::CalibrateArgs),
+    Calibrate(calibrate::CalibrateArgs),
     /// Score every estimator against measured runs.
-    Eval(commands::EvalArgs),
-    /// Write the training-step trace of a native model.
-    Trace(commands::TraceArgs),
+    Eval(eval::EvalArgs),
+    /// Write the training-step trace of a model.
+    Trace(trace::TraceArgs),
     Simulate(simulate::SimulateArgs),
     Learn(learn::LearnArgs),
     Dataset(dataset::DatasetArgs),
@@ -112,12 +118,12 @@ fn main() -> ExitCode {
     }));
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Estimate(a) => commands::estimate(a),
-        Command::MaxBatch(a) => commands::max_batch(a),
-        Command::Gpus(a) => commands::gpus(a),
-        Command::Calibrate(a) => commands::calibrate(a),
-        Command::Eval(a) => commands::eval(a),
-        Command::Trace(a) => commands::trace(a),
+        Command::Estimate(a) => estimate::estimate(a),
+        Command::MaxBatch(a) => max_batch::max_batch(a),
+        Command::Gpus(a) => gpus::gpus(a),
+        Command::Calibrate(a) => calibrate::calibrate(a),
+        Command::Eval(a) => eval::eval(a),
+        Command::Trace(a) => trace::trace(a),
         Command::Simulate(a) => simulate::run(a),
         Command::Learn(a) => learn::run(a),
         Command::Dataset(a) => dataset::run(a),

@@ -10,8 +10,10 @@ use gpumem_core::profile;
 use gpumem_monitor::{FakeMonitor, Monitor, NvmlMonitor};
 use gpumem_server::wire::{GpuView, JobRequest, JobView, Submitted};
 use gpumem_server::{Config, Daemon};
+use gpumem_workload::Options;
 use serde::Deserialize;
 
+use crate::args::WorkloadArgs;
 use crate::{CliError, CliResult};
 
 pub const DEFAULT_SERVER: &str = "http://127.0.0.1:7878";
@@ -52,7 +54,7 @@ pub fn serve(a: ServeArgs) -> CliResult {
     gpumem_server::api::check_bind(addr, a.token.as_deref()).map_err(CliError::input)?;
     let (monitor, fake, prof): (Box<dyn Monitor>, _, _) = match &a.fake_gpus {
         Some(spec) => {
-            let (n, name) = crate::commands::gpu_count("--fake-gpus", spec, 1024)?;
+            let (n, name) = crate::args::gpu_count("--fake-gpus", spec, 1024)?;
             let p = profile::builtin(name).map_err(CliError::input)?;
             let m = FakeMonitor::new(n, &p.display, p.capacity_bytes());
             let gpus = m.gpus.clone();
@@ -153,11 +155,14 @@ pub struct SubmitArgs {
     gpus: Option<u32>,
     #[arg(long)]
     mem_mib: Option<u64>,
-    /// Model spec or reference for the estimate (with --batch).
+    /// Model spec or reference for the estimate (with --batch); the loop options below then
+    /// describe its training (a job file's `[options]` table otherwise).
     #[arg(long)]
     model: Option<String>,
     #[arg(long)]
     batch: Option<u64>,
+    #[command(flatten)]
+    workload: WorkloadArgs,
     #[arg(long)]
     priority: Option<i32>,
     #[arg(long)]
@@ -183,6 +188,7 @@ pub fn submit(a: SubmitArgs) -> CliResult {
             gpus: 1,
             model: None,
             batch: None,
+            options: Options::default(),
             mem_mib: None,
             priority: 0,
         },
@@ -199,6 +205,9 @@ pub fn submit(a: SubmitArgs) -> CliResult {
     }
     req.gpus = a.gpus.unwrap_or(req.gpus);
     req.mem_mib = a.mem_mib.or(req.mem_mib);
+    if a.model.is_some() {
+        req.options = a.workload.options()?;
+    }
     req.model = a.model.clone().or(req.model);
     req.batch = a.batch.or(req.batch);
     req.priority = a.priority.unwrap_or(req.priority);

@@ -8,13 +8,14 @@ use gpumem_core::estimate::{Estimator, Replay};
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::utilization::{HostModel, physical};
 use gpumem_place::{Load, MIB, MemoryDemand, MemoryView, Policy, Rule};
-use gpumem_sim::carma::{ModelRef, Task, load_arrivals, load_tasks};
+use gpumem_sim::carma::{Task, TaskModel, load_arrivals, load_tasks};
 use gpumem_sim::{GpuSpec, Interference, NoInterference, ProportionalSharing, Report, SimConfig, SimJob, simulate};
-use gpumem_torch::{BridgeError, TorchTracer, TraceRequest};
+use gpumem_torch::BridgeError;
+use gpumem_workload::{Workload, WorkloadError};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use crate::commands::{GpuChoice, gpu_count};
+use crate::args::{GpuChoice, gpu_count};
 use crate::{CliError, CliResult, plot};
 
 /// Estimators the simulator can hand to a policy.
@@ -117,7 +118,7 @@ fn solo_load(u: &gpumem_core::utilization::Utilization, task: &Task) -> Load {
 
 /// Traces every distinct modelled task once (cached by the tracer) and estimates it.
 fn model_tasks(tasks: &[&Task], profile: &GpuProfile) -> CliResult<HashMap<String, Modelled>> {
-    let mut distinct: Vec<&ModelRef> = Vec::new();
+    let mut distinct: Vec<&TaskModel> = Vec::new();
     for t in tasks {
         if let Some(m) = &t.model
             && !distinct.contains(&m)
@@ -125,31 +126,23 @@ fn model_tasks(tasks: &[&Task], profile: &GpuProfile) -> CliResult<HashMap<Strin
             distinct.push(m);
         }
     }
-    let tracer = TorchTracer::from_env();
     let bar = ProgressBar::new(distinct.len() as u64);
     bar.set_style(ProgressStyle::with_template("tracing {bar:30} {pos}/{len} {msg}").expect("valid template"));
     let mut by_key = HashMap::new();
     for m in distinct {
-        bar.set_message(format!("{} b{}", m.model, m.batch));
-        let mut req = TraceRequest::for_gpu(&m.model, m.batch, profile);
-        req.optimizer = m.optimizer.clone();
-        req.input = m.input.clone();
-        req.seq_len = m.seq_len;
-        req.data_parallel = m.data_parallel;
-        if let Some(v) = &m.validate {
-            req.validate = v.clone();
-        }
-        req.outputs = m.outputs.clone();
-        let trace = match tracer.trace(&req) {
+        bar.set_message(format!("{} b{}", m.reference, m.batch));
+        let traced = Workload::parse(&m.reference, m.batch, m.options.clone()).and_then(|w| w.trace(profile));
+        let trace = match traced {
             Ok(t) => t,
             // A library this interpreter lacks (say segmentation-models-pytorch): the task is
             // left unmodelled here, as the tasks gpumem cannot trace at all are.
-            Err(BridgeError::BadReference(e)) => {
-                bar.suspend(|| eprintln!("warning: {} b{}: {e}; its tasks run without a gpumem estimate", m.model, m.batch));
+            Err(WorkloadError::Tracer(BridgeError::BadReference(e))) => {
+                bar.suspend(|| eprintln!("warning: {} b{}: {e}; its tasks run without a gpumem estimate", m.reference, m.batch));
                 bar.inc(1);
                 continue;
             }
-            Err(e) => return Err(CliError::Model(format!("{} b{}: {e}", m.model, m.batch))),
+            Err(WorkloadError::Invalid(e)) => return Err(CliError::input(format!("{} b{}: {e}", m.reference, m.batch))),
+            Err(e) => return Err(CliError::Model(format!("{} b{}: {e}", m.reference, m.batch))),
         };
         let est = Replay::default().estimate(&trace, profile).map_err(CliError::input)?;
         let u = physical(&trace, profile, &HostModel::default());

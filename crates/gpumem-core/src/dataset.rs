@@ -16,15 +16,7 @@ use crate::families::{Mlp, ModelSpec};
 use crate::graph::Precision;
 use crate::step::Optimizer;
 use crate::units::mib_to_bytes;
-
-/// What a row's model is.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ModelRef {
-    /// A native family model gpumem builds itself.
-    Native(ModelSpec),
-    /// A reference only the PyTorch bridge can trace (torchvision:, timm:, hf:, smp:, py:).
-    External(String),
-}
+use crate::workload::{InputShape, ModelRef, OptionOverrides, Outputs};
 
 /// One measured training run.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,27 +24,17 @@ pub struct Measurement {
     /// 1-based line in the file (the header is line 1).
     pub line: usize,
     pub label: String,
-    pub model: ModelRef,
+    /// `None`: the row names its model in a way gpumem cannot trace (say a bare `resnet50`).
+    pub model: Option<ModelRef>,
+    /// The whole batch (a data-parallel job's is what the wrapper splits).
     pub batch: u64,
     pub measured_bytes: u64,
-    pub optimizer: Option<Optimizer>,
-    pub precision: Option<Precision>,
+    /// What the row says of its loop: columns `optimizer`, `precision`, `input` (`CxHxW`),
+    /// `seq_len` (or an `input` like `seq512`), `gpus` above 1 (a data-parallel job), `outputs`
+    /// (or `dropped` where the optimizer says `hf-trainer`).
+    pub options: OptionOverrides,
     /// Published estimates in this row: (column name without `_mib`, bytes or none).
     pub published: Vec<(String, Option<u64>)>,
-    /// Input shape `CxHxW` for image models (column `input`).
-    pub input: Option<String>,
-    /// Sequence length (column `seq_len`, or an `input` like `seq512`).
-    pub seq_len: Option<u64>,
-    /// GPUs of a data-parallel job (column `gpus` above 1); `batch` is then the whole batch.
-    pub data_parallel: Option<u32>,
-    /// Whether the job's loop held the model's output through backward (`kept`/`dropped`;
-    /// column `outputs`, or `dropped` where the optimizer says `hf-trainer`).
-    pub outputs: Option<String>,
-}
-
-/// Whether `s` is an image input shape `CxHxW` of positive sizes.
-pub fn is_input_shape(s: &str) -> bool {
-    s.split('x').count() == 3 && s.split('x').all(|p| p.parse::<u64>().is_ok_and(|n| n > 0))
 }
 
 fn column(headers: &csv::StringRecord, name: &str) -> Option<usize> {
@@ -106,26 +88,17 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
             Measurement {
                 line,
                 label: get(fcol).to_string(),
-                model: ModelRef::Native(ModelSpec::Mlp(mlp)),
+                model: Some(ModelRef::Native(ModelSpec::Mlp(mlp))),
                 batch,
                 measured_bytes: mib("Max GPU Memory (MiB)", get(mcol))?,
-                optimizer: Some(Optimizer::Adam),
-                precision: Some(Precision::Fp32),
+                options: OptionOverrides { optimizer: Some(Optimizer::Adam), precision: Some(Precision::Fp32), ..OptionOverrides::default() },
                 published: Vec::new(),
-                input: None,
-                seq_len: None,
-                data_parallel: None,
-                outputs: None,
             }
         } else {
             let (mc, bc, vc) = (generic.0.unwrap(), generic.1.unwrap(), generic.2.unwrap());
             let label = get(mc).to_string();
             let reference = src_col.map(get).filter(|s| s.contains(':')).unwrap_or(&label).to_string();
-            let model = if reference.starts_with("mlp:") || reference.starts_with("cnn:") || reference.starts_with("transformer:") {
-                ModelRef::Native(ModelSpec::parse(&reference).map_err(|e| bad("model", e))?)
-            } else {
-                ModelRef::External(reference)
-            };
+            let model = ModelRef::recognise(&reference).map_err(|e| bad("model", e))?;
             let mut batch: u64 = get(bc).parse().map_err(|_| bad(&headers[bc], format!("`{}` is not a whole number", get(bc))))?;
             if batch == 0 {
                 return Err(bad(&headers[bc], "must be at least 1".into()));
@@ -156,18 +129,18 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
                 .map(|(i, n)| (n.clone(), get(*i).parse::<f64>().ok().filter(|x| *x > 0.0).map(mib_to_bytes)))
                 .collect();
             let input_text = column(&headers, "input").map(get).unwrap_or("");
-            let input = is_input_shape(input_text).then(|| input_text.to_string());
+            let input = InputShape::parse(input_text);
             let seq_len = match column(&headers, "seq_len").map(get).filter(|s| !s.is_empty()) {
                 Some(s) => Some(s.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(|| bad("seq_len", format!("`{s}` is not a positive whole number")))?),
                 None => input_text.strip_prefix("seq").and_then(|s| s.parse().ok()),
             };
             let data_parallel = (gpus > 1).then_some(gpus);
             let outputs = match column(&headers, "outputs").map(get).filter(|s| !s.is_empty()) {
-                Some(s @ ("kept" | "dropped")) => Some(s.to_string()),
-                Some(s) => return Err(bad("outputs", format!("`{s}` is not kept or dropped"))),
-                None => opt_col.map(get).is_some_and(|s| s.contains("hf-trainer")).then(|| "dropped".to_string()),
+                Some(s) => Some(Outputs::parse(s).map_err(|e| bad("outputs", e))?),
+                None => opt_col.map(get).is_some_and(|s| s.contains("hf-trainer")).then_some(Outputs::Dropped),
             };
-            Measurement { line, label, model, batch, measured_bytes: mib(&headers[vc], get(vc))?, optimizer, precision, published, input, seq_len, data_parallel, outputs }
+            let options = OptionOverrides { optimizer, precision, input, seq_len, data_parallel, outputs };
+            Measurement { line, label, model, batch, measured_bytes: mib(&headers[vc], get(vc))?, options, published }
         };
         out.push(m);
     }
@@ -191,7 +164,7 @@ mod tests {
         let rows = read_measurements("d.csv", ok.as_bytes()).unwrap();
         assert_eq!(rows.len(), 2);
         assert_eq!(rows[0].published, vec![("horus".to_string(), Some(2000 << 20))]);
-        assert_eq!(rows[1].model, ModelRef::External("resnet50".into()));
+        assert_eq!(rows[1].model, None);
         let e = read_measurements("d.csv", "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1\",x,1500\n".as_bytes()).unwrap_err();
         assert_eq!(e, "d.csv line 2: column batch_size: `x` is not a whole number");
         let e = read_measurements("d.csv", "a,b\n1,2\n".as_bytes()).unwrap_err();
@@ -209,7 +182,7 @@ mod tests {
                    b,8,100,adamw,2 (torch.nn.DataParallel)\n\
                    c,4,100,adamw(hf-trainer),2 (data parallel)\n";
         let rows = read_measurements("d.csv", csv.as_bytes()).unwrap();
-        assert_eq!(rows.iter().map(|r| (r.batch, r.data_parallel)).collect::<Vec<_>>(), vec![(8, None), (8, Some(2)), (8, Some(2))]);
+        assert_eq!(rows.iter().map(|r| (r.batch, r.options.data_parallel)).collect::<Vec<_>>(), vec![(8, None), (8, Some(2)), (8, Some(2))]);
         let e = read_measurements("d.csv", "model,batch_size,measured_mib,gpus\na,8,100,two\n".as_bytes()).unwrap_err();
         assert_eq!(e, "d.csv line 2: column gpus: `two` does not start with a GPU count (1..=64)");
     }

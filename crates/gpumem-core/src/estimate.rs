@@ -172,6 +172,9 @@ pub enum EstimateError {
     Profile(#[from] ProfileError),
     #[error("the {estimator} estimator needs `{field}` in the trace header")]
     MissingField { estimator: &'static str, field: &'static str },
+    /// A learned estimator could not answer (its model, or a model it has no features for).
+    #[error("{0}")]
+    Learned(String),
 }
 
 /// Every estimator implements this.

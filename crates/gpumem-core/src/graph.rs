@@ -33,7 +33,7 @@ impl Dtype {
 
 /// Training precision: fp32, autocast to a low dtype (`amp-*`), or pure low precision (weights,
 /// gradients and optimizer state in fp16/bf16; PyTorch models only).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Precision {
     Fp32,
     AmpFp16,

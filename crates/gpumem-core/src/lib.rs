@@ -33,3 +33,4 @@ pub mod symbolic;
 pub mod trace;
 pub mod units;
 pub mod utilization;
+pub mod workload;

@@ -14,7 +14,6 @@ use gpumem_core::profile::GpuProfile;
 use gpumem_core::rng::SplitMix64;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_core::utilization::{HostModel, physical};
-use gpumem_learn::features::ModelFacts;
 use gpumem_monitor::{Dcgm, FakeGpus, Monitor};
 use gpumem_torch::TorchTracer;
 use serde::Deserialize;
@@ -321,7 +320,7 @@ pub fn collect(jobs: &[Job], runner: &mut dyn Runner, monitor: &mut dyn Monitor,
             }
             std::thread::sleep(period);
         };
-        let facts = ModelFacts::of_native(&spec, job.batch);
+        let facts = spec.facts(job.batch);
         let avg = |x: f64, n: u64| if n > 0 { format!("{:.6}", x / n as f64) } else { String::new() };
         let mib = |b: u64| format!("{:.1}", bytes_to_mib(b));
         let row: Vec<String> = vec![

@@ -4,7 +4,7 @@
 use gpumem_core::families::{JobOptions, ModelSpec};
 use gpumem_core::profile::builtin;
 use gpumem_core::rng::SplitMix64;
-use gpumem_learn::features::{ModelFacts, trace_summary};
+use gpumem_learn::features::trace_summary;
 use gpumem_learn::{Kind, LearnedModel, Sample, Spec, Target};
 
 fn main() {
@@ -20,7 +20,7 @@ fn sample(spec: &str, batch: u64) -> Sample {
     let profile = builtin("a100-40gb").unwrap();
     let m = ModelSpec::parse(spec).unwrap();
     let trace = m.trace(&JobOptions::new(batch)).unwrap();
-    Sample::new(0, spec.into(), spec.into(), ModelFacts::of_native(&m, batch), trace_summary(&trace, &profile).unwrap())
+    Sample::new(0, spec.into(), spec.into(), m.facts(batch), trace_summary(&trace, &profile).unwrap())
 }
 
 fn samples() -> Vec<Sample> {

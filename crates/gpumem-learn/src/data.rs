@@ -6,14 +6,16 @@ use std::fs::File;
 use std::io::BufReader;
 use std::path::Path;
 
-use gpumem_core::dataset::{ModelRef, read_measurements};
+use gpumem_core::dataset::read_measurements;
+use gpumem_core::workload::ModelRef;
 use gpumem_core::families::JobOptions;
 use gpumem_core::graph::Activation;
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::units::bytes_to_mib;
 use serde::{Deserialize, Serialize};
 
-use crate::features::{FeatureSet, ModelFacts, TraceSummary, seed_features, trace_summary};
+use crate::features::{FeatureSet, TraceSummary, seed_features, trace_summary};
+use gpumem_core::families::ModelFacts;
 
 /// What a model predicts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -154,17 +156,17 @@ pub fn load(path: &Path, profile: &GpuProfile, mut progress: impl FnMut(usize, u
     for (k, m) in rows.iter().enumerate() {
         let at = |e: String| format!("{name} line {}: {e}", m.line);
         let rec = &records[m.line - 2];
-        let ModelRef::Native(spec) = &m.model else {
+        let Some(ModelRef::Native(spec)) = &m.model else {
             return Err(at("learned features need a native model spec (mlp:, cnn:, transformer:) or the seed's schema".into()));
         };
         let mut job = JobOptions::on(profile, m.batch);
-        job.optimizer = m.optimizer.unwrap_or(job.optimizer);
-        job.precision = m.precision.unwrap_or(job.precision);
+        job.optimizer = m.options.optimizer.unwrap_or(job.optimizer);
+        job.precision = m.options.precision.unwrap_or(job.precision);
         let trace = spec.trace(&job).map_err(at)?;
         let summary = trace_summary(&trace, profile).map_err(at)?;
         let facts = match seed_row_facts(rec, &headers, m.batch) {
             Some(f) => f.map_err(at)?,
-            None => ModelFacts::of_native(spec, m.batch),
+            None => spec.facts(m.batch),
         };
         let group = m.label.split("_batch:").next().unwrap_or(&m.label).to_string();
         let mut sample = Sample::new(m.line, m.label.clone(), group, facts, summary);

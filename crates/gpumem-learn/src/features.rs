@@ -1,56 +1,13 @@
 //! Features of a training job: the seed's (GPUMemNet's inputs) and gpumem's (from the trace).
 
 use gpumem_core::estimate::{Estimator, Replay};
-use gpumem_core::families::ModelSpec;
-use gpumem_core::graph::{Activation, Precision};
+use gpumem_core::families::ModelFacts;
+use gpumem_core::graph::Activation;
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::trace::Trace;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_core::utilization::{HostModel, Utilization, physical};
 use serde::{Deserialize, Serialize};
-
-/// What the seed's GPUMemNet knows about a job: its layers and sizes.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ModelFacts {
-    /// Linear (and convolution) layers.
-    pub depth: u64,
-    pub activations_per_sample: u64,
-    pub parameters: u64,
-    pub batch: u64,
-    pub linear: u64,
-    pub conv: u64,
-    pub batchnorm: u64,
-    pub layernorm: u64,
-    pub dropout: u64,
-    pub activation: Activation,
-}
-
-impl ModelFacts {
-    /// Counts a native model's layers from its graph.
-    pub fn of_native(spec: &ModelSpec, batch: u64) -> ModelFacts {
-        let g = spec.graph(batch, Precision::Fp32);
-        let count = |names: &[&str]| g.nodes.iter().filter(|n| names.contains(&n.name)).count() as u64;
-        let (linear, conv) = (count(&["addmm", "mm"]), count(&["conv2d"]));
-        let activation = match spec {
-            ModelSpec::Mlp(m) => m.act,
-            ModelSpec::Cnn(c) => c.act,
-            // PyTorch's Transformer layers use ReLU in their feed-forward.
-            ModelSpec::Transformer(_) => Activation::Relu,
-        };
-        ModelFacts {
-            depth: linear + conv,
-            activations_per_sample: g.activations_per_sample,
-            parameters: g.parameter_count(),
-            batch,
-            linear,
-            conv,
-            batchnorm: count(&["batch_norm"]),
-            layernorm: count(&["layer_norm"]),
-            dropout: count(&["native_dropout"]),
-            activation,
-        }
-    }
-}
 
 /// Names of [`seed_features`], in order.
 pub const SEED_FEATURES: [&str; 12] = [

@@ -303,6 +303,12 @@ fn pick<T: Clone>(v: &[T], idx: &[usize]) -> Vec<T> {
 }
 
 impl LearnedModel {
+    /// Reads a model file (see [`LearnedModel::from_json`]).
+    pub fn read(path: &std::path::Path) -> Result<LearnedModel, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        LearnedModel::from_json(&path.display().to_string(), &text)
+    }
+
     /// Reads a model file, refusing other formats, versions and feature sets.
     pub fn from_json(name: &str, text: &str) -> Result<LearnedModel, String> {
         let head: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("{name}: not a gpumem model: {e}"))?;
@@ -373,7 +379,7 @@ impl LearnedModel {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::features::{ModelFacts, trace_summary};
+    use crate::features::trace_summary;
     use gpumem_core::families::{JobOptions, ModelSpec};
     use gpumem_core::profile::builtin;
     use gpumem_core::rng::SplitMix64;
@@ -390,7 +396,7 @@ mod tests {
                 let spec = format!("mlp:input={input},output=10,depth={},act=relu", 1 + i % 4);
                 let m = ModelSpec::parse(&spec).unwrap();
                 let trace = m.trace(&JobOptions::new(batch)).unwrap();
-                let mut s = Sample::new(i + 2, spec.clone(), spec, ModelFacts::of_native(&m, batch), trace_summary(&trace, &profile).unwrap());
+                let mut s = Sample::new(i + 2, spec.clone(), spec, m.facts(batch), trace_summary(&trace, &profile).unwrap());
                 let peak = s.physical(Target::Memory);
                 s.set_target(Target::Memory, peak * (1.0 + batch as f64 / 10_000.0));
                 let smact = s.physical(Target::Smact);

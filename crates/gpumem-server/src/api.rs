@@ -14,6 +14,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 
+use gpumem_workload::Workload;
+
 use crate::daemon::{Daemon, estimate};
 use crate::wire::{ApiError, JobRequest, JobState};
 
@@ -70,8 +72,12 @@ async fn submit(State(app): State<Arc<App>>, body: Bytes) -> Response {
     let est = match (&req.model, req.batch, req.mem_mib) {
         (_, _, Some(mib)) => Some((mib * gpumem_place::MIB, mib * gpumem_place::MIB)),
         (Some(model), Some(batch), None) => {
-            let (model, profile) = (model.clone(), d.profile.clone());
-            match tokio::task::spawn_blocking(move || estimate(&profile, &model, batch)).await {
+            let workload = match Workload::parse(model, batch, req.options.clone()) {
+                Ok(w) => w,
+                Err(e) => return error(StatusCode::BAD_REQUEST, format!("model: {e}")),
+            };
+            let profile = d.profile.clone();
+            match tokio::task::spawn_blocking(move || estimate(&profile, &workload)).await {
                 Ok(Ok(e)) => Some(e),
                 Ok(Err(e)) => return error(StatusCode::BAD_REQUEST, format!("model: {e}")),
                 Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),

@@ -7,10 +7,10 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use gpumem_core::estimate::{Estimator, Replay};
-use gpumem_core::families::{JobOptions, ModelSpec};
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_monitor::{FakeGpus, Monitor};
+use gpumem_workload::Workload;
 use gpumem_place::{Cluster, Load, MIB, MemoryDemand, MemoryView, Policy, Resident};
 use serde::Deserialize;
 
@@ -70,14 +70,9 @@ pub fn now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
-/// gpumem's estimate (peak, upper bound) for a native spec or PyTorch reference at `batch`.
-pub fn estimate(profile: &GpuProfile, model: &str, batch: u64) -> Result<(u64, u64), String> {
-    let trace = if gpumem_torch::is_reference(model) {
-        let req = gpumem_torch::TraceRequest::for_gpu(model, batch, profile);
-        gpumem_torch::TorchTracer::from_env().trace(&req).map_err(|e| e.to_string())?
-    } else {
-        ModelSpec::parse(model)?.trace(&JobOptions::on(profile, batch))?
-    };
+/// gpumem's estimate (peak, upper bound) of a job's workload.
+pub fn estimate(profile: &GpuProfile, workload: &Workload) -> Result<(u64, u64), String> {
+    let trace = workload.trace(profile).map_err(|e| e.to_string())?;
     let est = Replay::default().estimate(&trace, profile).map_err(|e| e.to_string())?;
     Ok((est.peak_bytes, est.upper_bound_bytes))
 }

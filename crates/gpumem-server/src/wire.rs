@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 
+use gpumem_core::workload::Options;
 use serde::{Deserialize, Serialize};
 
 /// A job's life: `queued` → `running` → `finished` | `failed` | `cancelled`; an out-of-memory
@@ -74,11 +75,14 @@ pub struct JobRequest {
     pub env: BTreeMap<String, String>,
     #[serde(default = "one")]
     pub gpus: u32,
-    /// A native model spec for the estimate (with `batch`)...
+    /// A model for the estimate (with `batch`): a native spec or a PyTorch reference...
     #[serde(default)]
     pub model: Option<String>,
     #[serde(default)]
     pub batch: Option<u64>,
+    /// ...and the training loop around it (optimizer, precision, ...: the CLI's options).
+    #[serde(default)]
+    pub options: Options,
     /// ...or an explicit memory request per GPU.
     #[serde(default)]
     pub mem_mib: Option<u64>,

@@ -8,27 +8,20 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use gpumem_core::step::Optimizer;
+use gpumem_core::workload::{InputShape, Options, Outputs, Validate};
 use gpumem_place::{Load, MIB};
 use serde::Deserialize;
 
 const MAPPING: &str = include_str!("../carma-tasks.toml");
 
-/// What gpumem traces for a task (the `replay` estimator).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize)]
-pub struct ModelRef {
-    pub model: String,
-    /// The batch the script feeds its model (what the trace runs).
+/// What gpumem traces for a task (the `replay` estimator): the model reference, the batch the
+/// script feeds it, and the loop around it (a multi-GPU task is `torch.nn.DataParallel`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TaskModel {
+    pub reference: String,
     pub batch: u64,
-    pub input: Option<String>,
-    pub seq_len: Option<u64>,
-    pub optimizer: String,
-    /// GPUs of a `torch.nn.DataParallel` task (1: one GPU); the trace is GPU 0's.
-    pub data_parallel: u32,
-    /// The script's validation pass, where it shapes the peak (`grad`: without no_grad).
-    pub validate: Option<String>,
-    /// Whether the script's loop holds the model's output through backward (`kept`,
-    /// `dropped`); unset: the model source's usual loop.
-    pub outputs: Option<String>,
+    pub options: Options,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -57,6 +50,23 @@ struct Mapping {
     task: Vec<Entry>,
 }
 
+/// The loop a mapping entry describes, on `gpus` GPUs.
+fn entry_options(entry: &Entry, gpus: u32) -> Result<Options, String> {
+    let input = match &entry.input {
+        Some(i) => Some(InputShape::parse(i).ok_or_else(|| format!("input `{i}` is not CxHxW"))?),
+        None => None,
+    };
+    Ok(Options {
+        optimizer: entry.optimizer.as_deref().map_or(Ok(Optimizer::Adam), Optimizer::parse)?,
+        input,
+        seq_len: entry.seq_len,
+        data_parallel: gpus,
+        validate: entry.validate.as_deref().map_or(Ok(Validate::None), Validate::parse)?,
+        outputs: entry.outputs.as_deref().map(Outputs::parse).transpose()?,
+        ..Options::default()
+    })
+}
+
 /// One CARMA task.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Task {
@@ -77,7 +87,7 @@ pub struct Task {
     pub train_steps: Option<u64>,
     /// How the run time was derived (for the docs and `--json`).
     pub work_rule: String,
-    pub model: Option<ModelRef>,
+    pub model: Option<TaskModel>,
     pub unmodelled: Option<String>,
     /// Solo utilization for tasks without a trace.
     pub fallback_load: Option<Load>,
@@ -161,16 +171,10 @@ pub fn load_tasks(tasks_csv: &Path, readme_csv: &Path) -> Result<Vec<Task>, Stri
         }
         // Every multi-GPU CARMA task wraps its model in torch.nn.DataParallel.
         let batch = entry.batch.unwrap_or(row.batch_size);
-        let model = entry.model.as_ref().map(|m| ModelRef {
-            model: m.clone(),
-            batch,
-            input: entry.input.clone(),
-            seq_len: entry.seq_len,
-            optimizer: entry.optimizer.clone().unwrap_or_else(|| "adam".into()),
-            data_parallel: row.gpus,
-            validate: entry.validate.clone(),
-            outputs: entry.outputs.clone(),
-        });
+        let model = match &entry.model {
+            Some(m) => Some(TaskModel { reference: m.clone(), batch, options: entry_options(entry, row.gpus).map_err(|e| format!("{at}: task `{}`: {e}", entry.prefix))? }),
+            None => None,
+        };
         let train_steps = entry.train_samples.zip(epochs).map(|(n, e)| n.div_ceil(batch.max(1)) * u64::from(e));
         tasks.push(Task {
             name: row.task,
@@ -263,14 +267,14 @@ mod tests {
         assert!(by("maskrcnn").unmodelled.is_some() && by("vgg3").model.is_some());
         // Two-GPU tasks are DataParallel; Trainer's per-device batch 8 feeds 16 per step.
         let xlnet = by("xlnet_base_cased_2").model.clone().unwrap();
-        assert_eq!((xlnet.batch, xlnet.data_parallel), (16, 2));
-        assert_eq!(by("vgg").model.as_ref().unwrap().data_parallel, 1);
+        assert_eq!((xlnet.batch, xlnet.options.data_parallel), (16, 2));
+        assert_eq!(by("vgg").model.as_ref().unwrap().options.data_parallel, 1);
         // Steps: ImageNet at batch 64 for one epoch; CIFAR-100 at batch 32 for 20 epochs; the
         // U-Net at its script's batch 8 for 90 epochs of VOC.
         assert_eq!(by("resnet2").train_steps, Some(1_281_167u64.div_ceil(64)));
         assert_eq!(by("resnet18_cifar100_20e_1").train_steps, Some(50_000u64.div_ceil(32) * 20));
         assert_eq!(by("UNet").train_steps, Some(1_464u64.div_ceil(8) * 90));
-        assert_eq!(by("UNet").model.as_ref().unwrap().validate.as_deref(), Some("grad"));
+        assert_eq!(by("UNet").model.as_ref().unwrap().options.validate, Validate::Grad);
         assert_eq!(by("BERT_base").train_steps, None);
         for t in &tasks {
             assert!(t.work_s > 0.0, "{}", t.name);

@@ -15,6 +15,7 @@ use std::time::UNIX_EPOCH;
 
 use gpumem_core::symbolic::SymbolicTrace;
 use gpumem_core::trace::Trace;
+use gpumem_core::workload::{AttentionMask, Options, Validate};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
 const SOURCES: [(&str, &str); 11] = [
@@ -31,118 +32,75 @@ const SOURCES: [(&str, &str); 11] = [
     ("tracer.py", include_str!("../../../python/gpumem_trace/tracer.py")),
 ];
 
-/// Prefixes of model references only the tracer can resolve.
-pub const PREFIXES: [&str; 5] = ["torchvision:", "timm:", "hf:", "smp:", "py:"];
-
-/// Whether `model` is a PyTorch model reference.
-pub fn is_reference(model: &str) -> bool {
-    PREFIXES.iter().any(|p| model.starts_with(p))
-}
-
-/// What to trace.
+/// What to trace: a PyTorch reference at a batch size, the typed options of its loop, and what
+/// the tracer needs of the target GPU. Built from a workload (`gpumem-workload`), or directly by
+/// this crate's tests.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TraceRequest {
     pub model: String,
+    /// The whole batch (a DataParallel job's is what the wrapper splits; the trace is GPU 0's).
     pub batch: u64,
-    pub optimizer: String,
-    pub precision: String,
-    /// `CxHxW` for image models.
-    pub input: Option<String>,
-    pub seq_len: Option<u64>,
+    pub options: Options,
     /// Compute capability of the GPU the job will run on (`9.0`): with the installed torch it
     /// decides which attention kernel runs.
     pub gpu_capability: String,
     /// An attention kernel the profile forces (`flash`, `efficient`, `cudnn`, `math`).
     pub sdpa: Option<String>,
-    pub checkpointing: bool,
-    pub channels_last: bool,
-    pub grad_accum: u32,
-    /// GPUs of a `torch.nn.DataParallel` job (1: none); `batch` is then the whole batch the
-    /// wrapper splits, and the trace is GPU 0's.
-    pub data_parallel: u32,
-    /// After training, two eval-mode batches: `none`, `no-grad` or `grad` (a validation loop
-    /// without `torch.no_grad()` keeps each output's autograd graph alive).
-    pub validate: String,
-    /// Whether the loop holds the model's output through backward (`kept`, `dropped`); `None`:
-    /// the model source's usual loop (Hugging Face's Trainer drops it, others keep it).
-    pub outputs: Option<String>,
-    /// `padded`: Hugging Face models get the attention mask of a padded batch (materialised);
-    /// `none`: no mask.
-    pub attention_mask: String,
     pub iterations: u32,
 }
 
 impl TraceRequest {
+    /// A request with default options for an A100 (compute capability 8.0).
     pub fn new(model: impl Into<String>, batch: u64) -> Self {
-        TraceRequest {
-            model: model.into(),
-            batch,
-            optimizer: "adam".into(),
-            precision: "fp32".into(),
-            input: None,
-            seq_len: None,
-            gpu_capability: "8.0".into(),
-            sdpa: None,
-            checkpointing: false,
-            channels_last: false,
-            grad_accum: 1,
-            data_parallel: 1,
-            validate: "none".into(),
-            outputs: None,
-            attention_mask: "none".into(),
-            iterations: 3,
-        }
+        TraceRequest { model: model.into(), batch, options: Options::default(), gpu_capability: "8.0".into(), sdpa: None, iterations: 3 }
     }
 
     /// A request at `batch` for a job that will run on `profile`'s GPU (its attention kernel).
-    pub fn for_gpu(model: impl Into<String>, batch: u64, profile: &gpumem_core::profile::GpuProfile) -> Self {
-        TraceRequest {
-            gpu_capability: profile.compute_capability.clone(),
-            sdpa: profile.sdpa.map(|b| b.name().to_string()),
-            ..TraceRequest::new(model, batch)
-        }
+    pub fn for_gpu(model: impl Into<String>, batch: u64, options: Options, profile: &gpumem_core::profile::GpuProfile) -> Self {
+        TraceRequest { options, gpu_capability: profile.compute_capability.clone(), sdpa: profile.sdpa.map(|b| b.name().to_string()), ..TraceRequest::new(model, batch) }
     }
 
     /// The tracer's arguments, except the batch sizes and output files.
     fn args(&self) -> Vec<String> {
+        let o = &self.options;
         let mut a = vec![
             self.model.clone(),
             "--optimizer".into(),
-            self.optimizer.clone(),
+            o.optimizer.name().into(),
             "--precision".into(),
-            self.precision.clone(),
+            o.precision.name().into(),
             "--gpu-capability".into(),
             self.gpu_capability.clone(),
             "--iterations".into(),
             self.iterations.to_string(),
             "--grad-accum".into(),
-            self.grad_accum.to_string(),
+            o.grad_accum.to_string(),
         ];
-        if let Some(i) = &self.input {
-            a.extend(["--input".into(), i.clone()]);
+        if let Some(i) = o.input {
+            a.extend(["--input".into(), i.to_string()]);
         }
-        if let Some(s) = self.seq_len {
+        if let Some(s) = o.seq_len {
             a.extend(["--seq-len".into(), s.to_string()]);
         }
-        if self.data_parallel > 1 {
-            a.extend(["--data-parallel".into(), self.data_parallel.to_string()]);
+        if o.data_parallel > 1 {
+            a.extend(["--data-parallel".into(), o.data_parallel.to_string()]);
         }
-        if self.validate != "none" {
-            a.extend(["--validate".into(), self.validate.clone()]);
+        if o.validate != Validate::None {
+            a.extend(["--validate".into(), o.validate.name().into()]);
         }
         if let Some(s) = &self.sdpa {
             a.extend(["--sdpa".into(), s.clone()]);
         }
-        if let Some(o) = &self.outputs {
-            a.extend(["--outputs".into(), o.clone()]);
+        if let Some(out) = o.outputs {
+            a.extend(["--outputs".into(), out.name().into()]);
         }
-        if self.attention_mask != "none" {
-            a.extend(["--attention-mask".into(), self.attention_mask.clone()]);
+        if o.attention_mask != AttentionMask::None {
+            a.extend(["--attention-mask".into(), o.attention_mask.name().into()]);
         }
-        if self.checkpointing {
+        if o.checkpointing {
             a.push("--checkpointing".into());
         }
-        if self.channels_last {
+        if o.channels_last {
             a.push("--channels-last".into());
         }
         a
@@ -296,7 +254,7 @@ impl TorchTracer {
     /// multiples of a DataParallel job's GPU count (every GPU gets the same rows), so the fit is
     /// exact at any multiple.
     fn fit_batches(req: &TraceRequest, with: Option<u64>) -> Vec<u64> {
-        let gpus = u64::from(req.data_parallel.max(1));
+        let gpus = u64::from(req.options.data_parallel.max(1));
         let mut batches: Vec<u64> = with.into_iter().collect();
         for b in SymbolicTrace::FIT_BATCHES.map(|b| b * gpus) {
             if batches.len() < SymbolicTrace::FIT_BATCHES.len() && !batches.contains(&b) {
@@ -321,7 +279,7 @@ impl TorchTracer {
 
     fn trace_with(&self, req: &TraceRequest, fit: bool) -> Result<Trace, BridgeError> {
         let torch = self.torch_version()?;
-        let symbolic_ok = req.batch % u64::from(req.data_parallel.max(1)) == 0;
+        let symbolic_ok = req.batch % u64::from(req.options.data_parallel.max(1)) == 0;
         if symbolic_ok && let Some(sym) = self.cached_symbolic(req, &torch) && let Ok(t) = sym.at(req.batch) {
             return Ok(t);
         }
@@ -441,11 +399,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn references_and_arguments() {
-        assert!(is_reference("timm:resnet50") && is_reference("hf:GPT2LMHeadModel(n_layer=2)") && !is_reference("mlp:input=3"));
+    fn arguments() {
+        use gpumem_core::workload::InputShape;
         let mut r = TraceRequest::new("timm:resnet50", 8);
-        r.input = Some("3x160x160".into());
-        r.checkpointing = true;
+        r.options.input = InputShape::parse("3x160x160");
+        r.options.checkpointing = true;
         let a = r.args().join(" ");
         assert!(a.starts_with("timm:resnet50 --optimizer adam --precision fp32 --gpu-capability 8.0"), "{a}");
         assert!(a.contains("--input 3x160x160") && a.ends_with("--checkpointing"), "{a}");

@@ -8,6 +8,7 @@ use gpumem_core::estimate::{Estimator, Replay};
 use gpumem_core::families::{JobOptions, ModelSpec};
 use gpumem_core::profile::builtin;
 use gpumem_core::symbolic::SymbolicTrace;
+use gpumem_core::workload::{InputShape, Options};
 use gpumem_torch::{TorchTracer, TraceRequest};
 
 fn tracer() -> Option<TorchTracer> {
@@ -38,7 +39,7 @@ fn a_symbolic_trace_equals_a_direct_trace_at_an_untraced_batch() {
     for model in [format!("py:{}:mlp(input=64,output=10,depth=3,act=gelu,dropout=0.2,batchnorm=true)", seed_models()), "torchvision:resnet18(num_classes=10)".to_string()] {
         let mut req = TraceRequest::new(model.clone(), 4);
         if model.starts_with("torchvision") {
-            req.input = Some("3x32x32".into());
+            req.options.input = InputShape::parse("3x32x32");
         }
         let sym = t.symbolic(&req).unwrap();
         for b in [3, 12] {
@@ -55,14 +56,14 @@ fn a_symbolic_trace_equals_a_direct_trace_at_an_untraced_batch() {
 fn a_data_parallel_symbolic_trace_equals_a_direct_trace() {
     let Some(t) = tracer() else { return };
     let mut req = TraceRequest::new("torchvision:resnet18(num_classes=10)", 4);
-    req.input = Some("3x32x32".into());
-    req.data_parallel = 2;
+    req.options.input = InputShape::parse("3x32x32");
+    req.options.data_parallel = 2;
     let sym = t.symbolic(&req).unwrap();
     assert_eq!(sym.traced_at, vec![8, 12, 16]);
     let direct = direct(&t, &TraceRequest { batch: 20, ..req.clone() });
     assert_eq!(direct.header.data_parallel, Some(2));
     assert_eq!(sym.at(20).unwrap().events, direct.events);
-    let single = t.trace(&TraceRequest { batch: 10, data_parallel: 1, ..req.clone() }).unwrap();
+    let single = t.trace(&TraceRequest { batch: 10, options: Options { data_parallel: 1, ..req.options.clone() }, ..req.clone() }).unwrap();
     let profile = builtin("a100-40gb").unwrap();
     let peak = |tr| Replay::default().estimate(tr, &profile).unwrap().peak_bytes;
     assert!(peak(&direct) > peak(&single), "GPU 0 of two at batch 20 holds more than one GPU at batch 10");
@@ -78,7 +79,7 @@ fn a_second_batch_size_reuses_the_symbolic_trace() {
     let _ = std::fs::remove_dir_all(&t.cache_dir);
     let model = "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=1000)";
     let mut req = TraceRequest::new(model, 10);
-    req.seq_len = Some(64);
+    req.options.seq_len = Some(64);
     let first = t.trace_for_reestimates(&req).unwrap();
     assert_eq!(first.header.batch_size, 10);
     let files = || std::fs::read_dir(t.cache_dir.join("traces")).unwrap().count();

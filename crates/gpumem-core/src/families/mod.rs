@@ -6,10 +6,12 @@
 //! ../shared/docs/synthetic-families.md and the seed's generator scripts.
 
 mod cnn;
+mod facts;
 mod mlp;
 mod transformer;
 
 pub use cnn::{Cnn, CnnArch};
+pub use facts::ModelFacts;
 pub use mlp::{Mlp, MlpArch, MlpHead};
 pub use transformer::{Transformer, TransformerArch};
 
@@ -60,6 +62,9 @@ impl JobOptions {
 pub const MAX_BATCH: u64 = 1 << 24;
 
 impl ModelSpec {
+    /// The families' spec prefixes (before the `:`).
+    pub const FAMILIES: [&str; 3] = ["mlp", "cnn", "transformer"];
+
     /// Parses `family:key=value,...`.
     pub fn parse(spec: &str) -> Result<ModelSpec, String> {
         let (family, rest) = spec.split_once(':').ok_or_else(|| format!("model spec `{spec}` has no `family:` prefix (mlp:, cnn: or transformer:)"))?;

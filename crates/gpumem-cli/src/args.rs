@@ -1,0 +1,198 @@
+//! What several subcommands take alike: the GPU, the model argument, and the workload options
+//! around it; and how library errors become exit codes.
+
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+use gpumem_core::dataset::{Measurement, read_measurements};
+use gpumem_core::graph::Precision;
+use gpumem_core::profile::{self, GpuProfile};
+use gpumem_core::step::Optimizer;
+use gpumem_core::trace::Trace;
+use gpumem_core::units::bytes_to_mib;
+use gpumem_torch::BridgeError;
+use gpumem_workload::{AttentionMask, InputShape, ModelRef, Options, Outputs, Validate, Workload, WorkloadError};
+
+use crate::{CliError, CliResult};
+
+/// Which GPU: a built-in profile or a profile file.
+#[derive(Args, Clone)]
+pub struct GpuChoice {
+    /// Built-in GPU profile (see `gpumem gpus`).
+    #[arg(long, default_value = "a100-40gb")]
+    gpu: String,
+    /// A profile TOML file (for example one written by `gpumem calibrate`); overrides --gpu.
+    #[arg(long)]
+    profile: Option<PathBuf>,
+}
+
+impl GpuChoice {
+    pub fn new(gpu: &str, profile: Option<PathBuf>) -> Self {
+        GpuChoice { gpu: gpu.into(), profile }
+    }
+
+    pub fn load(&self) -> CliResult<GpuProfile> {
+        match &self.profile {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
+                GpuProfile::from_toml(&text).map_err(|e| CliError::input(format!("{}: {e}", path.display())))
+            }
+            None => profile::builtin(&self.gpu).map_err(CliError::input),
+        }
+    }
+}
+
+/// `COUNTxGPU` (e.g. `4xa100-40gb`) of option `flag`, with 1..=`max` GPUs.
+pub fn gpu_count<'a>(flag: &str, spec: &'a str, max: usize) -> CliResult<(usize, &'a str)> {
+    spec.split_once('x')
+        .and_then(|(n, g)| Some((n.parse::<usize>().ok().filter(|n| (1..=max).contains(n))?, g)))
+        .ok_or_else(|| CliError::input(format!("{flag} `{spec}` is not COUNTxGPU (e.g. 4xa100-40gb)")))
+}
+
+/// The training loop around a model: the command-line form of [`Options`].
+#[derive(Args, Clone)]
+pub struct WorkloadArgs {
+    /// Optimizer: adam, adamw, sgd or sgd-momentum.
+    #[arg(long, default_value = "adam")]
+    optimizer: String,
+    /// Precision: fp32, amp-fp16, amp-bf16 (autocast), or fp16/bf16 (pure: weights, gradients
+    /// and optimizer state in that dtype; PyTorch models).
+    #[arg(long, default_value = "fp32")]
+    precision: String,
+    /// Input shape CxHxW (PyTorch image models; default: the model's own).
+    #[arg(long)]
+    input: Option<String>,
+    /// Sequence length (PyTorch sequence models).
+    #[arg(long)]
+    seq_len: Option<u64>,
+    /// Activation checkpointing (PyTorch models that support it).
+    #[arg(long)]
+    checkpointing: bool,
+    /// channels_last memory format (PyTorch image models).
+    #[arg(long)]
+    channels_last: bool,
+    /// Gradient accumulation steps (PyTorch models).
+    #[arg(long, default_value_t = 1)]
+    grad_accum: u32,
+    /// GPUs of a torch.nn.DataParallel job (PyTorch models): --batch is then the whole batch
+    /// the wrapper splits, and the estimate is GPU 0's, the most loaded.
+    #[arg(long, default_value_t = 1)]
+    data_parallel: u32,
+    /// After training, two eval-mode batches (PyTorch models): none, no-grad, or grad (a
+    /// validation loop without torch.no_grad(), which keeps each output's graph alive).
+    #[arg(long, default_value = "none", value_parser = Validate::parse)]
+    validate: Validate,
+    /// Whether the training loop holds the model's output through backward (PyTorch models):
+    /// kept (`outputs = model(x); loss = criterion(outputs, y)`) or dropped (`loss =
+    /// model(**batch).loss`, as Hugging Face's Trainer runs). Default: dropped for hf: models,
+    /// kept for the others.
+    #[arg(long, value_parser = Outputs::parse)]
+    outputs: Option<Outputs>,
+    /// Hugging Face models: `padded` passes the attention mask of a padded batch, which the
+    /// model materialises (and which keeps flash attention out); `none` passes no mask.
+    #[arg(long, default_value = "none", value_parser = AttentionMask::parse)]
+    attention_mask: AttentionMask,
+}
+
+impl WorkloadArgs {
+    /// The typed options, each parsed value named by its flag where it is wrong.
+    pub fn options(&self) -> CliResult<Options> {
+        let input = match &self.input {
+            Some(i) => Some(InputShape::parse(i).ok_or_else(|| CliError::input(format!("--input `{i}` is not CxHxW")))?),
+            None => None,
+        };
+        Ok(Options {
+            optimizer: Optimizer::parse(&self.optimizer).map_err(CliError::input)?,
+            precision: Precision::parse(&self.precision).map_err(CliError::input)?,
+            input,
+            seq_len: self.seq_len,
+            checkpointing: self.checkpointing,
+            channels_last: self.channels_last,
+            grad_accum: self.grad_accum,
+            data_parallel: self.data_parallel,
+            validate: self.validate,
+            outputs: self.outputs,
+            attention_mask: self.attention_mask,
+        })
+    }
+
+    /// The workload of `model` at `batch` (as typed: negative sizes are refused here).
+    pub fn workload(&self, model: ModelRef, batch: i64) -> CliResult<Workload> {
+        let batch = u64::try_from(batch).map_err(|_| CliError::input(format!("--batch {batch} is out of range (1..={})", gpumem_core::families::MAX_BATCH)))?;
+        Ok(Workload::new(model, batch, self.options()?)?)
+    }
+}
+
+impl From<WorkloadError> for CliError {
+    fn from(e: WorkloadError) -> Self {
+        match e {
+            WorkloadError::Invalid(m) => CliError::Input(m),
+            WorkloadError::Tracer(b) => b.into(),
+        }
+    }
+}
+
+impl From<BridgeError> for CliError {
+    fn from(e: BridgeError) -> Self {
+        match e {
+            BridgeError::BadReference(m) => CliError::Input(m),
+            BridgeError::Io(m) => CliError::Other(m),
+            BridgeError::Python(m) | BridgeError::Model(m) => CliError::Model(m),
+        }
+    }
+}
+
+/// A model argument: a trace file, or a model (native spec or PyTorch reference).
+pub enum ModelArg {
+    TraceFile(Trace),
+    Model(ModelRef),
+}
+
+impl ModelArg {
+    pub fn load(arg: &str) -> CliResult<ModelArg> {
+        let path = Path::new(arg);
+        if path.is_file() {
+            let f = File::open(path).map_err(|e| CliError::input(format!("{arg}: {e}")))?;
+            return Trace::read(BufReader::new(f)).map(ModelArg::TraceFile).map_err(|e| CliError::input(format!("{arg}: {e}")));
+        }
+        if arg.ends_with(".jsonl") || arg.ends_with(".trace") {
+            return Err(CliError::input(format!("{arg}: no such trace file")));
+        }
+        ModelRef::parse(arg).map(ModelArg::Model).map_err(CliError::input)
+    }
+
+    /// The model, where the argument is not a trace file (`what` says which command needs one).
+    pub fn model(self, arg: &str, what: &str) -> CliResult<ModelRef> {
+        match self {
+            ModelArg::Model(m) => Ok(m),
+            ModelArg::TraceFile(_) => Err(CliError::input(format!("{arg}: {what}"))),
+        }
+    }
+}
+
+/// A measurements CSV.
+pub fn read_csv(path: &Path) -> CliResult<Vec<Measurement>> {
+    let f = File::open(path).map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
+    read_measurements(&path.display().to_string(), BufReader::new(f)).map_err(CliError::input)
+}
+
+/// Bytes as MiB rounded to 0.1, for JSON output.
+pub fn mib(b: u64) -> f64 {
+    (bytes_to_mib(b) * 10.0).round() / 10.0
+}
+
+/// The trace of a measured row's job (its own options over `defaults`). `Err(reason)` inside
+/// `Ok` means the row cannot be modelled here and is skipped: its model is not one gpumem can
+/// trace, or the tracer failed on it.
+pub fn row_trace(m: &Measurement, defaults: &Options, profile: &GpuProfile) -> CliResult<Result<Trace, String>> {
+    let Some(w) = Workload::of_row(m, defaults)? else {
+        return Ok(Err(format!("`{}` is neither a native spec nor a PyTorch reference", m.label)));
+    };
+    match w.trace(profile) {
+        Ok(t) => Ok(Ok(t)),
+        Err(e @ WorkloadError::Tracer(_)) => Ok(Err(e.to_string())),
+        Err(e) => Err(CliError::input(format!("line {}: {e}", m.line))),
+    }
+}

@@ -1,0 +1,272 @@
+//! `gpumem estimate`: one job's peak, upper bound, breakdown at the peak and utilization.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use gpumem_core::estimate::{Breakdown, Estimate, Estimator, PeakAt, Replay};
+use gpumem_core::families::ModelSpec;
+use gpumem_core::profile::GpuProfile;
+use gpumem_core::trace::Trace;
+use gpumem_core::units::bytes_to_mib;
+use gpumem_core::utilization::{HostModel, Utilization, physical};
+use gpumem_learn::{Hybrid, LearnedModel, Sample, Target};
+use gpumem_workload::ModelRef;
+use serde::Serialize;
+
+use crate::args::{GpuChoice, ModelArg, WorkloadArgs, mib};
+use crate::{CliError, CliResult};
+
+/// The model `gpumem estimate` uses when none is given: the first row of the seed's MLP data.
+pub const DEFAULT_MODEL: &str = "mlp:input=2346,output=197,depth=2,arch=pyramid,act=relu,dropout=0.338,batchnorm=true,samples=4096,summary=true";
+const DEFAULT_BATCH: u64 = 996;
+
+#[derive(Args)]
+pub struct EstimateArgs {
+    /// A native spec (mlp:…, cnn:…, transformer:…), a PyTorch reference (torchvision:, timm:,
+    /// hf:, smp:, py:) or a trace file. Default: a seed MLP.
+    model: Option<String>,
+    /// Batch size (ignored for trace files, which fix their own).
+    #[arg(long, allow_negative_numbers = true)]
+    batch: Option<i64>,
+    #[command(flatten)]
+    workload: WorkloadArgs,
+    #[command(flatten)]
+    gpu: GpuChoice,
+    /// replay (default), live-tensors, horus, or learned (the hybrid: needs a memory model from
+    /// `gpumem learn train --target memory --model gbt` in --learned-model).
+    #[arg(long, default_value = "replay")]
+    estimator: String,
+    /// A model from `gpumem learn train` (repeatable): a memory model adds its estimate (and
+    /// bound), a utilization model replaces the physical model's figure. Native specs only.
+    #[arg(long)]
+    learned_model: Vec<PathBuf>,
+    /// Draw the replay's memory over the traced step (live bytes per category stacked,
+    /// reserved memory as a line) into this SVG file.
+    #[arg(long)]
+    timeline: Option<PathBuf>,
+    /// Print one JSON object (see docs/json.md).
+    #[arg(long)]
+    json: bool,
+}
+
+/// A learned model's answer for the job.
+#[derive(Serialize)]
+struct LearnedJson {
+    target: &'static str,
+    model: String,
+    value: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    upper: Option<f64>,
+}
+
+fn learned_needs_native() -> CliError {
+    CliError::input("--learned-model needs a native model spec (its features come from the model's layers)")
+}
+
+/// The learned models' predictions for a native model, and the utilization they leave.
+fn learned(models: &[(PathBuf, LearnedModel)], spec: &ModelSpec, trace: &Trace, profile: &GpuProfile, util: &mut Utilization) -> CliResult<Vec<LearnedJson>> {
+    if models.is_empty() {
+        return Ok(Vec::new());
+    }
+    let summary = gpumem_learn::features::trace_summary(trace, profile).map_err(CliError::input)?;
+    let sample = Sample::new(0, spec.to_spec_string(), String::new(), spec.facts(trace.header.batch_size), summary);
+    let mut out = Vec::new();
+    for (path, m) in models {
+        let p = &m.predict(&[&sample]).map_err(CliError::input)?[0];
+        match m.target {
+            Target::Memory => {}
+            Target::Smact => util.smact = p.value,
+            Target::Smocc => util.smocc = p.value,
+            Target::Gract => util.gract = p.value,
+            Target::Dram => util.dram = p.value,
+            Target::Fp32 => util.fp32 = p.value,
+        }
+        out.push(LearnedJson { target: m.target.name(), model: path.display().to_string(), value: p.value, upper: p.upper });
+    }
+    Ok(out)
+}
+
+/// The stable JSON output of `estimate`.
+#[derive(Serialize)]
+struct EstimateJson<'a> {
+    model: String,
+    batch_size: u64,
+    estimator: &'a str,
+    gpu: &'a str,
+    peak_mib: f64,
+    peak_bytes: u64,
+    upper_bound_mib: f64,
+    upper_bound_bytes: u64,
+    capacity_mib: f64,
+    fits: bool,
+    upper_bound_fits: bool,
+    breakdown: serde_json::Map<String, serde_json::Value>,
+    breakdown_bytes: &'a gpumem_core::estimate::Breakdown,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    peak_at: Option<&'a PeakAt>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reserved_peak: Option<MomentJson<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    allocator: Option<&'a gpumem_core::allocator::AllocatorStats>,
+    /// Run-average DCGM fields (physical model, or learned models where given).
+    utilization: UtilizationJson,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    learned: Vec<LearnedJson>,
+}
+
+/// The breakdown at the peak of reserved memory, where it is not the allocated peak's.
+#[derive(Serialize)]
+struct MomentJson<'a> {
+    peak_at: &'a PeakAt,
+    allocated_mib: f64,
+    reserved_mib: f64,
+    breakdown: serde_json::Map<String, serde_json::Value>,
+    breakdown_bytes: &'a Breakdown,
+}
+
+fn breakdown_mib(b: &Breakdown) -> serde_json::Map<String, serde_json::Value> {
+    b.items().iter().map(|(k, v)| (format!("{k}_mib"), serde_json::json!(mib(*v)))).collect()
+}
+
+#[derive(Serialize)]
+struct UtilizationJson {
+    smact: f64,
+    smocc: f64,
+    gract: f64,
+    dram: f64,
+    fp32: f64,
+    step_ms: f64,
+}
+
+pub fn estimate(a: EstimateArgs) -> CliResult {
+    let profile = a.gpu.load()?;
+    let (arg, batch) = match &a.model {
+        Some(m) => (m.clone(), a.batch.unwrap_or(32)),
+        None => (DEFAULT_MODEL.to_string(), a.batch.unwrap_or(DEFAULT_BATCH as i64)),
+    };
+    let (trace, native) = match ModelArg::load(&arg)? {
+        ModelArg::TraceFile(t) => (t, None),
+        ModelArg::Model(m) => {
+            let w = a.workload.workload(m, batch)?;
+            let native = match w.model() {
+                ModelRef::Native(spec) => Some(spec.clone()),
+                ModelRef::Torch(_) => None,
+            };
+            (w.trace_for_reestimates(&profile)?, native)
+        }
+    };
+    let models = a.learned_model.iter().map(|p| Ok((p.clone(), LearnedModel::read(p).map_err(CliError::input)?))).collect::<CliResult<Vec<_>>>()?;
+    if !models.is_empty() && native.is_none() {
+        return Err(learned_needs_native());
+    }
+    let est = if a.timeline.is_some() {
+        if a.estimator != "replay" {
+            return Err(CliError::input("--timeline draws the replay estimator's allocator; use --estimator replay"));
+        }
+        Replay { timeline: true }.estimate(&trace, &profile)
+    } else {
+        let hybrid = models.iter().find(|(_, m)| Hybrid::accepts(m)).map(|(p, _)| p.as_path());
+        gpumem_learn::estimator(&a.estimator, hybrid).map_err(CliError::input)?.estimate(&trace, &profile)
+    }
+    .map_err(CliError::input)?;
+    if let Some(svg) = &a.timeline {
+        let title = format!("{} · batch {} · {}", trace.header.model, trace.header.batch_size, profile.name);
+        crate::plot::memory_timeline(svg, &title, &est.timeline, est.peak_at.as_ref().map(|p| p.event)).map_err(CliError::other)?;
+    }
+    let model_name = trace.header.model.clone();
+    let mut util = physical(&trace, &profile, &HostModel::default());
+    let learned = match &native {
+        Some(spec) => learned(&models, spec, &trace, &profile, &mut util)?,
+        None => Vec::new(),
+    };
+    if a.json {
+        let out = EstimateJson {
+            model: model_name,
+            batch_size: trace.header.batch_size,
+            estimator: est.estimator,
+            gpu: &est.gpu,
+            peak_mib: mib(est.peak_bytes),
+            peak_bytes: est.peak_bytes,
+            upper_bound_mib: mib(est.upper_bound_bytes),
+            upper_bound_bytes: est.upper_bound_bytes,
+            capacity_mib: mib(est.capacity_bytes),
+            fits: est.fits,
+            upper_bound_fits: est.upper_bound_bytes <= est.capacity_bytes,
+            breakdown: breakdown_mib(&est.breakdown),
+            breakdown_bytes: &est.breakdown,
+            peak_at: est.peak_at.as_ref(),
+            reserved_peak: est.reserved_peak.as_ref().map(|m| MomentJson {
+                peak_at: &m.at,
+                allocated_mib: mib(m.allocated),
+                reserved_mib: mib(m.reserved),
+                breakdown: breakdown_mib(&m.breakdown),
+                breakdown_bytes: &m.breakdown,
+            }),
+            allocator: est.allocator.as_ref(),
+            utilization: UtilizationJson { smact: util.smact, smocc: util.smocc, gract: util.gract, dram: util.dram, fp32: util.fp32, step_ms: util.step_s * 1e3 },
+            learned,
+        };
+        println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
+        return Ok(());
+    }
+    print_estimate(&model_name, trace.header.batch_size, trace.header.iterations, &profile, &est);
+    println!();
+    println!(
+        "utilization  SMACT {:.2}  SMOCC {:.2}  GRACT {:.2}  DRAMA {:.2}  FP32A {:.2}  ({:.1} ms/step){}",
+        util.smact,
+        util.smocc,
+        util.gract,
+        util.dram,
+        util.fp32,
+        util.step_s * 1e3,
+        if learned.iter().any(|l| l.target != "memory") { "  [learned where given]" } else { "  [physical model]" }
+    );
+    for l in learned.iter().filter(|l| l.target == "memory") {
+        match l.upper {
+            Some(u) => println!("learned      {:.1} MiB, upper bound {u:.1} MiB ({})", l.value, l.model),
+            None => println!("learned      {:.1} MiB ({})", l.value, l.model),
+        }
+    }
+    Ok(())
+}
+
+fn print_estimate(model: &str, batch: u64, iterations: u32, profile: &GpuProfile, est: &Estimate) {
+    println!("model      {model}");
+    println!("batch      {batch}");
+    println!("gpu        {} ({} MiB)", profile.display, profile.capacity_mib);
+    println!("estimator  {}", est.estimator);
+    println!();
+    println!("peak         {:>10.1} MiB   (as nvidia-smi will show it)", bytes_to_mib(est.peak_bytes));
+    println!("upper bound  {:>10.1} MiB", bytes_to_mib(est.upper_bound_bytes));
+    let verdict = match (est.fits, est.upper_bound_bytes <= est.capacity_bytes) {
+        (true, true) => "fits, with its upper bound",
+        (true, false) => "fits, but its upper bound does not: little headroom",
+        (false, _) => "does NOT fit: out of memory",
+    };
+    println!("verdict      {verdict}");
+    println!();
+    match &est.peak_at {
+        Some(at) => println!("at the peak of allocated memory — {}:", at.describe(iterations)),
+        None => println!("at the peak:"),
+    }
+    print_breakdown(&est.breakdown);
+    if let Some(m) = &est.reserved_peak {
+        println!();
+        println!(
+            "the peak of reserved memory, {:.1} MiB (with {:.1} MiB allocated) — {}:",
+            bytes_to_mib(m.reserved),
+            bytes_to_mib(m.allocated),
+            m.at.describe(iterations)
+        );
+        print_breakdown(&m.breakdown);
+    }
+}
+
+fn print_breakdown(b: &Breakdown) {
+    for (name, bytes) in b.items() {
+        if bytes > 0 {
+            let note = if name == "allocator_slack" { "   (reserved − allocated: cached and split blocks, rounding)" } else { "" };
+            println!("  {name:<16} {:>10.1} MiB{note}", bytes_to_mib(bytes));
+        }
+    }
+}

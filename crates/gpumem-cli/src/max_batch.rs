@@ -1,0 +1,60 @@
+//! `gpumem max-batch`: the largest batch whose upper bound fits.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use gpumem_core::units::bytes_to_mib;
+
+use crate::args::{GpuChoice, ModelArg, WorkloadArgs, mib};
+use crate::{CliError, CliResult};
+
+#[derive(Args)]
+pub struct MaxBatchArgs {
+    /// A native model spec or a PyTorch reference (torchvision:, timm:, hf:, smp:, py:).
+    model: String,
+    #[command(flatten)]
+    workload: WorkloadArgs,
+    #[command(flatten)]
+    gpu: GpuChoice,
+    /// replay (default), live-tensors, horus, or learned (with --learned-model).
+    #[arg(long, default_value = "replay")]
+    estimator: String,
+    /// The hybrid's memory model, for --estimator learned.
+    #[arg(long)]
+    learned_model: Option<PathBuf>,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn max_batch(a: MaxBatchArgs) -> CliResult {
+    let profile = a.gpu.load()?;
+    let model = ModelArg::load(&a.model)?.model(&a.model, "max-batch needs a model, not a trace file (a trace fixes its batch size)")?;
+    let est = gpumem_learn::estimator(&a.estimator, a.learned_model.as_deref()).map_err(CliError::input)?;
+    let name = model.to_string();
+    // One symbolic source answers every batch size: no re-tracing during the search.
+    let sym = a.workload.workload(model, 1)?.symbolic(&profile)?;
+    let best = sym.max_batch(&profile, est.as_ref()).map_err(CliError::input)?;
+    match best {
+        None => {
+            if a.json {
+                println!("{}", serde_json::json!({"model": name, "gpu": profile.name, "max_batch": 0}));
+            } else {
+                println!("even batch 1 does not fit on {} with its upper bound", profile.name);
+            }
+        }
+        Some((lo, e)) => {
+            if a.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"model": name, "gpu": profile.name, "max_batch": lo,
+                        "peak_mib": mib(e.peak_bytes), "upper_bound_mib": mib(e.upper_bound_bytes), "capacity_mib": profile.capacity_mib})
+                );
+            } else {
+                println!("max batch  {lo}");
+                println!("at it      peak {:.1} MiB, upper bound {:.1} MiB of {} MiB", bytes_to_mib(e.peak_bytes), bytes_to_mib(e.upper_bound_bytes), profile.capacity_mib);
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,209 @@
+//! gpumem-workload: the one front door from a training job to its trace.
+//!
+//! A [`Workload`] is a model ([`ModelRef`]: a native family spec or a PyTorch reference), a batch
+//! size and the typed [`Options`] of the loop around it, checked when it is made. It is traced
+//! by the native families or by the PyTorch tracer ([`Workload::trace`]), and gives a
+//! [`Symbolic`] source of traces for any batch size ([`Workload::symbolic`]). The CLI, the
+//! simulator's task tracing and the daemon all go through here, so a job means the same thing
+//! everywhere, and a [`gpumem_torch::TraceRequest`] is built in one place.
+
+use gpumem_core::dataset::Measurement;
+use gpumem_core::estimate::{Estimate, Estimator};
+use gpumem_core::families::{JobOptions, MAX_BATCH, ModelSpec};
+use gpumem_core::profile::GpuProfile;
+use gpumem_core::search::{self, SearchError};
+use gpumem_core::symbolic::SymbolicTrace;
+use gpumem_core::trace::Trace;
+pub use gpumem_core::workload::{AttentionMask, InputShape, ModelRef, OptionOverrides, Options, Outputs, TORCH_PREFIXES, Validate};
+use gpumem_torch::{BridgeError, TorchTracer, TraceRequest};
+
+/// Why a workload could not be made or traced.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkloadError {
+    /// The job is ill-formed: its model, batch size or an option (the message names which).
+    #[error("{0}")]
+    Invalid(String),
+    /// The PyTorch tracer could not trace it.
+    #[error(transparent)]
+    Tracer(#[from] BridgeError),
+}
+
+/// Options only PyTorch models take, as a native model's refusal names them.
+const TORCH_ONLY: &str = "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs and --attention-mask apply to PyTorch models (torchvision:, timm:, hf:, smp:, py:)";
+
+/// A training job: what is trained, at which batch size, in which loop.
+/// Invariant: the batch is in 1..=[`MAX_BATCH`], the options pass [`Options::check`], and a
+/// native model has no option only PyTorch models take.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Workload {
+    model: ModelRef,
+    batch: u64,
+    options: Options,
+}
+
+impl Workload {
+    pub fn new(model: ModelRef, batch: u64, options: Options) -> Result<Workload, WorkloadError> {
+        if batch == 0 || batch > MAX_BATCH {
+            return Err(WorkloadError::Invalid(format!("--batch {batch} is out of range (1..={MAX_BATCH})")));
+        }
+        options.check().map_err(WorkloadError::Invalid)?;
+        if model.is_native() && !options.native_compatible() {
+            return Err(WorkloadError::Invalid(TORCH_ONLY.into()));
+        }
+        Ok(Workload { model, batch, options })
+    }
+
+    /// A model reference parsed by the one prefix table, at `batch` with `options`.
+    pub fn parse(model: &str, batch: u64, options: Options) -> Result<Workload, WorkloadError> {
+        Workload::new(ModelRef::parse(model).map_err(WorkloadError::Invalid)?, batch, options)
+    }
+
+    /// A measured row's job: its model and batch, its own options over `defaults`. `Ok(None)`:
+    /// the row names its model in a way gpumem cannot trace.
+    pub fn of_row(row: &Measurement, defaults: &Options) -> Result<Option<Workload>, WorkloadError> {
+        let Some(model) = row.model.clone() else { return Ok(None) };
+        let mut options = row.options.over(defaults);
+        if model.is_native() {
+            // A native row keeps only what a native model takes; its CSV columns for PyTorch
+            // models (input, seq_len) describe nothing gpumem builds.
+            options = Options { optimizer: options.optimizer, precision: options.precision, ..Options::default() };
+        }
+        Workload::new(model, row.batch, options).map(Some).map_err(|e| WorkloadError::Invalid(format!("line {}: {e}", row.line)))
+    }
+
+    pub fn model(&self) -> &ModelRef {
+        &self.model
+    }
+
+    pub fn batch(&self) -> u64 {
+        self.batch
+    }
+
+    pub fn options(&self) -> &Options {
+        &self.options
+    }
+
+    /// The native families' options for this job on `profile`'s GPU and PyTorch release.
+    fn native_job(&self, profile: &GpuProfile) -> JobOptions {
+        JobOptions { optimizer: self.options.optimizer, precision: self.options.precision, ..JobOptions::on(profile, self.batch) }
+    }
+
+    /// The tracer's request for a PyTorch model on `profile`'s GPU; `None` for a native one.
+    pub fn request(&self, profile: &GpuProfile) -> Option<TraceRequest> {
+        match &self.model {
+            ModelRef::Torch(r) => Some(TraceRequest::for_gpu(r, self.batch, self.options.clone(), profile)),
+            ModelRef::Native(_) => None,
+        }
+    }
+
+    /// The training step's trace on `profile`'s GPU.
+    pub fn trace(&self, profile: &GpuProfile) -> Result<Trace, WorkloadError> {
+        self.trace_with(profile, false)
+    }
+
+    /// Like [`Workload::trace`], but a PyTorch model's tracer run also fits and caches its
+    /// symbolic trace, so the next batch size of the same job needs no Python (for commands a
+    /// user re-runs with another batch).
+    pub fn trace_for_reestimates(&self, profile: &GpuProfile) -> Result<Trace, WorkloadError> {
+        self.trace_with(profile, true)
+    }
+
+    fn trace_with(&self, profile: &GpuProfile, for_reestimates: bool) -> Result<Trace, WorkloadError> {
+        match &self.model {
+            ModelRef::Native(spec) => spec.trace(&self.native_job(profile)).map_err(WorkloadError::Invalid),
+            ModelRef::Torch(_) => {
+                let req = self.request(profile).expect("a PyTorch model has a request");
+                let tracer = TorchTracer::from_env();
+                Ok(if for_reestimates { tracer.trace_for_reestimates(&req)? } else { tracer.trace(&req)? })
+            }
+        }
+    }
+
+    /// Traces of this job at any batch size: the native families build each directly; a
+    /// PyTorch model is traced once into a batch-symbolic trace.
+    pub fn symbolic(&self, profile: &GpuProfile) -> Result<Symbolic, WorkloadError> {
+        Ok(match &self.model {
+            ModelRef::Native(spec) => Symbolic::Native(spec.clone(), self.native_job(profile)),
+            ModelRef::Torch(_) => {
+                let req = self.request(profile).expect("a PyTorch model has a request");
+                Symbolic::Torch { trace: TorchTracer::from_env().symbolic(&req)?, gpus: u64::from(self.options.data_parallel) }
+            }
+        })
+    }
+}
+
+/// A source of this job's traces by batch size.
+#[derive(Debug, Clone)]
+pub enum Symbolic {
+    Native(ModelSpec, JobOptions),
+    /// `gpus`: a DataParallel job's GPU count; its batch sizes are whole multiples of it.
+    Torch { trace: SymbolicTrace, gpus: u64 },
+}
+
+impl Symbolic {
+    /// The trace at `batch` (the whole batch).
+    pub fn at(&self, batch: u64) -> Result<Trace, String> {
+        match self {
+            Symbolic::Native(spec, job) => spec.trace(&JobOptions { batch, ..*job }),
+            Symbolic::Torch { trace, .. } => trace.at(batch),
+        }
+    }
+
+    /// The largest batch that fits on `profile`'s GPU with its upper bound, and its estimate;
+    /// `None` if even the smallest does not. A DataParallel job is searched by rows per GPU,
+    /// so its answer is a whole multiple of its GPU count.
+    pub fn max_batch(&self, profile: &GpuProfile, estimator: &dyn Estimator) -> Result<Option<(u64, Estimate)>, SearchError> {
+        let gpus = match self {
+            Symbolic::Native(..) => 1,
+            Symbolic::Torch { gpus, .. } => *gpus,
+        };
+        let best = search::max_batch_with(&mut |b| self.at(b * gpus), profile, estimator)?;
+        Ok(best.map(|(b, e)| (b * gpus, e)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpumem_core::estimate::Replay;
+    use gpumem_core::graph::Precision;
+    use gpumem_core::profile::builtin;
+    use gpumem_core::step::Optimizer;
+
+    const MLP: &str = "mlp:input=64,output=8,depth=2";
+
+    #[test]
+    fn a_workload_is_checked_when_made() {
+        let e = Workload::parse(MLP, 0, Options::default()).unwrap_err().to_string();
+        assert_eq!(e, format!("--batch 0 is out of range (1..={MAX_BATCH})"));
+        let e = Workload::parse(MLP, 8, Options { checkpointing: true, ..Options::default() }).unwrap_err().to_string();
+        assert!(e.contains("apply to PyTorch models"), "{e}");
+        let e = Workload::parse("hf:gpt2", 8, Options { data_parallel: 65, ..Options::default() }).unwrap_err().to_string();
+        assert_eq!(e, "--data-parallel 65 is out of range (1..=64)");
+        assert!(Workload::parse("resnet50", 8, Options::default()).is_err());
+        assert!(Workload::parse("hf:gpt2", 8, Options { checkpointing: true, ..Options::default() }).is_ok());
+    }
+
+    #[test]
+    fn native_workloads_trace_with_their_options_and_search_like_a_direct_trace() {
+        let p = builtin("a100-40gb").unwrap();
+        let w = Workload::parse("mlp:input=4096,output=1000,depth=4", 32, Options { optimizer: Optimizer::Sgd, precision: Precision::AmpBf16, ..Options::default() }).unwrap();
+        assert!(w.request(&p).is_none());
+        let t = w.trace(&p).unwrap();
+        assert_eq!((t.header.batch_size, t.header.optimizer.as_str(), t.header.precision.as_str()), (32, "sgd", "amp-bf16"));
+        let sym = w.symbolic(&p).unwrap();
+        assert_eq!(sym.at(32).unwrap().events, t.events);
+        let (b, e) = sym.max_batch(&p, &Replay::default()).unwrap().unwrap();
+        let direct = Replay::default().estimate(&sym.at(b).unwrap(), &p).unwrap();
+        assert_eq!(e.peak_bytes, direct.peak_bytes);
+        assert!(Replay::default().estimate(&sym.at(b + 1).unwrap(), &p).unwrap().upper_bound_bytes > e.capacity_bytes);
+    }
+
+    #[test]
+    fn a_torch_request_carries_the_typed_options_and_the_gpu() {
+        let p = builtin("h200").unwrap();
+        let o = Options { seq_len: Some(128), outputs: Some(Outputs::Kept), ..Options::default() };
+        let r = Workload::parse("hf:gpt2", 4, o.clone()).unwrap().request(&p).unwrap();
+        assert_eq!((r.model.as_str(), r.batch, &r.options, r.gpu_capability.as_str()), ("hf:gpt2", 4, &o, p.compute_capability.as_str()));
+    }
+}
