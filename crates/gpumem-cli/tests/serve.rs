@@ -144,6 +144,37 @@ fn jobs_queue_collocate_crash_recover_and_finish() {
 }
 
 #[test]
+fn the_daemon_sizes_a_job_with_every_workload_option() {
+    const MLP: &str = "mlp:input=4096,output=100,depth=4";
+    let d = dir("options");
+    let s = Server::start(&d);
+    let submitted = |opts: &[&str]| -> serde_json::Value {
+        let mut args = vec!["submit", "--json", "--model", MLP, "--batch", "512"];
+        args.extend(opts);
+        args.extend(["--", "/bin/true"]);
+        serde_json::from_str(&s.run(&args)).unwrap()
+    };
+    let estimated = |opts: &[&str]| -> f64 {
+        let mut args = vec!["estimate", MLP, "--batch", "512", "--json"];
+        args.extend(opts);
+        let o = gpumem(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["peak_mib"].as_f64().unwrap()
+    };
+    let (adam, sgd) = (submitted(&[])["estimate_mib"].as_f64().unwrap(), submitted(&["--optimizer", "sgd", "--precision", "amp-bf16"])["estimate_mib"].as_f64().unwrap());
+    assert!(sgd < adam, "SGD without state and bf16 activations take less: {sgd} vs {adam}");
+    assert!((adam - estimated(&[])).abs() < 0.1 && (sgd - estimated(&["--optimizer", "sgd", "--precision", "amp-bf16"])).abs() < 0.1, "the daemon sizes a job as `gpumem estimate` does");
+    // A job file's [options] table is the API's `options` object.
+    let file = d.join("job.toml");
+    std::fs::write(&file, format!("command = [\"/bin/true\"]\nmodel = \"{MLP}\"\nbatch = 512\n[options]\noptimizer = \"sgd\"\nprecision = \"amp-bf16\"\n")).unwrap();
+    let from_file: serde_json::Value = serde_json::from_str(&s.run(&["submit", "--json", file.to_str().unwrap()])).unwrap();
+    assert_eq!(from_file["estimate_mib"].as_f64(), Some(sgd));
+    // What a native model cannot take is refused with the CLI's reason.
+    let o = gpumem(&["submit", "--server", &s.url, "--model", MLP, "--batch", "8", "--checkpointing", "--", "/bin/true"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("apply to PyTorch models"), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
 fn a_killed_daemon_loses_and_repeats_nothing() {
     let d = dir("restart");
     let mut s = Server::start(&d);

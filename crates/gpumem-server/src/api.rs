@@ -76,8 +76,8 @@ async fn submit(State(app): State<Arc<App>>, body: Bytes) -> Response {
                 Ok(w) => w,
                 Err(e) => return error(StatusCode::BAD_REQUEST, format!("model: {e}")),
             };
-            let profile = d.profile.clone();
-            match tokio::task::spawn_blocking(move || estimate(&profile, &workload)).await {
+            let (config, profile) = (d.config.clone(), d.profile.clone());
+            match tokio::task::spawn_blocking(move || estimate(&config, &profile, &workload)).await {
                 Ok(Ok(e)) => Some(e),
                 Ok(Err(e)) => return error(StatusCode::BAD_REQUEST, format!("model: {e}")),
                 Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),

@@ -6,7 +6,6 @@ use std::process::Child;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use gpumem_core::estimate::{Estimator, Replay};
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_monitor::{FakeGpus, Monitor};
@@ -43,11 +42,16 @@ pub struct Config {
     /// Scheduling period.
     pub tick_ms: u64,
     pub on_lost: OnLost,
+    /// How a job with a model is sized: any estimator `gpumem estimate` takes (`replay`,
+    /// `live-tensors`, `horus`, or `learned` with `learned_model`).
+    pub estimator: String,
+    /// The hybrid's memory model (a `gpumem learn train --target memory --model gbt` file).
+    pub learned_model: Option<PathBuf>,
 }
 
 impl Default for Config {
     fn default() -> Self {
-        Config { policy: "safe-pack".into(), headroom_mib: 2048, warmup_s: 30.0, max_retries: 3, grace_s: 10.0, tick_ms: 200, on_lost: OnLost::Requeue }
+        Config { policy: "safe-pack".into(), headroom_mib: 2048, warmup_s: 30.0, max_retries: 3, grace_s: 10.0, tick_ms: 200, on_lost: OnLost::Requeue, estimator: "replay".into(), learned_model: None }
     }
 }
 
@@ -55,6 +59,7 @@ impl Config {
     pub fn from_toml(text: &str) -> Result<Config, String> {
         let c: Config = toml::from_str(text).map_err(|e| e.to_string().replace('\n', " "))?;
         c.policy()?;
+        gpumem_learn::estimator(&c.estimator, c.learned_model.as_deref())?;
         if !(c.warmup_s >= 0.0 && c.grace_s >= 0.0 && c.tick_ms >= 10) {
             return Err("warmup_s and grace_s must be non-negative, tick_ms at least 10".into());
         }
@@ -70,10 +75,11 @@ pub fn now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
-/// gpumem's estimate (peak, upper bound) of a job's workload.
-pub fn estimate(profile: &GpuProfile, workload: &Workload) -> Result<(u64, u64), String> {
+/// gpumem's estimate (peak, upper bound) of a job's workload with the configured estimator.
+pub fn estimate(config: &Config, profile: &GpuProfile, workload: &Workload) -> Result<(u64, u64), String> {
+    let estimator = gpumem_learn::estimator(&config.estimator, config.learned_model.as_deref())?;
     let trace = workload.trace(profile).map_err(|e| e.to_string())?;
-    let est = Replay::default().estimate(&trace, profile).map_err(|e| e.to_string())?;
+    let est = estimator.estimate(&trace, profile).map_err(|e| e.to_string())?;
     Ok((est.peak_bytes, est.upper_bound_bytes))
 }
 
