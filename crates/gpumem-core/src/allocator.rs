@@ -13,13 +13,14 @@ use std::collections::BTreeSet;
 
 use serde::{Deserialize, Serialize};
 
+use crate::units::MIB;
+
 pub const MIN_BLOCK_SIZE: u64 = 512;
-pub const SMALL_SIZE: u64 = 1 << 20;
-pub const SMALL_BUFFER: u64 = 2 << 20;
-pub const MIN_LARGE_ALLOC: u64 = 10 << 20;
-pub const LARGE_BUFFER: u64 = 20 << 20;
-pub const ROUND_LARGE: u64 = 2 << 20;
-const MIB: u64 = 1 << 20;
+pub const SMALL_SIZE: u64 = MIB;
+pub const SMALL_BUFFER: u64 = 2 * MIB;
+pub const MIN_LARGE_ALLOC: u64 = 10 * MIB;
+pub const LARGE_BUFFER: u64 = 20 * MIB;
+pub const ROUND_LARGE: u64 = 2 * MIB;
 const NONE: u32 = u32::MAX;
 /// Virtual address space given to each segment; large enough that segments never overlap.
 const SEGMENT_STRIDE: u64 = 1 << 46;

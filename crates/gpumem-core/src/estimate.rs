@@ -412,8 +412,7 @@ mod tests {
     use super::*;
     use crate::profile::builtin;
     use crate::trace::{TraceBuilder, TraceHeader};
-
-    const MIB: u64 = 1 << 20;
+    use crate::units::MIB;
 
     /// Three 6 MiB activations share one 20 MiB segment (the allocated peak, 18 MiB, in
     /// forward); two are freed, leaving holes of 6 and 8 MiB, so the optimizer's 9 MiB

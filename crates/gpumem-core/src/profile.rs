@@ -12,6 +12,13 @@ use crate::units::{MIB, mib_to_bytes};
 
 const BUILTIN: &str = include_str!("../profiles/gpus.toml");
 
+/// PyTorch's default cuBLAS workspace per (handle, stream) below Hopper (A100, V100, T4, ...):
+/// `CUBLAS_WORKSPACE_CONFIG` unset means `:4096:2:16:8`, 2 × 4 MiB + 8 × 16 KiB = 8,519,680 bytes
+/// (spec §2.3.3).
+pub const CUBLAS_WORKSPACE_BYTES: u64 = 8_519_680;
+/// The same default on Hopper (compute capability 9.x): 4 MiB × 8 = 32 MiB.
+pub const CUBLAS_WORKSPACE_HOPPER_BYTES: u64 = 32 * MIB;
+
 /// Peak dense throughput in TFLOP/s per precision.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Tflops {
@@ -144,7 +151,7 @@ impl GpuProfile {
     }
     /// PyTorch's default cuBLAS workspace for this architecture (spec §2.3.3).
     pub fn cublas_workspace(&self) -> u64 {
-        self.cublas_workspace_bytes.unwrap_or(if self.cc_major() == 9 { 32 << 20 } else { 8_519_680 })
+        self.cublas_workspace_bytes.unwrap_or(if self.cc_major() == 9 { CUBLAS_WORKSPACE_HOPPER_BYTES } else { CUBLAS_WORKSPACE_BYTES })
     }
     pub fn allocator_config(&self) -> Result<AllocatorConfig, ProfileError> {
         AllocatorConfig::parse(&self.allocator).map_err(|message| ProfileError::Invalid { name: self.name.clone(), message })

@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 
 use crate::graph::{Bw, Graph, Precision, Role, TensorId};
+use crate::profile::CUBLAS_WORKSPACE_BYTES;
 use crate::trace::{Category, Phase, Trace, TraceBuilder, TraceHeader};
 
 /// The optimizers gpumem models, with PyTorch's defaults (foreach on CUDA in 2.x).
@@ -98,7 +99,7 @@ impl TrainingLoop {
             torch: TorchBehaviour::V2_1,
             batches,
             warmup_batch: None,
-            cublas_workspace: 8_519_680,
+            cublas_workspace: CUBLAS_WORKSPACE_BYTES,
         }
     }
 

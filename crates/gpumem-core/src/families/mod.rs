@@ -16,7 +16,7 @@ pub use transformer::{Transformer, TransformerArch};
 use std::collections::BTreeMap;
 
 use crate::graph::{Graph, Precision};
-use crate::profile::GpuProfile;
+use crate::profile::{CUBLAS_WORKSPACE_BYTES, GpuProfile};
 use crate::step::{Optimizer, TorchBehaviour, TrainingLoop};
 use crate::trace::{Trace, TraceHeader};
 
@@ -45,7 +45,7 @@ impl JobOptions {
             optimizer: Optimizer::Adam,
             precision: Precision::Fp32,
             torch: TorchBehaviour::V2_1,
-            cublas_workspace: 8_519_680,
+            cublas_workspace: CUBLAS_WORKSPACE_BYTES,
         }
     }
 
