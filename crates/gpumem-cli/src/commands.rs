@@ -197,7 +197,7 @@ fn model_trace(model: &Model, args: &JobArgs, job: &JobOptions, profile: &GpuPro
 }
 
 fn estimator(name: &str) -> CliResult<Box<dyn Estimator>> {
-    by_name(name).map_err(|e| CliError::input(if name == "learned" { "--estimator learned applies to `estimate` with --learned-model".into() } else { e }))
+    by_name(name).map_err(|e| CliError::input(if name == "learned" { "--estimator learned applies to `estimate` with --learned-model".into() } else { e.to_string() }))
 }
 
 fn mib(b: u64) -> f64 {

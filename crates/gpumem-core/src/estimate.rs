@@ -9,6 +9,7 @@
 
 use serde::Serialize;
 
+use crate::UnknownName;
 use crate::allocator::{AllocatorStats, CachingAllocator, OutOfMemory};
 use crate::profile::{GpuProfile, ProfileError};
 use crate::trace::{Category, Event, Phase, Trace};
@@ -181,12 +182,12 @@ pub trait Estimator {
 }
 
 /// Estimator by name, as the CLI spells it.
-pub fn by_name(name: &str) -> Result<Box<dyn Estimator>, String> {
+pub fn by_name(name: &str) -> Result<Box<dyn Estimator>, UnknownName> {
     match name {
         "replay" => Ok(Box::new(Replay::default())),
         "live-tensors" => Ok(Box::new(LiveTensors)),
         "horus" => Ok(Box::new(Horus)),
-        other => Err(format!("unknown estimator `{other}` (expected replay, live-tensors or horus)")),
+        other => Err(UnknownName::new("estimator", other, "replay, live-tensors or horus")),
     }
 }
 

@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::allocator::AllocatorConfig;
+use crate::allocator::{AllocatorConfig, AllocatorConfigError};
 use crate::units::{MIB, mib_to_bytes};
 
 const BUILTIN: &str = include_str!("../profiles/gpus.toml");
@@ -132,7 +132,9 @@ pub enum ProfileError {
     #[error("bad profile: {0}")]
     Parse(String),
     #[error("bad profile `{name}`: {message}")]
-    Invalid { name: String, message: String },
+    Invalid { name: String, message: &'static str },
+    #[error("bad profile `{name}`: {source}")]
+    Allocator { name: String, source: AllocatorConfigError },
 }
 
 impl GpuProfile {
@@ -154,7 +156,7 @@ impl GpuProfile {
         self.cublas_workspace_bytes.unwrap_or(if self.cc_major() == 9 { CUBLAS_WORKSPACE_HOPPER_BYTES } else { CUBLAS_WORKSPACE_BYTES })
     }
     pub fn allocator_config(&self) -> Result<AllocatorConfig, ProfileError> {
-        AllocatorConfig::parse(&self.allocator).map_err(|message| ProfileError::Invalid { name: self.name.clone(), message })
+        AllocatorConfig::parse(&self.allocator).map_err(|source| ProfileError::Allocator { name: self.name.clone(), source })
     }
     /// Bytes the caching allocator may reserve before cudaMalloc fails.
     pub fn allocator_capacity(&self) -> u64 {
@@ -162,7 +164,7 @@ impl GpuProfile {
     }
 
     fn validate(&self) -> Result<(), ProfileError> {
-        let bad = |message: &str| Err(ProfileError::Invalid { name: self.name.clone(), message: message.into() });
+        let bad = |message: &'static str| Err(ProfileError::Invalid { name: self.name.clone(), message });
         if self.capacity_mib == 0 {
             return bad("capacity_mib must be positive");
         }

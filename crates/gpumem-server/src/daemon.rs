@@ -62,7 +62,7 @@ impl Config {
     }
 
     pub fn policy(&self) -> Result<Policy, String> {
-        Policy::parse(&self.policy, MemoryView::Estimate { headroom_bytes: self.headroom_mib * MIB })
+        Policy::parse(&self.policy, MemoryView::Estimate { headroom_bytes: self.headroom_mib * MIB }).map_err(|e| e.to_string())
     }
 }
 
@@ -76,7 +76,7 @@ pub fn estimate(profile: &GpuProfile, model: &str, batch: u64) -> Result<(u64, u
         let req = gpumem_torch::TraceRequest::for_gpu(model, batch, profile);
         gpumem_torch::TorchTracer::from_env().trace(&req).map_err(|e| e.to_string())?
     } else {
-        ModelSpec::parse(model)?.trace(&JobOptions::on(profile, batch))?
+        ModelSpec::parse(model).map_err(|e| e.to_string())?.trace(&JobOptions::on(profile, batch)).map_err(|e| e.to_string())?
     };
     let est = Replay::default().estimate(&trace, profile).map_err(|e| e.to_string())?;
     Ok((est.peak_bytes, est.upper_bound_bytes))
