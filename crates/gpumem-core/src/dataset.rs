@@ -26,8 +26,9 @@ pub enum CsvError {
     Malformed { file: String, line: usize, source: csv::Error },
     #[error("{file} line 1: expected columns model, batch_size, measured_mib (or the seed's Filename, Max GPU Memory (MiB)); found {}", .found.join(", "))]
     Columns { file: String, found: Vec<String> },
+    /// (`problem` is boxed: a model spec's error is large, and this is the common case's `Err`.)
     #[error("{file} line {line}: column {column}: {problem}")]
-    Cell { file: String, line: usize, column: String, problem: CellProblem },
+    Cell { file: String, line: usize, column: String, problem: Box<CellProblem> },
     /// No row measured a peak (`with_status`: the file has a `status` column and no row is `ok`).
     #[error("{file}: no rows{}", if *with_status { " with status ok" } else { "" })]
     NoRows { file: String, with_status: bool },
@@ -129,7 +130,7 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
         if status_col.is_some_and(|c| !get(c).is_empty() && get(c) != "ok") {
             continue;
         }
-        let bad = |col: &str, problem: CellProblem| CsvError::Cell { file: name.into(), line, column: col.into(), problem };
+        let bad = |col: &str, problem: CellProblem| CsvError::Cell { file: name.into(), line, column: col.into(), problem: Box::new(problem) };
         let mib = |col: &str, v: &str| -> Result<u64, CsvError> {
             let x: f64 = v.parse().map_err(|_| bad(col, CellProblem::NotNumber(v.into())))?;
             if !(x > 0.0 && x < 1e9) {

@@ -39,7 +39,7 @@ pub enum JobsError {
     #[error("{file}: line {line}: {source}")]
     Json { file: String, line: usize, source: serde_json::Error },
     #[error("{file}: line {line}: {source}")]
-    Spec { file: String, line: usize, source: SpecError },
+    Spec { file: String, line: usize, source: Box<SpecError> },
     #[error("{file}: line {line}: batch must be at least 1")]
     ZeroBatch { file: String, line: usize },
     #[error("{file}: line {line}: job id `{id}` repeats")]
@@ -58,7 +58,7 @@ pub fn read_jobs(path: &Path) -> Result<Vec<Job>, JobsError> {
             continue;
         }
         let job: Job = serde_json::from_str(&text).map_err(|source| JobsError::Json { file: file(), line, source })?;
-        gpumem_core::families::ModelSpec::parse(&job.model).map_err(|source| JobsError::Spec { file: file(), line, source })?;
+        gpumem_core::families::ModelSpec::parse(&job.model).map_err(|e| JobsError::Spec { file: file(), line, source: Box::new(e) })?;
         if job.batch == 0 {
             return Err(JobsError::ZeroBatch { file: file(), line });
         }
