@@ -13,13 +13,14 @@ use std::collections::BTreeSet;
 
 use serde::{Deserialize, Serialize};
 
+use crate::units::MIB;
+
 pub const MIN_BLOCK_SIZE: u64 = 512;
-pub const SMALL_SIZE: u64 = 1 << 20;
-pub const SMALL_BUFFER: u64 = 2 << 20;
-pub const MIN_LARGE_ALLOC: u64 = 10 << 20;
-pub const LARGE_BUFFER: u64 = 20 << 20;
-pub const ROUND_LARGE: u64 = 2 << 20;
-const MIB: u64 = 1 << 20;
+pub const SMALL_SIZE: u64 = MIB;
+pub const SMALL_BUFFER: u64 = 2 * MIB;
+pub const MIN_LARGE_ALLOC: u64 = 10 * MIB;
+pub const LARGE_BUFFER: u64 = 20 * MIB;
+pub const ROUND_LARGE: u64 = 2 * MIB;
 const NONE: u32 = u32::MAX;
 /// Virtual address space given to each segment; large enough that segments never overlap.
 const SEGMENT_STRIDE: u64 = 1 << 46;
@@ -47,17 +48,51 @@ impl Default for AllocatorConfig {
     }
 }
 
+/// A `PYTORCH_CUDA_ALLOC_CONF` string gpumem cannot read (as a profile's `allocator` field).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AllocatorConfigError {
+    #[error("option `{0}` has no value")]
+    NoValue(String),
+    #[error("option {option}: missing `]`")]
+    MissingBracket { option: String },
+    #[error("option {option}: `{value}` is not a whole number")]
+    NotWholeNumber { option: String, value: String },
+    #[error("option max_split_size_mb: {0} is below the minimum of 20")]
+    SplitSizeTooSmall(u64),
+    #[error("option expandable_segments: `{0}` is not True or False")]
+    NotBool(String),
+    #[error("unknown allocator option `{0}`")]
+    UnknownOption(String),
+    #[error("option roundup_power2_divisions: {0}")]
+    Divisions(DivisionsError),
+}
+
+/// What is wrong with a `roundup_power2_divisions` value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DivisionsError {
+    #[error("{0} is not a power of two")]
+    NotPowerOfTwo(u64),
+    #[error("{0} is too large")]
+    TooLarge(u64),
+    #[error("`{0}` is not KEY:VALUE")]
+    NotKeyValue(String),
+    #[error("`{0}` is not a number")]
+    NotNumber(String),
+    #[error("key {0} is not a power of two")]
+    KeyNotPowerOfTwo(u64),
+}
+
 impl AllocatorConfig {
     /// Parses a `PYTORCH_CUDA_ALLOC_CONF` string, e.g.
     /// `max_split_size_mb:128,roundup_power2_divisions:[256:4,>:8],expandable_segments:True`.
-    pub fn parse(conf: &str) -> Result<Self, String> {
+    pub fn parse(conf: &str) -> Result<Self, AllocatorConfigError> {
         let mut c = AllocatorConfig::default();
         let mut rest = conf.trim();
         while !rest.is_empty() {
-            let (key, after) = rest.split_once(':').ok_or_else(|| format!("option `{rest}` has no value"))?;
+            let (key, after) = rest.split_once(':').ok_or_else(|| AllocatorConfigError::NoValue(rest.to_string()))?;
             let key = key.trim();
             let (value, next) = if after.starts_with('[') {
-                let end = after.find(']').ok_or_else(|| format!("option {key}: missing `]`"))?;
+                let end = after.find(']').ok_or_else(|| AllocatorConfigError::MissingBracket { option: key.to_string() })?;
                 (&after[..=end], after[end + 1..].trim_start_matches(','))
             } else {
                 match after.split_once(',') {
@@ -66,12 +101,12 @@ impl AllocatorConfig {
                 }
             };
             let value = value.trim();
-            let num = |v: &str| v.parse::<u64>().map_err(|_| format!("option {key}: `{v}` is not a whole number"));
+            let num = |v: &str| v.parse::<u64>().map_err(|_| AllocatorConfigError::NotWholeNumber { option: key.to_string(), value: v.to_string() });
             match key {
                 "max_split_size_mb" => {
                     let mb = num(value)?;
                     if mb < 20 {
-                        return Err(format!("option max_split_size_mb: {mb} is below the minimum of 20"));
+                        return Err(AllocatorConfigError::SplitSizeTooSmall(mb));
                     }
                     c.max_split_size = mb * MIB;
                 }
@@ -80,13 +115,13 @@ impl AllocatorConfig {
                     c.expandable_segments = match value {
                         "True" | "true" | "1" => true,
                         "False" | "false" | "0" => false,
-                        v => return Err(format!("option expandable_segments: `{v}` is not True or False")),
+                        v => return Err(AllocatorConfigError::NotBool(v.to_string())),
                     }
                 }
-                "roundup_power2_divisions" => c.roundup_power2_divisions = parse_divisions(value)?,
+                "roundup_power2_divisions" => c.roundup_power2_divisions = parse_divisions(value).map_err(AllocatorConfigError::Divisions)?,
                 // Options that do not change how much memory is reserved.
                 "garbage_collection_threshold" | "pinned_use_cuda_host_register" | "backend" => {}
-                other => return Err(format!("unknown allocator option `{other}`")),
+                other => return Err(AllocatorConfigError::UnknownOption(other.to_string())),
             }
             rest = next.trim();
         }
@@ -112,12 +147,12 @@ impl AllocatorConfig {
     }
 }
 
-fn parse_divisions(value: &str) -> Result<[u32; 16], String> {
-    let check = |d: u64| -> Result<u32, String> {
+fn parse_divisions(value: &str) -> Result<[u32; 16], DivisionsError> {
+    let check = |d: u64| -> Result<u32, DivisionsError> {
         if d != 0 && !d.is_power_of_two() {
-            return Err(format!("option roundup_power2_divisions: {d} is not a power of two"));
+            return Err(DivisionsError::NotPowerOfTwo(d));
         }
-        u32::try_from(d).map_err(|_| format!("option roundup_power2_divisions: {d} is too large"))
+        u32::try_from(d).map_err(|_| DivisionsError::TooLarge(d))
     };
     let mut out = [0u32; 16];
     if let Some(list) = value.strip_prefix('[').and_then(|v| v.strip_suffix(']')) {
@@ -126,17 +161,17 @@ fn parse_divisions(value: &str) -> Result<[u32; 16], String> {
         for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (k, v) = item
                 .split_once(':')
-                .ok_or_else(|| format!("option roundup_power2_divisions: `{item}` is not KEY:VALUE"))?;
-            let d = check(v.trim().parse().map_err(|_| format!("option roundup_power2_divisions: `{v}` is not a number"))?)?;
+                .ok_or_else(|| DivisionsError::NotKeyValue(item.to_string()))?;
+            let d = check(v.trim().parse().map_err(|_| DivisionsError::NotNumber(v.to_string()))?)?;
             if k.trim() == ">" {
                 for slot in out.iter_mut().skip(last_index + 1) {
                     *slot = d;
                 }
                 continue;
             }
-            let mb: u64 = k.trim().parse().map_err(|_| format!("option roundup_power2_divisions: `{k}` is not a number"))?;
+            let mb: u64 = k.trim().parse().map_err(|_| DivisionsError::NotNumber(k.to_string()))?;
             if !mb.is_power_of_two() {
-                return Err(format!("option roundup_power2_divisions: key {mb} is not a power of two"));
+                return Err(DivisionsError::KeyNotPowerOfTwo(mb));
             }
             let index = (mb.trailing_zeros() as usize).min(15);
             if first {
@@ -149,7 +184,7 @@ fn parse_divisions(value: &str) -> Result<[u32; 16], String> {
             last_index = index;
         }
     } else {
-        let d = check(value.parse().map_err(|_| format!("option roundup_power2_divisions: `{value}` is not a number"))?)?;
+        let d = check(value.parse().map_err(|_| DivisionsError::NotNumber(value.to_string()))?)?;
         out = [d; 16];
     }
     Ok(out)
@@ -790,9 +825,11 @@ mod tests {
 
     #[test]
     fn config_errors_are_one_line() {
-        assert!(AllocatorConfig::parse("max_split_size_mb:10").unwrap_err().contains("minimum of 20"));
-        assert!(AllocatorConfig::parse("frobnicate:1").unwrap_err().contains("unknown allocator option"));
-        assert!(AllocatorConfig::parse("roundup_power2_divisions:3").unwrap_err().contains("power of two"));
+        assert_eq!(AllocatorConfig::parse("max_split_size_mb:10").unwrap_err().to_string(), "option max_split_size_mb: 10 is below the minimum of 20");
+        assert_eq!(AllocatorConfig::parse("frobnicate:1").unwrap_err().to_string(), "unknown allocator option `frobnicate`");
+        assert_eq!(AllocatorConfig::parse("roundup_power2_divisions:3").unwrap_err().to_string(), "option roundup_power2_divisions: 3 is not a power of two");
+        assert_eq!(AllocatorConfig::parse("roundup_power2_divisions:[256:4,x:8]").unwrap_err().to_string(), "option roundup_power2_divisions: `x` is not a number");
+        assert_eq!(AllocatorConfig::parse("max_split_size_mb").unwrap_err().to_string(), "option `max_split_size_mb` has no value");
         let c = AllocatorConfig::parse("expandable_segments:True,max_split_size_mb:64").unwrap();
         assert!(c.expandable_segments);
         assert_eq!(c.max_split_size, 64 << 20);

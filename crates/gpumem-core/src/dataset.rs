@@ -12,11 +12,52 @@
 
 use std::io::Read;
 
-use crate::families::{Mlp, ModelSpec};
+use crate::UnknownName;
+use crate::families::{Mlp, ModelSpec, SpecError};
 use crate::graph::Precision;
 use crate::step::Optimizer;
 use crate::units::mib_to_bytes;
 use crate::workload::{InputShape, ModelRef, OptionOverrides, Outputs};
+
+/// A measurement CSV gpumem cannot read. One line: `FILE line N: [column C: ]what is wrong`.
+#[derive(Debug, thiserror::Error)]
+pub enum CsvError {
+    /// Not well-formed CSV (the csv reader's message, on one line).
+    #[error("{file} line {line}: {}", one_line(.source))]
+    Malformed { file: String, line: usize, source: csv::Error },
+    #[error("{file} line 1: expected columns model, batch_size, measured_mib (or the seed's Filename, Max GPU Memory (MiB)); found {}", .found.join(", "))]
+    Columns { file: String, found: Vec<String> },
+    /// (`problem` is boxed: a model spec's error is large, and this is the common case's `Err`.)
+    #[error("{file} line {line}: column {column}: {problem}")]
+    Cell { file: String, line: usize, column: String, problem: Box<CellProblem> },
+    /// No row measured a peak (`with_status`: the file has a `status` column and no row is `ok`).
+    #[error("{file}: no rows{}", if *with_status { " with status ok" } else { "" })]
+    NoRows { file: String, with_status: bool },
+}
+
+/// What is wrong with one cell of a measurement CSV.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CellProblem {
+    #[error("`{0}` is not a number")]
+    NotNumber(String),
+    #[error("{0} MiB is not a plausible memory size")]
+    ImplausibleMib(f64),
+    #[error("`{0}` is not a whole number")]
+    NotWholeNumber(String),
+    #[error("must be at least 1")]
+    Zero,
+    #[error("`{0}` does not start with a GPU count (1..=64)")]
+    NotGpuCount(String),
+    #[error("`{0}` is not a positive whole number")]
+    NotPositive(String),
+    #[error("`{0}` is not kept or dropped")]
+    NotOutputs(String),
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error(transparent)]
+    Name(#[from] UnknownName),
+}
+
 
 /// One measured training run.
 #[derive(Debug, Clone, PartialEq)]
@@ -42,9 +83,9 @@ fn column(headers: &csv::StringRecord, name: &str) -> Option<usize> {
 }
 
 /// Reads a measurement CSV. Errors are one line: `NAME line N: column C: what is wrong`.
-pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measurement>, String> {
+pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measurement>, CsvError> {
     let mut rdr = csv::ReaderBuilder::new().flexible(false).from_reader(reader);
-    let headers = rdr.headers().map_err(|e| format!("{name} line 1: {}", one_line(&e)))?.clone();
+    let headers = rdr.headers().map_err(|source| CsvError::Malformed { file: name.into(), line: 1, source })?.clone();
     // A `model` column (gpumem's schema, or a collected dataset in the seed's schema plus
     // `model`) wins over rebuilding MLPs from the seed's `Filename`.
     let batch_col = column(&headers, "batch_size").or_else(|| column(&headers, "Batch Size"));
@@ -54,10 +95,7 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
     let seed = column(&headers, "Filename").zip(column(&headers, "Max GPU Memory (MiB)")).filter(|_| !generic_ok);
     let status_col = column(&headers, "status");
     if seed.is_none() && !generic_ok {
-        return Err(format!(
-            "{name} line 1: expected columns model, batch_size, measured_mib (or the seed's Filename, Max GPU Memory (MiB)); found {}",
-            headers.iter().collect::<Vec<_>>().join(", ")
-        ));
+        return Err(CsvError::Columns { file: name.into(), found: headers.iter().map(String::from).collect() });
     }
     let published_cols: Vec<(usize, String)> = headers
         .iter()
@@ -69,22 +107,22 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
     let mut out = Vec::new();
     for (k, rec) in rdr.records().enumerate() {
         let line = k + 2;
-        let rec = rec.map_err(|e| format!("{name} line {line}: {}", one_line(&e)))?;
+        let rec = rec.map_err(|source| CsvError::Malformed { file: name.into(), line, source })?;
         let get = |i: usize| rec.get(i).unwrap_or("").trim();
         // Collected rows that crashed, ran out of memory or timed out measure no peak.
         if status_col.is_some_and(|c| !get(c).is_empty() && get(c) != "ok") {
             continue;
         }
-        let bad = |col: &str, msg: String| format!("{name} line {line}: column {col}: {msg}");
-        let mib = |col: &str, v: &str| -> Result<u64, String> {
-            let x: f64 = v.parse().map_err(|_| bad(col, format!("`{v}` is not a number")))?;
+        let bad = |col: &str, problem: CellProblem| CsvError::Cell { file: name.into(), line, column: col.into(), problem: Box::new(problem) };
+        let mib = |col: &str, v: &str| -> Result<u64, CsvError> {
+            let x: f64 = v.parse().map_err(|_| bad(col, CellProblem::NotNumber(v.into())))?;
             if !(x > 0.0 && x < 1e9) {
-                return Err(bad(col, format!("{x} MiB is not a plausible memory size")));
+                return Err(bad(col, CellProblem::ImplausibleMib(x)));
             }
             Ok(mib_to_bytes(x))
         };
         let m = if let Some((fcol, mcol)) = seed {
-            let (mlp, batch) = Mlp::from_seed_filename(get(fcol)).map_err(|e| bad("Filename", e))?;
+            let (mlp, batch) = Mlp::from_seed_filename(get(fcol)).map_err(|e| bad("Filename", e.into()))?;
             Measurement {
                 line,
                 label: get(fcol).to_string(),
@@ -98,10 +136,10 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
             let (mc, bc, vc) = (generic.0.unwrap(), generic.1.unwrap(), generic.2.unwrap());
             let label = get(mc).to_string();
             let reference = src_col.map(get).filter(|s| s.contains(':')).unwrap_or(&label).to_string();
-            let model = ModelRef::recognise(&reference).map_err(|e| bad("model", e))?;
-            let mut batch: u64 = get(bc).parse().map_err(|_| bad(&headers[bc], format!("`{}` is not a whole number", get(bc))))?;
+            let model = ModelRef::recognise(&reference).map_err(|e| bad("model", e.into()))?;
+            let mut batch: u64 = get(bc).parse().map_err(|_| bad(&headers[bc], CellProblem::NotWholeNumber(get(bc).into())))?;
             if batch == 0 {
-                return Err(bad(&headers[bc], "must be at least 1".into()));
+                return Err(bad(&headers[bc], CellProblem::Zero));
             }
             let gpus = match column(&headers, "gpus").map(get).filter(|s| !s.is_empty()) {
                 None => 1,
@@ -110,7 +148,7 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
                     .next()
                     .and_then(|n| n.parse::<u32>().ok())
                     .filter(|n| (1..=64).contains(n))
-                    .ok_or_else(|| bad("gpus", format!("`{s}` does not start with a GPU count (1..=64)")))?,
+                    .ok_or_else(|| bad("gpus", CellProblem::NotGpuCount(s.into())))?,
             };
             if gpus > 1 && opt_col.map(get).is_some_and(|s| s.contains("hf-trainer")) {
                 batch *= u64::from(gpus);
@@ -118,11 +156,11 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
             let optimizer = match opt_col.map(get).filter(|s| !s.is_empty()) {
                 None => None,
                 // "adamw(hf-trainer)" style annotations keep their optimizer name.
-                Some(s) => Some(Optimizer::parse(s.split('(').next().unwrap_or(s)).map_err(|e| bad("optimizer", e))?),
+                Some(s) => Some(Optimizer::parse(s.split('(').next().unwrap_or(s)).map_err(|e| bad("optimizer", e.into()))?),
             };
             let precision = match prec_col.map(get).filter(|s| !s.is_empty()) {
                 None => None,
-                Some(s) => Some(Precision::parse(s).map_err(|e| bad("precision", e))?),
+                Some(s) => Some(Precision::parse(s).map_err(|e| bad("precision", e.into()))?),
             };
             let published = published_cols
                 .iter()
@@ -131,12 +169,12 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
             let input_text = column(&headers, "input").map(get).unwrap_or("");
             let input = InputShape::parse(input_text);
             let seq_len = match column(&headers, "seq_len").map(get).filter(|s| !s.is_empty()) {
-                Some(s) => Some(s.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(|| bad("seq_len", format!("`{s}` is not a positive whole number")))?),
+                Some(s) => Some(s.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(|| bad("seq_len", CellProblem::NotPositive(s.into())))?),
                 None => input_text.strip_prefix("seq").and_then(|s| s.parse().ok()),
             };
             let data_parallel = (gpus > 1).then_some(gpus);
             let outputs = match column(&headers, "outputs").map(get).filter(|s| !s.is_empty()) {
-                Some(s) => Some(Outputs::parse(s).map_err(|e| bad("outputs", e))?),
+                Some(s) => Some(Outputs::parse(s).map_err(|_| bad("outputs", CellProblem::NotOutputs(s.into())))?),
                 None => opt_col.map(get).is_some_and(|s| s.contains("hf-trainer")).then_some(Outputs::Dropped),
             };
             let options = OptionOverrides { optimizer, precision, input, seq_len, data_parallel, outputs };
@@ -145,12 +183,12 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
         out.push(m);
     }
     if out.is_empty() {
-        return Err(format!("{name}: no rows{}", if status_col.is_some() { " with status ok" } else { "" }));
+        return Err(CsvError::NoRows { file: name.into(), with_status: status_col.is_some() });
     }
     Ok(out)
 }
 
-fn one_line(e: &impl std::fmt::Display) -> String {
+fn one_line(e: &csv::Error) -> String {
     e.to_string().replace('\n', " ")
 }
 
@@ -166,13 +204,13 @@ mod tests {
         assert_eq!(rows[0].published, vec![("horus".to_string(), Some(2000 << 20))]);
         assert_eq!(rows[1].model, None);
         let e = read_measurements("d.csv", "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1\",x,1500\n".as_bytes()).unwrap_err();
-        assert_eq!(e, "d.csv line 2: column batch_size: `x` is not a whole number");
+        assert_eq!(e.to_string(), "d.csv line 2: column batch_size: `x` is not a whole number");
         let e = read_measurements("d.csv", "a,b\n1,2\n".as_bytes()).unwrap_err();
-        assert!(e.starts_with("d.csv line 1: expected columns model, batch_size, measured_mib"), "{e}");
+        assert!(e.to_string().starts_with("d.csv line 1: expected columns model, batch_size, measured_mib"), "{e}");
         let e = read_measurements("d.csv", "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1\",4,-3\n".as_bytes()).unwrap_err();
-        assert_eq!(e, "d.csv line 2: column measured_mib: -3 MiB is not a plausible memory size");
+        assert_eq!(e.to_string(), "d.csv line 2: column measured_mib: -3 MiB is not a plausible memory size");
         let e = read_measurements("d.csv", "model,batch_size,measured_mib\nmlp:input=8,4\n".as_bytes()).unwrap_err();
-        assert!(e.starts_with("d.csv line 2: "), "{e}");
+        assert!(e.to_string().starts_with("d.csv line 2: ") && !e.to_string().contains('\n'), "{e}");
     }
 
     #[test]
@@ -184,6 +222,10 @@ mod tests {
         let rows = read_measurements("d.csv", csv.as_bytes()).unwrap();
         assert_eq!(rows.iter().map(|r| (r.batch, r.options.data_parallel)).collect::<Vec<_>>(), vec![(8, None), (8, Some(2)), (8, Some(2))]);
         let e = read_measurements("d.csv", "model,batch_size,measured_mib,gpus\na,8,100,two\n".as_bytes()).unwrap_err();
-        assert_eq!(e, "d.csv line 2: column gpus: `two` does not start with a GPU count (1..=64)");
+        assert_eq!(e.to_string(), "d.csv line 2: column gpus: `two` does not start with a GPU count (1..=64)");
+        let e = read_measurements("d.csv", "model,batch_size,measured_mib,status\na,8,100,oom\n".as_bytes()).unwrap_err();
+        assert_eq!(e.to_string(), "d.csv: no rows with status ok");
+        let e = read_measurements("d.csv", "model,batch_size,measured_mib,optimizer\na,8,100,lion\n".as_bytes()).unwrap_err();
+        assert_eq!(e.to_string(), "d.csv line 2: column optimizer: unknown optimizer `lion` (expected adam, adamw, sgd or sgd-momentum)");
     }
 }

@@ -9,6 +9,7 @@
 
 use serde::Serialize;
 
+use crate::UnknownName;
 use crate::allocator::{AllocatorStats, CachingAllocator, OutOfMemory};
 use crate::profile::{GpuProfile, ProfileError};
 use crate::trace::{Category, Event, Phase, Trace};
@@ -172,7 +173,8 @@ pub enum EstimateError {
     Profile(#[from] ProfileError),
     #[error("the {estimator} estimator needs `{field}` in the trace header")]
     MissingField { estimator: &'static str, field: &'static str },
-    /// A learned estimator could not answer (its model, or a model it has no features for).
+    /// A learned estimator could not answer (its model, or a model it has no features for):
+    /// its own error's message (the learned estimators live above this crate).
     #[error("{0}")]
     Learned(String),
 }
@@ -184,12 +186,12 @@ pub trait Estimator {
 }
 
 /// Estimator by name, as the CLI spells it.
-pub fn by_name(name: &str) -> Result<Box<dyn Estimator>, String> {
+pub fn by_name(name: &str) -> Result<Box<dyn Estimator>, UnknownName> {
     match name {
         "replay" => Ok(Box::new(Replay::default())),
         "live-tensors" => Ok(Box::new(LiveTensors)),
         "horus" => Ok(Box::new(Horus)),
-        other => Err(format!("unknown estimator `{other}` (expected replay, live-tensors or horus)")),
+        other => Err(UnknownName::new("estimator", other, "replay, live-tensors or horus")),
     }
 }
 
@@ -415,8 +417,7 @@ mod tests {
     use super::*;
     use crate::profile::builtin;
     use crate::trace::{TraceBuilder, TraceHeader};
-
-    const MIB: u64 = 1 << 20;
+    use crate::units::MIB;
 
     /// Three 6 MiB activations share one 20 MiB segment (the allocated peak, 18 MiB, in
     /// forward); two are freed, leaving holes of 6 and 8 MiB, so the optimizer's 9 MiB

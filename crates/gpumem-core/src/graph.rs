@@ -9,6 +9,8 @@
 
 use std::collections::HashMap;
 
+use crate::UnknownName;
+
 /// Element types and their sizes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Dtype {
@@ -43,14 +45,14 @@ pub enum Precision {
 }
 
 impl Precision {
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, UnknownName> {
         match s {
             "fp32" => Ok(Precision::Fp32),
             "amp-fp16" => Ok(Precision::AmpFp16),
             "amp-bf16" => Ok(Precision::AmpBf16),
             "fp16" => Ok(Precision::Fp16),
             "bf16" => Ok(Precision::Bf16),
-            other => Err(format!("unknown precision `{other}` (expected fp32, amp-fp16, amp-bf16, fp16 or bf16)")),
+            other => Err(UnknownName::new("precision", other, "fp32, amp-fp16, amp-bf16, fp16 or bf16")),
         }
     }
     pub fn name(self) -> &'static str {
@@ -203,7 +205,7 @@ impl Activation {
     pub const NAMES: [&'static str; 11] =
         ["relu", "leaky_relu", "prelu", "elu", "selu", "tanh", "softplus", "swish", "mish", "gelu", "identity"];
 
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, UnknownName> {
         Ok(match s.to_ascii_lowercase().as_str() {
             "relu" => Activation::Relu,
             "leaky_relu" | "leakyrelu" | "leaky" => Activation::LeakyRelu,
@@ -217,7 +219,7 @@ impl Activation {
             "gelu" => Activation::Gelu,
             "identity" => Activation::Identity,
             "sigmoid" => Activation::Sigmoid,
-            other => return Err(format!("unknown activation `{other}` (expected one of {})", Self::NAMES.join(", "))),
+            other => return Err(UnknownName::new("activation", other, format!("one of {}", Self::NAMES.join(", ")))),
         })
     }
 

@@ -34,3 +34,23 @@ pub mod trace;
 pub mod units;
 pub mod utilization;
 pub mod workload;
+
+/// A name that is not one of the known choices (an optimizer, a precision, an activation, an
+/// estimator, ...): `unknown WHAT `NAME` (expected EXPECTED)`. Shared by the crates that parse
+/// names from the command line and from files.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {what} `{name}` (expected {expected})")]
+pub struct UnknownName {
+    /// What kind of name (`optimizer`, `precision`, ...).
+    pub what: &'static str,
+    /// The name as given.
+    pub name: String,
+    /// The names accepted, as a phrase (`adam, adamw, sgd or sgd-momentum`).
+    pub expected: String,
+}
+
+impl UnknownName {
+    pub fn new(what: &'static str, name: &str, expected: impl Into<String>) -> Self {
+        UnknownName { what, name: name.to_string(), expected: expected.into() }
+    }
+}

@@ -7,10 +7,17 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::allocator::AllocatorConfig;
+use crate::allocator::{AllocatorConfig, AllocatorConfigError};
 use crate::units::{MIB, mib_to_bytes};
 
 const BUILTIN: &str = include_str!("../profiles/gpus.toml");
+
+/// PyTorch's default cuBLAS workspace per (handle, stream) below Hopper (A100, V100, T4, ...):
+/// `CUBLAS_WORKSPACE_CONFIG` unset means `:4096:2:16:8`, 2 × 4 MiB + 8 × 16 KiB = 8,519,680 bytes
+/// (spec §2.3.3).
+pub const CUBLAS_WORKSPACE_BYTES: u64 = 8_519_680;
+/// The same default on Hopper (compute capability 9.x): 4 MiB × 8 = 32 MiB.
+pub const CUBLAS_WORKSPACE_HOPPER_BYTES: u64 = 32 * MIB;
 
 /// Peak dense throughput in TFLOP/s per precision.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -125,7 +132,9 @@ pub enum ProfileError {
     #[error("bad profile: {0}")]
     Parse(String),
     #[error("bad profile `{name}`: {message}")]
-    Invalid { name: String, message: String },
+    Invalid { name: String, message: &'static str },
+    #[error("bad profile `{name}`: {source}")]
+    Allocator { name: String, source: AllocatorConfigError },
 }
 
 impl GpuProfile {
@@ -144,10 +153,10 @@ impl GpuProfile {
     }
     /// PyTorch's default cuBLAS workspace for this architecture (spec §2.3.3).
     pub fn cublas_workspace(&self) -> u64 {
-        self.cublas_workspace_bytes.unwrap_or(if self.cc_major() == 9 { 32 << 20 } else { 8_519_680 })
+        self.cublas_workspace_bytes.unwrap_or(if self.cc_major() == 9 { CUBLAS_WORKSPACE_HOPPER_BYTES } else { CUBLAS_WORKSPACE_BYTES })
     }
     pub fn allocator_config(&self) -> Result<AllocatorConfig, ProfileError> {
-        AllocatorConfig::parse(&self.allocator).map_err(|message| ProfileError::Invalid { name: self.name.clone(), message })
+        AllocatorConfig::parse(&self.allocator).map_err(|source| ProfileError::Allocator { name: self.name.clone(), source })
     }
     /// Bytes the caching allocator may reserve before cudaMalloc fails.
     pub fn allocator_capacity(&self) -> u64 {
@@ -155,7 +164,7 @@ impl GpuProfile {
     }
 
     fn validate(&self) -> Result<(), ProfileError> {
-        let bad = |message: &str| Err(ProfileError::Invalid { name: self.name.clone(), message: message.into() });
+        let bad = |message: &'static str| Err(ProfileError::Invalid { name: self.name.clone(), message });
         if self.capacity_mib == 0 {
             return bad("capacity_mib must be positive");
         }

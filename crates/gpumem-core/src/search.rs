@@ -2,14 +2,18 @@
 //! A batch fits when the job does not run out of memory and its upper bound is within capacity.
 
 use crate::estimate::{Estimate, EstimateError, Estimator};
-use crate::families::{JobOptions, MAX_BATCH, ModelSpec};
+use crate::families::{JobError, JobOptions, MAX_BATCH, ModelSpec};
 use crate::profile::GpuProfile;
+use crate::symbolic::SymbolicError;
 use crate::trace::Trace;
 
+/// Why the search stopped: the model could not be traced at a batch size, or not estimated.
 #[derive(Debug, thiserror::Error)]
 pub enum SearchError {
-    #[error("{0}")]
-    Model(String),
+    #[error(transparent)]
+    Job(#[from] JobError),
+    #[error(transparent)]
+    Symbolic(#[from] SymbolicError),
     #[error(transparent)]
     Estimate(#[from] EstimateError),
 }
@@ -21,9 +25,13 @@ pub fn max_batch(model: &ModelSpec, job: &JobOptions, profile: &GpuProfile, esti
 }
 
 /// The same search over any source of traces by batch size (a symbolic trace, say).
-pub fn max_batch_with(trace_at: &mut dyn FnMut(u64) -> Result<Trace, String>, profile: &GpuProfile, estimator: &dyn Estimator) -> Result<Option<(u64, Estimate)>, SearchError> {
+pub fn max_batch_with<E: Into<SearchError>>(
+    trace_at: &mut dyn FnMut(u64) -> Result<Trace, E>,
+    profile: &GpuProfile,
+    estimator: &dyn Estimator,
+) -> Result<Option<(u64, Estimate)>, SearchError> {
     let mut fits = |b: u64| -> Result<Option<Estimate>, SearchError> {
-        let trace = trace_at(b).map_err(SearchError::Model)?;
+        let trace = trace_at(b).map_err(Into::into)?;
         let e = estimator.estimate(&trace, profile)?;
         Ok((e.fits && e.upper_bound_bytes <= e.capacity_bytes).then_some(e))
     };

@@ -12,7 +12,9 @@
 
 use std::collections::HashMap;
 
+use crate::UnknownName;
 use crate::graph::{Bw, Graph, Precision, Role, TensorId};
+use crate::profile::CUBLAS_WORKSPACE_BYTES;
 use crate::trace::{Category, Phase, Trace, TraceBuilder, TraceHeader};
 
 /// The optimizers gpumem models, with PyTorch's defaults (foreach on CUDA in 2.x).
@@ -25,13 +27,13 @@ pub enum Optimizer {
 }
 
 impl Optimizer {
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, UnknownName> {
         match s.to_ascii_lowercase().as_str() {
             "adam" => Ok(Optimizer::Adam),
             "adamw" => Ok(Optimizer::AdamW),
             "sgd" => Ok(Optimizer::Sgd),
             "sgd-momentum" | "sgd_momentum" | "momentum" => Ok(Optimizer::SgdMomentum),
-            other => Err(format!("unknown optimizer `{other}` (expected adam, adamw, sgd or sgd-momentum)")),
+            other => Err(UnknownName::new("optimizer", other, "adam, adamw, sgd or sgd-momentum")),
         }
     }
     pub fn name(self) -> &'static str {
@@ -98,7 +100,7 @@ impl TrainingLoop {
             torch: TorchBehaviour::V2_1,
             batches,
             warmup_batch: None,
-            cublas_workspace: 8_519_680,
+            cublas_workspace: CUBLAS_WORKSPACE_BYTES,
         }
     }
 

@@ -10,7 +10,44 @@ use std::io::{BufRead, Write};
 
 use serde::{Deserialize, Serialize};
 
-use crate::trace::{Category, Event, Phase, Trace, TraceBuilder, TraceHeader};
+use crate::trace::{Category, Event, Phase, Trace, TraceBuilder, TraceError, TraceHeader};
+
+/// Why traces could not be fitted, a symbolic trace evaluated, or a stored one read back.
+/// Events are numbered from 1.
+#[derive(Debug, thiserror::Error)]
+pub enum SymbolicError {
+    #[error("need traces at three or more batch sizes")]
+    TooFewTraces,
+    #[error("{events} events at batch {batch} but {other_events} at batch {other_batch}")]
+    EventCounts { events: usize, batch: u64, other_events: usize, other_batch: u64 },
+    #[error("op names or ids differ between batch {batch} and {other_batch}")]
+    NamesDiffer { batch: u64, other_batch: u64 },
+    #[error("event {event} differs in kind across batch sizes")]
+    KindDiffers { event: usize },
+    #[error("allocation {event} differs across batch sizes")]
+    AllocationDiffers { event: usize },
+    #[error("free {event} differs across batch sizes")]
+    FreeDiffers { event: usize },
+    /// (batch, size) points of one event that no `c0 + c1·batch` passes through.
+    #[error("event {event} is not affine in the batch size: {points:?}")]
+    NotAffine { event: usize, points: Vec<(u64, u64)> },
+    #[error("event {event} has a negative size at batch {batch}")]
+    NegativeSize { event: usize, batch: u64 },
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+    #[error("not a {FILE_FORMAT} version {FILE_VERSION}")]
+    Format,
+    #[error("no batch sizes it was fitted at")]
+    NoBatches,
+    #[error("name {0} out of range")]
+    NameOutOfRange(u32),
+    #[error("slot {0} out of range")]
+    SlotOutOfRange(u32),
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    #[error("ids do not match their slots")]
+    IdsMismatch,
+}
 
 /// `c0 + c1 · batch`, exact in integers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,43 +96,43 @@ impl SymbolicTrace {
     pub const FIT_BATCHES: [u64; 3] = [4, 6, 8];
 
     /// Fits from traces of one model at different batch sizes (at least three).
-    pub fn fit(traces: &[Trace]) -> Result<SymbolicTrace, String> {
+    pub fn fit(traces: &[Trace]) -> Result<SymbolicTrace, SymbolicError> {
         if traces.len() < 3 {
-            return Err("need traces at three or more batch sizes".into());
+            return Err(SymbolicError::TooFewTraces);
         }
         let first = &traces[0];
         let n = first.events.len();
         for t in &traces[1..] {
             if t.events.len() != n {
-                return Err(format!("{} events at batch {} but {} at batch {}", n, first.header.batch_size, t.events.len(), t.header.batch_size));
+                return Err(SymbolicError::EventCounts { events: n, batch: first.header.batch_size, other_events: t.events.len(), other_batch: t.header.batch_size });
             }
             if t.ops != first.ops || t.ids != first.ids {
-                return Err(format!("op names or ids differ between batch {} and {}", first.header.batch_size, t.header.batch_size));
+                return Err(SymbolicError::NamesDiffer { batch: first.header.batch_size, other_batch: t.header.batch_size });
             }
         }
         let batches: Vec<u64> = traces.iter().map(|t| t.header.batch_size).collect();
-        let affine = |k: usize, get: &dyn Fn(&Event) -> u64| -> Result<Affine, String> {
-            let pts: Vec<(u64, u64)> = traces.iter().map(|t| (t.header.batch_size, get(&t.events[k]))).collect();
-            Affine::fit(&pts).ok_or_else(|| format!("event {} is not affine in the batch size: {pts:?}", k + 1))
+        let affine = |k: usize, get: &dyn Fn(&Event) -> u64| -> Result<Affine, SymbolicError> {
+            let points: Vec<(u64, u64)> = traces.iter().map(|t| (t.header.batch_size, get(&t.events[k]))).collect();
+            Affine::fit(&points).ok_or(SymbolicError::NotAffine { event: k + 1, points })
         };
         let mut events = Vec::with_capacity(n);
         for k in 0..n {
             let e = first.events[k];
             let same_kind = traces.iter().all(|t| std::mem::discriminant(&t.events[k]) == std::mem::discriminant(&e));
             if !same_kind {
-                return Err(format!("event {} differs in kind across batch sizes", k + 1));
+                return Err(SymbolicError::KindDiffers { event: k + 1 });
             }
             events.push(match e {
                 Event::Alloc { slot, category, phase, op, module, stream, .. } => {
                     let ok = traces.iter().all(|t| matches!(t.events[k], Event::Alloc { slot: s, category: c, phase: p, op: o, module: m, stream: st, .. } if s == slot && c == category && p == phase && o == op && m == module && st == stream));
                     if !ok {
-                        return Err(format!("allocation {} differs across batch sizes", k + 1));
+                        return Err(SymbolicError::AllocationDiffers { event: k + 1 });
                     }
                     SymEvent::Alloc { slot, bytes: affine(k, &|e| if let Event::Alloc { bytes, .. } = e { *bytes } else { 0 })?, category, phase, op, module, stream }
                 }
                 Event::Free { slot } => {
                     if !traces.iter().all(|t| t.events[k] == e) {
-                        return Err(format!("free {} differs across batch sizes", k + 1));
+                        return Err(SymbolicError::FreeDiffers { event: k + 1 });
                     }
                     SymEvent::Free { slot }
                 }
@@ -112,8 +149,8 @@ impl SymbolicTrace {
     }
 
     /// The trace at `batch`.
-    pub fn at(&self, batch: u64) -> Result<Trace, String> {
-        let neg = |k: usize| format!("event {} has a negative size at batch {batch}", k + 1);
+    pub fn at(&self, batch: u64) -> Result<Trace, SymbolicError> {
+        let neg = |k: usize| SymbolicError::NegativeSize { event: k + 1, batch };
         let mut events = Vec::with_capacity(self.events.len());
         for (k, e) in self.events.iter().enumerate() {
             events.push(match *e {
@@ -147,44 +184,44 @@ struct File<T> {
 
 impl SymbolicTrace {
     /// Writes the trace as one JSON document.
-    pub fn write(&self, w: impl Write) -> Result<(), String> {
-        serde_json::to_writer(w, &File { format: FILE_FORMAT.into(), version: FILE_VERSION, trace: self }).map_err(|e| e.to_string())
+    pub fn write(&self, w: impl Write) -> Result<(), SymbolicError> {
+        Ok(serde_json::to_writer(w, &File { format: FILE_FORMAT.into(), version: FILE_VERSION, trace: self })?)
     }
 
     /// Reads what [`SymbolicTrace::write`] wrote, and checks that it evaluates to a valid trace
     /// (a damaged file is refused, never replayed; ids and frees are the same at every batch
     /// size, so one batch size checks them all).
-    pub fn read(r: impl BufRead) -> Result<SymbolicTrace, String> {
-        let f: File<SymbolicTrace> = serde_json::from_reader(r).map_err(|e| e.to_string())?;
+    pub fn read(r: impl BufRead) -> Result<SymbolicTrace, SymbolicError> {
+        let f: File<SymbolicTrace> = serde_json::from_reader(r)?;
         if f.format != FILE_FORMAT || f.version != FILE_VERSION {
-            return Err(format!("not a {FILE_FORMAT} version {FILE_VERSION}"));
+            return Err(SymbolicError::Format);
         }
         let sym = f.trace;
-        let b = *sym.traced_at.first().ok_or("no batch sizes it was fitted at")?;
+        let b = *sym.traced_at.first().ok_or(SymbolicError::NoBatches)?;
         sym.at(b).and_then(|t| validated(&t))?;
         Ok(sym)
     }
 }
 
 /// `t` rebuilt through [`TraceBuilder`], which checks every id, slot and name.
-fn validated(t: &Trace) -> Result<(), String> {
-    let name = |i: u32| t.ops.get(i as usize).map(String::as_str).ok_or_else(|| format!("name {i} out of range"));
-    let id = |slot: u32| t.ids.get(slot as usize).copied().ok_or_else(|| format!("slot {slot} out of range"));
+fn validated(t: &Trace) -> Result<(), SymbolicError> {
+    let name = |i: u32| t.ops.get(i as usize).map(String::as_str).ok_or(SymbolicError::NameOutOfRange(i));
+    let id = |slot: u32| t.ids.get(slot as usize).copied().ok_or(SymbolicError::SlotOutOfRange(slot));
     let mut b = TraceBuilder::new(t.header.clone());
     for e in &t.events {
         match *e {
             Event::Alloc { slot, bytes, category, phase, op, module, stream } => {
                 let module = if module == crate::trace::NO_MODULE { None } else { Some(name(module)?) };
-                b.alloc_with_id(0, id(slot)?, bytes, category, phase, name(op)?, module, stream).map_err(|e| e.to_string())?
+                b.alloc_with_id(0, id(slot)?, bytes, category, phase, name(op)?, module, stream)?
             }
-            Event::Free { slot } => b.free_at(0, id(slot)?).map_err(|e| e.to_string())?,
+            Event::Free { slot } => b.free_at(0, id(slot)?)?,
             Event::Op { op, flops, bytes_read, bytes_written } => b.op(name(op)?, flops, bytes_read, bytes_written),
             Event::Iteration { .. } => b.iteration_end(),
         }
     }
     let rebuilt = b.finish();
     if rebuilt.ids != t.ids {
-        return Err("ids do not match their slots".into());
+        return Err(SymbolicError::IdsMismatch);
     }
     Ok(())
 }
@@ -212,11 +249,11 @@ mod tests {
         let mut out = Vec::new();
         s.write(&mut out).unwrap();
         assert_eq!(SymbolicTrace::read(out.as_slice()).unwrap(), s);
-        assert!(SymbolicTrace::read(&out[..out.len() / 2]).is_err(), "truncated");
+        assert!(matches!(SymbolicTrace::read(&out[..out.len() / 2]), Err(SymbolicError::Json(_))), "truncated");
         let text = String::from_utf8(out).unwrap();
         // A free of a slot that was never allocated.
         let bad = text.replacen(r#"{"Free":{"slot":"#, r#"{"Free":{"slot":9999"#, 1);
-        assert!(SymbolicTrace::read(bad.as_bytes()).is_err());
+        assert!(matches!(SymbolicTrace::read(bad.as_bytes()), Err(SymbolicError::SlotOutOfRange(_) | SymbolicError::Trace(_))));
     }
 
     #[test]
@@ -224,6 +261,6 @@ mod tests {
         let a = ModelSpec::parse("mlp:input=8,output=2,depth=1").unwrap();
         let b = ModelSpec::parse("mlp:input=8,output=2,depth=2").unwrap();
         let ts = vec![a.trace(&JobOptions::new(4)).unwrap(), b.trace(&JobOptions::new(6)).unwrap(), a.trace(&JobOptions::new(8)).unwrap()];
-        assert!(SymbolicTrace::fit(&ts).is_err());
+        assert!(matches!(SymbolicTrace::fit(&ts), Err(SymbolicError::EventCounts { batch: 4, other_batch: 6, .. })));
     }
 }

@@ -7,7 +7,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::families::ModelSpec;
+use crate::UnknownName;
+use crate::families::{ModelSpec, SpecError};
 use crate::graph::Precision;
 use crate::step::Optimizer;
 
@@ -31,7 +32,7 @@ impl ModelRef {
 
     /// A PyTorch reference by its prefix, else a native spec (whose parse error names what is
     /// wrong, including an unknown family prefix).
-    pub fn parse(model: &str) -> Result<ModelRef, String> {
+    pub fn parse(model: &str) -> Result<ModelRef, SpecError> {
         match Self::recognise(model)? {
             Some(m) => Ok(m),
             None => ModelSpec::parse(model).map(ModelRef::Native),
@@ -40,7 +41,7 @@ impl ModelRef {
 
     /// Like [`ModelRef::parse`], but a name with neither kind of prefix (a measured row's
     /// `resnet50`) is `None`, not an error.
-    pub fn recognise(model: &str) -> Result<Option<ModelRef>, String> {
+    pub fn recognise(model: &str) -> Result<Option<ModelRef>, SpecError> {
         if Self::is_torch(model) {
             return Ok(Some(ModelRef::Torch(model.to_string())));
         }
@@ -88,7 +89,7 @@ impl fmt::Display for InputShape {
 
 /// A closed set of option values spelled as on the command line and in JSON.
 macro_rules! spelled {
-    ($(#[$doc:meta])* $name:ident { $($(#[$vdoc:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
+    ($(#[$doc:meta])* $name:ident ($what:literal) { $($(#[$vdoc:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
         $(#[$doc])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
         pub enum $name {
@@ -105,10 +106,10 @@ macro_rules! spelled {
                 }
             }
 
-            pub fn parse(s: &str) -> Result<$name, String> {
+            pub fn parse(s: &str) -> Result<$name, UnknownName> {
                 match s {
                     $($text => Ok($name::$variant),)+
-                    other => Err(format!("`{other}` is not one of {}", $name::NAMES.join(", "))),
+                    other => Err(UnknownName::new($what, other, $name::NAMES.join(", "))),
                 }
             }
         }
@@ -130,7 +131,7 @@ macro_rules! spelled {
 
 spelled!(
     /// An evaluation pass after training (two eval-mode batches).
-    Validate {
+    Validate ("validation") {
         None = "none",
         NoGrad = "no-grad",
         /// A validation loop without `torch.no_grad()`: each output's graph stays alive.
@@ -140,7 +141,7 @@ spelled!(
 
 spelled!(
     /// Whether the training loop holds the model's output through backward.
-    Outputs {
+    Outputs ("outputs") {
         /// `outputs = model(x); loss = criterion(outputs, y)`.
         Kept = "kept",
         /// `loss = model(**batch).loss`, as Hugging Face's Trainer runs.
@@ -150,7 +151,7 @@ spelled!(
 
 spelled!(
     /// The attention mask a Hugging Face model gets.
-    AttentionMask {
+    AttentionMask ("attention mask") {
         None = "none",
         /// A padded batch's mask, which the model materialises (and which keeps flash attention out).
         Padded = "padded",
@@ -204,20 +205,31 @@ impl Default for Options {
     }
 }
 
+/// An option out of range, named as the command line spells it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OptionError {
+    #[error("--grad-accum must be at least 1")]
+    GradAccum,
+    #[error("--data-parallel {0} is out of range (1..={MAX_DATA_PARALLEL})")]
+    DataParallel(u32),
+    #[error("--seq-len must be at least 1")]
+    SeqLen,
+}
+
 /// Most GPUs a DataParallel job is modelled over.
 pub const MAX_DATA_PARALLEL: u32 = 64;
 
 impl Options {
-    /// The first option out of range, as a one-line reason naming it.
-    pub fn check(&self) -> Result<(), String> {
+    /// The first option out of range.
+    pub fn check(&self) -> Result<(), OptionError> {
         if self.grad_accum == 0 {
-            return Err("--grad-accum must be at least 1".into());
+            return Err(OptionError::GradAccum);
         }
         if self.data_parallel == 0 || self.data_parallel > MAX_DATA_PARALLEL {
-            return Err(format!("--data-parallel {} is out of range (1..={MAX_DATA_PARALLEL})", self.data_parallel));
+            return Err(OptionError::DataParallel(self.data_parallel));
         }
         if self.seq_len == Some(0) {
-            return Err("--seq-len must be at least 1".into());
+            return Err(OptionError::SeqLen);
         }
         Ok(())
     }
@@ -299,9 +311,9 @@ mod tests {
     fn one_prefix_table() {
         assert_eq!(ModelRef::parse("hf:gpt2").unwrap(), ModelRef::Torch("hf:gpt2".into()));
         assert!(ModelRef::parse("mlp:input=8,output=2,depth=1").unwrap().is_native());
-        let e = ModelRef::parse("resnet50").unwrap_err();
+        let e = ModelRef::parse("resnet50").unwrap_err().to_string();
         assert!(e.contains("no `family:` prefix"), "{e}");
-        assert_eq!(ModelRef::recognise("resnet50"), Ok(None));
+        assert_eq!(ModelRef::recognise("resnet50").unwrap(), None);
         assert!(ModelRef::recognise("mlp:depth=x").is_err());
     }
 
@@ -312,7 +324,7 @@ mod tests {
         assert_eq!(o.input.unwrap().to_string(), "3x224x224");
         assert_eq!(serde_json::from_str::<Options>(&serde_json::to_string(&o).unwrap()).unwrap(), o);
         let e = serde_json::from_str::<Options>(r#"{"validate":"maybe"}"#).unwrap_err().to_string();
-        assert!(e.contains("`maybe` is not one of none, no-grad, grad"), "{e}");
+        assert!(e.contains("unknown validation `maybe` (expected none, no-grad, grad)"), "{e}");
         assert!(serde_json::from_str::<Options>(r#"{"optimiser":"sgd"}"#).is_err());
         assert!(InputShape::parse("3x0x4").is_none() && InputShape::parse("3x4").is_none());
     }
@@ -321,7 +333,7 @@ mod tests {
     fn checks_and_native_options() {
         assert!(Options::default().check().is_ok() && Options::default().native_compatible());
         let o = Options { grad_accum: 0, ..Options::default() };
-        assert_eq!(o.check().unwrap_err(), "--grad-accum must be at least 1");
+        assert_eq!(o.check().unwrap_err().to_string(), "--grad-accum must be at least 1");
         assert!(!Options { checkpointing: true, ..Options::default() }.native_compatible());
         let over = OptionOverrides { seq_len: Some(512), ..Default::default() }.over(&Options { grad_accum: 2, ..Options::default() });
         assert_eq!((over.seq_len, over.grad_accum), (Some(512), 2));

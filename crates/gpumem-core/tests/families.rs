@@ -4,7 +4,7 @@
 use gpumem_core::estimate::{Estimator, LiveTensors, Replay};
 use gpumem_core::families::{JobOptions, ModelSpec};
 use gpumem_core::graph::Precision;
-use gpumem_core::profile::builtin;
+use gpumem_core::profile::{CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACE_HOPPER_BYTES, builtin};
 use gpumem_core::step::Optimizer;
 use gpumem_core::trace::{Category, Event, Trace};
 
@@ -107,6 +107,6 @@ fn hopper_profiles_use_the_larger_cublas_workspace() {
     let t = trace(MODELS[0], 8, Optimizer::Adam, Precision::Fp32);
     let a100 = Replay::default().estimate(&t, &builtin("a100-80gb").unwrap()).unwrap();
     let h100 = Replay::default().estimate(&t, &builtin("h100-80gb-sxm").unwrap()).unwrap();
-    assert_eq!(a100.breakdown.workspace, 2 * 8_519_680);
-    assert_eq!(h100.breakdown.workspace, 2 * (32 << 20));
+    assert_eq!(a100.breakdown.workspace, 2 * CUBLAS_WORKSPACE_BYTES);
+    assert_eq!(h100.breakdown.workspace, 2 * CUBLAS_WORKSPACE_HOPPER_BYTES);
 }

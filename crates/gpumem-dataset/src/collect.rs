@@ -7,18 +7,58 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use gpumem_core::estimate::{Estimator, Replay};
-use gpumem_core::families::{JobOptions, ModelSpec};
+use gpumem_core::estimate::{EstimateError, Estimator, Replay};
+use gpumem_core::families::{JobError, JobOptions, ModelSpec, SpecError};
 use gpumem_core::graph::Precision;
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::rng::SplitMix64;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_core::utilization::{HostModel, physical};
-use gpumem_monitor::{Dcgm, FakeGpus, Monitor};
-use gpumem_torch::TorchTracer;
+use gpumem_monitor::{Dcgm, FakeGpus, Monitor, MonitorError};
+use gpumem_torch::{BridgeError, TorchTracer};
 use serde::Deserialize;
 
 use crate::Job;
+
+/// Why a runner could not start a job.
+#[derive(Debug, thiserror::Error)]
+pub enum RunnerError {
+    #[error(transparent)]
+    Bridge(#[from] BridgeError),
+    #[error("cannot start the runner with `{python}`: {source} (set GPUMEM_PYTHON)")]
+    Spawn { python: String, source: std::io::Error },
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error(transparent)]
+    Job(#[from] JobError),
+    #[error(transparent)]
+    Estimate(#[from] EstimateError),
+    #[error("fake GPUs poisoned")]
+    Poisoned,
+    #[error("no fake GPU {0}")]
+    NoFakeGpu(u32),
+}
+
+/// Why a collection stopped. One line, naming the output CSV (and its line) where it is at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectError {
+    #[error("no GPU {gpu} (the monitor sees {count})")]
+    NoGpu { gpu: u32, count: usize },
+    #[error("{file}: {source}")]
+    Csv { file: String, source: csv::Error },
+    #[error("{file}: line {line}: {source}")]
+    CsvLine { file: String, line: usize, source: csv::Error },
+    #[error("{file}: exists with other columns; not appending to it (choose another --out)")]
+    OtherColumns { file: String },
+    #[error("{file}: {source}")]
+    Io { file: String, source: std::io::Error },
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error(transparent)]
+    Monitor(#[from] MonitorError),
+    #[error(transparent)]
+    Runner(#[from] RunnerError),
+}
 
 /// What the runner reports when a job ends.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
@@ -48,7 +88,7 @@ pub trait Running {
 
 /// Something that trains jobs.
 pub trait Runner {
-    fn start(&mut self, job: &Job, gpu: u32) -> Result<Box<dyn Running>, String>;
+    fn start(&mut self, job: &Job, gpu: u32) -> Result<Box<dyn Running>, RunnerError>;
     /// Whether its measurements are made up (gpumem's estimate plus noise).
     fn synthetic(&self) -> bool;
 }
@@ -95,15 +135,15 @@ impl Running for PythonJob {
 }
 
 impl Runner for PythonRunner {
-    fn start(&mut self, job: &Job, gpu: u32) -> Result<Box<dyn Running>, String> {
-        let mut cmd = self.tracer.module_command("gpumem_trace.run").map_err(|e| e.to_string())?;
+    fn start(&mut self, job: &Job, gpu: u32) -> Result<Box<dyn Running>, RunnerError> {
+        let mut cmd = self.tracer.module_command("gpumem_trace.run")?;
         cmd.arg(&job.model)
             .args(["--batch", &job.batch.to_string(), "--seconds", &self.seconds.to_string(), "--device", &self.device])
             .env("CUDA_VISIBLE_DEVICES", gpu.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        let child = cmd.spawn().map_err(|e| format!("cannot start the runner with `{}`: {e} (set GPUMEM_PYTHON)", self.tracer.python))?;
+        let child = cmd.spawn().map_err(|source| RunnerError::Spawn { python: self.tracer.python.clone(), source })?;
         Ok(Box::new(PythonJob { child }))
     }
 
@@ -149,10 +189,10 @@ impl Running for SimulatedJob {
 }
 
 impl Runner for SimulatedRunner {
-    fn start(&mut self, job: &Job, gpu: u32) -> Result<Box<dyn Running>, String> {
+    fn start(&mut self, job: &Job, gpu: u32) -> Result<Box<dyn Running>, RunnerError> {
         let spec = ModelSpec::parse(&job.model)?;
         let trace = spec.trace(&JobOptions::on(&self.profile, job.batch))?;
-        let est = Replay::default().estimate(&trace, &self.profile).map_err(|e| e.to_string())?;
+        let est = Replay::default().estimate(&trace, &self.profile)?;
         let u = physical(&trace, &self.profile, &HostModel::default());
         // Noise depends on the seed and the job, not on the order jobs run in (resuming keeps it).
         let mut rng = SplitMix64(self.seed ^ SplitMix64(job.id.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)))).next_u64());
@@ -166,8 +206,8 @@ impl Runner for SimulatedRunner {
             fp32: noisy(u.fp32, 0.01).clamp(0.0, 1.0),
         };
         {
-            let mut g = self.gpus.lock().map_err(|_| "fake GPUs poisoned".to_string())?;
-            let g = g.get_mut(gpu as usize).ok_or_else(|| format!("no fake GPU {gpu}"))?;
+            let mut g = self.gpus.lock().map_err(|_| RunnerError::Poisoned)?;
+            let g = g.get_mut(gpu as usize).ok_or(RunnerError::NoFakeGpu(gpu))?;
             g.processes = vec![(4242, memory)];
             g.dcgm = dcgm;
         }
@@ -234,19 +274,20 @@ pub const COLUMNS: [&str; 29] = [
 ];
 
 /// Ids of the jobs a CSV already holds (for resuming).
-fn done_ids(path: &Path) -> Result<HashSet<String>, String> {
+fn done_ids(path: &Path) -> Result<HashSet<String>, CollectError> {
     if !path.exists() {
         return Ok(HashSet::new());
     }
-    let mut r = csv::Reader::from_path(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let headers = r.headers().map_err(|e| format!("{}: {e}", path.display()))?.clone();
+    let file = || path.display().to_string();
+    let mut r = csv::Reader::from_path(path).map_err(|source| CollectError::Csv { file: file(), source })?;
+    let headers = r.headers().map_err(|source| CollectError::Csv { file: file(), source })?.clone();
     if headers.iter().collect::<Vec<_>>() != COLUMNS {
-        return Err(format!("{}: exists with other columns; not appending to it (choose another --out)", path.display()));
+        return Err(CollectError::OtherColumns { file: file() });
     }
     let id = COLUMNS.iter().position(|c| *c == "job_id").expect("job_id column");
     r.records()
         .enumerate()
-        .map(|(i, rec)| rec.map(|r| r[id].to_string()).map_err(|e| format!("{}: line {}: {e}", path.display(), i + 2)))
+        .map(|(i, rec)| rec.map(|r| r[id].to_string()).map_err(|source| CollectError::CsvLine { file: file(), line: i + 2, source }))
         .collect()
 }
 
@@ -277,25 +318,27 @@ pub struct Summary {
 
 /// Runs every job not yet in `cfg.out`, appending a row per job; `progress(done, total, id,
 /// status)` after each.
-pub fn collect(jobs: &[Job], runner: &mut dyn Runner, monitor: &mut dyn Monitor, cfg: &CollectConfig, mut progress: impl FnMut(usize, usize, &str, &str)) -> Result<Summary, String> {
+pub fn collect(jobs: &[Job], runner: &mut dyn Runner, monitor: &mut dyn Monitor, cfg: &CollectConfig, mut progress: impl FnMut(usize, usize, &str, &str)) -> Result<Summary, CollectError> {
     if cfg.gpu as usize >= monitor.gpu_count() {
-        return Err(format!("no GPU {} (the monitor sees {})", cfg.gpu, monitor.gpu_count()));
+        return Err(CollectError::NoGpu { gpu: cfg.gpu, count: monitor.gpu_count() });
     }
     let done = done_ids(&cfg.out)?;
     let fresh = !cfg.out.exists();
-    let file = std::fs::OpenOptions::new().create(true).append(true).open(&cfg.out).map_err(|e| format!("{}: {e}", cfg.out.display()))?;
+    let out = || cfg.out.display().to_string();
+    let file = std::fs::OpenOptions::new().create(true).append(true).open(&cfg.out).map_err(|source| CollectError::Io { file: out(), source })?;
     let mut w = csv::WriterBuilder::new().has_headers(false).from_writer(file);
-    let io = |e: csv::Error| format!("{}: {e}", cfg.out.display());
+    let csv_error = |source| CollectError::Csv { file: out(), source };
+    let io = |source| CollectError::Io { file: out(), source };
     if fresh {
-        w.write_record(COLUMNS).map_err(io)?;
-        w.flush().map_err(|e| e.to_string())?;
+        w.write_record(COLUMNS).map_err(csv_error)?;
+        w.flush().map_err(io)?;
     }
     let system = monitor.system();
     let period = Duration::from_secs_f64(1.0 / cfg.sample_hz.max(10.0));
     let mut summary = Summary { skipped: jobs.iter().filter(|j| done.contains(&j.id)).count(), ..Summary::default() };
     for job in jobs.iter().filter(|j| !done.contains(&j.id)) {
         let spec = ModelSpec::parse(&job.model)?;
-        let baseline = monitor.read(cfg.gpu).map_err(|e| e.to_string())?.used_bytes;
+        let baseline = monitor.read(cfg.gpu)?.used_bytes;
         let started = Instant::now();
         let mut running = runner.start(job, cfg.gpu)?;
         let (mut peak, mut samples, mut util, mut name) = (0u64, 0u64, 0.0, String::new());
@@ -354,9 +397,9 @@ pub fn collect(jobs: &[Job], runner: &mut dyn Runner, monitor: &mut dyn Monitor,
             samples.to_string(),
             runner.synthetic().to_string(),
         ];
-        w.write_record(&row).map_err(io)?;
+        w.write_record(&row).map_err(csv_error)?;
         // Flushed per row: an interrupted collection loses at most the job in flight.
-        w.flush().map_err(|e| format!("{}: {e}", cfg.out.display()))?;
+        w.flush().map_err(io)?;
         summary.ran += 1;
         summary.ok += usize::from(report.status == "ok");
         progress(summary.ran + summary.skipped, jobs.len(), &job.id, &report.status);

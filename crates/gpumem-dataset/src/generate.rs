@@ -1,6 +1,7 @@
 //! Random training jobs from the seed's parameter ranges, deterministic for a seed.
 
-use gpumem_core::families::ModelSpec;
+use gpumem_core::UnknownName;
+use gpumem_core::families::{ModelSpec, SpecError};
 use gpumem_core::graph::Activation;
 use gpumem_core::rng::SplitMix64;
 use serde::{Deserialize, Serialize};
@@ -9,6 +10,20 @@ use crate::Job;
 
 /// An inclusive integer range.
 pub type Span = [u64; 2];
+
+/// Ranges that cannot be drawn from. One line naming the range (`mlp.batch`).
+#[derive(Debug, thiserror::Error)]
+pub enum RangesError {
+    #[error("{}", .0.to_string().replace('\n', " "))]
+    Toml(#[from] toml::de::Error),
+    #[error("{name}: [{lo}, {hi}] is not a range of positive numbers")]
+    NotRange { name: &'static str, lo: u64, hi: u64 },
+    #[error("{name} is empty")]
+    Empty { name: &'static str },
+    /// The ranges drew a model the family does not accept.
+    #[error("generated an invalid spec `{model}`: {source} (check --ranges)")]
+    InvalidSpec { model: String, source: SpecError },
+}
 
 /// The MLP family's ranges (the seed's: synthetic-families.md).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -115,13 +130,13 @@ pub struct Ranges {
 }
 
 impl Ranges {
-    pub fn from_toml(text: &str) -> Result<Ranges, String> {
-        let r: Ranges = toml::from_str(text).map_err(|e| e.to_string().replace('\n', " "))?;
+    pub fn from_toml(text: &str) -> Result<Ranges, RangesError> {
+        let r: Ranges = toml::from_str(text)?;
         r.check()?;
         Ok(r)
     }
 
-    fn check(&self) -> Result<(), String> {
+    fn check(&self) -> Result<(), RangesError> {
         let spans: [(&str, Span); 15] = [
             ("mlp.input", self.mlp.input),
             ("mlp.batch", self.mlp.batch),
@@ -141,7 +156,7 @@ impl Ranges {
         ];
         for (name, [lo, hi]) in spans {
             if lo == 0 || lo > hi {
-                return Err(format!("{name}: [{lo}, {hi}] is not a range of positive numbers"));
+                return Err(RangesError::NotRange { name, lo, hi });
             }
         }
         let lists: [(&str, usize); 6] = [
@@ -154,7 +169,7 @@ impl Ranges {
         ];
         for (name, n) in lists {
             if n == 0 {
-                return Err(format!("{name} is empty"));
+                return Err(RangesError::Empty { name });
             }
         }
         Ok(())
@@ -170,12 +185,12 @@ pub enum Family {
 }
 
 impl Family {
-    pub fn parse(s: &str) -> Result<Family, String> {
+    pub fn parse(s: &str) -> Result<Family, UnknownName> {
         match s {
             "mlp" => Ok(Family::Mlp),
             "cnn" => Ok(Family::Cnn),
             "transformer" => Ok(Family::Transformer),
-            other => Err(format!("unknown family `{other}` (expected mlp, cnn or transformer)")),
+            other => Err(UnknownName::new("family", other, "mlp, cnn or transformer")),
         }
     }
     pub fn name(self) -> &'static str {
@@ -211,7 +226,7 @@ impl Draw {
 }
 
 /// `count` jobs of `family`, ids `FAMILY-000001`…; each spec parses as a native model.
-pub fn generate(family: Family, count: usize, seed: u64, ranges: &Ranges) -> Result<Vec<Job>, String> {
+pub fn generate(family: Family, count: usize, seed: u64, ranges: &Ranges) -> Result<Vec<Job>, RangesError> {
     ranges.check()?;
     let mut d = Draw(SplitMix64(seed ^ (family as u64).wrapping_mul(0x9E37_79B9)));
     (0..count)
@@ -221,7 +236,7 @@ pub fn generate(family: Family, count: usize, seed: u64, ranges: &Ranges) -> Res
                 Family::Cnn => cnn(&mut d, &ranges.cnn),
                 Family::Transformer => transformer(&mut d, &ranges.transformer),
             };
-            let spec = ModelSpec::parse(&model).map_err(|e| format!("generated an invalid spec `{model}`: {e} (check --ranges)"))?;
+            let spec = ModelSpec::parse(&model).map_err(|source| RangesError::InvalidSpec { model: model.clone(), source })?;
             Ok(Job { id: format!("{}-{:06}", family.name(), i + 1), family: family.name().into(), model: spec.to_spec_string(), batch })
         })
         .collect()
@@ -300,8 +315,11 @@ mod tests {
         let r = Ranges::from_toml("[mlp]\nbatch = [8, 8]\ninput = [16, 16]\n").unwrap();
         assert!(generate(Family::Mlp, 20, 1, &r).unwrap().iter().all(|j| j.batch == 8 && j.model.contains("input=16,")));
         assert_eq!(r.cnn, CnnRanges::default(), "untouched families keep the seed's ranges");
-        assert!(Ranges::from_toml("[mlp]\nbatch = [8, 4]\n").unwrap_err().contains("mlp.batch: [8, 4]"));
-        assert!(Ranges::from_toml("[mlp]\nwidth = [1, 2]\n").unwrap_err().contains("width"));
-        assert!(Ranges::from_toml("[cnn]\nacts = []\n").unwrap_err().contains("cnn.acts is empty"));
+        assert_eq!(Ranges::from_toml("[mlp]\nbatch = [8, 4]\n").unwrap_err().to_string(), "mlp.batch: [8, 4] is not a range of positive numbers");
+        let e = Ranges::from_toml("[mlp]\nwidth = [1, 2]\n").unwrap_err().to_string();
+        assert!(e.contains("width") && !e.contains('\n'), "{e}");
+        assert_eq!(Ranges::from_toml("[cnn]\nacts = []\n").unwrap_err().to_string(), "cnn.acts is empty");
+        let e = generate(Family::Mlp, 5, 1, &Ranges::from_toml("[mlp]\nacts = [\"swoosh\"]\n").unwrap()).unwrap_err().to_string();
+        assert!(e.starts_with("generated an invalid spec `mlp:") && e.ends_with("unknown activation `swoosh` (expected one of relu, leaky_relu, prelu, elu, selu, tanh, softplus, swish, mish, gelu, identity) (check --ranges)"), "{e}");
     }
 }

@@ -15,6 +15,7 @@ pub mod generate;
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 
+use gpumem_core::families::SpecError;
 use serde::{Deserialize, Serialize};
 
 /// One training job to measure.
@@ -28,22 +29,41 @@ pub struct Job {
     pub batch: u64,
 }
 
+/// A job list that cannot be read or written. One line: `FILE[: line N]: what is wrong`.
+#[derive(Debug, thiserror::Error)]
+pub enum JobsError {
+    #[error("{file}: {source}")]
+    Io { file: String, source: std::io::Error },
+    #[error("{file}: line {line}: {source}")]
+    ReadLine { file: String, line: usize, source: std::io::Error },
+    #[error("{file}: line {line}: {source}")]
+    Json { file: String, line: usize, source: serde_json::Error },
+    #[error("{file}: line {line}: {source}")]
+    Spec { file: String, line: usize, source: Box<SpecError> },
+    #[error("{file}: line {line}: batch must be at least 1")]
+    ZeroBatch { file: String, line: usize },
+    #[error("{file}: line {line}: job id `{id}` repeats")]
+    RepeatedId { file: String, line: usize, id: String },
+}
+
 /// Reads a job list (one JSON object per line; blank lines ignored).
-pub fn read_jobs(path: &Path) -> Result<Vec<Job>, String> {
-    let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+pub fn read_jobs(path: &Path) -> Result<Vec<Job>, JobsError> {
+    let file = || path.display().to_string();
+    let f = std::fs::File::open(path).map_err(|source| JobsError::Io { file: file(), source })?;
     let mut jobs = Vec::new();
-    for (i, line) in BufReader::new(f).lines().enumerate() {
-        let line = line.map_err(|e| format!("{}: line {}: {e}", path.display(), i + 1))?;
-        if line.trim().is_empty() {
+    for (i, text) in BufReader::new(f).lines().enumerate() {
+        let line = i + 1;
+        let text = text.map_err(|source| JobsError::ReadLine { file: file(), line, source })?;
+        if text.trim().is_empty() {
             continue;
         }
-        let job: Job = serde_json::from_str(&line).map_err(|e| format!("{}: line {}: {e}", path.display(), i + 1))?;
-        gpumem_core::families::ModelSpec::parse(&job.model).map_err(|e| format!("{}: line {}: {e}", path.display(), i + 1))?;
+        let job: Job = serde_json::from_str(&text).map_err(|source| JobsError::Json { file: file(), line, source })?;
+        gpumem_core::families::ModelSpec::parse(&job.model).map_err(|e| JobsError::Spec { file: file(), line, source: Box::new(e) })?;
         if job.batch == 0 {
-            return Err(format!("{}: line {}: batch must be at least 1", path.display(), i + 1));
+            return Err(JobsError::ZeroBatch { file: file(), line });
         }
         if jobs.iter().any(|j: &Job| j.id == job.id) {
-            return Err(format!("{}: line {}: job id `{}` repeats", path.display(), i + 1, job.id));
+            return Err(JobsError::RepeatedId { file: file(), line, id: job.id });
         }
         jobs.push(job);
     }
@@ -51,10 +71,11 @@ pub fn read_jobs(path: &Path) -> Result<Vec<Job>, String> {
 }
 
 /// Writes a job list.
-pub fn write_jobs(path: &Path, jobs: &[Job]) -> Result<(), String> {
-    let mut f = std::io::BufWriter::new(std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?);
+pub fn write_jobs(path: &Path, jobs: &[Job]) -> Result<(), JobsError> {
+    let io = |source| JobsError::Io { file: path.display().to_string(), source };
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
     for j in jobs {
-        writeln!(f, "{}", serde_json::to_string(j).map_err(|e| e.to_string())?).map_err(|e| format!("{}: {e}", path.display()))?;
+        writeln!(f, "{}", serde_json::to_string(j).expect("a job is strings and a number")).map_err(io)?;
     }
-    f.flush().map_err(|e| format!("{}: {e}", path.display()))
+    f.flush().map_err(io)
 }

@@ -1,6 +1,7 @@
 //! The real Python workload runner driven by the collector (on the CPU, with a fake monitor).
 //! Needs GPUMEM_PYTHON with torch; skipped without it unless GPUMEM_TEST_REQUIRE_TORCH=1.
 
+use gpumem_core::units::GIB;
 use gpumem_dataset::Job;
 use gpumem_dataset::collect::{CollectConfig, PythonRunner, collect};
 use gpumem_monitor::FakeMonitor;
@@ -20,7 +21,7 @@ fn the_python_runner_trains_and_reports() {
     let out = std::env::temp_dir().join(format!("gpumem-runner-{}.csv", std::process::id()));
     let _ = std::fs::remove_file(&out);
     let mut runner = PythonRunner { tracer: TorchTracer::from_env(), seconds: 0.5, device: "cpu".into() };
-    let mut monitor = FakeMonitor::new(1, "fake", 1 << 30);
+    let mut monitor = FakeMonitor::new(1, "fake", GIB);
     let cfg = CollectConfig { gpu: 0, out: out.clone(), timeout_s: 120.0, sample_hz: 10.0 };
     let s = collect(&jobs, &mut runner, &mut monitor, &cfg, |_, _, _, _| {}).unwrap();
     assert_eq!(s.ran, 2);

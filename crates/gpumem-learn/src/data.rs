@@ -6,9 +6,11 @@ use std::fs::File;
 use std::io::BufReader;
 use std::path::Path;
 
-use gpumem_core::dataset::read_measurements;
+use gpumem_core::UnknownName;
+use gpumem_core::dataset::{CsvError, read_measurements};
+use gpumem_core::estimate::EstimateError;
+use gpumem_core::families::{JobError, JobOptions};
 use gpumem_core::workload::ModelRef;
-use gpumem_core::families::JobOptions;
 use gpumem_core::graph::Activation;
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::units::bytes_to_mib;
@@ -16,6 +18,39 @@ use serde::{Deserialize, Serialize};
 
 use crate::features::{FeatureSet, TraceSummary, seed_features, trace_summary};
 use gpumem_core::families::ModelFacts;
+
+/// A dataset that cannot be turned into samples. One line: `FILE[ line N][: column C]: what`.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("{file}: {source}")]
+    Open { file: String, source: std::io::Error },
+    #[error("{file}: {source}")]
+    Csv { file: String, source: csv::Error },
+    /// The rows as `calibrate` and `eval` read them.
+    #[error(transparent)]
+    Measurements(#[from] CsvError),
+    #[error("{file} line {line}: learned features need a native model spec (mlp:, cnn:, transformer:) or the seed's schema")]
+    NotNative { file: String, line: usize },
+    #[error("{file} line {line}: {source}")]
+    Job { file: String, line: usize, source: JobError },
+    #[error("{file} line {line}: {source}")]
+    Estimate { file: String, line: usize, source: EstimateError },
+    #[error("{file} line {line}: column {column}: {problem}")]
+    Cell { file: String, line: usize, column: &'static str, problem: CellProblem },
+}
+
+/// What is wrong with a cell that features or targets are read from.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CellProblem {
+    #[error("`{0}` is not a count")]
+    NotCount(String),
+    #[error("`{0}` is not a number")]
+    NotNumber(String),
+    #[error("{0} is not a fraction in [0, 1]")]
+    NotFraction(f64),
+    #[error(transparent)]
+    Activation(#[from] UnknownName),
+}
 
 /// What a model predicts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -33,11 +68,11 @@ pub enum Target {
 impl Target {
     pub const ALL: [Target; 6] = [Target::Memory, Target::Smact, Target::Smocc, Target::Gract, Target::Dram, Target::Fp32];
 
-    pub fn parse(s: &str) -> Result<Target, String> {
+    pub fn parse(s: &str) -> Result<Target, UnknownName> {
         Target::ALL
             .into_iter()
             .find(|t| t.name() == s)
-            .ok_or_else(|| format!("unknown target `{s}` (expected memory, smact, smocc, gract, dram or fp32)"))
+            .ok_or_else(|| UnknownName::new("target", s, "memory, smact, smocc, gract, dram or fp32"))
     }
 
     pub fn name(self) -> &'static str {
@@ -116,20 +151,21 @@ fn column(headers: &csv::StringRecord, name: &str) -> Option<usize> {
     headers.iter().position(|h| h.trim() == name)
 }
 
-/// Seed-schema facts from a row's own columns (what GPUMemNet was trained on).
-fn seed_row_facts(rec: &csv::StringRecord, headers: &csv::StringRecord, batch: u64) -> Option<Result<ModelFacts, String>> {
+/// Seed-schema facts from a row's own columns (what GPUMemNet was trained on); an error names
+/// the column.
+fn seed_row_facts(rec: &csv::StringRecord, headers: &csv::StringRecord, batch: u64) -> Option<Result<ModelFacts, (&'static str, CellProblem)>> {
     let get = |name: &str| column(headers, name).and_then(|i| rec.get(i)).map(str::trim);
     let depth = get("Depth")?;
-    let num = |name: &str| -> Result<u64, String> {
+    let num = |name: &'static str| {
         let v = get(name).unwrap_or("");
-        v.parse::<f64>().ok().filter(|x| *x >= 0.0 && x.is_finite()).map(|x| x as u64).ok_or_else(|| format!("column {name}: `{v}` is not a count"))
+        v.parse::<f64>().ok().filter(|x| *x >= 0.0 && x.is_finite()).map(|x| x as u64).ok_or_else(|| (name, CellProblem::NotCount(v.into())))
     };
     Some((|| {
         let layers = get("Activations-Params").unwrap_or("");
         let kinds = |k: &str| layers.matches(&format!("('{k}")).count() as u64;
         let act = get("Activation Function").unwrap_or("relu");
         Ok(ModelFacts {
-            depth: depth.parse().map_err(|_| format!("column Depth: `{depth}` is not a count"))?,
+            depth: depth.parse().map_err(|_| ("Depth", CellProblem::NotCount(depth.into())))?,
             activations_per_sample: num("Total Activations")?,
             parameters: num("Total Parameters")?,
             batch,
@@ -138,34 +174,37 @@ fn seed_row_facts(rec: &csv::StringRecord, headers: &csv::StringRecord, batch: u
             batchnorm: num("Batch Normalization Layers")?,
             layernorm: kinds("layer_norm"),
             dropout: num("Dropout Layers")?,
-            activation: Activation::parse(act).map_err(|e| format!("column Activation Function: {e}"))?,
+            activation: Activation::parse(act).map_err(|e| ("Activation Function", e.into()))?,
         })
     })())
 }
 
 /// Reads a dataset and computes every row's features on `profile`. `progress(done, total)` is
 /// called as rows are processed. Errors name the file, line and column.
-pub fn load(path: &Path, profile: &GpuProfile, mut progress: impl FnMut(usize, usize)) -> Result<Vec<Sample>, String> {
+pub fn load(path: &Path, profile: &GpuProfile, mut progress: impl FnMut(usize, usize)) -> Result<Vec<Sample>, DataError> {
     let name = path.display().to_string();
-    let open = || File::open(path).map_err(|e| format!("{name}: {e}"));
+    let open = || File::open(path).map_err(|source| DataError::Open { file: name.clone(), source });
     let rows = read_measurements(&name, BufReader::new(open()?))?;
     let mut rdr = csv::Reader::from_reader(BufReader::new(open()?));
-    let headers = rdr.headers().map_err(|e| format!("{name}: {e}"))?.clone();
-    let records: Vec<csv::StringRecord> = rdr.records().collect::<Result<_, _>>().map_err(|e| format!("{name}: {e}"))?;
+    let csv_error = |source| DataError::Csv { file: name.clone(), source };
+    let headers = rdr.headers().map_err(csv_error)?.clone();
+    let records: Vec<csv::StringRecord> = rdr.records().collect::<Result<_, _>>().map_err(csv_error)?;
     let mut out = Vec::with_capacity(rows.len());
     for (k, m) in rows.iter().enumerate() {
-        let at = |e: String| format!("{name} line {}: {e}", m.line);
+        let line = m.line;
+        let file = || name.clone();
+        let cell = |(column, problem)| DataError::Cell { file: file(), line, column, problem };
         let rec = &records[m.line - 2];
         let Some(ModelRef::Native(spec)) = &m.model else {
-            return Err(at("learned features need a native model spec (mlp:, cnn:, transformer:) or the seed's schema".into()));
+            return Err(DataError::NotNative { file: file(), line });
         };
         let mut job = JobOptions::on(profile, m.batch);
         job.optimizer = m.options.optimizer.unwrap_or(job.optimizer);
         job.precision = m.options.precision.unwrap_or(job.precision);
-        let trace = spec.trace(&job).map_err(at)?;
-        let summary = trace_summary(&trace, profile).map_err(at)?;
+        let trace = spec.trace(&job).map_err(|source| DataError::Job { file: file(), line, source })?;
+        let summary = trace_summary(&trace, profile).map_err(|source| DataError::Estimate { file: file(), line, source })?;
         let facts = match seed_row_facts(rec, &headers, m.batch) {
-            Some(f) => f.map_err(at)?,
+            Some(f) => f.map_err(cell)?,
             None => spec.facts(m.batch),
         };
         let group = m.label.split("_batch:").next().unwrap_or(&m.label).to_string();
@@ -174,9 +213,9 @@ pub fn load(path: &Path, profile: &GpuProfile, mut progress: impl FnMut(usize, u
         for t in &Target::ALL[1..] {
             if let Some(i) = column(&headers, t.column()) {
                 let v = rec.get(i).unwrap_or("").trim();
-                let x: f64 = v.parse().map_err(|_| at(format!("column {}: `{v}` is not a number", t.column())))?;
+                let x: f64 = v.parse().map_err(|_| cell((t.column(), CellProblem::NotNumber(v.into()))))?;
                 if !(0.0..=1.0).contains(&x) {
-                    return Err(at(format!("column {}: {x} is not a fraction in [0, 1]", t.column())));
+                    return Err(cell((t.column(), CellProblem::NotFraction(x))));
                 }
                 sample.set_target(*t, x);
             }

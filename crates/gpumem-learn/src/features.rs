@@ -1,6 +1,6 @@
 //! Features of a training job: the seed's (GPUMemNet's inputs) and gpumem's (from the trace).
 
-use gpumem_core::estimate::{Estimator, Replay};
+use gpumem_core::estimate::{EstimateError, Estimator, Replay};
 use gpumem_core::families::ModelFacts;
 use gpumem_core::graph::Activation;
 use gpumem_core::profile::GpuProfile;
@@ -76,8 +76,8 @@ pub struct TraceSummary {
     pub features: Vec<f64>,
 }
 
-pub fn trace_summary(trace: &Trace, profile: &GpuProfile) -> Result<TraceSummary, String> {
-    let est = Replay::default().estimate(trace, profile).map_err(|e| e.to_string())?;
+pub fn trace_summary(trace: &Trace, profile: &GpuProfile) -> Result<TraceSummary, EstimateError> {
+    let est = Replay::default().estimate(trace, profile)?;
     let u = physical(trace, profile, &HostModel::default());
     let ops = trace.op_totals();
     let b = &est.breakdown;

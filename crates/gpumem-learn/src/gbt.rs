@@ -21,6 +21,11 @@ impl Default for GbtConfig {
     }
 }
 
+/// Training rows that cannot be boosted on: none, without features, or not one target per row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("gradient boosting needs rows with features and one target each")]
+pub struct GbtInputError;
+
 /// A trained booster.
 #[derive(Serialize, Deserialize)]
 pub struct Gbt {
@@ -41,10 +46,10 @@ fn rows(x: &[Vec<f32>], y: Option<&[f32]>) -> DataVec {
 }
 
 impl Gbt {
-    pub fn train(x: &[Vec<f32>], y: &[f32], cfg: &GbtConfig) -> Result<Gbt, String> {
+    pub fn train(x: &[Vec<f32>], y: &[f32], cfg: &GbtConfig) -> Result<Gbt, GbtInputError> {
         let width = x.first().map_or(0, Vec::len);
         if x.is_empty() || width == 0 || x.len() != y.len() {
-            return Err("gradient boosting needs rows with features and one target each".into());
+            return Err(GbtInputError);
         }
         let mut c = Config::new();
         c.set_feature_size(width);

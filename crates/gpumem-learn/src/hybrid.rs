@@ -11,16 +11,16 @@ use gpumem_core::trace::Trace;
 use gpumem_core::units::mib_to_bytes;
 
 use crate::features::trace_summary;
-use crate::model::{Head, LearnedModel};
+use crate::model::{Head, LearnError, LearnedModel};
 use crate::{Sample, Target};
 
 /// The estimators by name, as every command spells them: the computed ones, and `learned` (the
 /// hybrid), which needs its memory model's file.
-pub fn estimator(name: &str, learned_model: Option<&Path>) -> Result<Box<dyn Estimator>, String> {
+pub fn estimator(name: &str, learned_model: Option<&Path>) -> Result<Box<dyn Estimator>, LearnError> {
     match (name, learned_model) {
         ("learned", Some(path)) => Ok(Box::new(Hybrid::read(path)?)),
-        ("learned", None) => Err("--estimator learned needs a hybrid memory model: --learned-model M.json (gpumem learn train --target memory --model gbt)".into()),
-        (other, _) => by_name(other),
+        ("learned", None) => Err(LearnError::NotHybrid { file: None }),
+        (other, _) => Ok(by_name(other)?),
     }
 }
 
@@ -31,13 +31,10 @@ pub struct Hybrid {
 }
 
 impl Hybrid {
-    /// Refuses a model that is not a memory correction with a bound (GPUMemNet's bins, a
+    /// `None` for a model that is not a memory correction with a bound (GPUMemNet's bins, a
     /// utilization model).
-    pub fn new(model: LearnedModel) -> Result<Hybrid, String> {
-        match Hybrid::accepts(&model) {
-            true => Ok(Hybrid { model }),
-            false => Err("--estimator learned needs a hybrid memory model: --learned-model M.json (gpumem learn train --target memory --model gbt)".into()),
-        }
+    pub fn new(model: LearnedModel) -> Option<Hybrid> {
+        Hybrid::accepts(&model).then_some(Hybrid { model })
     }
 
     /// Whether `model` is a memory correction with a conformal bound.
@@ -45,8 +42,8 @@ impl Hybrid {
         matches!((&model.target, &model.head), (Target::Memory, Head::Correction { bound: Some(_), .. }))
     }
 
-    pub fn read(path: &Path) -> Result<Hybrid, String> {
-        Hybrid::new(LearnedModel::read(path)?).map_err(|e| format!("{}: {e}", path.display()))
+    pub fn read(path: &Path) -> Result<Hybrid, LearnError> {
+        Hybrid::new(LearnedModel::read(path)?).ok_or_else(|| LearnError::NotHybrid { file: Some(path.display().to_string()) })
     }
 }
 
@@ -56,10 +53,10 @@ impl Estimator for Hybrid {
     }
 
     fn estimate(&self, trace: &Trace, profile: &GpuProfile) -> Result<Estimate, EstimateError> {
-        let learned = |e: String| EstimateError::Learned(e);
-        let spec = ModelSpec::parse(&trace.header.model).map_err(|_| learned("the learned estimator needs a native model spec (its features come from the model's layers)".into()))?;
+        let learned = |e: LearnError| EstimateError::Learned(e.to_string());
+        let spec = ModelSpec::parse(&trace.header.model).map_err(|_| learned(LearnError::NotNative))?;
         let mut est = Replay::default().estimate(trace, profile)?;
-        let sample = Sample::new(0, trace.header.model.clone(), String::new(), spec.facts(trace.header.batch_size), trace_summary(trace, profile).map_err(learned)?);
+        let sample = Sample::new(0, trace.header.model.clone(), String::new(), spec.facts(trace.header.batch_size), trace_summary(trace, profile)?);
         let predictions = self.model.predict(&[&sample]).map_err(learned)?;
         let p = &predictions[0];
         est.estimator = self.name();

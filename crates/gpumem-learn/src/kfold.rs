@@ -3,7 +3,7 @@
 use serde::Serialize;
 
 use crate::data::{Sample, Target};
-use crate::model::{Head, Spec, folds, train};
+use crate::model::{Head, LearnError, Spec, folds, target_of, train};
 
 /// Scores of one held-out fold.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -91,9 +91,9 @@ fn classification(truth: &[usize], pred: &[usize], classes: usize) -> Classifica
 }
 
 /// Cross-validates `spec` over `k` grouped folds; `progress(message)` while training.
-pub fn kfold(samples: &[&Sample], spec: &Spec, k: usize, seed: u64, profile: &str, progress: &mut dyn FnMut(String)) -> Result<Report, String> {
+pub fn kfold(samples: &[&Sample], spec: &Spec, k: usize, seed: u64, profile: &str, progress: &mut dyn FnMut(String)) -> Result<Report, LearnError> {
     if k < 2 || k > samples.len() {
-        return Err(format!("--folds {k} must be between 2 and the number of rows ({})", samples.len()));
+        return Err(LearnError::Folds { folds: k, rows: samples.len() });
     }
     let fold = folds(samples, k, seed);
     let mut scores = Vec::new();
@@ -102,7 +102,7 @@ pub fn kfold(samples: &[&Sample], spec: &Spec, k: usize, seed: u64, profile: &st
         let test_rows: Vec<&Sample> = samples.iter().zip(&fold).filter(|(_, g)| **g == f).map(|(s, _)| *s).collect();
         let model = train(&train_rows, spec, profile, &mut |m| progress(format!("fold {}/{k}: {m}", f + 1)))?;
         let pred = model.predict(&test_rows)?;
-        let truth: Vec<f64> = test_rows.iter().map(|s| s.target(spec.target).ok_or(format!("line {}: no {}", s.line, spec.target.name()))).collect::<Result<_, _>>()?;
+        let truth: Vec<f64> = test_rows.iter().map(|s| target_of(s, spec.target)).collect::<Result<_, _>>()?;
         let n = truth.len().max(1) as f64;
         let mae = truth.iter().zip(&pred).map(|(t, p)| (t - p.value).abs()).sum::<f64>() / n;
         let baseline_mae = truth.iter().zip(&test_rows).map(|(t, s)| (t - s.physical(spec.target)).abs()).sum::<f64>() / n;

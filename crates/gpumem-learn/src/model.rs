@@ -2,15 +2,56 @@
 
 use std::sync::OnceLock;
 
+use gpumem_core::UnknownName;
 use serde::{Deserialize, Serialize};
 
 use crate::data::{Sample, Target};
 use crate::features::FeatureSet;
-use crate::gbt::{Gbt, GbtConfig};
-use crate::net::{Arch, Labels, Net, NetWeights, TrainConfig, softmax};
+use crate::gbt::{Gbt, GbtConfig, GbtInputError};
+use crate::net::{Arch, Labels, Net, NetError, NetWeights, TrainConfig, softmax};
 
 pub const FORMAT: &str = "gpumem-learned";
 pub const VERSION: u32 = 1;
+
+/// Why a model could not be trained, cross-validated, read or run.
+#[derive(Debug, thiserror::Error)]
+pub enum LearnError {
+    #[error("{rows} rows are too few to train on (at least 10)")]
+    TooFewRows { rows: usize },
+    #[error("--bins must be at least 1 MiB")]
+    BinWidth,
+    #[error("--folds {folds} must be between 2 and the number of rows ({rows})")]
+    Folds { folds: usize, rows: usize },
+    /// A row without the target being learned (`line` of the dataset).
+    #[error("line {line}: no {target} measurement")]
+    NoMeasurement { line: usize, target: &'static str },
+    #[error("{file}: not a gpumem model: {source}")]
+    NotJson { file: String, source: serde_json::Error },
+    #[error("{file}: not a gpumem model (format is not `{FORMAT}`)")]
+    Format { file: String },
+    /// `version` as the file has it (a JSON value: a number, or whatever else it holds).
+    #[error("{file}: model version {version} is not {VERSION}; retrain it with this gpumem")]
+    Version { file: String, version: serde_json::Value },
+    #[error("{file}: bad model: {source}")]
+    BadModel { file: String, source: serde_json::Error },
+    #[error("{file}: trained on features [{}], but this gpumem computes [{}]; retrain it", .trained.join(", "), .computed.join(", "))]
+    Features { file: String, trained: Vec<String>, computed: Vec<String> },
+    #[error("{file}: {source}")]
+    Read { file: String, source: std::io::Error },
+    /// `--estimator learned` with no model, or with one that is not a hybrid memory model.
+    #[error("{}--estimator learned needs a hybrid memory model: --learned-model M.json (gpumem learn train --target memory --model gbt)", .file.as_ref().map(|f| format!("{f}: ")).unwrap_or_default())]
+    NotHybrid { file: Option<String> },
+    #[error("the learned estimator needs a native model spec (its features come from the model's layers)")]
+    NotNative,
+    #[error(transparent)]
+    Estimator(#[from] gpumem_core::UnknownName),
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+    #[error(transparent)]
+    Net(#[from] NetError),
+    #[error(transparent)]
+    Gbt(#[from] GbtInputError),
+}
 
 /// Which learner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -22,12 +63,12 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub fn parse(s: &str) -> Result<Kind, String> {
+    pub fn parse(s: &str) -> Result<Kind, UnknownName> {
         match s {
             "mlp" => Ok(Kind::Mlp),
             "transformer" => Ok(Kind::Transformer),
             "gbt" => Ok(Kind::Gbt),
-            other => Err(format!("unknown model `{other}` (expected mlp, transformer or gbt)")),
+            other => Err(UnknownName::new("model", other, "mlp, transformer or gbt")),
         }
     }
 }
@@ -105,7 +146,7 @@ pub struct LearnedModel {
     pub profile: String,
     /// The networks, built from their weights on first use.
     #[serde(skip)]
-    nets: OnceLock<Result<Vec<Net>, String>>,
+    nets: OnceLock<Vec<Net>>,
 }
 
 /// What to train.
@@ -164,12 +205,12 @@ pub struct Prediction {
     pub bin: Option<usize>,
 }
 
-fn target_of(s: &Sample, t: Target) -> Result<f64, String> {
-    s.target(t).ok_or_else(|| format!("line {}: no {} measurement", s.line, t.name()))
+pub(crate) fn target_of(s: &Sample, t: Target) -> Result<f64, LearnError> {
+    s.target(t).ok_or(LearnError::NoMeasurement { line: s.line, target: t.name() })
 }
 
 /// The correction a model learns for a sample: measured vs gpumem's own answer.
-fn correction(s: &Sample, t: Target) -> Result<f64, String> {
+fn correction(s: &Sample, t: Target) -> Result<f64, LearnError> {
     let y = target_of(s, t)?;
     let base = s.physical(t);
     Ok(if t == Target::Memory { y / base.max(1.0) - 1.0 } else { y - base })
@@ -180,7 +221,7 @@ fn apply(s: &Sample, t: Target, c: f64) -> f64 {
     if t == Target::Memory { base * (1.0 + c) } else { (base + c).clamp(0.0, 1.0) }
 }
 
-fn train_nets(spec: &Spec, x: &[Vec<f32>], labels: &Labels, outputs: usize, progress: &mut dyn FnMut(String)) -> Result<Vec<NetWeights>, String> {
+fn train_nets(spec: &Spec, x: &[Vec<f32>], labels: &Labels, outputs: usize, progress: &mut dyn FnMut(String)) -> Result<Vec<NetWeights>, NetError> {
     (0..spec.members.max(1))
         .map(|m| {
             let mut net = Net::new(spec.arch(m), x[0].len(), outputs, spec.net.seed.wrapping_add(m as u64 * 7919))?;
@@ -191,7 +232,7 @@ fn train_nets(spec: &Spec, x: &[Vec<f32>], labels: &Labels, outputs: usize, prog
         .collect()
 }
 
-fn fit_regressor(spec: &Spec, x: &[Vec<f32>], y: &[f32], progress: &mut dyn FnMut(String)) -> Result<Regressor, String> {
+fn fit_regressor(spec: &Spec, x: &[Vec<f32>], y: &[f32], progress: &mut dyn FnMut(String)) -> Result<Regressor, LearnError> {
     Ok(match spec.kind {
         Kind::Gbt => {
             progress(format!("boosting {} trees", spec.gbt.trees));
@@ -201,11 +242,11 @@ fn fit_regressor(spec: &Spec, x: &[Vec<f32>], y: &[f32], progress: &mut dyn FnMu
     })
 }
 
-fn build(weights: &[NetWeights]) -> Result<Vec<Net>, String> {
+fn build(weights: &[NetWeights]) -> Result<Vec<Net>, NetError> {
     weights.iter().map(Net::from_weights).collect()
 }
 
-fn regress(r: &Regressor, nets: &[Net], x: &[Vec<f32>]) -> Result<Vec<f64>, String> {
+fn regress(r: &Regressor, nets: &[Net], x: &[Vec<f32>]) -> Result<Vec<f64>, NetError> {
     Ok(match r {
         Regressor::Gbt(g) => g.predict(x).into_iter().map(f64::from).collect(),
         Regressor::Nets(_) => {
@@ -231,9 +272,9 @@ pub fn folds(samples: &[&Sample], k: usize, seed: u64) -> Vec<usize> {
 }
 
 /// Trains a model on `samples`.
-pub fn train(samples: &[&Sample], spec: &Spec, profile: &str, progress: &mut dyn FnMut(String)) -> Result<LearnedModel, String> {
+pub fn train(samples: &[&Sample], spec: &Spec, profile: &str, progress: &mut dyn FnMut(String)) -> Result<LearnedModel, LearnError> {
     if samples.len() < 10 {
-        return Err(format!("{} rows are too few to train on (at least 10)", samples.len()));
+        return Err(LearnError::TooFewRows { rows: samples.len() });
     }
     let set = spec.feature_set();
     let raw: Vec<Vec<f64>> = samples.iter().map(|s| s.features(set)).collect();
@@ -241,9 +282,9 @@ pub fn train(samples: &[&Sample], spec: &Spec, profile: &str, progress: &mut dyn
     let x: Vec<Vec<f32>> = raw.iter().map(|r| scaler.apply(r)).collect();
     let head = if spec.classifies() {
         if spec.bin_mib.is_nan() || spec.bin_mib < 1.0 {
-            return Err("--bins must be at least 1 MiB".into());
+            return Err(LearnError::BinWidth);
         }
-        let bins: Vec<u32> = samples.iter().map(|s| Ok((target_of(s, Target::Memory)? / spec.bin_mib) as u32)).collect::<Result<_, String>>()?;
+        let bins: Vec<u32> = samples.iter().map(|s| Ok((target_of(s, Target::Memory)? / spec.bin_mib) as u32)).collect::<Result<_, LearnError>>()?;
         let classes = *bins.iter().max().unwrap_or(&0) as usize + 2;
         Head::Bins { bin_mib: spec.bin_mib, classes, members: train_nets(spec, &x, &Labels::Classes(&bins, classes), classes, progress)? }
     } else {
@@ -270,7 +311,7 @@ pub fn train(samples: &[&Sample], spec: &Spec, profile: &str, progress: &mut dyn
 /// ⌈(n+1)(1−α/2)⌉-th smallest. Split conformal at α/2 rather than α: the guarantee holds on
 /// average, and a few hundred held-out rows scatter by ±0.4 points around it; half the stated
 /// rate keeps a held-out fold's realized misses under the stated rate.
-fn conformal(samples: &[&Sample], x: &[Vec<f32>], y: &[f32], spec: &Spec, progress: &mut dyn FnMut(String)) -> Result<Conformal, String> {
+fn conformal(samples: &[&Sample], x: &[Vec<f32>], y: &[f32], spec: &Spec, progress: &mut dyn FnMut(String)) -> Result<Conformal, LearnError> {
     let k = 5;
     let fold = folds(samples, k, spec.net.seed ^ 0xC0F0);
     let mut errors = Vec::with_capacity(samples.len());
@@ -304,46 +345,47 @@ fn pick<T: Clone>(v: &[T], idx: &[usize]) -> Vec<T> {
 
 impl LearnedModel {
     /// Reads a model file (see [`LearnedModel::from_json`]).
-    pub fn read(path: &std::path::Path) -> Result<LearnedModel, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    pub fn read(path: &std::path::Path) -> Result<LearnedModel, LearnError> {
+        let text = std::fs::read_to_string(path).map_err(|source| LearnError::Read { file: path.display().to_string(), source })?;
         LearnedModel::from_json(&path.display().to_string(), &text)
     }
 
     /// Reads a model file, refusing other formats, versions and feature sets.
-    pub fn from_json(name: &str, text: &str) -> Result<LearnedModel, String> {
-        let head: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("{name}: not a gpumem model: {e}"))?;
+    pub fn from_json(name: &str, text: &str) -> Result<LearnedModel, LearnError> {
+        let head: serde_json::Value = serde_json::from_str(text).map_err(|source| LearnError::NotJson { file: name.into(), source })?;
         if head.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
-            return Err(format!("{name}: not a gpumem model (format is not `{FORMAT}`)"));
+            return Err(LearnError::Format { file: name.into() });
         }
         if head.get("version").and_then(|v| v.as_u64()) != Some(u64::from(VERSION)) {
-            return Err(format!("{name}: model version {} is not {VERSION}; retrain it with this gpumem", head["version"]));
+            return Err(LearnError::Version { file: name.into(), version: head["version"].clone() });
         }
-        let m: LearnedModel = serde_json::from_value(head).map_err(|e| format!("{name}: bad model: {e}"))?;
+        let m: LearnedModel = serde_json::from_value(head).map_err(|source| LearnError::BadModel { file: name.into(), source })?;
         let expected = m.features.names();
         if m.feature_names != expected {
-            return Err(format!(
-                "{name}: trained on features [{}], but this gpumem computes [{}]; retrain it",
-                m.feature_names.join(", "),
-                expected.join(", ")
-            ));
+            return Err(LearnError::Features { file: name.into(), trained: m.feature_names, computed: expected });
         }
         Ok(m)
     }
 
-    pub fn to_json(&self) -> Result<String, String> {
-        serde_json::to_string(self).map_err(|e| e.to_string())
+    pub fn to_json(&self) -> Result<String, LearnError> {
+        Ok(serde_json::to_string(self)?)
     }
 
-    fn nets(&self) -> Result<&[Net], String> {
+    /// The networks, built from their weights on first use (a failed build is not kept).
+    fn nets(&self) -> Result<&[Net], NetError> {
+        if let Some(nets) = self.nets.get() {
+            return Ok(nets);
+        }
         let weights: &[NetWeights] = match &self.head {
             Head::Bins { members, .. } | Head::Correction { regressor: Regressor::Nets(members), .. } => members,
             Head::Correction { regressor: Regressor::Gbt(_), .. } => &[],
         };
-        self.nets.get_or_init(|| build(weights)).as_deref().map_err(Clone::clone)
+        let built = build(weights)?;
+        Ok(self.nets.get_or_init(|| built))
     }
 
     /// Predictions for many samples (batched through the networks).
-    pub fn predict(&self, samples: &[&Sample]) -> Result<Vec<Prediction>, String> {
+    pub fn predict(&self, samples: &[&Sample]) -> Result<Vec<Prediction>, LearnError> {
         let x: Vec<Vec<f32>> = samples.iter().map(|s| self.scaler.apply(&s.features(self.features))).collect();
         let nets = self.nets()?;
         match &self.head {
@@ -467,11 +509,13 @@ mod tests {
         let back = LearnedModel::from_json("m.json", &json).unwrap();
         assert_eq!(back.predict(&refs).unwrap(), m.predict(&refs).unwrap());
         let e = LearnedModel::from_json("m.json", &json.replace("\"version\":1", "\"version\":9")).unwrap_err();
-        assert!(e.contains("model version 9 is not 1"), "{e}");
-        let e = LearnedModel::from_json("m.json", &json.replace("\"physical_smact\"", "\"weather\"")).unwrap_err();
-        assert!(e.contains("trained on features") && e.contains("weather") && !e.contains('\n'), "{e}");
+        assert_eq!(e.to_string(), "m.json: model version 9 is not 1; retrain it with this gpumem");
+        let e = LearnedModel::from_json("m.json", &json.replace("\"physical_smact\"", "\"weather\"")).unwrap_err().to_string();
+        assert!(e.starts_with("m.json: trained on features [") && e.contains("weather") && !e.contains('\n'), "{e}");
         let e = LearnedModel::from_json("m.json", "{\"format\":\"onnx\"}").unwrap_err();
-        assert!(e.contains("not a gpumem model"), "{e}");
+        assert_eq!(e.to_string(), "m.json: not a gpumem model (format is not `gpumem-learned`)");
+        let e = LearnedModel::from_json("m.json", "{").unwrap_err().to_string();
+        assert!(e.starts_with("m.json: not a gpumem model: "), "{e}");
     }
 
     #[test]
@@ -492,6 +536,6 @@ mod tests {
         let rows = samples(5);
         let refs: Vec<&Sample> = rows.iter().collect();
         let e = train(&refs, &Spec::new(Target::Memory, Kind::Gbt), "x", &mut |_| {}).unwrap_err();
-        assert!(e.contains("too few"), "{e}");
+        assert_eq!(e.to_string(), "5 rows are too few to train on (at least 10)");
     }
 }

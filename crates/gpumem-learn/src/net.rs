@@ -62,7 +62,24 @@ pub struct Net {
     params: Vec<(String, Var)>,
 }
 
-type Result<T> = std::result::Result<T, String>;
+/// A network that cannot be built, loaded or run.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error("d_model {d_model} is not a multiple of {heads} heads")]
+    Heads { d_model: usize, heads: usize },
+    #[error("model weights: expected {expected} tensors, found {found}")]
+    TensorCount { expected: usize, found: usize },
+    #[error("model weights: tensor `{stored}` {shape:?} does not fit `{name}` {dims:?}")]
+    TensorShape { stored: String, shape: Vec<usize>, name: String, dims: Vec<usize> },
+    #[error("no training rows")]
+    NoRows,
+    #[error("a row has {found} features; the network takes {width}")]
+    RowWidth { found: usize, width: usize },
+}
+
+type Result<T> = std::result::Result<T, NetError>;
 
 /// Creates a network's parameters in a fixed order from a seeded generator.
 struct Init {
@@ -75,8 +92,8 @@ impl Init {
         let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
         let n: usize = shape.iter().product();
         let v: Vec<f32> = (0..n).map(|_| fill.unwrap_or(((self.rng.unit() * 2.0 - 1.0) * bound) as f32)).collect();
-        let t = Tensor::from_vec(v, shape, &Device::Cpu).map_err(err)?;
-        self.params.push((name.to_string(), Var::from_tensor(&t).map_err(err)?));
+        let t = Tensor::from_vec(v, shape, &Device::Cpu)?;
+        self.params.push((name.to_string(), Var::from_tensor(&t)?));
         Ok(())
     }
 
@@ -89,10 +106,6 @@ impl Init {
         self.tensor(&format!("{name}.g"), &[width], 1, Some(1.0))?;
         self.tensor(&format!("{name}.b"), &[width], 1, Some(0.0))
     }
-}
-
-fn err(e: candle_core::Error) -> String {
-    e.to_string()
 }
 
 impl Net {
@@ -110,7 +123,7 @@ impl Net {
             }
             Arch::Transformer { d_model, heads, layers } => {
                 if *heads == 0 || d_model % heads != 0 {
-                    return Err(format!("d_model {d_model} is not a multiple of {heads} heads"));
+                    return Err(NetError::Heads { d_model: *d_model, heads: *heads });
                 }
                 let d = *d_model;
                 init.tensor("emb.w", &[inputs, d], 1, None)?;
@@ -135,13 +148,13 @@ impl Net {
     pub fn from_weights(w: &NetWeights) -> Result<Net> {
         let mut net = Net::new(w.arch.clone(), w.inputs, w.outputs, 0)?;
         if net.params.len() != w.tensors.len() {
-            return Err(format!("model weights: expected {} tensors, found {}", net.params.len(), w.tensors.len()));
+            return Err(NetError::TensorCount { expected: net.params.len(), found: w.tensors.len() });
         }
         for ((name, var), (wn, shape, values)) in net.params.iter_mut().zip(&w.tensors) {
             if name != wn || var.dims() != shape.as_slice() || values.len() != shape.iter().product::<usize>() {
-                return Err(format!("model weights: tensor `{wn}` {shape:?} does not fit `{name}` {:?}", var.dims()));
+                return Err(NetError::TensorShape { stored: wn.clone(), shape: shape.clone(), name: name.clone(), dims: var.dims().to_vec() });
             }
-            *var = Var::from_tensor(&Tensor::from_vec(values.clone(), shape.as_slice(), &Device::Cpu).map_err(err)?).map_err(err)?;
+            *var = Var::from_tensor(&Tensor::from_vec(values.clone(), shape.as_slice(), &Device::Cpu)?)?;
         }
         Ok(net)
     }
@@ -150,7 +163,7 @@ impl Net {
         let tensors = self
             .params
             .iter()
-            .map(|(n, v)| Ok((n.clone(), v.dims().to_vec(), v.as_tensor().flatten_all().and_then(|t| t.to_vec1::<f32>()).map_err(err)?)))
+            .map(|(n, v)| Ok((n.clone(), v.dims().to_vec(), v.as_tensor().flatten_all().and_then(|t| t.to_vec1::<f32>())?)))
             .collect::<Result<_>>()?;
         Ok(NetWeights { arch: self.arch.clone(), inputs: self.inputs, outputs: self.outputs, tensors })
     }
@@ -217,17 +230,17 @@ impl Net {
             return Ok(Vec::new());
         }
         let x = matrix(rows, self.inputs)?;
-        self.forward(&x, None).and_then(|t| t.to_vec2::<f32>()).map_err(err)
+        Ok(self.forward(&x, None).and_then(|t| t.to_vec2::<f32>())?)
     }
 
     /// Trains in place with AdamW; `progress(epoch, mean loss)` after each epoch.
     pub fn train(&mut self, rows: &[Vec<f32>], labels: &Labels, cfg: &TrainConfig, progress: &mut dyn FnMut(usize, f64)) -> Result<()> {
         let n = rows.len();
         if n == 0 {
-            return Err("no training rows".into());
+            return Err(NetError::NoRows);
         }
         let vars: Vec<Var> = self.params.iter().map(|(_, v)| v.clone()).collect();
-        let mut opt = AdamW::new(vars, ParamsAdamW { lr: cfg.lr, weight_decay: cfg.weight_decay, ..Default::default() }).map_err(err)?;
+        let mut opt = AdamW::new(vars, ParamsAdamW { lr: cfg.lr, weight_decay: cfg.weight_decay, ..Default::default() })?;
         let mut rng = SplitMix64(cfg.seed ^ 0xD1CE);
         let mut order: Vec<usize> = (0..n).collect();
         for epoch in 0..cfg.epochs {
@@ -235,20 +248,19 @@ impl Net {
             let (mut total, mut batches) = (0.0, 0);
             for chunk in order.chunks(cfg.batch_size.max(1)) {
                 let x = matrix(&chunk.iter().map(|&i| rows[i].clone()).collect::<Vec<_>>(), self.inputs)?;
-                let out = self.forward(&x, Some((cfg.dropout, &mut rng))).map_err(err)?;
+                let out = self.forward(&x, Some((cfg.dropout, &mut rng)))?;
                 let loss = match labels {
                     Labels::Classes(y, _) => {
-                        let t = Tensor::from_vec(chunk.iter().map(|&i| y[i]).collect::<Vec<u32>>(), chunk.len(), &Device::Cpu).map_err(err)?;
+                        let t = Tensor::from_vec(chunk.iter().map(|&i| y[i]).collect::<Vec<u32>>(), chunk.len(), &Device::Cpu)?;
                         candle_nn::loss::cross_entropy(&out, &t)
                     }
                     Labels::Values(y) => {
-                        let t = Tensor::from_vec(chunk.iter().map(|&i| y[i]).collect::<Vec<f32>>(), (chunk.len(), 1), &Device::Cpu).map_err(err)?;
+                        let t = Tensor::from_vec(chunk.iter().map(|&i| y[i]).collect::<Vec<f32>>(), (chunk.len(), 1), &Device::Cpu)?;
                         candle_nn::loss::mse(&out, &t)
                     }
-                }
-                .map_err(err)?;
-                opt.backward_step(&loss).map_err(err)?;
-                total += loss.to_scalar::<f32>().map_err(err)? as f64;
+                }?;
+                opt.backward_step(&loss)?;
+                total += loss.to_scalar::<f32>()? as f64;
                 batches += 1;
             }
             progress(epoch + 1, total / batches.max(1) as f64);
@@ -259,9 +271,9 @@ impl Net {
 
 fn matrix(rows: &[Vec<f32>], width: usize) -> Result<Tensor> {
     if let Some(r) = rows.iter().find(|r| r.len() != width) {
-        return Err(format!("a row has {} features; the network takes {width}", r.len()));
+        return Err(NetError::RowWidth { found: r.len(), width });
     }
-    Tensor::from_vec(rows.concat(), (rows.len(), width), &Device::Cpu).map_err(err)
+    Ok(Tensor::from_vec(rows.concat(), (rows.len(), width), &Device::Cpu)?)
 }
 
 /// Row-wise softmax of logits.

@@ -210,6 +210,11 @@ pub fn carma_busy(load: Load) -> bool {
     l.smact >= 0.8 && (l.smocc >= 0.45 || l.dram >= 0.40)
 }
 
+/// A policy name that is not `RULE` or `RULE+carma`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown policy `{0}` (expected one of {known}, optionally with +carma)", known = Rule::ALL.map(Rule::name).join(", "))]
+pub struct UnknownPolicy(pub String);
+
 /// A placement policy.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Policy {
@@ -229,15 +234,12 @@ impl Policy {
     }
 
     /// Parses `RULE` or `RULE+carma` (the utilization filter).
-    pub fn parse(name: &str, memory: MemoryView) -> Result<Policy, String> {
+    pub fn parse(name: &str, memory: MemoryView) -> Result<Policy, UnknownPolicy> {
         let (rule_name, carma) = match name.strip_suffix("+carma") {
             Some(r) => (r, true),
             None => (name, false),
         };
-        let rule = Rule::ALL.into_iter().find(|r| r.name() == rule_name).ok_or_else(|| {
-            let known: Vec<&str> = Rule::ALL.iter().map(|r| r.name()).collect();
-            format!("unknown policy `{name}` (expected one of {}, optionally with +carma)", known.join(", "))
-        })?;
+        let rule = Rule::ALL.into_iter().find(|r| r.name() == rule_name).ok_or_else(|| UnknownPolicy(name.to_string()))?;
         Ok(Policy { carma_filter: carma, ..Policy::new(rule, memory) })
     }
 

@@ -59,7 +59,7 @@ impl Config {
     pub fn from_toml(text: &str) -> Result<Config, String> {
         let c: Config = toml::from_str(text).map_err(|e| e.to_string().replace('\n', " "))?;
         c.policy()?;
-        gpumem_learn::estimator(&c.estimator, c.learned_model.as_deref())?;
+        gpumem_learn::estimator(&c.estimator, c.learned_model.as_deref()).map_err(|e| e.to_string())?;
         if !(c.warmup_s >= 0.0 && c.grace_s >= 0.0 && c.tick_ms >= 10) {
             return Err("warmup_s and grace_s must be non-negative, tick_ms at least 10".into());
         }
@@ -67,7 +67,7 @@ impl Config {
     }
 
     pub fn policy(&self) -> Result<Policy, String> {
-        Policy::parse(&self.policy, MemoryView::Estimate { headroom_bytes: self.headroom_mib * MIB })
+        Policy::parse(&self.policy, MemoryView::Estimate { headroom_bytes: self.headroom_mib * MIB }).map_err(|e| e.to_string())
     }
 }
 
@@ -77,7 +77,7 @@ pub fn now() -> f64 {
 
 /// gpumem's estimate (peak, upper bound) of a job's workload with the configured estimator.
 pub fn estimate(config: &Config, profile: &GpuProfile, workload: &Workload) -> Result<(u64, u64), String> {
-    let estimator = gpumem_learn::estimator(&config.estimator, config.learned_model.as_deref())?;
+    let estimator = gpumem_learn::estimator(&config.estimator, config.learned_model.as_deref()).map_err(|e| e.to_string())?;
     let trace = workload.trace(profile).map_err(|e| e.to_string())?;
     let est = estimator.estimate(&trace, profile).map_err(|e| e.to_string())?;
     Ok((est.peak_bytes, est.upper_bound_bytes))

@@ -56,13 +56,14 @@ fn entry_options(entry: &Entry, gpus: u32) -> Result<Options, String> {
         Some(i) => Some(InputShape::parse(i).ok_or_else(|| format!("input `{i}` is not CxHxW"))?),
         None => None,
     };
+    let name = |e: gpumem_core::UnknownName| e.to_string();
     Ok(Options {
-        optimizer: entry.optimizer.as_deref().map_or(Ok(Optimizer::Adam), Optimizer::parse)?,
+        optimizer: entry.optimizer.as_deref().map_or(Ok(Optimizer::Adam), Optimizer::parse).map_err(name)?,
         input,
         seq_len: entry.seq_len,
         data_parallel: gpus,
-        validate: entry.validate.as_deref().map_or(Ok(Validate::None), Validate::parse)?,
-        outputs: entry.outputs.as_deref().map(Outputs::parse).transpose()?,
+        validate: entry.validate.as_deref().map_or(Ok(Validate::None), Validate::parse).map_err(name)?,
+        outputs: entry.outputs.as_deref().map(Outputs::parse).transpose().map_err(name)?,
         ..Options::default()
     })
 }

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::UNIX_EPOCH;
 
-use gpumem_core::symbolic::SymbolicTrace;
+use gpumem_core::symbolic::{SymbolicError, SymbolicTrace};
 use gpumem_core::trace::Trace;
 use gpumem_core::workload::{AttentionMask, Options, Validate};
 
@@ -321,7 +321,7 @@ impl TorchTracer {
 
     /// Fits and stores the symbolic trace; a model whose traces do not align (batch-dependent
     /// control flow) has none, and is traced per batch size.
-    fn cache_symbolic(&self, req: &TraceRequest, torch: &str, traces: &[Trace]) -> Result<SymbolicTrace, String> {
+    fn cache_symbolic(&self, req: &TraceRequest, torch: &str, traces: &[Trace]) -> Result<SymbolicTrace, SymbolicError> {
         let sym = SymbolicTrace::fit(traces)?;
         let path = self.symbolic_path(req, torch);
         let tmp = path.with_extension(temp_suffix());

@@ -46,7 +46,7 @@ impl Workload {
         if batch == 0 || batch > MAX_BATCH {
             return Err(WorkloadError::Invalid(format!("--batch {batch} is out of range (1..={MAX_BATCH})")));
         }
-        options.check().map_err(WorkloadError::Invalid)?;
+        options.check().map_err(|e| WorkloadError::Invalid(e.to_string()))?;
         if model.is_native() && !options.native_compatible() {
             return Err(WorkloadError::Invalid(TORCH_ONLY.into()));
         }
@@ -55,7 +55,7 @@ impl Workload {
 
     /// A model reference parsed by the one prefix table, at `batch` with `options`.
     pub fn parse(model: &str, batch: u64, options: Options) -> Result<Workload, WorkloadError> {
-        Workload::new(ModelRef::parse(model).map_err(WorkloadError::Invalid)?, batch, options)
+        Workload::new(ModelRef::parse(model).map_err(|e| WorkloadError::Invalid(e.to_string()))?, batch, options)
     }
 
     /// A measured row's job: its model and batch, its own options over `defaults`. `Ok(None)`:
@@ -110,7 +110,7 @@ impl Workload {
 
     fn trace_with(&self, profile: &GpuProfile, for_reestimates: bool) -> Result<Trace, WorkloadError> {
         match &self.model {
-            ModelRef::Native(spec) => spec.trace(&self.native_job(profile)).map_err(WorkloadError::Invalid),
+            ModelRef::Native(spec) => spec.trace(&self.native_job(profile)).map_err(|e| WorkloadError::Invalid(e.to_string())),
             ModelRef::Torch(_) => {
                 let req = self.request(profile).expect("a PyTorch model has a request");
                 let tracer = TorchTracer::from_env();
@@ -142,11 +142,11 @@ pub enum Symbolic {
 
 impl Symbolic {
     /// The trace at `batch` (the whole batch).
-    pub fn at(&self, batch: u64) -> Result<Trace, String> {
-        match self {
-            Symbolic::Native(spec, job) => spec.trace(&JobOptions { batch, ..*job }),
-            Symbolic::Torch { trace, .. } => trace.at(batch),
-        }
+    pub fn at(&self, batch: u64) -> Result<Trace, SearchError> {
+        Ok(match self {
+            Symbolic::Native(spec, job) => spec.trace(&JobOptions { batch, ..*job })?,
+            Symbolic::Torch { trace, .. } => trace.at(batch)?,
+        })
     }
 
     /// The largest batch that fits on `profile`'s GPU with its upper bound, and its estimate;

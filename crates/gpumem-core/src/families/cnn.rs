@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use super::Keys;
+use super::{Keys, SpecError};
 use crate::graph::{Activation, Dtype, Graph, GraphBuilder, LayerParams, NormParams, Precision, TensorId};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,10 +52,13 @@ pub struct Cnn {
 }
 
 impl Cnn {
-    pub(crate) fn from_keys(kv: &mut Keys) -> Result<Self, String> {
+    pub(crate) fn from_keys(kv: &mut Keys) -> Result<Self, SpecError> {
         let arch_name = kv.word("arch", Some("pyramid"))?;
-        let arch = ARCHS.iter().find(|(n, _)| *n == arch_name).map(|&(_, a)| a).ok_or_else(|| {
-            format!("cnn spec: unknown arch `{arch_name}` (expected {})", ARCHS.map(|(n, _)| n).join(", "))
+        let arch = ARCHS.iter().find(|(n, _)| *n == arch_name).map(|&(_, a)| a).ok_or_else(|| SpecError::UnknownChoice {
+            family: "cnn",
+            key: "arch",
+            value: arch_name.clone(),
+            expected: ARCHS.map(|(n, _)| n).join(", "),
         })?;
         let act = Activation::parse(&kv.word("act", Some("relu"))?)?;
         let c = Cnn {
@@ -77,7 +80,7 @@ impl Cnn {
             summary: kv.boolean("summary", false)?,
         };
         if c.act == Activation::Identity {
-            return Err("cnn spec: act=identity is not in the CNN family".into());
+            return Err(SpecError::CnnIdentity);
         }
         Ok(c)
     }

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use super::Keys;
+use super::{Keys, SeedFilenameProblem, SpecError};
 use crate::graph::{Activation, Dtype, Graph, GraphBuilder, Precision};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,13 +14,13 @@ pub enum MlpArch {
 }
 
 impl MlpArch {
-    fn parse(s: &str) -> Result<Self, String> {
+    fn parse(s: &str) -> Result<Self, SpecError> {
         Ok(match s {
             "pyramid" => MlpArch::Pyramid,
             "uniform" => MlpArch::Uniform,
             "bottleneck" => MlpArch::Bottleneck,
             "gradual" => MlpArch::Gradual,
-            other => return Err(format!("mlp spec: unknown arch `{other}` (expected pyramid, uniform, bottleneck or gradual)")),
+            other => return Err(SpecError::UnknownChoice { family: "mlp", key: "arch", value: other.into(), expected: "pyramid, uniform, bottleneck or gradual".into() }),
         })
     }
     fn name(self) -> &'static str {
@@ -61,7 +61,7 @@ pub struct Mlp {
 const MAX_WIDTH: u64 = 1 << 20;
 
 impl Mlp {
-    pub(crate) fn from_keys(kv: &mut Keys) -> Result<Self, String> {
+    pub(crate) fn from_keys(kv: &mut Keys) -> Result<Self, SpecError> {
         let input = kv.uint("input", None, 1, MAX_WIDTH)?;
         let output = kv.uint("output", None, 1, MAX_WIDTH)?;
         let depth = kv.uint("depth", None, 1, 1000)?;
@@ -72,7 +72,7 @@ impl Mlp {
         let head = match kv.word("head", Some("identity"))?.as_str() {
             "sigmoid" => MlpHead::Sigmoid,
             "identity" => MlpHead::Identity,
-            other => return Err(format!("mlp spec: unknown head `{other}` (expected sigmoid or identity)")),
+            other => return Err(SpecError::UnknownChoice { family: "mlp", key: "head", value: other.into(), expected: "sigmoid or identity".into() }),
         };
         let samples = match kv.uint("samples", Some(0), 0, 1 << 40)? {
             0 => None,
@@ -85,22 +85,23 @@ impl Mlp {
     /// Rebuilds a row of the seed's dataset from its `Filename`
     /// (`input:I_output:O_depth:D_arch:A_batch:B_act:F_dropout:P_dropout:USE_batchnorm:USE.out`),
     /// with the seed's loop: 4,096 samples, torchsummary first. Returns the model and batch size.
-    pub fn from_seed_filename(name: &str) -> Result<(Mlp, u64), String> {
+    pub fn from_seed_filename(name: &str) -> Result<(Mlp, u64), SpecError> {
+        let bad = |problem| SpecError::SeedFilename { name: name.to_string(), problem };
         let body = name.trim().trim_end_matches(".out");
         let keys = ["input:", "_output:", "_depth:", "_arch:", "_batch:", "_act:", "_dropout:", "_dropout:", "_batchnorm:"];
         let mut values = Vec::new();
         let mut rest = body;
         for (i, k) in keys.iter().enumerate() {
-            let start = rest.find(k).ok_or_else(|| format!("seed filename `{name}`: missing `{}`", k.trim_start_matches('_')))?;
+            let start = rest.find(k).ok_or_else(|| bad(SeedFilenameProblem::Missing(k.trim_start_matches('_'))))?;
             if i > 0 {
                 values.push(&rest[..start]);
             }
             rest = &rest[start + k.len()..];
         }
         values.push(rest);
-        let num = |i: usize, what: &str| values[i].parse::<u64>().map_err(|_| format!("seed filename `{name}`: {what} `{}` is not a whole number", values[i]));
+        let num = |i: usize, what: &'static str| values[i].parse::<u64>().map_err(|_| bad(SeedFilenameProblem::NotWholeNumber { what, value: values[i].to_string() }));
         let flag = |i: usize| values[i] == "True";
-        let rate: f64 = values[6].parse().map_err(|_| format!("seed filename `{name}`: dropout rate `{}` is not a number", values[6]))?;
+        let rate: f64 = values[6].parse().map_err(|_| bad(SeedFilenameProblem::NotRate(values[6].to_string())))?;
         let mlp = Mlp {
             input: num(0, "input")?,
             output: num(1, "output")?,
@@ -114,7 +115,7 @@ impl Mlp {
             summary: true,
         };
         if mlp.input == 0 || mlp.output == 0 || mlp.depth == 0 {
-            return Err(format!("seed filename `{name}`: sizes must be positive"));
+            return Err(bad(SeedFilenameProblem::ZeroSize));
         }
         Ok((mlp, num(4, "batch")?))
     }
@@ -220,7 +221,9 @@ mod tests {
         assert_eq!(m.act, Activation::LeakyRelu);
         assert_eq!(m.dropout, 0.0);
         assert_eq!(m.layer_sizes(), vec![(100, 69), (69, 38), (38, 7), (7, 7)]);
-        assert!(Mlp::from_seed_filename("input:x_output:1").is_err());
+        assert_eq!(Mlp::from_seed_filename("input:x_output:1").unwrap_err().to_string(), "seed filename `input:x_output:1`: missing `depth:`");
+        let e = Mlp::from_seed_filename("input:x_output:1_depth:2_arch:pyramid_batch:8_act:relu_dropout:0.2_dropout:False_batchnorm:False.out").unwrap_err();
+        assert!(e.to_string().ends_with(".out`: input `x` is not a whole number"), "{e}");
     }
 
     #[test]

@@ -17,8 +17,9 @@ pub use transformer::{Transformer, TransformerArch};
 
 use std::collections::BTreeMap;
 
+use crate::UnknownName;
 use crate::graph::{Graph, Precision};
-use crate::profile::GpuProfile;
+use crate::profile::{CUBLAS_WORKSPACE_BYTES, GpuProfile};
 use crate::step::{Optimizer, TorchBehaviour, TrainingLoop};
 use crate::trace::{Trace, TraceHeader};
 
@@ -47,7 +48,7 @@ impl JobOptions {
             optimizer: Optimizer::Adam,
             precision: Precision::Fp32,
             torch: TorchBehaviour::V2_1,
-            cublas_workspace: 8_519_680,
+            cublas_workspace: CUBLAS_WORKSPACE_BYTES,
         }
     }
 
@@ -61,19 +62,83 @@ impl JobOptions {
 /// Largest batch size gpumem accepts (anything larger is a typo).
 pub const MAX_BATCH: u64 = 1 << 24;
 
+/// A model spec (or a seed dataset's file name) that does not describe a native model. Each
+/// message is one line naming the family and the key at fault.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SpecError {
+    #[error("model spec `{0}` has no `family:` prefix (mlp:, cnn: or transformer:)")]
+    NoFamily(String),
+    #[error("unknown model family `{0}` (expected mlp, cnn or transformer)")]
+    UnknownFamily(String),
+    #[error("{family} spec: `{item}` is not key=value")]
+    NotKeyValue { family: String, item: String },
+    #[error("{family} spec: key `{key}` given twice")]
+    DuplicateKey { family: String, key: String },
+    #[error("{family} spec: missing key `{key}`")]
+    MissingKey { family: String, key: String },
+    #[error("{family} spec: unknown key `{key}`")]
+    UnknownKey { family: String, key: String },
+    #[error("{family} spec: {key}=`{value}` is not a whole number")]
+    NotWholeNumber { family: String, key: String, value: String },
+    #[error("{family} spec: {key}=`{value}` is not a number")]
+    NotNumber { family: String, key: String, value: String },
+    #[error("{family} spec: {key}=`{value}` is not true or false")]
+    NotBool { family: String, key: String, value: String },
+    #[error("{family} spec: {key}={value} is out of range ({min}..={max})")]
+    OutOfRange { family: String, key: String, value: i128, min: u64, max: u64 },
+    #[error("{family} spec: {key}={value} is out of range ({min}..={max})")]
+    FloatOutOfRange { family: String, key: String, value: f64, min: f64, max: f64 },
+    /// A word key (`arch`, `head`) with a value the family does not have.
+    #[error("{family} spec: unknown {key} `{value}` (expected {expected})")]
+    UnknownChoice { family: &'static str, key: &'static str, value: String, expected: String },
+    #[error(transparent)]
+    Activation(#[from] UnknownName),
+    #[error("transformer spec: embed={embed} is not divisible by heads={heads}")]
+    HeadsDoNotDivide { embed: u64, heads: u64 },
+    #[error("transformer spec: arch=hybrid needs layers >= 2")]
+    HybridNeedsTwoLayers,
+    #[error("cnn spec: act=identity is not in the CNN family")]
+    CnnIdentity,
+    /// A seed dataset row's `Filename` ([`Mlp::from_seed_filename`]).
+    #[error("seed filename `{name}`: {problem}")]
+    SeedFilename { name: String, problem: SeedFilenameProblem },
+}
+
+/// What is wrong with a seed dataset's `Filename`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SeedFilenameProblem {
+    #[error("missing `{0}`")]
+    Missing(&'static str),
+    #[error("{what} `{value}` is not a whole number")]
+    NotWholeNumber { what: &'static str, value: String },
+    #[error("dropout rate `{0}` is not a number")]
+    NotRate(String),
+    #[error("sizes must be positive")]
+    ZeroSize,
+}
+
+/// Job options a native model cannot be traced under.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum JobError {
+    #[error("batch size {0} is out of range (1..={MAX_BATCH})")]
+    BatchOutOfRange(u64),
+    #[error("--precision {} (pure low precision) applies to PyTorch models; the native families train in fp32 or under autocast (amp-fp16, amp-bf16)", .0.name())]
+    PurePrecision(Precision),
+}
+
 impl ModelSpec {
     /// The families' spec prefixes (before the `:`).
     pub const FAMILIES: [&str; 3] = ["mlp", "cnn", "transformer"];
 
     /// Parses `family:key=value,...`.
-    pub fn parse(spec: &str) -> Result<ModelSpec, String> {
-        let (family, rest) = spec.split_once(':').ok_or_else(|| format!("model spec `{spec}` has no `family:` prefix (mlp:, cnn: or transformer:)"))?;
+    pub fn parse(spec: &str) -> Result<ModelSpec, SpecError> {
+        let (family, rest) = spec.split_once(':').ok_or_else(|| SpecError::NoFamily(spec.to_string()))?;
         let mut kv = Keys::parse(family, rest)?;
         let m = match family {
             "mlp" => ModelSpec::Mlp(Mlp::from_keys(&mut kv)?),
             "cnn" => ModelSpec::Cnn(Cnn::from_keys(&mut kv)?),
             "transformer" => ModelSpec::Transformer(Transformer::from_keys(&mut kv)?),
-            other => return Err(format!("unknown model family `{other}` (expected mlp, cnn or transformer)")),
+            other => return Err(SpecError::UnknownFamily(other.to_string())),
         };
         kv.finish()?;
         Ok(m)
@@ -123,12 +188,12 @@ impl ModelSpec {
     }
 
     /// The training-step trace of this model under `job`.
-    pub fn trace(&self, job: &JobOptions) -> Result<Trace, String> {
+    pub fn trace(&self, job: &JobOptions) -> Result<Trace, JobError> {
         if job.batch == 0 || job.batch > MAX_BATCH {
-            return Err(format!("batch size {} is out of range (1..={MAX_BATCH})", job.batch));
+            return Err(JobError::BatchOutOfRange(job.batch));
         }
         if job.precision.is_pure() {
-            return Err(format!("--precision {} (pure low precision) applies to PyTorch models; the native families train in fp32 or under autocast (amp-fp16, amp-bf16)", job.precision.name()));
+            return Err(JobError::PurePrecision(job.precision));
         }
         let mut lp = TrainingLoop::new(job.optimizer, job.precision, job.batch, self.samples());
         lp.torch = job.torch;
@@ -168,12 +233,12 @@ pub(crate) struct Keys {
 }
 
 impl Keys {
-    fn parse(family: &str, rest: &str) -> Result<Self, String> {
+    fn parse(family: &str, rest: &str) -> Result<Self, SpecError> {
         let mut map = BTreeMap::new();
         for item in rest.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let (k, v) = item.split_once('=').ok_or_else(|| format!("{family} spec: `{item}` is not key=value"))?;
+            let (k, v) = item.split_once('=').ok_or_else(|| SpecError::NotKeyValue { family: family.into(), item: item.into() })?;
             if map.insert(k.trim().to_string(), v.trim().to_string()).is_some() {
-                return Err(format!("{family} spec: key `{k}` given twice"));
+                return Err(SpecError::DuplicateKey { family: family.into(), key: k.into() });
             }
         }
         Ok(Keys { family: family.into(), map })
@@ -183,52 +248,55 @@ impl Keys {
         self.map.remove(key)
     }
 
-    pub(crate) fn uint(&mut self, key: &str, default: Option<u64>, min: u64, max: u64) -> Result<u64, String> {
-        let fam = &self.family;
+    pub(crate) fn uint(&mut self, key: &str, default: Option<u64>, min: u64, max: u64) -> Result<u64, SpecError> {
+        let family = self.family.clone();
         match self.map.remove(key) {
-            None => default.ok_or_else(|| format!("{fam} spec: missing key `{key}`")),
+            None => default.ok_or_else(|| SpecError::MissingKey { family, key: key.into() }),
             Some(v) => {
-                let n: i128 = v.parse().map_err(|_| format!("{fam} spec: {key}=`{v}` is not a whole number"))?;
+                let Ok(n) = v.parse::<i128>() else {
+                    return Err(SpecError::NotWholeNumber { family, key: key.into(), value: v });
+                };
                 if n < min as i128 || n > max as i128 {
-                    return Err(format!("{fam} spec: {key}={n} is out of range ({min}..={max})"));
+                    return Err(SpecError::OutOfRange { family, key: key.into(), value: n, min, max });
                 }
                 Ok(n as u64)
             }
         }
     }
 
-    pub(crate) fn float(&mut self, key: &str, default: f64, min: f64, max: f64) -> Result<f64, String> {
-        let fam = &self.family;
+    pub(crate) fn float(&mut self, key: &str, default: f64, min: f64, max: f64) -> Result<f64, SpecError> {
+        let family = self.family.clone();
         match self.map.remove(key) {
             None => Ok(default),
             Some(v) => {
-                let x: f64 = v.parse().map_err(|_| format!("{fam} spec: {key}=`{v}` is not a number"))?;
+                let Ok(x) = v.parse::<f64>() else {
+                    return Err(SpecError::NotNumber { family, key: key.into(), value: v });
+                };
                 if !(min..=max).contains(&x) {
-                    return Err(format!("{fam} spec: {key}={x} is out of range ({min}..={max})"));
+                    return Err(SpecError::FloatOutOfRange { family, key: key.into(), value: x, min, max });
                 }
                 Ok(x)
             }
         }
     }
 
-    pub(crate) fn boolean(&mut self, key: &str, default: bool) -> Result<bool, String> {
-        let fam = &self.family;
+    pub(crate) fn boolean(&mut self, key: &str, default: bool) -> Result<bool, SpecError> {
         match self.map.remove(key).as_deref() {
             None => Ok(default),
             Some("true" | "True" | "1" | "yes") => Ok(true),
             Some("false" | "False" | "0" | "no") => Ok(false),
-            Some(v) => Err(format!("{fam} spec: {key}=`{v}` is not true or false")),
+            Some(v) => Err(SpecError::NotBool { family: self.family.clone(), key: key.into(), value: v.into() }),
         }
     }
 
-    pub(crate) fn word(&mut self, key: &str, default: Option<&str>) -> Result<String, String> {
+    pub(crate) fn word(&mut self, key: &str, default: Option<&str>) -> Result<String, SpecError> {
         let v = self.take(key).or_else(|| default.map(String::from));
-        v.ok_or_else(|| format!("{} spec: missing key `{key}`", self.family))
+        v.ok_or_else(|| SpecError::MissingKey { family: self.family.clone(), key: key.into() })
     }
 
-    fn finish(self) -> Result<(), String> {
-        match self.map.keys().next() {
-            Some(k) => Err(format!("{} spec: unknown key `{k}`", self.family)),
+    fn finish(self) -> Result<(), SpecError> {
+        match self.map.into_keys().next() {
+            Some(key) => Err(SpecError::UnknownKey { family: self.family, key }),
             None => Ok(()),
         }
     }
@@ -240,7 +308,7 @@ mod tests {
 
     #[test]
     fn spec_errors_are_one_line() {
-        let e = |s: &str| ModelSpec::parse(s).unwrap_err();
+        let e = |s: &str| ModelSpec::parse(s).unwrap_err().to_string();
         assert_eq!(e("resnet"), "model spec `resnet` has no `family:` prefix (mlp:, cnn: or transformer:)");
         assert_eq!(e("rnn:x=1"), "unknown model family `rnn` (expected mlp, cnn or transformer)");
         assert_eq!(e("mlp:input=10,output=2,depth=2,arch=pyramid,act=swoosh"), "unknown activation `swoosh` (expected one of relu, leaky_relu, prelu, elu, selu, tanh, softplus, swish, mish, gelu, identity)");
@@ -248,12 +316,20 @@ mod tests {
         assert_eq!(e("mlp:input=-3,output=2,depth=2"), "mlp spec: input=-3 is out of range (1..=1048576)");
         assert_eq!(e("mlp:output=2,depth=2"), "mlp spec: missing key `input`");
         assert_eq!(e("mlp:input=4,output=2,depth=2,dropout=x"), "mlp spec: dropout=`x` is not a number");
+        assert_eq!(e("mlp:input=4,output=2,depth=2,dropout=1.5"), "mlp spec: dropout=1.5 is out of range (0..=0.999)");
+        assert_eq!(e("mlp:input=4,output=2,depth=2,input=5"), "mlp spec: key `input` given twice");
+        assert_eq!(e("mlp:input=4,output=2,depth=x"), "mlp spec: depth=`x` is not a whole number");
+        assert_eq!(e("mlp:input=4,output=2,depth=2,batchnorm=maybe"), "mlp spec: batchnorm=`maybe` is not true or false");
+        assert_eq!(e("mlp:input=4,output=2,depth=2,arch=tower"), "mlp spec: unknown arch `tower` (expected pyramid, uniform, bottleneck or gradual)");
+        assert_eq!(e("cnn:classes=10,filters=8,depth=2,input=32,act=identity"), "cnn spec: act=identity is not in the CNN family");
+        assert_eq!(e("transformer:vocab=10,embed=10,layers=2,heads=3,ff=8,seq=4,classes=2"), "transformer spec: embed=10 is not divisible by heads=3");
+        assert_eq!(e("mlp:input"), "mlp spec: `input` is not key=value");
     }
 
     #[test]
     fn batch_is_checked() {
         let m = ModelSpec::parse("mlp:input=10,output=2,depth=1").unwrap();
-        assert!(m.trace(&JobOptions::new(0)).unwrap_err().contains("out of range"));
+        assert_eq!(m.trace(&JobOptions::new(0)).unwrap_err().to_string(), format!("batch size 0 is out of range (1..={MAX_BATCH})"));
         assert!(m.trace(&JobOptions::new(MAX_BATCH + 1)).is_err());
     }
 

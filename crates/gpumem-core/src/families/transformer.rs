@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use super::Keys;
+use super::{Keys, SpecError};
 use crate::graph::{Activation, Bw, Dtype, Graph, GraphBuilder, Precision, TensorId};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,12 +36,12 @@ pub struct Transformer {
 }
 
 impl Transformer {
-    pub(crate) fn from_keys(kv: &mut Keys) -> Result<Self, String> {
+    pub(crate) fn from_keys(kv: &mut Keys) -> Result<Self, SpecError> {
         let arch = match kv.word("arch", Some("standard"))?.as_str() {
             "standard" => TransformerArch::Standard,
             "decoder_only" => TransformerArch::DecoderOnly,
             "hybrid" => TransformerArch::Hybrid,
-            other => return Err(format!("transformer spec: unknown arch `{other}` (expected standard, decoder_only or hybrid)")),
+            other => return Err(SpecError::UnknownChoice { family: "transformer", key: "arch", value: other.into(), expected: "standard, decoder_only or hybrid".into() }),
         };
         let t = Transformer {
             vocab: kv.uint("vocab", None, 1, 1 << 24)?,
@@ -61,10 +61,10 @@ impl Transformer {
             summary: kv.boolean("summary", false)?,
         };
         if !t.embed.is_multiple_of(t.heads) {
-            return Err(format!("transformer spec: embed={} is not divisible by heads={}", t.embed, t.heads));
+            return Err(SpecError::HeadsDoNotDivide { embed: t.embed, heads: t.heads });
         }
         if t.arch == TransformerArch::Hybrid && t.layers < 2 {
-            return Err("transformer spec: arch=hybrid needs layers >= 2".into());
+            return Err(SpecError::HybridNeedsTwoLayers);
         }
         Ok(t)
     }
