@@ -235,10 +235,10 @@ pub fn simulate(jobs: &[SimJob], cfg: &SimConfig, interference: &dyn Interferenc
                 e.arrived += 1;
             }
             Kind::Finish(j, v) => {
-                if e.state[j].running.as_ref().is_none_or(|r| r.version != v) {
-                    continue;
+                // Stale versions are ignored.
+                if e.state[j].running.as_ref().is_some_and(|r| r.version == v) {
+                    e.stop(j, now, Outcome::Finished, &mut cluster);
                 }
-                e.stop(j, now, Outcome::Finished, &mut cluster);
             }
             Kind::Crash(j) => {
                 e.crashes += 1;
@@ -253,7 +253,11 @@ pub fn simulate(jobs: &[SimJob], cfg: &SimConfig, interference: &dyn Interferenc
             }
             Kind::Warm => {}
         }
-        sched.schedule(&mut cluster, now, &mut e);
+        // Once everything that happens at this instant has happened (jobs submitted together
+        // are ordered by priority, as the daemon orders those of one tick).
+        if e.events.peek().is_none_or(|Reverse(next)| next.at > now) {
+            sched.schedule(&mut cluster, now, &mut e);
+        }
     }
     if !sched.is_empty() {
         return Err(SimError::Unplaced(sched.len()));

@@ -118,6 +118,11 @@ fn higher_priority_jobs_start_first() {
     jobs[2].priority = 0;
     let r = run(&jobs, &config(1, "exclusive"));
     assert_eq!(r.runs.iter().map(|x| x.job).collect::<Vec<_>>(), [0, 1, 2]);
+    // Jobs that arrive together are ordered by priority before any starts.
+    let mut together = vec![job("low", 0.0, 1, 100.0, 5, 5, 0.3), job("high", 0.0, 1, 100.0, 5, 5, 0.3)];
+    together[1].priority = 1;
+    let r = run(&together, &config(1, "exclusive"));
+    assert_eq!(r.runs.iter().map(|x| x.job).collect::<Vec<_>>(), [1, 0]);
 }
 
 #[test]
