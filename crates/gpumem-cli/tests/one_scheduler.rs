@@ -17,7 +17,7 @@ use gpumem_sim::{GpuSpec, NoInterference, SimConfig, SimJob, simulate};
 const GIB: u64 = 1 << 30;
 
 /// (GiB per GPU, seconds, priority), all submitted at once in this order on four 40 GiB GPUs.
-const JOBS: [(u64, f64, i32); 8] = [(30, 3.0, 0), (20, 5.0, 0), (12, 2.0, 2), (30, 6.0, 0), (36, 2.0, 0), (16, 4.0, 1), (6, 3.0, 0), (9, 1.5, 0)];
+const JOBS: [(u64, f64, i32); 8] = [(30, 3.0, 0), (20, 5.0, 0), (26, 2.0, 2), (30, 6.0, 0), (36, 2.0, 0), (16, 4.0, 1), (6, 3.0, 0), (9, 1.5, 0)];
 
 /// What started, instant by instant: (job index, GPUs), by job index within an instant.
 type Starts = Vec<Vec<(usize, Vec<usize>)>>;
@@ -137,4 +137,16 @@ fn simulator_and_daemon_start_the_same_jobs_on_the_same_gpus() {
     let expected: Starts = vec![vec![(0, vec![2]), (1, vec![3]), (2, vec![0]), (5, vec![1])], vec![(3, vec![0])], vec![(4, vec![2]), (6, vec![0]), (7, vec![3])]];
     assert_eq!(sim, expected, "the simulator");
     assert_eq!(served(cfg, "fifo"), sim, "the daemon");
+}
+
+#[test]
+fn with_backfill_too() {
+    let cfg = config(true);
+    let sim = simulated(&cfg);
+    // Job 3 is promised GPU 0 when job 2 ends (t = 2). Meanwhile job 6 starts on GPU 2, which
+    // it does not need, and job 7 on GPU 0 itself, as it ends by t = 1.5 (the daemon reads the
+    // jobs' expected_s); job 4 waits for GPU 2 to empty.
+    let expected: Starts = vec![vec![(0, vec![2]), (1, vec![3]), (2, vec![0]), (5, vec![1])], vec![(6, vec![2]), (7, vec![0])], vec![(3, vec![0])], vec![(4, vec![2])]];
+    assert_eq!(sim, expected, "the simulator");
+    assert_eq!(served(cfg, "easy"), sim, "the daemon");
 }
