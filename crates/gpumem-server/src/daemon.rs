@@ -10,9 +10,12 @@ use gpumem_core::estimate::{Estimator, Replay};
 use gpumem_core::families::{JobOptions, ModelSpec};
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::units::bytes_to_mib;
-use gpumem_monitor::{FakeGpus, GpuReading, Monitor};
-use gpumem_place::{Cluster, Forecast, Load, MIB, MemoryDemand, MemoryView, Policy, Queued, Resident, SchedOptions, Scheduler};
+use gpumem_monitor::{FakeGpus, Monitor};
+use gpumem_place::{Cluster, Load, MIB, MemoryDemand, MemoryView, Policy, Resident};
 use serde::Deserialize;
+
+use gpumem_monitor::GpuReading;
+use gpumem_place::{Forecast, Queued, SchedOptions, Scheduler};
 
 use crate::launcher::{Exit, JobDir, Launch, alive, launch, signal_group};
 use crate::store::{Job, Store};

@@ -2,9 +2,10 @@
 
 use std::collections::BTreeMap;
 
+use serde::{Deserialize, Serialize};
+
 use gpumem_core::units::bytes_to_mib;
 use gpumem_monitor::GpuReading;
-use serde::{Deserialize, Serialize};
 
 /// A job's life: `queued` → `running` → `finished` | `failed` | `cancelled`; an out-of-memory
 /// crash goes to `oom-recovering` (waiting for an exclusive GPU) and back to `running`.
