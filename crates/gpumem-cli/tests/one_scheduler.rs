@@ -79,19 +79,14 @@ fn served(cfg: Config, name: &str) -> Starts {
     let d = Daemon::open(&dir, Box::new(monitor), Some(fake), profile, cfg, env!("CARGO_BIN_EXE_gpumem").into()).unwrap();
     let mut ids = Vec::new();
     for &(gib, secs, priority) in &JOBS {
-        let request = JobRequest {
-            command: vec![format!("echo {} > \"$GPUMEM_FAKE_MEMORY_FILE\"; sleep {secs}", gib * GIB)],
-            shell: true,
-            name: None,
-            cwd: None,
-            env: Default::default(),
-            gpus: 1,
-            model: None,
-            batch: None,
-            mem_mib: Some(gib * 1024),
-            priority,
-            expected_s: Some(secs),
-        };
+        let request: JobRequest = serde_json::from_value(serde_json::json!({
+            "command": [format!("echo {} > \"$GPUMEM_FAKE_MEMORY_FILE\"; sleep {secs}", gib * GIB)],
+            "shell": true,
+            "mem_mib": gib * 1024,
+            "priority": priority,
+            "expected_s": secs,
+        }))
+        .unwrap();
         ids.push(d.submit(request, Some((gib * GIB, gib * GIB))).unwrap().id);
     }
     let started = Instant::now();
