@@ -235,10 +235,10 @@ pub fn simulate(jobs: &[SimJob], cfg: &SimConfig, interference: &dyn Interferenc
                 e.arrived += 1;
             }
             Kind::Finish(j, v) => {
-                // Stale versions are ignored.
-                if e.state[j].running.as_ref().is_some_and(|r| r.version == v) {
-                    e.stop(j, now, Outcome::Finished, &mut cluster);
+                if e.state[j].running.as_ref().is_none_or(|r| r.version != v) {
+                    continue;
                 }
+                e.stop(j, now, Outcome::Finished, &mut cluster);
             }
             Kind::Crash(j) => {
                 e.crashes += 1;
@@ -253,9 +253,11 @@ pub fn simulate(jobs: &[SimJob], cfg: &SimConfig, interference: &dyn Interferenc
             }
             Kind::Warm => {}
         }
-        // Once everything that happens at this instant has happened (jobs submitted together
-        // are ordered by priority, as the daemon orders those of one tick).
-        if e.events.peek().is_none_or(|Reverse(next)| next.at > now) {
+        // The scheduler runs after each event, but jobs that arrive at the same instant are all
+        // queued first, so they start in priority order (as the daemon orders the submissions of
+        // one tick).
+        let more_arrive_now = matches!(ev.kind, Kind::Arrive(_)) && e.events.peek().is_some_and(|Reverse(next)| next.at == now && matches!(next.kind, Kind::Arrive(_)));
+        if !more_arrive_now {
             sched.schedule(&mut cluster, now, &mut e);
         }
     }
