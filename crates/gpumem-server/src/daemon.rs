@@ -381,8 +381,9 @@ impl Daemon {
                 let gpus: Vec<u32> = d.gpus.iter().map(|&k| inner.gpus[k].index).collect();
                 result = self.start(inner, d.job, &gpus, t);
             }
-            if result.is_err() {
-                // Not started (the store failed): back in line for the next tick.
+            if result.is_err() && inner.jobs[&d.job].state.is_waiting() {
+                // Not started (the store refused its placement): back in line for the next tick.
+                // A job whose start was recorded is never queued again here.
                 queue(inner, d.job, t);
             }
         }
