@@ -36,7 +36,7 @@ pub struct ServeArgs {
     /// The GPU profile for estimates on real GPUs (built-in name).
     #[arg(long, default_value = "a100-40gb")]
     gpu: String,
-    /// Daemon settings (TOML): policy, headroom_mib, warmup_s, max_retries, grace_s, tick_ms, on_lost.
+    /// Daemon settings (TOML): policy, headroom_mib, warmup_s, max_retries, backfill, grace_s, tick_ms, on_lost.
     #[arg(long)]
     config: Option<PathBuf>,
 }
@@ -143,7 +143,7 @@ impl ServerArgs {
 #[derive(Args)]
 pub struct SubmitArgs {
     /// A job file (TOML with the fields of the API: command = ["python", "train.py"], gpus,
-    /// model, batch, mem_mib, env, cwd, priority, name, shell).
+    /// model, batch, mem_mib, env, cwd, priority, expected_s, name, shell).
     file: Option<PathBuf>,
     /// The command to run, after `--` (no shell): `gpumem submit --gpus 1 -- python train.py`.
     #[arg(last = true)]
@@ -165,6 +165,9 @@ pub struct SubmitArgs {
     workload: WorkloadArgs,
     #[arg(long)]
     priority: Option<i32>,
+    /// Expected run time in seconds (what a backfilling daemon goes by).
+    #[arg(long)]
+    expected_s: Option<f64>,
     #[arg(long)]
     name: Option<String>,
     #[command(flatten)]
@@ -191,6 +194,7 @@ pub fn submit(a: SubmitArgs) -> CliResult {
             options: Options::default(),
             mem_mib: None,
             priority: 0,
+            expected_s: None,
         },
     };
     if let Some(s) = &a.shell {
@@ -211,6 +215,7 @@ pub fn submit(a: SubmitArgs) -> CliResult {
     req.model = a.model.clone().or(req.model);
     req.batch = a.batch.or(req.batch);
     req.priority = a.priority.unwrap_or(req.priority);
+    req.expected_s = a.expected_s.or(req.expected_s);
     req.name = a.name.clone().or(req.name);
     let text = a.server.call("POST", "/jobs", Some(&req))?;
     if a.json {

@@ -180,6 +180,7 @@ fn jobs(arrivals: &[(f64, usize)], tasks: &[Task], modelled: &HashMap<String, Mo
                 true_bytes: t.measured_bytes,
                 memory,
                 load: ours.map(|m| m.load).or(t.fallback_load).unwrap_or_default(),
+                priority: 0,
             }
         })
         .collect()

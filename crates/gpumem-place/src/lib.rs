@@ -11,8 +11,16 @@
 //! (CARMA's 2 GiB) or blind; and gpumem's `safe-pack`, which admits a job only if its upper bound
 //! fits beside what the residents show (their bounds while they warm up), runs jobs it cannot
 //! model alone, consolidates while summed utilization stays below saturation and caps it above.
+//!
+//! [`sched`] is the one scheduler the simulator and the daemon both drive: queue order
+//! (priority, then submission), the recovery queue, head-of-line blocking, optional EASY
+//! backfill; [`Scheduler::schedule`] is pure too (the caller passes the time).
 
 use std::fmt;
+
+pub mod sched;
+
+pub use sched::{Decision, Forecast, NoForecast, Queued, SchedOptions, Scheduler};
 
 use serde::{Deserialize, Serialize};
 

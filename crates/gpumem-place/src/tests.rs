@@ -216,3 +216,148 @@ fn release_removes_the_job_everywhere() {
     assert_eq!(c.release(7), vec![1, 3]);
     assert!(c.gpus.iter().all(|g| g.residents.is_empty()));
 }
+
+mod sched {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::{Decision, Forecast, NoForecast, Queued, SchedOptions, Scheduler};
+
+    fn scheduler(rule: &str, backfill: bool) -> Scheduler {
+        let policy = Policy::parse(rule, estimate()).unwrap();
+        Scheduler::new(SchedOptions { backfill, warmup_s: 0.0, ..SchedOptions::new(policy) })
+    }
+
+    fn started(d: &[Decision]) -> Vec<(u64, Vec<usize>)> {
+        d.iter().map(|d| (d.job, d.gpus.clone())).collect()
+    }
+
+    /// Predicted ends of running jobs and run times of waiting ones, by job id.
+    #[derive(Default)]
+    struct Times {
+        ends: HashMap<u64, f64>,
+        runs: HashMap<u64, f64>,
+    }
+
+    impl Forecast for Times {
+        fn end_s(&self, job: u64) -> f64 {
+            self.ends.get(&job).copied().unwrap_or(f64::INFINITY)
+        }
+        fn run_s(&self, job: u64) -> Option<f64> {
+            self.runs.get(&job).copied()
+        }
+    }
+
+    #[test]
+    fn higher_priority_first_then_submission_order() {
+        let mut s = scheduler("exclusive", false);
+        let mut c = Cluster::new([40 * GIB; 1]);
+        for (id, priority, submitted) in [(1, 0, 1), (2, 5, 2), (3, 0, 0), (4, 5, 3)] {
+            assert_eq!(s.enqueue(job(id, 1, 1, 1, 0.1), priority, submitted, 0), Queued::Waiting);
+        }
+        assert_eq!(s.waiting().map(|j| j.id).collect::<Vec<_>>(), [2, 4, 3, 1]);
+        assert_eq!(started(&s.schedule(&mut c, 0.0, &mut NoForecast)), [(2, vec![0])]);
+        c.release(2);
+        assert_eq!(started(&s.schedule(&mut c, 1.0, &mut NoForecast)), [(4, vec![0])]);
+    }
+
+    #[test]
+    fn the_head_blocks_the_queue() {
+        let mut s = scheduler("first-fit", false);
+        let mut c = cluster([30, 0, 0, 0]);
+        // A four-GPU head cannot start (GPU 0 is too full); the small job behind it waits too.
+        s.enqueue(job(1, 4, 15, 15, 0.1), 0, 0, 0);
+        s.enqueue(job(2, 1, 1, 1, 0.1), 0, 1, 0);
+        assert!(s.schedule(&mut c, 0.0, &mut NoForecast).is_empty());
+        assert_eq!(s.len(), 2);
+        // Once the head is cancelled, the small job starts.
+        assert!(s.remove(1).is_some() && !s.contains(1));
+        assert_eq!(started(&s.schedule(&mut c, 0.0, &mut NoForecast)), [(2, vec![0])]);
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn crashed_jobs_recover_first_alone_until_the_retry_limit() {
+        let mut s = scheduler("first-fit", false);
+        let mut c = cluster([5, 0, 0, 0]);
+        s.enqueue(job(1, 1, 1, 1, 0.1), 9, 0, 0);
+        assert_eq!(s.enqueue(job(2, 1, 1, 1, 0.1), 0, 1, 1), Queued::Recovering);
+        assert_eq!(s.enqueue(job(3, 1, 1, 1, 0.1), 0, 2, 4), Queued::Failed, "1 try + 3 retries");
+        assert!(!s.contains(3));
+        // Recovery before priority; the recovering job runs alone (an empty GPU), the other
+        // joins GPU 0.
+        let d = s.schedule(&mut c, 0.0, &mut NoForecast);
+        assert_eq!(started(&d), [(2, vec![1]), (1, vec![0])]);
+        assert_eq!((d[0].alone, d[1].alone), (true, false));
+        assert!(c.gpus[1].residents[0].exclusive);
+        assert!(s.alone(&job(2, 1, 1, 1, 0.1), 1) && !s.alone(&job(2, 1, 1, 1, 0.1), 0));
+        // Recovering jobs keep the order they crashed in.
+        s.enqueue(job(4, 1, 1, 1, 0.1), 0, 0, 2);
+        s.enqueue(job(5, 1, 1, 1, 0.1), 0, 0, 1);
+        assert_eq!(s.waiting().map(|j| j.id).collect::<Vec<_>>(), [4, 5]);
+    }
+
+    #[test]
+    fn backfill_uses_gaps_without_delaying_the_head() {
+        // Two GPUs; job 10 runs on GPU 0 until t = 1000. A two-GPU head waits for it.
+        let mut c = Cluster::new([40 * GIB; 2]);
+        c.assign(&job(10, 1, 5, 5, 0.3), &[0], true, 0.0, 0.0);
+        let mut t = Times::default();
+        t.ends.insert(10, 1000.0);
+        t.runs.extend([(2, 100.0), (3, 5000.0)]);
+        let queue = |s: &mut Scheduler| {
+            s.enqueue(job(1, 2, 5, 5, 0.3), 0, 0, 0);
+            s.enqueue(job(2, 1, 5, 5, 0.3), 0, 1, 0);
+            s.enqueue(job(3, 1, 5, 5, 0.3), 0, 2, 0);
+        };
+        let mut fifo = scheduler("exclusive", false);
+        queue(&mut fifo);
+        assert!(fifo.schedule(&mut c.clone(), 2.0, &mut t).is_empty(), "without backfill all wait");
+        let mut easy = scheduler("exclusive", true);
+        queue(&mut easy);
+        let d = easy.schedule(&mut c.clone(), 2.0, &mut t);
+        // Job 2 ends (t = 102) before the head's reservation (t = 1000); job 3 would not.
+        assert_eq!(started(&d), [(2, vec![1])]);
+        assert!(d[0].backfilled);
+        // Without predictions only GPUs the head does not need are used: none here.
+        let mut blind = scheduler("exclusive", true);
+        queue(&mut blind);
+        assert!(blind.schedule(&mut c.clone(), 2.0, &mut NoForecast).is_empty());
+    }
+
+    #[test]
+    fn backfill_takes_reserved_gpus_only_for_jobs_that_end_in_time() {
+        // Three GPUs with 20 GiB jobs: the one on GPU 0 ends at t = 100, the others at unknown
+        // times. A 30 GiB head waits; it is promised GPU 0 at t = 100.
+        let mut c = Cluster::new([40 * GIB; 3]);
+        for g in 0..3 {
+            c.assign(&job(10 + g as u64, 1, 20, 20, 0.3), &[g], false, 0.0, 0.0);
+        }
+        let mut t = Times::default();
+        t.ends.insert(10, 100.0);
+        let mut s = scheduler("first-fit", true);
+        s.enqueue(job(1, 1, 30, 30, 0.3), 0, 0, 0);
+        // First-fit puts a 10 GiB job on GPU 0, which is reserved: with no run time it waits.
+        s.enqueue(job(2, 1, 10, 10, 0.3), 0, 1, 0);
+        assert!(s.schedule(&mut c.clone(), 0.0, &mut t).is_empty());
+        // Ending by t = 50 it may use GPU 0.
+        t.runs.insert(2, 50.0);
+        assert_eq!(started(&s.schedule(&mut c.clone(), 0.0, &mut t)), [(2, vec![0])]);
+    }
+
+    #[test]
+    fn backfill_without_predictions_keeps_off_the_heads_gpus() {
+        // GPU 0 nearly full, GPUs 1 and 2 with 5 GiB free; no end is known. The 9 GiB head
+        // (11 with headroom) fits nowhere now; it is promised GPU 0 at an unknown time.
+        let mut c = Cluster::new([40 * GIB; 3]);
+        for (g, used) in [(0, 38), (1, 35), (2, 35)] {
+            c.assign(&job(10 + g as u64, 1, used, used, 0.3), &[g], false, 0.0, 0.0);
+        }
+        let mut s = scheduler("first-fit", true);
+        s.enqueue(job(1, 1, 9, 9, 0.3), 0, 0, 0);
+        s.enqueue(job(2, 1, 1, 1, 0.3), 0, 1, 0);
+        let d = s.schedule(&mut c, 0.0, &mut NoForecast);
+        assert_eq!(started(&d), [(2, vec![1])]);
+        assert!(d[0].backfilled && s.contains(1));
+    }
+}

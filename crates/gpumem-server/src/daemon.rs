@@ -13,6 +13,9 @@ use gpumem_workload::Workload;
 use gpumem_place::{Cluster, Load, MIB, MemoryDemand, MemoryView, Policy, Resident};
 use serde::Deserialize;
 
+use gpumem_monitor::GpuReading;
+use gpumem_place::{Forecast, Queued, SchedOptions, Scheduler};
+
 use crate::launcher::{Exit, JobDir, Launch, alive, launch, signal_group};
 use crate::store::{Job, Store};
 use crate::wire::{GpuView, JobRequest, JobState, JobView, Submitted};
@@ -37,6 +40,9 @@ pub struct Config {
     pub warmup_s: f64,
     /// Exclusive re-runs after out-of-memory crashes before a job fails.
     pub max_retries: u32,
+    /// EASY backfill: when the head of the queue must wait, later jobs start where they do not
+    /// delay it (on reserved GPUs only if their `expected_s` ends before the head's turn).
+    pub backfill: bool,
     /// Seconds between SIGTERM and SIGKILL when cancelling.
     pub grace_s: f64,
     /// Scheduling period.
@@ -51,7 +57,18 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config { policy: "safe-pack".into(), headroom_mib: 2048, warmup_s: 30.0, max_retries: 3, grace_s: 10.0, tick_ms: 200, on_lost: OnLost::Requeue, estimator: "replay".into(), learned_model: None }
+        Config {
+            policy: "safe-pack".into(),
+            headroom_mib: 2048,
+            warmup_s: 30.0,
+            max_retries: 3,
+            backfill: false,
+            grace_s: 10.0,
+            tick_ms: 200,
+            on_lost: OnLost::Requeue,
+            estimator: "replay".into(),
+            learned_model: None,
+        }
     }
 }
 
@@ -68,6 +85,11 @@ impl Config {
 
     pub fn policy(&self) -> Result<Policy, String> {
         Policy::parse(&self.policy, MemoryView::Estimate { headroom_bytes: self.headroom_mib * MIB }).map_err(|e| e.to_string())
+    }
+
+    /// gpumem-place's scheduler with these settings.
+    pub fn sched(&self) -> Result<SchedOptions, String> {
+        Ok(SchedOptions { policy: self.policy()?, backfill: self.backfill, max_retries: self.max_retries, warmup_s: self.warmup_s })
     }
 }
 
@@ -91,7 +113,10 @@ struct Inner {
     children: HashMap<u64, Child>,
     /// Cancelled runs: when to send SIGKILL.
     kill_at: HashMap<u64, f64>,
-    gpus: Vec<GpuView>,
+    /// The waiting jobs, in the order and under the rules of gpumem-place's scheduler.
+    sched: Scheduler,
+    /// The GPUs as last read (those the monitor could read).
+    gpus: Vec<GpuReading>,
     /// Memory each running job shows now (per GPU).
     observed: HashMap<u64, u64>,
     /// GPU → (job, until): not offered while that job's memory has not shown up.
@@ -108,7 +133,6 @@ pub struct Daemon {
     fake: Option<FakeGpus>,
     pub profile: GpuProfile,
     pub config: Config,
-    policy: Policy,
 }
 
 impl Daemon {
@@ -117,19 +141,29 @@ impl Daemon {
         std::fs::create_dir_all(state_dir.join("jobs")).map_err(|e| format!("{}: {e}", state_dir.display()))?;
         let store = Store::open(&state_dir.join("jobs.db"))?;
         let jobs = store.load()?.into_iter().map(|j| (j.id, j)).collect();
-        let policy = config.policy()?;
-        let inner = Inner {
+        let mut inner = Inner {
             store,
             jobs,
             monitor,
             children: HashMap::new(),
             kill_at: HashMap::new(),
+            sched: Scheduler::new(config.sched()?),
             gpus: Vec::new(),
             observed: HashMap::new(),
             warm: HashMap::new(),
             oom_crashes: 0,
         };
-        Ok(Daemon { inner: Mutex::new(inner), state_dir: state_dir.to_path_buf(), supervisor, fake, profile, config, policy })
+        let t = now();
+        let waiting: Vec<u64> = inner.jobs.values().filter(|j| j.state.is_waiting()).map(|j| j.id).collect();
+        for id in waiting {
+            let before = inner.jobs[&id].state;
+            queue(&mut inner, id, t);
+            let job = &inner.jobs[&id];
+            if job.state != before {
+                inner.store.transition(job, t, job.error.as_deref())?;
+            }
+        }
+        Ok(Daemon { inner: Mutex::new(inner), state_dir: state_dir.to_path_buf(), supervisor, fake, profile, config })
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -147,7 +181,9 @@ impl Daemon {
         let mut job = Job::queued(request, estimate, now());
         job.id = inner.store.insert(&job)?;
         let out = Submitted { id: job.id, state: job.state, estimate_mib: job.estimate_bytes.map(bytes_to_mib), bound_mib: job.bound_bytes.map(bytes_to_mib) };
-        inner.jobs.insert(job.id, job);
+        let id = job.id;
+        inner.jobs.insert(id, job);
+        queue(&mut inner, id, now());
         Ok(out)
     }
 
@@ -164,7 +200,15 @@ impl Daemon {
     }
 
     pub fn gpus(&self) -> Vec<GpuView> {
-        self.lock().gpus.clone()
+        let inner = self.lock();
+        inner
+            .gpus
+            .iter()
+            .map(|r| {
+                let jobs = inner.jobs.values().filter(|j| j.state == JobState::Running && j.assigned.contains(&r.index)).map(|j| j.id).collect();
+                GpuView::new(r, jobs)
+            })
+            .collect()
     }
 
     /// Cancels a job: at once if it waits, by SIGTERM (then SIGKILL after the grace period) if
@@ -178,6 +222,7 @@ impl Daemon {
         }
         let t = now();
         if job.state.is_waiting() {
+            inner.sched.remove(id);
             job.state = JobState::Cancelled;
             job.finished_at = Some(t);
             inner.store.transition(job, t, Some("cancelled while waiting")).map_err(|e| (500, e))?;
@@ -239,10 +284,10 @@ impl Daemon {
                 let note = "its process vanished while the daemon was down";
                 match self.config.on_lost {
                     OnLost::Requeue => {
-                        job.state = JobState::Queued;
                         job.assigned.clear();
                         job.pid = None;
                         job.error = Some(format!("requeued: {note}"));
+                        queue(inner, id, t);
                     }
                     OnLost::Fail => {
                         job.state = JobState::Failed;
@@ -250,7 +295,7 @@ impl Daemon {
                         job.error = Some(note.into());
                     }
                 }
-                inner.store.transition(job, t, Some(note))?;
+                inner.store.transition(&inner.jobs[&id], t, Some(note))?;
             } else if let (Some(&deadline), Some(pid)) = (inner.kill_at.get(&id), job.pid)
                 && t >= deadline
             {
@@ -276,13 +321,9 @@ impl Daemon {
         } else if dir.ran_out_of_memory() {
             inner.oom_crashes += 1;
             job.retries += 1;
-            if job.retries > self.config.max_retries {
-                job.state = JobState::Failed;
-                job.error = Some(format!("out of GPU memory {} times", job.retries));
-            } else {
-                job.state = JobState::OomRecovering;
-                job.error = Some(format!("out of GPU memory on {:?}; re-running alone", job.assigned));
-            }
+            job.error = Some(format!("out of GPU memory on {:?}; re-running alone", job.assigned));
+            // The scheduler decides: recovery (alone) or, past the retry limit, failure.
+            queue(inner, id, t);
             note = "out of memory".into();
         } else {
             job.state = JobState::Failed;
@@ -290,6 +331,7 @@ impl Daemon {
             job.error = Some(format!("exit code {}: {last}", exit.code()));
             note = "failed".into();
         }
+        let job = inner.jobs.get_mut(&id).expect("job exists");
         if job.state.is_final() {
             job.finished_at = Some(t);
         }
@@ -316,7 +358,7 @@ impl Daemon {
                 }
             }
         }
-        let mut views = Vec::new();
+        let mut readings = Vec::new();
         for g in 0..inner.monitor.gpu_count() as u32 {
             let Ok(r) = inner.monitor.read(g) else { continue };
             if self.fake.is_none() {
@@ -329,17 +371,7 @@ impl Daemon {
                     }
                 }
             }
-            views.push(GpuView {
-                index: g,
-                name: r.name,
-                used_mib: bytes_to_mib(r.used_bytes),
-                total_mib: bytes_to_mib(r.total_bytes),
-                util: r.util,
-                smact: r.dcgm.map(|d| d.smact),
-                smocc: r.dcgm.map(|d| d.smocc),
-                dram: r.dcgm.map(|d| d.dram),
-                jobs: running.iter().filter(|j| j.assigned.contains(&g)).map(|j| j.id).collect(),
-            });
+            readings.push(r);
         }
         for (id, bytes) in &observed {
             if let Some(j) = inner.jobs.get_mut(id) {
@@ -348,33 +380,37 @@ impl Daemon {
         }
         inner.warm.retain(|_, (job, until)| t < *until && observed.get(job).copied().unwrap_or(0) == 0);
         inner.observed = observed;
-        inner.gpus = views;
+        inner.gpus = readings;
     }
 
-    /// Places waiting jobs in order (recovering first, then by priority and age) until one
-    /// must wait: the queue is FIFO, as CARMA's.
+    /// Starts what the scheduler decides on the GPUs as read now.
     fn place(&self, inner: &mut Inner, t: f64) -> Result<(), String> {
-        let mut waiting: Vec<&Job> = inner.jobs.values().filter(|j| j.state.is_waiting()).collect();
-        waiting.sort_by_key(|j| (j.state != JobState::OomRecovering, -j.request.priority, j.id));
-        let order: Vec<u64> = waiting.iter().map(|j| j.id).collect();
-        for id in order {
-            let cluster = self.cluster(inner, t);
-            let job = &inner.jobs[&id];
-            let want = placement_view(job);
-            let Some(gpus) = self.policy.place(&cluster, &want, t) else { break };
-            let gpus: Vec<u32> = gpus.into_iter().map(|g| g as u32).collect();
-            self.start(inner, id, &gpus, t)?;
+        let mut cluster = self.cluster(inner, t);
+        let decisions = inner.sched.schedule(&mut cluster, t, &mut Stated(&inner.jobs));
+        let mut result = Ok(());
+        for d in decisions {
+            if result.is_ok() {
+                let gpus: Vec<u32> = d.gpus.iter().map(|&k| inner.gpus[k].index).collect();
+                result = self.start(inner, d.job, &gpus, t);
+            }
+            if result.is_err() && inner.jobs[&d.job].state.is_waiting() {
+                // Not started (the store refused its placement): back in line for the next tick.
+                // A job whose start was recorded is never queued again here.
+                queue(inner, d.job, t);
+            }
         }
-        Ok(())
+        result
     }
 
+    /// The GPUs as the scheduler sees them: each job at what it shows (its bound while it
+    /// warms up), other processes' memory as one more resident, CARMA's warm-up.
     fn cluster(&self, inner: &Inner, t: f64) -> Cluster {
-        let mut cluster = Cluster::new(inner.gpus.iter().map(|g| (g.total_mib * MIB as f64) as u64));
-        for (k, gv) in inner.gpus.iter().enumerate() {
+        let mut cluster = Cluster::new(inner.gpus.iter().map(|r| r.total_bytes));
+        for (k, r) in inner.gpus.iter().enumerate() {
             let gpu = &mut cluster.gpus[k];
-            let mine: Vec<&Job> = inner.jobs.values().filter(|j| matches!(j.state, JobState::Starting | JobState::Running) && j.assigned.contains(&gv.index)).collect();
+            let mine: Vec<&Job> = inner.jobs.values().filter(|j| matches!(j.state, JobState::Starting | JobState::Running) && j.assigned.contains(&r.index)).collect();
             let n = mine.len().max(1) as f64;
-            let load = Load { smact: gv.smact.unwrap_or(gv.util) / n, smocc: gv.smocc.unwrap_or(0.0) / n, dram: gv.dram.unwrap_or(0.0) / n };
+            let load = Load { smact: r.dcgm.map_or(r.util, |d| d.smact) / n, smocc: r.dcgm.map_or(0.0, |d| d.smocc) / n, dram: r.dcgm.map_or(0.0, |d| d.dram) / n };
             let mut ours = 0;
             for j in &mine {
                 let used = inner.observed.get(&j.id).copied().unwrap_or(0);
@@ -385,15 +421,15 @@ impl Daemon {
                     bound_bytes: j.bound_bytes.or(j.estimate_bytes).unwrap_or(0),
                     warm_at_s: if used > 0 { f64::NEG_INFINITY } else { j.started_at.unwrap_or(t) + self.config.warmup_s },
                     load,
-                    exclusive: self.policy.runs_alone(&placement_view(j)),
+                    exclusive: inner.sched.alone(&placement_view(j), j.retries),
                 });
             }
             // Memory of processes that are not the daemon's jobs (other users, the driver).
-            let other = ((gv.used_mib * MIB as f64) as u64).saturating_sub(ours);
+            let other = r.used_bytes.saturating_sub(ours);
             if other > 0 {
                 gpu.residents.push(Resident { job: u64::MAX - k as u64, used_bytes: other, bound_bytes: 0, warm_at_s: f64::NEG_INFINITY, load: Load::default(), exclusive: false });
             }
-            if let Some(&(_, until)) = inner.warm.get(&gv.index) {
+            if let Some(&(_, until)) = inner.warm.get(&r.index) {
                 gpu.warm_until_s = until;
             }
         }
@@ -403,13 +439,15 @@ impl Daemon {
     fn start(&self, inner: &mut Inner, id: u64, gpus: &[u32], t: f64) -> Result<(), String> {
         let dir = JobDir::new(&self.state_dir, id);
         let job = inner.jobs.get_mut(&id).expect("job exists");
-        job.state = JobState::Starting;
-        job.assigned = gpus.to_vec();
-        job.started_at = Some(t);
-        job.pid = None;
+        let mut placed = job.clone();
+        placed.state = JobState::Starting;
+        placed.assigned = gpus.to_vec();
+        placed.started_at = Some(t);
+        placed.pid = None;
         // Recorded before the process exists: after a crash of the daemon here, the job is
         // requeued (no pid file appears), never run twice.
-        inner.store.transition(job, t, Some(&format!("placed on GPUs {gpus:?}")))?;
+        inner.store.transition(&placed, t, Some(&format!("placed on GPUs {gpus:?}")))?;
+        *job = placed;
         let launch_spec = Launch { request: &job.request, dir: &dir, gpus, job_id: id, attempt: job.retries + 1, fake: self.fake.is_some() };
         match launch(&self.supervisor, &launch_spec) {
             Ok(child) => {
@@ -449,10 +487,10 @@ impl Daemon {
         gauge("gpumem_queue_length", "Jobs waiting for GPUs.", vec![(String::new(), waiting as f64)]);
         gauge("gpumem_running_jobs", "Jobs running.", vec![(String::new(), running as f64)]);
         gauge("gpumem_jobs", "Jobs by state.", by_state.iter().map(|(s, n)| (format!("{{state=\"{s}\"}}"), *n as f64)).collect());
-        gauge("gpumem_gpu_memory_used_bytes", "GPU memory in use.", inner.gpus.iter().map(|g| (format!("{{gpu=\"{}\"}}", g.index), (g.used_mib * MIB as f64).round())).collect());
-        gauge("gpumem_gpu_memory_total_bytes", "GPU memory.", inner.gpus.iter().map(|g| (format!("{{gpu=\"{}\"}}", g.index), (g.total_mib * MIB as f64).round())).collect());
+        gauge("gpumem_gpu_memory_used_bytes", "GPU memory in use.", inner.gpus.iter().map(|g| (format!("{{gpu=\"{}\"}}", g.index), g.used_bytes as f64)).collect());
+        gauge("gpumem_gpu_memory_total_bytes", "GPU memory.", inner.gpus.iter().map(|g| (format!("{{gpu=\"{}\"}}", g.index), g.total_bytes as f64)).collect());
         gauge("gpumem_gpu_utilization", "NVML GPU utilization (0-1).", inner.gpus.iter().map(|g| (format!("{{gpu=\"{}\"}}", g.index), g.util)).collect());
-        gauge("gpumem_gpu_smact", "DCGM SM activity (0-1).", inner.gpus.iter().filter_map(|g| Some((format!("{{gpu=\"{}\"}}", g.index), g.smact?))).collect());
+        gauge("gpumem_gpu_smact", "DCGM SM activity (0-1).", inner.gpus.iter().filter_map(|g| Some((format!("{{gpu=\"{}\"}}", g.index), g.dcgm?.smact))).collect());
         out += &format!("# HELP gpumem_oom_crashes_total Out-of-memory crashes seen.\n# TYPE gpumem_oom_crashes_total counter\ngpumem_oom_crashes_total {}\n", inner.oom_crashes);
         let errors: Vec<f64> = inner
             .jobs
@@ -469,13 +507,40 @@ impl Daemon {
     }
 }
 
+/// Hands the waiting job `id` to the scheduler (ties of priority in id order: submission);
+/// its state follows the answer: queued, recovering, or failed past the retry limit.
+fn queue(inner: &mut Inner, id: u64, t: f64) {
+    let job = inner.jobs.get_mut(&id).expect("job exists");
+    match inner.sched.enqueue(placement_view(job), job.request.priority, job.id, job.retries) {
+        Queued::Waiting => job.state = JobState::Queued,
+        Queued::Recovering => job.state = JobState::OomRecovering,
+        Queued::Failed => {
+            job.state = JobState::Failed;
+            job.finished_at = Some(t);
+            job.error = Some(format!("out of GPU memory {} times", job.retries));
+        }
+    }
+}
+
+/// What the scheduler sees of a job (it marks one that ran out of memory to run alone).
 fn placement_view(j: &Job) -> gpumem_place::Job {
     let memory = match (j.estimate_bytes, j.bound_bytes) {
         (Some(e), b) => Some(MemoryDemand { estimate_bytes: e, upper_bound_bytes: b.unwrap_or(e).max(e) }),
         _ => None,
     };
-    // A job that ran out of memory once always runs alone afterwards (CARMA's recovery rule).
-    gpumem_place::Job { id: j.id, gpus: j.request.gpus, memory, true_bytes: None, load: Load::default(), exclusive: j.retries > 0 }
+    gpumem_place::Job { id: j.id, gpus: j.request.gpus, memory, true_bytes: None, load: Load::default(), exclusive: false }
+}
+
+/// Run times as submitters state them (`expected_s`): what backfilling goes by.
+struct Stated<'a>(&'a BTreeMap<u64, Job>);
+
+impl Forecast for Stated<'_> {
+    fn end_s(&self, job: u64) -> f64 {
+        self.0.get(&job).and_then(|j| Some(j.started_at? + j.request.expected_s?)).unwrap_or(f64::INFINITY)
+    }
+    fn run_s(&self, job: u64) -> Option<f64> {
+        self.0.get(&job)?.request.expected_s
+    }
 }
 
 fn view(j: &Job) -> JobView {

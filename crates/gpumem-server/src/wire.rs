@@ -5,6 +5,9 @@ use std::collections::BTreeMap;
 use gpumem_core::workload::Options;
 use serde::{Deserialize, Serialize};
 
+use gpumem_core::units::bytes_to_mib;
+use gpumem_monitor::GpuReading;
+
 /// A job's life: `queued` → `running` → `finished` | `failed` | `cancelled`; an out-of-memory
 /// crash goes to `oom-recovering` (waiting for an exclusive GPU) and back to `running`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -89,6 +92,11 @@ pub struct JobRequest {
     /// Higher runs first; ties in submission order.
     #[serde(default)]
     pub priority: i32,
+    /// How long the job is expected to run, in seconds. Only backfilling reads it: a job that
+    /// states it may start ahead of a waiting head when it ends before the head's turn (and a
+    /// running job that states it lets the head's turn be predicted). Nothing enforces it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_s: Option<f64>,
 }
 
 fn one() -> u32 {
@@ -123,6 +131,9 @@ impl JobRequest {
         }
         if self.batch == Some(0) || self.mem_mib == Some(0) {
             return Err("batch and mem_mib must be positive".into());
+        }
+        if self.expected_s.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
+            return Err("expected_s must be a positive number of seconds".into());
         }
         if self.name.as_ref().is_some_and(|n| n.len() > 200) {
             return Err("name: at most 200 bytes".into());
@@ -164,6 +175,23 @@ pub struct GpuView {
     pub smocc: Option<f64>,
     pub dram: Option<f64>,
     pub jobs: Vec<u64>,
+}
+
+impl GpuView {
+    /// A monitor's reading (bytes) as the API shows it (MiB), with the jobs running there.
+    pub fn new(r: &GpuReading, jobs: Vec<u64>) -> GpuView {
+        GpuView {
+            index: r.index,
+            name: r.name.clone(),
+            used_mib: bytes_to_mib(r.used_bytes),
+            total_mib: bytes_to_mib(r.total_bytes),
+            util: r.util,
+            smact: r.dcgm.map(|d| d.smact),
+            smocc: r.dcgm.map(|d| d.smocc),
+            dram: r.dcgm.map(|d| d.dram),
+            jobs,
+        }
+    }
 }
 
 /// Response to a submission.

@@ -1,9 +1,10 @@
 //! gpumem-sim: a trace-driven, discrete-event simulator of training jobs on shared GPUs.
 //!
 //! [`simulate`] replays [`SimJob`]s (arrival, GPUs, exclusive run time, true memory, the
-//! estimate under test, utilization) on a cluster of [`GpuSpec`]s under a placement policy from
-//! gpumem-place, with FIFO queueing (optional EASY backfill), CARMA's warm-up rule, out-of-memory
-//! crashes and exclusive recovery ([`SimConfig`]), and a replaceable [`Interference`] model; the
+//! estimate under test, utilization, priority) on a cluster of [`GpuSpec`]s under a placement
+//! policy, queued by gpumem-place's scheduler (the daemon's: recovery first, priority, then
+//! arrival order; optional EASY backfill), with CARMA's warm-up rule, out-of-memory crashes and
+//! exclusive recovery ([`SimConfig`]), and a replaceable [`Interference`] model; the
 //! [`Report`] holds makespan, waits, completion times, crashes, wasted GPU time, busy fraction,
 //! SMACT and energy, plus every [`Run`] for timelines. [`carma`] loads the seed authors' CARMA
 //! workload; [`synth`] makes large synthetic ones.

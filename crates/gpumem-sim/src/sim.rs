@@ -1,9 +1,9 @@
 //! The discrete-event engine: arrivals, placement, interference, crashes, recovery.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::BinaryHeap;
 
-use gpumem_place::{Cluster, Job, Load, MemoryDemand, Policy};
+use gpumem_place::{Cluster, Decision, Forecast, Job, Load, MemoryDemand, Policy, Queued, SchedOptions, Scheduler};
 use serde::Serialize;
 
 use crate::interference::Interference;
@@ -21,6 +21,8 @@ pub struct SimJob {
     /// What the estimator under test says (per GPU); `None` if it failed.
     pub memory: Option<MemoryDemand>,
     pub load: Load,
+    /// Higher starts first (0 unless given).
+    pub priority: i32,
 }
 
 /// A GPU of the simulated cluster.
@@ -38,17 +40,23 @@ pub struct SimConfig {
     pub policy: Policy,
     /// A job that pushed its GPU over capacity dies this long after it started.
     pub crash_after_s: f64,
-    /// Crashed jobs are re-placed exclusively at most this many times, then fail.
+    /// The scheduler's: re-runs alone after crashes before a job fails.
     pub max_retries: u32,
-    /// A GPU just given a job is not offered again for this long (CARMA: 30 s).
+    /// The scheduler's: a GPU just given a job is not offered again for this long.
     pub warmup_s: f64,
-    /// Start later jobs when the head must wait, on GPUs the head's reservation does not need.
+    /// The scheduler's: EASY backfill behind a head that must wait.
     pub backfill: bool,
 }
 
 impl SimConfig {
     pub fn new(gpus: Vec<GpuSpec>, policy: Policy) -> Self {
-        SimConfig { gpus, policy, crash_after_s: 60.0, max_retries: 3, warmup_s: 30.0, backfill: false }
+        let o = SchedOptions::new(policy);
+        SimConfig { gpus, policy, crash_after_s: 60.0, max_retries: o.max_retries, warmup_s: o.warmup_s, backfill: o.backfill }
+    }
+
+    /// gpumem-place's scheduler with these knobs.
+    pub fn sched(&self) -> SchedOptions {
+        SchedOptions { policy: self.policy, backfill: self.backfill, max_retries: self.max_retries, warmup_s: self.warmup_s }
     }
 }
 
@@ -57,7 +65,7 @@ impl SimConfig {
 #[serde(rename_all = "kebab-case")]
 pub enum Outcome {
     Finished,
-    /// Out of memory; requeued for exclusive recovery.
+    /// Out of memory; queued for recovery (to run alone).
     Crashed,
     /// Out of memory with no retries left.
     Failed,
@@ -150,7 +158,6 @@ struct Running {
 struct JobState {
     running: Option<Running>,
     retries: u32,
-    recovering: bool,
     start: f64,
     end: Option<f64>,
 }
@@ -165,14 +172,16 @@ struct GpuMeter {
     smact_s: f64,
 }
 
+/// Everything but the cluster and the scheduler, which the engine lends to each other: the
+/// scheduler places on the cluster and the engine (its [`Forecast`]) starts each job as it is
+/// placed, so the next decision (and a backfill reservation) sees the new rates.
 struct Engine<'a> {
     jobs: &'a [SimJob],
     cfg: &'a SimConfig,
     interference: &'a dyn Interference,
-    cluster: Cluster,
     state: Vec<JobState>,
-    queue: VecDeque<usize>,
-    recovery: VecDeque<usize>,
+    /// Arrivals so far: the submission order.
+    arrived: u64,
     events: BinaryHeap<Reverse<Event>>,
     seq: u64,
     meters: Vec<GpuMeter>,
@@ -199,14 +208,14 @@ pub fn simulate(jobs: &[SimJob], cfg: &SimConfig, interference: &dyn Interferenc
             return Err(SimError::TooManyGpus { index, name: j.name.clone(), gpus: j.gpus, have: cfg.gpus.len() });
         }
     }
+    let mut cluster = Cluster::new(cfg.gpus.iter().map(|g| g.capacity_bytes));
+    let mut sched = Scheduler::new(cfg.sched());
     let mut e = Engine {
         jobs,
         cfg,
         interference,
-        cluster: Cluster::new(cfg.gpus.iter().map(|g| g.capacity_bytes)),
         state: vec![JobState::default(); jobs.len()],
-        queue: VecDeque::new(),
-        recovery: VecDeque::new(),
+        arrived: 0,
         events: BinaryHeap::new(),
         seq: 0,
         meters: vec![GpuMeter::default(); cfg.gpus.len()],
@@ -221,35 +230,59 @@ pub fn simulate(jobs: &[SimJob], cfg: &SimConfig, interference: &dyn Interferenc
     while let Some(Reverse(ev)) = e.events.pop() {
         let now = ev.at;
         match ev.kind {
-            Kind::Arrive(j) => e.queue.push_back(j),
+            Kind::Arrive(j) => {
+                sched.enqueue(e.view(j), jobs[j].priority, e.arrived, 0);
+                e.arrived += 1;
+            }
             Kind::Finish(j, v) => {
                 if e.state[j].running.as_ref().is_none_or(|r| r.version != v) {
                     continue;
                 }
-                e.stop(j, now, Outcome::Finished);
+                e.stop(j, now, Outcome::Finished, &mut cluster);
             }
             Kind::Crash(j) => {
                 e.crashes += 1;
                 e.state[j].retries += 1;
-                let outcome = if e.state[j].retries > cfg.max_retries { Outcome::Failed } else { Outcome::Crashed };
-                let gpus = e.stop(j, now, outcome);
+                let queued = sched.enqueue(e.view(j), jobs[j].priority, 0, e.state[j].retries);
+                let outcome = if queued == Queued::Failed { Outcome::Failed } else { Outcome::Crashed };
+                let gpus = e.stop(j, now, outcome, &mut cluster);
                 e.wasted_gpu_s += (now - e.state[j].start) * gpus as f64;
-                if outcome == Outcome::Crashed {
-                    e.state[j].recovering = true;
-                    e.recovery.push_back(j);
-                } else {
+                if outcome == Outcome::Failed {
                     e.failed += 1;
                 }
             }
             Kind::Warm => {}
         }
-        e.schedule(now);
+        // The scheduler runs after each event, but jobs that arrive at the same instant are all
+        // queued first, so they start in priority order (as the daemon orders the submissions of
+        // one tick).
+        let more_arrive_now = matches!(ev.kind, Kind::Arrive(_)) && e.events.peek().is_some_and(|Reverse(next)| next.at == now && matches!(next.kind, Kind::Arrive(_)));
+        if !more_arrive_now {
+            sched.schedule(&mut cluster, now, &mut e);
+        }
     }
-    let unplaced = e.queue.len() + e.recovery.len();
-    if unplaced > 0 {
-        return Err(SimError::Unplaced(unplaced));
+    if !sched.is_empty() {
+        return Err(SimError::Unplaced(sched.len()));
     }
-    Ok(e.report())
+    Ok(e.report(&cluster))
+}
+
+impl Forecast for Engine<'_> {
+    fn end_s(&self, job: u64) -> f64 {
+        self.state[job as usize].running.as_ref().map_or(f64::INFINITY, |r| r.since + r.remaining / r.rate.max(1e-9))
+    }
+
+    fn run_s(&self, job: u64) -> Option<f64> {
+        Some(self.jobs[job as usize].work_s)
+    }
+
+    fn slows(&self, loads: &[Load]) -> bool {
+        self.interference.rates(loads).iter().any(|&r| r < 1.0)
+    }
+
+    fn placed(&mut self, d: &Decision, cluster: &Cluster, now: f64) {
+        self.start(d.job as usize, &d.gpus, now, cluster);
+    }
 }
 
 impl Engine<'_> {
@@ -258,102 +291,16 @@ impl Engine<'_> {
         self.events.push(Reverse(Event { at, seq: self.seq, kind }));
     }
 
+    /// What the scheduler sees of job `j` (it marks a crashed job to run alone).
     fn view(&self, j: usize) -> Job {
         let s = &self.jobs[j];
-        Job {
-            id: j as u64,
-            gpus: s.gpus,
-            memory: s.memory,
-            true_bytes: Some(s.true_bytes),
-            load: s.load,
-            exclusive: self.state[j].recovering,
-        }
+        Job { id: j as u64, gpus: s.gpus, memory: s.memory, true_bytes: Some(s.true_bytes), load: s.load, exclusive: false }
     }
 
-    /// Places queue heads (recovery first) until one must wait; then, with backfill, later jobs.
-    fn schedule(&mut self, now: f64) {
-        loop {
-            let (from_recovery, head) = match (self.recovery.front(), self.queue.front()) {
-                (Some(&j), _) => (true, j),
-                (None, Some(&j)) => (false, j),
-                (None, None) => return,
-            };
-            let job = self.view(head);
-            match self.cfg.policy.place(&self.cluster, &job, now) {
-                Some(gpus) => {
-                    if from_recovery {
-                        self.recovery.pop_front();
-                    } else {
-                        self.queue.pop_front();
-                    }
-                    self.start(head, &job, &gpus, now);
-                }
-                None => {
-                    if self.cfg.backfill {
-                        self.backfill(head, now);
-                    }
-                    return;
-                }
-            }
-        }
-    }
-
-    /// EASY backfilling: reserve for the head the GPUs it gets once enough running jobs end (in
-    /// their predicted order); start later jobs on other GPUs, or on reserved ones only if they
-    /// end before the reservation without slowing anyone, so the head is never delayed.
-    fn backfill(&mut self, head: usize, now: f64) {
-        let head_job = self.view(head);
-        let mut ending: Vec<(f64, usize)> = self
-            .state
-            .iter()
-            .enumerate()
-            .filter_map(|(j, s)| s.running.as_ref().map(|r| (r.since + r.remaining / r.rate.max(1e-9), j)))
-            .collect();
-        ending.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let mut future = self.cluster.clone();
-        let mut reservation = None;
-        for (at, j) in ending {
-            future.release(j as u64);
-            if let Some(g) = self.cfg.policy.place(&future, &head_job, f64::INFINITY) {
-                reservation = Some((at, g));
-                break;
-            }
-        }
-        let Some((shadow, reserved)) = reservation else { return };
-        let candidates: Vec<(bool, usize)> = self
-            .recovery
-            .iter()
-            .map(|&j| (true, j))
-            .chain(self.queue.iter().map(|&j| (false, j)))
-            .filter(|&(_, j)| j != head)
-            .collect();
-        for (from_recovery, j) in candidates {
-            let job = self.view(j);
-            if let Some(gpus) = self.cfg.policy.place(&self.cluster, &job, now)
-                && (gpus.iter().all(|g| !reserved.contains(g)) || self.done_before(&job, &gpus, now, shadow))
-            {
-                let q = if from_recovery { &mut self.recovery } else { &mut self.queue };
-                q.retain(|&x| x != j);
-                self.start(j, &job, &gpus, now);
-            }
-        }
-    }
-
-    /// A backfilled job may use reserved GPUs if, at full speed and slowing nobody, it ends
-    /// before the head's reserved start.
-    fn done_before(&self, job: &Job, gpus: &[usize], now: f64, shadow: f64) -> bool {
-        now + self.jobs[job.id as usize].work_s <= shadow
-            && gpus.iter().all(|&g| {
-                let mut loads: Vec<Load> = self.cluster.gpus[g].residents.iter().map(|r| r.load).collect();
-                loads.push(job.load);
-                self.interference.rates(&loads).iter().all(|&r| r >= 1.0)
-            })
-    }
-
-    fn start(&mut self, j: usize, job: &Job, gpus: &[usize], now: f64) {
-        let alone = self.cfg.policy.runs_alone(job);
-        self.cluster.assign(job, gpus, alone, now, self.cfg.warmup_s);
-        let over = gpus.iter().any(|&g| self.cluster.gpus[g].used_bytes() > self.cluster.gpus[g].capacity_bytes);
+    /// Starts the run of `j` that the scheduler has just assigned on `gpus`; the job that
+    /// pushed a GPU over capacity crashes.
+    fn start(&mut self, j: usize, gpus: &[usize], now: f64, cluster: &Cluster) {
+        let over = gpus.iter().any(|&g| cluster.gpus[g].used_bytes() > cluster.gpus[g].capacity_bytes);
         self.state[j].start = now;
         self.state[j].running = Some(Running {
             gpus: gpus.to_vec(),
@@ -370,33 +317,33 @@ impl Engine<'_> {
         if self.cfg.warmup_s > 0.0 {
             self.push(now + self.cfg.warmup_s, Kind::Warm);
         }
-        self.changed(gpus, now);
+        self.changed(gpus, now, cluster);
     }
 
     /// Ends the current run of `j`; returns how many GPUs it held.
-    fn stop(&mut self, j: usize, now: f64, outcome: Outcome) -> usize {
+    fn stop(&mut self, j: usize, now: f64, outcome: Outcome, cluster: &mut Cluster) -> usize {
         let run = self.state[j].running.take().expect("a running job");
-        self.cluster.release(j as u64);
+        cluster.release(j as u64);
         if outcome != Outcome::Crashed {
             self.state[j].end = Some(now);
         }
         let n = run.gpus.len();
-        self.changed(&run.gpus, now);
+        self.changed(&run.gpus, now, cluster);
         self.runs.push(Run { job: j, gpus: run.gpus, start_s: run.start, end_s: now, outcome });
         n
     }
 
     /// The residents of `gpus` changed: settle meters and progress, then re-rate every job there.
-    fn changed(&mut self, gpus: &[usize], now: f64) {
+    fn changed(&mut self, gpus: &[usize], now: f64, cluster: &Cluster) {
         let mut affected: Vec<usize> = Vec::new();
         for &g in gpus {
-            self.meter(g, now);
-            affected.extend(self.cluster.gpus[g].residents.iter().map(|r| r.job as usize));
+            self.meter(g, now, cluster);
+            affected.extend(cluster.gpus[g].residents.iter().map(|r| r.job as usize));
         }
         affected.sort_unstable();
         affected.dedup();
         for j in affected {
-            let rate = self.rate_of(j);
+            let rate = self.rate_of(j, cluster);
             let Some(r) = self.state[j].running.as_mut() else { continue };
             r.remaining = (r.remaining - (now - r.since) * r.rate).max(0.0);
             r.since = now;
@@ -410,8 +357,8 @@ impl Engine<'_> {
     }
 
     /// Integrates GPU `g`'s busy time and SMACT up to `now`, then takes its current state.
-    fn meter(&mut self, g: usize, now: f64) {
-        let gpu = &self.cluster.gpus[g];
+    fn meter(&mut self, g: usize, now: f64, cluster: &Cluster) {
+        let gpu = &cluster.gpus[g];
         let m = &mut self.meters[g];
         let dt = now - m.since;
         if m.busy {
@@ -424,12 +371,12 @@ impl Engine<'_> {
     }
 
     /// A job runs at the pace of its slowest GPU.
-    fn rate_of(&self, j: usize) -> f64 {
+    fn rate_of(&self, j: usize, cluster: &Cluster) -> f64 {
         let Some(r) = &self.state[j].running else { return 1.0 };
         r.gpus
             .iter()
             .map(|&g| {
-                let residents = &self.cluster.gpus[g].residents;
+                let residents = &cluster.gpus[g].residents;
                 let loads: Vec<Load> = residents.iter().map(|x| x.load).collect();
                 let at = residents.iter().position(|x| x.job == j as u64).unwrap_or(0);
                 self.interference.rates(&loads).get(at).copied().unwrap_or(1.0)
@@ -437,12 +384,12 @@ impl Engine<'_> {
             .fold(1.0, f64::min)
     }
 
-    fn report(mut self) -> Report {
+    fn report(mut self, cluster: &Cluster) -> Report {
         let first = self.jobs.iter().map(|j| j.arrival_s).fold(f64::INFINITY, f64::min);
         let last = self.state.iter().filter_map(|s| s.end).fold(first, f64::max);
         let makespan = if self.jobs.is_empty() { 0.0 } else { last - first };
         for g in 0..self.meters.len() {
-            self.meter(g, last);
+            self.meter(g, last, cluster);
         }
         let mut waits = Vec::new();
         let mut jct = 0.0;

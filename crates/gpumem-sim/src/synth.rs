@@ -33,6 +33,7 @@ pub fn workload(count: usize, span_s: f64, capacity_bytes: u64, seed: u64) -> Ve
                 true_bytes,
                 memory: Some(MemoryDemand { estimate_bytes: estimate, upper_bound_bytes: estimate + estimate / 10 + 64 * MIB }),
                 load: Load { smact, smocc: smact * 0.4, dram: 0.5 * rng.unit() },
+                priority: 0,
             }
         })
         .collect()

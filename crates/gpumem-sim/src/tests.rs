@@ -18,6 +18,7 @@ fn job(name: &str, arrival_s: f64, gpus: u32, work_s: f64, true_gib: u64, estima
         true_bytes: true_gib * GIB,
         memory: Some(MemoryDemand::point(estimate_gib * GIB)),
         load: Load { smact, smocc: 0.1, dram: 0.1 },
+        priority: 0,
     }
 }
 
@@ -104,6 +105,24 @@ fn backfill_uses_gaps_without_delaying_the_head() {
     assert_eq!(start(&easy, 2), 2.0, "short ends before wide's reservation");
     assert_eq!(start(&easy, 1), 1000.0, "the head is not delayed");
     assert!(start(&easy, 3) >= 1000.0, "late-long would delay the head, so it waits");
+}
+
+#[test]
+fn higher_priority_jobs_start_first() {
+    let mut jobs = vec![job("first", 0.0, 1, 100.0, 5, 5, 0.3), job("low", 1.0, 1, 100.0, 5, 5, 0.3), job("high", 2.0, 1, 100.0, 5, 5, 0.3)];
+    jobs[2].priority = 1;
+    let r = run(&jobs, &config(1, "exclusive"));
+    let start = |j: usize| r.runs.iter().find(|x| x.job == j).unwrap().start_s;
+    assert_eq!((start(0), start(2), start(1)), (0.0, 100.0, 200.0));
+    // All at priority 0: arrival order.
+    jobs[2].priority = 0;
+    let r = run(&jobs, &config(1, "exclusive"));
+    assert_eq!(r.runs.iter().map(|x| x.job).collect::<Vec<_>>(), [0, 1, 2]);
+    // Jobs that arrive together are ordered by priority before any starts.
+    let mut together = vec![job("low", 0.0, 1, 100.0, 5, 5, 0.3), job("high", 0.0, 1, 100.0, 5, 5, 0.3)];
+    together[1].priority = 1;
+    let r = run(&together, &config(1, "exclusive"));
+    assert_eq!(r.runs.iter().map(|x| x.job).collect::<Vec<_>>(), [1, 0]);
 }
 
 #[test]
