@@ -83,7 +83,7 @@ enum Command {
     /// List the daemon's jobs.
     Jobs(server::JobsArgs),
     /// One job of the daemon (or its log).
-    Job(server::JobArgs2),
+    Job(server::JobShowArgs),
     /// Cancel a job (SIGTERM, then SIGKILL after the grace period).
     Cancel(server::CancelArgs),
     /// Submit many small jobs to a daemon and report throughput and latency.

@@ -262,7 +262,7 @@ pub fn jobs(a: JobsArgs) -> CliResult {
 }
 
 #[derive(Args)]
-pub struct JobArgs2 {
+pub struct JobShowArgs {
     id: u64,
     #[command(flatten)]
     server: ServerArgs,
@@ -273,7 +273,7 @@ pub struct JobArgs2 {
     log: bool,
 }
 
-pub fn job(a: JobArgs2) -> CliResult {
+pub fn job(a: JobShowArgs) -> CliResult {
     if a.log {
         print!("{}", a.server.call("GET", &format!("/jobs/{}/log", a.id), None::<&()>)?);
         return Ok(());

@@ -31,7 +31,7 @@ pub fn trace(a: TraceArgs) -> CliResult {
     let f = File::create(&a.out).map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
     let mut w = BufWriter::new(f);
     t.write(&mut w).and_then(|_| w.flush()).map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
-    println!("wrote {} ({} events, {} iterations)", a.out.display(), t.events.len(), t.header.iterations);
+    println!("wrote {} ({} events, {} iterations)", a.out.display(), t.events().len(), t.header.iterations);
     Ok(())
 }
 

@@ -12,32 +12,19 @@ fn main() {
     divan::main();
 }
 
-/// A transformer whose training-step trace has about 100k events.
+/// A transformer whose training-step trace has at least 100k events.
 fn big_trace() -> Trace {
-    let m = ModelSpec::parse("transformer:vocab=8000,embed=256,layers=48,heads=8,ff=1024,seq=128,classes=10,arch=hybrid").unwrap();
+    let m = ModelSpec::parse("transformer:vocab=8000,embed=256,layers=240,heads=8,ff=1024,seq=128,classes=10,arch=hybrid").unwrap();
     let t = m.trace(&JobOptions::new(16)).unwrap();
-    assert!(t.events.len() >= 20_000, "{} events", t.events.len());
+    assert!(t.events().len() >= 100_000, "{} events", t.events().len());
     t
 }
 
 #[divan::bench]
 fn replay_100k_events(bencher: Bencher) {
-    let one = big_trace();
-    // Concatenate copies (fresh ids each) until the trace has at least 100k events.
-    let mut events = Vec::new();
-    let mut ids = Vec::new();
-    while events.len() < 100_000 {
-        let off = ids.len() as u32;
-        ids.extend(one.ids.iter().map(|i| i + off as u64 * 1_000_000));
-        events.extend(one.events.iter().map(|e| match *e {
-            gpumem_core::trace::Event::Alloc { slot, bytes, category, phase, op, module, stream } => gpumem_core::trace::Event::Alloc { slot: slot + off, bytes, category, phase, op, module, stream },
-            gpumem_core::trace::Event::Free { slot } => gpumem_core::trace::Event::Free { slot: slot + off },
-            other => other,
-        }));
-    }
-    let trace = Trace { events, ids, ..one };
+    let trace = big_trace();
     let profile = builtin("h200").unwrap();
-    let n = trace.events.len();
+    let n = trace.events().len();
     bencher.counter(ItemsCount::new(n)).bench(|| Replay::default().estimate(black_box(&trace), &profile).unwrap());
 }
 

@@ -91,8 +91,8 @@ pub struct PeakAt {
 
 impl PeakAt {
     fn of(trace: &Trace, event: usize, iteration: u32) -> Option<PeakAt> {
-        let Event::Alloc { phase, op, module, .. } = trace.events[event] else { return None };
-        Some(PeakAt { phase, op: trace.ops[op as usize].clone(), module: trace.module(module).map(str::to_string), iteration, event: event as u32 })
+        let Event::Alloc { phase, op, module, .. } = trace.events()[event] else { return None };
+        Some(PeakAt { phase, op: trace.op_name(op).to_string(), module: trace.module(module).map(str::to_string), iteration, event: event as u32 })
     }
 
     /// "backward, layer4.2.conv3 (convolution_backward), iteration 2"
@@ -237,7 +237,7 @@ struct Run {
 impl Replay {
     fn run(&self, trace: &Trace, profile: &GpuProfile, capacity: u64) -> Result<Run, EstimateError> {
         let cfg = profile.allocator_config()?;
-        let workspace_op = trace.ops.iter().position(|o| o == "cublas_workspace").map(|i| i as u32);
+        let workspace_op = trace.op_names().iter().position(|o| o == "cublas_workspace").map(|i| i as u32);
         let workspace = profile.cublas_workspace();
         let mut alloc = CachingAllocator::new(cfg, capacity);
         let mut slots: Vec<Option<(crate::allocator::BlockId, u8, u64)>> = vec![None; trace.slots()];
@@ -246,7 +246,7 @@ impl Replay {
         let mut fragmentation = 0;
         let mut timeline = Vec::new();
         let mut oom = None;
-        for (n, ev) in trace.events.iter().enumerate() {
+        for (n, ev) in trace.events().iter().enumerate() {
             match *ev {
                 Event::Alloc { slot, bytes, category, op, stream, .. } => {
                     let bytes = if category == Category::Workspace && Some(op) == workspace_op { workspace } else { bytes };
@@ -359,7 +359,7 @@ impl Estimator for LiveTensors {
         let mut live = [0u64; 7];
         let (mut total, mut peak, mut at_peak) = (0u64, 0u64, [0u64; 7]);
         let (mut iteration, mut peak_event) = (0u32, None);
-        for (n, ev) in trace.events.iter().enumerate() {
+        for (n, ev) in trace.events().iter().enumerate() {
             match *ev {
                 // The cuBLAS workspace is not a tensor: FakeTensor never sees it.
                 Event::Alloc { category: Category::Workspace, .. } => {}

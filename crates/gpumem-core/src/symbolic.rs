@@ -101,10 +101,10 @@ impl SymbolicTrace {
             return Err(SymbolicError::TooFewTraces);
         }
         let first = &traces[0];
-        let n = first.events.len();
+        let n = first.events().len();
         for t in &traces[1..] {
-            if t.events.len() != n {
-                return Err(SymbolicError::EventCounts { events: n, batch: first.header.batch_size, other_events: t.events.len(), other_batch: t.header.batch_size });
+            if t.events().len() != n {
+                return Err(SymbolicError::EventCounts { events: n, batch: first.header.batch_size, other_events: t.events().len(), other_batch: t.header.batch_size });
             }
             if t.ops != first.ops || t.ids != first.ids {
                 return Err(SymbolicError::NamesDiffer { batch: first.header.batch_size, other_batch: t.header.batch_size });
@@ -112,26 +112,26 @@ impl SymbolicTrace {
         }
         let batches: Vec<u64> = traces.iter().map(|t| t.header.batch_size).collect();
         let affine = |k: usize, get: &dyn Fn(&Event) -> u64| -> Result<Affine, SymbolicError> {
-            let points: Vec<(u64, u64)> = traces.iter().map(|t| (t.header.batch_size, get(&t.events[k]))).collect();
+            let points: Vec<(u64, u64)> = traces.iter().map(|t| (t.header.batch_size, get(&t.events()[k]))).collect();
             Affine::fit(&points).ok_or(SymbolicError::NotAffine { event: k + 1, points })
         };
         let mut events = Vec::with_capacity(n);
         for k in 0..n {
-            let e = first.events[k];
-            let same_kind = traces.iter().all(|t| std::mem::discriminant(&t.events[k]) == std::mem::discriminant(&e));
+            let e = first.events()[k];
+            let same_kind = traces.iter().all(|t| std::mem::discriminant(&t.events()[k]) == std::mem::discriminant(&e));
             if !same_kind {
                 return Err(SymbolicError::KindDiffers { event: k + 1 });
             }
             events.push(match e {
                 Event::Alloc { slot, category, phase, op, module, stream, .. } => {
-                    let ok = traces.iter().all(|t| matches!(t.events[k], Event::Alloc { slot: s, category: c, phase: p, op: o, module: m, stream: st, .. } if s == slot && c == category && p == phase && o == op && m == module && st == stream));
+                    let ok = traces.iter().all(|t| matches!(t.events()[k], Event::Alloc { slot: s, category: c, phase: p, op: o, module: m, stream: st, .. } if s == slot && c == category && p == phase && o == op && m == module && st == stream));
                     if !ok {
                         return Err(SymbolicError::AllocationDiffers { event: k + 1 });
                     }
                     SymEvent::Alloc { slot, bytes: affine(k, &|e| if let Event::Alloc { bytes, .. } = e { *bytes } else { 0 })?, category, phase, op, module, stream }
                 }
                 Event::Free { slot } => {
-                    if !traces.iter().all(|t| t.events[k] == e) {
+                    if !traces.iter().all(|t| t.events()[k] == e) {
                         return Err(SymbolicError::FreeDiffers { event: k + 1 });
                     }
                     SymEvent::Free { slot }
@@ -208,7 +208,7 @@ fn validated(t: &Trace) -> Result<(), SymbolicError> {
     let name = |i: u32| t.ops.get(i as usize).map(String::as_str).ok_or(SymbolicError::NameOutOfRange(i));
     let id = |slot: u32| t.ids.get(slot as usize).copied().ok_or(SymbolicError::SlotOutOfRange(slot));
     let mut b = TraceBuilder::new(t.header.clone());
-    for e in &t.events {
+    for e in t.events() {
         match *e {
             Event::Alloc { slot, bytes, category, phase, op, module, stream } => {
                 let module = if module == crate::trace::NO_MODULE { None } else { Some(name(module)?) };

@@ -151,11 +151,12 @@ impl TraceHeader {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Trace {
     pub header: TraceHeader,
-    pub events: Vec<Event>,
+    /// Private: only the builder (and a symbolic trace evaluated from valid traces) makes them.
+    pub(crate) events: Vec<Event>,
     /// Interned names: kernels' op names and modules' paths.
-    pub ops: Vec<String>,
+    pub(crate) ops: Vec<String>,
     /// The producer's id for each dense slot.
-    pub ids: Vec<u64>,
+    pub(crate) ids: Vec<u64>,
 }
 
 /// Why a trace was rejected. `line` is 1-based (the header is line 1); 0 when built in memory.
@@ -429,6 +430,21 @@ impl Trace {
     }
 
     /// The path of interned module `module`, if any.
+    /// The events in order.
+    pub fn events(&self) -> &[Event] {
+        &self.events
+    }
+
+    /// The interned name `op` of an event (an op name or a module path).
+    pub fn op_name(&self, op: u32) -> &str {
+        &self.ops[op as usize]
+    }
+
+    /// Every interned name, by index.
+    pub fn op_names(&self) -> &[String] {
+        &self.ops
+    }
+
     pub fn module(&self, module: u32) -> Option<&str> {
         (module != NO_MODULE).then(|| self.ops[module as usize].as_str())
     }

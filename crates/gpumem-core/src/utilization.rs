@@ -100,9 +100,9 @@ pub fn physical(trace: &Trace, profile: &GpuProfile, host: &HostModel) -> Utiliz
     let sms = f64::from(profile.sm_count.max(1));
     let precision = trace.header.precision.as_str();
     let (mut busy, mut sm_busy, mut occupied, mut dram, mut fp32, mut kernels) = (0.0, 0.0, 0.0, 0.0, 0.0, 0u64);
-    for ev in &trace.events {
+    for ev in trace.events() {
         let Event::Op { op, flops, bytes_read, bytes_written } = *ev else { continue };
-        let unit = unit(&trace.ops[op as usize]);
+        let unit = unit(&trace.op_name(op));
         let bytes = (bytes_read + bytes_written) as f64;
         let compute = flops as f64 / (peak_flops(profile, unit, precision) * COMPUTE_EFFICIENCY);
         let memory = bytes / (bandwidth * MEMORY_EFFICIENCY);

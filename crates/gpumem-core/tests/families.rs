@@ -45,7 +45,7 @@ fn every_family_optimizer_and_precision_traces_and_round_trips() {
 }
 
 fn category_bytes(t: &Trace, c: Category) -> u64 {
-    t.events.iter().map(|e| match *e {
+    t.events().iter().map(|e| match *e {
         Event::Alloc { bytes, category, .. } if category == c => bytes,
         _ => 0,
     }).sum()
@@ -61,8 +61,8 @@ fn optimizer_state_matches_the_optimizer() {
 }
 
 fn op_bytes(t: &Trace, name: &str) -> u64 {
-    let Some(op) = t.ops.iter().position(|o| o == name) else { return 0 };
-    t.events.iter().map(|e| match *e {
+    let Some(op) = t.op_names().iter().position(|o| o == name) else { return 0 };
+    t.events().iter().map(|e| match *e {
         Event::Alloc { bytes, op: o, .. } if o as usize == op => bytes,
         _ => 0,
     }).sum()
@@ -88,7 +88,7 @@ fn autocast_halves_matmul_outputs_and_adds_weight_copies() {
 fn gradients_are_freed_by_zero_grad_and_recreated() {
     let t = trace(MODELS[0], 16, Optimizer::Adam, Precision::Fp32);
     let params = ModelSpec::parse(MODELS[0]).unwrap().graph(16, Precision::Fp32).params.len() as u64;
-    let grads = t.events.iter().filter(|e| matches!(e, Event::Alloc { category: Category::Gradient, .. })).count() as u64;
+    let grads = t.events().iter().filter(|e| matches!(e, Event::Alloc { category: Category::Gradient, .. })).count() as u64;
     assert_eq!(grads, params * t.header.iterations as u64, "one gradient per parameter per iteration");
 }
 

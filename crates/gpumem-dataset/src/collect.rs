@@ -18,7 +18,7 @@ use gpumem_monitor::{Dcgm, FakeGpus, Monitor, MonitorError};
 use gpumem_torch::{BridgeError, TorchTracer};
 use serde::Deserialize;
 
-use crate::Job;
+use crate::SyntheticJob;
 
 /// Why a runner could not start a job.
 #[derive(Debug, thiserror::Error)]
@@ -88,7 +88,7 @@ pub trait Running {
 
 /// Something that trains jobs.
 pub trait Runner {
-    fn start(&mut self, job: &Job, gpu: u32) -> Result<Box<dyn Running>, RunnerError>;
+    fn start(&mut self, job: &SyntheticJob, gpu: u32) -> Result<Box<dyn Running>, RunnerError>;
     /// Whether its measurements are made up (gpumem's estimate plus noise).
     fn synthetic(&self) -> bool;
 }
@@ -135,7 +135,7 @@ impl Running for PythonJob {
 }
 
 impl Runner for PythonRunner {
-    fn start(&mut self, job: &Job, gpu: u32) -> Result<Box<dyn Running>, RunnerError> {
+    fn start(&mut self, job: &SyntheticJob, gpu: u32) -> Result<Box<dyn Running>, RunnerError> {
         let mut cmd = self.tracer.module_command("gpumem_trace.run")?;
         cmd.arg(&job.model)
             .args(["--batch", &job.batch.to_string(), "--seconds", &self.seconds.to_string(), "--device", &self.device])
@@ -189,7 +189,7 @@ impl Running for SimulatedJob {
 }
 
 impl Runner for SimulatedRunner {
-    fn start(&mut self, job: &Job, gpu: u32) -> Result<Box<dyn Running>, RunnerError> {
+    fn start(&mut self, job: &SyntheticJob, gpu: u32) -> Result<Box<dyn Running>, RunnerError> {
         let spec = ModelSpec::parse(&job.model)?;
         let trace = spec.trace(&JobOptions::on(&self.profile, job.batch))?;
         let est = Replay::default().estimate(&trace, &self.profile)?;
@@ -318,7 +318,7 @@ pub struct Summary {
 
 /// Runs every job not yet in `cfg.out`, appending a row per job; `progress(done, total, id,
 /// status)` after each.
-pub fn collect(jobs: &[Job], runner: &mut dyn Runner, monitor: &mut dyn Monitor, cfg: &CollectConfig, mut progress: impl FnMut(usize, usize, &str, &str)) -> Result<Summary, CollectError> {
+pub fn collect(jobs: &[SyntheticJob], runner: &mut dyn Runner, monitor: &mut dyn Monitor, cfg: &CollectConfig, mut progress: impl FnMut(usize, usize, &str, &str)) -> Result<Summary, CollectError> {
     if cfg.gpu as usize >= monitor.gpu_count() {
         return Err(CollectError::NoGpu { gpu: cfg.gpu, count: monitor.gpu_count() });
     }

@@ -6,7 +6,7 @@ use gpumem_core::graph::Activation;
 use gpumem_core::rng::SplitMix64;
 use serde::{Deserialize, Serialize};
 
-use crate::Job;
+use crate::SyntheticJob;
 
 /// An inclusive integer range.
 pub type Span = [u64; 2];
@@ -226,7 +226,7 @@ impl Draw {
 }
 
 /// `count` jobs of `family`, ids `FAMILY-000001`…; each spec parses as a native model.
-pub fn generate(family: Family, count: usize, seed: u64, ranges: &Ranges) -> Result<Vec<Job>, RangesError> {
+pub fn generate(family: Family, count: usize, seed: u64, ranges: &Ranges) -> Result<Vec<SyntheticJob>, RangesError> {
     ranges.check()?;
     let mut d = Draw(SplitMix64(seed ^ (family as u64).wrapping_mul(0x9E37_79B9)));
     (0..count)
@@ -237,7 +237,7 @@ pub fn generate(family: Family, count: usize, seed: u64, ranges: &Ranges) -> Res
                 Family::Transformer => transformer(&mut d, &ranges.transformer),
             };
             let spec = ModelSpec::parse(&model).map_err(|source| RangesError::InvalidSpec { model: model.clone(), source })?;
-            Ok(Job { id: format!("{}-{:06}", family.name(), i + 1), family: family.name().into(), model: spec.to_spec_string(), batch })
+            Ok(SyntheticJob { id: format!("{}-{:06}", family.name(), i + 1), family: family.name().into(), model: spec.to_spec_string(), batch })
         })
         .collect()
 }

@@ -1,6 +1,6 @@
 //! gpumem-dataset: the seed's data pipeline, so anyone can measure their own GPU and stack.
 //!
-//! - [`generate`]: random [`Job`]s of the MLP, CNN and Transformer families from the seed's
+//! - [`generate`]: random [`SyntheticJob`]s of the MLP, CNN and Transformer families from the seed's
 //!   parameter ranges ([`generate::Ranges`], overridable), deterministic for a seed; job lists are
 //!   JSON Lines ([`read_jobs`], [`write_jobs`]).
 //! - [`collect`]: runs jobs one at a time through a [`collect::Runner`] — the Python workload
@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 /// One training job to measure.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Job {
+pub struct SyntheticJob {
     pub id: String,
     pub family: String,
     /// A native model spec (`mlp:…`, `cnn:…`, `transformer:…`).
@@ -47,7 +47,7 @@ pub enum JobsError {
 }
 
 /// Reads a job list (one JSON object per line; blank lines ignored).
-pub fn read_jobs(path: &Path) -> Result<Vec<Job>, JobsError> {
+pub fn read_jobs(path: &Path) -> Result<Vec<SyntheticJob>, JobsError> {
     let file = || path.display().to_string();
     let f = std::fs::File::open(path).map_err(|source| JobsError::Io { file: file(), source })?;
     let mut jobs = Vec::new();
@@ -57,12 +57,12 @@ pub fn read_jobs(path: &Path) -> Result<Vec<Job>, JobsError> {
         if text.trim().is_empty() {
             continue;
         }
-        let job: Job = serde_json::from_str(&text).map_err(|source| JobsError::Json { file: file(), line, source })?;
+        let job: SyntheticJob = serde_json::from_str(&text).map_err(|source| JobsError::Json { file: file(), line, source })?;
         gpumem_core::families::ModelSpec::parse(&job.model).map_err(|e| JobsError::Spec { file: file(), line, source: Box::new(e) })?;
         if job.batch == 0 {
             return Err(JobsError::ZeroBatch { file: file(), line });
         }
-        if jobs.iter().any(|j: &Job| j.id == job.id) {
+        if jobs.iter().any(|j: &SyntheticJob| j.id == job.id) {
             return Err(JobsError::RepeatedId { file: file(), line, id: job.id });
         }
         jobs.push(job);
@@ -71,7 +71,7 @@ pub fn read_jobs(path: &Path) -> Result<Vec<Job>, JobsError> {
 }
 
 /// Writes a job list.
-pub fn write_jobs(path: &Path, jobs: &[Job]) -> Result<(), JobsError> {
+pub fn write_jobs(path: &Path, jobs: &[SyntheticJob]) -> Result<(), JobsError> {
     let io = |source| JobsError::Io { file: path.display().to_string(), source };
     let mut f = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
     for j in jobs {

@@ -2,7 +2,7 @@
 //! Needs GPUMEM_PYTHON with torch; skipped without it unless GPUMEM_TEST_REQUIRE_TORCH=1.
 
 use gpumem_core::units::GIB;
-use gpumem_dataset::Job;
+use gpumem_dataset::SyntheticJob;
 use gpumem_dataset::collect::{CollectConfig, PythonRunner, collect};
 use gpumem_monitor::FakeMonitor;
 use gpumem_torch::TorchTracer;
@@ -15,8 +15,8 @@ fn the_python_runner_trains_and_reports() {
         return;
     }
     let jobs = vec![
-        Job { id: "m1".into(), family: "mlp".into(), model: "mlp:input=16,output=4,depth=2,samples=64,summary=true".into(), batch: 8 },
-        Job { id: "bad".into(), family: "cnn".into(), model: "cnn:classes=10,filters=4,depth=2,input=8,arch=dense".into(), batch: 2 },
+        SyntheticJob { id: "m1".into(), family: "mlp".into(), model: "mlp:input=16,output=4,depth=2,samples=64,summary=true".into(), batch: 8 },
+        SyntheticJob { id: "bad".into(), family: "cnn".into(), model: "cnn:classes=10,filters=4,depth=2,input=8,arch=dense".into(), batch: 2 },
     ];
     let out = std::env::temp_dir().join(format!("gpumem-runner-{}.csv", std::process::id()));
     let _ = std::fs::remove_file(&out);

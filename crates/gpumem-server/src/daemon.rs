@@ -17,7 +17,7 @@ use gpumem_monitor::GpuReading;
 use gpumem_place::{Forecast, Queued, SchedOptions, Scheduler};
 
 use crate::launcher::{Exit, JobDir, Launch, alive, launch, signal_group};
-use crate::store::{Job, Store};
+use crate::store::{JobRecord, Store};
 use crate::wire::{GpuView, JobRequest, JobState, JobView, Submitted};
 
 /// What happens to a job whose process vanished while the daemon was down.
@@ -107,7 +107,7 @@ pub fn estimate(config: &Config, profile: &GpuProfile, workload: &Workload) -> R
 
 struct Inner {
     store: Store,
-    jobs: BTreeMap<u64, Job>,
+    jobs: BTreeMap<u64, JobRecord>,
     monitor: Box<dyn Monitor>,
     /// Runs started by this daemon process (the others were re-attached after a restart).
     children: HashMap<u64, Child>,
@@ -178,7 +178,7 @@ impl Daemon {
     /// Stores a validated submission; `estimate` is (peak, bound) bytes per GPU.
     pub fn submit(&self, request: JobRequest, estimate: Option<(u64, u64)>) -> Result<Submitted, String> {
         let mut inner = self.lock();
-        let mut job = Job::queued(request, estimate, now());
+        let mut job = JobRecord::queued(request, estimate, now());
         job.id = inner.store.insert(&job)?;
         let out = Submitted { id: job.id, state: job.state, estimate_mib: job.estimate_bytes.map(bytes_to_mib), bound_mib: job.bound_bytes.map(bytes_to_mib) };
         let id = job.id;
@@ -340,7 +340,7 @@ impl Daemon {
 
     /// Reads the GPUs (fake GPUs first learn what their jobs report) and each job's memory.
     fn observe(&self, inner: &mut Inner, t: f64) {
-        let running: Vec<&Job> = inner.jobs.values().filter(|j| j.state == JobState::Running).collect();
+        let running: Vec<&JobRecord> = inner.jobs.values().filter(|j| j.state == JobState::Running).collect();
         let mut observed: HashMap<u64, u64> = HashMap::new();
         if let Some(fake) = &self.fake
             && let Ok(mut gpus) = fake.lock()
@@ -408,7 +408,7 @@ impl Daemon {
         let mut cluster = Cluster::new(inner.gpus.iter().map(|r| r.total_bytes));
         for (k, r) in inner.gpus.iter().enumerate() {
             let gpu = &mut cluster.gpus[k];
-            let mine: Vec<&Job> = inner.jobs.values().filter(|j| matches!(j.state, JobState::Starting | JobState::Running) && j.assigned.contains(&r.index)).collect();
+            let mine: Vec<&JobRecord> = inner.jobs.values().filter(|j| matches!(j.state, JobState::Starting | JobState::Running) && j.assigned.contains(&r.index)).collect();
             let n = mine.len().max(1) as f64;
             let load = Load { smact: r.dcgm.map_or(r.util, |d| d.smact) / n, smocc: r.dcgm.map_or(0.0, |d| d.smocc) / n, dram: r.dcgm.map_or(0.0, |d| d.dram) / n };
             let mut ours = 0;
@@ -523,7 +523,7 @@ fn queue(inner: &mut Inner, id: u64, t: f64) {
 }
 
 /// What the scheduler sees of a job (it marks one that ran out of memory to run alone).
-fn placement_view(j: &Job) -> gpumem_place::Job {
+fn placement_view(j: &JobRecord) -> gpumem_place::Job {
     let memory = match (j.estimate_bytes, j.bound_bytes) {
         (Some(e), b) => Some(MemoryDemand { estimate_bytes: e, upper_bound_bytes: b.unwrap_or(e).max(e) }),
         _ => None,
@@ -532,7 +532,7 @@ fn placement_view(j: &Job) -> gpumem_place::Job {
 }
 
 /// Run times as submitters state them (`expected_s`): what backfilling goes by.
-struct Stated<'a>(&'a BTreeMap<u64, Job>);
+struct Stated<'a>(&'a BTreeMap<u64, JobRecord>);
 
 impl Forecast for Stated<'_> {
     fn end_s(&self, job: u64) -> f64 {
@@ -543,7 +543,7 @@ impl Forecast for Stated<'_> {
     }
 }
 
-fn view(j: &Job) -> JobView {
+fn view(j: &JobRecord) -> JobView {
     JobView {
         id: j.id,
         state: j.state,

@@ -9,7 +9,7 @@ use crate::wire::{JobRequest, JobState};
 
 /// A job as the daemon keeps it.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Job {
+pub struct JobRecord {
     pub id: u64,
     pub request: JobRequest,
     pub state: JobState,
@@ -29,11 +29,11 @@ pub struct Job {
     pub cancel_requested: bool,
 }
 
-impl Job {
+impl JobRecord {
     /// A new submission waiting in the queue (its id comes from the store); `estimate` is
     /// (peak, bound) bytes per GPU.
-    pub fn queued(request: JobRequest, estimate: Option<(u64, u64)>, submitted_at: f64) -> Job {
-        Job {
+    pub fn queued(request: JobRequest, estimate: Option<(u64, u64)>, submitted_at: f64) -> JobRecord {
+        JobRecord {
             id: 0,
             request,
             state: JobState::Queued,
@@ -101,7 +101,7 @@ impl Store {
     }
 
     /// Stores a new job and returns its id.
-    pub fn insert(&mut self, job: &Job) -> Result<u64, String> {
+    pub fn insert(&mut self, job: &JobRecord) -> Result<u64, String> {
         let request = serde_json::to_string(&job.request).map_err(|e| e.to_string())?;
         self.conn
             .execute(
@@ -116,12 +116,12 @@ impl Store {
     }
 
     /// Writes a job's mutable fields.
-    pub fn update(&mut self, job: &Job) -> Result<(), String> {
+    pub fn update(&mut self, job: &JobRecord) -> Result<(), String> {
         update(&self.conn, job)
     }
 
     /// Writes a job and records its transition, atomically.
-    pub fn transition(&mut self, job: &Job, at: f64, note: Option<&str>) -> Result<(), String> {
+    pub fn transition(&mut self, job: &JobRecord, at: f64, note: Option<&str>) -> Result<(), String> {
         let tx = self.conn.transaction().map_err(err)?;
         update(&tx, job)?;
         event(&tx, job.id, at, job.state, note)?;
@@ -133,7 +133,7 @@ impl Store {
     }
 
     /// Every job, oldest first.
-    pub fn load(&self) -> Result<Vec<Job>, String> {
+    pub fn load(&self) -> Result<Vec<JobRecord>, String> {
         let mut stmt = self
             .conn
             .prepare(
@@ -164,7 +164,7 @@ impl Store {
             .map_err(err)?;
         rows.map(|row| {
             let (id, request, state, assigned, est, bound, peak, sub, start, fin, code, retries, error, pid, cancel) = row.map_err(err)?;
-            Ok(Job {
+            Ok(JobRecord {
                 id: id as u64,
                 request: serde_json::from_str(&request).map_err(|e| format!("job store: job {id}: {e}"))?,
                 state: JobState::parse(&state).ok_or_else(|| format!("job store: job {id}: unknown state `{state}`"))?,
@@ -197,7 +197,7 @@ impl Store {
     }
 }
 
-fn update(conn: &Connection, job: &Job) -> Result<(), String> {
+fn update(conn: &Connection, job: &JobRecord) -> Result<(), String> {
     let assigned = serde_json::to_string(&job.assigned).map_err(|e| e.to_string())?;
     conn.execute(
         "UPDATE jobs SET state = ?2, assigned = ?3, peak_bytes = ?4, started_at = ?5, finished_at = ?6, exit_code = ?7,
@@ -229,8 +229,8 @@ fn event(conn: &Connection, job: u64, at: f64, state: JobState, note: Option<&st
 mod tests {
     use super::*;
 
-    fn job() -> Job {
-        Job::queued(serde_json::from_str(r#"{"command": ["true"]}"#).unwrap(), Some((5 << 30, 6 << 30)), 1.0)
+    fn job() -> JobRecord {
+        JobRecord::queued(serde_json::from_str(r#"{"command": ["true"]}"#).unwrap(), Some((5 << 30, 6 << 30)), 1.0)
     }
 
     #[test]

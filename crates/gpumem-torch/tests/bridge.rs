@@ -44,7 +44,7 @@ fn a_symbolic_trace_equals_a_direct_trace_at_an_untraced_batch() {
         let sym = t.symbolic(&req).unwrap();
         for b in [3, 12] {
             let direct = direct(&t, &TraceRequest { batch: b, ..req.clone() });
-            assert_eq!(sym.at(b).unwrap().events, direct.events, "{model} at batch {b}");
+            assert_eq!(sym.at(b).unwrap().events(), direct.events(), "{model} at batch {b}");
         }
     }
 }
@@ -62,7 +62,7 @@ fn a_data_parallel_symbolic_trace_equals_a_direct_trace() {
     assert_eq!(sym.traced_at, vec![8, 12, 16]);
     let direct = direct(&t, &TraceRequest { batch: 20, ..req.clone() });
     assert_eq!(direct.header.data_parallel, Some(2));
-    assert_eq!(sym.at(20).unwrap().events, direct.events);
+    assert_eq!(sym.at(20).unwrap().events(), direct.events());
     let single = t.trace(&TraceRequest { batch: 10, options: Options { data_parallel: 1, ..req.options.clone() }, ..req.clone() }).unwrap();
     let profile = builtin("a100-40gb").unwrap();
     let peak = |tr| Replay::default().estimate(tr, &profile).unwrap().peak_bytes;
@@ -87,7 +87,7 @@ fn a_second_batch_size_reuses_the_symbolic_trace() {
     assert_eq!(before, 4, "three traces and one symbolic trace");
     let second = t.trace(&TraceRequest { batch: 14, ..req.clone() }).unwrap();
     assert_eq!(files(), before, "no tracer run for the second batch size");
-    assert_eq!(second.events, direct(&t, &TraceRequest { batch: 14, ..req.clone() }).events);
+    assert_eq!(second.events(), direct(&t, &TraceRequest { batch: 14, ..req.clone() }).events());
     let profile = builtin("h200").unwrap();
     assert!(Replay::default().estimate(&second, &profile).unwrap().peak_bytes > Replay::default().estimate(&first, &profile).unwrap().peak_bytes);
 }

@@ -192,7 +192,7 @@ mod tests {
         let t = w.trace(&p).unwrap();
         assert_eq!((t.header.batch_size, t.header.optimizer.as_str(), t.header.precision.as_str()), (32, "sgd", "amp-bf16"));
         let sym = w.symbolic(&p).unwrap();
-        assert_eq!(sym.at(32).unwrap().events, t.events);
+        assert_eq!(sym.at(32).unwrap().events(), t.events());
         let (b, e) = sym.max_batch(&p, &Replay::default()).unwrap().unwrap();
         let direct = Replay::default().estimate(&sym.at(b).unwrap(), &p).unwrap();
         assert_eq!(e.peak_bytes, direct.peak_bytes);
