@@ -23,7 +23,7 @@ pub struct GpusArgs {
 pub fn gpus(a: GpusArgs) -> CliResult {
     if let Some(url) = a.server {
         let url = Some(url).filter(|u| !u.is_empty());
-        return crate::server::live_gpus(&crate::server::server_args_for_gpus(url, a.token), a.json);
+        return crate::client::live_gpus(&crate::client::server_args_for_gpus(url, a.token), a.json);
     }
     let all = profile::catalogue();
     if a.json {

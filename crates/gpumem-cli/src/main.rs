@@ -8,6 +8,7 @@
 
 mod args;
 mod calibrate;
+mod client;
 mod dataset;
 mod estimate;
 mod eval;
@@ -15,7 +16,7 @@ mod gpus;
 mod learn;
 mod max_batch;
 mod plot;
-mod server;
+mod serve;
 mod simulate;
 mod trace;
 
@@ -77,17 +78,17 @@ enum Command {
     Learn(learn::LearnArgs),
     Dataset(dataset::DatasetArgs),
     /// Run the resource manager daemon.
-    Serve(server::ServeArgs),
+    Serve(serve::ServeArgs),
     /// Submit a training job to the daemon.
-    Submit(server::SubmitArgs),
+    Submit(client::SubmitArgs),
     /// List the daemon's jobs.
-    Jobs(server::JobsArgs),
+    Jobs(client::JobsArgs),
     /// One job of the daemon (or its log).
-    Job(server::JobShowArgs),
+    Job(client::JobShowArgs),
     /// Cancel a job (SIGTERM, then SIGKILL after the grace period).
-    Cancel(server::CancelArgs),
+    Cancel(client::CancelArgs),
     /// Submit many small jobs to a daemon and report throughput and latency.
-    LoadTest(server::LoadTestArgs),
+    LoadTest(client::LoadTestArgs),
     /// Internal: supervise one job run (used by the daemon).
     #[command(name = "_supervise", hide = true)]
     Supervise(SuperviseArgs),
@@ -127,12 +128,12 @@ fn main() -> ExitCode {
         Command::Simulate(a) => simulate::run(a),
         Command::Learn(a) => learn::run(a),
         Command::Dataset(a) => dataset::run(a),
-        Command::Serve(a) => server::serve(a),
-        Command::Submit(a) => server::submit(a),
-        Command::Jobs(a) => server::jobs(a),
-        Command::Job(a) => server::job(a),
-        Command::Cancel(a) => server::cancel(a),
-        Command::LoadTest(a) => server::load_test(a),
+        Command::Serve(a) => serve::serve(a),
+        Command::Submit(a) => client::submit(a),
+        Command::Jobs(a) => client::jobs(a),
+        Command::Job(a) => client::job(a),
+        Command::Cancel(a) => client::cancel(a),
+        Command::LoadTest(a) => client::load_test(a),
         Command::Supervise(a) => return ExitCode::from(gpumem_server::launcher::supervise(&a.dir, &a.argv).clamp(0, 255) as u8),
     };
     match result {

@@ -1,15 +1,10 @@
-//! `gpumem serve` and the client commands that talk to it: submit, jobs, job, cancel, gpus --server.
+//! The daemon's clients: `submit`, `jobs`, `job`, `cancel`, `gpus --server` and `load-test`.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use gpumem_core::profile;
-use gpumem_monitor::{FakeMonitor, Monitor, NvmlMonitor};
 use gpumem_server::wire::{GpuView, JobRequest, JobView, Submitted};
-use gpumem_server::{Config, Daemon};
 use gpumem_workload::Options;
 use serde::Deserialize;
 
@@ -17,58 +12,6 @@ use crate::args::WorkloadArgs;
 use crate::{CliError, CliResult};
 
 pub const DEFAULT_SERVER: &str = "http://127.0.0.1:7878";
-
-#[derive(Args)]
-pub struct ServeArgs {
-    /// Address to listen on. Anything but loopback needs --token.
-    #[arg(long, default_value = "127.0.0.1:7878")]
-    addr: String,
-    /// Directory for the job store, logs and run files.
-    #[arg(long, default_value = "gpumem-state")]
-    state: PathBuf,
-    /// Bearer token clients must send (default: GPUMEM_TOKEN; required off loopback).
-    #[arg(long, env = "GPUMEM_TOKEN", hide_env_values = true)]
-    token: Option<String>,
-    /// No GPUs here: serve fake ones, e.g. 4xa100-40gb (jobs report memory through
-    /// $GPUMEM_FAKE_MEMORY_FILE).
-    #[arg(long)]
-    fake_gpus: Option<String>,
-    /// The GPU profile for estimates on real GPUs (built-in name).
-    #[arg(long, default_value = "a100-40gb")]
-    gpu: String,
-    /// Daemon settings (TOML): policy, headroom_mib, warmup_s, max_retries, backfill, grace_s, tick_ms, on_lost.
-    #[arg(long)]
-    config: Option<PathBuf>,
-}
-
-pub fn serve(a: ServeArgs) -> CliResult {
-    let addr: SocketAddr = a.addr.parse().map_err(|_| CliError::input(format!("--addr `{}` is not HOST:PORT", a.addr)))?;
-    let config = match &a.config {
-        Some(p) => {
-            let text = std::fs::read_to_string(p).map_err(|e| CliError::input(format!("{}: {e}", p.display())))?;
-            Config::from_toml(&text).map_err(|e| CliError::input(format!("{}: {e}", p.display())))?
-        }
-        None => Config::default(),
-    };
-    // Checked before anything starts, as a bad-input error.
-    gpumem_server::api::check_bind(addr, a.token.as_deref()).map_err(CliError::input)?;
-    let (monitor, fake, prof): (Box<dyn Monitor>, _, _) = match &a.fake_gpus {
-        Some(spec) => {
-            let (n, name) = crate::args::gpu_count("--fake-gpus", spec, 1024)?;
-            let p = profile::builtin(name).map_err(CliError::input)?;
-            let m = FakeMonitor::new(n, &p.display, p.capacity_bytes());
-            let gpus = m.gpus.clone();
-            (Box::new(m), Some(gpus), p)
-        }
-        None => {
-            let m = NvmlMonitor::new(None, 1000).map_err(|e| CliError::other(format!("{e} (no GPU here? use --fake-gpus 4xa100-40gb)")))?;
-            (Box::new(m), None, profile::builtin(&a.gpu).map_err(CliError::input)?)
-        }
-    };
-    let exe = std::env::current_exe().map_err(|e| CliError::other(format!("cannot find the gpumem binary: {e}")))?;
-    let daemon = Daemon::open(&a.state, monitor, fake, prof, config, exe).map_err(CliError::other)?;
-    gpumem_server::api::serve(Arc::new(daemon), addr, a.token).map_err(CliError::other)
-}
 
 /// How to reach the daemon.
 #[derive(Args, Clone)]
@@ -405,3 +348,4 @@ pub fn load_test(a: LoadTestArgs) -> CliResult {
     }
     Ok(())
 }
+
