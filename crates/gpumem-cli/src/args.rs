@@ -7,11 +7,13 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 use gpumem_core::dataset::{Measurement, read_measurements};
+use gpumem_core::estimate::Estimator;
 use gpumem_core::graph::Precision;
 use gpumem_core::profile::{self, GpuProfile};
 use gpumem_core::step::Optimizer;
 use gpumem_core::trace::Trace;
 use gpumem_core::units::bytes_to_mib;
+use gpumem_learn::{Hybrid, LearnedModel};
 use gpumem_torch::BridgeError;
 use gpumem_workload::{AttentionMask, InputShape, ModelRef, Options, Outputs, Validate, Workload, WorkloadError};
 
@@ -141,6 +143,33 @@ impl From<BridgeError> for CliError {
             BridgeError::Io(m) => CliError::Other(m),
             BridgeError::Python(m) | BridgeError::Model(m) => CliError::Model(m),
         }
+    }
+}
+
+/// Which estimator answers, and the learned models beside it.
+#[derive(Args, Clone)]
+pub struct EstimatorArgs {
+    /// replay (default), live-tensors, horus, or learned (the hybrid: needs a memory model from
+    /// `gpumem learn train --target memory --model gbt` in --learned-model).
+    #[arg(long, default_value = "replay")]
+    pub estimator: String,
+    /// A model from `gpumem learn train` (repeatable): the memory model with a bound is the
+    /// hybrid of --estimator learned; `estimate` also prints each model's own answer (a
+    /// utilization model replaces the physical model's figure). Native specs only.
+    #[arg(long)]
+    pub learned_model: Vec<PathBuf>,
+}
+
+impl EstimatorArgs {
+    /// The learned models, read.
+    pub fn models(&self) -> CliResult<Vec<(PathBuf, LearnedModel)>> {
+        self.learned_model.iter().map(|p| Ok((p.clone(), LearnedModel::read(p).map_err(CliError::input)?))).collect()
+    }
+
+    /// The estimator by name; `learned` is the hybrid among `models`.
+    pub fn estimator(&self, models: &[(PathBuf, LearnedModel)]) -> CliResult<Box<dyn Estimator>> {
+        let hybrid = models.iter().find(|(_, m)| Hybrid::accepts(m)).map(|(p, _)| p.as_path());
+        gpumem_learn::estimator(&self.estimator, hybrid).map_err(CliError::input)
     }
 }
 

@@ -9,11 +9,11 @@ use gpumem_core::profile::GpuProfile;
 use gpumem_core::trace::Trace;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_core::utilization::{HostModel, Utilization, physical};
-use gpumem_learn::{Hybrid, LearnedModel, Sample, Target};
+use gpumem_learn::{LearnedModel, Sample, Target};
 use gpumem_workload::ModelRef;
 use serde::Serialize;
 
-use crate::args::{GpuChoice, ModelArg, WorkloadArgs, mib};
+use crate::args::{EstimatorArgs, GpuChoice, ModelArg, WorkloadArgs, mib};
 use crate::{CliError, CliResult};
 
 /// The model `gpumem estimate` uses when none is given: the first row of the seed's MLP data.
@@ -32,14 +32,8 @@ pub struct EstimateArgs {
     workload: WorkloadArgs,
     #[command(flatten)]
     gpu: GpuChoice,
-    /// replay (default), live-tensors, horus, or learned (the hybrid: needs a memory model from
-    /// `gpumem learn train --target memory --model gbt` in --learned-model).
-    #[arg(long, default_value = "replay")]
-    estimator: String,
-    /// A model from `gpumem learn train` (repeatable): a memory model adds its estimate (and
-    /// bound), a utilization model replaces the physical model's figure. Native specs only.
-    #[arg(long)]
-    learned_model: Vec<PathBuf>,
+    #[command(flatten)]
+    estimator: EstimatorArgs,
     /// Draw the replay's memory over the traced step (live bytes per category stacked,
     /// reserved memory as a line) into this SVG file.
     #[arg(long)]
@@ -155,18 +149,17 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             (w.trace_for_reestimates(&profile)?, native)
         }
     };
-    let models = a.learned_model.iter().map(|p| Ok((p.clone(), LearnedModel::read(p).map_err(CliError::input)?))).collect::<CliResult<Vec<_>>>()?;
+    let models = a.estimator.models()?;
     if !models.is_empty() && native.is_none() {
         return Err(learned_needs_native());
     }
     let est = if a.timeline.is_some() {
-        if a.estimator != "replay" {
+        if a.estimator.estimator != "replay" {
             return Err(CliError::input("--timeline draws the replay estimator's allocator; use --estimator replay"));
         }
         Replay { timeline: true }.estimate(&trace, &profile)
     } else {
-        let hybrid = models.iter().find(|(_, m)| Hybrid::accepts(m)).map(|(p, _)| p.as_path());
-        gpumem_learn::estimator(&a.estimator, hybrid).map_err(CliError::input)?.estimate(&trace, &profile)
+        a.estimator.estimator(&models)?.estimate(&trace, &profile)
     }
     .map_err(CliError::input)?;
     if let Some(svg) = &a.timeline {

@@ -1,11 +1,9 @@
 //! `gpumem max-batch`: the largest batch whose upper bound fits.
 
-use std::path::PathBuf;
-
 use clap::Args;
 use gpumem_core::units::bytes_to_mib;
 
-use crate::args::{GpuChoice, ModelArg, WorkloadArgs, mib};
+use crate::args::{EstimatorArgs, GpuChoice, ModelArg, WorkloadArgs, mib};
 use crate::{CliError, CliResult};
 
 #[derive(Args)]
@@ -16,12 +14,8 @@ pub struct MaxBatchArgs {
     workload: WorkloadArgs,
     #[command(flatten)]
     gpu: GpuChoice,
-    /// replay (default), live-tensors, horus, or learned (with --learned-model).
-    #[arg(long, default_value = "replay")]
-    estimator: String,
-    /// The hybrid's memory model, for --estimator learned.
-    #[arg(long)]
-    learned_model: Option<PathBuf>,
+    #[command(flatten)]
+    estimator: EstimatorArgs,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -30,7 +24,7 @@ pub struct MaxBatchArgs {
 pub fn max_batch(a: MaxBatchArgs) -> CliResult {
     let profile = a.gpu.load()?;
     let model = ModelArg::load(&a.model)?.model(&a.model, "max-batch needs a model, not a trace file (a trace fixes its batch size)")?;
-    let est = gpumem_learn::estimator(&a.estimator, a.learned_model.as_deref()).map_err(CliError::input)?;
+    let est = a.estimator.estimator(&a.estimator.models()?)?;
     let name = model.to_string();
     // One symbolic source answers every batch size: no re-tracing during the search.
     let sym = a.workload.workload(model, 1)?.symbolic(&profile)?;
