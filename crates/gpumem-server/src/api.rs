@@ -16,15 +16,41 @@ use serde::Deserialize;
 
 use gpumem_workload::Workload;
 
-use crate::daemon::{Daemon, estimate};
+use crate::daemon::{CancelError, Daemon, estimate};
 use crate::wire::{ApiError, JobRequest, JobState};
 
 /// Request bodies above this are refused (413).
 pub const MAX_BODY: usize = 64 * 1024;
 
-fn error(status: StatusCode, msg: impl Into<String>) -> Response {
-    let msg: String = msg.into();
-    (status, axum::Json(ApiError { error: msg.replace('\n', " ") })).into_response()
+fn error(status: StatusCode, msg: impl std::fmt::Display) -> Response {
+    (status, axum::Json(ApiError { error: msg.to_string().replace('\n', " ") })).into_response()
+}
+
+/// Why the daemon could not serve.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("refusing to listen on {addr} without a token: anyone who can reach it could run commands (set --token or GPUMEM_TOKEN)")]
+    NoToken { addr: SocketAddr },
+    /// The async runtime could not be built.
+    #[error("{0}")]
+    Runtime(std::io::Error),
+    #[error("{addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    /// The bound socket's address could not be read.
+    #[error("{0}")]
+    LocalAddr(std::io::Error),
+    /// The HTTP server stopped with an error.
+    #[error("{0}")]
+    Http(std::io::Error),
+}
+
+/// The status a failed cancellation answers with.
+fn cancel_status(e: &CancelError) -> StatusCode {
+    match e {
+        CancelError::NoJob(_) => StatusCode::NOT_FOUND,
+        CancelError::Ended { .. } => StatusCode::CONFLICT,
+        CancelError::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    }
 }
 
 struct App {
@@ -122,7 +148,7 @@ async fn cancel(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response
     let Ok(id) = id.parse::<u64>() else { return bad_id(&id) };
     match app.daemon.cancel(id) {
         Ok(j) => axum::Json(j).into_response(),
-        Err((code, msg)) => error(StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), msg),
+        Err(e) => error(cancel_status(&e), e),
     }
 }
 
@@ -148,20 +174,20 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
 }
 
 /// Refuses a non-loopback address without a token: anyone who could reach it could run commands.
-pub fn check_bind(addr: SocketAddr, token: Option<&str>) -> Result<(), String> {
+pub fn check_bind(addr: SocketAddr, token: Option<&str>) -> Result<(), ServeError> {
     if !addr.ip().is_loopback() && token.is_none_or(str::is_empty) {
-        return Err(format!("refusing to listen on {addr} without a token: anyone who can reach it could run commands (set --token or GPUMEM_TOKEN)"));
+        return Err(ServeError::NoToken { addr });
     }
     Ok(())
 }
 
 /// Serves until SIGINT or SIGTERM, scheduling every `tick` (after [`check_bind`]).
-pub fn serve(daemon: Arc<Daemon>, addr: SocketAddr, token: Option<String>) -> Result<(), String> {
+pub fn serve(daemon: Arc<Daemon>, addr: SocketAddr, token: Option<String>) -> Result<(), ServeError> {
     check_bind(addr, token.as_deref())?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(ServeError::Runtime)?;
     rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("{addr}: {e}"))?;
-        eprintln!("gpumem serve: listening on http://{}", listener.local_addr().map_err(|e| e.to_string())?);
+        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr, source })?;
+        eprintln!("gpumem serve: listening on http://{}", listener.local_addr().map_err(ServeError::LocalAddr)?);
         let stop = Arc::new(AtomicBool::new(false));
         let (d, s) = (daemon.clone(), stop.clone());
         let tick = Duration::from_millis(daemon.config.tick_ms);
@@ -180,9 +206,25 @@ pub fn serve(daemon: Arc<Daemon>, addr: SocketAddr, token: Option<String>) -> Re
                 _ = term.recv() => {}
             }
         };
-        axum::serve(listener, router(daemon, token)).with_graceful_shutdown(shutdown).await.map_err(|e| e.to_string())?;
+        axum::serve(listener, router(daemon, token)).with_graceful_shutdown(shutdown).await.map_err(ServeError::Http)?;
         stop.store(true, Ordering::Relaxed);
         let _ = scheduler.join();
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_refusal_has_its_status() {
+        assert_eq!(cancel_status(&CancelError::NoJob(7)), StatusCode::NOT_FOUND);
+        assert_eq!(cancel_status(&CancelError::Ended { id: 7, state: JobState::Finished }), StatusCode::CONFLICT);
+        let store = CancelError::Store(crate::store::StoreError::Sql(rusqlite::Error::QueryReturnedNoRows));
+        assert_eq!(cancel_status(&store), StatusCode::INTERNAL_SERVER_ERROR);
+        let addr: SocketAddr = "0.0.0.0:0".parse().unwrap();
+        assert!(matches!(check_bind(addr, None), Err(ServeError::NoToken { .. })));
+        assert!(check_bind(addr, Some("t")).is_ok() && check_bind("127.0.0.1:0".parse().unwrap(), None).is_ok());
+    }
 }

@@ -10,14 +10,14 @@ use gpumem_core::profile::GpuProfile;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_monitor::{FakeGpus, Monitor};
 use gpumem_workload::Workload;
-use gpumem_place::{Cluster, Load, MIB, MemoryDemand, MemoryView, Policy, Resident};
+use gpumem_place::{Cluster, Load, MIB, MemoryDemand, MemoryView, Policy, Resident, UnknownPolicy};
 use serde::Deserialize;
 
 use gpumem_monitor::GpuReading;
 use gpumem_place::{Forecast, Queued, SchedOptions, Scheduler};
 
 use crate::launcher::{Exit, JobDir, Launch, alive, launch, signal_group};
-use crate::store::{JobRecord, Store};
+use crate::store::{JobRecord, Store, StoreError};
 use crate::wire::{GpuView, JobRequest, JobState, JobView, Submitted};
 
 /// What happens to a job whose process vanished while the daemon was down.
@@ -72,23 +72,38 @@ impl Default for Config {
     }
 }
 
+/// Why a `--config` file is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// Not TOML, or a key that is not a setting (toml's message, on one line).
+    #[error("{}", .0.to_string().replace('\n', " "))]
+    Toml(#[from] toml::de::Error),
+    #[error(transparent)]
+    Policy(#[from] UnknownPolicy),
+    /// The estimator (or its learned model) cannot be used.
+    #[error(transparent)]
+    Estimator(#[from] gpumem_learn::model::LearnError),
+    #[error("warmup_s and grace_s must be non-negative, tick_ms at least 10")]
+    Timing { warmup_s: f64, grace_s: f64, tick_ms: u64 },
+}
+
 impl Config {
-    pub fn from_toml(text: &str) -> Result<Config, String> {
-        let c: Config = toml::from_str(text).map_err(|e| e.to_string().replace('\n', " "))?;
+    pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
+        let c: Config = toml::from_str(text)?;
         c.policy()?;
-        gpumem_learn::estimator(&c.estimator, c.learned_model.as_deref()).map_err(|e| e.to_string())?;
+        gpumem_learn::estimator(&c.estimator, c.learned_model.as_deref())?;
         if !(c.warmup_s >= 0.0 && c.grace_s >= 0.0 && c.tick_ms >= 10) {
-            return Err("warmup_s and grace_s must be non-negative, tick_ms at least 10".into());
+            return Err(ConfigError::Timing { warmup_s: c.warmup_s, grace_s: c.grace_s, tick_ms: c.tick_ms });
         }
         Ok(c)
     }
 
-    pub fn policy(&self) -> Result<Policy, String> {
-        Policy::parse(&self.policy, MemoryView::Estimate { headroom_bytes: self.headroom_mib * MIB }).map_err(|e| e.to_string())
+    pub fn policy(&self) -> Result<Policy, UnknownPolicy> {
+        Policy::parse(&self.policy, MemoryView::Estimate { headroom_bytes: self.headroom_mib * MIB })
     }
 
     /// gpumem-place's scheduler with these settings.
-    pub fn sched(&self) -> Result<SchedOptions, String> {
+    pub fn sched(&self) -> Result<SchedOptions, UnknownPolicy> {
         Ok(SchedOptions { policy: self.policy()?, backfill: self.backfill, max_retries: self.max_retries, warmup_s: self.warmup_s })
     }
 }
@@ -97,11 +112,24 @@ pub fn now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
+/// Why a job's workload could not be sized.
+#[derive(Debug, thiserror::Error)]
+pub enum SizeError {
+    /// The configured estimator cannot be made.
+    #[error(transparent)]
+    Estimator(#[from] gpumem_learn::model::LearnError),
+    /// The workload cannot be traced.
+    #[error(transparent)]
+    Trace(#[from] gpumem_workload::WorkloadError),
+    #[error(transparent)]
+    Estimate(#[from] gpumem_core::estimate::EstimateError),
+}
+
 /// gpumem's estimate (peak, upper bound) of a job's workload with the configured estimator.
-pub fn estimate(config: &Config, profile: &GpuProfile, workload: &Workload) -> Result<(u64, u64), String> {
-    let estimator = gpumem_learn::estimator(&config.estimator, config.learned_model.as_deref()).map_err(|e| e.to_string())?;
-    let trace = workload.trace(profile).map_err(|e| e.to_string())?;
-    let est = estimator.estimate(&trace, profile).map_err(|e| e.to_string())?;
+pub fn estimate(config: &Config, profile: &GpuProfile, workload: &Workload) -> Result<(u64, u64), SizeError> {
+    let estimator = gpumem_learn::estimator(&config.estimator, config.learned_model.as_deref())?;
+    let trace = workload.trace(profile)?;
+    let est = estimator.estimate(&trace, profile)?;
     Ok((est.peak_bytes, est.upper_bound_bytes))
 }
 
@@ -124,6 +152,29 @@ struct Inner {
     oom_crashes: u64,
 }
 
+/// Why the daemon could not open its state.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// The state directory could not be created.
+    #[error("{dir}: {source}")]
+    StateDir { dir: String, source: std::io::Error },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Policy(#[from] UnknownPolicy),
+}
+
+/// Why a job could not be cancelled (the API answers 404, 409 and 500).
+#[derive(Debug, thiserror::Error)]
+pub enum CancelError {
+    #[error("no job {0}")]
+    NoJob(u64),
+    #[error("job {id} has already ended ({})", .state.name())]
+    Ended { id: u64, state: JobState },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
 /// The daemon: jobs, GPUs, policy.
 pub struct Daemon {
     inner: Mutex<Inner>,
@@ -137,8 +188,8 @@ pub struct Daemon {
 
 impl Daemon {
     /// Opens the state directory (creating it), loading every job it holds.
-    pub fn open(state_dir: &Path, monitor: Box<dyn Monitor>, fake: Option<FakeGpus>, profile: GpuProfile, config: Config, supervisor: PathBuf) -> Result<Daemon, String> {
-        std::fs::create_dir_all(state_dir.join("jobs")).map_err(|e| format!("{}: {e}", state_dir.display()))?;
+    pub fn open(state_dir: &Path, monitor: Box<dyn Monitor>, fake: Option<FakeGpus>, profile: GpuProfile, config: Config, supervisor: PathBuf) -> Result<Daemon, DaemonError> {
+        std::fs::create_dir_all(state_dir.join("jobs")).map_err(|source| DaemonError::StateDir { dir: state_dir.display().to_string(), source })?;
         let store = Store::open(&state_dir.join("jobs.db"))?;
         let jobs = store.load()?.into_iter().map(|j| (j.id, j)).collect();
         let mut inner = Inner {
@@ -176,7 +227,7 @@ impl Daemon {
     }
 
     /// Stores a validated submission; `estimate` is (peak, bound) bytes per GPU.
-    pub fn submit(&self, request: JobRequest, estimate: Option<(u64, u64)>) -> Result<Submitted, String> {
+    pub fn submit(&self, request: JobRequest, estimate: Option<(u64, u64)>) -> Result<Submitted, StoreError> {
         let mut inner = self.lock();
         let mut job = JobRecord::queued(request, estimate, now());
         job.id = inner.store.insert(&job)?;
@@ -213,22 +264,22 @@ impl Daemon {
 
     /// Cancels a job: at once if it waits, by SIGTERM (then SIGKILL after the grace period) if
     /// it runs. `Err` if it has already ended or does not exist.
-    pub fn cancel(&self, id: u64) -> Result<JobView, (u16, String)> {
+    pub fn cancel(&self, id: u64) -> Result<JobView, CancelError> {
         let mut guard = self.lock();
         let inner = &mut *guard;
-        let job = inner.jobs.get_mut(&id).ok_or((404, format!("no job {id}")))?;
+        let job = inner.jobs.get_mut(&id).ok_or(CancelError::NoJob(id))?;
         if job.state.is_final() {
-            return Err((409, format!("job {id} has already ended ({})", job.state.name())));
+            return Err(CancelError::Ended { id, state: job.state });
         }
         let t = now();
         if job.state.is_waiting() {
             inner.sched.remove(id);
             job.state = JobState::Cancelled;
             job.finished_at = Some(t);
-            inner.store.transition(job, t, Some("cancelled while waiting")).map_err(|e| (500, e))?;
+            inner.store.transition(job, t, Some("cancelled while waiting"))?;
         } else {
             job.cancel_requested = true;
-            inner.store.transition(job, t, Some("cancel requested")).map_err(|e| (500, e))?;
+            inner.store.transition(job, t, Some("cancel requested"))?;
             if let Some(pid) = job.pid {
                 signal_group(pid, libc::SIGTERM);
             }
@@ -238,7 +289,7 @@ impl Daemon {
     }
 
     /// One scheduling round: collect ended runs, read the GPUs, place waiting jobs.
-    pub fn tick(&self) -> Result<(), String> {
+    pub fn tick(&self) -> Result<(), StoreError> {
         let mut guard = self.lock();
         let inner = &mut *guard;
         let t = now();
@@ -247,7 +298,7 @@ impl Daemon {
         self.place(inner, t)
     }
 
-    fn reap(&self, inner: &mut Inner, t: f64) -> Result<(), String> {
+    fn reap(&self, inner: &mut Inner, t: f64) -> Result<(), StoreError> {
         let active: Vec<u64> = inner.jobs.values().filter(|j| matches!(j.state, JobState::Starting | JobState::Running)).map(|j| j.id).collect();
         for id in active {
             let dir = JobDir::new(&self.state_dir, id);
@@ -305,7 +356,7 @@ impl Daemon {
         Ok(())
     }
 
-    fn finish(&self, inner: &mut Inner, id: u64, exit: Exit, dir: &JobDir, t: f64) -> Result<(), String> {
+    fn finish(&self, inner: &mut Inner, id: u64, exit: Exit, dir: &JobDir, t: f64) -> Result<(), StoreError> {
         inner.kill_at.remove(&id);
         inner.observed.remove(&id);
         let job = inner.jobs.get_mut(&id).expect("job exists");
@@ -384,7 +435,7 @@ impl Daemon {
     }
 
     /// Starts what the scheduler decides on the GPUs as read now.
-    fn place(&self, inner: &mut Inner, t: f64) -> Result<(), String> {
+    fn place(&self, inner: &mut Inner, t: f64) -> Result<(), StoreError> {
         let mut cluster = self.cluster(inner, t);
         let decisions = inner.sched.schedule(&mut cluster, t, &mut Stated(&inner.jobs));
         let mut result = Ok(());
@@ -436,7 +487,7 @@ impl Daemon {
         cluster
     }
 
-    fn start(&self, inner: &mut Inner, id: u64, gpus: &[u32], t: f64) -> Result<(), String> {
+    fn start(&self, inner: &mut Inner, id: u64, gpus: &[u32], t: f64) -> Result<(), StoreError> {
         let dir = JobDir::new(&self.state_dir, id);
         let job = inner.jobs.get_mut(&id).expect("job exists");
         let mut placed = job.clone();
@@ -461,7 +512,7 @@ impl Daemon {
             Err(e) => {
                 job.state = JobState::Failed;
                 job.finished_at = Some(t);
-                job.error = Some(e);
+                job.error = Some(e.to_string());
                 inner.store.transition(job, t, Some("could not start"))?;
             }
         }
@@ -566,4 +617,40 @@ fn process_group(pid: u32) -> Option<u32> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the parenthesised command name: state, ppid, pgrp, …
     stat.rsplit_once(')')?.1.split_whitespace().nth(2)?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpumem_monitor::FakeMonitor;
+
+    #[test]
+    fn config_errors_are_one_line() {
+        let e = Config::from_toml("tick_ms = 5").unwrap_err();
+        assert!(matches!(e, ConfigError::Timing { tick_ms: 5, .. }));
+        assert_eq!(e.to_string(), "warmup_s and grace_s must be non-negative, tick_ms at least 10");
+        let e = Config::from_toml("policy = \"tetris\"").unwrap_err();
+        assert!(matches!(e, ConfigError::Policy(_)) && e.to_string().starts_with("unknown policy `tetris`"), "{e}");
+        let e = Config::from_toml("surprise = 1").unwrap_err();
+        assert!(matches!(e, ConfigError::Toml(_)) && e.to_string().contains("surprise") && !e.to_string().contains('\n'), "{e}");
+        assert!(matches!(Config::from_toml("estimator = \"learned\"").unwrap_err(), ConfigError::Estimator(_)));
+    }
+
+    #[test]
+    fn cancelling_says_why_not() {
+        let dir = std::env::temp_dir().join(format!("gpumem-daemon-cancel-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let monitor = FakeMonitor::new(1, "fake", 40 << 30);
+        let profile = gpumem_core::profile::builtin("a100-40gb").unwrap();
+        let d = Daemon::open(&dir, Box::new(monitor), None, profile, Config::default(), "/nonexistent".into()).unwrap();
+        let id = d.submit(serde_json::from_str(r#"{"command": ["true"]}"#).unwrap(), None).unwrap().id;
+        assert_eq!(d.cancel(id).unwrap().state, JobState::Cancelled);
+        let e = d.cancel(id).unwrap_err();
+        assert!(matches!(e, CancelError::Ended { state: JobState::Cancelled, .. }));
+        assert_eq!(e.to_string(), format!("job {id} has already ended (cancelled)"));
+        let e = d.cancel(99).unwrap_err();
+        assert!(matches!(e, CancelError::NoJob(99)));
+        assert_eq!(e.to_string(), "no job 99");
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }

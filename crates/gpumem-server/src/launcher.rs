@@ -112,10 +112,20 @@ pub struct Launch<'a> {
     pub fake: bool,
 }
 
+/// Why a run could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// The job's directory could not be created.
+    #[error("{dir}: {source}")]
+    JobDir { dir: String, source: std::io::Error },
+    #[error("cannot start the supervisor {supervisor}: {source}")]
+    Supervisor { supervisor: String, source: std::io::Error },
+}
+
 /// Starts a run under a supervisor in its own process group. Clears the previous run's pid and
 /// exit files first.
-pub fn launch(supervisor: &Path, l: &Launch) -> Result<Child, String> {
-    fs::create_dir_all(&l.dir.0).map_err(|e| format!("{}: {e}", l.dir.0.display()))?;
+pub fn launch(supervisor: &Path, l: &Launch) -> Result<Child, LaunchError> {
+    fs::create_dir_all(&l.dir.0).map_err(|source| LaunchError::JobDir { dir: l.dir.0.display().to_string(), source })?;
     for f in [l.dir.pid_file(), l.dir.exit_file(), l.dir.fake_memory()] {
         let _ = fs::remove_file(f);
     }
@@ -135,7 +145,7 @@ pub fn launch(supervisor: &Path, l: &Launch) -> Result<Child, String> {
         cmd.current_dir(cwd);
     }
     cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).process_group(0);
-    cmd.spawn().map_err(|e| format!("cannot start the supervisor {}: {e}", supervisor.display()))
+    cmd.spawn().map_err(|source| LaunchError::Supervisor { supervisor: supervisor.display().to_string(), source })
 }
 
 /// The supervisor's body: run `argv`, log its output, record its exit. Returns the exit code to

@@ -53,12 +53,35 @@ impl JobRecord {
     }
 }
 
+/// One entry of a job's history: when it entered which state, and why.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StateChange {
+    pub at: f64,
+    pub state: JobState,
+    pub note: Option<String>,
+}
+
 pub struct Store {
     conn: Connection,
 }
 
-fn err(e: rusqlite::Error) -> String {
-    format!("job store: {e}")
+/// Why the job store could not be opened, read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database file could not be opened.
+    #[error("{file}: {source}")]
+    Open { file: String, source: rusqlite::Error },
+    /// A statement failed.
+    #[error("job store: {0}")]
+    Sql(#[from] rusqlite::Error),
+    /// A job's stored JSON column (`column`: request or assigned) does not read back.
+    #[error("job store: job {job}: {source}")]
+    Column { job: u64, column: &'static str, source: serde_json::Error },
+    #[error("job store: job {job}: unknown state `{state}`")]
+    UnknownState { job: u64, state: String },
+    /// A job's `field` could not be written as JSON.
+    #[error("{source}")]
+    Encode { field: &'static str, source: serde_json::Error },
 }
 
 const SCHEMA: &str = "
@@ -89,58 +112,56 @@ CREATE INDEX IF NOT EXISTS events_job ON events(job);
 ";
 
 impl Store {
-    pub fn open(path: &Path) -> Result<Store, String> {
-        let conn = Connection::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    pub fn open(path: &Path) -> Result<Store, StoreError> {
+        let conn = Connection::open(path).map_err(|source| StoreError::Open { file: path.display().to_string(), source })?;
         // WAL: readers never block the writer; NORMAL sync is durable across process crashes
         // (the case a daemon must survive) at a fraction of FULL's cost.
-        conn.pragma_update(None, "journal_mode", "WAL").map_err(err)?;
-        conn.pragma_update(None, "synchronous", "NORMAL").map_err(err)?;
-        conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(err)?;
-        conn.execute_batch(SCHEMA).map_err(err)?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.execute_batch(SCHEMA)?;
         Ok(Store { conn })
     }
 
     /// Stores a new job and returns its id.
-    pub fn insert(&mut self, job: &JobRecord) -> Result<u64, String> {
-        let request = serde_json::to_string(&job.request).map_err(|e| e.to_string())?;
+    pub fn insert(&mut self, job: &JobRecord) -> Result<u64, StoreError> {
+        let request = serde_json::to_string(&job.request).map_err(|source| StoreError::Encode { field: "request", source })?;
         self.conn
             .execute(
                 "INSERT INTO jobs (request, state, assigned, estimate_bytes, bound_bytes, submitted_at, retries, cancel_requested)
                  VALUES (?1, ?2, '[]', ?3, ?4, ?5, 0, 0)",
                 params![request, job.state.name(), job.estimate_bytes.map(|b| b as i64), job.bound_bytes.map(|b| b as i64), job.submitted_at],
-            )
-            .map_err(err)?;
+            )?;
         let id = self.conn.last_insert_rowid() as u64;
         self.event(id, job.submitted_at, job.state, None)?;
         Ok(id)
     }
 
     /// Writes a job's mutable fields.
-    pub fn update(&mut self, job: &JobRecord) -> Result<(), String> {
+    pub fn update(&mut self, job: &JobRecord) -> Result<(), StoreError> {
         update(&self.conn, job)
     }
 
     /// Writes a job and records its transition, atomically.
-    pub fn transition(&mut self, job: &JobRecord, at: f64, note: Option<&str>) -> Result<(), String> {
-        let tx = self.conn.transaction().map_err(err)?;
+    pub fn transition(&mut self, job: &JobRecord, at: f64, note: Option<&str>) -> Result<(), StoreError> {
+        let tx = self.conn.transaction()?;
         update(&tx, job)?;
         event(&tx, job.id, at, job.state, note)?;
-        tx.commit().map_err(err)
+        Ok(tx.commit()?)
     }
 
-    fn event(&mut self, job: u64, at: f64, state: JobState, note: Option<&str>) -> Result<(), String> {
+    fn event(&mut self, job: u64, at: f64, state: JobState, note: Option<&str>) -> Result<(), StoreError> {
         event(&self.conn, job, at, state, note)
     }
 
     /// Every job, oldest first.
-    pub fn load(&self) -> Result<Vec<JobRecord>, String> {
+    pub fn load(&self) -> Result<Vec<JobRecord>, StoreError> {
         let mut stmt = self
             .conn
             .prepare(
                 "SELECT id, request, state, assigned, estimate_bytes, bound_bytes, peak_bytes, submitted_at, started_at, finished_at,
                  exit_code, retries, error, pid, cancel_requested FROM jobs ORDER BY id",
-            )
-            .map_err(err)?;
+            )?;
         let rows = stmt
             .query_map([], |r| {
                 Ok((
@@ -160,15 +181,15 @@ impl Store {
                     r.get::<_, Option<u32>>(13)?,
                     r.get::<_, bool>(14)?,
                 ))
-            })
-            .map_err(err)?;
+            })?;
         rows.map(|row| {
-            let (id, request, state, assigned, est, bound, peak, sub, start, fin, code, retries, error, pid, cancel) = row.map_err(err)?;
+            let (id, request, state, assigned, est, bound, peak, sub, start, fin, code, retries, error, pid, cancel) = row?;
+            let job = id as u64;
             Ok(JobRecord {
-                id: id as u64,
-                request: serde_json::from_str(&request).map_err(|e| format!("job store: job {id}: {e}"))?,
-                state: JobState::parse(&state).ok_or_else(|| format!("job store: job {id}: unknown state `{state}`"))?,
-                assigned: serde_json::from_str(&assigned).map_err(|e| format!("job store: job {id}: {e}"))?,
+                id: job,
+                request: serde_json::from_str(&request).map_err(|source| StoreError::Column { job, column: "request", source })?,
+                state: JobState::parse(&state).ok_or_else(|| StoreError::UnknownState { job, state: state.clone() })?,
+                assigned: serde_json::from_str(&assigned).map_err(|source| StoreError::Column { job, column: "assigned", source })?,
                 estimate_bytes: est.map(|b| b as u64),
                 bound_bytes: bound.map(|b| b as u64),
                 peak_bytes: peak.map(|b| b as u64),
@@ -186,19 +207,24 @@ impl Store {
     }
 
     /// The states a job went through, with notes.
-    pub fn history(&self, job: u64) -> Result<Vec<(f64, String, Option<String>)>, String> {
-        let mut stmt = self.conn.prepare("SELECT at, state, note FROM events WHERE job = ?1 ORDER BY rowid").map_err(err)?;
-        let rows = stmt.query_map([job as i64], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).map_err(err)?;
-        rows.map(|r| r.map_err(err)).collect()
+    pub fn history(&self, job: u64) -> Result<Vec<StateChange>, StoreError> {
+        let mut stmt = self.conn.prepare("SELECT at, state, note FROM events WHERE job = ?1 ORDER BY rowid")?;
+        let rows = stmt.query_map([job as i64], |r| Ok((r.get::<_, f64>(0)?, r.get::<_, String>(1)?, r.get::<_, Option<String>>(2)?)))?;
+        rows.map(|row| {
+            let (at, state, note) = row?;
+            let state = JobState::parse(&state).ok_or_else(|| StoreError::UnknownState { job, state: state.clone() })?;
+            Ok(StateChange { at, state, note })
+        })
+        .collect()
     }
 
-    pub fn exists(&self, job: u64) -> Result<bool, String> {
-        self.conn.query_row("SELECT 1 FROM jobs WHERE id = ?1", [job as i64], |_| Ok(())).optional().map(|o| o.is_some()).map_err(err)
+    pub fn exists(&self, job: u64) -> Result<bool, StoreError> {
+        Ok(self.conn.query_row("SELECT 1 FROM jobs WHERE id = ?1", [job as i64], |_| Ok(())).optional()?.is_some())
     }
 }
 
-fn update(conn: &Connection, job: &JobRecord) -> Result<(), String> {
-    let assigned = serde_json::to_string(&job.assigned).map_err(|e| e.to_string())?;
+fn update(conn: &Connection, job: &JobRecord) -> Result<(), StoreError> {
+    let assigned = serde_json::to_string(&job.assigned).map_err(|source| StoreError::Encode { field: "assigned", source })?;
     conn.execute(
         "UPDATE jobs SET state = ?2, assigned = ?3, peak_bytes = ?4, started_at = ?5, finished_at = ?6, exit_code = ?7,
          retries = ?8, error = ?9, pid = ?10, cancel_requested = ?11 WHERE id = ?1",
@@ -215,13 +241,12 @@ fn update(conn: &Connection, job: &JobRecord) -> Result<(), String> {
             job.pid,
             job.cancel_requested
         ],
-    )
-    .map_err(err)?;
+    )?;
     Ok(())
 }
 
-fn event(conn: &Connection, job: u64, at: f64, state: JobState, note: Option<&str>) -> Result<(), String> {
-    conn.execute("INSERT INTO events (job, at, state, note) VALUES (?1, ?2, ?3, ?4)", params![job as i64, at, state.name(), note]).map_err(err)?;
+fn event(conn: &Connection, job: u64, at: f64, state: JobState, note: Option<&str>) -> Result<(), StoreError> {
+    conn.execute("INSERT INTO events (job, at, state, note) VALUES (?1, ?2, ?3, ?4)", params![job as i64, at, state.name(), note])?;
     Ok(())
 }
 
@@ -249,10 +274,33 @@ mod tests {
         let s = Store::open(&path).unwrap();
         assert_eq!(s.load().unwrap(), vec![j.clone()]);
         let h = s.history(j.id).unwrap();
-        assert_eq!(h.iter().map(|e| e.1.as_str()).collect::<Vec<_>>(), ["queued", "running"]);
+        assert_eq!(h.iter().map(|e| e.state).collect::<Vec<_>>(), [JobState::Queued, JobState::Running]);
+        assert_eq!(h[1].note.as_deref(), Some("placed"));
         assert!(s.exists(j.id).unwrap() && !s.exists(99).unwrap());
         for ext in ["", "-wal", "-shm"] {
             let _ = std::fs::remove_file(format!("{}{ext}", path.display()));
         }
+    }
+
+    #[test]
+    fn damaged_rows_name_the_job() {
+        let path = std::env::temp_dir().join(format!("gpumem-store-damaged-{}.db", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let mut s = Store::open(&path).unwrap();
+        let id = s.insert(&job()).unwrap();
+        s.conn.execute("UPDATE jobs SET state = 'lost'", []).unwrap();
+        let e = s.load().unwrap_err();
+        assert!(matches!(&e, StoreError::UnknownState { job, .. } if *job == id));
+        assert_eq!(e.to_string(), format!("job store: job {id}: unknown state `lost`"));
+        s.conn.execute("UPDATE jobs SET state = 'queued', assigned = 'nope'", []).unwrap();
+        let e = s.load().unwrap_err();
+        assert!(matches!(e, StoreError::Column { column: "assigned", .. }) && e.to_string().starts_with(&format!("job store: job {id}: ")), "{e}");
+        drop(s);
+        for ext in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{ext}", path.display()));
+        }
+        let dir = std::env::temp_dir();
+        let e = Store::open(&dir).map(|_| ()).unwrap_err();
+        assert!(matches!(e, StoreError::Open { .. } | StoreError::Sql(_)), "{e}");
     }
 }

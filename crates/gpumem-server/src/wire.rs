@@ -103,40 +103,70 @@ fn one() -> u32 {
     1
 }
 
+/// Why a submission is refused (the daemon answers 400 with this line).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RequestError {
+    #[error("command must name a program")]
+    NoProgram,
+    /// `shell` with a command of `args` strings.
+    #[error("a shell job's command is one string")]
+    ShellArgs { args: usize },
+    #[error("command: at most {MAX_ARGS} arguments of {MAX_ARG_BYTES} bytes, no NUL bytes")]
+    Command,
+    #[error("env: at most {MAX_ENV} variables; names without `=` or NUL")]
+    Env,
+    #[error("gpus must be between 1 and {max}")]
+    Gpus { gpus: u32, max: usize },
+    #[error("model and batch go together")]
+    ModelWithoutBatch,
+    #[error("batch and mem_mib must be positive")]
+    ZeroSize,
+    #[error("expected_s must be a positive number of seconds")]
+    ExpectedS(f64),
+    /// A name of `bytes` bytes.
+    #[error("name: at most {MAX_NAME_BYTES} bytes")]
+    Name { bytes: usize },
+}
+
 /// Limits a request must respect.
 pub const MAX_ARGS: usize = 256;
 pub const MAX_ARG_BYTES: usize = 4096;
 pub const MAX_ENV: usize = 128;
+pub const MAX_NAME_BYTES: usize = 200;
 
 impl JobRequest {
-    /// One-line reason a request is unacceptable, if it is.
-    pub fn validate(&self, max_gpus: usize) -> Result<(), String> {
+    /// Why the request is unacceptable, if it is.
+    pub fn validate(&self, max_gpus: usize) -> Result<(), RequestError> {
         if self.command.is_empty() || self.command[0].is_empty() {
-            return Err("command must name a program".into());
+            return Err(RequestError::NoProgram);
         }
         if self.shell && self.command.len() != 1 {
-            return Err("a shell job's command is one string".into());
+            return Err(RequestError::ShellArgs { args: self.command.len() });
         }
         if self.command.len() > MAX_ARGS || self.command.iter().any(|a| a.len() > MAX_ARG_BYTES || a.contains('\0')) {
-            return Err(format!("command: at most {MAX_ARGS} arguments of {MAX_ARG_BYTES} bytes, no NUL bytes"));
+            return Err(RequestError::Command);
         }
         if self.env.len() > MAX_ENV || self.env.iter().any(|(k, v)| k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0')) {
-            return Err(format!("env: at most {MAX_ENV} variables; names without `=` or NUL"));
+            return Err(RequestError::Env);
         }
         if self.gpus == 0 || self.gpus as usize > max_gpus {
-            return Err(format!("gpus must be between 1 and {max_gpus}"));
+            return Err(RequestError::Gpus { gpus: self.gpus, max: max_gpus });
         }
         if self.model.is_some() != self.batch.is_some() {
-            return Err("model and batch go together".into());
+            return Err(RequestError::ModelWithoutBatch);
         }
         if self.batch == Some(0) || self.mem_mib == Some(0) {
-            return Err("batch and mem_mib must be positive".into());
+            return Err(RequestError::ZeroSize);
         }
-        if self.expected_s.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
-            return Err("expected_s must be a positive number of seconds".into());
+        if let Some(s) = self.expected_s
+            && !(s.is_finite() && s > 0.0)
+        {
+            return Err(RequestError::ExpectedS(s));
         }
-        if self.name.as_ref().is_some_and(|n| n.len() > 200) {
-            return Err("name: at most 200 bytes".into());
+        if let Some(n) = &self.name
+            && n.len() > MAX_NAME_BYTES
+        {
+            return Err(RequestError::Name { bytes: n.len() });
         }
         Ok(())
     }
@@ -207,4 +237,34 @@ pub struct Submitted {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ApiError {
     pub error: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(json: &str) -> JobRequest {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn refusals_name_what_is_wrong() {
+        let cases = [
+            (r#"{"command": []}"#, "command must name a program"),
+            (r#"{"command": ["a", "b"], "shell": true}"#, "a shell job's command is one string"),
+            (r#"{"command": ["a\u0000"]}"#, "command: at most 256 arguments of 4096 bytes, no NUL bytes"),
+            (r#"{"command": ["a"], "env": {"A=B": "1"}}"#, "env: at most 128 variables; names without `=` or NUL"),
+            (r#"{"command": ["a"], "gpus": 3}"#, "gpus must be between 1 and 2"),
+            (r#"{"command": ["a"], "model": "mlp"}"#, "model and batch go together"),
+            (r#"{"command": ["a"], "mem_mib": 0}"#, "batch and mem_mib must be positive"),
+            (r#"{"command": ["a"], "expected_s": -1}"#, "expected_s must be a positive number of seconds"),
+        ];
+        for (json, message) in cases {
+            assert_eq!(request(json).validate(2).unwrap_err().to_string(), message, "{json}");
+        }
+        let long = request(&format!(r#"{{"command": ["a"], "name": "{}"}}"#, "n".repeat(201)));
+        assert_eq!(long.validate(2), Err(RequestError::Name { bytes: 201 }));
+        assert_eq!(long.validate(2).unwrap_err().to_string(), "name: at most 200 bytes");
+        assert_eq!(request(r#"{"command": ["a"], "gpus": 2}"#).validate(2), Ok(()));
+    }
 }

@@ -50,20 +50,69 @@ struct Mapping {
     task: Vec<Entry>,
 }
 
+/// Why the CARMA workload could not be read: the file, the line and what is wrong there.
+#[derive(Debug, thiserror::Error)]
+pub enum CarmaError {
+    /// The embedded mapping does not parse (a build with a broken carma-tasks.toml).
+    #[error("carma-tasks.toml: {0}")]
+    Mapping(#[from] toml::de::Error),
+    /// A CSV file could not be opened or its header read.
+    #[error("{file}: {source}")]
+    Open { file: String, source: csv::Error },
+    /// A row does not have the columns' types.
+    #[error("{file}: line {line}: {source}")]
+    Row { file: String, line: usize, source: csv::Error },
+    #[error("{file}: line {line}: no mapping for task `{task}` (see carma-tasks.toml)")]
+    NoMapping { file: String, line: usize, task: String },
+    /// The task's run time cannot be derived.
+    #[error("{file}: line {line}: {problem}")]
+    RunTime { file: String, line: usize, problem: RunTimeProblem },
+    #[error("{file}: line {line}: measured_mib and gpus must be positive")]
+    NotPositive { file: String, line: usize },
+    /// The mapping entry `prefix` describes a training loop gpumem cannot take.
+    #[error("{file}: line {line}: task `{prefix}`: {problem}")]
+    Options { file: String, line: usize, prefix: String, problem: OptionsProblem },
+    #[error("{file}: line {line}: arrival_s must be a non-negative number")]
+    Arrival { file: String, line: usize, arrival_s: f64 },
+    #[error("{file}: line {line}: unknown task `{task}`")]
+    UnknownTask { file: String, line: usize, task: String },
+}
+
+/// Why a task's exclusive run time cannot be derived.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RunTimeProblem {
+    #[error("mapping has neither workload nor minutes")]
+    NoWorkload,
+    #[error("the readme has no `{workload}` row at batch {batch}")]
+    NoReadmeRow { workload: String, batch: u64 },
+    /// A command (the readme gives minutes per epoch) without `--epochs`.
+    #[error("`{0}` has no --epochs")]
+    NoEpochs(String),
+}
+
+/// What is wrong with a mapping entry's training loop.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum OptionsProblem {
+    #[error("input `{0}` is not CxHxW")]
+    Input(String),
+    /// An optimizer, validate or outputs value that is not among the choices.
+    #[error(transparent)]
+    Name(#[from] gpumem_core::UnknownName),
+}
+
 /// The loop a mapping entry describes, on `gpus` GPUs.
-fn entry_options(entry: &Entry, gpus: u32) -> Result<Options, String> {
+fn entry_options(entry: &Entry, gpus: u32) -> Result<Options, OptionsProblem> {
     let input = match &entry.input {
-        Some(i) => Some(InputShape::parse(i).ok_or_else(|| format!("input `{i}` is not CxHxW"))?),
+        Some(i) => Some(InputShape::parse(i).ok_or_else(|| OptionsProblem::Input(i.clone()))?),
         None => None,
     };
-    let name = |e: gpumem_core::UnknownName| e.to_string();
     Ok(Options {
-        optimizer: entry.optimizer.as_deref().map_or(Ok(Optimizer::Adam), Optimizer::parse).map_err(name)?,
+        optimizer: entry.optimizer.as_deref().map_or(Ok(Optimizer::Adam), Optimizer::parse)?,
         input,
         seq_len: entry.seq_len,
         data_parallel: gpus,
-        validate: entry.validate.as_deref().map_or(Ok(Validate::None), Validate::parse).map_err(name)?,
-        outputs: entry.outputs.as_deref().map(Outputs::parse).transpose().map_err(name)?,
+        validate: entry.validate.as_deref().map_or(Ok(Validate::None), Validate::parse)?,
+        outputs: entry.outputs.as_deref().map(Outputs::parse).transpose()?,
         ..Options::default()
     })
 }
@@ -134,11 +183,12 @@ fn published_bytes(mib: f64) -> Option<u64> {
     (mib.is_finite() && mib > 0.0 && mib < FAILED_MIB).then(|| (mib * MIB as f64).round() as u64)
 }
 
-fn read_csv<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<Vec<T>, String> {
-    let mut r = csv::Reader::from_path(path).map_err(|e| format!("{}: {e}", path.display()))?;
+fn read_csv<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<Vec<T>, CarmaError> {
+    let file = || path.display().to_string();
+    let mut r = csv::Reader::from_path(path).map_err(|source| CarmaError::Open { file: file(), source })?;
     r.deserialize()
         .enumerate()
-        .map(|(i, row)| row.map_err(|e| format!("{}: line {}: {e}", path.display(), i + 2)))
+        .map(|(i, row)| row.map_err(|source| CarmaError::Row { file: file(), line: i + 2, source }))
         .collect()
 }
 
@@ -154,26 +204,27 @@ fn epochs_in(command: &str) -> Option<u32> {
 }
 
 /// Reads the tasks and their run times.
-pub fn load_tasks(tasks_csv: &Path, readme_csv: &Path) -> Result<Vec<Task>, String> {
-    let mapping: Mapping = toml::from_str(MAPPING).map_err(|e| format!("carma-tasks.toml: {e}"))?;
+pub fn load_tasks(tasks_csv: &Path, readme_csv: &Path) -> Result<Vec<Task>, CarmaError> {
+    let mapping: Mapping = toml::from_str(MAPPING)?;
     let readme: Vec<ReadmeRow> = read_csv(readme_csv)?;
     let rows: Vec<TaskRow> = read_csv(tasks_csv)?;
     let mut tasks = Vec::with_capacity(rows.len());
     for (i, row) in rows.into_iter().enumerate() {
-        let at = format!("{}: line {}", tasks_csv.display(), i + 2);
+        let file = || tasks_csv.display().to_string();
+        let line = i + 2;
         let entry = mapping
             .task
             .iter()
             .find(|e| row.task.starts_with(&e.prefix))
-            .ok_or_else(|| format!("{at}: no mapping for task `{}` (see carma-tasks.toml)", row.task))?;
-        let (work_min, epochs, work_rule) = run_minutes(entry, &row, &readme).map_err(|e| format!("{at}: {e}"))?;
+            .ok_or_else(|| CarmaError::NoMapping { file: file(), line, task: row.task.clone() })?;
+        let (work_min, epochs, work_rule) = run_minutes(entry, &row, &readme).map_err(|problem| CarmaError::RunTime { file: file(), line, problem })?;
         if row.measured_mib.is_nan() || row.measured_mib <= 0.0 || row.gpus == 0 {
-            return Err(format!("{at}: measured_mib and gpus must be positive"));
+            return Err(CarmaError::NotPositive { file: file(), line });
         }
         // Every multi-GPU CARMA task wraps its model in torch.nn.DataParallel.
         let batch = entry.batch.unwrap_or(row.batch_size);
         let model = match &entry.model {
-            Some(m) => Some(TaskModel { reference: m.clone(), batch, options: entry_options(entry, row.gpus).map_err(|e| format!("{at}: task `{}`: {e}", entry.prefix))? }),
+            Some(m) => Some(TaskModel { reference: m.clone(), batch, options: entry_options(entry, row.gpus).map_err(|problem| CarmaError::Options { file: file(), line, prefix: entry.prefix.clone(), problem })? }),
             None => None,
         };
         let train_steps = entry.train_samples.zip(epochs).map(|(n, e)| n.div_ceil(batch.max(1)) * u64::from(e));
@@ -198,19 +249,19 @@ pub fn load_tasks(tasks_csv: &Path, readme_csv: &Path) -> Result<Vec<Task>, Stri
 }
 
 /// Minutes alone on the GPU, the epochs they cover (where known), and the rule that gave them.
-fn run_minutes(entry: &Entry, row: &TaskRow, readme: &[ReadmeRow]) -> Result<(f64, Option<u32>, String), String> {
+fn run_minutes(entry: &Entry, row: &TaskRow, readme: &[ReadmeRow]) -> Result<(f64, Option<u32>, String), RunTimeProblem> {
     if let Some(m) = entry.minutes {
         return Ok((m, None, "stated in carma-tasks.toml".into()));
     }
-    let workload = entry.workload.as_deref().ok_or("mapping has neither workload nor minutes")?;
+    let workload = entry.workload.as_deref().ok_or(RunTimeProblem::NoWorkload)?;
     let candidates: Vec<&ReadmeRow> = readme.iter().filter(|r| r.model == workload).collect();
     let r = match candidates.iter().find(|r| r.batch_size == row.batch_size) {
         Some(r) => *r,
         None if candidates.len() == 1 => candidates[0],
-        None => return Err(format!("the readme has no `{workload}` row at batch {}", row.batch_size)),
+        None => return Err(RunTimeProblem::NoReadmeRow { workload: workload.to_string(), batch: row.batch_size }),
     };
     if r.epochs == "20/50" {
-        let epochs = epochs_in(&row.command).ok_or_else(|| format!("`{}` has no --epochs", row.command))?;
+        let epochs = epochs_in(&row.command).ok_or_else(|| RunTimeProblem::NoEpochs(row.command.clone()))?;
         Ok((r.exclusive_time_min * f64::from(epochs), Some(epochs), format!("{workload} b{}: {} min/epoch x {epochs}", r.batch_size, r.exclusive_time_min)))
     } else if let Some(epochs) = entry.per_epoch_of {
         Ok((r.exclusive_time_min * f64::from(epochs), Some(epochs), format!("{workload}: {} min/epoch x {epochs}", r.exclusive_time_min)))
@@ -220,7 +271,7 @@ fn run_minutes(entry: &Entry, row: &TaskRow, readme: &[ReadmeRow]) -> Result<(f6
 }
 
 /// Reads an arrival trace (`arrival_s,task`) against the known tasks: (arrival, task index).
-pub fn load_arrivals(trace_csv: &Path, tasks: &[Task]) -> Result<Vec<(f64, usize)>, String> {
+pub fn load_arrivals(trace_csv: &Path, tasks: &[Task]) -> Result<Vec<(f64, usize)>, CarmaError> {
     #[derive(Deserialize)]
     struct Row {
         arrival_s: f64,
@@ -231,11 +282,12 @@ pub fn load_arrivals(trace_csv: &Path, tasks: &[Task]) -> Result<Vec<(f64, usize
     rows.into_iter()
         .enumerate()
         .map(|(i, r)| {
-            let at = format!("{}: line {}", trace_csv.display(), i + 2);
+            let file = || trace_csv.display().to_string();
+            let line = i + 2;
             if !(r.arrival_s.is_finite() && r.arrival_s >= 0.0) {
-                return Err(format!("{at}: arrival_s must be a non-negative number"));
+                return Err(CarmaError::Arrival { file: file(), line, arrival_s: r.arrival_s });
             }
-            let t = index.get(r.task.as_str()).ok_or_else(|| format!("{at}: unknown task `{}`", r.task))?;
+            let t = index.get(r.task.as_str()).ok_or_else(|| CarmaError::UnknownTask { file: file(), line, task: r.task.clone() })?;
             Ok((r.arrival_s, *t))
         })
         .collect()
@@ -296,19 +348,19 @@ mod tests {
         let tasks = dir.join("tasks.csv");
         let head = "task,command,summary,dataset,batch_size,gpus,measured_mib,horus_mib,faketensor_mib,gpumemnet_mib\n";
         std::fs::write(&tasks, format!("{head}vgg,python vgg.py,s,d,32,1,6684,1,1,8000\nzebra,python z.py,s,d,32,1,1,1,1,1\n")).unwrap();
-        let e = load_tasks(&tasks, &readme).unwrap_err();
+        let e = load_tasks(&tasks, &readme).unwrap_err().to_string();
         assert!(e.ends_with("line 3: no mapping for task `zebra` (see carma-tasks.toml)") && !e.contains('\n'), "{e}");
         std::fs::write(&tasks, format!("{head}vgg2,python vgg.py,s,d,64,1,11760,1,1,8000\n")).unwrap();
-        let e = load_tasks(&tasks, &readme).unwrap_err();
+        let e = load_tasks(&tasks, &readme).unwrap_err().to_string();
         assert!(e.contains("line 2: the readme has no `vgg16` row at batch 64"), "{e}");
         std::fs::write(&tasks, format!("{head}vgg,python vgg.py,s,d,32,1,6684,1,1,8000\n")).unwrap();
         let ok = load_tasks(&tasks, &readme).unwrap();
         let trace = dir.join("trace.csv");
         std::fs::write(&trace, "arrival_s,task\n0,vgg\n5,vgg9\n").unwrap();
-        let e = load_arrivals(&trace, &ok).unwrap_err();
+        let e = load_arrivals(&trace, &ok).unwrap_err().to_string();
         assert!(e.ends_with("line 3: unknown task `vgg9`"), "{e}");
         std::fs::write(&trace, "arrival_s,task\n-1,vgg\n").unwrap();
-        assert!(load_arrivals(&trace, &ok).unwrap_err().contains("non-negative"));
+        assert!(load_arrivals(&trace, &ok).unwrap_err().to_string().contains("non-negative"));
         std::fs::remove_dir_all(&dir).ok();
     }
 }
