@@ -59,7 +59,11 @@ pub fn serve(a: ServeArgs) -> CliResult {
         }
     };
     let exe = std::env::current_exe().map_err(|e| CliError::other(format!("cannot find the gpumem binary: {e}")))?;
-    let daemon = Daemon::open(&a.state, monitor, fake, prof, config, exe).map_err(CliError::other)?;
+    let daemon = Daemon::open(&a.state, monitor, fake, prof, config, exe).map_err(|e| match e {
+        // Another daemon on the same state: a usage error (exit 2), not a failure.
+        e @ gpumem_server::DaemonError::InUse { .. } => CliError::input(e),
+        e => CliError::other(e),
+    })?;
     gpumem_server::api::serve(Arc::new(daemon), addr, a.token).map_err(CliError::other)
 }
 

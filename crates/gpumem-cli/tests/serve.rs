@@ -240,6 +240,31 @@ fn security() {
 }
 
 #[test]
+fn one_daemon_per_state_directory_and_its_files_are_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = dir("lock");
+    let s = Server::start(&d);
+    let state = d.join("state");
+    // A second daemon on the same state would run its queued jobs again: refused, naming the holder.
+    let o = gpumem(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", state.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("is in use by another gpumem serve (pid ") && err.lines().count() == 1, "{err}");
+    let id = s.submit(&["--mem-mib", "100", "--", "/bin/echo", "secret output"]);
+    s.wait_until(|| s.state(id) == "finished", "the job finishes");
+    let mode = |p: &Path| std::fs::metadata(p).unwrap_or_else(|e| panic!("{}: {e}", p.display())).permissions().mode() & 0o777;
+    assert_eq!(mode(&state), 0o700);
+    assert_eq!(mode(&state.join("jobs")), 0o700);
+    for f in ["jobs.db", "jobs.db-wal", "lock"] {
+        assert_eq!(mode(&state.join(f)), 0o600, "{f}");
+    }
+    let job_dir = state.join("jobs").join(id.to_string());
+    for f in ["log", "pid", "exit"] {
+        assert_eq!(mode(&job_dir.join(f)), 0o600, "jobs/{id}/{f}");
+    }
+}
+
+#[test]
 fn load_nothing_lost() {
     let d = dir("load");
     let s = Server::start(&d);

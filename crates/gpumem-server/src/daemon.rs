@@ -155,13 +155,43 @@ struct Inner {
 /// Why the daemon could not open its state.
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
-    /// The state directory could not be created.
+    /// The state directory could not be created, locked or made private.
     #[error("{dir}: {source}")]
     StateDir { dir: String, source: std::io::Error },
+    /// Another daemon holds the state directory (a second one would run its jobs again).
+    #[error("{dir} is in use by another gpumem serve{}", .pid.map(|p| format!(" (pid {p})")).unwrap_or_default())]
+    InUse { dir: String, pid: Option<u32> },
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
     Policy(#[from] UnknownPolicy),
+}
+
+/// Creates the state directory private to the daemon's user (0700, its job directories too)
+/// and takes its exclusive lock, writing this process's pid into it. A second daemon on the
+/// same directory is refused while the first lives; the kernel drops the lock with the process,
+/// so a killed daemon leaves nothing to clean up.
+fn lock_state_dir(dir: &Path) -> Result<std::fs::File, DaemonError> {
+    use std::io::{Read, Seek, Write};
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+    let io = |source| DaemonError::StateDir { dir: dir.display().to_string(), source };
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir.join("jobs")).map_err(io)?;
+    for d in [dir.to_path_buf(), dir.join("jobs")] {
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+    }
+    let mut f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600).open(dir.join("lock")).map_err(io)?;
+    // SAFETY: flock on a file descriptor this function owns.
+    if unsafe { libc::flock(std::os::unix::io::AsRawFd::as_raw_fd(&f), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(io(err));
+        }
+        let mut holder = String::new();
+        let _ = f.read_to_string(&mut holder);
+        return Err(DaemonError::InUse { dir: dir.display().to_string(), pid: holder.trim().parse().ok() });
+    }
+    f.set_len(0).and_then(|_| f.rewind()).and_then(|_| write!(f, "{}", std::process::id())).and_then(|_| f.flush()).map_err(io)?;
+    Ok(f)
 }
 
 /// Why a job could not be cancelled (the API answers 404, 409 and 500).
@@ -178,6 +208,8 @@ pub enum CancelError {
 /// The daemon: jobs, GPUs, policy.
 pub struct Daemon {
     inner: Mutex<Inner>,
+    /// The state directory's lock, held for the daemon's life (released when the file closes).
+    _lock: std::fs::File,
     pub state_dir: PathBuf,
     /// The `gpumem` binary that supervises runs.
     supervisor: PathBuf,
@@ -189,7 +221,7 @@ pub struct Daemon {
 impl Daemon {
     /// Opens the state directory (creating it), loading every job it holds.
     pub fn open(state_dir: &Path, monitor: Box<dyn Monitor>, fake: Option<FakeGpus>, profile: GpuProfile, config: Config, supervisor: PathBuf) -> Result<Daemon, DaemonError> {
-        std::fs::create_dir_all(state_dir.join("jobs")).map_err(|source| DaemonError::StateDir { dir: state_dir.display().to_string(), source })?;
+        let lock = lock_state_dir(state_dir)?;
         let store = Store::open(&state_dir.join("jobs.db"))?;
         let jobs = store.load()?.into_iter().map(|j| (j.id, j)).collect();
         let mut inner = Inner {
@@ -214,7 +246,7 @@ impl Daemon {
                 inner.store.transition(job, t, job.error.as_deref())?;
             }
         }
-        Ok(Daemon { inner: Mutex::new(inner), state_dir: state_dir.to_path_buf(), supervisor, fake, profile, config })
+        Ok(Daemon { inner: Mutex::new(inner), _lock: lock, state_dir: state_dir.to_path_buf(), supervisor, fake, profile, config })
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {

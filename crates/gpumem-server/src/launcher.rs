@@ -152,15 +152,22 @@ pub fn launch(supervisor: &Path, l: &Launch) -> Result<Child, LaunchError> {
 /// leave with.
 pub fn supervise(dir: &Path, argv: &[String]) -> i32 {
     let dir = JobDir(dir.to_path_buf());
+    // The job's files are private to the daemon's user (0600), as its store is.
+    let private = || {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut o = fs::OpenOptions::new();
+        o.create(true).mode(0o600);
+        o
+    };
     let write = |path: PathBuf, text: String| {
         // Written then renamed: a reader never sees half a file.
         let tmp = path.with_extension("tmp");
-        fs::write(&tmp, text).and_then(|_| fs::rename(&tmp, &path))
+        private().write(true).truncate(true).open(&tmp).and_then(|mut f| std::io::Write::write_all(&mut f, text.as_bytes())).and_then(|_| fs::rename(&tmp, &path))
     };
     if write(dir.pid_file(), std::process::id().to_string()).is_err() {
         return 125;
     }
-    let log = match fs::OpenOptions::new().create(true).append(true).open(dir.log()) {
+    let log = match private().append(true).open(dir.log()) {
         Ok(f) => f,
         Err(_) => return 125,
     };

@@ -17,4 +17,4 @@ pub mod launcher;
 pub mod store;
 pub mod wire;
 
-pub use daemon::{Config, Daemon};
+pub use daemon::{Config, Daemon, DaemonError};

@@ -71,6 +71,9 @@ pub enum StoreError {
     /// The database file could not be opened.
     #[error("{file}: {source}")]
     Open { file: String, source: rusqlite::Error },
+    /// The database file could not be created or made private (0600).
+    #[error("{file}: {source}")]
+    Private { file: String, source: std::io::Error },
     /// A statement failed.
     #[error("job store: {0}")]
     Sql(#[from] rusqlite::Error),
@@ -113,6 +116,13 @@ CREATE INDEX IF NOT EXISTS events_job ON events(job);
 
 impl Store {
     pub fn open(path: &Path) -> Result<Store, StoreError> {
+        // Private to the daemon's user (requests hold commands and environments): made 0600
+        // before SQLite opens it, whose WAL and shared-memory files take the database's mode.
+        {
+            use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+            let private = std::fs::OpenOptions::new().create(true).append(true).mode(0o600).open(path).and_then(|_| std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)));
+            private.map_err(|source| StoreError::Private { file: path.display().to_string(), source })?;
+        }
         let conn = Connection::open(path).map_err(|source| StoreError::Open { file: path.display().to_string(), source })?;
         // WAL: readers never block the writer; NORMAL sync is durable across process crashes
         // (the case a daemon must survive) at a fraction of FULL's cost.
@@ -301,6 +311,6 @@ mod tests {
         }
         let dir = std::env::temp_dir();
         let e = Store::open(&dir).map(|_| ()).unwrap_err();
-        assert!(matches!(e, StoreError::Open { .. } | StoreError::Sql(_)), "{e}");
+        assert!(matches!(e, StoreError::Open { .. } | StoreError::Private { .. } | StoreError::Sql(_)), "{e}");
     }
 }
