@@ -18,7 +18,7 @@ use gpumem_place::{Forecast, Queued, SchedOptions, Scheduler};
 
 use crate::launcher::{Exit, JobDir, Launch, alive, launch, signal_group};
 use crate::store::{JobRecord, Store, StoreError};
-use crate::wire::{GpuView, JobRequest, JobState, JobView, Submitted};
+use crate::wire::{GpuView, JobRequest, JobState, JobView, MAX_MEM_MIB, Submitted};
 
 /// What happens to a job whose process vanished while the daemon was down.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -83,8 +83,9 @@ pub enum ConfigError {
     /// The estimator (or its learned model) cannot be used.
     #[error(transparent)]
     Estimator(#[from] gpumem_learn::model::LearnError),
-    #[error("warmup_s and grace_s must be non-negative, tick_ms at least 10")]
-    Timing { warmup_s: f64, grace_s: f64, tick_ms: u64 },
+    /// A number out of its range (`value` as written back).
+    #[error("{key} = {value} is out of range ({range})")]
+    Range { key: &'static str, value: String, range: &'static str },
 }
 
 impl Config {
@@ -92,8 +93,19 @@ impl Config {
         let c: Config = toml::from_str(text)?;
         c.policy()?;
         gpumem_learn::estimator(&c.estimator, c.learned_model.as_deref())?;
-        if !(c.warmup_s >= 0.0 && c.grace_s >= 0.0 && c.tick_ms >= 10) {
-            return Err(ConfigError::Timing { warmup_s: c.warmup_s, grace_s: c.grace_s, tick_ms: c.tick_ms });
+        // Every number bounded: a daemon that sleeps for ever between ticks or waits an
+        // infinite grace cannot be stopped but by SIGKILL; a headroom beyond bytes wraps.
+        let seconds = |key, v: f64| (v.is_finite() && (0.0..=86_400.0).contains(&v)).then_some(()).ok_or(ConfigError::Range { key, value: v.to_string(), range: "0..=86400 seconds" });
+        seconds("warmup_s", c.warmup_s)?;
+        seconds("grace_s", c.grace_s)?;
+        if !(10..=60_000).contains(&c.tick_ms) {
+            return Err(ConfigError::Range { key: "tick_ms", value: c.tick_ms.to_string(), range: "10..=60000" });
+        }
+        if c.headroom_mib > MAX_MEM_MIB {
+            return Err(ConfigError::Range { key: "headroom_mib", value: c.headroom_mib.to_string(), range: "0..=16777216" });
+        }
+        if c.max_retries > 100 {
+            return Err(ConfigError::Range { key: "max_retries", value: c.max_retries.to_string(), range: "0..=100" });
         }
         Ok(c)
     }
@@ -658,9 +670,19 @@ mod tests {
 
     #[test]
     fn config_errors_are_one_line() {
+        for (text, message) in [
+            ("tick_ms = 18446744073709551615", "tick_ms = 18446744073709551615 is out of range (10..=60000)"),
+            ("headroom_mib = 18446744073709551615", "headroom_mib = 18446744073709551615 is out of range (0..=16777216)"),
+            ("warmup_s = inf", "warmup_s = inf is out of range (0..=86400 seconds)"),
+            ("grace_s = 1e308", &format!("grace_s = {} is out of range (0..=86400 seconds)", 1e308f64)),
+            ("grace_s = -1", "grace_s = -1 is out of range (0..=86400 seconds)"),
+            ("max_retries = 4000000000", "max_retries = 4000000000 is out of range (0..=100)"),
+        ] {
+            assert_eq!(Config::from_toml(text).unwrap_err().to_string(), message, "{text}");
+        }
         let e = Config::from_toml("tick_ms = 5").unwrap_err();
-        assert!(matches!(e, ConfigError::Timing { tick_ms: 5, .. }));
-        assert_eq!(e.to_string(), "warmup_s and grace_s must be non-negative, tick_ms at least 10");
+        assert!(matches!(e, ConfigError::Range { key: "tick_ms", .. }));
+        assert_eq!(e.to_string(), "tick_ms = 5 is out of range (10..=60000)");
         let e = Config::from_toml("policy = \"tetris\"").unwrap_err();
         assert!(matches!(e, ConfigError::Policy(_)) && e.to_string().starts_with("unknown policy `tetris`"), "{e}");
         let e = Config::from_toml("surprise = 1").unwrap_err();

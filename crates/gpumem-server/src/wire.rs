@@ -121,6 +121,9 @@ pub enum RequestError {
     ModelWithoutBatch,
     #[error("batch and mem_mib must be positive")]
     ZeroSize,
+    /// A memory request beyond any GPU (and beyond what bytes can count without wrapping).
+    #[error("mem_mib {0} is out of range (1..={MAX_MEM_MIB})")]
+    MemMib(u64),
     #[error("expected_s must be a positive number of seconds")]
     ExpectedS(f64),
     /// A name of `bytes` bytes.
@@ -133,6 +136,9 @@ pub const MAX_ARGS: usize = 256;
 pub const MAX_ARG_BYTES: usize = 4096;
 pub const MAX_ENV: usize = 128;
 pub const MAX_NAME_BYTES: usize = 200;
+/// Most memory a request or a headroom may name: 16 TiB, far above any GPU, and its bytes fit
+/// a u64 (and SQLite's signed integers) with room to add.
+pub const MAX_MEM_MIB: u64 = 1 << 24;
 
 impl JobRequest {
     /// Why the request is unacceptable, if it is.
@@ -157,6 +163,9 @@ impl JobRequest {
         }
         if self.batch == Some(0) || self.mem_mib == Some(0) {
             return Err(RequestError::ZeroSize);
+        }
+        if let Some(m) = self.mem_mib.filter(|&m| m > MAX_MEM_MIB) {
+            return Err(RequestError::MemMib(m));
         }
         if let Some(s) = self.expected_s
             && !(s.is_finite() && s > 0.0)
@@ -257,6 +266,7 @@ mod tests {
             (r#"{"command": ["a"], "gpus": 3}"#, "gpus must be between 1 and 2"),
             (r#"{"command": ["a"], "model": "mlp"}"#, "model and batch go together"),
             (r#"{"command": ["a"], "mem_mib": 0}"#, "batch and mem_mib must be positive"),
+            (r#"{"command": ["a"], "mem_mib": 17592186044416}"#, "mem_mib 17592186044416 is out of range (1..=16777216)"),
             (r#"{"command": ["a"], "expected_s": -1}"#, "expected_s must be a positive number of seconds"),
         ];
         for (json, message) in cases {
