@@ -35,14 +35,15 @@ impl Exit {
     }
 }
 
-/// Log lines that mean the job ran out of GPU memory.
+/// Log lines that mean the job ran out of GPU memory: CUDA's and PyTorch's own messages only (a
+/// host `MemoryError: ... out of memory` is not the GPU's, and re-running alone would not help).
 pub const OOM_PATTERNS: [&str; 6] = [
     "CUDA out of memory",
+    "CUDA error: out of memory",
     "OutOfMemoryError",
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_ALLOC_FAILED",
     "cudaErrorMemoryAllocation",
-    "out of memory",
 ];
 
 /// The files of one job.
@@ -61,6 +62,11 @@ impl JobDir {
     }
     pub fn exit_file(&self) -> PathBuf {
         self.0.join("exit")
+    }
+    /// Where the current attempt's output starts in the log (a byte offset): the log keeps every
+    /// attempt, but each run is judged by its own output.
+    pub fn attempt_start_file(&self) -> PathBuf {
+        self.0.join("attempt_start")
     }
     /// Where a job on a fake GPU reports the memory it "uses" (bytes, decimal).
     pub fn fake_memory(&self) -> PathBuf {
@@ -94,9 +100,11 @@ impl JobDir {
         String::from_utf8_lossy(&buf).into_owned()
     }
 
-    /// Whether the log says the run ran out of GPU memory.
+    /// Whether the last attempt's output (its last 64 KiB) says it ran out of GPU memory.
     pub fn ran_out_of_memory(&self) -> bool {
-        let tail = self.log_tail(64 * 1024);
+        let start: u64 = fs::read_to_string(self.attempt_start_file()).ok().and_then(|t| t.trim().parse().ok()).unwrap_or(0);
+        let len = fs::metadata(self.log()).map(|m| m.len()).unwrap_or(0);
+        let tail = self.log_tail(len.saturating_sub(start).min(64 * 1024));
         OOM_PATTERNS.iter().any(|p| tail.contains(p))
     }
 }
@@ -171,6 +179,10 @@ pub fn supervise(dir: &Path, argv: &[String]) -> i32 {
         Ok(f) => f,
         Err(_) => return 125,
     };
+    let start = log.metadata().map(|m| m.len()).unwrap_or(0);
+    if write(dir.attempt_start_file(), start.to_string()).is_err() {
+        return 125;
+    }
     let Some((program, args)) = argv.split_first() else { return 125 };
     let status = Command::new(program)
         .args(args)
@@ -240,6 +252,23 @@ mod tests {
         let d = dir("missing");
         assert_eq!(supervise(&d.0, &["/nonexistent/program".into()]), 127);
         assert!(d.log_tail(1000).contains("cannot start"));
+    }
+
+    #[test]
+    fn each_attempt_is_judged_by_its_own_output() {
+        let d = dir("attempts");
+        let run = |script: &str| supervise(&d.0, &["/bin/sh".into(), "-c".into(), script.into()]);
+        assert_eq!(run("echo 'torch.OutOfMemoryError: CUDA out of memory.' >&2; exit 1"), 1);
+        assert!(d.ran_out_of_memory());
+        // Attempt 2 fails otherwise: the OOM of attempt 1 still in the log does not make it one.
+        assert_eq!(run("echo 'ValueError: bad label' >&2; exit 1"), 1);
+        assert!(!d.ran_out_of_memory());
+        assert!(d.log_tail(10_000).contains("CUDA out of memory"), "the log keeps every attempt");
+        // A host allocation failure is not the GPU's.
+        assert_eq!(run("echo 'MemoryError: out of memory' >&2; exit 1"), 1);
+        assert!(!d.ran_out_of_memory());
+        assert_eq!(run("echo 'RuntimeError: CUDA error: out of memory' >&2; exit 1"), 1);
+        assert!(d.ran_out_of_memory());
     }
 
     #[test]
