@@ -32,6 +32,10 @@ pub struct ServeArgs {
     /// Daemon settings (TOML): policy, headroom_mib, warmup_s, max_retries, backfill, grace_s, tick_ms, on_lost.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// Start although the job store holds no job beside existing job directories (it was
+    /// emptied, deleted or damaged): the old directories are set aside in STATE/jobs.lost-TIME.
+    #[arg(long)]
+    recover: bool,
 }
 
 pub fn serve(a: ServeArgs) -> CliResult {
@@ -59,9 +63,9 @@ pub fn serve(a: ServeArgs) -> CliResult {
         }
     };
     let exe = std::env::current_exe().map_err(|e| CliError::other(format!("cannot find the gpumem binary: {e}")))?;
-    let daemon = Daemon::open(&a.state, monitor, fake, prof, config, exe).map_err(|e| match e {
-        // Another daemon on the same state: a usage error (exit 2), not a failure.
-        e @ gpumem_server::DaemonError::InUse { .. } => CliError::input(e),
+    let daemon = Daemon::open(&a.state, monitor, fake, prof, config, exe, a.recover).map_err(|e| match e {
+        // Another daemon on the same state, or a lost store: the operator's to decide (exit 2).
+        e @ (gpumem_server::DaemonError::InUse { .. } | gpumem_server::DaemonError::StoreLost { .. }) => CliError::input(e),
         e => CliError::other(e),
     })?;
     gpumem_server::api::serve(Arc::new(daemon), addr, a.token).map_err(CliError::other)

@@ -76,7 +76,7 @@ fn served(cfg: Config, name: &str) -> Starts {
     let fake = monitor.gpus.clone();
     let profile = profile::builtin("a100-40gb").unwrap();
     let tick = Duration::from_millis(cfg.tick_ms);
-    let d = Daemon::open(&dir, Box::new(monitor), Some(fake), profile, cfg, env!("CARGO_BIN_EXE_gpumem").into()).unwrap();
+    let d = Daemon::open(&dir, Box::new(monitor), Some(fake), profile, cfg, env!("CARGO_BIN_EXE_gpumem").into(), false).unwrap();
     let mut ids = Vec::new();
     for &(gib, secs, priority) in &JOBS {
         let request: JobRequest = serde_json::from_value(serde_json::json!({

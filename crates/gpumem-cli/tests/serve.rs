@@ -265,6 +265,41 @@ fn one_daemon_per_state_directory_and_its_files_are_private() {
 }
 
 #[test]
+fn a_lost_store_is_refused_not_silently_reset() {
+    let d = dir("lost");
+    let mut s = Server::start(&d);
+    let old = s.submit(&["--mem-mib", "100", "--", "/bin/echo", "the old job's output"]);
+    s.wait_until(|| s.state(old) == "finished", "the old job finishes");
+    s.kill();
+    // The store emptied while the daemon was down (its job directories remain).
+    let state = d.join("state");
+    std::fs::write(state.join("jobs.db"), "").unwrap();
+    for f in ["jobs.db-wal", "jobs.db-shm"] {
+        let _ = std::fs::remove_file(state.join(f));
+    }
+    let serve = |extra: &[&str]| {
+        let mut args = vec!["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", state.to_str().unwrap()];
+        args.extend(extra);
+        args.iter().map(|a| a.to_string()).collect::<Vec<_>>()
+    };
+    let o = gpumem(&serve(&[]).iter().map(String::as_str).collect::<Vec<_>>());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("the job store was lost or damaged; start with --recover") && err.lines().count() == 1, "{err}");
+    // --recover sets the old directories aside: a new job 1 starts with its own, empty log.
+    let (child, url) = spawn_daemon(&serve(&["--recover"]).iter().map(String::as_str).collect::<Vec<_>>());
+    let s = Server { child, url };
+    let new = s.submit(&["--mem-mib", "100", "--", "/bin/echo", "the new job's output"]);
+    assert_eq!(new, old, "ids restart with the new store");
+    s.wait_until(|| s.state(new) == "finished", "the new job finishes");
+    let log = s.run(&["job", &new.to_string(), "--log"]);
+    assert!(log.contains("the new job's output") && !log.contains("the old job's output"), "{log}");
+    let aside: Vec<_> = std::fs::read_dir(&state).unwrap().filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.starts_with("jobs.lost-")).collect();
+    assert_eq!(aside.len(), 1, "{aside:?}");
+    assert!(std::fs::read_to_string(state.join(&aside[0]).join(old.to_string()).join("log")).unwrap().contains("the old job's output"));
+}
+
+#[test]
 fn load_nothing_lost() {
     let d = dir("load");
     let s = Server::start(&d);

@@ -1,6 +1,7 @@
 //! The daemon's state and its scheduling loop.
 
 use std::collections::{BTreeMap, HashMap};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::sync::{Mutex, MutexGuard};
@@ -170,6 +171,9 @@ pub enum DaemonError {
     /// The state directory could not be created, locked or made private.
     #[error("{dir}: {source}")]
     StateDir { dir: String, source: std::io::Error },
+    /// The store holds no job but job directories exist: it was emptied, deleted or damaged.
+    #[error("{dir}/jobs.db holds no jobs but {dir}/jobs has {job_dirs} job directories: the job store was lost or damaged; start with --recover to set them aside and begin a new store")]
+    StoreLost { dir: String, job_dirs: usize },
     /// Another daemon holds the state directory (a second one would run its jobs again).
     #[error("{dir} is in use by another gpumem serve{}", .pid.map(|p| format!(" (pid {p})")).unwrap_or_default())]
     InUse { dir: String, pid: Option<u32> },
@@ -185,7 +189,7 @@ pub enum DaemonError {
 /// so a killed daemon leaves nothing to clean up.
 fn lock_state_dir(dir: &Path) -> Result<std::fs::File, DaemonError> {
     use std::io::{Read, Seek, Write};
-    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let io = |source| DaemonError::StateDir { dir: dir.display().to_string(), source };
     std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir.join("jobs")).map_err(io)?;
     for d in [dir.to_path_buf(), dir.join("jobs")] {
@@ -231,11 +235,24 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    /// Opens the state directory (creating it), loading every job it holds.
-    pub fn open(state_dir: &Path, monitor: Box<dyn Monitor>, fake: Option<FakeGpus>, profile: GpuProfile, config: Config, supervisor: PathBuf) -> Result<Daemon, DaemonError> {
+    /// Opens the state directory (creating it), loading every job it holds. A store that holds
+    /// no job beside job directories was lost or damaged: refused, unless `recover`, which sets
+    /// the directories aside (`jobs.lost-SECONDS`) and begins a new store, so no new job reuses
+    /// an old one's id and files.
+    pub fn open(state_dir: &Path, monitor: Box<dyn Monitor>, fake: Option<FakeGpus>, profile: GpuProfile, config: Config, supervisor: PathBuf, recover: bool) -> Result<Daemon, DaemonError> {
         let lock = lock_state_dir(state_dir)?;
         let store = Store::open(&state_dir.join("jobs.db"))?;
-        let jobs = store.load()?.into_iter().map(|j| (j.id, j)).collect();
+        let jobs: BTreeMap<u64, JobRecord> = store.load()?.into_iter().map(|j| (j.id, j)).collect();
+        let job_dirs = std::fs::read_dir(state_dir.join("jobs")).map_err(|source| DaemonError::StateDir { dir: state_dir.display().to_string(), source })?.count();
+        if jobs.is_empty() && job_dirs > 0 {
+            if !recover {
+                return Err(DaemonError::StoreLost { dir: state_dir.display().to_string(), job_dirs });
+            }
+            let aside = state_dir.join(format!("jobs.lost-{}", now() as u64));
+            let io = |source| DaemonError::StateDir { dir: state_dir.display().to_string(), source };
+            std::fs::rename(state_dir.join("jobs"), &aside).map_err(io)?;
+            std::fs::DirBuilder::new().mode(0o700).create(state_dir.join("jobs")).map_err(io)?;
+        }
         let mut inner = Inner {
             store,
             jobs,
