@@ -713,7 +713,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let monitor = FakeMonitor::new(1, "fake", 40 << 30);
         let profile = gpumem_core::profile::builtin("a100-40gb").unwrap();
-        let d = Daemon::open(&dir, Box::new(monitor), None, profile, Config::default(), "/nonexistent".into()).unwrap();
+        let d = Daemon::open(&dir, Box::new(monitor), None, profile, Config::default(), "/nonexistent".into(), false).unwrap();
         let id = d.submit(serde_json::from_str(r#"{"command": ["true"]}"#).unwrap(), None).unwrap().id;
         assert_eq!(d.cancel(id).unwrap().state, JobState::Cancelled);
         let e = d.cancel(id).unwrap_err();
