@@ -234,10 +234,15 @@ impl Options {
         Ok(())
     }
 
-    /// Whether only the optimizer and precision differ from a plain loop: all a native family
-    /// model can be given (the families refuse pure precision themselves).
+    /// What a native family model can be given of these options: the optimizer and the
+    /// precision, in an otherwise plain loop (the families refuse pure precision themselves).
+    pub fn native_part(&self) -> Options {
+        Options { optimizer: self.optimizer, precision: self.precision, ..Options::default() }
+    }
+
+    /// Whether a native family model can take all of these options.
     pub fn native_compatible(&self) -> bool {
-        *self == Options { optimizer: self.optimizer, precision: self.precision, ..Options::default() }
+        *self == self.native_part()
     }
 }
 

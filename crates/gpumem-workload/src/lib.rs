@@ -28,8 +28,14 @@ pub enum WorkloadError {
     Tracer(#[from] BridgeError),
 }
 
-/// Options only PyTorch models take, as a native model's refusal names them.
-const TORCH_ONLY: &str = "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs and --attention-mask apply to PyTorch models (torchvision:, timm:, hf:, smp:, py:)";
+/// A native model's refusal of options only PyTorch models take, naming those models by the
+/// one prefix table.
+fn torch_only() -> WorkloadError {
+    WorkloadError::Invalid(format!(
+        "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs and --attention-mask apply to PyTorch models ({})",
+        TORCH_PREFIXES.join(", ")
+    ))
+}
 
 /// A training job: what is trained, at which batch size, in which loop.
 /// Invariant: the batch is in 1..=[`MAX_BATCH`], the options pass [`Options::check`], and a
@@ -48,7 +54,7 @@ impl Workload {
         }
         options.check().map_err(|e| WorkloadError::Invalid(e.to_string()))?;
         if model.is_native() && !options.native_compatible() {
-            return Err(WorkloadError::Invalid(TORCH_ONLY.into()));
+            return Err(torch_only());
         }
         Ok(Workload { model, batch, options })
     }
@@ -66,7 +72,7 @@ impl Workload {
         if model.is_native() {
             // A native row keeps only what a native model takes; its CSV columns for PyTorch
             // models (input, seq_len) describe nothing gpumem builds.
-            options = Options { optimizer: options.optimizer, precision: options.precision, ..Options::default() };
+            options = options.native_part();
         }
         Workload::new(model, row.batch, options).map(Some).map_err(|e| WorkloadError::Invalid(format!("line {}: {e}", row.line)))
     }
