@@ -87,6 +87,16 @@ class Recorder:
         if entry is not None:
             self.events[entry[1]]["category"] = category
 
+    def conv_workspace(self, direction, config, n, module=""):
+        """A workspace cuDNN's engine takes and gives back inside a convolution kernel. Its size
+        depends on the GPU and library, so the trace names the convolution (`config`, batch
+        `n` apart so batch-symbolic traces keep one key) and gpumem's replay sizes it from the
+        profile's workspace table."""
+        e = {"ev": "workspace", "pass": direction, "conv": config, "n": int(n), "phase": self.phase}
+        if module:
+            e["module"] = module
+        self.events.append(e)
+
     def workspace(self, thread):
         if thread not in self.workspaces:
             self.workspaces.add(thread)
@@ -99,6 +109,33 @@ class Recorder:
             f.write(json.dumps(header) + "\n")
             for e in self.events:
                 f.write(json.dumps(e, separators=(",", ":")) + "\n")
+
+
+# A convolution's passes, as the workspace table names them.
+CONV_FORWARD, CONV_BACKWARD_DATA, CONV_BACKWARD_FILTER = "fwd", "bwd_data", "bwd_filter"
+
+
+def conv_config(x, w, stride, padding, dilation, transposed, output_padding, groups):
+    """The key of a convolution in a profile's workspace table, without the batch (``n``):
+    what cuDNN's engine choice depends on. ``in`` is one sample's shape (C×spatial), ``w`` the
+    weight's; layout is channels_last where PyTorch's cuDNN path would use it (input or weight
+    in that format)."""
+    dims = lambda v: "x".join(str(int(i)) for i in v)  # noqa: E731
+    last = any(_channels_last(t) for t in (x, w))
+    parts = [f"in={dims(x.shape[1:])}", f"w={dims(w.shape)}", f"stride={dims(stride)}", f"pad={dims(padding)}",
+             f"dil={dims(dilation)}", f"groups={int(groups)}", f"dtype={str(x.dtype).removeprefix('torch.')}",
+             f"layout={'channels_last' if last else 'contiguous'}"]
+    if transposed:
+        parts.append(f"transposed=1;opad={dims(output_padding)}")
+    return ";".join(parts)
+
+
+def _channels_last(t):
+    if t.dim() == 4:
+        return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+    if t.dim() == 5:
+        return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last_3d)
+    return False
 
 
 def storage_key(t):
@@ -231,8 +268,26 @@ class TraceMode(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name not in VIEW_OPS:
             self.last_op = name
-        for t in _tensors(out):
-            self.track(t, name)
+        if func.overloadpacket is aten.convolution:
+            for t in _tensors(out):
+                self.track(t, name)
+            self.r.conv_workspace(CONV_FORWARD, conv_config(*args[:2], *args[3:9]), args[0].shape[0], self.modules.current())
+        elif func.overloadpacket is aten.convolution_backward:
+            # cuDNN's backward makes grad_input and then runs its kernel (taking and giving
+            # back that pass's workspace), then the same for grad_weight; grad_bias last.
+            config = conv_config(*args[1:3], *args[4:10])
+            module = self.modules.current()
+            mask = args[10]
+            for i, direction in ((0, CONV_BACKWARD_DATA), (1, CONV_BACKWARD_FILTER)):
+                if out[i] is not None:
+                    self.track(out[i], name)
+                if mask[i]:
+                    self.r.conv_workspace(direction, config, args[1].shape[0], module)
+            if out[2] is not None:
+                self.track(out[2], name)
+        else:
+            for t in _tensors(out):
+                self.track(t, name)
         buffers = KERNEL_BUFFERS.get(func.overloadpacket)
         if buffers is not None:
             for nbytes in buffers(args, out):

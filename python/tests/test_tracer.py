@@ -336,3 +336,39 @@ def test_checkpointing_with_mixed_precision(tmp_path):
     _, evs = traced(["torchvision:resnet18", "--batch", "2", "--input", "3x32x32", "--precision", "amp-fp16", "--checkpointing"], tmp_path)
     recast = [e for e in allocs(evs, phase="backward") if e["op"] == "_to_copy"]
     assert recast, "weights cast to fp16 again for the recomputation"
+
+
+def test_convolutions_name_their_workspaces(tmp_path):
+    """Each convolution pass is a `workspace` event keyed by its configuration (batch apart),
+    where cuDNN takes it: after the forward's output; in backward after grad_input (data pass)
+    and after grad_weight (filter pass). The first layer's input needs no gradient: no data pass."""
+    pytest.importorskip("torchvision")
+    _, evs = traced(["torchvision:resnet18", "--batch", "3", "--input", "3x32x32", "--channels-last"], tmp_path)
+    ws = [e for e in evs if e["ev"] == "workspace"]
+    first = [e for e in ws if e.get("module") == "conv1"]
+    assert {e["pass"] for e in first} == {"fwd", "bwd_filter"}
+    c = first[0]["conv"]
+    assert c == "in=3x32x32;w=64x3x7x7;stride=2x2;pad=3x3;dil=1x1;groups=1;dtype=float32;layout=channels_last", c
+    assert all(e["n"] == 3 for e in ws)
+    # 20 convolutions (17 + 3 downsample) per step: 20 forward, 20 filter, 19 data passes.
+    per_step = len(ws) // 3
+    assert per_step == 59, per_step
+    # Order in backward: grad_input, its workspace, grad_weight, its workspace.
+    i = next(k for k, e in enumerate(evs) if e["ev"] == "workspace" and e["pass"] == "bwd_data")
+    assert evs[i - 1]["ev"] == "alloc" and evs[i - 1]["op"] == "convolution_backward"
+    assert evs[i + 1]["ev"] == "alloc" and evs[i + 2]["ev"] == "workspace" and evs[i + 2]["pass"] == "bwd_filter"
+
+
+def test_probe_lists_a_jobs_convolutions_without_a_gpu(tmp_path):
+    pytest.importorskip("torchvision")
+    out = tmp_path / "convs.json"
+    env = dict(os.environ, PYTHONPATH=str(PKG))
+    p = subprocess.run([sys.executable, "-m", "gpumem_trace.probe", "--list", "--models", "torchvision:resnet18:4:amp-bf16:3x32x32",
+                        "--out", str(out)], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    convs = json.loads(out.read_text())
+    assert len({c["config"] for c in convs}) == len(convs) and all(c["n"] == 4 for c in convs)
+    assert all("dtype=bfloat16" in c["config"] for c in convs), "autocast runs convolutions in bf16"
+    bad = subprocess.run([sys.executable, "-m", "gpumem_trace.probe", "--list", "--models", "resnet18", "--out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and "MODEL:BATCH" in bad.stderr

@@ -11,6 +11,7 @@ use gpumem_core::units::bytes_to_mib;
 use gpumem_core::utilization::{HostModel, Utilization, physical};
 use gpumem_learn::{LearnedModel, Sample, Target};
 use gpumem_workload::ModelRef;
+use gpumem_core::workspace::WorkspaceSource;
 use serde::Serialize;
 
 use crate::args::{EstimatorArgs, GpuChoice, ModelArg, WorkloadArgs, mib};
@@ -102,6 +103,9 @@ struct EstimateJson<'a> {
     reserved_peak: Option<MomentJson<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     allocator: Option<&'a gpumem_core::allocator::AllocatorStats>,
+    /// Where the convolution workspaces' sizes came from: probed, fitted or default.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    workspace_source: Option<gpumem_core::workspace::WorkspaceSource>,
     /// Run-average DCGM fields (physical model, or learned models where given).
     utilization: UtilizationJson,
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -196,6 +200,7 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
                 breakdown_bytes: &m.breakdown,
             }),
             allocator: est.allocator.as_ref(),
+            workspace_source: est.workspace_source,
             utilization: UtilizationJson { smact: util.smact, smocc: util.smocc, gract: util.gract, dram: util.dram, fp32: util.fp32, step_ms: util.step_s * 1e3 },
             learned,
         };
@@ -237,6 +242,14 @@ fn print_estimate(model: &str, batch: u64, iterations: u32, profile: &GpuProfile
         (false, _) => "does NOT fit: out of memory",
     };
     println!("verdict      {verdict}");
+    if let Some(source) = est.workspace_source {
+        let why = match source {
+            WorkspaceSource::Probed => "cuDNN workspaces as probed on this GPU and stack",
+            WorkspaceSource::Fitted => "some cuDNN workspaces fitted from the profile's probed table (the bound covers them)",
+            WorkspaceSource::Default => "cuDNN workspaces not modelled (no probed table: `gpumem probe`); the bound covers them",
+        };
+        println!("workspaces   {} — {why}", source.name());
+    }
     println!();
     match &est.peak_at {
         Some(at) => println!("at the peak of allocated memory — {}:", at.describe(iterations)),

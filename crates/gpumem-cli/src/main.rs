@@ -16,6 +16,7 @@ mod gpus;
 mod learn;
 mod max_batch;
 mod plot;
+mod probe;
 mod serve;
 mod simulate;
 mod trace;
@@ -77,6 +78,8 @@ enum Command {
     Simulate(simulate::SimulateArgs),
     Learn(learn::LearnArgs),
     Dataset(dataset::DatasetArgs),
+    /// Measure this GPU's stack (context, cuBLAS and cuDNN workspaces) into a profile.
+    Probe(probe::ProbeArgs),
     /// Run the resource manager daemon.
     Serve(serve::ServeArgs),
     /// Submit a training job to the daemon.
@@ -128,6 +131,7 @@ fn main() -> ExitCode {
         Command::Simulate(a) => simulate::run(a),
         Command::Learn(a) => learn::run(a),
         Command::Dataset(a) => dataset::run(a),
+        Command::Probe(a) => probe::probe(a),
         Command::Serve(a) => serve::serve(a),
         Command::Submit(a) => client::submit(a),
         Command::Jobs(a) => client::jobs(a),

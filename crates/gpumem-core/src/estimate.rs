@@ -14,6 +14,7 @@ use crate::allocator::{AllocatorStats, CachingAllocator, OutOfMemory};
 use crate::profile::{GpuProfile, ProfileError};
 use crate::trace::{Category, Event, Phase, Trace};
 use crate::units::mib_to_bytes;
+use crate::workspace::{WorkspaceSource, WorkspaceTable};
 
 /// Peak memory split by what holds it, in bytes, at the moment of the peak.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -91,8 +92,13 @@ pub struct PeakAt {
 
 impl PeakAt {
     fn of(trace: &Trace, event: usize, iteration: u32) -> Option<PeakAt> {
-        let Event::Alloc { phase, op, module, .. } = trace.events()[event] else { return None };
-        Some(PeakAt { phase, op: trace.op_name(op).to_string(), module: trace.module(module).map(str::to_string), iteration, event: event as u32 })
+        let (phase, op, module) = match trace.events()[event] {
+            Event::Alloc { phase, op, module, .. } => (phase, trace.op_name(op).to_string(), module),
+            // A peak inside a convolution kernel, while cuDNN holds its workspace.
+            Event::Workspace { phase, pass, module, .. } => (phase, format!("convolution {} workspace", pass.name()), module),
+            _ => return None,
+        };
+        Some(PeakAt { phase, op, module: trace.module(module).map(str::to_string), iteration, event: event as u32 })
     }
 
     /// "backward, layer4.2.conv3 (convolution_backward), iteration 2"
@@ -144,6 +150,10 @@ pub struct Estimate {
     pub fragmentation_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub timeline: Vec<TimelinePoint>,
+    /// Where the convolution workspaces' sizes came from (the least certain lookup), for a
+    /// trace with convolutions (replay only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workspace_source: Option<WorkspaceSource>,
 }
 
 impl Estimate {
@@ -163,6 +173,7 @@ impl Estimate {
             allocator: None,
             fragmentation_bytes: None,
             timeline: Vec::new(),
+            workspace_source: None,
         }
     }
 }
@@ -200,9 +211,12 @@ pub const ESTIMATORS: [&str; 3] = ["replay", "live-tensors", "horus"];
 /// Op names of convolution kernels (PyTorch's and the native families').
 const CONVOLUTIONS: [&str; 2] = ["convolution", "conv2d"];
 
-fn upper_bound(profile: &GpuProfile, trace: &Trace, peak: u64, fixed: u64) -> u64 {
+/// The estimate plus the profile's margins; convolution workspaces not probed on this stack
+/// (sized by the fitted model, or not modelled) get the allowance for cuDNN's choices.
+fn upper_bound(profile: &GpuProfile, trace: &Trace, peak: u64, fixed: u64, workspaces: Option<WorkspaceSource>) -> u64 {
     let variable = peak.saturating_sub(fixed) as f64;
-    let conv_workspace = trace.largest_output(&CONVOLUTIONS) as f64 * profile.conv_workspace_bound;
+    let allowance = if workspaces == Some(WorkspaceSource::Probed) { 0.0 } else { profile.conv_workspace_bound };
+    let conv_workspace = trace.largest_output(&CONVOLUTIONS) as f64 * allowance;
     peak + mib_to_bytes(profile.bound_fixed_mib) + (variable * profile.bound_relative + conv_workspace).round() as u64
 }
 
@@ -232,6 +246,7 @@ struct Run {
     fragmentation: u64,
     timeline: Vec<TimelinePoint>,
     oom: Option<OutOfMemory>,
+    workspace_source: Option<WorkspaceSource>,
 }
 
 impl Replay {
@@ -239,6 +254,8 @@ impl Replay {
         let cfg = profile.allocator_config()?;
         let workspace_op = trace.op_names().iter().position(|o| o == "cublas_workspace").map(|i| i as u32);
         let workspace = profile.cublas_workspace();
+        let convs = WorkspaceTable::new(&profile.conv_workspace);
+        let mut workspace_source = None;
         let mut alloc = CachingAllocator::new(cfg, capacity);
         let mut slots: Vec<Option<(crate::allocator::BlockId, u8, u64)>> = vec![None; trace.slots()];
         let mut now = Instant::default();
@@ -287,6 +304,37 @@ impl Replay {
                     continue;
                 }
                 Event::Op { .. } => continue,
+                Event::Workspace { conv, n: batch, pass, .. } => {
+                    // Taken and given back inside the kernel: it raises the peaks (and can make
+                    // the allocator reserve a segment) but outlives nothing.
+                    let (sizes, source) = convs.lookup(trace.op_name(conv), batch, pass);
+                    workspace_source = workspace_source.max(Some(source));
+                    let c = Category::Workspace.index();
+                    for bytes in sizes.into_iter().filter(|&b| b > 0) {
+                        match alloc.malloc(bytes, 0) {
+                            Ok(b) => {
+                                now.live[c] += bytes;
+                                let s = alloc.stats();
+                                (now.event, now.allocated, now.reserved) = (n, s.allocated, s.reserved);
+                                if now.allocated > allocated_peak.allocated {
+                                    allocated_peak = now;
+                                }
+                                if now.reserved > reserved_peak.reserved {
+                                    reserved_peak = now;
+                                }
+                                alloc.free(b);
+                                now.live[c] -= bytes;
+                            }
+                            Err(e) => {
+                                oom = Some(e);
+                                break;
+                            }
+                        }
+                    }
+                    if oom.is_some() {
+                        break;
+                    }
+                }
             }
             if self.timeline {
                 let s = alloc.stats();
@@ -298,7 +346,7 @@ impl Replay {
         if !self.timeline {
             fragmentation = alloc.inactive_split_bytes();
         }
-        Ok(Run { stats: *alloc.stats(), allocated_peak, reserved_peak, fragmentation, timeline, oom })
+        Ok(Run { stats: *alloc.stats(), allocated_peak, reserved_peak, fragmentation, timeline, oom, workspace_source })
     }
 }
 
@@ -332,7 +380,7 @@ impl Estimator for Replay {
             estimator: self.name(),
             gpu: profile.name.clone(),
             peak_bytes: peak,
-            upper_bound_bytes: upper_bound(profile, trace, peak, fixed),
+            upper_bound_bytes: upper_bound(profile, trace, peak, fixed, run.workspace_source),
             capacity_bytes: profile.capacity_bytes(),
             fits,
             breakdown: at_allocated.as_ref().map_or(Breakdown { context: fixed, ..Default::default() }, |m| m.breakdown),
@@ -341,6 +389,7 @@ impl Estimator for Replay {
             allocator: Some(run.stats),
             fragmentation_bytes: Some(run.fragmentation),
             timeline: run.timeline,
+            workspace_source: run.workspace_source,
         })
     }
 }
@@ -379,7 +428,8 @@ impl Estimator for LiveTensors {
                     total -= bytes;
                 }
                 Event::Iteration { .. } => iteration += 1,
-                Event::Op { .. } => {}
+                // Not tensors: FakeTensor never sees them.
+                Event::Op { .. } | Event::Workspace { .. } => {}
             }
         }
         let mut est = Estimate::without_allocator(self.name(), profile, Breakdown::from_categories(&at_peak));

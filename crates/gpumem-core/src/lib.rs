@@ -34,6 +34,7 @@ pub mod trace;
 pub mod units;
 pub mod utilization;
 pub mod workload;
+pub mod workspace;
 
 /// A name that is not one of the known choices (an optimizer, a precision, an activation, an
 /// estimator, ...): `unknown WHAT `NAME` (expected EXPECTED)`. Shared by the crates that parse

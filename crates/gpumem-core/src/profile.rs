@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::allocator::{AllocatorConfig, AllocatorConfigError};
 use crate::units::{MIB, mib_to_bytes};
+use crate::workspace::ConvWorkspace;
 
 const BUILTIN: &str = include_str!("../profiles/gpus.toml");
 
@@ -116,6 +117,25 @@ pub struct GpuProfile {
     /// Where the fixed costs came from (written by `gpumem calibrate`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub calibration: Option<String>,
+    /// The software stack `gpumem probe` measured (its workspace table holds for this stack).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stack: Option<Stack>,
+    /// Convolution workspaces measured by `gpumem probe`, per configuration and batch.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conv_workspace: Vec<ConvWorkspace>,
+}
+
+/// The GPU and library versions a probe ran on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Stack {
+    pub gpu: String,
+    #[serde(default)]
+    pub driver: String,
+    pub cuda: String,
+    pub torch: String,
+    /// cuDNN as torch reports it (91900 = 9.19.0).
+    pub cudnn: u64,
 }
 
 #[derive(Debug, Deserialize)]

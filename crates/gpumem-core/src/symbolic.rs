@@ -10,7 +10,7 @@ use std::io::{BufRead, Write};
 
 use serde::{Deserialize, Serialize};
 
-use crate::trace::{Category, Event, Phase, Trace, TraceBuilder, TraceError, TraceHeader};
+use crate::trace::{Category, ConvPass, Event, Phase, Trace, TraceBuilder, TraceError, TraceHeader};
 
 /// Why traces could not be fitted, a symbolic trace evaluated, or a stored one read back.
 /// Events are numbered from 1.
@@ -79,6 +79,7 @@ enum SymEvent {
     Free { slot: u32 },
     Op { op: u32, flops: Affine, bytes_read: Affine, bytes_written: Affine },
     Iteration { index: u32 },
+    Workspace { conv: u32, n: Affine, pass: ConvPass, phase: Phase, module: u32 },
 }
 
 /// A trace whose sizes are functions of the batch size.
@@ -137,6 +138,13 @@ impl SymbolicTrace {
                     SymEvent::Free { slot }
                 }
                 Event::Iteration { index } => SymEvent::Iteration { index },
+                Event::Workspace { conv, pass, phase, module, .. } => {
+                    let ok = traces.iter().all(|t| matches!(t.events()[k], Event::Workspace { conv: c, pass: p, phase: ph, module: m, .. } if c == conv && p == pass && ph == phase && m == module));
+                    if !ok {
+                        return Err(SymbolicError::AllocationDiffers { event: k + 1 });
+                    }
+                    SymEvent::Workspace { conv, n: affine(k, &|e| if let Event::Workspace { n, .. } = e { *n } else { 0 })?, pass, phase, module }
+                }
                 Event::Op { op, .. } => SymEvent::Op {
                     op,
                     flops: affine(k, &|e| if let Event::Op { flops, .. } = e { *flops } else { 0 })?,
@@ -157,6 +165,7 @@ impl SymbolicTrace {
                 SymEvent::Alloc { slot, bytes, category, phase, op, module, stream } => Event::Alloc { slot, bytes: bytes.eval(batch).ok_or_else(|| neg(k))?, category, phase, op, module, stream },
                 SymEvent::Free { slot } => Event::Free { slot },
                 SymEvent::Iteration { index } => Event::Iteration { index },
+                SymEvent::Workspace { conv, n, pass, phase, module } => Event::Workspace { conv, n: n.eval(batch).ok_or_else(|| neg(k))?, pass, phase, module },
                 SymEvent::Op { op, flops, bytes_read, bytes_written } => Event::Op {
                     op,
                     flops: flops.eval(batch).unwrap_or(0),
@@ -217,6 +226,10 @@ fn validated(t: &Trace) -> Result<(), SymbolicError> {
             Event::Free { slot } => b.free_at(0, id(slot)?)?,
             Event::Op { op, flops, bytes_read, bytes_written } => b.op(name(op)?, flops, bytes_read, bytes_written),
             Event::Iteration { .. } => b.iteration_end(),
+            Event::Workspace { conv, n, pass, phase, module } => {
+                let module = if module == crate::trace::NO_MODULE { None } else { Some(name(module)?) };
+                b.workspace(name(conv)?, n, pass, phase, module)
+            }
         }
     }
     let rebuilt = b.finish();

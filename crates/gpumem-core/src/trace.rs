@@ -78,6 +78,28 @@ impl Phase {
     }
 }
 
+/// A pass of a convolution, as a profile's workspace table names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
+pub enum ConvPass {
+    #[serde(rename = "fwd")]
+    Forward,
+    #[serde(rename = "bwd_data")]
+    BackwardData,
+    #[serde(rename = "bwd_filter")]
+    BackwardFilter,
+}
+
+impl ConvPass {
+    pub const ALL: [ConvPass; 3] = [ConvPass::Forward, ConvPass::BackwardData, ConvPass::BackwardFilter];
+    pub fn name(self) -> &'static str {
+        match self {
+            ConvPass::Forward => "fwd",
+            ConvPass::BackwardData => "bwd_data",
+            ConvPass::BackwardFilter => "bwd_filter",
+        }
+    }
+}
+
 /// `module` of an allocation that no module made (the optimizer, a loss computed outside one).
 pub const NO_MODULE: u32 = u32::MAX;
 
@@ -95,6 +117,11 @@ pub enum Event {
     Op { op: u32, flops: u64, bytes_read: u64, bytes_written: u64 },
     /// End of iteration `index` (0-based).
     Iteration { index: u32 },
+    /// The workspaces a convolution kernel takes and gives back before it returns. Their sizes
+    /// depend on the GPU and cuDNN, so the trace names the convolution (`conv`, interned: its
+    /// configuration without the batch; `n`: the batch) and the replay sizes them from the
+    /// profile's workspace table.
+    Workspace { conv: u32, n: u64, pass: ConvPass, phase: Phase, module: u32 },
 }
 
 /// Header: what the trace describes and who produced it.
@@ -289,6 +316,12 @@ impl TraceBuilder {
         self.events.push(Event::Op { op, flops, bytes_read, bytes_written });
     }
 
+    pub fn workspace(&mut self, conv: &str, n: u64, pass: ConvPass, phase: Phase, module: Option<&str>) {
+        let conv = self.intern(conv);
+        let module = module.map_or(NO_MODULE, |m| self.intern(m));
+        self.events.push(Event::Workspace { conv, n, pass, phase, module });
+    }
+
     pub fn iteration_end(&mut self) {
         self.events.push(Event::Iteration { index: self.iterations });
         self.iterations += 1;
@@ -332,6 +365,12 @@ struct Line<'a> {
     bytes_written: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     index: Option<u32>,
+    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
+    conv: Option<std::borrow::Cow<'a, str>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    n: Option<u64>,
+    #[serde(default, rename = "pass", skip_serializing_if = "Option::is_none")]
+    pass: Option<ConvPass>,
 }
 
 fn need<T>(v: Option<T>, line: usize, ev: &str, field: &str) -> Result<T, TraceError> {
@@ -389,7 +428,14 @@ impl Trace {
                     }
                     b.iteration_end();
                 }
-                other => return Err(err(n, format!("unknown event `{other}` (expected alloc, free, op or iteration)"))),
+                "workspace" => {
+                    let conv = need(l.conv, n, "workspace", "conv")?;
+                    let batch = need(l.n, n, "workspace", "n")?;
+                    let pass = need(l.pass, n, "workspace", "pass")?;
+                    let phase = need(l.phase, n, "workspace", "phase")?;
+                    b.workspace(&conv, batch, pass, phase, l.module.as_deref());
+                }
+                other => return Err(err(n, format!("unknown event `{other}` (expected alloc, free, op, iteration or workspace)"))),
             }
         }
         Ok(b.finish())
@@ -422,6 +468,15 @@ impl Trace {
                     ..Default::default()
                 },
                 Event::Iteration { index } => Line { ev: "iteration", index: Some(index), ..Default::default() },
+                Event::Workspace { conv, n, pass, phase, module } => Line {
+                    ev: "workspace",
+                    conv: Some(self.ops[conv as usize].as_str().into()),
+                    n: Some(n),
+                    pass: Some(pass),
+                    phase: Some(phase),
+                    module: self.module(module).map(Into::into),
+                    ..Default::default()
+                },
             };
             serde_json::to_writer(&mut w, &line)?;
             writeln!(w)?;
@@ -514,6 +569,7 @@ mod tests {
         b.op("mm", 10, 20, 30);
         let c = b.alloc(24, Category::Activation, Phase::Forward, "mm");
         b.free(c);
+        b.workspace("in=3x8x8;w=4x3x3x3", 8, ConvPass::BackwardData, Phase::Backward, Some("conv1"));
         b.iteration_end();
         b.free(a);
         let t = b.finish();

@@ -18,7 +18,7 @@ use gpumem_core::trace::Trace;
 use gpumem_core::workload::{AttentionMask, Options, Validate};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 11] = [
+const SOURCES: [(&str, &str); 13] = [
     ("__init__.py", include_str!("../../../python/gpumem_trace/__init__.py")),
     ("__main__.py", include_str!("../../../python/gpumem_trace/__main__.py")),
     ("amp.py", include_str!("../../../python/gpumem_trace/amp.py")),
@@ -27,10 +27,14 @@ const SOURCES: [(&str, &str); 11] = [
     ("loop.py", include_str!("../../../python/gpumem_trace/loop.py")),
     ("models.py", include_str!("../../../python/gpumem_trace/models.py")),
     ("parallel.py", include_str!("../../../python/gpumem_trace/parallel.py")),
+    ("probe.py", include_str!("../../../python/gpumem_trace/probe.py")),
+    ("record.py", include_str!("../../../python/gpumem_trace/record.py")),
     ("run.py", include_str!("../../../python/gpumem_trace/run.py")),
     ("sdpa.py", include_str!("../../../python/gpumem_trace/sdpa.py")),
     ("tracer.py", include_str!("../../../python/gpumem_trace/tracer.py")),
 ];
+
+pub mod probe;
 
 /// What to trace: a PyTorch reference at a batch size, the typed options of its loop, and what
 /// the tracer needs of the target GPU. Built from a workload (`gpumem-workload`), or directly by

@@ -1,0 +1,213 @@
+//! Convolution workspaces: the buffers cuDNN's chosen engine takes inside a convolution kernel
+//! and gives back before it returns. Their sizes depend on the GPU, cuDNN and the
+//! configuration, so a CPU-side trace cannot know them: `gpumem probe` measures them on the GPU
+//! (from the caching allocator's own record of requests) into the profile's table, and the
+//! replay looks each traced convolution up there.
+//!
+//! A lookup is *probed* (the configuration at that batch is in the table), *fitted* (estimated
+//! from the table: the same configuration at another batch, scaled; or the nearest probed
+//! configuration of the same kind, scaled by the bytes it moves) or *default* (nothing in the
+//! table to go by: no workspace is modelled and the upper bound's allowance covers it).
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::trace::ConvPass;
+
+/// One probed convolution: its configuration (the tracer's key, batch apart), the batch, and
+/// the workspace requests of each pass in the order cuDNN makes them (usually one or none).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConvWorkspace {
+    pub config: String,
+    pub n: u64,
+    #[serde(default)]
+    pub fwd: Vec<u64>,
+    #[serde(default)]
+    pub bwd_data: Vec<u64>,
+    #[serde(default)]
+    pub bwd_filter: Vec<u64>,
+}
+
+impl ConvWorkspace {
+    pub fn sizes(&self, pass: ConvPass) -> &[u64] {
+        match pass {
+            ConvPass::Forward => &self.fwd,
+            ConvPass::BackwardData => &self.bwd_data,
+            ConvPass::BackwardFilter => &self.bwd_filter,
+        }
+    }
+}
+
+/// Where a workspace size came from; an estimate reports the least certain of its lookups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkspaceSource {
+    Probed,
+    Fitted,
+    Default,
+}
+
+impl WorkspaceSource {
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkspaceSource::Probed => "probed",
+            WorkspaceSource::Fitted => "fitted",
+            WorkspaceSource::Default => "default",
+        }
+    }
+}
+
+/// What the fitted model needs of a configuration: the kind of kernel (dtype, layout, kernel
+/// window, stride, how channels are grouped) and the bytes one sample moves.
+#[derive(Debug, Clone, PartialEq)]
+struct Shape {
+    kind: String,
+    in_per_sample: f64,
+    out_per_sample: f64,
+}
+
+impl Shape {
+    /// Parses the tracer's key (`in=C×H×W;w=K×C/g×R×S;stride=..;pad=..;dil=..;groups=g;
+    /// dtype=..;layout=..[;transposed=1;opad=..]`); None if it is not one.
+    fn parse(config: &str) -> Option<Shape> {
+        let kv: HashMap<&str, &str> = config.split(';').filter_map(|p| p.split_once('=')).collect();
+        let dims = |k: &str| -> Option<Vec<u64>> { kv.get(k)?.split('x').map(|d| d.parse().ok()).collect() };
+        let (input, weight) = (dims("in")?, dims("w")?);
+        let (stride, pad, dil) = (dims("stride")?, dims("pad")?, dims("dil")?);
+        let groups: u64 = kv.get("groups")?.parse().ok()?;
+        let elem = match *kv.get("dtype")? {
+            "float32" => 4.0,
+            "float64" => 8.0,
+            _ => 2.0,
+        };
+        let spatial = input.len().checked_sub(1)?;
+        if weight.len() != spatial + 2 || stride.len() != spatial || pad.len() != spatial || dil.len() != spatial {
+            return None;
+        }
+        let transposed = kv.get("transposed") == Some(&"1");
+        let mut out = if transposed { weight[1] * groups } else { weight[0] } as f64;
+        for i in 0..spatial {
+            let (h, k) = (input[i + 1] as f64, weight[i + 2] as f64);
+            let o = if transposed {
+                (h - 1.0) * stride[i] as f64 - 2.0 * pad[i] as f64 + dil[i] as f64 * (k - 1.0) + 1.0
+            } else {
+                ((h + 2.0 * pad[i] as f64 - dil[i] as f64 * (k - 1.0) - 1.0) / stride[i] as f64).floor() + 1.0
+            };
+            out *= o.max(1.0);
+        }
+        let grouping = if groups == 1 {
+            "dense"
+        } else if groups == input[0] {
+            "depthwise"
+        } else {
+            "grouped"
+        };
+        let kind = format!(
+            "{};{};{};w={:?};stride={:?};{}",
+            kv.get("dtype")?,
+            kv.get("layout").unwrap_or(&"contiguous"),
+            grouping,
+            &weight[2..],
+            stride,
+            if transposed { "transposed" } else { "" }
+        );
+        Some(Shape { kind, in_per_sample: input.iter().product::<u64>() as f64 * elem, out_per_sample: out * elem })
+    }
+}
+
+/// A profile's probed workspaces, indexed for the replay.
+#[derive(Debug)]
+pub struct WorkspaceTable<'a> {
+    exact: HashMap<(&'a str, u64), &'a ConvWorkspace>,
+    by_config: HashMap<&'a str, Vec<&'a ConvWorkspace>>,
+    by_kind: HashMap<String, Vec<(Shape, &'a ConvWorkspace)>>,
+}
+
+impl<'a> WorkspaceTable<'a> {
+    pub fn new(entries: &'a [ConvWorkspace]) -> Self {
+        let mut t = WorkspaceTable { exact: HashMap::new(), by_config: HashMap::new(), by_kind: HashMap::new() };
+        for e in entries {
+            t.exact.insert((e.config.as_str(), e.n), e);
+            t.by_config.entry(e.config.as_str()).or_default().push(e);
+            if let Some(s) = Shape::parse(&e.config) {
+                t.by_kind.entry(s.kind.clone()).or_default().push((s, e));
+            }
+        }
+        t
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.exact.is_empty()
+    }
+
+    /// The workspace requests of `pass` of convolution `config` at batch `n`, and where they
+    /// came from.
+    pub fn lookup(&self, config: &str, n: u64, pass: ConvPass) -> (Vec<u64>, WorkspaceSource) {
+        if self.is_empty() {
+            return (Vec::new(), WorkspaceSource::Default);
+        }
+        if let Some(e) = self.exact.get(&(config, n)) {
+            return (e.sizes(pass).to_vec(), WorkspaceSource::Probed);
+        }
+        let scale = |sizes: &[u64], f: f64| sizes.iter().map(|&b| (b as f64 * f).ceil() as u64).collect::<Vec<_>>();
+        // The same configuration at another batch: the nearest probed batch, scaled (cuDNN's
+        // workspaces grow with the tensors; the engine may differ, which the bound covers).
+        if let Some(same) = self.by_config.get(config) {
+            let e = same.iter().min_by_key(|e| e.n.abs_diff(n)).expect("non-empty by construction");
+            return (scale(e.sizes(pass), n as f64 / e.n as f64), WorkspaceSource::Fitted);
+        }
+        // The nearest configuration of the same kind, by the bytes its tensors hold, scaled by
+        // the ratio of those bytes.
+        let Some(shape) = Shape::parse(config) else { return (Vec::new(), WorkspaceSource::Default) };
+        let Some(kin) = self.by_kind.get(&shape.kind) else { return (Vec::new(), WorkspaceSource::Default) };
+        let bytes = |s: &Shape, n: u64| (s.in_per_sample + s.out_per_sample) * n as f64;
+        let want = bytes(&shape, n);
+        let distance = |s: &Shape, m: u64| {
+            ((s.in_per_sample * m as f64) / (shape.in_per_sample * n as f64)).ln().abs()
+                + ((s.out_per_sample * m as f64) / (shape.out_per_sample * n as f64)).ln().abs()
+        };
+        let (s, e) = kin.iter().min_by(|a, b| distance(&a.0, a.1.n).total_cmp(&distance(&b.0, b.1.n))).expect("non-empty by construction");
+        (scale(e.sizes(pass), want / bytes(s, e.n)), WorkspaceSource::Fitted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const C: &str = "in=64x56x56;w=64x64x3x3;stride=1x1;pad=1x1;dil=1x1;groups=1;dtype=float32;layout=contiguous";
+
+    fn entry(config: &str, n: u64, fwd: u64) -> ConvWorkspace {
+        ConvWorkspace { config: config.into(), n, fwd: vec![fwd], bwd_data: vec![], bwd_filter: vec![7] }
+    }
+
+    #[test]
+    fn exact_then_same_configuration_then_nearest_of_its_kind() {
+        let other = C.replace("in=64x56x56", "in=64x28x28").replace("w=64x64", "w=64x64");
+        let entries = [entry(C, 32, 1000), entry(&other, 32, 400)];
+        let t = WorkspaceTable::new(&entries);
+        assert_eq!(t.lookup(C, 32, ConvPass::Forward), (vec![1000], WorkspaceSource::Probed));
+        assert_eq!(t.lookup(C, 32, ConvPass::BackwardData), (vec![], WorkspaceSource::Probed), "probed as none");
+        assert_eq!(t.lookup(C, 64, ConvPass::Forward), (vec![2000], WorkspaceSource::Fitted));
+        // 64×42×42 sits between the two probed ones; its nearest (by bytes) is 28×28 at 32.
+        let unseen = C.replace("in=64x56x56", "in=64x36x36");
+        let (sizes, source) = t.lookup(&unseen, 32, ConvPass::Forward);
+        assert_eq!(source, WorkspaceSource::Fitted);
+        assert!(sizes[0] > 400 && sizes[0] < 1000, "{sizes:?}");
+        // A kind never probed (a 5×5 kernel): nothing to fit from.
+        let kind = C.replace("w=64x64x3x3", "w=64x64x5x5").replace("pad=1x1", "pad=2x2");
+        assert_eq!(t.lookup(&kind, 32, ConvPass::Forward), (vec![], WorkspaceSource::Default));
+        assert_eq!(WorkspaceTable::new(&[]).lookup(C, 32, ConvPass::Forward), (vec![], WorkspaceSource::Default));
+    }
+
+    #[test]
+    fn the_key_parses_into_bytes_moved() {
+        let s = Shape::parse(C).unwrap();
+        assert_eq!((s.in_per_sample, s.out_per_sample), (64.0 * 56.0 * 56.0 * 4.0, 64.0 * 56.0 * 56.0 * 4.0));
+        let strided = Shape::parse(&C.replace("stride=1x1", "stride=2x2")).unwrap();
+        assert_eq!(strided.out_per_sample, 64.0 * 28.0 * 28.0 * 4.0);
+        assert!(Shape::parse("in=3x3;w=1").is_none());
+    }
+}

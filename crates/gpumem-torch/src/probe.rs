@@ -1,0 +1,193 @@
+//! `gpumem_trace.probe`'s report (one JSON document, measured on a GPU) and how it goes into a
+//! GPU profile: the stack's versions, the cuBLAS workspace, the context, and the convolution
+//! workspace table (added to what the profile already holds; a configuration probed again
+//! takes the new figures).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use gpumem_core::profile::{GpuProfile, Stack};
+use gpumem_core::units::MIB;
+use gpumem_core::workspace::ConvWorkspace;
+use serde::Deserialize;
+
+use crate::{BridgeError, TorchTracer};
+
+/// The probe's report. Fields the profile does not use (SDPA kernels, benchmark mode, the
+/// order of a backward's allocations) stay in the JSON for the reader.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ProbeReport {
+    pub stack: ProbedStack,
+    #[serde(default)]
+    pub context: Vec<ContextPoint>,
+    #[serde(default)]
+    pub cublas: BTreeMap<String, Vec<u64>>,
+    #[serde(default)]
+    pub conv: ProbedConvs,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ProbedStack {
+    pub gpu: String,
+    #[serde(default)]
+    pub driver: String,
+    pub cuda: String,
+    pub torch: String,
+    pub cudnn: u64,
+}
+
+/// Device memory in use outside PyTorch's allocator at a point of the probe.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContextPoint {
+    pub at: String,
+    pub used: u64,
+    pub reserved: u64,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ProbedConvs {
+    /// `cudnn.benchmark` off: the engine cuDNN's heuristics pick (PyTorch's default).
+    #[serde(default)]
+    pub heuristic: Vec<ProbedConv>,
+    #[serde(default)]
+    pub benchmark: Vec<ProbedConv>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ProbedConv {
+    pub config: String,
+    pub n: u64,
+    #[serde(default)]
+    pub fwd: Vec<u64>,
+    #[serde(default)]
+    pub bwd_data: Vec<u64>,
+    #[serde(default)]
+    pub bwd_filter: Vec<u64>,
+    /// Set when the GPU refused the configuration.
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+/// What applying a report changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Applied {
+    pub added: usize,
+    pub replaced: usize,
+    pub refused: usize,
+}
+
+impl ProbeReport {
+    pub fn read(path: &Path) -> Result<ProbeReport, BridgeError> {
+        let text = std::fs::read_to_string(path).map_err(|e| BridgeError::Io(format!("{}: {e}", path.display())))?;
+        serde_json::from_str(&text).map_err(|e| BridgeError::Io(format!("{}: not a probe report: {e}", path.display())))
+    }
+
+    /// Device memory outside the allocator once the libraries a training job loads (CUDA,
+    /// cuBLAS, cuDNN) are in: the largest such point of the probe before attention kernels.
+    pub fn context_bytes(&self) -> Option<u64> {
+        self.context.iter().filter(|p| p.at != "sdpa").map(|p| p.used.saturating_sub(p.reserved)).max()
+    }
+
+    /// Writes the report into `profile`: stack, cuBLAS workspace, context and the
+    /// `cudnn.benchmark`-off workspace table (merged by configuration and batch).
+    pub fn apply(&self, profile: &mut GpuProfile) -> Applied {
+        let s = &self.stack;
+        profile.stack = Some(Stack { gpu: s.gpu.clone(), driver: s.driver.clone(), cuda: s.cuda.clone(), torch: s.torch.clone(), cudnn: s.cudnn });
+        if let Some(&ws) = self.cublas.get("mm").and_then(|v| v.first()) {
+            profile.cublas_workspace_bytes = Some(ws);
+        }
+        if let Some(ctx) = self.context_bytes() {
+            profile.cuda_context_mib = ctx as f64 / MIB as f64;
+        }
+        let mut table: BTreeMap<(String, u64), ConvWorkspace> =
+            std::mem::take(&mut profile.conv_workspace).into_iter().map(|e| ((e.config.clone(), e.n), e)).collect();
+        let mut applied = Applied { added: 0, replaced: 0, refused: 0 };
+        for c in &self.conv.heuristic {
+            if c.error.is_some() {
+                applied.refused += 1;
+                continue;
+            }
+            let e = ConvWorkspace { config: c.config.clone(), n: c.n, fwd: c.fwd.clone(), bwd_data: c.bwd_data.clone(), bwd_filter: c.bwd_filter.clone() };
+            if table.insert((c.config.clone(), c.n), e).is_some() {
+                applied.replaced += 1;
+            } else {
+                applied.added += 1;
+            }
+        }
+        profile.conv_workspace = table.into_values().collect();
+        applied
+    }
+}
+
+/// How to run the probe on this machine's GPU.
+#[derive(Debug, Clone, Default)]
+pub struct ProbeRequest {
+    /// CUDA device index (CUDA_VISIBLE_DEVICES for the probe).
+    pub gpu: u32,
+    /// Jobs whose convolutions to probe (`MODEL:BATCH[:PRECISION[:CxHxW]]` or measurement
+    /// CSVs); none: the documented grid.
+    pub models: Vec<String>,
+    /// `off`, `on` or `both` (cudnn.benchmark).
+    pub benchmark: String,
+    /// Time budget per convolution pass, seconds (0: none).
+    pub seconds: u64,
+}
+
+impl TorchTracer {
+    /// Runs `python -m gpumem_trace.probe` on GPU `req.gpu` and reads its report.
+    pub fn probe(&self, req: &ProbeRequest, out: &Path) -> Result<ProbeReport, BridgeError> {
+        let mut cmd = self.module_command("gpumem_trace.probe")?;
+        cmd.env("CUDA_VISIBLE_DEVICES", req.gpu.to_string()).arg("--out").arg(out);
+        if !req.models.is_empty() {
+            cmd.arg("--models").args(&req.models);
+        }
+        if !req.benchmark.is_empty() {
+            cmd.arg("--benchmark").arg(&req.benchmark);
+        }
+        if req.seconds > 0 {
+            cmd.arg("--seconds").arg(req.seconds.to_string());
+        }
+        let res = cmd.output().map_err(|e| BridgeError::Python(format!("cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)", self.python)))?;
+        if !res.status.success() {
+            let msg = crate::tail(&String::from_utf8_lossy(&res.stderr), 3);
+            return Err(match res.status.code() {
+                Some(2) => BridgeError::BadReference(msg),
+                _ => BridgeError::Python(format!("probe failed ({}): {msg}", res.status)),
+            });
+        }
+        ProbeReport::read(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const REPORT: &str = r#"{"stack":{"gpu":"NVIDIA H200","capability":"9.0","torch":"2.11.0+cu130","cuda":"13.0","cudnn":91900,"driver":"580.159.04"},
+      "context":[{"at":"cuda","used":554500096,"reserved":2097152},{"at":"cudnn","used":774701056,"reserved":37748736},{"at":"sdpa","used":984416256,"reserved":146800640}],
+      "cublas":{"mm":[33554432],"addmm_lt":[1048576]},
+      "conv":{"heuristic":[
+        {"config":"A","n":32,"fwd":[100],"bwd_data":[],"bwd_filter":[7],"backward_sequence":[[1,false]]},
+        {"config":"B","n":32,"error":"RuntimeError: no engine"}],
+       "benchmark":[{"config":"A","n":32,"fwd":[50],"search":{"fwd":900}}]},
+      "sdpa":[{"dtype":"float16","head_dim":64,"mask":"none","gqa":false,"kernel":"cudnn"}]}"#;
+
+    #[test]
+    fn a_report_goes_into_the_profile_and_a_second_adds_to_its_table() {
+        let r: ProbeReport = serde_json::from_str(REPORT).unwrap();
+        let mut p = gpumem_core::profile::builtin("h200").unwrap();
+        assert_eq!(r.apply(&mut p), Applied { added: 1, replaced: 0, refused: 1 });
+        assert_eq!(p.cublas_workspace(), 33554432);
+        assert_eq!(p.stack.as_ref().unwrap().cudnn, 91900);
+        assert_eq!(p.context_bytes(), 774701056 - 37748736, "the libraries' context, before attention kernels");
+        assert_eq!(p.conv_workspace[0].fwd, vec![100], "cudnn.benchmark off");
+        let mut again = r.clone();
+        again.conv.heuristic[0].fwd = vec![120];
+        again.conv.heuristic[1] = ProbedConv { config: "C".into(), n: 8, fwd: vec![], bwd_data: vec![1], bwd_filter: vec![], error: None };
+        assert_eq!(again.apply(&mut p), Applied { added: 1, replaced: 1, refused: 0 });
+        assert_eq!(p.conv_workspace.len(), 2);
+        assert_eq!(p.conv_workspace[0].fwd, vec![120]);
+        let back = GpuProfile::from_toml(&p.to_toml()).unwrap();
+        assert_eq!(back, p, "the table survives the TOML round trip");
+    }
+}
