@@ -22,6 +22,9 @@ CUBLAS_OPS = {
     aten.addr, aten.dot, aten.vdot,
 }
 CUBLAS_WORKSPACE_BYTES = 8_519_680  # resized per GPU by gpumem's replay
+# A matmul with a fused bias (addmm with a 1-D bias: linear in forward) runs through cuBLASLt,
+# whose workspace the thread also keeps; sized by the replay from the profile (probed).
+CUBLASLT_WORKSPACE_BYTES = 1 << 20
 
 DEFAULT_CATEGORY = {
     "setup": "parameter",
@@ -97,10 +100,14 @@ class Recorder:
             e["module"] = module
         self.events.append(e)
 
-    def workspace(self, thread):
-        if thread not in self.workspaces:
-            self.workspaces.add(thread)
-            self.alloc(None, CUBLAS_WORKSPACE_BYTES, "cublas_workspace", category="workspace")
+    def workspace(self, thread, lt=False):
+        """The first cuBLAS (or cuBLASLt) call on a thread allocates the workspace it keeps."""
+        if (thread, lt) not in self.workspaces:
+            self.workspaces.add((thread, lt))
+            if lt:
+                self.alloc(None, CUBLASLT_WORKSPACE_BYTES, "cublaslt_workspace", category="workspace")
+            else:
+                self.alloc(None, CUBLAS_WORKSPACE_BYTES, "cublas_workspace", category="workspace")
 
     def write(self, path, header):
         self.closed = True
@@ -252,6 +259,8 @@ class TraceMode(TorchDispatchMode):
             # two gradients of one tensor out of place, and linear adds its bias out of place.
             # On a GPU both happen in place; an alias of the first operand is the same memory.
             self.r.op("add_", 0, _nbytes(args), 0)
+            if self.r.phase == "forward":
+                self.r.workspace("main", lt=True)  # linear's bias: addmm, through cuBLASLt
             return aten.alias(args[0])
         out = data_dependent(func, args, kwargs)
         if out is NotImplemented:
@@ -293,7 +302,10 @@ class TraceMode(TorchDispatchMode):
             for nbytes in buffers(args, out):
                 self.r.transient(nbytes, name, self.modules.current())
         if func.overloadpacket in CUBLAS_OPS:
-            self.r.workspace("autograd" if self.r.phase == "backward" else "main")
+            thread = "autograd" if self.r.phase == "backward" else "main"
+            self.r.workspace(thread)
+            if func.overloadpacket is aten.addmm and isinstance(args[0], torch.Tensor) and args[0].dim() == 1:
+                self.r.workspace(thread, lt=True)
         flops = 0
         f = flop_registry.get(func.overloadpacket)
         if f is not None:

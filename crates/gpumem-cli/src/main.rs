@@ -10,6 +10,7 @@ mod args;
 mod calibrate;
 mod client;
 mod dataset;
+mod diff;
 mod estimate;
 mod eval;
 mod gpus;
@@ -78,6 +79,8 @@ enum Command {
     Simulate(simulate::SimulateArgs),
     Learn(learn::LearnArgs),
     Dataset(dataset::DatasetArgs),
+    /// Hold a job's allocation sequence against PyTorch's memory snapshot of it.
+    Diff(diff::DiffArgs),
     /// Measure this GPU's stack (context, cuBLAS and cuDNN workspaces) into a profile.
     Probe(probe::ProbeArgs),
     /// Run the resource manager daemon.
@@ -132,6 +135,7 @@ fn main() -> ExitCode {
         Command::Learn(a) => learn::run(a),
         Command::Dataset(a) => dataset::run(a),
         Command::Probe(a) => probe::probe(a),
+        Command::Diff(a) => diff::run(a),
         Command::Serve(a) => serve::serve(a),
         Command::Submit(a) => client::submit(a),
         Command::Jobs(a) => client::jobs(a),

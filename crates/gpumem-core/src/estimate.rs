@@ -12,7 +12,7 @@ use serde::Serialize;
 use crate::UnknownName;
 use crate::allocator::{AllocatorStats, CachingAllocator, OutOfMemory};
 use crate::profile::{GpuProfile, ProfileError};
-use crate::trace::{Category, Event, Phase, Trace};
+use crate::trace::{Category, ConvPass, Event, Phase, Trace};
 use crate::units::mib_to_bytes;
 use crate::workspace::{WorkspaceSource, WorkspaceTable};
 
@@ -91,7 +91,7 @@ pub struct PeakAt {
 }
 
 impl PeakAt {
-    fn of(trace: &Trace, event: usize, iteration: u32) -> Option<PeakAt> {
+    pub(crate) fn of(trace: &Trace, event: usize, iteration: u32) -> Option<PeakAt> {
         let (phase, op, module) = match trace.events()[event] {
             Event::Alloc { phase, op, module, .. } => (phase, trace.op_name(op).to_string(), module),
             // A peak inside a convolution kernel, while cuDNN holds its workspace.
@@ -220,6 +220,49 @@ fn upper_bound(profile: &GpuProfile, trace: &Trace, peak: u64, fixed: u64, works
     peak + mib_to_bytes(profile.bound_fixed_mib) + (variable * profile.bound_relative + conv_workspace).round() as u64
 }
 
+/// How the replay sizes what a trace leaves to the GPU: the cuBLAS workspace from the
+/// profile's architecture, convolution workspaces from its probed table.
+pub struct GpuSizes<'a> {
+    cublas_op: Option<u32>,
+    cublas: u64,
+    cublaslt_op: Option<u32>,
+    cublaslt: u64,
+    convs: WorkspaceTable<'a>,
+}
+
+impl<'a> GpuSizes<'a> {
+    pub fn new(trace: &Trace, profile: &'a GpuProfile) -> Self {
+        let op = |name: &str| trace.op_names().iter().position(|o| o == name).map(|i| i as u32);
+        GpuSizes {
+            cublas_op: op("cublas_workspace"),
+            cublas: profile.cublas_workspace(),
+            cublaslt_op: op("cublaslt_workspace"),
+            cublaslt: profile.cublaslt_workspace_bytes.unwrap_or(0),
+            convs: WorkspaceTable::new(&profile.conv_workspace),
+        }
+    }
+
+    /// The bytes an allocation event asks of the allocator.
+    pub fn alloc(&self, bytes: u64, category: Category, op: u32) -> u64 {
+        if category != Category::Workspace {
+            bytes
+        } else if Some(op) == self.cublas_op {
+            self.cublas
+        } else if Some(op) == self.cublaslt_op {
+            self.cublaslt
+        } else {
+            bytes
+        }
+    }
+
+    /// The requests (none of zero bytes) of a convolution's workspace event, and their source.
+    pub fn workspace(&self, trace: &Trace, conv: u32, n: u64, pass: ConvPass) -> (Vec<u64>, WorkspaceSource) {
+        let (mut bytes, source) = self.convs.lookup(trace.op_name(conv), n, pass);
+        bytes.retain(|&b| b > 0);
+        (bytes, source)
+    }
+}
+
 /// The caching-allocator replay.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Replay {
@@ -252,9 +295,7 @@ struct Run {
 impl Replay {
     fn run(&self, trace: &Trace, profile: &GpuProfile, capacity: u64) -> Result<Run, EstimateError> {
         let cfg = profile.allocator_config()?;
-        let workspace_op = trace.op_names().iter().position(|o| o == "cublas_workspace").map(|i| i as u32);
-        let workspace = profile.cublas_workspace();
-        let convs = WorkspaceTable::new(&profile.conv_workspace);
+        let sizes = GpuSizes::new(trace, profile);
         let mut workspace_source = None;
         let mut alloc = CachingAllocator::new(cfg, capacity);
         let mut slots: Vec<Option<(crate::allocator::BlockId, u8, u64)>> = vec![None; trace.slots()];
@@ -266,7 +307,7 @@ impl Replay {
         for (n, ev) in trace.events().iter().enumerate() {
             match *ev {
                 Event::Alloc { slot, bytes, category, op, stream, .. } => {
-                    let bytes = if category == Category::Workspace && Some(op) == workspace_op { workspace } else { bytes };
+                    let bytes = sizes.alloc(bytes, category, op);
                     if bytes == 0 {
                         continue; // zero-byte tensors never reach the allocator
                     }
@@ -307,10 +348,10 @@ impl Replay {
                 Event::Workspace { conv, n: batch, pass, .. } => {
                     // Taken and given back inside the kernel: it raises the peaks (and can make
                     // the allocator reserve a segment) but outlives nothing.
-                    let (sizes, source) = convs.lookup(trace.op_name(conv), batch, pass);
+                    let (bytes, source) = sizes.workspace(trace, conv, batch, pass);
                     workspace_source = workspace_source.max(Some(source));
                     let c = Category::Workspace.index();
-                    for bytes in sizes.into_iter().filter(|&b| b > 0) {
+                    for bytes in bytes {
                         match alloc.malloc(bytes, 0) {
                             Ok(b) => {
                                 now.live[c] += bytes;

@@ -21,6 +21,7 @@
 pub mod allocator;
 pub mod calibrate;
 pub mod dataset;
+pub mod diff;
 pub mod estimate;
 pub mod eval;
 pub mod families;
@@ -28,6 +29,7 @@ pub mod graph;
 pub mod profile;
 pub mod rng;
 pub mod search;
+pub mod snapshot;
 pub mod step;
 pub mod symbolic;
 pub mod trace;

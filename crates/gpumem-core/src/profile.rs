@@ -94,6 +94,10 @@ pub struct GpuProfile {
     /// Overrides the per-architecture cuBLAS workspace size (bytes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cublas_workspace_bytes: Option<u64>,
+    /// The cuBLASLt workspace a thread keeps once it runs a matmul with a fused bias (bytes;
+    /// measured by `gpumem probe`). Unset: not modelled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cublaslt_workspace_bytes: Option<u64>,
     /// cuBLAS workspaces in a training step (main thread + autograd thread).
     #[serde(default = "default_workspaces")]
     pub cublas_workspaces: u32,

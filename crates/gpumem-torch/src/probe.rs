@@ -78,8 +78,8 @@ pub struct Applied {
 
 impl ProbeReport {
     pub fn read(path: &Path) -> Result<ProbeReport, BridgeError> {
-        let text = std::fs::read_to_string(path).map_err(|e| BridgeError::Io(format!("{}: {e}", path.display())))?;
-        serde_json::from_str(&text).map_err(|e| BridgeError::Io(format!("{}: not a probe report: {e}", path.display())))
+        let bytes = std::fs::read(path).map_err(|e| BridgeError::Io(format!("{}: {e}", path.display())))?;
+        serde_json::from_slice(&bytes).map_err(|e| BridgeError::Io(format!("{}: not a probe report: {e}", path.display())))
     }
 
     /// Device memory outside the allocator once the libraries a training job loads (CUDA,
@@ -95,6 +95,9 @@ impl ProbeReport {
         profile.stack = Some(Stack { gpu: s.gpu.clone(), driver: s.driver.clone(), cuda: s.cuda.clone(), torch: s.torch.clone(), cudnn: s.cudnn });
         if let Some(&ws) = self.cublas.get("mm").and_then(|v| v.first()) {
             profile.cublas_workspace_bytes = Some(ws);
+        }
+        if let Some(lt) = self.cublas.get("addmm_lt") {
+            profile.cublaslt_workspace_bytes = Some(lt.iter().sum());
         }
         if let Some(ctx) = self.context_bytes() {
             profile.cuda_context_mib = ctx as f64 / MIB as f64;
@@ -177,7 +180,7 @@ mod tests {
         let r: ProbeReport = serde_json::from_str(REPORT).unwrap();
         let mut p = gpumem_core::profile::builtin("h200").unwrap();
         assert_eq!(r.apply(&mut p), Applied { added: 1, replaced: 0, refused: 1 });
-        assert_eq!(p.cublas_workspace(), 33554432);
+        assert_eq!((p.cublas_workspace(), p.cublaslt_workspace_bytes), (33554432, Some(1048576)));
         assert_eq!(p.stack.as_ref().unwrap().cudnn, 91900);
         assert_eq!(p.context_bytes(), 774701056 - 37748736, "the libraries' context, before attention kernels");
         assert_eq!(p.conv_workspace[0].fwd, vec![100], "cudnn.benchmark off");
