@@ -60,7 +60,7 @@ pub fn probe(a: ProbeArgs) -> CliResult {
         Some(path) => ProbeReport::read(path).map_err(CliError::input)?,
         None => {
             let tracer = TorchTracer::from_env();
-            let req = ProbeRequest { gpu: a.gpu, models: a.models.clone(), benchmark: a.benchmark.clone(), seconds: a.seconds };
+            let req = ProbeRequest { gpu: a.gpu, models: a.models.clone(), benchmark: a.benchmark.clone(), seconds: a.seconds, ..Default::default() };
             let json = a.out.with_extension("probe.json");
             tracer.probe(&req, &json)?
         }

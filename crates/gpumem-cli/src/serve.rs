@@ -7,7 +7,9 @@ use std::sync::Arc;
 use clap::Args;
 use gpumem_core::profile;
 use gpumem_monitor::{FakeMonitor, Monitor, NvmlMonitor};
+use gpumem_server::probe::{FakeProber, Prober, TorchProber};
 use gpumem_server::{Config, Daemon};
+use gpumem_torch::TorchTracer;
 
 use crate::{CliError, CliResult};
 
@@ -29,6 +31,14 @@ pub struct ServeArgs {
     /// The GPU profile for estimates on real GPUs (built-in name).
     #[arg(long, default_value = "a100-40gb")]
     gpu: String,
+    /// A profile TOML file (from `gpumem probe` or `gpumem calibrate`) for estimates; overrides
+    /// --gpu (and, with --fake-gpus, the fake GPUs' own profile).
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// With --fake-gpus and `probe_s` set: the daemon's probes "measure" this many bytes of
+    /// workspace per convolution pass instead of running on a GPU (for trying the probe path).
+    #[arg(long, requires = "fake_gpus")]
+    fake_probe: Option<u64>,
     /// Daemon settings (TOML): policy, headroom_mib, warmup_s, max_retries, backfill, grace_s, tick_ms, on_lost.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -62,12 +72,25 @@ pub fn serve(a: ServeArgs) -> CliResult {
             (Box::new(m), None, profile::builtin(&a.gpu).map_err(CliError::input)?)
         }
     };
+    let prof = match &a.profile {
+        Some(_) => crate::args::GpuChoice::new(&a.gpu, a.profile.clone()).load()?,
+        None => prof,
+    };
+    let prober: Option<Arc<dyn Prober>> = match (a.fake_probe, &a.fake_gpus) {
+        (Some(bytes), _) => Some(Arc::new(FakeProber { bytes })),
+        (None, Some(_)) => None, // no GPU to probe on
+        (None, None) => Some(Arc::new(TorchProber { tracer: TorchTracer::from_env(), dir: a.state.clone() })),
+    };
     let exe = std::env::current_exe().map_err(|e| CliError::other(format!("cannot find the gpumem binary: {e}")))?;
     let daemon = Daemon::open(&a.state, monitor, fake, prof, config, exe, a.recover).map_err(|e| match e {
         // Another daemon on the same state, or a lost store: the operator's to decide (exit 2).
         e @ (gpumem_server::DaemonError::InUse { .. } | gpumem_server::DaemonError::StoreLost { .. }) => CliError::input(e),
         e => CliError::other(e),
     })?;
+    let daemon = match prober {
+        Some(p) => daemon.with_prober(p),
+        None => daemon,
+    };
     gpumem_server::api::serve(Arc::new(daemon), addr, a.token).map_err(CliError::other)
 }
 

@@ -324,3 +324,47 @@ fn the_daemons_history_calibrates_a_profile() {
     let fitted: f64 = text.lines().find(|l| l.contains("cuda_context_mib")).and_then(|l| l.split_whitespace().nth(1)).unwrap().parse().unwrap();
     assert!((fitted - 1929.0).abs() <= 1.0, "context 1429 + 500 expected: {text}");
 }
+
+/// A job whose convolutions the profile has not probed waits, sized by its upper bound, while
+/// the daemon probes exactly those on an idle GPU (here a fake probe: 100 MiB per pass, the
+/// only fake part); then it is sized again and placed, and the table is kept in the state
+/// directory, so the same job later is sized at once. Needs torch to trace the model.
+#[test]
+fn the_daemon_probes_convolutions_it_has_not_seen() {
+    if std::env::var_os("GPUMEM_PYTHON").is_none() {
+        assert!(std::env::var("GPUMEM_TEST_REQUIRE_TORCH").as_deref() != Ok("1"), "GPUMEM_PYTHON is not set but torch is required");
+        eprintln!("SKIPPED: set GPUMEM_PYTHON to an interpreter with torch");
+        return;
+    }
+    let d = dir("probe");
+    let cfg = d.join("daemon.toml");
+    std::fs::write(&cfg, "policy = \"first-fit\"\nwarmup_s = 1\ntick_ms = 50\nprobe_s = 60\n").unwrap();
+    let state = d.join("state");
+    let args = ["serve", "--fake-gpus", "2xh200", "--fake-probe", "104857600", "--addr", "127.0.0.1:0", "--state", state.to_str().unwrap(), "--config", cfg.to_str().unwrap()];
+    let (child, url) = spawn_daemon(&args);
+    let s = Server { child, url };
+    let model = ["--model", "torchvision:resnet18", "--batch", "4", "--input", "3x32x32"];
+    let submit = || -> serde_json::Value {
+        let mut a = vec!["submit", "--json"];
+        a.extend(model);
+        a.extend(["--", "/bin/true"]);
+        serde_json::from_str(&s.run(&a)).unwrap()
+    };
+    let first = submit();
+    assert_eq!(first["estimate_mib"], first["bound_mib"], "sized by its bound while it waits: {first}");
+    let id = first["id"].as_u64().unwrap();
+    s.wait_until(|| s.state(id) == "finished", "the probed job runs");
+    let job = s.job(id);
+    let (estimate, bound) = (job["estimate_mib"].as_f64().unwrap(), job["bound_mib"].as_f64().unwrap());
+    assert!(estimate < bound && job["error"].is_null(), "sized again after the probe: {job}");
+    // 100 MiB per pass in the table: more than the same job without workspaces.
+    let o = gpumem(&["estimate", "torchvision:resnet18", "--batch", "4", "--input", "3x32x32", "--gpu", "h200", "--json"]);
+    let plain = serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["peak_mib"].as_f64().unwrap();
+    assert!(estimate > plain + 50.0, "{estimate} vs {plain} without workspaces");
+    let table = std::fs::read_to_string(state.join("profile.toml")).unwrap();
+    assert!(table.matches("[[gpu.conv_workspace]]").count() >= 10, "the probed table is kept");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(state.join("profile.toml")).unwrap().permissions().mode() & 0o777, 0o600);
+    let again = submit();
+    assert_eq!(again["estimate_mib"].as_f64(), Some(estimate), "probed already: sized at once");
+}

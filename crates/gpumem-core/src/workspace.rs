@@ -13,7 +13,7 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::trace::ConvPass;
+use crate::trace::{ConvPass, Event, Trace};
 
 /// One probed convolution: its configuration (the tracer's key, batch apart), the batch, and
 /// the workspace requests of each pass in the order cuDNN makes them (usually one or none).
@@ -140,6 +140,21 @@ impl<'a> WorkspaceTable<'a> {
 
     pub fn is_empty(&self) -> bool {
         self.exact.is_empty()
+    }
+
+    /// The convolutions of `trace` (configuration, batch) whose workspaces are not in the
+    /// table: what a probe of this job should measure.
+    pub fn unprobed(&self, trace: &Trace) -> Vec<(String, u64)> {
+        let mut out: Vec<(String, u64)> = Vec::new();
+        for ev in trace.events() {
+            if let Event::Workspace { conv, n, .. } = *ev {
+                let config = trace.op_name(conv);
+                if !self.exact.contains_key(&(config, n)) && !out.iter().any(|(c, m)| c == config && *m == n) {
+                    out.push((config.to_string(), n));
+                }
+            }
+        }
+        out
     }
 
     /// The workspace requests of `pass` of convolution `config` at batch `n`, and where they

@@ -102,9 +102,17 @@ async fn submit(State(app): State<Arc<App>>, body: Bytes) -> Response {
                 Ok(w) => w,
                 Err(e) => return error(StatusCode::BAD_REQUEST, format!("model: {e}")),
             };
-            let (config, profile) = (d.config.clone(), d.profile.clone());
+            let (config, profile) = (d.config.clone(), d.profile());
             match tokio::task::spawn_blocking(move || estimate(&config, &profile, &workload)).await {
-                Ok(Ok(e)) => Some(e),
+                Ok(Ok(sized)) if d.probes() && !sized.unprobed.is_empty() => {
+                    // Its convolutions are not in the profile: it waits for a probe.
+                    return match tokio::task::spawn_blocking(move || d.submit_for_probe(req, sized)).await {
+                        Ok(Ok(s)) => (StatusCode::CREATED, axum::Json(s)).into_response(),
+                        Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e),
+                        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+                    };
+                }
+                Ok(Ok(sized)) => Some((sized.peak, sized.bound)),
                 Ok(Err(e)) => return error(StatusCode::BAD_REQUEST, format!("model: {e}")),
                 Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
             }

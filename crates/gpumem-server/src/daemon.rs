@@ -4,10 +4,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::process::Child;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, mpsc};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use gpumem_core::profile::GpuProfile;
+use gpumem_core::trace::Trace;
+use gpumem_core::workspace::WorkspaceTable;
+use gpumem_torch::probe::ProbeReport;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_monitor::{FakeGpus, Monitor};
 use gpumem_workload::Workload;
@@ -18,6 +21,7 @@ use gpumem_monitor::GpuReading;
 use gpumem_place::{Forecast, Queued, SchedOptions, Scheduler};
 
 use crate::launcher::{Exit, JobDir, Launch, alive, launch, signal_group};
+use crate::probe::Prober;
 use crate::store::{JobRecord, Store, StoreError};
 use crate::wire::{GpuView, JobRequest, JobState, JobView, MAX_MEM_MIB, Submitted};
 
@@ -54,6 +58,9 @@ pub struct Config {
     pub estimator: String,
     /// The hybrid's memory model (a `gpumem learn train --target memory --model gbt` file).
     pub learned_model: Option<PathBuf>,
+    /// Seconds a job whose convolutions the profile has not probed waits for the daemon to
+    /// probe them on an idle GPU before it is placed by its upper bound (0: no probing).
+    pub probe_s: u64,
 }
 
 impl Default for Config {
@@ -69,6 +76,7 @@ impl Default for Config {
             on_lost: OnLost::Requeue,
             estimator: "replay".into(),
             learned_model: None,
+            probe_s: 0,
         }
     }
 }
@@ -105,6 +113,9 @@ impl Config {
         if c.headroom_mib > MAX_MEM_MIB {
             return Err(ConfigError::Range { key: "headroom_mib", value: c.headroom_mib.to_string(), range: "0..=16777216" });
         }
+        if c.probe_s > 3600 {
+            return Err(ConfigError::Range { key: "probe_s", value: c.probe_s.to_string(), range: "0..=3600 seconds" });
+        }
         if c.max_retries > 100 {
             return Err(ConfigError::Range { key: "max_retries", value: c.max_retries.to_string(), range: "0..=100" });
         }
@@ -119,6 +130,19 @@ impl Config {
     pub fn sched(&self) -> Result<SchedOptions, UnknownPolicy> {
         Ok(SchedOptions { policy: self.policy()?, backfill: self.backfill, max_retries: self.max_retries, warmup_s: self.warmup_s })
     }
+}
+
+/// The daemon's profile with what its probes measured (0600, in the state directory).
+const PROBED_PROFILE: &str = "profile.toml";
+
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)
 }
 
 pub fn now() -> f64 {
@@ -138,12 +162,42 @@ pub enum SizeError {
     Estimate(#[from] gpumem_core::estimate::EstimateError),
 }
 
-/// gpumem's estimate (peak, upper bound) of a job's workload with the configured estimator.
-pub fn estimate(config: &Config, profile: &GpuProfile, workload: &Workload) -> Result<(u64, u64), SizeError> {
-    let estimator = gpumem_learn::estimator(&config.estimator, config.learned_model.as_deref())?;
+/// A job's workload sized: gpumem's estimate and upper bound with the configured estimator,
+/// the trace they came from, and its convolutions the profile has not probed.
+pub struct Sized {
+    pub peak: u64,
+    pub bound: u64,
+    pub trace: Trace,
+    pub unprobed: Vec<(String, u64)>,
+}
+
+/// Sizes `workload` on `profile` with the configured estimator.
+pub fn estimate(config: &Config, profile: &GpuProfile, workload: &Workload) -> Result<Sized, SizeError> {
     let trace = workload.trace(profile)?;
-    let est = estimator.estimate(&trace, profile)?;
+    let (peak, bound) = size(config, profile, &trace)?;
+    let unprobed = WorkspaceTable::new(&profile.conv_workspace).unprobed(&trace);
+    Ok(Sized { peak, bound, trace, unprobed })
+}
+
+fn size(config: &Config, profile: &GpuProfile, trace: &Trace) -> Result<(u64, u64), SizeError> {
+    let estimator = gpumem_learn::estimator(&config.estimator, config.learned_model.as_deref())?;
+    let est = estimator.estimate(trace, profile)?;
     Ok((est.peak_bytes, est.upper_bound_bytes))
+}
+
+/// A job held for a probe of its convolutions.
+struct ProbeWait {
+    job: u64,
+    trace: Trace,
+    configs: Vec<(String, u64)>,
+    /// When it is placed by its bound if no probe has answered.
+    until: f64,
+}
+
+/// The probe running now, on `gpu`, in its own thread.
+struct Probing {
+    gpu: u32,
+    result: mpsc::Receiver<Result<ProbeReport, String>>,
 }
 
 struct Inner {
@@ -163,6 +217,8 @@ struct Inner {
     /// GPU → (job, until): not offered while that job's memory has not shown up.
     warm: HashMap<u32, (u64, f64)>,
     oom_crashes: u64,
+    probe_wait: Vec<ProbeWait>,
+    probing: Option<Probing>,
 }
 
 /// Why the daemon could not open its state.
@@ -171,6 +227,9 @@ pub enum DaemonError {
     /// The state directory could not be created, locked or made private.
     #[error("{dir}: {source}")]
     StateDir { dir: String, source: std::io::Error },
+    /// STATE/profile.toml (what the daemon's probes measured) cannot be read.
+    #[error("{dir}/profile.toml: {message}")]
+    ProbedProfile { dir: String, message: String },
     /// The store holds no job but job directories exist: it was emptied, deleted or damaged.
     #[error("{dir}/jobs.db holds no jobs but {dir}/jobs has {job_dirs} job directories: the job store was lost or damaged; start with --recover to set them aside and begin a new store")]
     StoreLost { dir: String, job_dirs: usize },
@@ -230,7 +289,10 @@ pub struct Daemon {
     /// The `gpumem` binary that supervises runs.
     supervisor: PathBuf,
     fake: Option<FakeGpus>,
-    pub profile: GpuProfile,
+    /// The GPU profile; the daemon's probes add to its workspace table (kept in
+    /// STATE/profile.toml across restarts).
+    profile: RwLock<GpuProfile>,
+    prober: Option<Arc<dyn Prober>>,
     pub config: Config,
 }
 
@@ -264,6 +326,8 @@ impl Daemon {
             observed: HashMap::new(),
             warm: HashMap::new(),
             oom_crashes: 0,
+            probe_wait: Vec::new(),
+            probing: None,
         };
         let t = now();
         let waiting: Vec<u64> = inner.jobs.values().filter(|j| j.state.is_waiting()).map(|j| j.id).collect();
@@ -275,7 +339,45 @@ impl Daemon {
                 inner.store.transition(job, t, job.error.as_deref())?;
             }
         }
-        Ok(Daemon { inner: Mutex::new(inner), _lock: lock, state_dir: state_dir.to_path_buf(), supervisor, fake, profile, config })
+        let mut profile = profile;
+        if let Ok(text) = std::fs::read_to_string(state_dir.join(PROBED_PROFILE)) {
+            // What earlier probes measured on this machine, over the configured table.
+            let stored = GpuProfile::from_toml(&text).map_err(|e| DaemonError::ProbedProfile { dir: state_dir.display().to_string(), message: e.to_string() })?;
+            let mut table: BTreeMap<(String, u64), _> = std::mem::take(&mut profile.conv_workspace).into_iter().map(|e| ((e.config.clone(), e.n), e)).collect();
+            table.extend(stored.conv_workspace.into_iter().map(|e| ((e.config.clone(), e.n), e)));
+            profile.conv_workspace = table.into_values().collect();
+        }
+        Ok(Daemon { inner: Mutex::new(inner), _lock: lock, state_dir: state_dir.to_path_buf(), supervisor, fake, profile: RwLock::new(profile), prober: None, config })
+    }
+
+    /// Probes the convolutions of jobs the profile has not seen (with `probe_s` > 0).
+    pub fn with_prober(mut self, prober: Arc<dyn Prober>) -> Self {
+        self.prober = Some(prober);
+        self
+    }
+
+    /// The GPU profile jobs are sized on now.
+    pub fn profile(&self) -> GpuProfile {
+        self.profile.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Whether a job with unprobed convolutions waits for a probe.
+    pub fn probes(&self) -> bool {
+        self.prober.is_some() && self.config.probe_s > 0
+    }
+
+    /// Stores a sized submission whose convolutions the profile lacks: it waits (sized by its
+    /// upper bound) until a probe of them answers or `probe_s` passes, then joins the queue.
+    pub fn submit_for_probe(&self, request: JobRequest, sized: Sized) -> Result<Submitted, StoreError> {
+        let mut inner = self.lock();
+        let t = now();
+        let mut job = JobRecord::queued(request, Some((sized.bound, sized.bound)), t);
+        job.id = inner.store.insert(&job)?;
+        job.error = Some("waiting for a probe of its convolutions; sized by its upper bound meanwhile".into());
+        let out = Submitted { id: job.id, state: job.state, estimate_mib: job.estimate_bytes.map(bytes_to_mib), bound_mib: job.bound_bytes.map(bytes_to_mib) };
+        inner.probe_wait.push(ProbeWait { job: job.id, trace: sized.trace, configs: sized.unprobed, until: t + self.config.probe_s as f64 });
+        inner.jobs.insert(job.id, job);
+        Ok(out)
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -356,7 +458,82 @@ impl Daemon {
         let t = now();
         self.reap(inner, t)?;
         self.observe(inner, t);
+        self.probe(inner, t)?;
         self.place(inner, t)
+    }
+
+    /// Collects a finished probe into the profile, sizes again and queues the jobs it answers
+    /// (and those that waited long enough), and starts a probe of what is still wanted on an
+    /// idle GPU.
+    fn probe(&self, inner: &mut Inner, t: f64) -> Result<(), StoreError> {
+        let Some(prober) = self.prober.clone() else { return Ok(()) };
+        let mut note = None;
+        if let Some(p) = &inner.probing {
+            match p.result.try_recv() {
+                Ok(Ok(report)) => {
+                    let mut profile = self.profile.write().unwrap_or_else(|p| p.into_inner());
+                    report.apply_workspaces(&mut profile);
+                    // Kept for the next start; a failed write only loses the cache.
+                    let _ = write_private(&self.state_dir.join(PROBED_PROFILE), profile.to_toml().as_bytes());
+                    inner.probing = None;
+                }
+                Ok(Err(e)) => {
+                    note = Some(format!("probe failed: {e}; placed by its upper bound"));
+                    inner.probing = None;
+                }
+                Err(mpsc::TryRecvError::Empty) => {}
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    note = Some("probe failed; placed by its upper bound".to_string());
+                    inner.probing = None;
+                }
+            }
+        }
+        let profile = self.profile();
+        let table = WorkspaceTable::new(&profile.conv_workspace);
+        let mut ready = Vec::new();
+        for mut w in std::mem::take(&mut inner.probe_wait) {
+            w.configs = table.unprobed(&w.trace);
+            // A failed probe releases every waiting job: the next one would likely fail too.
+            if w.configs.is_empty() || t >= w.until || note.is_some() {
+                ready.push(w);
+            } else {
+                inner.probe_wait.push(w);
+            }
+        }
+        for ProbeWait { job: id, trace, configs, .. } in ready {
+            let probed = configs.is_empty();
+            let Some(job) = inner.jobs.get_mut(&id) else { continue };
+            if !job.state.is_waiting() {
+                continue; // cancelled while it waited
+            }
+            if probed {
+                if let Ok((peak, bound)) = size(&self.config, &profile, &trace) {
+                    (job.estimate_bytes, job.bound_bytes) = (Some(peak), Some(bound));
+                }
+                job.error = None;
+            } else {
+                job.error = Some(note.clone().unwrap_or_else(|| format!("not probed within {} s; placed by its upper bound", self.config.probe_s)));
+            }
+            let why = if probed { "sized after probing its convolutions" } else { "placed by its upper bound" };
+            queue(inner, id, t);
+            inner.store.transition(&inner.jobs[&id], t, Some(why))?;
+        }
+        if inner.probing.is_none() && !inner.probe_wait.is_empty() {
+            let busy: Vec<u32> = inner.jobs.values().filter(|j| matches!(j.state, JobState::Starting | JobState::Running)).flat_map(|j| j.assigned.clone()).collect();
+            let idle = inner.gpus.iter().map(|r| r.index).find(|g| !busy.contains(g) && !inner.warm.contains_key(g));
+            if let Some(gpu) = idle {
+                let mut configs: Vec<(String, u64)> = inner.probe_wait.iter().flat_map(|w| w.configs.clone()).collect();
+                configs.sort();
+                configs.dedup();
+                let seconds = inner.probe_wait.iter().map(|w| (w.until - t).max(1.0)).fold(f64::INFINITY, f64::min).ceil() as u64;
+                let (tx, rx) = mpsc::channel();
+                std::thread::spawn(move || {
+                    let _ = tx.send(prober.probe(gpu, &configs, seconds));
+                });
+                inner.probing = Some(Probing { gpu, result: rx });
+            }
+        }
+        Ok(())
     }
 
     fn reap(&self, inner: &mut Inner, t: f64) -> Result<(), StoreError> {
@@ -543,6 +720,10 @@ impl Daemon {
             }
             if let Some(&(_, until)) = inner.warm.get(&r.index) {
                 gpu.warm_until_s = until;
+            }
+            if inner.probing.as_ref().is_some_and(|p| p.gpu == r.index) {
+                // The probe has it to itself: its measurements need a quiet GPU.
+                gpu.residents.push(Resident { job: u64::MAX - 1024 - k as u64, used_bytes: r.total_bytes, bound_bytes: 0, warm_at_s: f64::NEG_INFINITY, load: Load::default(), exclusive: true });
             }
         }
         cluster

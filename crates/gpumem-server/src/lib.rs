@@ -14,6 +14,7 @@
 pub mod api;
 pub mod daemon;
 pub mod launcher;
+pub mod probe;
 pub mod store;
 pub mod wire;
 

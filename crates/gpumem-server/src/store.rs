@@ -237,7 +237,7 @@ fn update(conn: &Connection, job: &JobRecord) -> Result<(), StoreError> {
     let assigned = serde_json::to_string(&job.assigned).map_err(|source| StoreError::Encode { field: "assigned", source })?;
     conn.execute(
         "UPDATE jobs SET state = ?2, assigned = ?3, peak_bytes = ?4, started_at = ?5, finished_at = ?6, exit_code = ?7,
-         retries = ?8, error = ?9, pid = ?10, cancel_requested = ?11 WHERE id = ?1",
+         retries = ?8, error = ?9, pid = ?10, cancel_requested = ?11, estimate_bytes = ?12, bound_bytes = ?13 WHERE id = ?1",
         params![
             job.id as i64,
             job.state.name(),
@@ -249,7 +249,9 @@ fn update(conn: &Connection, job: &JobRecord) -> Result<(), StoreError> {
             job.retries,
             job.error,
             job.pid,
-            job.cancel_requested
+            job.cancel_requested,
+            job.estimate_bytes.map(|b| b as i64),
+            job.bound_bytes.map(|b| b as i64)
         ],
     )?;
     Ok(())

@@ -102,6 +102,12 @@ impl ProbeReport {
         if let Some(ctx) = self.context_bytes() {
             profile.cuda_context_mib = ctx as f64 / MIB as f64;
         }
+        self.apply_workspaces(profile)
+    }
+
+    /// Only the convolution workspace table (a daemon's probe of one job's convolutions leaves
+    /// the calibrated context alone).
+    pub fn apply_workspaces(&self, profile: &mut GpuProfile) -> Applied {
         let mut table: BTreeMap<(String, u64), ConvWorkspace> =
             std::mem::take(&mut profile.conv_workspace).into_iter().map(|e| ((e.config.clone(), e.n), e)).collect();
         let mut applied = Applied { added: 0, replaced: 0, refused: 0 };
@@ -134,6 +140,10 @@ pub struct ProbeRequest {
     pub benchmark: String,
     /// Time budget per convolution pass, seconds (0: none).
     pub seconds: u64,
+    /// Exactly these convolutions (configuration, batch) instead of `models`' or the grid's.
+    pub configs: Vec<(String, u64)>,
+    /// Skip the attention-kernel cases (a daemon's probe wants the convolutions only).
+    pub no_sdpa: bool,
 }
 
 impl TorchTracer {
@@ -141,8 +151,16 @@ impl TorchTracer {
     pub fn probe(&self, req: &ProbeRequest, out: &Path) -> Result<ProbeReport, BridgeError> {
         let mut cmd = self.module_command("gpumem_trace.probe")?;
         cmd.env("CUDA_VISIBLE_DEVICES", req.gpu.to_string()).arg("--out").arg(out);
-        if !req.models.is_empty() {
+        if !req.configs.is_empty() {
+            let list: Vec<serde_json::Value> = req.configs.iter().map(|(c, n)| serde_json::json!({"config": c, "n": n})).collect();
+            let path = out.with_extension("configs.json");
+            std::fs::write(&path, serde_json::to_vec(&list).expect("JSON of strings and numbers")).map_err(|e| BridgeError::Io(format!("{}: {e}", path.display())))?;
+            cmd.arg("--configs").arg(path);
+        } else if !req.models.is_empty() {
             cmd.arg("--models").args(&req.models);
+        }
+        if req.no_sdpa {
+            cmd.arg("--no-sdpa");
         }
         if !req.benchmark.is_empty() {
             cmd.arg("--benchmark").arg(&req.benchmark);
