@@ -12,14 +12,6 @@ fn data(file: &str) -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data/h200").join(file).display().to_string()
 }
 
-fn torch() -> bool {
-    if std::env::var_os("GPUMEM_PYTHON").is_some() {
-        return true;
-    }
-    assert!(std::env::var("GPUMEM_TEST_REQUIRE_TORCH").as_deref() != Ok("1"), "GPUMEM_PYTHON is not set but torch is required");
-    eprintln!("SKIPPED: set GPUMEM_PYTHON to an interpreter with torch to run the diff");
-    false
-}
 
 #[test]
 fn a_probe_report_goes_into_a_profile_and_a_second_adds_to_it() {
@@ -49,7 +41,7 @@ fn a_bad_snapshot_is_a_one_line_error() {
 /// peaks are equal. The estimate says where its workspaces came from.
 #[test]
 fn diff_against_the_h200_snapshot_finds_no_divergence() {
-    if !torch() {
+    if !common::torch("the diff") {
         return;
     }
     let profile = data("h200-probed.toml");

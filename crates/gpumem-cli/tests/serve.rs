@@ -331,9 +331,7 @@ fn the_daemons_history_calibrates_a_profile() {
 /// directory, so the same job later is sized at once. Needs torch to trace the model.
 #[test]
 fn the_daemon_probes_convolutions_it_has_not_seen() {
-    if std::env::var_os("GPUMEM_PYTHON").is_none() {
-        assert!(std::env::var("GPUMEM_TEST_REQUIRE_TORCH").as_deref() != Ok("1"), "GPUMEM_PYTHON is not set but torch is required");
-        eprintln!("SKIPPED: set GPUMEM_PYTHON to an interpreter with torch");
+    if !common::torch("the probing daemon") {
         return;
     }
     let d = dir("probe");

@@ -23,12 +23,7 @@ fn carma(file: &str) -> String {
 
 
 fn torch() -> bool {
-    if std::env::var_os("GPUMEM_PYTHON").is_some() {
-        return true;
-    }
-    assert!(std::env::var("GPUMEM_TEST_REQUIRE_TORCH").as_deref() != Ok("1"), "GPUMEM_PYTHON is not set but torch is required");
-    eprintln!("SKIPPED: set GPUMEM_PYTHON to an interpreter with torch to run the CARMA simulations");
-    false
+    common::torch("the CARMA simulations")
 }
 
 

@@ -281,6 +281,31 @@ struct Instant {
     reserved: u64,
 }
 
+/// The peaks a replay has reached so far, and the fragmentation at the reserved one.
+#[derive(Default)]
+struct Peaks {
+    allocated: Instant,
+    reserved: Instant,
+    fragmentation: u64,
+}
+
+impl Peaks {
+    /// After a malloc at event `n`: the instant it makes, and any new peak.
+    fn reach(&mut self, now: &mut Instant, n: usize, alloc: &CachingAllocator, fragmentation: bool) {
+        let s = alloc.stats();
+        (now.event, now.allocated, now.reserved) = (n, s.allocated, s.reserved);
+        if now.allocated > self.allocated.allocated {
+            self.allocated = *now;
+        }
+        if now.reserved > self.reserved.reserved {
+            self.reserved = *now;
+            if fragmentation {
+                self.fragmentation = alloc.inactive_split_bytes();
+            }
+        }
+    }
+}
+
 /// Result of one replay run.
 struct Run {
     stats: AllocatorStats,
@@ -300,8 +325,7 @@ impl Replay {
         let mut alloc = CachingAllocator::new(cfg, capacity);
         let mut slots: Vec<Option<(crate::allocator::BlockId, u8, u64)>> = vec![None; trace.slots()];
         let mut now = Instant::default();
-        let (mut allocated_peak, mut reserved_peak) = (Instant::default(), Instant::default());
-        let mut fragmentation = 0;
+        let mut peaks = Peaks::default();
         let mut timeline = Vec::new();
         let mut oom = None;
         for (n, ev) in trace.events().iter().enumerate() {
@@ -316,17 +340,7 @@ impl Replay {
                             let c = category.index();
                             now.live[c] += bytes;
                             slots[slot as usize] = Some((b, c as u8, bytes));
-                            let s = alloc.stats();
-                            (now.event, now.allocated, now.reserved) = (n, s.allocated, s.reserved);
-                            if now.allocated > allocated_peak.allocated {
-                                allocated_peak = now;
-                            }
-                            if now.reserved > reserved_peak.reserved {
-                                reserved_peak = now;
-                                if self.timeline {
-                                    fragmentation = alloc.inactive_split_bytes();
-                                }
-                            }
+                            peaks.reach(&mut now, n, &alloc, self.timeline);
                         }
                         Err(e) => {
                             oom = Some(e);
@@ -355,14 +369,7 @@ impl Replay {
                         match alloc.malloc(bytes, 0) {
                             Ok(b) => {
                                 now.live[c] += bytes;
-                                let s = alloc.stats();
-                                (now.event, now.allocated, now.reserved) = (n, s.allocated, s.reserved);
-                                if now.allocated > allocated_peak.allocated {
-                                    allocated_peak = now;
-                                }
-                                if now.reserved > reserved_peak.reserved {
-                                    reserved_peak = now;
-                                }
+                                peaks.reach(&mut now, n, &alloc, self.timeline);
                                 alloc.free(b);
                                 now.live[c] -= bytes;
                             }
@@ -385,8 +392,9 @@ impl Replay {
             }
         }
         if !self.timeline {
-            fragmentation = alloc.inactive_split_bytes();
+            peaks.fragmentation = alloc.inactive_split_bytes();
         }
+        let Peaks { allocated: allocated_peak, reserved: reserved_peak, fragmentation } = peaks;
         Ok(Run { stats: *alloc.stats(), allocated_peak, reserved_peak, fragmentation, timeline, oom, workspace_source })
     }
 }

@@ -129,9 +129,9 @@ pub struct GpuProfile {
     pub conv_workspace: Vec<ConvWorkspace>,
 }
 
-/// The GPU and library versions a probe ran on.
+/// The GPU and library versions a probe ran on (as its report states them; other keys there
+/// are ignored).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Stack {
     pub gpu: String,
     #[serde(default)]

@@ -17,8 +17,9 @@ use crate::trace::{ConvPass, Event, Trace};
 
 /// One probed convolution: its configuration (the tracer's key, batch apart), the batch, and
 /// the workspace requests of each pass in the order cuDNN makes them (usually one or none).
+/// The same fields in the probe's report and the profile's table (other keys of a report row
+/// are ignored).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct ConvWorkspace {
     pub config: String,
     pub n: u64,

@@ -17,23 +17,13 @@ use crate::{BridgeError, TorchTracer};
 /// order of a backward's allocations) stay in the JSON for the reader.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ProbeReport {
-    pub stack: ProbedStack,
+    pub stack: Stack,
     #[serde(default)]
     pub context: Vec<ContextPoint>,
     #[serde(default)]
     pub cublas: BTreeMap<String, Vec<u64>>,
     #[serde(default)]
     pub conv: ProbedConvs,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-pub struct ProbedStack {
-    pub gpu: String,
-    #[serde(default)]
-    pub driver: String,
-    pub cuda: String,
-    pub torch: String,
-    pub cudnn: u64,
 }
 
 /// Device memory in use outside PyTorch's allocator at a point of the probe.
@@ -55,14 +45,8 @@ pub struct ProbedConvs {
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct ProbedConv {
-    pub config: String,
-    pub n: u64,
-    #[serde(default)]
-    pub fwd: Vec<u64>,
-    #[serde(default)]
-    pub bwd_data: Vec<u64>,
-    #[serde(default)]
-    pub bwd_filter: Vec<u64>,
+    #[serde(flatten)]
+    pub workspace: ConvWorkspace,
     /// Set when the GPU refused the configuration.
     #[serde(default)]
     pub error: Option<String>,
@@ -91,8 +75,7 @@ impl ProbeReport {
     /// Writes the report into `profile`: stack, cuBLAS workspace, context and the
     /// `cudnn.benchmark`-off workspace table (merged by configuration and batch).
     pub fn apply(&self, profile: &mut GpuProfile) -> Applied {
-        let s = &self.stack;
-        profile.stack = Some(Stack { gpu: s.gpu.clone(), driver: s.driver.clone(), cuda: s.cuda.clone(), torch: s.torch.clone(), cudnn: s.cudnn });
+        profile.stack = Some(self.stack.clone());
         if let Some(&ws) = self.cublas.get("mm").and_then(|v| v.first()) {
             profile.cublas_workspace_bytes = Some(ws);
         }
@@ -116,8 +99,8 @@ impl ProbeReport {
                 applied.refused += 1;
                 continue;
             }
-            let e = ConvWorkspace { config: c.config.clone(), n: c.n, fwd: c.fwd.clone(), bwd_data: c.bwd_data.clone(), bwd_filter: c.bwd_filter.clone() };
-            if table.insert((c.config.clone(), c.n), e).is_some() {
+            let e = &c.workspace;
+            if table.insert((e.config.clone(), e.n), e.clone()).is_some() {
                 applied.replaced += 1;
             } else {
                 applied.added += 1;
@@ -203,8 +186,9 @@ mod tests {
         assert_eq!(p.context_bytes(), 774701056 - 37748736, "the libraries' context, before attention kernels");
         assert_eq!(p.conv_workspace[0].fwd, vec![100], "cudnn.benchmark off");
         let mut again = r.clone();
-        again.conv.heuristic[0].fwd = vec![120];
-        again.conv.heuristic[1] = ProbedConv { config: "C".into(), n: 8, fwd: vec![], bwd_data: vec![1], bwd_filter: vec![], error: None };
+        again.conv.heuristic[0].workspace.fwd = vec![120];
+        let c = ConvWorkspace { config: "C".into(), n: 8, fwd: vec![], bwd_data: vec![1], bwd_filter: vec![] };
+        again.conv.heuristic[1] = ProbedConv { workspace: c, error: None };
         assert_eq!(again.apply(&mut p), Applied { added: 1, replaced: 1, refused: 0 });
         assert_eq!(p.conv_workspace.len(), 2);
         assert_eq!(p.conv_workspace[0].fwd, vec![120]);

@@ -29,3 +29,14 @@ pub fn shared_data(file: &str) -> Option<PathBuf> {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data").join(file);
     p.exists().then_some(p)
 }
+
+/// Whether tests that trace real PyTorch models can run: GPUMEM_PYTHON names an interpreter
+/// with torch. CI sets GPUMEM_TEST_REQUIRE_TORCH=1, where its absence is a failure.
+pub fn torch(what: &str) -> bool {
+    if std::env::var_os("GPUMEM_PYTHON").is_some() {
+        return true;
+    }
+    assert!(std::env::var("GPUMEM_TEST_REQUIRE_TORCH").as_deref() != Ok("1"), "GPUMEM_PYTHON is not set but torch is required");
+    eprintln!("SKIPPED: set GPUMEM_PYTHON to an interpreter with torch to run {what}");
+    false
+}
