@@ -79,7 +79,7 @@ pub fn serve(a: ServeArgs) -> CliResult {
     let prober: Option<Arc<dyn Prober>> = match (a.fake_probe, &a.fake_gpus) {
         (Some(bytes), _) => Some(Arc::new(FakeProber { bytes })),
         (None, Some(_)) => None, // no GPU to probe on
-        (None, None) => Some(Arc::new(TorchProber { tracer: TorchTracer::from_env(), dir: a.state.clone() })),
+        (None, None) => Some(Arc::new(TorchProber { tracer: TorchTracer::from_env(), dir: a.state.join("probe") })),
     };
     let exe = std::env::current_exe().map_err(|e| CliError::other(format!("cannot find the gpumem binary: {e}")))?;
     let daemon = Daemon::open(&a.state, monitor, fake, prof, config, exe, a.recover).map_err(|e| match e {

@@ -51,6 +51,10 @@ fn diff_against_the_h200_snapshot_finds_no_divergence() {
     assert!(d["first_divergence"].is_null(), "{d}");
     assert_eq!((d["matched"].as_u64(), d["torch_requests"].as_u64()), (Some(3159), Some(3159)));
     assert_eq!(d["peaks"]["gpumem_reserved"], d["peaks"]["torch_reserved"]);
+    // The same with the profile `gpumem probe` itself wrote on the H200 (scripts/gpu/cli-h200.sh).
+    let o = gpumem(&["diff", "torchvision:resnet18", "--batch", "8", "--input", "3x64x64", "--profile", &data("cli/resnet18-probe.toml"), "--snapshot", &data("snapshots/resnet18-b8-64px-fp32.pickle"), "--json"]);
+    let d: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(d["first_divergence"].is_null() && d["matched"].as_u64() == Some(1194), "{d}");
     let o = gpumem(&["estimate", "torchvision:vgg16", "--batch", "32", "--profile", &profile, "--json"]);
     let e: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(e["workspace_source"], "probed");
