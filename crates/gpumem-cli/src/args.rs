@@ -6,7 +6,7 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use gpumem_core::dataset::{Measurement, read_measurements};
+use gpumem_core::dataset::Measurement;
 use gpumem_core::estimate::Estimator;
 use gpumem_core::graph::Precision;
 use gpumem_core::profile::{self, GpuProfile};
@@ -203,8 +203,13 @@ impl ModelArg {
 
 /// A measurements CSV.
 pub fn read_csv(path: &Path) -> CliResult<Vec<Measurement>> {
+    Ok(read_rows(path)?.measured)
+}
+
+/// A measurement CSV's rows, those that did not fit on the GPU too.
+pub fn read_rows(path: &Path) -> CliResult<gpumem_core::dataset::Rows> {
     let f = File::open(path).map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
-    read_measurements(&path.display().to_string(), BufReader::new(f)).map_err(CliError::input)
+    gpumem_core::dataset::read_rows(&path.display().to_string(), BufReader::new(f)).map_err(CliError::input)
 }
 
 /// Bytes as MiB rounded to 0.1, for JSON output.

@@ -13,7 +13,7 @@ use gpumem_learn::LearnedModel;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use crate::args::{GpuChoice, WorkloadArgs, read_csv, row_trace};
+use crate::args::{GpuChoice, WorkloadArgs, read_rows, row_trace};
 use crate::{CliError, CliResult};
 
 #[derive(Args)]
@@ -39,6 +39,32 @@ pub struct EvalArgs {
     json: bool,
 }
 
+/// The rows that ran out of memory, as checks: does the estimate (does the bound) exceed the GPU?
+#[derive(Serialize)]
+struct DidNotFit {
+    rows: usize,
+    estimate_over: usize,
+    bound_over: usize,
+    skipped: usize,
+}
+
+fn did_not_fit(rows: &[Measurement], defaults: &gpumem_core::workload::Options, profile: &gpumem_core::profile::GpuProfile, replay: &dyn Estimator) -> CliResult<Option<DidNotFit>> {
+    if rows.is_empty() {
+        return Ok(None);
+    }
+    let mut d = DidNotFit { rows: rows.len(), estimate_over: 0, bound_over: 0, skipped: 0 };
+    for m in rows {
+        let Ok(trace) = row_trace(m, defaults, profile)? else {
+            d.skipped += 1;
+            continue;
+        };
+        let est = replay.estimate(&trace, profile).map_err(|e| CliError::input(format!("line {}: {e}", m.line)))?;
+        d.estimate_over += usize::from(est.peak_bytes > profile.capacity_bytes());
+        d.bound_over += usize::from(est.upper_bound_bytes > profile.capacity_bytes());
+    }
+    Ok(Some(d))
+}
+
 #[derive(Serialize)]
 struct EvalSummary {
     estimator: String,
@@ -51,7 +77,8 @@ pub fn eval(a: EvalArgs) -> CliResult {
     if a.bin_mib == 0 {
         return Err(CliError::input("--bin-mib must be positive"));
     }
-    let rows = read_csv(&a.measurements)?;
+    let all = read_rows(&a.measurements)?;
+    let rows = all.measured;
     let defaults = a.workload.options()?;
     let mut names: Vec<String> = ESTIMATORS.iter().map(|s| s.to_string()).collect();
     let published: Vec<String> = rows[0].published.iter().map(|(n, _)| format!("published:{n}")).collect();
@@ -81,6 +108,7 @@ pub fn eval(a: EvalArgs) -> CliResult {
         }
     }
     bar.finish_and_clear();
+    let did_not_fit = did_not_fit(&all.did_not_fit, &defaults, &profile, estimators[0].as_ref())?;
     if !a.learned_model.is_empty() {
         let samples = crate::learn::load_dataset(&a.measurements, &profile)?;
         let refs: Vec<&gpumem_learn::Sample> = samples.iter().collect();
@@ -117,7 +145,7 @@ pub fn eval(a: EvalArgs) -> CliResult {
         .collect();
     crate::plot::scatter(&a.out_dir.join("scatter.svg"), &a.out_dir.join("scatter.png"), &series).map_err(CliError::other)?;
     if a.json {
-        let out = serde_json::json!({"gpu": profile.name, "rows": rows.len(), "skipped": skipped.len(), "bin_mib": a.bin_mib, "estimators": summaries});
+        let out = serde_json::json!({"gpu": profile.name, "rows": rows.len(), "skipped": skipped.len(), "bin_mib": a.bin_mib, "estimators": summaries, "did_not_fit": did_not_fit});
         println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
     } else {
         println!("{} rows, {} modelled, {} skipped; GPU profile {} (context {:.1} MiB); bins of {} MiB", rows.len(), rows.len() - skipped.len(), skipped.len(), profile.name, profile.cuda_context_mib, a.bin_mib);
@@ -132,6 +160,13 @@ pub fn eval(a: EvalArgs) -> CliResult {
         }
         for (m, why) in &skipped {
             println!("skipped line {}: {}: {why}", m.line, m.label);
+        }
+        if let Some(d) = &did_not_fit {
+            println!();
+            println!(
+                "{} rows did not fit on the GPU (out of memory): the replay's estimate exceeds its {:.0} MiB on {} of them, its upper bound on {} ({} not modelled)",
+                d.rows, bytes_to_mib(profile.capacity_bytes()), d.estimate_over, d.bound_over, d.skipped
+            );
         }
         println!();
         println!("wrote {}, {} and {}", a.out_dir.join("rows.csv").display(), a.out_dir.join("scatter.svg").display(), a.out_dir.join("scatter.png").display());

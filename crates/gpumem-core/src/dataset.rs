@@ -1,7 +1,9 @@
 //! Measurement CSVs: what `calibrate` and `eval` read.
 //!
-//! Two schemas are recognised by their header: the seed's MLP dataset (`Filename`,
-//! `Max GPU Memory (MiB)`; each row's network is rebuilt from its file name) and gpumem's own
+//! Two schemas are recognised by their header: the seed's datasets (`Filename`,
+//! `Max GPU Memory (MiB)`; each row's network — MLP, CNN or Transformer, by the file name's
+//! first key — is rebuilt from its file name; `Status` `OOM_CRASH` rows ran out of the GPU's
+//! memory: [`Rows::did_not_fit`]) and gpumem's own
 //! (`model`, `batch_size`, `measured_mib`, optional `optimizer`, `precision`, `source`, `input`,
 //! `seq_len`, `gpus`). Other `*_mib` columns are kept as published estimates to compare against.
 //!
@@ -13,7 +15,7 @@
 use std::io::Read;
 
 use crate::UnknownName;
-use crate::families::{Mlp, ModelSpec, SpecError};
+use crate::families::{Cnn, Mlp, ModelSpec, SpecError, Transformer};
 use crate::graph::Precision;
 use crate::step::Optimizer;
 use crate::units::mib_to_bytes;
@@ -82,8 +84,34 @@ fn column(headers: &csv::StringRecord, name: &str) -> Option<usize> {
     headers.iter().position(|h| h.trim() == name)
 }
 
-/// Reads a measurement CSV. Errors are one line: `NAME line N: column C: what is wrong`.
+/// Reads a measurement CSV's measured rows. Errors are one line: `NAME line N: column C: what is
+/// wrong`.
 pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measurement>, CsvError> {
+    Ok(read_rows(name, reader)?.measured)
+}
+
+/// A measurement CSV's rows: those that measured a peak, and those whose job did not fit on the
+/// GPU (the seed's `OOM_CRASH`: a measurement too — the estimate should exceed the GPU).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rows {
+    pub measured: Vec<Measurement>,
+    /// `measured_bytes` is 0 in these.
+    pub did_not_fit: Vec<Measurement>,
+}
+
+/// The network a seed dataset's file name describes, by its first key, and the batch size.
+fn seed_model(filename: &str) -> Result<(ModelSpec, u64), SpecError> {
+    if filename.starts_with("input_channels:") {
+        Cnn::from_seed_filename(filename).map(|(m, b)| (ModelSpec::Cnn(m), b))
+    } else if filename.starts_with("num_classes:") {
+        Transformer::from_seed_filename(filename).map(|(m, b)| (ModelSpec::Transformer(m), b))
+    } else {
+        Mlp::from_seed_filename(filename).map(|(m, b)| (ModelSpec::Mlp(m), b))
+    }
+}
+
+/// Reads a measurement CSV (see [`read_measurements`]), keeping the rows that did not fit.
+pub fn read_rows(name: &str, reader: impl Read) -> Result<Rows, CsvError> {
     let mut rdr = csv::ReaderBuilder::new().flexible(false).from_reader(reader);
     let headers = rdr.headers().map_err(|source| CsvError::Malformed { file: name.into(), line: 1, source })?.clone();
     // A `model` column (gpumem's schema, or a collected dataset in the seed's schema plus
@@ -94,6 +122,7 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
     let generic_ok = generic.0.is_some() && generic.1.is_some() && generic.2.is_some();
     let seed = column(&headers, "Filename").zip(column(&headers, "Max GPU Memory (MiB)")).filter(|_| !generic_ok);
     let status_col = column(&headers, "status");
+    let seed_status_col = column(&headers, "Status");
     if seed.is_none() && !generic_ok {
         return Err(CsvError::Columns { file: name.into(), found: headers.iter().map(String::from).collect() });
     }
@@ -105,6 +134,7 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
         .collect();
     let (opt_col, prec_col, src_col) = (column(&headers, "optimizer"), column(&headers, "precision"), column(&headers, "source"));
     let mut out = Vec::new();
+    let mut did_not_fit = Vec::new();
     for (k, rec) in rdr.records().enumerate() {
         let line = k + 2;
         let rec = rec.map_err(|source| CsvError::Malformed { file: name.into(), line, source })?;
@@ -122,16 +152,25 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
             Ok(mib_to_bytes(x))
         };
         let m = if let Some((fcol, mcol)) = seed {
-            let (mlp, batch) = Mlp::from_seed_filename(get(fcol)).map_err(|e| bad("Filename", e.into()))?;
-            Measurement {
+            let (model, batch) = seed_model(get(fcol)).map_err(|e| bad("Filename", e.into()))?;
+            let oom = seed_status_col.is_some_and(|c| get(c) == "OOM_CRASH");
+            if !oom && get(mcol).parse::<f64>() == Ok(0.0) {
+                continue; // the seed's script built no network (0 parameters) and measured nothing
+            }
+            let m = Measurement {
                 line,
                 label: get(fcol).to_string(),
-                model: Some(ModelRef::Native(ModelSpec::Mlp(mlp))),
+                model: Some(ModelRef::Native(model)),
                 batch,
-                measured_bytes: mib("Max GPU Memory (MiB)", get(mcol))?,
+                measured_bytes: if oom { 0 } else { mib("Max GPU Memory (MiB)", get(mcol))? },
                 options: OptionOverrides { optimizer: Some(Optimizer::Adam), precision: Some(Precision::Fp32), ..OptionOverrides::default() },
                 published: Vec::new(),
+            };
+            if oom {
+                did_not_fit.push(m);
+                continue;
             }
+            m
         } else {
             let (mc, bc, vc) = (generic.0.unwrap(), generic.1.unwrap(), generic.2.unwrap());
             let label = get(mc).to_string();
@@ -185,7 +224,7 @@ pub fn read_measurements(name: &str, reader: impl Read) -> Result<Vec<Measuremen
     if out.is_empty() {
         return Err(CsvError::NoRows { file: name.into(), with_status: status_col.is_some() });
     }
-    Ok(out)
+    Ok(Rows { measured: out, did_not_fit })
 }
 
 fn one_line(e: &csv::Error) -> String {
@@ -211,6 +250,23 @@ mod tests {
         assert_eq!(e.to_string(), "d.csv line 2: column measured_mib: -3 MiB is not a plausible memory size");
         let e = read_measurements("d.csv", "model,batch_size,measured_mib\nmlp:input=8,4\n".as_bytes()).unwrap_err();
         assert!(e.to_string().starts_with("d.csv line 2: ") && !e.to_string().contains('\n'), "{e}");
+    }
+
+    #[test]
+    fn the_seeds_cnn_and_transformer_rows_and_those_that_did_not_fit() {
+        let csv = "Filename,Batch Size,Max GPU Memory (MiB),Status\n\
+            input_channels:3_num_classes:99_depth:14_arch:uniform_base_filters:121_batch:34_input_size:90_act:elu_dropout:0.37_dropout:False_batchnorm:False.out,34,6293,SUCCESSFUL\n\
+            num_classes:273_embedding_size:128_num_layers:8_num_heads:8_ff_hidden_size:332_dropout_rate:0.16_seq_length:512_input_size:553893_num_samples:1527_batch_size:64.out,64,5217,SUCCESSFUL\n\
+            input_channels:3_num_classes:10_depth:40_arch:dense_base_filters:64_batch:512_input_size:224_act:relu_dropout:0.1_dropout:True_batchnorm:True.out,512,38217,OOM_CRASH\n";
+        let rows = read_rows("s.csv", csv.as_bytes()).unwrap();
+        assert_eq!(rows.measured.len(), 2);
+        let Some(ModelRef::Native(ModelSpec::Cnn(c))) = &rows.measured[0].model else { panic!("a CNN") };
+        assert_eq!((c.channels, c.classes, c.depth, c.filters, c.input, c.dropout, c.pooling, rows.measured[0].batch), (3, 99, 14, 121, 90, 0.0, false, 34));
+        let Some(ModelRef::Native(ModelSpec::Transformer(t))) = &rows.measured[1].model else { panic!("a Transformer") };
+        assert_eq!((t.vocab, t.embed, t.layers, t.heads, t.ff, t.seq, t.classes, t.samples, rows.measured[1].batch), (553893, 128, 8, 8, 332, 512, 273, Some(1527), 64));
+        assert_eq!((rows.did_not_fit.len(), rows.did_not_fit[0].batch, rows.did_not_fit[0].line), (1, 512, 4));
+        let e = read_rows("s.csv", "Filename,Max GPU Memory (MiB)\ninput_channels:3_num_classes:x.out,5\n".as_bytes()).unwrap_err();
+        assert_eq!(e.to_string(), "s.csv line 2: column Filename: seed filename `input_channels:3_num_classes:x.out`: missing `depth:`");
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use super::{Keys, SpecError};
+use super::{Keys, SeedValues, SpecError};
 use crate::graph::{Activation, Dtype, Graph, GraphBuilder, LayerParams, NormParams, Precision, TensorId};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,6 +83,48 @@ impl Cnn {
             return Err(SpecError::CnnIdentity);
         }
         Ok(c)
+    }
+
+    /// Rebuilds a row of the seed's CNN dataset from its `Filename` (`input_channels:C_
+    /// num_classes:K_depth:D_arch:A_base_filters:F_batch:B_input_size:S_act:ACT_dropout:P_
+    /// dropout:USE_batchnorm:USE.out`) with the seed's loop: no pooling layers (its launcher
+    /// never asked for them), 4,096 samples, the full-batch summary first. Returns the model and
+    /// batch size. A dense row's transition interval was drawn at random and not recorded: this
+    /// gives the depth rule's (`pool_every = 0`); [`Cnn::seed_alternatives`] gives both.
+    pub fn from_seed_filename(name: &str) -> Result<(Cnn, u64), SpecError> {
+        const KEYS: [&str; 11] = ["input_channels:", "num_classes:", "depth:", "arch:", "base_filters:", "batch:", "input_size:", "act:", "dropout:", "dropout:", "batchnorm:"];
+        let v = SeedValues::read(name, &KEYS)?;
+        let arch = ARCHS.iter().find(|(n, _)| *n == v.word(3)).map(|&(_, a)| a).ok_or_else(|| SpecError::UnknownChoice {
+            family: "cnn",
+            key: "arch",
+            value: v.word(3).to_string(),
+            expected: ARCHS.map(|(n, _)| n).join(", "),
+        })?;
+        let cnn = Cnn {
+            channels: v.uint(0)?,
+            classes: v.uint(1)?,
+            filters: v.uint(4)?.min(MAX_FILTERS as u64),
+            depth: v.uint(2)?,
+            input: v.uint(6)?,
+            arch,
+            act: Activation::parse(v.word(7))?,
+            dropout: if v.flag(9) { v.rate(8)? } else { 0.0 },
+            batchnorm: v.flag(10),
+            pooling: false,
+            pool_every: 0,
+            samples: Some(4096),
+            summary: true,
+        };
+        Ok((cnn, v.uint(5)?))
+    }
+
+    /// The networks a seed row may have been: one, or for a dense row both transition
+    /// intervals the seed drew from (every 5 units, or the depth rule).
+    pub fn seed_alternatives(&self) -> Vec<Cnn> {
+        match self.arch {
+            CnnArch::Dense => vec![Cnn { pool_every: 5, ..self.clone() }, Cnn { pool_every: 0, ..self.clone() }],
+            _ => vec![self.clone()],
+        }
     }
 
     fn pooling_interval(&self) -> u64 {

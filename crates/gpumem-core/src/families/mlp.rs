@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use super::{Keys, SeedFilenameProblem, SpecError};
+use super::{Keys, SeedValues, SpecError};
 use crate::graph::{Activation, Dtype, Graph, GraphBuilder, Precision};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,38 +86,21 @@ impl Mlp {
     /// (`input:I_output:O_depth:D_arch:A_batch:B_act:F_dropout:P_dropout:USE_batchnorm:USE.out`),
     /// with the seed's loop: 4,096 samples, torchsummary first. Returns the model and batch size.
     pub fn from_seed_filename(name: &str) -> Result<(Mlp, u64), SpecError> {
-        let bad = |problem| SpecError::SeedFilename { name: name.to_string(), problem };
-        let body = name.trim().trim_end_matches(".out");
-        let keys = ["input:", "_output:", "_depth:", "_arch:", "_batch:", "_act:", "_dropout:", "_dropout:", "_batchnorm:"];
-        let mut values = Vec::new();
-        let mut rest = body;
-        for (i, k) in keys.iter().enumerate() {
-            let start = rest.find(k).ok_or_else(|| bad(SeedFilenameProblem::Missing(k.trim_start_matches('_'))))?;
-            if i > 0 {
-                values.push(&rest[..start]);
-            }
-            rest = &rest[start + k.len()..];
-        }
-        values.push(rest);
-        let num = |i: usize, what: &'static str| values[i].parse::<u64>().map_err(|_| bad(SeedFilenameProblem::NotWholeNumber { what, value: values[i].to_string() }));
-        let flag = |i: usize| values[i] == "True";
-        let rate: f64 = values[6].parse().map_err(|_| bad(SeedFilenameProblem::NotRate(values[6].to_string())))?;
+        const KEYS: [&str; 9] = ["input:", "output:", "depth:", "arch:", "batch:", "act:", "dropout:", "dropout:", "batchnorm:"];
+        let v = SeedValues::read(name, &KEYS)?;
         let mlp = Mlp {
-            input: num(0, "input")?,
-            output: num(1, "output")?,
-            depth: num(2, "depth")?,
-            arch: MlpArch::parse(values[3])?,
-            act: Activation::parse(values[5]).unwrap_or(Activation::Relu),
-            dropout: if flag(7) { rate } else { 0.0 },
-            batchnorm: flag(8),
+            input: v.uint(0)?,
+            output: v.uint(1)?,
+            depth: v.uint(2)?,
+            arch: MlpArch::parse(v.word(3))?,
+            act: Activation::parse(v.word(5)).unwrap_or(Activation::Relu),
+            dropout: if v.flag(7) { v.rate(6)? } else { 0.0 },
+            batchnorm: v.flag(8),
             head: MlpHead::Identity,
             samples: Some(4096),
             summary: true,
         };
-        if mlp.input == 0 || mlp.output == 0 || mlp.depth == 0 {
-            return Err(bad(SeedFilenameProblem::ZeroSize));
-        }
-        Ok((mlp, num(4, "batch")?))
+        Ok((mlp, v.uint(4)?))
     }
 
     /// (in, out) of every hidden block, then of the output layer.

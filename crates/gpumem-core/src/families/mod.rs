@@ -117,6 +117,63 @@ pub enum SeedFilenameProblem {
     ZeroSize,
 }
 
+/// The values of a seed file name's `key:value` fields, given its keys (`"depth:"`) in order
+/// (values may hold `_`, as `act:leaky_relu` does, so the keys delimit them). `.out` is dropped.
+pub(crate) fn seed_fields<'a>(name: &'a str, keys: &[&'static str]) -> Result<Vec<&'a str>, SeedFilenameProblem> {
+    let mut rest = name.trim().trim_end_matches(".out");
+    let mut values = Vec::with_capacity(keys.len());
+    for (i, k) in keys.iter().enumerate() {
+        let key = if i == 0 { k.to_string() } else { format!("_{k}") };
+        let start = rest.find(&key).ok_or(SeedFilenameProblem::Missing(k))?;
+        if i > 0 {
+            values.push(&rest[..start]);
+        }
+        rest = &rest[start + key.len()..];
+    }
+    values.push(rest);
+    Ok(values)
+}
+
+/// The seed's file-name readers share their field checks.
+pub(crate) struct SeedValues<'a> {
+    pub name: &'a str,
+    pub keys: &'a [&'static str],
+    pub values: Vec<&'a str>,
+}
+
+impl<'a> SeedValues<'a> {
+    pub fn read(name: &'a str, keys: &'a [&'static str]) -> Result<Self, SpecError> {
+        let values = seed_fields(name, keys).map_err(|problem| SpecError::SeedFilename { name: name.to_string(), problem })?;
+        Ok(SeedValues { name, keys, values })
+    }
+
+    fn bad(&self, problem: SeedFilenameProblem) -> SpecError {
+        SpecError::SeedFilename { name: self.name.to_string(), problem }
+    }
+
+    pub fn uint(&self, i: usize) -> Result<u64, SpecError> {
+        let v = self.values[i];
+        match v.parse::<u64>() {
+            Ok(0) => Err(self.bad(SeedFilenameProblem::ZeroSize)),
+            Ok(n) => Ok(n),
+            Err(_) => Err(self.bad(SeedFilenameProblem::NotWholeNumber { what: self.keys[i].trim_end_matches(':'), value: v.to_string() })),
+        }
+    }
+
+    pub fn rate(&self, i: usize) -> Result<f64, SpecError> {
+        let v = self.values[i];
+        v.parse::<f64>().ok().filter(|r| (0.0..1.0).contains(r)).ok_or_else(|| self.bad(SeedFilenameProblem::NotRate(v.to_string())))
+    }
+
+    pub fn flag(&self, i: usize) -> bool {
+        self.values[i] == "True"
+    }
+
+    pub fn word(&self, i: usize) -> &'a str {
+        self.values[i]
+    }
+}
+
 /// Job options a native model cannot be traced under.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum JobError {

@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use super::{Keys, SpecError};
+use super::{Keys, SeedValues, SpecError};
 use crate::graph::{Activation, Bw, Dtype, Graph, GraphBuilder, Precision, TensorId};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +36,33 @@ pub struct Transformer {
 }
 
 impl Transformer {
+    /// Rebuilds a row of the seed's Transformer dataset from its `Filename` (`num_classes:K_
+    /// embedding_size:E_num_layers:L_num_heads:H_ff_hidden_size:F_dropout_rate:P_seq_length:S_
+    /// input_size:V_num_samples:N_batch_size:B.out`): the standard encoder, fp32, with the
+    /// seed's full-batch forward before training. Returns the model and batch size.
+    pub fn from_seed_filename(name: &str) -> Result<(Transformer, u64), SpecError> {
+        const KEYS: [&str; 10] = ["num_classes:", "embedding_size:", "num_layers:", "num_heads:", "ff_hidden_size:", "dropout_rate:", "seq_length:", "input_size:", "num_samples:", "batch_size:"];
+        let v = SeedValues::read(name, &KEYS)?;
+        let t = Transformer {
+            vocab: v.uint(7)?,
+            embed: v.uint(1)?,
+            layers: v.uint(2)?,
+            heads: v.uint(3)?,
+            ff: v.uint(4)?,
+            dropout: v.rate(5)?,
+            seq: v.uint(6)?,
+            classes: v.uint(0)?,
+            arch: TransformerArch::Standard,
+            flash: true,
+            samples: Some(v.uint(8)?),
+            summary: true,
+        };
+        if t.embed % t.heads != 0 {
+            return Err(SpecError::HeadsDoNotDivide { embed: t.embed, heads: t.heads });
+        }
+        Ok((t, v.uint(9)?))
+    }
+
     pub(crate) fn from_keys(kv: &mut Keys) -> Result<Self, SpecError> {
         let arch = match kv.word("arch", Some("standard"))?.as_str() {
             "standard" => TransformerArch::Standard,
