@@ -216,3 +216,17 @@ fn seed_mlp_accuracy() {
         assert!(tmp("eval").join(f).metadata().unwrap().len() > 100, "{f}");
     }
 }
+
+/// The seed's Transformer runs read directly: rows rebuilt from their file names, the
+/// OOM_CRASH rows counted as "did not fit" checks.
+#[test]
+fn eval_reads_the_seeds_transformer_runs_and_their_out_of_memory_rows() {
+    let Some(csv) = common::shared_data("gpumemnet_transformer_a100_dev.csv") else { return };
+    let out = common::scratch("cli", "eval-tf");
+    let o = common::gpumem(&["eval", csv.to_str().unwrap(), "--gpu", "a100-40gb", "--out-dir", out.to_str().unwrap(), "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!((v["rows"].as_u64(), v["did_not_fit"]["rows"].as_u64(), v["did_not_fit"]["bound_over"].as_u64()), (Some(75), Some(5), Some(5)));
+    let replay = &v["estimators"][0];
+    assert!(replay["median_ape"].as_f64().unwrap() < 1.0, "{replay}");
+}
