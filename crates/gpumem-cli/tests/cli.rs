@@ -230,3 +230,9 @@ fn eval_reads_the_seeds_transformer_runs_and_their_out_of_memory_rows() {
     let replay = &v["estimators"][0];
     assert!(replay["median_ape"].as_f64().unwrap() < 1.0, "{replay}");
 }
+
+/// A job too large for any GPU (a tensor over 1 PiB) is a one-line error, not a panic.
+#[test]
+fn a_job_too_large_for_any_gpu_is_a_one_line_error() {
+    common::bad_input(&["estimate", "cnn:classes=10,filters=2048,depth=1,input=4096", "--batch", "16777216"], "does not fit on any GPU");
+}

@@ -179,6 +179,9 @@ impl<'a> SeedValues<'a> {
 pub enum JobError {
     #[error("batch size {0} is out of range (1..={MAX_BATCH})")]
     BatchOutOfRange(u64),
+    /// A tensor of the job would exceed what any GPU (or a trace) holds.
+    #[error("a tensor of this job would take about {:.2e} bytes (over 1 PiB): it does not fit on any GPU", *.bytes as f64)]
+    TooLarge { bytes: u64 },
     #[error("--precision {} (pure low precision) applies to PyTorch models; the native families train in fp32 or under autocast (amp-fp16, amp-bf16)", .0.name())]
     PurePrecision(Precision),
 }
@@ -245,12 +248,35 @@ impl ModelSpec {
     }
 
     /// The training-step trace of this model under `job`.
+    /// An upper bound of the elements of the job's largest tensor at batch `batch` (in floating
+    /// point: it is there to refuse jobs whose sizes would not fit in bytes at all).
+    fn largest_elements(&self, batch: u64) -> f64 {
+        let b = batch as f64;
+        match self {
+            ModelSpec::Mlp(m) => m.layer_sizes().iter().map(|&(i, o)| (b * i.max(o) as f64).max(i as f64 * o as f64)).fold(0.0, f64::max),
+            ModelSpec::Cnn(c) => {
+                // Dense blocks grow by 32 channels a layer; others stay under the family's cap.
+                let channels = c.channels.max(c.filters).max(2048) as f64 + 32.0 * c.depth as f64;
+                b * channels * (c.input as f64).powi(2)
+            }
+            ModelSpec::Transformer(t) => {
+                let (seq, wide) = (t.seq as f64, t.embed.max(t.ff).max(t.classes) as f64);
+                (b * t.heads as f64 * seq * seq).max(b * seq * wide).max(t.vocab as f64 * t.embed as f64)
+            }
+        }
+    }
+
     pub fn trace(&self, job: &JobOptions) -> Result<Trace, JobError> {
         if job.batch == 0 || job.batch > MAX_BATCH {
             return Err(JobError::BatchOutOfRange(job.batch));
         }
         if job.precision.is_pure() {
             return Err(JobError::PurePrecision(job.precision));
+        }
+        // Checked before the graph is built: its sizes are whole numbers that must not wrap.
+        let bytes = self.largest_elements(job.batch) * 4.0;
+        if bytes > crate::trace::MAX_ALLOC_BYTES as f64 {
+            return Err(JobError::TooLarge { bytes: bytes as u64 }); // saturates
         }
         let mut lp = TrainingLoop::new(job.optimizer, job.precision, job.batch, self.samples());
         lp.torch = job.torch;
@@ -361,6 +387,14 @@ impl Keys {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_job_too_large_for_any_gpu_is_an_error_not_a_panic() {
+        for (spec, batch) in [("cnn:classes=10,filters=2048,depth=1,input=4096", 1 << 24), ("transformer:vocab=16000000,embed=65536,layers=1,heads=1024,ff=262144,seq=1048576,classes=1000000", 1 << 24)] {
+            let e = ModelSpec::parse(spec).unwrap().trace(&JobOptions::new(batch)).unwrap_err();
+            assert!(matches!(e, JobError::TooLarge { .. }) && e.to_string().ends_with("it does not fit on any GPU"), "{spec}: {e}");
+        }
+    }
+
     use super::*;
 
     #[test]
