@@ -199,7 +199,7 @@ pub fn jobs(a: JobsArgs) -> CliResult {
         let gpus = j.assigned.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
         let cmd = j.request.command.join(" ");
         let f = |x: Option<f64>| x.map_or("-".into(), |v| format!("{v:.0}"));
-        println!("{:>6}  {:<15} {:<9} {:>10} {:>10}  {}", j.id, j.state.name(), gpus, f(j.estimate_mib), f(j.peak_mib), cmd.chars().take(60).collect::<String>());
+        println!("{:>6}  {:<15} {:<9} {:>10} {:>10}  {}", j.id, j.state.name(), gpus, f(j.estimate_mib), f(j.peak_mib), printable(&cmd.chars().take(60).collect::<String>()));
     }
     Ok(())
 }
@@ -226,9 +226,9 @@ pub fn job(a: JobShowArgs) -> CliResult {
         println!("{text}");
         return Ok(());
     }
-    println!("job {} ({})", j.id, j.request.name.as_deref().unwrap_or("-"));
+    println!("job {} ({})", j.id, printable(j.request.name.as_deref().unwrap_or("-")));
     println!("  state      {}", j.state.name());
-    println!("  command    {}{}", j.request.command.join(" "), if j.request.shell { "  (shell)" } else { "" });
+    println!("  command    {}{}", printable(&j.request.command.join(" ")), if j.request.shell { "  (shell)" } else { "" });
     println!("  gpus       {} requested, on {:?}", j.request.gpus, j.assigned);
     println!("  memory     estimate {}, bound {}, peak {}", mib(j.estimate_mib), mib(j.bound_mib), mib(j.peak_mib));
     println!("  retries    {}", j.retries);
@@ -236,7 +236,7 @@ pub fn job(a: JobShowArgs) -> CliResult {
         println!("  exit code  {c}");
     }
     if let Some(e) = &j.error {
-        println!("  note       {e}");
+        println!("  note       {}", printable(e));
     }
     Ok(())
 }
@@ -349,3 +349,19 @@ pub fn load_test(a: LoadTestArgs) -> CliResult {
     Ok(())
 }
 
+
+/// Text another user chose (a job's name, command, error), as a terminal shows it safely:
+/// control characters (escape sequences that would move the cursor, recolour or retitle the
+/// terminal) are written escaped.
+fn printable(text: &str) -> String {
+    text.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn control_characters_are_escaped() {
+        assert_eq!(super::printable("ok \u{1b}]0;pwned\u{7}name\n"), "ok \\u{1b}]0;pwned\\u{7}name\\n");
+        assert_eq!(super::printable("plain name"), "plain name");
+    }
+}

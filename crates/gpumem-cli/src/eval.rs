@@ -108,6 +108,10 @@ pub fn eval(a: EvalArgs) -> CliResult {
         }
     }
     bar.finish_and_clear();
+    if let Some((m, why)) = skipped.first().filter(|_| skipped.len() == rows.len()) {
+        // Nothing to score: not a success (exit 3, as for a model that cannot be traced).
+        return Err(CliError::Model(format!("{}: no row could be modelled (line {}: {why})", a.measurements.display(), m.line)));
+    }
     let did_not_fit = did_not_fit(&all.did_not_fit, &defaults, &profile, estimators[0].as_ref())?;
     if !a.learned_model.is_empty() {
         let samples = crate::learn::load_dataset(&a.measurements, &profile)?;

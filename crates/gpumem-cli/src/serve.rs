@@ -49,7 +49,11 @@ pub struct ServeArgs {
 }
 
 pub fn serve(a: ServeArgs) -> CliResult {
-    let addr: SocketAddr = a.addr.parse().map_err(|_| CliError::input(format!("--addr `{}` is not HOST:PORT", a.addr)))?;
+    // A host name (localhost) resolves; its first address is used.
+    let addr: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(a.addr.as_str())
+        .ok()
+        .and_then(|mut it| it.next())
+        .ok_or_else(|| CliError::input(format!("--addr `{}` is not HOST:PORT", a.addr)))?;
     let config = match &a.config {
         Some(p) => {
             let text = std::fs::read_to_string(p).map_err(|e| CliError::input(format!("{}: {e}", p.display())))?;

@@ -236,3 +236,14 @@ fn eval_reads_the_seeds_transformer_runs_and_their_out_of_memory_rows() {
 fn a_job_too_large_for_any_gpu_is_a_one_line_error() {
     common::bad_input(&["estimate", "cnn:classes=10,filters=2048,depth=1,input=4096", "--batch", "16777216"], "does not fit on any GPU");
 }
+
+/// eval with no row it can model fails (exit 3) instead of reporting an empty success.
+#[test]
+fn eval_with_no_modelled_row_fails() {
+    let csv = common::scratch("cli", "unmodelled.csv");
+    std::fs::write(&csv, "model,batch_size,measured_mib\nresnet50,32,3934\n").unwrap();
+    let o = common::gpumem(&["eval", csv.to_str().unwrap(), "--out-dir", common::scratch("cli", "eval-none").to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(err.contains("no row could be modelled (line 2: `resnet50` is neither a native spec nor a PyTorch reference)"), "{err}");
+}

@@ -366,3 +366,45 @@ fn the_daemon_probes_convolutions_it_has_not_seen() {
     let again = submit();
     assert_eq!(again["estimate_mib"].as_f64(), Some(estimate), "probed already: sized at once");
 }
+
+/// `--addr localhost:PORT` resolves the host name (issue 14 item 9).
+#[test]
+fn a_host_name_address_is_resolved() {
+    let d = dir("localhost");
+    let (mut child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "localhost:0", "--state", d.join("st").to_str().unwrap()]);
+    let o = gpumem(&["jobs", "--server", &url]);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(o.status.success(), "{url}: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Every refusal is the documented `{"error": …}` JSON, axum's own ones too (issue 14 item 9).
+#[test]
+fn every_error_answer_is_json() {
+    use std::io::{Read, Write};
+    let d = dir("json-errors");
+    let (mut child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", d.join("st").to_str().unwrap()]);
+    let raw = |request: &str| -> String {
+        let mut c = std::net::TcpStream::connect(url.trim_start_matches("http://")).unwrap();
+        c.write_all(request.as_bytes()).unwrap();
+        let mut out = String::new();
+        let _ = c.read_to_string(&mut out);
+        out
+    };
+    let big = "x".repeat(2 << 20);
+    for (request, status) in [
+        ("GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".to_string(), "404"),
+        ("DELETE /gpus HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".to_string(), "405"),
+        ("GET /jobs?state=%ZZ HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".to_string(), "400"),
+        (format!("POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{big}", big.len()), "413"),
+    ] {
+        let answer = raw(&request);
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+        assert!(head.starts_with(&format!("HTTP/1.1 {status}")), "{head}");
+        assert!(head.to_ascii_lowercase().contains("content-type: application/json"), "{head}");
+        let v: serde_json::Value = serde_json::from_str(body.trim()).unwrap_or_else(|e| panic!("{status}: `{body}`: {e}"));
+        assert!(v["error"].as_str().is_some_and(|e| !e.is_empty()), "{v}");
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}

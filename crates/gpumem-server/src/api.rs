@@ -71,7 +71,24 @@ pub fn router(daemon: Arc<Daemon>, token: Option<String>) -> Router {
         .layer(middleware::from_fn_with_state(app.clone(), auth))
         .route("/health", get(|| async { "ok" }))
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(middleware::from_fn(json_errors))
         .with_state(app)
+}
+
+/// Every error answer is the documented `{"error": …}`: axum's own refusals (an unknown path's
+/// 404, a wrong method's 405, a body over the limit's 413, a query string it cannot read) come
+/// as plain text or nothing, and are rewritten here.
+async fn json_errors(req: Request, next: Next) -> Response {
+    let res = next.run(req).await;
+    let status = res.status();
+    let json = res.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if json || !(status.is_client_error() || status.is_server_error()) {
+        return res;
+    }
+    let body = axum::body::to_bytes(res.into_body(), 4096).await.unwrap_or_default();
+    let text = String::from_utf8_lossy(&body).trim().to_string();
+    let reason = status.canonical_reason().unwrap_or("error").to_ascii_lowercase();
+    error(status, if text.is_empty() { reason } else { text })
 }
 
 async fn auth(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {

@@ -129,6 +129,9 @@ pub enum RequestError {
     /// A name of `bytes` bytes.
     #[error("name: at most {MAX_NAME_BYTES} bytes")]
     Name { bytes: usize },
+    /// The working directory cannot be a job's: not absolute, a NUL byte, or not a directory.
+    #[error("cwd `{}`: {why}", .cwd.escape_debug())]
+    Cwd { cwd: String, why: &'static str },
 }
 
 /// Limits a request must respect.
@@ -176,6 +179,18 @@ impl JobRequest {
             && n.len() > MAX_NAME_BYTES
         {
             return Err(RequestError::Name { bytes: n.len() });
+        }
+        if let Some(cwd) = &self.cwd {
+            let bad = |why| Err(RequestError::Cwd { cwd: cwd.chars().take(200).collect(), why });
+            if cwd.contains('\0') || cwd.len() > MAX_ARG_BYTES {
+                return bad("a path without NUL bytes, at most 4096 bytes");
+            }
+            if !cwd.starts_with('/') {
+                return bad("not an absolute path");
+            }
+            if !std::path::Path::new(cwd).is_dir() {
+                return bad("no such directory");
+            }
         }
         Ok(())
     }
@@ -268,6 +283,9 @@ mod tests {
             (r#"{"command": ["a"], "mem_mib": 0}"#, "batch and mem_mib must be positive"),
             (r#"{"command": ["a"], "mem_mib": 17592186044416}"#, "mem_mib 17592186044416 is out of range (1..=16777216)"),
             (r#"{"command": ["a"], "expected_s": -1}"#, "expected_s must be a positive number of seconds"),
+            (r#"{"command": ["a"], "cwd": "/tmp\u0000x"}"#, "cwd `/tmp\\0x`: a path without NUL bytes, at most 4096 bytes"),
+            (r#"{"command": ["a"], "cwd": "relative"}"#, "cwd `relative`: not an absolute path"),
+            (r#"{"command": ["a"], "cwd": "/nonexistent-gpumem-dir"}"#, "cwd `/nonexistent-gpumem-dir`: no such directory"),
         ];
         for (json, message) in cases {
             assert_eq!(request(json).validate(2).unwrap_err().to_string(), message, "{json}");
@@ -275,6 +293,6 @@ mod tests {
         let long = request(&format!(r#"{{"command": ["a"], "name": "{}"}}"#, "n".repeat(201)));
         assert_eq!(long.validate(2), Err(RequestError::Name { bytes: 201 }));
         assert_eq!(long.validate(2).unwrap_err().to_string(), "name: at most 200 bytes");
-        assert_eq!(request(r#"{"command": ["a"], "gpus": 2}"#).validate(2), Ok(()));
+        assert_eq!(request(r#"{"command": ["a"], "gpus": 2, "cwd": "/"}"#).validate(2), Ok(()));
     }
 }
