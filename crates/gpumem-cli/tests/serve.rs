@@ -169,6 +169,9 @@ fn the_daemon_sizes_a_job_with_every_workload_option() {
     std::fs::write(&file, format!("command = [\"/bin/true\"]\nmodel = \"{MLP}\"\nbatch = 512\n[options]\noptimizer = \"sgd\"\nprecision = \"amp-bf16\"\n")).unwrap();
     let from_file: serde_json::Value = serde_json::from_str(&s.run(&["submit", "--json", file.to_str().unwrap()])).unwrap();
     assert_eq!(from_file["estimate_mib"].as_f64(), Some(sgd));
+    // A py: model would run its file's code inside the daemon: refused unless allowed.
+    let o = gpumem(&["submit", "--server", &s.url, "--model", "py:/tmp/anything.py:build", "--batch", "2", "--", "/bin/true"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("allow_py_models"), "{}", String::from_utf8_lossy(&o.stderr));
     // What a native model cannot take is refused with the CLI's reason.
     let o = gpumem(&["submit", "--server", &s.url, "--model", MLP, "--batch", "8", "--checkpointing", "--", "/bin/true"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("apply to PyTorch models"), "{}", String::from_utf8_lossy(&o.stderr));

@@ -56,11 +56,14 @@ fn cancel_status(e: &CancelError) -> StatusCode {
 struct App {
     daemon: Arc<Daemon>,
     token: Option<String>,
+    /// Submissions being sized (traced) at once: `max_traces`.
+    traces: tokio::sync::Semaphore,
 }
 
 /// The routes.
 pub fn router(daemon: Arc<Daemon>, token: Option<String>) -> Router {
-    let app = Arc::new(App { daemon, token });
+    let traces = tokio::sync::Semaphore::new(daemon.config.max_traces as usize);
+    let app = Arc::new(App { daemon, token, traces });
     Router::new()
         .route("/jobs", post(submit).get(list))
         .route("/jobs/{id}", get(one))
@@ -115,10 +118,15 @@ async fn submit(State(app): State<Arc<App>>, body: Bytes) -> Response {
     let est = match (&req.model, req.batch, req.mem_mib) {
         (_, _, Some(mib)) => Some((mib * gpumem_place::MIB, mib * gpumem_place::MIB)),
         (Some(model), Some(batch), None) => {
+            if model.trim_start().starts_with("py:") && !d.config.allow_py_models {
+                return error(StatusCode::BAD_REQUEST, "model: py: models run their file's code inside the daemon; this daemon does not accept them (allow_py_models)");
+            }
             let workload = match Workload::parse(model, batch, req.options.clone()) {
                 Ok(w) => w,
                 Err(e) => return error(StatusCode::BAD_REQUEST, format!("model: {e}")),
             };
+            // Tracing runs Python: a few at a time, the rest wait their turn.
+            let Ok(_turn) = app.traces.acquire().await else { return error(StatusCode::SERVICE_UNAVAILABLE, "shutting down") };
             let (config, profile) = (d.config.clone(), d.profile());
             match tokio::task::spawn_blocking(move || estimate(&config, &profile, &workload)).await {
                 Ok(Ok(sized)) if d.probes() && !sized.unprobed.is_empty() => {

@@ -61,6 +61,11 @@ pub struct Config {
     /// Seconds a job whose convolutions the profile has not probed waits for the daemon to
     /// probe them on an idle GPU before it is placed by its upper bound (0: no probing).
     pub probe_s: u64,
+    /// Accept `py:FILE:function` models: sizing one runs that file's code in the daemon, as the
+    /// daemon's user (off by default).
+    pub allow_py_models: bool,
+    /// Submissions sized at once (each traces its model in Python); the others wait their turn.
+    pub max_traces: u32,
 }
 
 impl Default for Config {
@@ -77,6 +82,8 @@ impl Default for Config {
             estimator: "replay".into(),
             learned_model: None,
             probe_s: 0,
+            allow_py_models: false,
+            max_traces: 2,
         }
     }
 }
@@ -100,8 +107,6 @@ pub enum ConfigError {
 impl Config {
     pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
         let c: Config = toml::from_str(text)?;
-        c.policy()?;
-        gpumem_learn::estimator(&c.estimator, c.learned_model.as_deref())?;
         // Every number bounded: a daemon that sleeps for ever between ticks or waits an
         // infinite grace cannot be stopped but by SIGKILL; a headroom beyond bytes wraps.
         let seconds = |key, v: f64| (v.is_finite() && (0.0..=86_400.0).contains(&v)).then_some(()).ok_or(ConfigError::Range { key, value: v.to_string(), range: "0..=86400 seconds" });
@@ -113,12 +118,18 @@ impl Config {
         if c.headroom_mib > MAX_MEM_MIB {
             return Err(ConfigError::Range { key: "headroom_mib", value: c.headroom_mib.to_string(), range: "0..=16777216" });
         }
+        if !(1..=64).contains(&c.max_traces) {
+            return Err(ConfigError::Range { key: "max_traces", value: c.max_traces.to_string(), range: "1..=64" });
+        }
         if c.probe_s > 3600 {
             return Err(ConfigError::Range { key: "probe_s", value: c.probe_s.to_string(), range: "0..=3600 seconds" });
         }
         if c.max_retries > 100 {
             return Err(ConfigError::Range { key: "max_retries", value: c.max_retries.to_string(), range: "0..=100" });
         }
+        // After the ranges: the policy's headroom is counted in bytes.
+        c.policy()?;
+        gpumem_learn::estimator(&c.estimator, c.learned_model.as_deref())?;
         Ok(c)
     }
 
@@ -875,6 +886,8 @@ mod tests {
             ("grace_s = 1e308", &format!("grace_s = {} is out of range (0..=86400 seconds)", 1e308f64)),
             ("grace_s = -1", "grace_s = -1 is out of range (0..=86400 seconds)"),
             ("max_retries = 4000000000", "max_retries = 4000000000 is out of range (0..=100)"),
+            ("max_traces = 0", "max_traces = 0 is out of range (1..=64)"),
+            ("probe_s = 3601", "probe_s = 3601 is out of range (0..=3600 seconds)"),
         ] {
             assert_eq!(Config::from_toml(text).unwrap_err().to_string(), message, "{text}");
         }
