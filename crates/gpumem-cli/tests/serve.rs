@@ -411,3 +411,20 @@ fn every_error_answer_is_json() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// A connection that never finishes its request headers is closed (after
+/// HEADER_READ_TIMEOUT, 10 s), not held open for ever (issue 14 item 9).
+#[test]
+fn a_silent_connection_is_closed() {
+    use std::io::{Read, Write};
+    let d = dir("silent");
+    let (mut child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", d.join("st").to_str().unwrap()]);
+    let mut c = std::net::TcpStream::connect(url.trim_start_matches("http://")).unwrap();
+    c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n").unwrap(); // and never the blank line
+    c.set_read_timeout(Some(Duration::from_secs(40))).unwrap();
+    let mut buf = Vec::new();
+    let read = c.read_to_end(&mut buf);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(read.is_ok(), "the daemon kept the half-open connection: {read:?}");
+}

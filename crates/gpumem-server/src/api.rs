@@ -39,9 +39,6 @@ pub enum ServeError {
     /// The bound socket's address could not be read.
     #[error("{0}")]
     LocalAddr(std::io::Error),
-    /// The HTTP server stopped with an error.
-    #[error("{0}")]
-    Http(std::io::Error),
 }
 
 /// The status a failed cancellation answers with.
@@ -239,11 +236,42 @@ pub fn serve(daemon: Arc<Daemon>, addr: SocketAddr, token: Option<String>) -> Re
                 _ = term.recv() => {}
             }
         };
-        axum::serve(listener, router(daemon, token)).with_graceful_shutdown(shutdown).await.map_err(ServeError::Http)?;
+        accept(listener, router(daemon, token), shutdown).await;
         stop.store(true, Ordering::Relaxed);
         let _ = scheduler.join();
         Ok(())
     })
+}
+
+/// How long a connection may take to send a request's headers: a client that opens
+/// connections and sends nothing (or a byte at a time) cannot hold the daemon's sockets.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves HTTP/1 connections until `shutdown`, each with the header-read timeout (axum's own
+/// `serve` sets none); then gives requests in flight a moment to finish.
+async fn accept(listener: tokio::net::TcpListener, app: Router, shutdown: impl std::future::Future<Output = ()>) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+    let mut connections = tokio::task::JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                let service = TowerToHyperService::new(app.clone());
+                connections.spawn(async move {
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(HEADER_READ_TIMEOUT)
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(2), async { while connections.join_next().await.is_some() {} }).await;
 }
 
 #[cfg(test)]
