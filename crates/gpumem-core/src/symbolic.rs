@@ -49,27 +49,47 @@ pub enum SymbolicError {
     IdsMismatch,
 }
 
-/// `c0 + c1 · batch`, exact in integers.
+/// `(c0 + c1 · batch) / d`, exact in integers, rounded up where `d` does not divide it. Sizes
+/// in bytes have `d = 1`; a per-replica batch (`n` of a data-parallel job's convolution: the
+/// batch split over its GPUs, rounded up as `torch.nn.DataParallel` splits it) needs `d > 1`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Affine {
     pub c0: i128,
     pub c1: i128,
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub d: i128,
+}
+
+fn one() -> i128 {
+    1
+}
+
+fn is_one(d: &i128) -> bool {
+    *d == 1
 }
 
 impl Affine {
     fn fit(points: &[(u64, u64)]) -> Option<Affine> {
-        let (b1, y1) = (points[0].0 as i128, points[0].1 as i128);
-        let (b2, y2) = (points[1].0 as i128, points[1].1 as i128);
+        (1..=64).find_map(|d| Self::fit_scaled(points, d))
+    }
+
+    fn fit_scaled(points: &[(u64, u64)], d: i128) -> Option<Affine> {
+        let (b1, y1) = (points[0].0 as i128, d * points[0].1 as i128);
+        let (b2, y2) = (points[1].0 as i128, d * points[1].1 as i128);
         if (y2 - y1) % (b2 - b1) != 0 {
             return None;
         }
         let c1 = (y2 - y1) / (b2 - b1);
-        let f = Affine { c0: y1 - c1 * b1, c1 };
+        let f = Affine { c0: y1 - c1 * b1, c1, d };
         points.iter().all(|&(b, y)| f.eval(b) == Some(y)).then_some(f)
     }
 
     pub fn eval(&self, b: u64) -> Option<u64> {
-        u64::try_from(self.c0 + self.c1 * b as i128).ok()
+        let v = self.c0 + self.c1 * b as i128;
+        if v < 0 {
+            return None;
+        }
+        u64::try_from((v + self.d - 1) / self.d).ok()
     }
 }
 
@@ -267,6 +287,15 @@ mod tests {
         // A free of a slot that was never allocated.
         let bad = text.replacen(r#"{"Free":{"slot":"#, r#"{"Free":{"slot":9999"#, 1);
         assert!(matches!(SymbolicTrace::read(bad.as_bytes()), Err(SymbolicError::SlotOutOfRange(_) | SymbolicError::Trace(_))));
+    }
+
+    #[test]
+    fn a_per_replica_batch_is_the_batch_split_and_rounded_up() {
+        // n of a 2-GPU DataParallel job's convolution at batch 8, 12 and 16.
+        let n = Affine::fit(&[(8, 4), (12, 6), (16, 8)]).unwrap();
+        assert_eq!((n.eval(20), n.eval(7), n.d), (Some(10), Some(4), 2));
+        assert_eq!(Affine::fit(&[(4, 100), (6, 140), (8, 180)]).unwrap().d, 1, "byte sizes stay whole");
+        assert!(Affine::fit(&[(4, 1), (6, 5), (8, 2)]).is_none());
     }
 
     #[test]

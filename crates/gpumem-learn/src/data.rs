@@ -151,9 +151,10 @@ fn column(headers: &csv::StringRecord, name: &str) -> Option<usize> {
     headers.iter().position(|h| h.trim() == name)
 }
 
-/// Seed-schema facts from a row's own columns (what GPUMemNet was trained on); an error names
-/// the column.
-fn seed_row_facts(rec: &csv::StringRecord, headers: &csv::StringRecord, batch: u64) -> Option<Result<ModelFacts, (&'static str, CellProblem)>> {
+/// Seed-schema facts from a row's own columns (what GPUMemNet was trained on): the MLP
+/// dataset's layer list and counts, or the CNN dataset's per-kind counts; an error names the
+/// column.
+fn seed_row_facts(rec: &csv::StringRecord, headers: &csv::StringRecord, batch: u64, rebuilt: Activation) -> Option<Result<ModelFacts, (&'static str, CellProblem)>> {
     let get = |name: &str| column(headers, name).and_then(|i| rec.get(i)).map(str::trim);
     let depth = get("Depth")?;
     let num = |name: &'static str| {
@@ -164,17 +165,26 @@ fn seed_row_facts(rec: &csv::StringRecord, headers: &csv::StringRecord, batch: u
         let layers = get("Activations-Params").unwrap_or("");
         let kinds = |k: &str| layers.matches(&format!("('{k}")).count() as u64;
         let act = get("Activation Function").unwrap_or("relu");
+        // The CNN dataset counts each kind in a column of its own.
+        let count = |column: &'static str, or: Result<u64, (&'static str, CellProblem)>| if get(column).is_some() { num(column) } else { or };
         Ok(ModelFacts {
             depth: depth.parse().map_err(|_| ("Depth", CellProblem::NotCount(depth.into())))?,
             activations_per_sample: num("Total Activations")?,
             parameters: num("Total Parameters")?,
             batch,
-            linear: kinds("linear"),
-            conv: kinds("conv"),
-            batchnorm: num("Batch Normalization Layers")?,
+            linear: count("Linear Count", Ok(kinds("linear")))?,
+            conv: count("Conv2d Count", Ok(kinds("conv")))?,
+            batchnorm: count("BatchNorm2d Count", num("Batch Normalization Layers"))?,
             layernorm: kinds("layer_norm"),
-            dropout: num("Dropout Layers")?,
-            activation: Activation::parse(act).map_err(|e| ("Activation Function", e.into()))?,
+            dropout: count("Dropout Count", num("Dropout Layers"))?,
+            // The CNN dataset names PyTorch's classes (LeakyReLU, SiLU), or None where its
+            // summary failed: then the activation the file name rebuilt.
+            activation: match act.to_ascii_lowercase().as_str() {
+                "none" => rebuilt,
+                "leakyrelu" => Activation::LeakyRelu,
+                "silu" => Activation::Swish,
+                a => Activation::parse(a).map_err(|e| ("Activation Function", e.into()))?,
+            },
         })
     })())
 }
@@ -203,7 +213,7 @@ pub fn load(path: &Path, profile: &GpuProfile, mut progress: impl FnMut(usize, u
         job.precision = m.options.precision.unwrap_or(job.precision);
         let trace = spec.trace(&job).map_err(|source| DataError::Job { file: file(), line, source })?;
         let summary = trace_summary(&trace, profile).map_err(|source| DataError::Estimate { file: file(), line, source })?;
-        let facts = match seed_row_facts(rec, &headers, m.batch) {
+        let facts = match seed_row_facts(rec, &headers, m.batch, spec.facts(m.batch).activation) {
             Some(f) => f.map_err(cell)?,
             None => spec.facts(m.batch),
         };
@@ -214,6 +224,9 @@ pub fn load(path: &Path, profile: &GpuProfile, mut progress: impl FnMut(usize, u
             if let Some(i) = column(&headers, t.column()) {
                 let v = rec.get(i).unwrap_or("").trim();
                 let x: f64 = v.parse().map_err(|_| cell((t.column(), CellProblem::NotNumber(v.into()))))?;
+                if x == -1.0 {
+                    continue; // the seed's mark for a run whose DCGM fields were not collected
+                }
                 if !(0.0..=1.0).contains(&x) {
                     return Err(cell((t.column(), CellProblem::NotFraction(x))));
                 }
