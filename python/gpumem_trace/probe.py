@@ -294,8 +294,9 @@ def probe_sdpa(torch):
     profiler's kernel names."""
     import torch.nn.functional as F
 
-    names = {"flash": ("flash",), "efficient": ("efficient", "mem_eff", "fmha_cutlass"), "cudnn": ("cudnn", "sdpa_", "cudnn_generated"),
-             "math": ()}
+    # cuDNN's own attention kernels are named "cudnn_generated_..._sdpa_..._flash_...": look
+    # for cuDNN first.
+    names = {"cudnn": ("cudnn",), "flash": ("flash",), "efficient": ("efficient", "mem_eff", "fmha_cutlass")}
     out = []
     for dt, d, mask, gqa in SDPA_CASES:
         dtype = getattr(torch, dt)
@@ -315,7 +316,7 @@ def probe_sdpa(torch):
             kernels = sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
             joined = " ".join(kernels).lower()
             row["kernels"] = [k[:120] for k in kernels if any(w in k.lower() for w in ("attn", "attention", "fmha", "flash", "sdpa", "cudnn", "softmax", "gemm"))][:10]
-            row["kernel"] = next((n for n in ("flash", "cudnn", "efficient") if any(k in joined for k in names[n])), "math")
+            row["kernel"] = next((n for n in ("cudnn", "flash", "efficient") if any(k in joined for k in names[n])), "math")
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         out.append(row)
