@@ -88,7 +88,9 @@ pub fn serve(a: ServeArgs) -> CliResult {
     let exe = std::env::current_exe().map_err(|e| CliError::other(format!("cannot find the gpumem binary: {e}")))?;
     let daemon = Daemon::open(&a.state, monitor, fake, prof, config, exe, a.recover).map_err(|e| match e {
         // Another daemon on the same state, or a lost store: the operator's to decide (exit 2).
-        e @ (gpumem_server::DaemonError::InUse { .. } | gpumem_server::DaemonError::StoreLost { .. }) => CliError::input(e),
+        e @ (gpumem_server::DaemonError::InUse { .. }
+        | gpumem_server::DaemonError::StoreLost { .. }
+        | gpumem_server::DaemonError::Store(gpumem_server::store::StoreError::Damaged { .. } | gpumem_server::store::StoreError::Version { .. })) => CliError::input(e),
         e => CliError::other(e),
     })?;
     let daemon = match prober {

@@ -428,3 +428,38 @@ fn a_silent_connection_is_closed() {
     let _ = child.wait();
     assert!(read.is_ok(), "the daemon kept the half-open connection: {read:?}");
 }
+
+/// A damaged store is refused (exit 2, one line) and `--recover` sets it aside whole; a lost
+/// WAL loses no job older than a second (the daemon checkpoints every second) - issue 14 item 5.
+#[test]
+fn a_damaged_store_is_refused_and_a_lost_wal_loses_nothing_old() {
+    let d = dir("damaged");
+    let mut s = Server::start(&d);
+    let ids: Vec<u64> = (0..20).map(|_| s.submit(&["--mem-mib", "100", "--", "/bin/true"])).collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    s.kill(); // SIGKILL: the WAL is left as it was
+    let state = d.join("state");
+    for f in ["jobs.db-wal", "jobs.db-shm"] {
+        let _ = std::fs::remove_file(state.join(f));
+    }
+    let (child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", state.to_str().unwrap()]);
+    let mut s = Server { child, url };
+    let listed: serde_json::Value = serde_json::from_str(&s.run(&["jobs", "--json"])).unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), ids.len(), "every job older than a second is in the database file");
+    s.kill();
+    std::fs::write(state.join("jobs.db"), vec![0x5a; 8192]).unwrap();
+    let serve = |extra: &[&str]| {
+        let mut args = vec!["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", state.to_str().unwrap()];
+        args.extend(extra);
+        args.iter().map(|a| a.to_string()).collect::<Vec<_>>()
+    };
+    let o = gpumem(&serve(&[]).iter().map(String::as_str).collect::<Vec<_>>());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("is damaged") && err.contains("--recover") && err.trim_end().lines().count() == 1, "{err}");
+    let (child, url) = spawn_daemon(&serve(&["--recover"]).iter().map(String::as_str).collect::<Vec<_>>());
+    let s = Server { child, url };
+    assert_eq!(s.run(&["jobs", "--json"]).trim(), "[]");
+    let names: Vec<String> = std::fs::read_dir(&state).unwrap().filter_map(|e| e.ok()?.file_name().into_string().ok()).collect();
+    assert!(names.iter().any(|n| n.starts_with("jobs.db.damaged-")) && names.iter().any(|n| n.starts_with("jobs.lost-")), "{names:?}");
+}

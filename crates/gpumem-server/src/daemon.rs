@@ -230,6 +230,8 @@ struct Inner {
     oom_crashes: u64,
     probe_wait: Vec<ProbeWait>,
     probing: Option<Probing>,
+    /// When the store's WAL was last copied into its database file.
+    checkpointed: f64,
 }
 
 /// Why the daemon could not open its state.
@@ -314,7 +316,23 @@ impl Daemon {
     /// an old one's id and files.
     pub fn open(state_dir: &Path, monitor: Box<dyn Monitor>, fake: Option<FakeGpus>, profile: GpuProfile, config: Config, supervisor: PathBuf, recover: bool) -> Result<Daemon, DaemonError> {
         let lock = lock_state_dir(state_dir)?;
-        let store = Store::open(&state_dir.join("jobs.db"))?;
+        let store = match Store::open(&state_dir.join("jobs.db")) {
+            // A damaged store is set aside whole, with the job directories it named.
+            Err(StoreError::Damaged { .. }) if recover => {
+                let io = |source| DaemonError::StateDir { dir: state_dir.display().to_string(), source };
+                let stamp = now() as u64;
+                for ext in ["", "-wal", "-shm"] {
+                    let from = state_dir.join(format!("jobs.db{ext}"));
+                    if from.exists() {
+                        std::fs::rename(&from, state_dir.join(format!("jobs.db{ext}.damaged-{stamp}"))).map_err(io)?;
+                    }
+                }
+                std::fs::rename(state_dir.join("jobs"), state_dir.join(format!("jobs.lost-{stamp}"))).map_err(io)?;
+                std::fs::DirBuilder::new().mode(0o700).create(state_dir.join("jobs")).map_err(io)?;
+                Store::open(&state_dir.join("jobs.db"))?
+            }
+            other => other?,
+        };
         let jobs: BTreeMap<u64, JobRecord> = store.load()?.into_iter().map(|j| (j.id, j)).collect();
         let job_dirs = std::fs::read_dir(state_dir.join("jobs")).map_err(|source| DaemonError::StateDir { dir: state_dir.display().to_string(), source })?.count();
         if jobs.is_empty() && job_dirs > 0 {
@@ -339,6 +357,7 @@ impl Daemon {
             oom_crashes: 0,
             probe_wait: Vec::new(),
             probing: None,
+            checkpointed: 0.0,
         };
         let t = now();
         let waiting: Vec<u64> = inner.jobs.values().filter(|j| j.state.is_waiting()).map(|j| j.id).collect();
@@ -470,7 +489,13 @@ impl Daemon {
         self.reap(inner, t)?;
         self.observe(inner, t);
         self.probe(inner, t)?;
-        self.place(inner, t)
+        self.place(inner, t)?;
+        // At most a second of the store lives only in its WAL.
+        if t - inner.checkpointed >= 1.0 {
+            inner.store.checkpoint()?;
+            inner.checkpointed = t;
+        }
+        Ok(())
     }
 
     /// Collects a finished probe into the profile, sizes again and queues the jobs it answers

@@ -82,6 +82,12 @@ pub enum StoreError {
     Column { job: u64, column: &'static str, source: serde_json::Error },
     #[error("job store: job {job}: unknown state `{state}`")]
     UnknownState { job: u64, state: String },
+    /// The file is not a job store this gpumem can read: damaged, or not SQLite at all.
+    #[error("{file} is damaged ({detail}); move it aside or start with --recover")]
+    Damaged { file: String, detail: String },
+    /// A store written by a newer gpumem.
+    #[error("{file} has job store version {found}; this gpumem reads version {known} (use the gpumem that wrote it)")]
+    Version { file: String, found: i64, known: i64 },
     /// A job's `field` could not be written as JSON.
     #[error("{source}")]
     Encode { field: &'static str, source: serde_json::Error },
@@ -114,6 +120,10 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_job ON events(job);
 ";
 
+/// The store's layout, in SQLite's `user_version` (0: a store from before versions, the same
+/// layout).
+const SCHEMA_VERSION: i64 = 1;
+
 impl Store {
     pub fn open(path: &Path) -> Result<Store, StoreError> {
         // Private to the daemon's user (requests hold commands and environments): made 0600
@@ -123,14 +133,32 @@ impl Store {
             let private = std::fs::OpenOptions::new().create(true).append(true).mode(0o600).open(path).and_then(|_| std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)));
             private.map_err(|source| StoreError::Private { file: path.display().to_string(), source })?;
         }
-        let conn = Connection::open(path).map_err(|source| StoreError::Open { file: path.display().to_string(), source })?;
+        let file = path.display().to_string();
+        let conn = Connection::open(path).map_err(|source| StoreError::Open { file: file.clone(), source })?;
+        let damaged = |e: rusqlite::Error| StoreError::Damaged { file: file.clone(), detail: e.to_string().replace('\n', " ") };
         // WAL: readers never block the writer; NORMAL sync is durable across process crashes
         // (the case a daemon must survive) at a fraction of FULL's cost.
-        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(damaged)?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
-        conn.execute_batch(SCHEMA)?;
+        let check: String = conn.query_row("PRAGMA quick_check", [], |r| r.get(0)).map_err(damaged)?;
+        if check != "ok" {
+            return Err(StoreError::Damaged { file, detail: check.replace('\n', " ") });
+        }
+        let found: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        if found > SCHEMA_VERSION {
+            return Err(StoreError::Version { file, found, known: SCHEMA_VERSION });
+        }
+        conn.execute_batch(SCHEMA).map_err(damaged)?;
+        conn.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         Ok(Store { conn })
+    }
+
+    /// Copies what the WAL holds into the database file (a passive checkpoint: it waits for
+    /// nobody). The daemon does this every second, so a lost WAL loses at most that second.
+    pub fn checkpoint(&self) -> Result<(), StoreError> {
+        self.conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
+        Ok(())
     }
 
     /// Stores a new job and returns its id.
@@ -292,6 +320,52 @@ mod tests {
         for ext in ["", "-wal", "-shm"] {
             let _ = std::fs::remove_file(format!("{}{ext}", path.display()));
         }
+    }
+
+    #[test]
+    fn a_damaged_or_newer_store_is_refused_in_one_line() {
+        let path = std::env::temp_dir().join(format!("gpumem-store-refused-{}.db", std::process::id()));
+        let clean = || {
+            for ext in ["", "-wal", "-shm"] {
+                let _ = std::fs::remove_file(format!("{}{ext}", path.display()));
+            }
+        };
+        clean();
+        std::fs::write(&path, vec![0x5a; 8192]).unwrap();
+        let e = Store::open(&path).err().expect("garbage is refused");
+        assert!(matches!(e, StoreError::Damaged { .. }) && e.to_string().ends_with("move it aside or start with --recover") && !e.to_string().contains('\n'), "{e}");
+        clean();
+        let s = Store::open(&path).unwrap();
+        s.conn.pragma_update(None, "user_version", 7).unwrap();
+        drop(s);
+        let e = Store::open(&path).err().expect("a newer store is refused");
+        assert_eq!(e.to_string(), format!("{} has job store version 7; this gpumem reads version 1 (use the gpumem that wrote it)", path.display()));
+        clean();
+    }
+
+    /// After a checkpoint the database file holds every job: a lost WAL loses nothing older.
+    #[test]
+    fn a_checkpointed_store_survives_its_wal() {
+        let path = std::env::temp_dir().join(format!("gpumem-store-wal-{}.db", std::process::id()));
+        let clean = || {
+            for ext in ["", "-wal", "-shm"] {
+                let _ = std::fs::remove_file(format!("{}{ext}", path.display()));
+            }
+        };
+        clean();
+        let mut s = Store::open(&path).unwrap();
+        let ids: Vec<u64> = (0..50).map(|_| s.insert(&job()).unwrap()).collect();
+        s.checkpoint().unwrap();
+        // The WAL and its index vanish as the process dies (copied aside first: SQLite removes
+        // an intact WAL when it closes).
+        let db = std::fs::read(&path).unwrap();
+        std::mem::forget(s);
+        clean();
+        std::fs::write(&path, db).unwrap();
+        let s = Store::open(&path).unwrap();
+        assert_eq!(s.load().unwrap().iter().map(|j| j.id).collect::<Vec<_>>(), ids);
+        drop(s);
+        clean();
     }
 
     #[test]
