@@ -347,7 +347,7 @@ def main(argv=None):
     p.add_argument("--list", action="store_true", help="only list the configurations (no GPU needed)")
     p.add_argument("--benchmark", choices=["off", "on", "both"], default="both")
     p.add_argument("--no-sdpa", action="store_true")
-    p.add_argument("--seconds", type=float, default=0, help="time budget of each convolution pass (0: none); configurations past it stay unprobed")
+    p.add_argument("--seconds", type=float, default=0, help="time budget of each cudnn.benchmark mode's convolutions (0: none); configurations past it stay unprobed")
     a = p.parse_args(argv)
 
     def fail(code, msg):

@@ -92,6 +92,10 @@ def record(a, device="cuda"):
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
+    traced = sum(len(t) for t in snap.get("device_traces", []))
+    if traced >= a.max_entries:
+        # The history is a ring: its oldest entries are gone, and a diff would part early.
+        print(f"gpumem_trace.record: the allocator's history filled its {a.max_entries} entries; raise --max-entries", file=sys.stderr)
     free, total = torch.cuda.mem_get_info()
     facts = {"model": a.model, "batch": a.batch, "optimizer": a.optimizer, "precision": a.precision,
              "max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved(),

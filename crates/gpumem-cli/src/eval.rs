@@ -54,7 +54,8 @@ fn did_not_fit(rows: &[Measurement], defaults: &gpumem_core::workload::Options, 
     }
     let mut d = DidNotFit { rows: rows.len(), estimate_over: 0, bound_over: 0, skipped: 0 };
     for m in rows {
-        let Ok(trace) = row_trace(m, defaults, profile)? else {
+        // A job refused outright (too large for any GPU) or not traceable: not a check here.
+        let Ok(Ok(trace)) = row_trace(m, defaults, profile) else {
             d.skipped += 1;
             continue;
         };

@@ -31,7 +31,8 @@ pub struct ProbeArgs {
     /// cuDNN benchmark mode to probe: off (PyTorch's default, what the table holds), on, both.
     #[arg(long, default_value = "both", value_parser = ["off", "on", "both"])]
     benchmark: String,
-    /// Time budget per convolution pass, seconds (0: none); configurations past it stay unprobed.
+    /// Time budget of each cudnn.benchmark mode's convolutions, seconds (0: none); configurations
+    /// past it stay unprobed.
     #[arg(long, default_value_t = 0)]
     seconds: u64,
     /// Instead of probing: read a report `python -m gpumem_trace.probe` wrote on a GPU machine.
@@ -65,6 +66,16 @@ pub fn probe(a: ProbeArgs) -> CliResult {
             tracer.probe(&req, &json)?
         }
     };
+    // One table per stack: another GPU's or library's workspaces would be taken as probed.
+    if let Some(held) = &profile.stack {
+        let r = &report.stack;
+        if (&held.gpu, &held.torch, held.cudnn) != (&r.gpu, &r.torch, r.cudnn) {
+            return Err(CliError::input(format!(
+                "{}: holds a table measured on {} (torch {}, cuDNN {}); this report is of {} (torch {}, cuDNN {}): write it to a new profile",
+                a.out.display(), held.gpu, held.torch, held.cudnn, r.gpu, r.torch, r.cudnn
+            )));
+        }
+    }
     let applied = report.apply(&mut profile);
     if profile.calibration.is_none() {
         profile.calibration = Some(format!("context from gpumem probe on {}", report.stack.gpu));

@@ -28,6 +28,11 @@ fn a_probe_report_goes_into_a_profile_and_a_second_adds_to_it() {
     assert!(o.status.success() && said.contains("table now 1010"), "{said}");
     assert_eq!(count(&std::fs::read_to_string(&out).unwrap()), 1010);
     bad_input(&["probe", "--import", &data("snapshots/vgg16-b32-fp32.pickle"), "--out", out.to_str().unwrap()], "not a probe report");
+    // One table per stack: a report of another cuDNN is refused, the profile untouched.
+    let other = common::scratch("probe", "other-cudnn.json");
+    std::fs::write(&other, std::fs::read_to_string(data("probe-jobs.json")).unwrap().replacen("\"cudnn\": 91900", "\"cudnn\": 90100", 1)).unwrap();
+    bad_input(&["probe", "--import", other.to_str().unwrap(), "--out", out.to_str().unwrap()], "write it to a new profile");
+    assert_eq!(count(&std::fs::read_to_string(&out).unwrap()), 1010);
 }
 
 #[test]

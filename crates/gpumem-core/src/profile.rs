@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::allocator::{AllocatorConfig, AllocatorConfigError};
 use crate::units::{MIB, mib_to_bytes};
+use crate::trace::ConvPass;
 use crate::workspace::ConvWorkspace;
 
 const BUILTIN: &str = include_str!("../profiles/gpus.toml");
@@ -197,6 +198,9 @@ impl GpuProfile {
         }
         if !(self.non_allocator_mib >= 0.0 && self.bound_fixed_mib >= 0.0 && self.bound_relative >= 0.0) {
             return bad("non_allocator_mib, bound_fixed_mib and bound_relative must not be negative");
+        }
+        if self.conv_workspace.iter().any(|e| e.n == 0 || ConvPass::ALL.iter().any(|&p| e.sizes(p).iter().any(|&b| b > crate::trace::MAX_ALLOC_BYTES))) {
+            return bad("conv_workspace entries need n of at least 1 and sizes of at most 1 PiB");
         }
         self.allocator_config()?;
         Ok(())

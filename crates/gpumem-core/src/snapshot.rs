@@ -94,11 +94,12 @@ impl Snapshot {
                         allocated -= round(size);
                     }
                 }
-                "segment_alloc" => {
+                // Expandable segments grow and shrink by mapping pages.
+                "segment_alloc" | "segment_map" => {
                     reserved += e.size;
                     s.peak_reserved = s.peak_reserved.max(reserved);
                 }
-                "segment_free" => reserved = reserved.saturating_sub(e.size),
+                "segment_free" | "segment_unmap" => reserved = reserved.saturating_sub(e.size),
                 _ => {}
             }
         }

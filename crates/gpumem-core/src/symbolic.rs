@@ -85,11 +85,11 @@ impl Affine {
     }
 
     pub fn eval(&self, b: u64) -> Option<u64> {
-        let v = self.c0 + self.c1 * b as i128;
-        if v < 0 {
-            return None;
+        let v = self.c0.checked_add(self.c1.checked_mul(b as i128)?)?;
+        if v < 0 || self.d < 1 {
+            return None; // a damaged stored trace (d is at least 1 when fitted)
         }
-        u64::try_from((v + self.d - 1) / self.d).ok()
+        u64::try_from(v.checked_add(self.d - 1)? / self.d).ok()
     }
 }
 

@@ -431,6 +431,9 @@ impl Trace {
                 "workspace" => {
                     let conv = need(l.conv, n, "workspace", "conv")?;
                     let batch = need(l.n, n, "workspace", "n")?;
+                    if batch == 0 || batch > MAX_ALLOC_BYTES {
+                        return Err(err(n, format!("field n: batch {batch} is out of range (1..=2^50)")));
+                    }
                     let pass = need(l.pass, n, "workspace", "pass")?;
                     let phase = need(l.phase, n, "workspace", "phase")?;
                     b.workspace(&conv, batch, pass, phase, l.module.as_deref());

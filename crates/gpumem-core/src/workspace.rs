@@ -13,7 +13,7 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::trace::{ConvPass, Event, Trace};
+use crate::trace::{ConvPass, Event, MAX_ALLOC_BYTES, Trace};
 
 /// One probed convolution: its configuration (the tracer's key, batch apart), the batch, and
 /// the workspace requests of each pass in the order cuDNN makes them (usually one or none).
@@ -39,6 +39,22 @@ impl ConvWorkspace {
             ConvPass::BackwardFilter => &self.bwd_filter,
         }
     }
+}
+
+/// Adds `newer` entries to `table`, a configuration at a batch measured again taking the new
+/// figures; the table stays ordered by (configuration, batch). Returns (added, replaced).
+pub fn merge(table: &mut Vec<ConvWorkspace>, newer: impl IntoIterator<Item = ConvWorkspace>) -> (usize, usize) {
+    let mut by_key: std::collections::BTreeMap<(String, u64), ConvWorkspace> = std::mem::take(table).into_iter().map(|e| ((e.config.clone(), e.n), e)).collect();
+    let (mut added, mut replaced) = (0, 0);
+    for e in newer {
+        if by_key.insert((e.config.clone(), e.n), e).is_some() {
+            replaced += 1;
+        } else {
+            added += 1;
+        }
+    }
+    *table = by_key.into_values().collect();
+    (added, replaced)
 }
 
 /// Where a workspace size came from; an estimate reports the least certain of its lookups.
@@ -167,7 +183,11 @@ impl<'a> WorkspaceTable<'a> {
         if let Some(e) = self.exact.get(&(config, n)) {
             return (e.sizes(pass).to_vec(), WorkspaceSource::Probed);
         }
-        let scale = |sizes: &[u64], f: f64| sizes.iter().map(|&b| (b as f64 * f).ceil() as u64).collect::<Vec<_>>();
+        if n == 0 {
+            return (Vec::new(), WorkspaceSource::Default);
+        }
+        // Scaled sizes stay within what one allocation may be (a profile's n is at least 1).
+        let scale = |sizes: &[u64], f: f64| sizes.iter().map(|&b| (b as f64 * f).ceil().min(MAX_ALLOC_BYTES as f64) as u64).collect::<Vec<_>>();
         // The same configuration at another batch: the nearest probed batch, scaled (cuDNN's
         // workspaces grow with the tensors; the engine may differ, which the bound covers).
         if let Some(same) = self.by_config.get(config) {
@@ -185,7 +205,8 @@ impl<'a> WorkspaceTable<'a> {
                 + ((s.out_per_sample * m as f64) / (shape.out_per_sample * n as f64)).ln().abs()
         };
         let (s, e) = kin.iter().min_by(|a, b| distance(&a.0, a.1.n).total_cmp(&distance(&b.0, b.1.n))).expect("non-empty by construction");
-        (scale(e.sizes(pass), want / bytes(s, e.n)), WorkspaceSource::Fitted)
+        let ratio = want / bytes(s, e.n);
+        (scale(e.sizes(pass), if ratio.is_finite() { ratio } else { 0.0 }), WorkspaceSource::Fitted)
     }
 }
 

@@ -258,7 +258,11 @@ async fn accept(listener: tokio::net::TcpListener, app: Router, shutdown: impl s
         tokio::select! {
             _ = &mut shutdown => break,
             accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
+                let Ok((stream, _)) = accepted else {
+                    // Out of file descriptors, say: wait rather than spin.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
                 let service = TowerToHyperService::new(app.clone());
                 connections.spawn(async move {
                     let _ = hyper::server::conn::http1::Builder::new()

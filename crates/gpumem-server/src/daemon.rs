@@ -208,6 +208,7 @@ struct ProbeWait {
 /// The probe running now, on `gpu`, in its own thread.
 struct Probing {
     gpu: u32,
+    configs: Vec<(String, u64)>,
     result: mpsc::Receiver<Result<ProbeReport, String>>,
 }
 
@@ -230,6 +231,8 @@ struct Inner {
     oom_crashes: u64,
     probe_wait: Vec<ProbeWait>,
     probing: Option<Probing>,
+    /// Convolutions a probe was asked for (measured or not): never asked again.
+    probe_tried: std::collections::HashSet<(String, u64)>,
     /// When the store's WAL was last copied into its database file.
     checkpointed: f64,
 }
@@ -316,10 +319,15 @@ impl Daemon {
     /// an old one's id and files.
     pub fn open(state_dir: &Path, monitor: Box<dyn Monitor>, fake: Option<FakeGpus>, profile: GpuProfile, config: Config, supervisor: PathBuf, recover: bool) -> Result<Daemon, DaemonError> {
         let lock = lock_state_dir(state_dir)?;
+        let io = |source| DaemonError::StateDir { dir: state_dir.display().to_string(), source };
+        // Job directories a lost or damaged store named are set aside, never reused.
+        let set_aside_jobs = |stamp: u64| -> Result<(), DaemonError> {
+            std::fs::rename(state_dir.join("jobs"), state_dir.join(format!("jobs.lost-{stamp}"))).map_err(io)?;
+            std::fs::DirBuilder::new().mode(0o700).create(state_dir.join("jobs")).map_err(io)
+        };
         let store = match Store::open(&state_dir.join("jobs.db")) {
             // A damaged store is set aside whole, with the job directories it named.
             Err(StoreError::Damaged { .. }) if recover => {
-                let io = |source| DaemonError::StateDir { dir: state_dir.display().to_string(), source };
                 let stamp = now() as u64;
                 for ext in ["", "-wal", "-shm"] {
                     let from = state_dir.join(format!("jobs.db{ext}"));
@@ -327,8 +335,7 @@ impl Daemon {
                         std::fs::rename(&from, state_dir.join(format!("jobs.db{ext}.damaged-{stamp}"))).map_err(io)?;
                     }
                 }
-                std::fs::rename(state_dir.join("jobs"), state_dir.join(format!("jobs.lost-{stamp}"))).map_err(io)?;
-                std::fs::DirBuilder::new().mode(0o700).create(state_dir.join("jobs")).map_err(io)?;
+                set_aside_jobs(stamp)?;
                 Store::open(&state_dir.join("jobs.db"))?
             }
             other => other?,
@@ -339,10 +346,7 @@ impl Daemon {
             if !recover {
                 return Err(DaemonError::StoreLost { dir: state_dir.display().to_string(), job_dirs });
             }
-            let aside = state_dir.join(format!("jobs.lost-{}", now() as u64));
-            let io = |source| DaemonError::StateDir { dir: state_dir.display().to_string(), source };
-            std::fs::rename(state_dir.join("jobs"), &aside).map_err(io)?;
-            std::fs::DirBuilder::new().mode(0o700).create(state_dir.join("jobs")).map_err(io)?;
+            set_aside_jobs(now() as u64)?;
         }
         let mut inner = Inner {
             store,
@@ -357,6 +361,7 @@ impl Daemon {
             oom_crashes: 0,
             probe_wait: Vec::new(),
             probing: None,
+            probe_tried: Default::default(),
             checkpointed: 0.0,
         };
         let t = now();
@@ -373,9 +378,10 @@ impl Daemon {
         if let Ok(text) = std::fs::read_to_string(state_dir.join(PROBED_PROFILE)) {
             // What earlier probes measured on this machine, over the configured table.
             let stored = GpuProfile::from_toml(&text).map_err(|e| DaemonError::ProbedProfile { dir: state_dir.display().to_string(), message: e.to_string() })?;
-            let mut table: BTreeMap<(String, u64), _> = std::mem::take(&mut profile.conv_workspace).into_iter().map(|e| ((e.config.clone(), e.n), e)).collect();
-            table.extend(stored.conv_workspace.into_iter().map(|e| ((e.config.clone(), e.n), e)));
-            profile.conv_workspace = table.into_values().collect();
+            // Only for the same GPU and stack: a table measured under another cuDNN does not hold.
+            if stored.name == profile.name && stored.stack == profile.stack {
+                gpumem_core::workspace::merge(&mut profile.conv_workspace, stored.conv_workspace);
+            }
         }
         Ok(Daemon { inner: Mutex::new(inner), _lock: lock, state_dir: state_dir.to_path_buf(), supervisor, fake, profile: RwLock::new(profile), prober: None, config })
     }
@@ -503,10 +509,16 @@ impl Daemon {
     /// idle GPU.
     fn probe(&self, inner: &mut Inner, t: f64) -> Result<(), StoreError> {
         let Some(prober) = self.prober.clone() else { return Ok(()) };
+        if inner.probing.is_none() && inner.probe_wait.is_empty() {
+            return Ok(());
+        }
         let mut note = None;
         if let Some(p) = &inner.probing {
             match p.result.try_recv() {
                 Ok(Ok(report)) => {
+                    // Probed once: what the GPU refused or the probe's time cut off is not
+                    // asked again (the job is placed by its bound instead).
+                    inner.probe_tried.extend(p.configs.iter().cloned());
                     let mut profile = self.profile.write().unwrap_or_else(|p| p.into_inner());
                     report.apply_workspaces(&mut profile);
                     // Kept for the next start; a failed write only loses the cache.
@@ -528,48 +540,53 @@ impl Daemon {
         let table = WorkspaceTable::new(&profile.conv_workspace);
         let mut ready = Vec::new();
         for mut w in std::mem::take(&mut inner.probe_wait) {
+            if !inner.jobs.get(&w.job).is_some_and(|j| j.state.is_waiting()) {
+                continue; // cancelled while it waited
+            }
             w.configs = table.unprobed(&w.trace);
+            let untried = w.configs.iter().any(|c| !inner.probe_tried.contains(c));
             // A failed probe releases every waiting job: the next one would likely fail too.
-            if w.configs.is_empty() || t >= w.until || note.is_some() {
+            if !untried || t >= w.until || note.is_some() {
                 ready.push(w);
             } else {
                 inner.probe_wait.push(w);
             }
         }
+        // Every ready job is queued even if the store refuses one (the first error is returned).
+        let mut result = Ok(());
         for ProbeWait { job: id, trace, configs, .. } in ready {
             let probed = configs.is_empty();
-            let Some(job) = inner.jobs.get_mut(&id) else { continue };
-            if !job.state.is_waiting() {
-                continue; // cancelled while it waited
-            }
+            let job = inner.jobs.get_mut(&id).expect("a waiting job exists");
             if probed {
                 if let Ok((peak, bound)) = size(&self.config, &profile, &trace) {
                     (job.estimate_bytes, job.bound_bytes) = (Some(peak), Some(bound));
                 }
                 job.error = None;
             } else {
-                job.error = Some(note.clone().unwrap_or_else(|| format!("not probed within {} s; placed by its upper bound", self.config.probe_s)));
+                job.error = Some(note.clone().unwrap_or_else(|| format!("its convolutions could not all be probed within {} s; placed by its upper bound", self.config.probe_s)));
             }
             let why = if probed { "sized after probing its convolutions" } else { "placed by its upper bound" };
             queue(inner, id, t);
-            inner.store.transition(&inner.jobs[&id], t, Some(why))?;
+            let stored = inner.store.transition(&inner.jobs[&id], t, Some(why));
+            result = result.and(stored);
         }
         if inner.probing.is_none() && !inner.probe_wait.is_empty() {
             let busy: Vec<u32> = inner.jobs.values().filter(|j| matches!(j.state, JobState::Starting | JobState::Running)).flat_map(|j| j.assigned.clone()).collect();
             let idle = inner.gpus.iter().map(|r| r.index).find(|g| !busy.contains(g) && !inner.warm.contains_key(g));
             if let Some(gpu) = idle {
-                let mut configs: Vec<(String, u64)> = inner.probe_wait.iter().flat_map(|w| w.configs.clone()).collect();
+                let mut configs: Vec<(String, u64)> = inner.probe_wait.iter().flat_map(|w| w.configs.clone()).filter(|c| !inner.probe_tried.contains(c)).collect();
                 configs.sort();
                 configs.dedup();
                 let seconds = inner.probe_wait.iter().map(|w| (w.until - t).max(1.0)).fold(f64::INFINITY, f64::min).ceil() as u64;
                 let (tx, rx) = mpsc::channel();
+                let asked = configs.clone();
                 std::thread::spawn(move || {
-                    let _ = tx.send(prober.probe(gpu, &configs, seconds));
+                    let _ = tx.send(prober.probe(gpu, &asked, seconds));
                 });
-                inner.probing = Some(Probing { gpu, result: rx });
+                inner.probing = Some(Probing { gpu, configs, result: rx });
             }
         }
-        Ok(())
+        result
     }
 
     fn reap(&self, inner: &mut Inner, t: f64) -> Result<(), StoreError> {

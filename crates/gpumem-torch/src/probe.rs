@@ -91,23 +91,9 @@ impl ProbeReport {
     /// Only the convolution workspace table (a daemon's probe of one job's convolutions leaves
     /// the calibrated context alone).
     pub fn apply_workspaces(&self, profile: &mut GpuProfile) -> Applied {
-        let mut table: BTreeMap<(String, u64), ConvWorkspace> =
-            std::mem::take(&mut profile.conv_workspace).into_iter().map(|e| ((e.config.clone(), e.n), e)).collect();
-        let mut applied = Applied { added: 0, replaced: 0, refused: 0 };
-        for c in &self.conv.heuristic {
-            if c.error.is_some() {
-                applied.refused += 1;
-                continue;
-            }
-            let e = &c.workspace;
-            if table.insert((e.config.clone(), e.n), e.clone()).is_some() {
-                applied.replaced += 1;
-            } else {
-                applied.added += 1;
-            }
-        }
-        profile.conv_workspace = table.into_values().collect();
-        applied
+        let measured = self.conv.heuristic.iter().filter(|c| c.error.is_none()).map(|c| c.workspace.clone());
+        let (added, replaced) = gpumem_core::workspace::merge(&mut profile.conv_workspace, measured);
+        Applied { added, replaced, refused: self.conv.heuristic.iter().filter(|c| c.error.is_some()).count() }
     }
 }
 
@@ -121,7 +107,8 @@ pub struct ProbeRequest {
     pub models: Vec<String>,
     /// `off`, `on` or `both` (cudnn.benchmark).
     pub benchmark: String,
-    /// Time budget per convolution pass, seconds (0: none).
+    /// Time budget of each cudnn.benchmark mode's convolutions, seconds (0: none); those past
+    /// it stay unprobed.
     pub seconds: u64,
     /// Exactly these convolutions (configuration, batch) instead of `models`' or the grid's.
     pub configs: Vec<(String, u64)>,
@@ -151,7 +138,11 @@ impl TorchTracer {
         if req.seconds > 0 {
             cmd.arg("--seconds").arg(req.seconds.to_string());
         }
-        let res = cmd.output().map_err(|e| BridgeError::Python(format!("cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)", self.python)))?;
+        // The probe's own budget plus the imports and the context; a probe stuck in the driver
+        // is killed rather than holding its GPU for ever.
+        let limit = std::time::Duration::from_secs(if req.seconds > 0 { 2 * req.seconds + 120 } else { 3600 });
+        let res = output_within(cmd, limit).map_err(|e| BridgeError::Python(format!("cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)", self.python)))?;
+        let Some(res) = res else { return Err(BridgeError::Python(format!("probe killed after {} s", limit.as_secs()))) };
         if !res.status.success() {
             let msg = crate::tail(&String::from_utf8_lossy(&res.stderr), 3);
             return Err(match res.status.code() {
@@ -161,6 +152,39 @@ impl TorchTracer {
         }
         ProbeReport::read(out)
     }
+}
+
+/// Runs `cmd` (output captured) and kills it if it runs past `limit`: `None` then.
+fn output_within(mut cmd: std::process::Command, limit: std::time::Duration) -> std::io::Result<Option<std::process::Output>> {
+    use std::process::Stdio;
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+    // Drained in threads: a full pipe must not stall the probe.
+    let mut out = child.stdout.take().expect("piped");
+    let mut err = child.stderr.take().expect("piped");
+    let read_out = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut out, &mut v);
+        v
+    });
+    let read_err = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut err, &mut v);
+        v
+    });
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break Some(status);
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let (stdout, stderr) = (read_out.join().unwrap_or_default(), read_err.join().unwrap_or_default());
+    Ok(status.map(|status| std::process::Output { status, stdout, stderr }))
 }
 
 #[cfg(test)]

@@ -90,7 +90,7 @@ impl Cnn {
     /// dropout:USE_batchnorm:USE.out`) with the seed's loop: no pooling layers (its launcher
     /// never asked for them), 4,096 samples, the full-batch summary first. Returns the model and
     /// batch size. A dense row's transition interval was drawn at random and not recorded: this
-    /// gives the depth rule's (`pool_every = 0`); [`Cnn::seed_alternatives`] gives both.
+    /// gives the depth rule's (`pool_every = 0`).
     pub fn from_seed_filename(name: &str) -> Result<(Cnn, u64), SpecError> {
         const KEYS: [&str; 11] = ["input_channels:", "num_classes:", "depth:", "arch:", "base_filters:", "batch:", "input_size:", "act:", "dropout:", "dropout:", "batchnorm:"];
         let v = SeedValues::read(name, &KEYS)?;
@@ -116,15 +116,6 @@ impl Cnn {
             summary: true,
         };
         Ok((cnn, v.uint(5)?))
-    }
-
-    /// The networks a seed row may have been: one, or for a dense row both transition
-    /// intervals the seed drew from (every 5 units, or the depth rule).
-    pub fn seed_alternatives(&self) -> Vec<Cnn> {
-        match self.arch {
-            CnnArch::Dense => vec![Cnn { pool_every: 5, ..self.clone() }, Cnn { pool_every: 0, ..self.clone() }],
-            _ => vec![self.clone()],
-        }
     }
 
     fn pooling_interval(&self) -> u64 {

@@ -247,7 +247,6 @@ impl ModelSpec {
         }
     }
 
-    /// The training-step trace of this model under `job`.
     /// An upper bound of the elements of the job's largest tensor at batch `batch` (in floating
     /// point: it is there to refuse jobs whose sizes would not fit in bytes at all).
     fn largest_elements(&self, batch: u64) -> f64 {
@@ -266,6 +265,7 @@ impl ModelSpec {
         }
     }
 
+    /// The training-step trace of this model under `job`.
     pub fn trace(&self, job: &JobOptions) -> Result<Trace, JobError> {
         if job.batch == 0 || job.batch > MAX_BATCH {
             return Err(JobError::BatchOutOfRange(job.batch));
