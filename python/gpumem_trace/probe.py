@@ -36,7 +36,6 @@ GRID_MODELS = ["torchvision:resnet18", "torchvision:resnet50", "torchvision:vgg1
                "torchvision:regnet_y_400mf"]
 GRID_BATCHES = [16, 64]
 GRID_PRECISIONS = ["fp32", "amp-bf16"]
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 # --- which convolutions a job runs (CPU) -----------------------------------------------------
@@ -241,22 +240,10 @@ def device_used(torch):
     return total - free
 
 
-def nvml_used():
-    """Device memory in use before this process touches CUDA (NVML), or None."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
-        return int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
-    except Exception:  # noqa: BLE001 - NVML absent or refused: the baseline is unknown
-        return None
-
-
-def context_point(torch, baseline, name):
-    used = device_used(torch)
-    reserved = torch.cuda.memory_reserved()
-    return {"at": name, "used": used, "reserved": reserved, "outside_allocator": used - reserved - (baseline or 0)}
+def context_point(torch, name):
+    """Device memory in use and PyTorch's reserved memory at a point of the probe: the
+    difference is what lives outside the allocator (context and libraries)."""
+    return {"at": name, "used": device_used(torch), "reserved": torch.cuda.memory_reserved()}
 
 
 def probe_cublas(torch):
@@ -370,14 +357,13 @@ def main(argv=None):
             json.dump(configs, f, indent=1)
         return 0
 
-    baseline = nvml_used()
     import torch
 
     if not torch.cuda.is_available():
         return fail(3, "no CUDA device (probe runs on the GPU it measures)")
     t0 = time.time()
     torch.empty(1, device="cuda")
-    doc = {"stack": stack_facts(torch), "baseline_used": baseline, "context": [context_point(torch, baseline, "cuda")]}
+    doc = {"stack": stack_facts(torch), "context": [context_point(torch, "cuda")]}
 
     def save():
         # After each part: a run cut short keeps what it measured.
@@ -386,7 +372,7 @@ def main(argv=None):
             json.dump(doc, f, indent=1)
 
     doc["cublas"] = probe_cublas(torch)
-    doc["context"].append(context_point(torch, baseline, "cublas"))
+    doc["context"].append(context_point(torch, "cublas"))
     save()
     modes = {"off": [False], "on": [True], "both": [False, True]}[a.benchmark]
     doc["conv"] = {}
@@ -396,12 +382,12 @@ def main(argv=None):
         doc["conv"]["benchmark" if bench else "heuristic"] = rows
         if len(rows) < len(configs):
             doc.setdefault("unprobed", {})["benchmark" if bench else "heuristic"] = len(configs) - len(rows)
-        doc["context"].append(context_point(torch, baseline, "cudnn_benchmark" if bench else "cudnn"))
+        doc["context"].append(context_point(torch, "cudnn_benchmark" if bench else "cudnn"))
         save()
     torch.backends.cudnn.benchmark = False
     if not a.no_sdpa:
         doc["sdpa"] = probe_sdpa(torch)
-        doc["context"].append(context_point(torch, baseline, "sdpa"))
+        doc["context"].append(context_point(torch, "sdpa"))
     save()
     return 0
 

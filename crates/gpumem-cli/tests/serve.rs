@@ -92,6 +92,13 @@ impl Drop for Server {
     }
 }
 
+/// `gpumem serve` on one fake A100 with state `state` on an ephemeral port, then `extra`.
+fn serve_args(state: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args = vec!["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", state.to_str().unwrap()];
+    args.extend(extra);
+    args.iter().map(|a| a.to_string()).collect()
+}
+
 /// A plain GET over a socket (the test needs no HTTP client of its own).
 fn http_get(url: &str, path: &str) -> String {
     use std::io::{Read, Write};
@@ -280,11 +287,7 @@ fn a_lost_store_is_refused_not_silently_reset() {
     for f in ["jobs.db-wal", "jobs.db-shm"] {
         let _ = std::fs::remove_file(state.join(f));
     }
-    let serve = |extra: &[&str]| {
-        let mut args = vec!["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", state.to_str().unwrap()];
-        args.extend(extra);
-        args.iter().map(|a| a.to_string()).collect::<Vec<_>>()
-    };
+    let serve = |extra: &[&str]| serve_args(&state, extra);
     let o = gpumem(&serve(&[]).iter().map(String::as_str).collect::<Vec<_>>());
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
@@ -448,11 +451,7 @@ fn a_damaged_store_is_refused_and_a_lost_wal_loses_nothing_old() {
     assert_eq!(listed.as_array().unwrap().len(), ids.len(), "every job older than a second is in the database file");
     s.kill();
     std::fs::write(state.join("jobs.db"), vec![0x5a; 8192]).unwrap();
-    let serve = |extra: &[&str]| {
-        let mut args = vec!["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", state.to_str().unwrap()];
-        args.extend(extra);
-        args.iter().map(|a| a.to_string()).collect::<Vec<_>>()
-    };
+    let serve = |extra: &[&str]| serve_args(&state, extra);
     let o = gpumem(&serve(&[]).iter().map(String::as_str).collect::<Vec<_>>());
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");

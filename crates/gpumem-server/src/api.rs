@@ -16,7 +16,7 @@ use serde::Deserialize;
 
 use gpumem_workload::Workload;
 
-use crate::daemon::{CancelError, Daemon, estimate};
+use crate::daemon::{CancelError, Daemon, Sized, estimate};
 use crate::wire::{ApiError, JobRequest, JobState};
 
 /// Request bodies above this are refused (413).
@@ -112,8 +112,13 @@ async fn submit(State(app): State<Arc<App>>, body: Bytes) -> Response {
     if let Err(e) = req.validate(d.gpu_count()) {
         return error(StatusCode::BAD_REQUEST, e);
     }
-    let est = match (&req.model, req.batch, req.mem_mib) {
-        (_, _, Some(mib)) => Some((mib * gpumem_place::MIB, mib * gpumem_place::MIB)),
+    /// A size the submitter stated (or none), or gpumem's estimate of the model.
+    enum Size {
+        Stated(Option<(u64, u64)>),
+        Estimated(Sized),
+    }
+    let size = match (&req.model, req.batch, req.mem_mib) {
+        (_, _, Some(mib)) => Size::Stated(Some((mib * gpumem_place::MIB, mib * gpumem_place::MIB))),
         (Some(model), Some(batch), None) => {
             if model.trim_start().starts_with("py:") && !d.config.allow_py_models {
                 return error(StatusCode::BAD_REQUEST, "model: py: models run their file's code inside the daemon; this daemon does not accept them (allow_py_models)");
@@ -126,22 +131,18 @@ async fn submit(State(app): State<Arc<App>>, body: Bytes) -> Response {
             let Ok(_turn) = app.traces.acquire().await else { return error(StatusCode::SERVICE_UNAVAILABLE, "shutting down") };
             let (config, profile) = (d.config.clone(), d.profile());
             match tokio::task::spawn_blocking(move || estimate(&config, &profile, &workload)).await {
-                Ok(Ok(sized)) if d.probes() && !sized.unprobed.is_empty() => {
-                    // Its convolutions are not in the profile: it waits for a probe.
-                    return match tokio::task::spawn_blocking(move || d.submit_for_probe(req, sized)).await {
-                        Ok(Ok(s)) => (StatusCode::CREATED, axum::Json(s)).into_response(),
-                        Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e),
-                        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-                    };
-                }
-                Ok(Ok(sized)) => Some((sized.peak, sized.bound)),
+                Ok(Ok(sized)) => Size::Estimated(sized),
                 Ok(Err(e)) => return error(StatusCode::BAD_REQUEST, format!("model: {e}")),
                 Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
             }
         }
-        _ => None,
+        _ => Size::Stated(None),
     };
-    match tokio::task::spawn_blocking(move || d.submit(req, est)).await {
+    let stored = tokio::task::spawn_blocking(move || match size {
+        Size::Estimated(sized) => d.submit_sized(req, sized),
+        Size::Stated(stated) => d.submit(req, stated),
+    });
+    match stored.await {
         Ok(Ok(s)) => (StatusCode::CREATED, axum::Json(s)).into_response(),
         Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e),
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),

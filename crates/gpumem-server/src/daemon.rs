@@ -329,11 +329,8 @@ impl Daemon {
             // A damaged store is set aside whole, with the job directories it named.
             Err(StoreError::Damaged { .. }) if recover => {
                 let stamp = now() as u64;
-                for ext in ["", "-wal", "-shm"] {
-                    let from = state_dir.join(format!("jobs.db{ext}"));
-                    if from.exists() {
-                        std::fs::rename(&from, state_dir.join(format!("jobs.db{ext}.damaged-{stamp}"))).map_err(io)?;
-                    }
+                for from in crate::store::files(&state_dir.join("jobs.db")).into_iter().filter(|f| f.exists()) {
+                    std::fs::rename(&from, format!("{}.damaged-{stamp}", from.display())).map_err(io)?;
                 }
                 set_aside_jobs(stamp)?;
                 Store::open(&state_dir.join("jobs.db"))?
@@ -397,20 +394,19 @@ impl Daemon {
         self.profile.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Whether a job with unprobed convolutions waits for a probe.
-    pub fn probes(&self) -> bool {
-        self.prober.is_some() && self.config.probe_s > 0
-    }
-
-    /// Stores a sized submission whose convolutions the profile lacks: it waits (sized by its
-    /// upper bound) until a probe of them answers or `probe_s` passes, then joins the queue.
-    pub fn submit_for_probe(&self, request: JobRequest, sized: Sized) -> Result<Submitted, StoreError> {
+    /// Stores a submission gpumem sized. One whose convolutions the profile lacks, where the
+    /// daemon probes (`probe_s`), waits sized by its upper bound until a probe of them answers
+    /// or `probe_s` passes, then joins the queue; any other is queued at once.
+    pub fn submit_sized(&self, request: JobRequest, sized: Sized) -> Result<Submitted, StoreError> {
+        if self.prober.is_none() || self.config.probe_s == 0 || sized.unprobed.is_empty() {
+            return self.submit(request, Some((sized.peak, sized.bound)));
+        }
         let mut inner = self.lock();
         let t = now();
         let mut job = JobRecord::queued(request, Some((sized.bound, sized.bound)), t);
         job.id = inner.store.insert(&job)?;
         job.error = Some("waiting for a probe of its convolutions; sized by its upper bound meanwhile".into());
-        let out = Submitted { id: job.id, state: job.state, estimate_mib: job.estimate_bytes.map(bytes_to_mib), bound_mib: job.bound_bytes.map(bytes_to_mib) };
+        let out = submitted(&job);
         inner.probe_wait.push(ProbeWait { job: job.id, trace: sized.trace, configs: sized.unprobed, until: t + self.config.probe_s as f64 });
         inner.jobs.insert(job.id, job);
         Ok(out)
@@ -430,7 +426,7 @@ impl Daemon {
         let mut inner = self.lock();
         let mut job = JobRecord::queued(request, estimate, now());
         job.id = inner.store.insert(&job)?;
-        let out = Submitted { id: job.id, state: job.state, estimate_mib: job.estimate_bytes.map(bytes_to_mib), bound_mib: job.bound_bytes.map(bytes_to_mib) };
+        let out = submitted(&job);
         let id = job.id;
         inner.jobs.insert(id, job);
         queue(&mut inner, id, now());
@@ -887,6 +883,11 @@ impl Forecast for Stated<'_> {
     fn run_s(&self, job: u64) -> Option<f64> {
         self.0.get(&job)?.request.expected_s
     }
+}
+
+/// The answer to a submission.
+fn submitted(j: &JobRecord) -> Submitted {
+    Submitted { id: j.id, state: j.state, estimate_mib: j.estimate_bytes.map(bytes_to_mib), bound_mib: j.bound_bytes.map(bytes_to_mib) }
 }
 
 fn view(j: &JobRecord) -> JobView {

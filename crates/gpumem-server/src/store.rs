@@ -1,7 +1,7 @@
 //! The job store: SQLite in WAL mode. Every state change is written before it takes effect, so a
 //! restarted daemon knows every job and what it was doing.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use rusqlite::{Connection, OptionalExtension, params};
 
@@ -123,6 +123,11 @@ CREATE INDEX IF NOT EXISTS events_job ON events(job);
 /// The store's layout, in SQLite's `user_version` (0: a store from before versions, the same
 /// layout).
 const SCHEMA_VERSION: i64 = 1;
+
+/// The files a store at `path` is made of: the database, its WAL and its shared-memory index.
+pub fn files(path: &Path) -> [PathBuf; 3] {
+    ["", "-wal", "-shm"].map(|ext| PathBuf::from(format!("{}{ext}", path.display())))
+}
 
 impl Store {
     pub fn open(path: &Path) -> Result<Store, StoreError> {
@@ -294,6 +299,12 @@ fn event(conn: &Connection, job: u64, at: f64, state: JobState, note: Option<&st
 mod tests {
     use super::*;
 
+    fn remove(path: &Path) {
+        for f in files(path) {
+            let _ = std::fs::remove_file(f);
+        }
+    }
+
     fn job() -> JobRecord {
         JobRecord::queued(serde_json::from_str(r#"{"command": ["true"]}"#).unwrap(), Some((5 << 30, 6 << 30)), 1.0)
     }
@@ -317,19 +328,13 @@ mod tests {
         assert_eq!(h.iter().map(|e| e.state).collect::<Vec<_>>(), [JobState::Queued, JobState::Running]);
         assert_eq!(h[1].note.as_deref(), Some("placed"));
         assert!(s.exists(j.id).unwrap() && !s.exists(99).unwrap());
-        for ext in ["", "-wal", "-shm"] {
-            let _ = std::fs::remove_file(format!("{}{ext}", path.display()));
-        }
+        remove(&path);
     }
 
     #[test]
     fn a_damaged_or_newer_store_is_refused_in_one_line() {
         let path = std::env::temp_dir().join(format!("gpumem-store-refused-{}.db", std::process::id()));
-        let clean = || {
-            for ext in ["", "-wal", "-shm"] {
-                let _ = std::fs::remove_file(format!("{}{ext}", path.display()));
-            }
-        };
+        let clean = || remove(&path);
         clean();
         std::fs::write(&path, vec![0x5a; 8192]).unwrap();
         let e = Store::open(&path).err().expect("garbage is refused");
@@ -347,11 +352,7 @@ mod tests {
     #[test]
     fn a_checkpointed_store_survives_its_wal() {
         let path = std::env::temp_dir().join(format!("gpumem-store-wal-{}.db", std::process::id()));
-        let clean = || {
-            for ext in ["", "-wal", "-shm"] {
-                let _ = std::fs::remove_file(format!("{}{ext}", path.display()));
-            }
-        };
+        let clean = || remove(&path);
         clean();
         let mut s = Store::open(&path).unwrap();
         let ids: Vec<u64> = (0..50).map(|_| s.insert(&job()).unwrap()).collect();
@@ -382,9 +383,7 @@ mod tests {
         let e = s.load().unwrap_err();
         assert!(matches!(e, StoreError::Column { column: "assigned", .. }) && e.to_string().starts_with(&format!("job store: job {id}: ")), "{e}");
         drop(s);
-        for ext in ["", "-wal", "-shm"] {
-            let _ = std::fs::remove_file(format!("{}{ext}", path.display()));
-        }
+        remove(&path);
         let dir = std::env::temp_dir();
         let e = Store::open(&dir).map(|_| ()).unwrap_err();
         assert!(matches!(e, StoreError::Open { .. } | StoreError::Private { .. } | StoreError::Sql(_)), "{e}");
