@@ -246,6 +246,7 @@ fn print_estimate(model: &str, batch: u64, iterations: u32, profile: &GpuProfile
         let why = match source {
             WorkspaceSource::Probed => "cuDNN workspaces as probed on this GPU and stack",
             WorkspaceSource::Fitted => "some cuDNN workspaces fitted from the profile's probed table (the bound covers them)",
+            WorkspaceSource::Policy => "some cuDNN workspaces sized by the profile's policy for this architecture (the bound covers them)",
             WorkspaceSource::Default => "cuDNN workspaces not modelled (no probed table: `gpumem probe`); the bound covers them",
         };
         println!("workspaces   {} — {why}", source.name());

@@ -23,6 +23,17 @@ pub enum Dtype {
 }
 
 impl Dtype {
+    /// The name after `torch.` (as the tracer writes dtypes).
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "float32",
+            Dtype::F16 => "float16",
+            Dtype::BF16 => "bfloat16",
+            Dtype::I64 => "int64",
+            Dtype::I32 => "int32",
+            Dtype::Bool => "bool",
+        }
+    }
     pub fn size(self) -> u64 {
         match self {
             Dtype::F32 | Dtype::I32 => 4,
@@ -145,6 +156,17 @@ pub struct Node {
     pub bytes_written: u64,
     /// Calls cuBLAS (the first call on a thread allocates that thread's workspace).
     pub cublas: bool,
+    /// A convolution: its configuration as the profile's workspace table names it, and the
+    /// batch; each pass takes the workspace cuDNN's engine asks for.
+    pub conv: Option<ConvConfig>,
+}
+
+/// A convolution's key in a workspace table (the tracer's `conv_config`, batch apart) and its
+/// batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConvConfig {
+    pub key: String,
+    pub n: u64,
 }
 
 /// The op graph of one training step at one batch size.
@@ -331,6 +353,7 @@ impl GraphBuilder {
             bytes_read,
             bytes_written,
             cublas,
+            conv: None,
         });
         outs
     }
@@ -667,6 +690,11 @@ impl GraphBuilder {
             bw.push(Bw::Grad(2));
         }
         let y = self.node("conv2d", &inputs, &[(out_numel, dt)], &[Saved::In(0), Saved::In(1)], &bw, flops, false)[0];
+        let key = format!(
+            "in={in_c}x{hw}x{hw};w={out_c}x{in_c}x{k}x{k};stride={stride}x{stride};pad={pad}x{pad};dil=1x1;groups=1;dtype={};layout=contiguous",
+            dt.torch_name()
+        );
+        self.g.nodes.last_mut().expect("just pushed").conv = Some(ConvConfig { key, n: batch });
         (y, out_hw)
     }
 

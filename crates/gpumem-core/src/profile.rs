@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::allocator::{AllocatorConfig, AllocatorConfigError};
 use crate::units::{MIB, mib_to_bytes};
 use crate::trace::ConvPass;
-use crate::workspace::ConvWorkspace;
+use crate::workspace::{ConvWorkspace, WorkspacePolicy, WorkspaceTable};
 
 const BUILTIN: &str = include_str!("../profiles/gpus.toml");
 
@@ -67,6 +67,9 @@ fn default_bound_relative() -> f64 {
 fn default_conv_workspace_bound() -> f64 {
     4.0
 }
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
+}
 fn default_torch() -> String {
     "2.1".into()
 }
@@ -92,6 +95,11 @@ pub struct GpuProfile {
     /// Other memory outside the allocator (NCCL buffers, cuFFT plans…).
     #[serde(default)]
     pub non_allocator_mib: f64,
+    /// What loading cuDNN adds outside the allocator, for jobs that run a convolution, where
+    /// `cuda_context_mib` was fitted on jobs that never load it (0 where the context includes
+    /// it, as a probed one does).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cudnn_context_mib: f64,
     /// Overrides the per-architecture cuBLAS workspace size (bytes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cublas_workspace_bytes: Option<u64>,
@@ -125,6 +133,10 @@ pub struct GpuProfile {
     /// The software stack `gpumem probe` measured (its workspace table holds for this stack).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stack: Option<Stack>,
+    /// How convolution workspaces the table has nothing to go by are sized (cuDNN's engines
+    /// on this architecture and cuDNN major version); unset: not modelled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conv_workspace_policy: Option<WorkspacePolicy>,
     /// Convolution workspaces measured by `gpumem probe`, per configuration and batch.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conv_workspace: Vec<ConvWorkspace>,
@@ -180,12 +192,22 @@ impl GpuProfile {
     pub fn cublas_workspace(&self) -> u64 {
         self.cublas_workspace_bytes.unwrap_or(if self.cc_major() == 9 { CUBLAS_WORKSPACE_HOPPER_BYTES } else { CUBLAS_WORKSPACE_BYTES })
     }
+    /// The convolution workspaces as the replay looks them up: the probed table, then the
+    /// policy.
+    pub fn workspaces(&self) -> WorkspaceTable<'_> {
+        WorkspaceTable::new(&self.conv_workspace, self.conv_workspace_policy)
+    }
     pub fn allocator_config(&self) -> Result<AllocatorConfig, ProfileError> {
         AllocatorConfig::parse(&self.allocator).map_err(|source| ProfileError::Allocator { name: self.name.clone(), source })
     }
     /// Bytes the caching allocator may reserve before cudaMalloc fails.
     pub fn allocator_capacity(&self) -> u64 {
         self.capacity_bytes().saturating_sub(self.context_bytes() + self.non_allocator_bytes())
+    }
+    /// Memory a job holds outside the allocator: the context, other fixed costs, and cuDNN's
+    /// share where the job loads it.
+    pub fn fixed_bytes(&self, loads_cudnn: bool) -> u64 {
+        self.context_bytes() + self.non_allocator_bytes() + if loads_cudnn { mib_to_bytes(self.cudnn_context_mib) } else { 0 }
     }
 
     fn validate(&self) -> Result<(), ProfileError> {
@@ -196,11 +218,14 @@ impl GpuProfile {
         if !(self.cuda_context_mib >= 0.0 && self.cuda_context_mib < self.capacity_mib as f64) {
             return bad("cuda_context_mib must be between 0 and capacity_mib");
         }
-        if !(self.non_allocator_mib >= 0.0 && self.bound_fixed_mib >= 0.0 && self.bound_relative >= 0.0) {
-            return bad("non_allocator_mib, bound_fixed_mib and bound_relative must not be negative");
+        if !(self.non_allocator_mib >= 0.0 && self.cudnn_context_mib >= 0.0 && self.bound_fixed_mib >= 0.0 && self.bound_relative >= 0.0) {
+            return bad("non_allocator_mib, cudnn_context_mib, bound_fixed_mib and bound_relative must not be negative");
         }
         if self.conv_workspace.iter().any(|e| e.n == 0 || ConvPass::ALL.iter().any(|&p| e.sizes(p).iter().any(|&b| b > crate::trace::MAX_ALLOC_BYTES))) {
             return bad("conv_workspace entries need n of at least 1 and sizes of at most 1 PiB");
+        }
+        if let Some(Err(message)) = self.conv_workspace_policy.map(|p| p.validate()) {
+            return bad(message);
         }
         self.allocator_config()?;
         Ok(())

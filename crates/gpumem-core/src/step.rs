@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use crate::UnknownName;
 use crate::graph::{Bw, Graph, Precision, Role, TensorId};
 use crate::profile::CUBLAS_WORKSPACE_BYTES;
-use crate::trace::{Category, Phase, Trace, TraceBuilder, TraceHeader};
+use crate::trace::{Category, ConvPass, Phase, Trace, TraceBuilder, TraceHeader};
 
 /// The optimizers gpumem models, with PyTorch's defaults (foreach on CUDA in 2.x).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -264,6 +264,9 @@ impl<'a> Emitter<'a> {
             if n.cublas {
                 self.workspace(phase);
             }
+            if let Some(c) = &n.conv {
+                self.b.workspace(&c.key, c.n, ConvPass::Forward, phase, None);
+            }
             for &bytes in &n.temps {
                 let id = self.b.alloc(bytes, Category::Temporary, phase, n.name);
                 self.b.free(id);
@@ -411,6 +414,18 @@ impl<'a> Emitter<'a> {
                                     let id = self.b.alloc(tensor.bytes(), cat, Phase::Backward, n.name);
                                     if n.cublas {
                                         self.workspace(Phase::Backward);
+                                    }
+                                    // cuDNN computes the input's gradient, then the weight's,
+                                    // each with its own workspace.
+                                    if let Some(c) = &n.conv {
+                                        let pass = match i {
+                                            0 => Some(ConvPass::BackwardData),
+                                            1 => Some(ConvPass::BackwardFilter),
+                                            _ => None,
+                                        };
+                                        if let Some(pass) = pass {
+                                            self.b.workspace(&c.key, c.n, pass, Phase::Backward, None);
+                                        }
                                     }
                                     bufs.new_buf(id)
                                 }

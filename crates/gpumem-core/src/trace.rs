@@ -513,6 +513,12 @@ impl Trace {
     }
 
     /// The largest output (bytes written) of any kernel whose op name is in `names`.
+    /// Whether the job runs a convolution (and so loads cuDNN): the trace names its
+    /// workspaces.
+    pub fn runs_convolutions(&self) -> bool {
+        self.events.iter().any(|ev| matches!(ev, Event::Workspace { .. }))
+    }
+
     pub fn largest_output(&self, names: &[&str]) -> u64 {
         let wanted: Vec<u32> =
             self.ops.iter().enumerate().filter(|(_, n)| names.contains(&n.as_str())).map(|(i, _)| i as u32).collect();

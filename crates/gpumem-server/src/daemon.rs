@@ -9,7 +9,6 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::trace::Trace;
-use gpumem_core::workspace::WorkspaceTable;
 use gpumem_torch::probe::ProbeReport;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_monitor::{FakeGpus, Monitor};
@@ -186,7 +185,7 @@ pub struct Sized {
 pub fn estimate(config: &Config, profile: &GpuProfile, workload: &Workload) -> Result<Sized, SizeError> {
     let trace = workload.trace(profile)?;
     let (peak, bound) = size(config, profile, &trace)?;
-    let unprobed = WorkspaceTable::new(&profile.conv_workspace).unprobed(&trace);
+    let unprobed = profile.workspaces().unprobed(&trace);
     Ok(Sized { peak, bound, trace, unprobed })
 }
 
@@ -533,7 +532,7 @@ impl Daemon {
             }
         }
         let profile = self.profile();
-        let table = WorkspaceTable::new(&profile.conv_workspace);
+        let table = profile.workspaces();
         let mut ready = Vec::new();
         for mut w in std::mem::take(&mut inner.probe_wait) {
             if !inner.jobs.get(&w.job).is_some_and(|j| j.state.is_waiting()) {

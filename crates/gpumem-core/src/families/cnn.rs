@@ -314,6 +314,32 @@ mod tests {
     }
 
     #[test]
+    fn convolutions_name_their_workspaces_as_the_tracer_does() {
+        use crate::families::JobOptions;
+        use crate::trace::{ConvPass, Event};
+        let t = ModelSpec::parse("cnn:classes=10,filters=16,depth=2,input=32,arch=uniform").unwrap().trace(&JobOptions::new(4)).unwrap();
+        let passes = |key: &str| {
+            let mut p: Vec<ConvPass> = t
+                .events()
+                .iter()
+                .filter_map(|ev| match *ev {
+                    Event::Workspace { conv, n: 4, pass, .. } if t.op_name(conv) == key => Some(pass),
+                    _ => None,
+                })
+                .collect();
+            p.sort();
+            p.dedup();
+            p
+        };
+        let first = "in=3x32x32;w=16x3x3x3;stride=1x1;pad=1x1;dil=1x1;groups=1;dtype=float32;layout=contiguous";
+        let second = "in=16x32x32;w=16x16x3x3;stride=1x1;pad=1x1;dil=1x1;groups=1;dtype=float32;layout=contiguous";
+        // The image needs no gradient: the first convolution has no backward-data pass.
+        assert_eq!(passes(first), vec![ConvPass::Forward, ConvPass::BackwardFilter]);
+        assert_eq!(passes(second), ConvPass::ALL.to_vec());
+        assert!(t.runs_convolutions());
+    }
+
+    #[test]
     fn every_arch_builds_a_trainable_graph() {
         for (name, _) in ARCHS {
             let c = cnn(&format!("cnn:classes=10,filters=16,depth=8,input=32,arch={name},batchnorm=true,dropout=0.1"));
