@@ -66,5 +66,8 @@ fn diff_against_the_h200_snapshot_finds_no_divergence() {
     assert_eq!(e["allocator"]["peak_reserved"].as_u64(), Some(5934 << 20), "PyTorch's own peak on the H200");
     let o = gpumem(&["estimate", "torchvision:vgg16", "--batch", "32", "--gpu", "h200", "--json"]);
     let e: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(e["workspace_source"], "default", "no table: cuDNN's workspaces are not modelled");
+    // No table: the built-in profile's policy (the NHWC copies) sizes them, within 10 MiB here.
+    assert_eq!(e["workspace_source"], "policy");
+    let reserved = e["allocator"]["peak_reserved"].as_u64().unwrap();
+    assert!(reserved.abs_diff(5934 << 20) <= 10 << 20, "{reserved}");
 }
