@@ -215,10 +215,6 @@ impl<'a> WorkspaceTable<'a> {
         t
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.exact.is_empty()
-    }
-
     /// The convolutions of `trace` (configuration, batch) whose workspaces are not in the
     /// table: what a probe of this job should measure.
     pub fn unprobed(&self, trace: &Trace) -> Vec<(String, u64)> {
