@@ -99,15 +99,21 @@ fn serve_args(state: &Path, extra: &[&str]) -> Vec<String> {
     args.iter().map(|a| a.to_string()).collect()
 }
 
+/// `request` sent as is over a socket to `url`, and whatever comes back.
+fn raw_request(url: &str, request: &str) -> String {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(url.trim_start_matches("http://")).unwrap();
+    // A refusal (413) is answered before the body is read and the connection
+    // closed, so writing the rest may meet a broken pipe; the answer is queued.
+    let _ = c.write_all(request.as_bytes());
+    let mut out = Vec::new();
+    let _ = c.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// A plain GET over a socket (the test needs no HTTP client of its own).
 fn http_get(url: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let addr = url.trim_start_matches("http://");
-    let mut c = std::net::TcpStream::connect(addr).unwrap();
-    write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-    let mut out = String::new();
-    c.read_to_string(&mut out).unwrap();
-    out
+    raw_request(url, &format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
 }
 
 /// A shell job that reports `mib` of fake GPU memory, then runs `rest`.
@@ -214,7 +220,6 @@ fn security() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("refusing to listen on 0.0.0.0:0 without a token"));
     // With a token, requests without it are refused.
     let (mut child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", d.join("st2").to_str().unwrap(), "--token", "s3cret"]);
-    let addr = url.trim_start_matches("http://").to_string();
     let o = gpumem(&["jobs", "--server", &url]);
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("401: missing or wrong bearer token"));
@@ -222,12 +227,7 @@ fn security() {
     assert!(o.status.success());
     // Oversized and malformed bodies, through a raw socket.
     let raw = |body: &str| -> String {
-        use std::io::{Read, Write};
-        let mut c = std::net::TcpStream::connect(&addr).unwrap();
-        write!(c, "POST /jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
-        let mut out = String::new();
-        let _ = c.read_to_string(&mut out);
-        out
+        raw_request(&url, &format!("POST /jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()))
     };
     assert!(raw(&"x".repeat(100_000)).starts_with("HTTP/1.1 413"));
     let bad = raw("{\"command\": [\"true\"], \"surprise\": 1}");
@@ -387,16 +387,8 @@ fn a_host_name_address_is_resolved() {
 /// Every refusal is the documented `{"error": …}` JSON, axum's own ones too (issue 14 item 9).
 #[test]
 fn every_error_answer_is_json() {
-    use std::io::{Read, Write};
     let d = dir("json-errors");
     let (mut child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", d.join("st").to_str().unwrap()]);
-    let raw = |request: &str| -> String {
-        let mut c = std::net::TcpStream::connect(url.trim_start_matches("http://")).unwrap();
-        c.write_all(request.as_bytes()).unwrap();
-        let mut out = String::new();
-        let _ = c.read_to_string(&mut out);
-        out
-    };
     let big = "x".repeat(2 << 20);
     for (request, status) in [
         ("GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".to_string(), "404"),
@@ -404,7 +396,7 @@ fn every_error_answer_is_json() {
         ("GET /jobs?state=%ZZ HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".to_string(), "400"),
         (format!("POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{big}", big.len()), "413"),
     ] {
-        let answer = raw(&request);
+        let answer = raw_request(&url, &request);
         let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
         assert!(head.starts_with(&format!("HTTP/1.1 {status}")), "{head}");
         assert!(head.to_ascii_lowercase().contains("content-type: application/json"), "{head}");
