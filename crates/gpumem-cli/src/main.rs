@@ -103,6 +103,9 @@ enum Command {
 #[derive(clap::Args)]
 struct SuperviseArgs {
     dir: std::path::PathBuf,
+    /// Track the run by its process group only (no cgroup of its own).
+    #[arg(long)]
+    no_cgroup: bool,
     #[arg(last = true, required = true)]
     argv: Vec<String>,
 }
@@ -142,7 +145,7 @@ fn main() -> ExitCode {
         Command::Job(a) => client::job(a),
         Command::Cancel(a) => client::cancel(a),
         Command::LoadTest(a) => client::load_test(a),
-        Command::Supervise(a) => return ExitCode::from(gpumem_server::launcher::supervise(&a.dir, &a.argv).clamp(0, 255) as u8),
+        Command::Supervise(a) => return ExitCode::from(gpumem_server::launcher::supervise(&a.dir, &a.argv, !a.no_cgroup).clamp(0, 255) as u8),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

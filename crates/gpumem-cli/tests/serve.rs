@@ -211,6 +211,62 @@ fn a_killed_daemon_loses_and_repeats_nothing() {
     }
 }
 
+/// Whether `pid` runs (a zombie has ended).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.rsplit_once(')').unwrap().1.trim_start().starts_with('Z'))
+}
+
+/// Issue 14 items 2 and 4: a job whose daemon and supervisor are both killed is re-attached,
+/// never run again; a killed supervisor does not free the job's GPU while the job runs; a
+/// cancelled job that traps SIGTERM gets SIGKILL after grace_s and is recorded cancelled only
+/// once its processes are gone; a finished job's background children are killed.
+#[test]
+fn each_run_is_controlled_exactly_once() {
+    use gpumem_server::launcher::JobDir;
+    let d = dir("exactly-once");
+    let state = d.join("state");
+    let marks = d.join("marks");
+    std::fs::create_dir_all(&marks).unwrap();
+    let mut s = Server::start(&d);
+    let procs = |id| JobDir::new(&state, id).procs().filter(|p| p.leader.is_some());
+    let sigkill = |pid: u32| unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    // Item 2: daemon and supervisor killed; the restarted daemon re-attaches.
+    let a = s.submit(&["--mem-mib", "1000", "--shell", &fake_job(1000, &format!("echo $GPUMEM_JOB_ATTEMPT >> {}/a; sleep 4", marks.display()))]);
+    s.wait_until(|| procs(a).is_some(), "A starts");
+    s.kill();
+    sigkill(JobDir::new(&state, a).pid().unwrap());
+    let s = Server::start(&d);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(s.state(a), "running", "re-attached, not requeued");
+    // Item 4: a supervisor killed under a live daemon; the GPU stays the job's.
+    let b = s.submit(&["--mem-mib", "1000", "--shell", &fake_job(1000, "sleep 3")]);
+    s.wait_until(|| procs(b).is_some(), "B starts");
+    sigkill(JobDir::new(&state, b).pid().unwrap());
+    std::thread::sleep(Duration::from_millis(500));
+    let gpus: serde_json::Value = serde_json::from_str(&s.run(&["gpus", "--json"])).unwrap();
+    let shown = gpus.as_array().unwrap().iter().any(|g| g["jobs"].as_array().unwrap().iter().any(|j| j.as_u64() == Some(b)));
+    assert!(s.state(b) == "running" && shown, "B still runs on its GPU: {gpus}");
+    for id in [a, b] {
+        s.wait_until(|| s.state(id) == "failed", "the job ends without its supervisor");
+        assert!(s.job(id)["error"].as_str().unwrap().contains("exit status is unknown"), "{}", s.job(id));
+    }
+    assert_eq!(std::fs::read_to_string(marks.join("a")).unwrap(), "1\n", "A started once");
+    // Item 4: cancelling a job that traps SIGTERM.
+    let c = s.submit(&["--mem-mib", "1000", "--shell", &fake_job(1000, "trap '' TERM; sleep 30")]);
+    s.wait_until(|| procs(c).is_some_and(|p| p.pids().len() == 2), "C and its sleep start");
+    let leader = procs(c).unwrap();
+    s.run(&["cancel", &c.to_string()]);
+    std::thread::sleep(Duration::from_millis(400));
+    assert!(leader.leader_running() && s.state(c) == "running", "SIGTERM is trapped: not cancelled yet");
+    s.wait_until(|| s.state(c) == "cancelled", "SIGKILL after grace_s (1 s)");
+    assert!(!leader.alive(), "recorded cancelled only once its processes are gone");
+    // Item 4: a finished job's background children.
+    let e = s.submit(&["--mem-mib", "1000", "--shell", &fake_job(1000, &format!("sleep 25 & echo $! > {}/e; exit 0", marks.display()))]);
+    s.wait_until(|| s.state(e) == "finished", "E finishes");
+    let child: u32 = std::fs::read_to_string(marks.join("e")).unwrap().trim().parse().unwrap();
+    assert!(!running(child), "E's background sleep was killed at its end");
+}
+
 #[test]
 fn security() {
     let d = dir("sec");

@@ -19,12 +19,13 @@ use serde::Deserialize;
 use gpumem_monitor::GpuReading;
 use gpumem_place::{Forecast, Queued, SchedOptions, Scheduler};
 
-use crate::launcher::{Exit, JobDir, Launch, alive, launch, signal_group};
+use crate::launcher::{Exit, JobDir, Launch, alive, launch};
 use crate::probe::Prober;
 use crate::store::{JobRecord, Store, StoreError};
 use crate::wire::{GpuView, JobRequest, JobState, JobView, MAX_MEM_MIB, Submitted};
 
-/// What happens to a job whose process vanished while the daemon was down.
+/// What happens to a job whose supervisor vanished before the job's program could start (one
+/// that may have started is never run again).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum OnLost {
@@ -65,6 +66,9 @@ pub struct Config {
     pub allow_py_models: bool,
     /// Submissions sized at once (each traces its model in Python); the others wait their turn.
     pub max_traces: u32,
+    /// Give each run a cgroup v2 directory of its own where the machine allows it (false: its
+    /// process group and its supervisor's subreaping alone track its processes).
+    pub cgroups: bool,
 }
 
 impl Default for Config {
@@ -83,6 +87,7 @@ impl Default for Config {
             probe_s: 0,
             allow_py_models: false,
             max_traces: 2,
+            cgroups: true,
         }
     }
 }
@@ -474,8 +479,9 @@ impl Daemon {
         } else {
             job.cancel_requested = true;
             inner.store.transition(job, t, Some("cancel requested"))?;
-            if let Some(pid) = job.pid {
-                signal_group(pid, libc::SIGTERM);
+            // Recorded as cancelled when its supervisor records the end: every process gone.
+            if let Some(procs) = JobDir::new(&self.state_dir, id).procs() {
+                procs.signal(libc::SIGTERM);
             }
             inner.kill_at.insert(id, t + self.config.grace_s);
         }
@@ -584,18 +590,19 @@ impl Daemon {
         result
     }
 
+    /// Follows each active run: started, ended (its supervisor's exit record: every process
+    /// gone), or on its own after its supervisor was killed — then tracked by its processes,
+    /// leftovers killed once its leader ends, and finished when none is left. Never run again
+    /// once its program may have started.
     fn reap(&self, inner: &mut Inner, t: f64) -> Result<(), StoreError> {
         let active: Vec<u64> = inner.jobs.values().filter(|j| matches!(j.state, JobState::Starting | JobState::Running)).map(|j| j.id).collect();
         for id in active {
             let dir = JobDir::new(&self.state_dir, id);
-            let mut ended = dir.exit();
+            // Our supervisor's end reaped (no zombie); what it means is read from the run's files.
             if let Some(child) = inner.children.get_mut(&id)
-                && let Ok(Some(status)) = child.try_wait()
+                && !matches!(child.try_wait(), Ok(None))
             {
                 inner.children.remove(&id);
-                // The supervisor writes the exit file; if it was killed first, its own status stands.
-                use std::os::unix::process::ExitStatusExt;
-                ended = ended.or(dir.exit()).or_else(|| Some(status.code().map_or(Exit::Signal(status.signal().unwrap_or(9)), Exit::Code)));
             }
             let job = inner.jobs.get_mut(&id).expect("active job exists");
             if job.state == JobState::Starting
@@ -605,74 +612,109 @@ impl Daemon {
                 job.state = JobState::Running;
                 inner.store.transition(job, t, Some("running"))?;
             }
-            if let Some(exit) = ended {
-                self.finish(inner, id, exit, &dir, t)?;
+            if let Some(exit) = dir.exit() {
+                self.finish(inner, id, Some(exit), &dir, t)?;
                 continue;
             }
-            let ours = inner.children.contains_key(&id);
-            let job = inner.jobs.get_mut(&id).expect("active job exists");
-            let gone = match (job.state, job.pid) {
-                (JobState::Running, Some(pid)) => !ours && !alive(pid),
-                // Recorded as starting, but no supervisor ever wrote its pid.
-                (JobState::Starting, _) => !ours && t - job.started_at.unwrap_or(t) > 5.0,
-                _ => false,
-            };
-            if gone {
-                let note = "its process vanished while the daemon was down";
-                match self.config.on_lost {
-                    OnLost::Requeue => {
-                        job.assigned.clear();
-                        job.pid = None;
-                        job.error = Some(format!("requeued: {note}"));
-                        queue(inner, id, t);
-                    }
-                    OnLost::Fail => {
-                        job.state = JobState::Failed;
-                        job.finished_at = Some(t);
-                        job.error = Some(note.into());
-                    }
+            let job = &inner.jobs[&id];
+            let kill_due = inner.kill_at.get(&id).is_some_and(|&deadline| t >= deadline);
+            let procs = dir.procs();
+            let supervised = inner.children.contains_key(&id) || job.pid.is_some_and(alive);
+            if supervised {
+                if kill_due && let Some(p) = &procs {
+                    p.signal(libc::SIGKILL);
                 }
-                inner.store.transition(&inner.jobs[&id], t, Some(note))?;
-            } else if let (Some(&deadline), Some(pid)) = (inner.kill_at.get(&id), job.pid)
-                && t >= deadline
-            {
-                signal_group(pid, libc::SIGKILL);
+                continue;
+            }
+            // The supervisor is gone without recording an end.
+            let Some(procs) = procs else {
+                // The program never started: the daemon died between recording the placement
+                // and the start (no supervisor pid after 5 s), or the supervisor before it.
+                let never = job.pid.is_some() || t - job.started_at.unwrap_or(t) > 5.0;
+                if never {
+                    self.lost(inner, id, t)?;
+                }
+                continue;
+            };
+            if procs.leader_running() {
+                if kill_due {
+                    procs.signal(libc::SIGKILL);
+                }
+            } else if procs.alive() {
+                procs.signal(libc::SIGKILL); // what the ended job left behind
+            } else if let Some(exit) = dir.exit() {
+                self.finish(inner, id, Some(exit), &dir, t)?; // recorded just before it died
+            } else {
+                procs.remove_cgroup();
+                self.finish(inner, id, None, &dir, t)?;
             }
         }
         Ok(())
     }
 
-    fn finish(&self, inner: &mut Inner, id: u64, exit: Exit, dir: &JobDir, t: f64) -> Result<(), StoreError> {
+    /// A job whose program never started: requeued or failed, as `on_lost` says.
+    fn lost(&self, inner: &mut Inner, id: u64, t: f64) -> Result<(), StoreError> {
+        let note = "its supervisor vanished before the job started";
+        let job = inner.jobs.get_mut(&id).expect("job exists");
+        match self.config.on_lost {
+            OnLost::Requeue => {
+                job.assigned.clear();
+                job.pid = None;
+                job.error = Some(format!("requeued: {note}"));
+                queue(inner, id, t);
+            }
+            OnLost::Fail => {
+                job.state = JobState::Failed;
+                job.finished_at = Some(t);
+                job.error = Some(note.into());
+            }
+        }
+        inner.store.transition(&inner.jobs[&id], t, Some(note))
+    }
+
+    /// Records the end of a run whose processes are all gone; `exit` is `None` where its
+    /// supervisor was killed before it could record one.
+    fn finish(&self, inner: &mut Inner, id: u64, exit: Option<Exit>, dir: &JobDir, t: f64) -> Result<(), StoreError> {
         inner.kill_at.remove(&id);
         inner.observed.remove(&id);
         let job = inner.jobs.get_mut(&id).expect("job exists");
-        job.exit_code = Some(exit.code());
+        job.exit_code = exit.map(Exit::code);
         job.pid = None;
-        let note;
-        if job.cancel_requested {
-            job.state = JobState::Cancelled;
-            note = "cancelled".to_string();
-        } else if exit.success() {
-            job.state = JobState::Finished;
-            note = "finished".into();
-        } else if dir.ran_out_of_memory() {
-            inner.oom_crashes += 1;
-            job.retries += 1;
-            job.error = Some(format!("out of GPU memory on {:?}; re-running alone", job.assigned));
-            // The scheduler decides: recovery (alone) or, past the retry limit, failure.
-            queue(inner, id, t);
-            note = "out of memory".into();
-        } else {
-            job.state = JobState::Failed;
-            let last = dir.log_tail(4096).lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").to_string();
-            job.error = Some(format!("exit code {}: {last}", exit.code()));
-            note = "failed".into();
-        }
+        let note = match exit {
+            _ if job.cancel_requested => {
+                job.state = JobState::Cancelled;
+                "cancelled"
+            }
+            None => {
+                // Not run again: it may have done its work.
+                job.state = JobState::Failed;
+                job.error = Some("its supervisor was killed, so its exit status is unknown (it ran once and is not run again)".into());
+                "failed"
+            }
+            Some(e) if e.success() => {
+                job.state = JobState::Finished;
+                "finished"
+            }
+            Some(_) if dir.ran_out_of_memory() => {
+                inner.oom_crashes += 1;
+                job.retries += 1;
+                job.error = Some(format!("out of GPU memory on {:?}; re-running alone", job.assigned));
+                // The scheduler decides: recovery (alone) or, past the retry limit, failure.
+                queue(inner, id, t);
+                "out of memory"
+            }
+            Some(e) => {
+                job.state = JobState::Failed;
+                let last = dir.log_tail(4096).lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").to_string();
+                job.error = Some(format!("exit code {}: {last}", e.code()));
+                "failed"
+            }
+        };
         let job = inner.jobs.get_mut(&id).expect("job exists");
         if job.state.is_final() {
             job.finished_at = Some(t);
         }
-        inner.store.transition(job, t, Some(&note))
+        inner.store.transition(job, t, Some(note))
     }
 
     /// Reads the GPUs (fake GPUs first learn what their jobs report) and each job's memory.
@@ -699,10 +741,11 @@ impl Daemon {
         for g in 0..inner.monitor.gpu_count() as u32 {
             let Ok(r) = inner.monitor.read(g) else { continue };
             if self.fake.is_none() {
-                // Real GPUs: a job's memory is that of the processes in its process group.
+                // Real GPUs: a job's memory is that of its run's processes.
                 for j in &running {
                     if j.assigned.contains(&g) {
-                        let mine: u64 = r.processes.iter().filter(|(pid, _)| j.pid.is_some_and(|pg| process_group(*pid) == Some(pg))).map(|p| p.1).sum();
+                        let pids = JobDir::new(&self.state_dir, j.id).procs().map(|p| p.pids()).unwrap_or_default();
+                        let mine: u64 = r.processes.iter().filter(|(pid, _)| pids.contains(pid)).map(|p| p.1).sum();
                         let e = observed.entry(j.id).or_default();
                         *e = (*e).max(mine);
                     }
@@ -789,7 +832,7 @@ impl Daemon {
         // requeued (no pid file appears), never run twice.
         inner.store.transition(&placed, t, Some(&format!("placed on GPUs {gpus:?}")))?;
         *job = placed;
-        let launch_spec = Launch { request: &job.request, dir: &dir, gpus, job_id: id, attempt: job.retries + 1, fake: self.fake.is_some() };
+        let launch_spec = Launch { request: &job.request, dir: &dir, gpus, job_id: id, attempt: job.retries + 1, fake: self.fake.is_some(), cgroup: self.config.cgroups };
         match launch(&self.supervisor, &launch_spec) {
             Ok(child) => {
                 job.pid = Some(child.id());
@@ -905,13 +948,6 @@ fn view(j: &JobRecord) -> JobView {
         retries: j.retries,
         error: j.error.clone(),
     }
-}
-
-/// The process group of `pid` (Linux /proc).
-fn process_group(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the parenthesised command name: state, ppid, pgrp, …
-    stat.rsplit_once(')')?.1.split_whitespace().nth(2)?.parse().ok()
 }
 
 #[cfg(test)]
