@@ -16,11 +16,10 @@ work=$(mktemp -d /tmp/gpumem-chaos.XXXXXX)
 state=$work/state marks=$work/marks
 mkdir -p "$marks"
 printf 'policy = "first-fit"\nwarmup_s = 1\ntick_ms = 50\ngrace_s = 1\ncgroups = %s\n' "${CGROUPS:-true}" > "$work/daemon.toml"
-port=$((20000 + RANDOM % 20000))
-url=http://127.0.0.1:$port
+url=unix:$work/gpumem.sock
 daemon=
 start_daemon() {
-    "$bin" serve --fake-gpus 4xa100-40gb --addr 127.0.0.1:$port --state "$state" --config "$work/daemon.toml" 2>> "$work/daemon.log" &
+    "$bin" serve --fake-gpus 4xa100-40gb --socket "$work/gpumem.sock" --state "$state" --config "$work/daemon.toml" 2>> "$work/daemon.log" &
     daemon=$!
     for _ in $(seq 100); do "$bin" jobs --server "$url" > /dev/null 2>&1 && return; sleep 0.05; done
     echo "the daemon did not start: $(tail -1 "$work/daemon.log")" >&2

@@ -15,9 +15,9 @@ echo "== record"; timeout 120 python3 -m gpumem_trace.record "${JOB[@]}" --out "
 echo "== diff"; timeout 60 $BIN diff "${JOB[@]}" --profile "$OUT/probe-cli.toml" --snapshot "$OUT/r18.pickle"
 echo "== serve with probe_s"
 printf 'probe_s = 60\ntick_ms = 100\nwarmup_s = 1\n' > /tmp/daemon.toml
-$BIN serve --gpu h200 --addr 127.0.0.1:7979 --state /tmp/st --config /tmp/daemon.toml > /tmp/serve.log 2>&1 &
+$BIN serve --gpu h200 --socket /tmp/gpumem.sock --state /tmp/st --config /tmp/daemon.toml > /tmp/serve.log 2>&1 &
 sleep 2
-$BIN submit --server http://127.0.0.1:7979 --json --model torchvision:resnet50 --batch 16 --input 3x96x96 -- python3 -c 'print("ran")'
-for i in $(seq 1 40); do s=$($BIN job 1 --server http://127.0.0.1:7979 --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])'); [ "$s" = finished ] && break; sleep 1; done
-$BIN job 1 --server http://127.0.0.1:7979 --json | head -30
+$BIN submit --server unix:/tmp/gpumem.sock --json --model torchvision:resnet50 --batch 16 --input 3x96x96 -- python3 -c 'print("ran")'
+for i in $(seq 1 40); do s=$($BIN job 1 --server unix:/tmp/gpumem.sock --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])'); [ "$s" = finished ] && break; sleep 1; done
+$BIN job 1 --server unix:/tmp/gpumem.sock --json | head -30
 grep -c "conv_workspace" /tmp/st/profile.toml; ls -la /tmp/st; tail -5 /tmp/serve.log

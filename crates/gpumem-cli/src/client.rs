@@ -11,17 +11,16 @@ use serde::Deserialize;
 use crate::args::WorkloadArgs;
 use crate::{CliError, CliResult};
 
-pub const DEFAULT_SERVER: &str = "http://127.0.0.1:7878";
-
 /// How to reach the daemon.
 #[derive(Args, Clone)]
 pub struct ServerArgs {
-    /// The daemon's URL (default: GPUMEM_SERVER, else http://127.0.0.1:7878).
-    #[arg(long, env = "GPUMEM_SERVER", default_value = DEFAULT_SERVER)]
-    server: String,
-    /// Bearer token (default: GPUMEM_TOKEN).
-    #[arg(long, env = "GPUMEM_TOKEN", hide_env_values = true)]
-    token: Option<String>,
+    /// The daemon: unix:PATH (its socket) or http://HOST:PORT (default: GPUMEM_SERVER, else
+    /// /run/gpumem.sock where a daemon run by root listens, else your own daemon's socket).
+    #[arg(long, env = "GPUMEM_SERVER")]
+    server: Option<String>,
+    /// A file holding the bearer token of a daemon on TCP (default: GPUMEM_TOKEN).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
 }
 
 #[derive(Deserialize)]
@@ -29,46 +28,69 @@ struct ErrorBody {
     error: String,
 }
 
+/// Where a daemon listens.
+enum Endpoint {
+    Unix(PathBuf),
+    /// HOST:PORT
+    Tcp(String),
+}
+
 impl ServerArgs {
-    fn agent(&self) -> ureq::Agent {
-        ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(60))).http_status_as_error(false).build().into()
+    pub fn new(server: Option<String>, token_file: Option<PathBuf>) -> ServerArgs {
+        ServerArgs { server, token_file }
     }
 
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.server.trim_end_matches('/'))
+    /// The daemon's address as given, or the default one.
+    fn server(&self) -> String {
+        self.server.clone().filter(|s| !s.is_empty()).unwrap_or_else(|| {
+            let machine = std::path::Path::new(gpumem_server::api::MACHINE_SOCKET);
+            let socket = if machine.exists() { machine.to_path_buf() } else { gpumem_server::api::default_socket(gpumem_server::identity::User::current()) };
+            format!("unix:{}", socket.display())
+        })
+    }
+
+    fn endpoint(&self) -> CliResult<Endpoint> {
+        let server = self.server();
+        if let Some(path) = server.strip_prefix("unix:") {
+            return Ok(Endpoint::Unix(path.into()));
+        }
+        if server.starts_with('/') {
+            return Ok(Endpoint::Unix(server.into()));
+        }
+        match server.strip_prefix("http://").map(|h| h.trim_end_matches('/')) {
+            Some(host) if !host.is_empty() && !host.contains('/') => Ok(Endpoint::Tcp(host.to_string())),
+            _ => Err(CliError::input(format!("--server `{server}` is neither unix:PATH nor http://HOST:PORT"))),
+        }
     }
 
     /// Sends a request; a non-2xx answer becomes a one-line error (4xx: bad input, exit 2).
     fn call(&self, method: &str, path: &str, body: Option<&impl serde::Serialize>) -> CliResult<String> {
-        let agent = self.agent();
-        let url = self.url(path);
-        let auth = self.token.as_ref().map(|t| format!("Bearer {t}"));
-        let res = match (method, body) {
-            ("GET", _) => {
-                let mut r = agent.get(&url);
-                if let Some(a) = &auth {
-                    r = r.header("Authorization", a);
-                }
-                r.call()
+        use hyper::header;
+        let server = self.server();
+        let endpoint = self.endpoint()?;
+        let mut req = hyper::Request::builder().method(method).uri(path).header(header::HOST, "localhost");
+        if let Some(t) = gpumem_server::api::Token::from_file_or_env(self.token_file.as_deref()).map_err(CliError::input)? {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {}", t.as_str()));
+        }
+        let body = match body {
+            Some(b) => {
+                req = req.header(header::CONTENT_TYPE, "application/json");
+                serde_json::to_vec(b).map_err(CliError::other)?
             }
-            (_, Some(b)) => {
-                let mut r = agent.post(&url);
-                if let Some(a) = &auth {
-                    r = r.header("Authorization", a);
-                }
-                r.send_json(b)
-            }
-            _ => {
-                let mut r = agent.post(&url);
-                if let Some(a) = &auth {
-                    r = r.header("Authorization", a);
-                }
-                r.send_empty()
-            }
+            None => Vec::new(),
         };
-        let mut res = res.map_err(|e| CliError::other(format!("{}: {e} (is `gpumem serve` running?)", self.server)))?;
-        let status = res.status().as_u16();
-        let text = res.body_mut().read_to_string().map_err(|e| CliError::other(format!("{}: {e}", self.server)))?;
+        let req = req.body(http_body_util::Full::new(hyper::body::Bytes::from(body))).map_err(|e| CliError::input(format!("{path}: {e}")))?;
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(CliError::other)?;
+        let answer = rt.block_on(async {
+            let exchange = async {
+                match endpoint {
+                    Endpoint::Unix(p) => exchange(tokio::net::UnixStream::connect(p).await?, req).await,
+                    Endpoint::Tcp(host) => exchange(tokio::net::TcpStream::connect(host).await?, req).await,
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(60), exchange).await.unwrap_or_else(|_| Err("no answer within 60 s".into()))
+        });
+        let (status, text) = answer.map_err(|e| CliError::other(format!("{server}: {e} (is `gpumem serve` running?)")))?;
         if (200..300).contains(&status) {
             return Ok(text);
         }
@@ -78,9 +100,23 @@ impl ServerArgs {
 
     fn get<T: for<'de> Deserialize<'de>>(&self, path: &str) -> CliResult<(T, String)> {
         let text = self.call("GET", path, None::<&()>)?;
-        let v = serde_json::from_str(&text).map_err(|e| CliError::other(format!("{}: unexpected answer: {e}", self.server)))?;
+        let v = serde_json::from_str(&text).map_err(|e| CliError::other(format!("{}: unexpected answer: {e}", self.server())))?;
         Ok((v, text))
     }
+}
+
+/// One HTTP/1 request over `stream`: the answer's status and body.
+async fn exchange<S>(stream: S, req: hyper::Request<http_body_util::Full<hyper::body::Bytes>>) -> Result<(u16, String), Box<dyn std::error::Error + Send + Sync>>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    use http_body_util::BodyExt;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+    tokio::spawn(connection);
+    let res = sender.send_request(req).await?;
+    let status = res.status().as_u16();
+    let body = res.into_body().collect().await?.to_bytes();
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
 #[derive(Args)]
@@ -281,9 +317,6 @@ pub fn live_gpus(server: &ServerArgs, json: bool) -> CliResult {
     Ok(())
 }
 
-pub fn server_args_for_gpus(server: Option<String>, token: Option<String>) -> ServerArgs {
-    ServerArgs { server: server.unwrap_or_else(|| std::env::var("GPUMEM_SERVER").unwrap_or_else(|_| DEFAULT_SERVER.into())), token }
-}
 
 #[derive(Args)]
 pub struct LoadTestArgs {

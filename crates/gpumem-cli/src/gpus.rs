@@ -11,19 +11,19 @@ pub struct GpusArgs {
     /// Print JSON.
     #[arg(long)]
     json: bool,
-    /// Show a running daemon's GPUs (live memory, utilization, jobs) instead of the profiles;
-    /// `--server` alone means GPUMEM_SERVER or http://127.0.0.1:7878.
+    /// Show a running daemon's GPUs (live memory, utilization, jobs) instead of the profiles:
+    /// unix:PATH or http://HOST:PORT; `--server` alone means GPUMEM_SERVER or the default socket.
     #[arg(long, num_args = 0..=1, default_missing_value = "")]
     server: Option<String>,
-    /// Bearer token for --server (default: GPUMEM_TOKEN).
-    #[arg(long, env = "GPUMEM_TOKEN", hide_env_values = true)]
-    token: Option<String>,
+    /// A file holding the bearer token of a daemon on TCP (default: GPUMEM_TOKEN).
+    #[arg(long)]
+    token_file: Option<std::path::PathBuf>,
 }
 
 pub fn gpus(a: GpusArgs) -> CliResult {
     if let Some(url) = a.server {
-        let url = Some(url).filter(|u| !u.is_empty());
-        return crate::client::live_gpus(&crate::client::server_args_for_gpus(url, a.token), a.json);
+        let url = Some(url).filter(|u| !u.is_empty()).or_else(|| std::env::var("GPUMEM_SERVER").ok());
+        return crate::client::live_gpus(&crate::client::ServerArgs::new(url, a.token_file), a.json);
     }
     let all = profile::catalogue();
     if a.json {

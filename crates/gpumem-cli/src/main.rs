@@ -106,8 +106,23 @@ struct SuperviseArgs {
     /// Track the run by its process group only (no cgroup of its own).
     #[arg(long)]
     no_cgroup: bool,
+    /// Run the program as this uid (with --gid; the daemon runs as root).
+    #[arg(long, requires = "gid")]
+    uid: Option<u32>,
+    #[arg(long, requires = "uid")]
+    gid: Option<u32>,
+    /// Start the program in this directory (entered as that user).
+    #[arg(long)]
+    cwd: Option<std::path::PathBuf>,
     #[arg(last = true, required = true)]
     argv: Vec<String>,
+}
+
+impl SuperviseArgs {
+    fn supervision(&self) -> gpumem_server::launcher::Supervision {
+        let run_as = self.uid.zip(self.gid).map(|(uid, gid)| gpumem_server::identity::User { uid, gid });
+        gpumem_server::launcher::Supervision { cgroup: !self.no_cgroup, run_as, cwd: self.cwd.clone() }
+    }
 }
 
 fn main() -> ExitCode {
@@ -145,7 +160,7 @@ fn main() -> ExitCode {
         Command::Job(a) => client::job(a),
         Command::Cancel(a) => client::cancel(a),
         Command::LoadTest(a) => client::load_test(a),
-        Command::Supervise(a) => return ExitCode::from(gpumem_server::launcher::supervise(&a.dir, &a.argv, !a.no_cgroup).clamp(0, 255) as u8),
+        Command::Supervise(a) => return ExitCode::from(gpumem_server::launcher::supervise(&a.dir, &a.argv, &a.supervision()).clamp(0, 255) as u8),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -8,6 +8,7 @@ use clap::Args;
 use gpumem_core::profile;
 use gpumem_monitor::{FakeMonitor, Monitor, NvmlMonitor};
 use gpumem_server::probe::{FakeProber, Prober, TorchProber};
+use gpumem_server::api::{Listen, Token};
 use gpumem_server::{Config, Daemon};
 use gpumem_torch::TorchTracer;
 
@@ -15,15 +16,22 @@ use crate::{CliError, CliResult};
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// Address to listen on. Anything but loopback needs --token.
-    #[arg(long, default_value = "127.0.0.1:7878")]
-    addr: String,
+    /// The Unix socket to listen on (default: /run/gpumem.sock as root, else
+    /// $XDG_RUNTIME_DIR/gpumem.sock, else /tmp/gpumem-UID.sock). Callers are known by their
+    /// peer credentials.
+    #[arg(long, conflicts_with = "addr")]
+    socket: Option<PathBuf>,
+    /// Listen on TCP at HOST:PORT instead (every request then needs the token of
+    /// --token-file or GPUMEM_TOKEN, and acts as the daemon's user).
+    #[arg(long)]
+    addr: Option<String>,
+    /// A file holding the bearer token for --addr (default: GPUMEM_TOKEN), at least 16
+    /// characters; never on the command line, which every user can read.
+    #[arg(long, requires = "addr")]
+    token_file: Option<PathBuf>,
     /// Directory for the job store, logs and run files.
     #[arg(long, default_value = "gpumem-state")]
     state: PathBuf,
-    /// Bearer token clients must send (default: GPUMEM_TOKEN; required off loopback).
-    #[arg(long, env = "GPUMEM_TOKEN", hide_env_values = true)]
-    token: Option<String>,
     /// No GPUs here: serve fake ones, e.g. 4xa100-40gb (jobs report memory through
     /// $GPUMEM_FAKE_MEMORY_FILE).
     #[arg(long)]
@@ -49,11 +57,7 @@ pub struct ServeArgs {
 }
 
 pub fn serve(a: ServeArgs) -> CliResult {
-    // A host name (localhost) resolves; its first address is used.
-    let addr: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(a.addr.as_str())
-        .ok()
-        .and_then(|mut it| it.next())
-        .ok_or_else(|| CliError::input(format!("--addr `{}` is not HOST:PORT", a.addr)))?;
+    let listen = listen(&a)?;
     let config = match &a.config {
         Some(p) => {
             let text = std::fs::read_to_string(p).map_err(|e| CliError::input(format!("{}: {e}", p.display())))?;
@@ -61,8 +65,6 @@ pub fn serve(a: ServeArgs) -> CliResult {
         }
         None => Config::default(),
     };
-    // Checked before anything starts, as a bad-input error.
-    gpumem_server::api::check_bind(addr, a.token.as_deref()).map_err(CliError::input)?;
     let (monitor, fake, prof): (Box<dyn Monitor>, _, _) = match &a.fake_gpus {
         Some(spec) => {
             let (n, name) = crate::args::gpu_count("--fake-gpus", spec, 1024)?;
@@ -97,6 +99,24 @@ pub fn serve(a: ServeArgs) -> CliResult {
         Some(p) => daemon.with_prober(p),
         None => daemon,
     };
-    gpumem_server::api::serve(Arc::new(daemon), addr, a.token).map_err(CliError::other)
+    gpumem_server::api::serve(Arc::new(daemon), listen).map_err(|e| match e {
+        e @ gpumem_server::api::ServeError::SocketInUse(_) => CliError::input(e),
+        e => CliError::other(e),
+    })
+}
+
+/// The socket, or TCP with its token (checked before anything starts, as bad input).
+fn listen(a: &ServeArgs) -> CliResult<Listen> {
+    let Some(text) = &a.addr else {
+        return Ok(Listen::Unix(a.socket.clone().unwrap_or_else(|| gpumem_server::api::default_socket(gpumem_server::identity::User::current()))));
+    };
+    // A host name (localhost) resolves; its first address is used.
+    let addr: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(text.as_str())
+        .ok()
+        .and_then(|mut it| it.next())
+        .ok_or_else(|| CliError::input(format!("--addr `{text}` is not HOST:PORT")))?;
+    let token = Token::from_file_or_env(a.token_file.as_deref()).map_err(CliError::input)?;
+    let token = token.ok_or_else(|| CliError::input(gpumem_server::api::ServeError::NoToken { addr }))?;
+    Ok(Listen::Tcp { addr, token })
 }
 

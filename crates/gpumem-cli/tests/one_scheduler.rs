@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use gpumem_core::profile;
 use gpumem_monitor::FakeMonitor;
 use gpumem_place::{Load, MemoryDemand};
+use gpumem_server::identity::User;
 use gpumem_server::launcher::JobDir;
 use gpumem_server::wire::{JobRequest, JobState};
 use gpumem_server::{Config, Daemon};
@@ -87,12 +88,12 @@ fn served(cfg: Config, name: &str) -> Starts {
             "expected_s": secs,
         }))
         .unwrap();
-        ids.push(d.submit(request, Some((gib * GIB, gib * GIB))).unwrap().id);
+        ids.push(d.submit(User::current(), request, Some((gib * GIB, gib * GIB))).unwrap().id);
     }
     let started = Instant::now();
     loop {
         d.tick().unwrap();
-        let jobs = d.jobs(None);
+        let jobs = d.jobs(User::current(), None);
         if jobs.iter().all(|j| j.state.is_final()) {
             break;
         }
@@ -107,7 +108,7 @@ fn served(cfg: Config, name: &str) -> Starts {
         assert!(started.elapsed() < Duration::from_secs(120), "the jobs did not finish");
         std::thread::sleep(tick);
     }
-    let jobs = d.jobs(None);
+    let jobs = d.jobs(User::current(), None);
     assert!(jobs.iter().all(|j| j.state == JobState::Finished), "{jobs:?}");
     drop(d);
     let _ = std::fs::remove_dir_all(&dir);

@@ -19,13 +19,19 @@ fn dir(name: &str) -> PathBuf {
     d
 }
 
-/// Spawns `gpumem ARGS` (a `serve`) and returns it with the URL it announces.
+/// Spawns `gpumem ARGS` (a `serve`) and returns it with the address it announces. Without
+/// --addr it listens on the socket STATE.sock beside its --state.
 fn spawn_daemon(args: &[&str]) -> (Child, String) {
     use std::io::{BufRead, BufReader};
-    let mut child = Command::new(bin()).args(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    if !args.iter().any(|a| a == "--addr" || a == "--socket") {
+        let state = args.iter().position(|a| a == "--state").map(|i| args[i + 1].clone()).expect("a --state");
+        args.extend(["--socket".to_string(), format!("{state}.sock")]);
+    }
+    let mut child = Command::new(bin()).args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
     let first = lines.next().and_then(Result::ok).unwrap_or_default();
-    let url = first.rsplit(' ').next().filter(|u| u.starts_with("http://")).unwrap_or_else(|| panic!("no address announced: `{first}`")).to_string();
+    let url = first.rsplit(' ').next().filter(|u| u.starts_with("http://") || u.starts_with("unix:")).unwrap_or_else(|| panic!("no address announced: `{first}`")).to_string();
     // Keep draining stderr so the daemon never blocks on a full pipe.
     std::thread::spawn(move || lines.for_each(drop));
     (child, url)
@@ -43,7 +49,7 @@ impl Server {
         let cfg = state.join("daemon.toml");
         std::fs::write(&cfg, "policy = \"first-fit\"\nwarmup_s = 1\ntick_ms = 50\ngrace_s = 1\nmax_retries = 2\n").unwrap();
         let dir = state.join("state");
-        let args = ["serve", "--fake-gpus", "4xa100-40gb", "--addr", "127.0.0.1:0", "--state", dir.to_str().unwrap(), "--config", cfg.to_str().unwrap()];
+        let args = ["serve", "--fake-gpus", "4xa100-40gb", "--state", dir.to_str().unwrap(), "--config", cfg.to_str().unwrap()];
         let (child, url) = spawn_daemon(&args);
         Server { child, url }
     }
@@ -92,17 +98,28 @@ impl Drop for Server {
     }
 }
 
-/// `gpumem serve` on one fake A100 with state `state` on an ephemeral port, then `extra`.
+/// `gpumem serve` on one fake A100 with state `state` on the socket STATE.sock, then `extra`.
 fn serve_args(state: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args = vec!["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", state.to_str().unwrap()];
+    let socket = format!("{}.sock", state.display());
+    let mut args = vec!["serve", "--fake-gpus", "1xa100-40gb", "--state", state.to_str().unwrap(), "--socket", &socket];
     args.extend(extra);
     args.iter().map(|a| a.to_string()).collect()
 }
 
+/// A connection to the daemon at `url` (unix:PATH or http://HOST:PORT).
+fn connect(url: &str) -> Box<dyn ReadWrite> {
+    match url.strip_prefix("unix:") {
+        Some(path) => Box::new(std::os::unix::net::UnixStream::connect(path).unwrap()),
+        None => Box::new(std::net::TcpStream::connect(url.trim_start_matches("http://")).unwrap()),
+    }
+}
+
+trait ReadWrite: std::io::Read + std::io::Write {}
+impl<T: std::io::Read + std::io::Write> ReadWrite for T {}
+
 /// `request` sent as is over a socket to `url`, and whatever comes back.
 fn raw_request(url: &str, request: &str) -> String {
-    use std::io::{Read, Write};
-    let mut c = std::net::TcpStream::connect(url.trim_start_matches("http://")).unwrap();
+    let mut c = connect(url);
     // A refusal (413) is answered before the body is read and the connection
     // closed, so writing the rest may meet a broken pipe; the answer is queued.
     let _ = c.write_all(request.as_bytes());
@@ -211,6 +228,21 @@ fn a_killed_daemon_loses_and_repeats_nothing() {
     }
 }
 
+/// A crash while its GPU's memory is at the limit is out-of-memory even when the log says
+/// nothing of it (a native abort, a killed process); one below the limit is a plain failure
+/// (issue 14 part 5's NVML signal).
+#[test]
+fn a_crash_at_the_memory_limit_is_out_of_memory() {
+    let d = dir("at-limit");
+    let s = Server::start(&d);
+    let full = s.submit(&["--mem-mib", "30000", "--shell", &fake_job(40960, "sleep 0.5; exit 1")]);
+    let half = s.submit(&["--mem-mib", "1000", "--shell", &fake_job(20000, "sleep 0.5; exit 1")]);
+    s.wait_until(|| s.job(full)["retries"].as_u64() >= Some(1), "the full job is taken for out-of-memory");
+    s.wait_until(|| s.state(half) == "failed", "the other fails");
+    assert_eq!(s.job(half)["retries"].as_u64(), Some(0), "{}", s.job(half));
+    assert!(s.job(half)["error"].as_str().unwrap().starts_with("exit code 1"));
+}
+
 /// Whether `pid` runs (a zombie has ended).
 fn running(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.rsplit_once(')').unwrap().1.trim_start().starts_with('Z'))
@@ -267,34 +299,51 @@ fn each_run_is_controlled_exactly_once() {
     assert!(!running(child), "E's background sleep was killed at its end");
 }
 
+/// TCP is opt-in and always behind a token of at least 16 characters from a file or the
+/// environment, never the command line (issue 14 item 1).
 #[test]
 fn security() {
     let d = dir("sec");
-    // A remote bind without a token refuses to start.
-    let o = gpumem(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "0.0.0.0:0", "--state", d.join("st").to_str().unwrap()]);
+    let state = |name: &str| d.join(name).display().to_string();
+    let serve = |extra: &[&str]| {
+        let mut a = vec!["serve", "--fake-gpus", "1xa100-40gb"];
+        a.extend(extra);
+        gpumem(&a)
+    };
+    for addr in ["0.0.0.0:0", "127.0.0.1:0"] {
+        let o = serve(&["--addr", addr, "--state", &state("st")]);
+        assert_eq!(o.status.code(), Some(2));
+        assert!(String::from_utf8_lossy(&o.stderr).contains(&format!("refusing to listen on {addr} without a token")), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let o = serve(&["--addr", "127.0.0.1:0", "--token", "0123456789abcdef", "--state", &state("st")]);
+    assert_eq!(o.status.code(), Some(2), "no token on the command line");
+    let (weak, token) = (d.join("weak"), d.join("token"));
+    std::fs::write(&weak, " \n").unwrap();
+    std::fs::write(&token, "s3cret-s3cret-s3cret\n").unwrap();
+    let o = serve(&["--addr", "0.0.0.0:0", "--token-file", weak.to_str().unwrap(), "--state", &state("st")]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("refusing to listen on 0.0.0.0:0 without a token"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("a token must be at least 16 printable characters"));
     // With a token, requests without it are refused.
-    let (mut child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", d.join("st2").to_str().unwrap(), "--token", "s3cret"]);
+    let (mut child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", &state("st2"), "--token-file", token.to_str().unwrap()]);
     let o = gpumem(&["jobs", "--server", &url]);
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("401: missing or wrong bearer token"));
-    let o = gpumem(&["jobs", "--server", &url, "--token", "s3cret"]);
+    let o = gpumem(&["jobs", "--server", &url, "--token-file", token.to_str().unwrap()]);
     assert!(o.status.success());
     // Oversized and malformed bodies, through a raw socket.
     let raw = |body: &str| -> String {
-        raw_request(&url, &format!("POST /jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()))
+        raw_request(&url, &format!("POST /jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret-s3cret-s3cret\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()))
     };
     assert!(raw(&"x".repeat(100_000)).starts_with("HTTP/1.1 413"));
     let bad = raw("{\"command\": [\"true\"], \"surprise\": 1}");
     assert!(bad.starts_with("HTTP/1.1 400") && bad.contains("unknown field `surprise`"), "{bad}");
     assert!(raw("not json").starts_with("HTTP/1.1 400"));
     // No shell unless asked: `;` and `$HOME` reach the program verbatim.
-    let o = gpumem(&["submit", "--server", &url, "--token", "s3cret", "--json", "--", "/bin/echo", "a;", "$HOME"]);
+    let o = gpumem(&["submit", "--server", &url, "--token-file", token.to_str().unwrap(), "--json", "--", "/bin/echo", "a;", "$HOME"]);
     let id = serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["id"].as_u64().unwrap();
     let t = Instant::now();
     loop {
-        let o = gpumem(&["job", &id.to_string(), "--log", "--server", &url, "--token", "s3cret"]);
+        let o = gpumem(&["job", &id.to_string(), "--log", "--server", &url, "--token-file", token.to_str().unwrap()]);
         if String::from_utf8_lossy(&o.stdout).contains("a; $HOME") {
             break;
         }
@@ -312,7 +361,7 @@ fn one_daemon_per_state_directory_and_its_files_are_private() {
     let s = Server::start(&d);
     let state = d.join("state");
     // A second daemon on the same state would run its queued jobs again: refused, naming the holder.
-    let o = gpumem(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", state.to_str().unwrap()]);
+    let o = gpumem(&serve_args(&state, &[]).iter().map(String::as_str).collect::<Vec<_>>());
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("is in use by another gpumem serve (pid ") && err.lines().count() == 1, "{err}");
@@ -400,7 +449,7 @@ fn the_daemon_probes_convolutions_it_has_not_seen() {
     let cfg = d.join("daemon.toml");
     std::fs::write(&cfg, "policy = \"first-fit\"\nwarmup_s = 1\ntick_ms = 50\nprobe_s = 60\n").unwrap();
     let state = d.join("state");
-    let args = ["serve", "--fake-gpus", "2xh200", "--fake-probe", "104857600", "--addr", "127.0.0.1:0", "--state", state.to_str().unwrap(), "--config", cfg.to_str().unwrap()];
+    let args = ["serve", "--fake-gpus", "2xh200", "--fake-probe", "104857600", "--state", state.to_str().unwrap(), "--config", cfg.to_str().unwrap()];
     let (child, url) = spawn_daemon(&args);
     let s = Server { child, url };
     let model = ["--model", "torchvision:resnet18", "--batch", "4", "--input", "3x32x32"];
@@ -433,8 +482,11 @@ fn the_daemon_probes_convolutions_it_has_not_seen() {
 #[test]
 fn a_host_name_address_is_resolved() {
     let d = dir("localhost");
-    let (mut child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "localhost:0", "--state", d.join("st").to_str().unwrap()]);
-    let o = gpumem(&["jobs", "--server", &url]);
+    let token = d.join("token");
+    std::fs::write(&token, "0123456789abcdef").unwrap();
+    let token = token.to_str().unwrap();
+    let (mut child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "localhost:0", "--token-file", token, "--state", d.join("st").to_str().unwrap()]);
+    let o = gpumem(&["jobs", "--server", &url, "--token-file", token]);
     let _ = child.kill();
     let _ = child.wait();
     assert!(o.status.success(), "{url}: {}", String::from_utf8_lossy(&o.stderr));
@@ -444,7 +496,7 @@ fn a_host_name_address_is_resolved() {
 #[test]
 fn every_error_answer_is_json() {
     let d = dir("json-errors");
-    let (mut child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", d.join("st").to_str().unwrap()]);
+    let (mut child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--state", d.join("st").to_str().unwrap()]);
     let big = "x".repeat(2 << 20);
     for (request, status) in [
         ("GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".to_string(), "404"),
@@ -469,8 +521,8 @@ fn every_error_answer_is_json() {
 fn a_silent_connection_is_closed() {
     use std::io::{Read, Write};
     let d = dir("silent");
-    let (mut child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", d.join("st").to_str().unwrap()]);
-    let mut c = std::net::TcpStream::connect(url.trim_start_matches("http://")).unwrap();
+    let (mut child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--state", d.join("st").to_str().unwrap()]);
+    let mut c = std::os::unix::net::UnixStream::connect(url.trim_start_matches("unix:")).unwrap();
     c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n").unwrap(); // and never the blank line
     c.set_read_timeout(Some(Duration::from_secs(40))).unwrap();
     let mut buf = Vec::new();
@@ -493,7 +545,7 @@ fn a_damaged_store_is_refused_and_a_lost_wal_loses_nothing_old() {
     for f in ["jobs.db-wal", "jobs.db-shm"] {
         let _ = std::fs::remove_file(state.join(f));
     }
-    let (child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--addr", "127.0.0.1:0", "--state", state.to_str().unwrap()]);
+    let (child, url) = spawn_daemon(&["serve", "--fake-gpus", "1xa100-40gb", "--state", state.to_str().unwrap()]);
     let mut s = Server { child, url };
     let listed: serde_json::Value = serde_json::from_str(&s.run(&["jobs", "--json"])).unwrap();
     assert_eq!(listed.as_array().unwrap().len(), ids.len(), "every job older than a second is in the database file");
@@ -509,4 +561,112 @@ fn a_damaged_store_is_refused_and_a_lost_wal_loses_nothing_old() {
     assert_eq!(s.run(&["jobs", "--json"]).trim(), "[]");
     let names: Vec<String> = std::fs::read_dir(&state).unwrap().filter_map(|e| e.ok()?.file_name().into_string().ok()).collect();
     assert!(names.iter().any(|n| n.starts_with("jobs.db.damaged-")) && names.iter().any(|n| n.starts_with("jobs.lost-")), "{names:?}");
+}
+
+/// A throwaway user of this machine, removed when dropped.
+struct ThrowawayUser {
+    name: String,
+    uid: u32,
+    gid: u32,
+}
+
+impl ThrowawayUser {
+    fn new(name: &str) -> ThrowawayUser {
+        let _ = Command::new("userdel").arg(name).output();
+        let o = Command::new("useradd").args(["--no-create-home", "--shell", "/bin/sh", "--user-group", name]).output().unwrap();
+        assert!(o.status.success(), "useradd {name}: {}", String::from_utf8_lossy(&o.stderr));
+        let id = |flag: &str| String::from_utf8(Command::new("id").args([flag, name]).output().unwrap().stdout).unwrap().trim().parse().unwrap();
+        ThrowawayUser { name: name.to_string(), uid: id("-u"), gid: id("-g") }
+    }
+
+    /// `gpumem ARGS` run as this user in `cwd`.
+    fn gpumem(&self, cwd: &Path, args: &[&str]) -> std::process::Output {
+        use std::os::unix::process::CommandExt;
+        Command::new(bin()).args(args).current_dir(cwd).uid(self.uid).gid(self.gid).env_remove("GPUMEM_TOKEN").output().unwrap()
+    }
+}
+
+impl Drop for ThrowawayUser {
+    fn drop(&mut self) {
+        let _ = Command::new("userdel").arg(&self.name).output();
+    }
+}
+
+/// Issue 14 item 1 on a shared machine: on the daemon's Unix socket each user is who the kernel
+/// says; each job runs as its submitter; nobody sees, reads or cancels another's job; root sees
+/// all; the state files are private. Needs root (to be the daemon that switches users and to
+/// make the users); CI runs as root.
+#[test]
+fn users_see_and_run_only_their_own_jobs() {
+    use std::os::unix::fs::PermissionsExt;
+    // SAFETY: getuid has no preconditions.
+    if unsafe { libc::getuid() } != 0 {
+        assert!(std::env::var("GPUMEM_TEST_REQUIRE_ROOT").as_deref() != Ok("1"), "GPUMEM_TEST_REQUIRE_ROOT=1 but not root");
+        eprintln!("SKIPPED: the multi-user test needs root");
+        return;
+    }
+    let d = dir("multi");
+    let shared = d.join("shared");
+    std::fs::create_dir_all(&shared).unwrap();
+    for p in [&d, &shared] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
+    let s = Server::start(&d);
+    let tag = std::process::id() % 100_000;
+    let (a, b) = (ThrowawayUser::new(&format!("gpmt{tag}a")), ThrowawayUser::new(&format!("gpmt{tag}b")));
+    let submit = |u: &ThrowawayUser| -> u64 {
+        let job = shared.join(format!("{}.toml", u.name));
+        std::fs::write(&job, format!("command = [\"/bin/sh\", \"-c\", \"id -u > {0}/{1}.uid; echo secret-of-{1}; sleep 30\"]\nmem_mib = 100\nenv = {{ HF_TOKEN = \"hf-{1}\" }}\n", shared.display(), u.name)).unwrap();
+        let o = u.gpumem(&shared, &["submit", job.to_str().unwrap(), "--server", &s.url, "--json"]);
+        assert!(o.status.success(), "{}: {}", u.name, String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["id"].as_u64().unwrap()
+    };
+    let (ja, jb) = (submit(&a), submit(&b));
+    for (u, id) in [(&a, ja), (&b, jb)] {
+        s.wait_until(|| std::fs::read_to_string(shared.join(format!("{}.uid", u.name))).is_ok_and(|t| t.ends_with('\n')), "the job runs");
+        assert_eq!(std::fs::read_to_string(shared.join(format!("{}.uid", u.name))).unwrap().trim(), u.uid.to_string(), "job {id} runs as its owner");
+        assert_eq!(s.job(id)["owner"].as_u64(), Some(u.uid as u64));
+    }
+    // A sees only A's job; B's job, log and cancel are "no job" to A.
+    let list = a.gpumem(&shared, &["jobs", "--server", &s.url, "--json"]);
+    let ids: Vec<u64> = serde_json::from_slice::<Vec<serde_json::Value>>(&list.stdout).unwrap().iter().map(|j| j["id"].as_u64().unwrap()).collect();
+    assert_eq!(ids, [ja]);
+    assert!(!String::from_utf8_lossy(&list.stdout).contains(&format!("hf-{}", b.name)));
+    for args in [vec!["job", &*jb.to_string(), "--json"], vec!["job", &*jb.to_string(), "--log"], vec!["cancel", &*jb.to_string()]] {
+        let mut full = args.clone();
+        full.extend(["--server", &s.url]);
+        let o = a.gpumem(&shared, &full);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        assert!(String::from_utf8_lossy(&o.stderr).contains(&format!("404: no job {jb}")) && !String::from_utf8_lossy(&o.stdout).contains("secret"), "{args:?}");
+    }
+    let o = a.gpumem(&shared, &["job", &ja.to_string(), "--log", "--server", &s.url]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains(&format!("secret-of-{}", a.name)), "A reads its own log");
+    assert_eq!(s.state(jb), "running", "B's job was not cancelled by A");
+    // Root sees both; each owner cancels their own.
+    assert_eq!(serde_json::from_str::<Vec<serde_json::Value>>(&s.run(&["jobs", "--json"])).unwrap().len(), 2);
+    for (u, id) in [(&a, ja), (&b, jb)] {
+        assert!(u.gpumem(&shared, &["cancel", &id.to_string(), "--server", &s.url]).status.success());
+        s.wait_until(|| s.state(id) == "cancelled", "the owner cancels");
+    }
+    // A daemon that is not root runs only its own user's jobs.
+    let mut own = {
+        use std::os::unix::process::CommandExt;
+        let socket = shared.join("a.sock");
+        let mut c = Command::new(bin());
+        c.args(["serve", "--fake-gpus", "1xa100-40gb", "--state", shared.join("a-state").to_str().unwrap(), "--socket", socket.to_str().unwrap()]);
+        c.uid(a.uid).gid(a.gid).stderr(Stdio::null()).spawn().unwrap()
+    };
+    let url = format!("unix:{}", shared.join("a.sock").display());
+    s.wait_until(|| a.gpumem(&shared, &["jobs", "--server", &url]).status.success(), "A's own daemon answers");
+    let o = b.gpumem(&shared, &["submit", "--server", &url, "--mem-mib", "10", "--", "/usr/bin/id"]);
+    let _ = own.kill();
+    let _ = own.wait();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains(&format!("403: this daemon runs as {0} and can run jobs only as {0}, not as {1}", a.name, b.name)), "{}", String::from_utf8_lossy(&o.stderr));
+    // Private state: the directory 0700, its files 0600.
+    let state = d.join("state");
+    assert_eq!(std::fs::metadata(&state).unwrap().permissions().mode() & 0o777, 0o700);
+    for f in [state.join("jobs.db"), state.join(format!("jobs/{ja}/log")), state.join(format!("jobs/{ja}/procs"))] {
+        assert_eq!(std::fs::metadata(&f).unwrap().permissions().mode() & 0o777, 0o600, "{}", f.display());
+    }
 }

@@ -212,14 +212,27 @@ impl GpuProfile {
 
     fn validate(&self) -> Result<(), ProfileError> {
         let bad = |message: &'static str| Err(ProfileError::Invalid { name: self.name.clone(), message });
-        if self.capacity_mib == 0 {
-            return bad("capacity_mib must be positive");
+        if !(1..=MAX_CAPACITY_MIB).contains(&self.capacity_mib) {
+            return bad("capacity_mib must be between 1 and 16777216 (16 TiB)");
         }
         if !(self.cuda_context_mib >= 0.0 && self.cuda_context_mib < self.capacity_mib as f64) {
             return bad("cuda_context_mib must be between 0 and capacity_mib");
         }
-        if !(self.non_allocator_mib >= 0.0 && self.cudnn_context_mib >= 0.0 && self.bound_fixed_mib >= 0.0 && self.bound_relative >= 0.0) {
-            return bad("non_allocator_mib, cudnn_context_mib, bound_fixed_mib and bound_relative must not be negative");
+        // Every other size at most the GPU, every factor finite: sums of them stay in bytes.
+        let within = |x: f64, max: f64| x.is_finite() && (0.0..=max).contains(&x);
+        let capacity = self.capacity_mib as f64;
+        if ![self.non_allocator_mib, self.cudnn_context_mib, self.bound_fixed_mib].iter().all(|&x| within(x, capacity)) {
+            return bad("non_allocator_mib, cudnn_context_mib and bound_fixed_mib must be between 0 and capacity_mib");
+        }
+        if !within(self.bound_relative, 10.0) || !within(self.conv_workspace_bound, 100.0) {
+            return bad("bound_relative must be between 0 and 10, conv_workspace_bound between 0 and 100");
+        }
+        let t = &self.tflops;
+        if ![self.memory_bandwidth_gbs, self.power_w, self.idle_power_w, t.fp32, t.tf32, t.fp16, t.bf16].iter().all(|&x| within(x, 1e9)) {
+            return bad("tflops, memory_bandwidth_gbs, power_w and idle_power_w must be between 0 and 1e9");
+        }
+        if [self.cublas_workspace_bytes, self.cublaslt_workspace_bytes].iter().flatten().any(|&b| b > crate::trace::MAX_ALLOC_BYTES) || self.cublas_workspaces > 64 {
+            return bad("cuBLAS workspaces must be at most 1 PiB, and at most 64 of them");
         }
         if self.conv_workspace.iter().any(|e| e.n == 0 || ConvPass::ALL.iter().any(|&p| e.sizes(p).iter().any(|&b| b > crate::trace::MAX_ALLOC_BYTES))) {
             return bad("conv_workspace entries need n of at least 1 and sizes of at most 1 PiB");
@@ -257,6 +270,9 @@ impl GpuProfile {
         toml::to_string(&Out { gpu: [self] }).expect("profiles serialize")
     }
 }
+
+/// The largest GPU a profile may describe (16 TiB), as the daemon's largest request.
+pub const MAX_CAPACITY_MIB: u64 = 16 << 20;
 
 /// The built-in profiles.
 pub fn catalogue() -> Vec<GpuProfile> {
@@ -299,7 +315,10 @@ mod tests {
         let e = builtin("b300").unwrap_err().to_string();
         assert!(e.starts_with("unknown GPU `b300`; known: a100-40gb"), "{e}");
         let e = GpuProfile::from_toml(&p.to_toml().replace("capacity_mib = 15360", "capacity_mib = 0")).unwrap_err();
-        assert_eq!(e.to_string(), "bad profile `t4`: capacity_mib must be positive");
+        assert_eq!(e.to_string(), "bad profile `t4`: capacity_mib must be between 1 and 16777216 (16 TiB)");
+        // Found by the fuzz harness: a bound factor past f64's integers overflowed the bound.
+        let e = GpuProfile::from_toml(&p.to_toml().replace("conv_workspace_bound = 4.0", "conv_workspace_bound = 1.8e20")).unwrap_err();
+        assert_eq!(e.to_string(), "bad profile `t4`: bound_relative must be between 0 and 10, conv_workspace_bound between 0 and 100");
         assert!(GpuProfile::from_toml("[[gpu]]\nname = 3").unwrap_err().to_string().starts_with("bad profile:"));
     }
 }

@@ -19,6 +19,7 @@ use serde::Deserialize;
 use gpumem_monitor::GpuReading;
 use gpumem_place::{Forecast, Queued, SchedOptions, Scheduler};
 
+use crate::identity::{Admins, User};
 use crate::launcher::{Exit, JobDir, Launch, alive, launch};
 use crate::probe::Prober;
 use crate::store::{JobRecord, Store, StoreError};
@@ -69,6 +70,8 @@ pub struct Config {
     /// Give each run a cgroup v2 directory of its own where the machine allows it (false: its
     /// process group and its supervisor's subreaping alone track its processes).
     pub cgroups: bool,
+    /// A group whose members, like root and the daemon's own user, see and cancel every job.
+    pub admin_group: Option<String>,
 }
 
 impl Default for Config {
@@ -88,6 +91,7 @@ impl Default for Config {
             allow_py_models: false,
             max_traces: 2,
             cgroups: true,
+            admin_group: None,
         }
     }
 }
@@ -103,6 +107,9 @@ pub enum ConfigError {
     /// The estimator (or its learned model) cannot be used.
     #[error(transparent)]
     Estimator(#[from] gpumem_learn::model::LearnError),
+    /// `admin_group` names no group of this machine.
+    #[error("admin_group = {0:?}: no such group")]
+    NoGroup(String),
     /// A number out of its range (`value` as written back).
     #[error("{key} = {value} is out of range ({range})")]
     Range { key: &'static str, value: String, range: &'static str },
@@ -130,6 +137,11 @@ impl Config {
         }
         if c.max_retries > 100 {
             return Err(ConfigError::Range { key: "max_retries", value: c.max_retries.to_string(), range: "0..=100" });
+        }
+        if let Some(g) = &c.admin_group
+            && crate::identity::group_id(g).is_none()
+        {
+            return Err(ConfigError::NoGroup(g.clone()));
         }
         // After the ranges: the policy's headroom is counted in bytes.
         c.policy()?;
@@ -233,6 +245,9 @@ struct Inner {
     /// GPU → (job, until): not offered while that job's memory has not shown up.
     warm: HashMap<u32, (u64, f64)>,
     oom_crashes: u64,
+    /// Running jobs one of whose GPUs was at its memory limit at the last reading: a crash
+    /// now is out-of-memory whatever its log says.
+    at_limit: std::collections::HashSet<u64>,
     probe_wait: Vec<ProbeWait>,
     probing: Option<Probing>,
     /// Convolutions a probe was asked for (measured or not): never asked again.
@@ -292,6 +307,7 @@ fn lock_state_dir(dir: &Path) -> Result<std::fs::File, DaemonError> {
 /// Why a job could not be cancelled (the API answers 404, 409 and 500).
 #[derive(Debug, thiserror::Error)]
 pub enum CancelError {
+    /// No such job, or not the caller's to see.
     #[error("no job {0}")]
     NoJob(u64),
     #[error("job {id} has already ended ({})", .state.name())]
@@ -314,6 +330,17 @@ pub struct Daemon {
     profile: RwLock<GpuProfile>,
     prober: Option<Arc<dyn Prober>>,
     pub config: Config,
+    /// The user the daemon runs as: root runs each job as its owner, anyone else only their own.
+    user: User,
+    admins: Admins,
+}
+
+/// A submission from a user a non-root daemon cannot run jobs as.
+#[derive(Debug, thiserror::Error)]
+#[error("this daemon runs as {daemon} and can run jobs only as {daemon}, not as {user} (a daemon started by root runs each job as its submitter)")]
+pub struct ForeignUser {
+    pub user: String,
+    pub daemon: String,
 }
 
 impl Daemon {
@@ -360,6 +387,7 @@ impl Daemon {
             observed: HashMap::new(),
             warm: HashMap::new(),
             oom_crashes: 0,
+            at_limit: Default::default(),
             probe_wait: Vec::new(),
             probing: None,
             probe_tried: Default::default(),
@@ -384,7 +412,9 @@ impl Daemon {
                 gpumem_core::workspace::merge(&mut profile.conv_workspace, stored.conv_workspace);
             }
         }
-        Ok(Daemon { inner: Mutex::new(inner), _lock: lock, state_dir: state_dir.to_path_buf(), supervisor, fake, profile: RwLock::new(profile), prober: None, config })
+        let user = User::current();
+        let admins = Admins { daemon: user, group: config.admin_group.as_deref().and_then(crate::identity::group_id) };
+        Ok(Daemon { inner: Mutex::new(inner), _lock: lock, state_dir: state_dir.to_path_buf(), supervisor, fake, profile: RwLock::new(profile), prober: None, config, user, admins })
     }
 
     /// Probes the convolutions of jobs the profile has not seen (with `probe_s` > 0).
@@ -401,13 +431,13 @@ impl Daemon {
     /// Stores a submission gpumem sized. One whose convolutions the profile lacks, where the
     /// daemon probes (`probe_s`), waits sized by its upper bound until a probe of them answers
     /// or `probe_s` passes, then joins the queue; any other is queued at once.
-    pub fn submit_sized(&self, request: JobRequest, sized: Sized) -> Result<Submitted, StoreError> {
+    pub fn submit_sized(&self, owner: User, request: JobRequest, sized: Sized) -> Result<Submitted, StoreError> {
         if self.prober.is_none() || self.config.probe_s == 0 || sized.unprobed.is_empty() {
-            return self.submit(request, Some((sized.peak, sized.bound)));
+            return self.submit(owner, request, Some((sized.peak, sized.bound)));
         }
         let mut inner = self.lock();
         let t = now();
-        let mut job = JobRecord::queued(request, Some((sized.bound, sized.bound)), t);
+        let mut job = JobRecord::queued(owner, request, Some((sized.bound, sized.bound)), t);
         job.id = inner.store.insert(&job)?;
         job.error = Some("waiting for a probe of its convolutions; sized by its upper bound meanwhile".into());
         let out = submitted(&job);
@@ -425,10 +455,19 @@ impl Daemon {
         self.lock().monitor.gpu_count()
     }
 
-    /// Stores a validated submission; `estimate` is (peak, bound) bytes per GPU.
-    pub fn submit(&self, request: JobRequest, estimate: Option<(u64, u64)>) -> Result<Submitted, StoreError> {
+    /// Whether this daemon can run jobs as `u`: root as anyone, any other user as itself.
+    pub fn can_run_as(&self, u: User) -> Result<(), ForeignUser> {
+        if self.user.is_root() || u.uid == self.user.uid {
+            return Ok(());
+        }
+        Err(ForeignUser { user: u.name(), daemon: self.user.name() })
+    }
+
+    /// Stores a validated submission of `owner` (one [`Daemon::can_run_as`] allows); `estimate`
+    /// is (peak, bound) bytes per GPU.
+    pub fn submit(&self, owner: User, request: JobRequest, estimate: Option<(u64, u64)>) -> Result<Submitted, StoreError> {
         let mut inner = self.lock();
-        let mut job = JobRecord::queued(request, estimate, now());
+        let mut job = JobRecord::queued(owner, request, estimate, now());
         job.id = inner.store.insert(&job)?;
         let out = submitted(&job);
         let id = job.id;
@@ -437,16 +476,22 @@ impl Daemon {
         Ok(out)
     }
 
-    pub fn jobs(&self, state: Option<JobState>) -> Vec<JobView> {
-        self.lock().jobs.values().filter(|j| state.is_none_or(|s| j.state == s)).map(view).collect()
+    /// Whether `caller` may see (and cancel) `job`: its owner and the admins.
+    fn visible(&self, caller: User, job: &JobRecord) -> bool {
+        job.owner.uid == caller.uid || self.admins.contain(caller)
     }
 
-    pub fn job(&self, id: u64) -> Option<JobView> {
-        self.lock().jobs.get(&id).map(view)
+    /// The jobs `caller` may see.
+    pub fn jobs(&self, caller: User, state: Option<JobState>) -> Vec<JobView> {
+        self.lock().jobs.values().filter(|j| state.is_none_or(|s| j.state == s) && self.visible(caller, j)).map(view).collect()
     }
 
-    pub fn log_tail(&self, id: u64, bytes: u64) -> Option<String> {
-        self.lock().jobs.contains_key(&id).then(|| JobDir::new(&self.state_dir, id).log_tail(bytes))
+    pub fn job(&self, caller: User, id: u64) -> Option<JobView> {
+        self.lock().jobs.get(&id).filter(|j| self.visible(caller, j)).map(view)
+    }
+
+    pub fn log_tail(&self, caller: User, id: u64, bytes: u64) -> Option<String> {
+        self.lock().jobs.get(&id).filter(|j| self.visible(caller, j)).map(|_| JobDir::new(&self.state_dir, id).log_tail(bytes))
     }
 
     pub fn gpus(&self) -> Vec<GpuView> {
@@ -463,10 +508,10 @@ impl Daemon {
 
     /// Cancels a job: at once if it waits, by SIGTERM (then SIGKILL after the grace period) if
     /// it runs. `Err` if it has already ended or does not exist.
-    pub fn cancel(&self, id: u64) -> Result<JobView, CancelError> {
+    pub fn cancel(&self, caller: User, id: u64) -> Result<JobView, CancelError> {
         let mut guard = self.lock();
         let inner = &mut *guard;
-        let job = inner.jobs.get_mut(&id).ok_or(CancelError::NoJob(id))?;
+        let job = inner.jobs.get_mut(&id).filter(|j| self.visible(caller, j)).ok_or(CancelError::NoJob(id))?;
         if job.state.is_final() {
             return Err(CancelError::Ended { id, state: job.state });
         }
@@ -695,7 +740,7 @@ impl Daemon {
                 job.state = JobState::Finished;
                 "finished"
             }
-            Some(_) if dir.ran_out_of_memory() => {
+            Some(_) if dir.ran_out_of_memory() || inner.at_limit.contains(&id) => {
                 inner.oom_crashes += 1;
                 job.retries += 1;
                 job.error = Some(format!("out of GPU memory on {:?}; re-running alone", job.assigned));
@@ -753,12 +798,15 @@ impl Daemon {
             }
             readings.push(r);
         }
+        let full: Vec<u32> = readings.iter().filter(|r| at_memory_limit(r.used_bytes, r.total_bytes)).map(|r| r.index).collect();
+        let at_limit = running.iter().filter(|j| j.assigned.iter().any(|g| full.contains(g))).map(|j| j.id).collect();
         for (id, bytes) in &observed {
             if let Some(j) = inner.jobs.get_mut(id) {
                 j.peak_bytes = Some(j.peak_bytes.unwrap_or(0).max(*bytes));
             }
         }
         inner.warm.retain(|_, (job, until)| t < *until && observed.get(job).copied().unwrap_or(0) == 0);
+        inner.at_limit = at_limit;
         inner.observed = observed;
         inner.gpus = readings;
     }
@@ -832,7 +880,7 @@ impl Daemon {
         // requeued (no pid file appears), never run twice.
         inner.store.transition(&placed, t, Some(&format!("placed on GPUs {gpus:?}")))?;
         *job = placed;
-        let launch_spec = Launch { request: &job.request, dir: &dir, gpus, job_id: id, attempt: job.retries + 1, fake: self.fake.is_some(), cgroup: self.config.cgroups };
+        let launch_spec = Launch { request: &job.request, dir: &dir, gpus, job_id: id, attempt: job.retries + 1, fake: self.fake.is_some(), cgroup: self.config.cgroups, run_as: self.user.is_root().then_some(job.owner) };
         match launch(&self.supervisor, &launch_spec) {
             Ok(child) => {
                 job.pid = Some(child.id());
@@ -891,6 +939,12 @@ impl Daemon {
     }
 }
 
+/// Whether a GPU using `used` of `total` bytes is at its limit: less than 1% (at least 256 MiB)
+/// free, where an allocation PyTorch cannot serve fails.
+fn at_memory_limit(used: u64, total: u64) -> bool {
+    used.saturating_add((total / 100).max(256 * MIB)) >= total
+}
+
 /// Hands the waiting job `id` to the scheduler (ties of priority in id order: submission);
 /// its state follows the answer: queued, recovering, or failed past the retry limit.
 fn queue(inner: &mut Inner, id: u64, t: f64) {
@@ -935,6 +989,7 @@ fn submitted(j: &JobRecord) -> Submitted {
 fn view(j: &JobRecord) -> JobView {
     JobView {
         id: j.id,
+        owner: j.owner.uid,
         state: j.state,
         request: j.request.clone(),
         assigned: j.assigned.clone(),
@@ -980,18 +1035,33 @@ mod tests {
     }
 
     #[test]
+    fn the_memory_limit_leaves_one_percent() {
+        let gib = 1 << 30;
+        assert!(at_memory_limit(80 * gib - 800 * MIB, 80 * gib) && !at_memory_limit(79 * gib, 80 * gib));
+        // At least 256 MiB on a small GPU; never an overflow.
+        assert!(at_memory_limit(gib - 200 * MIB, gib) && !at_memory_limit(gib - 300 * MIB, gib));
+        assert!(at_memory_limit(u64::MAX, u64::MAX));
+    }
+
+    #[test]
     fn cancelling_says_why_not() {
         let dir = std::env::temp_dir().join(format!("gpumem-daemon-cancel-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let monitor = FakeMonitor::new(1, "fake", 40 << 30);
         let profile = gpumem_core::profile::builtin("a100-40gb").unwrap();
         let d = Daemon::open(&dir, Box::new(monitor), None, profile, Config::default(), "/nonexistent".into(), false).unwrap();
-        let id = d.submit(serde_json::from_str(r#"{"command": ["true"]}"#).unwrap(), None).unwrap().id;
-        assert_eq!(d.cancel(id).unwrap().state, JobState::Cancelled);
-        let e = d.cancel(id).unwrap_err();
+        let me = User::current();
+        let id = d.submit(me, serde_json::from_str(r#"{"command": ["true"]}"#).unwrap(), None).unwrap().id;
+        // Another user neither sees nor cancels it (root and the daemon's own user see all).
+        let other = User { uid: me.uid + 4242, gid: me.gid + 4242 };
+        assert!(d.job(other, id).is_none() && d.jobs(other, None).is_empty() && d.log_tail(other, id, 10).is_none());
+        assert!(matches!(d.cancel(other, id), Err(CancelError::NoJob(_))));
+        assert_eq!(d.job(me, id).unwrap().owner, me.uid);
+        assert_eq!(d.cancel(me, id).unwrap().state, JobState::Cancelled);
+        let e = d.cancel(me, id).unwrap_err();
         assert!(matches!(e, CancelError::Ended { state: JobState::Cancelled, .. }));
         assert_eq!(e.to_string(), format!("job {id} has already ended (cancelled)"));
-        let e = d.cancel(99).unwrap_err();
+        let e = d.cancel(me, 99).unwrap_err();
         assert!(matches!(e, CancelError::NoJob(99)));
         assert_eq!(e.to_string(), "no job 99");
         std::fs::remove_dir_all(&dir).ok();

@@ -26,6 +26,7 @@ use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
+use crate::identity::User;
 use crate::wire::JobRequest;
 
 /// How a run ended.
@@ -141,6 +142,19 @@ pub struct Launch<'a> {
     pub fake: bool,
     /// Give the run a cgroup v2 directory of its own where the machine allows it.
     pub cgroup: bool,
+    /// Run the program as this user (a daemon running as root runs each job as its owner).
+    pub run_as: Option<User>,
+}
+
+/// How a supervisor runs its program (`gpumem _supervise`'s options).
+#[derive(Debug, Clone, Default)]
+pub struct Supervision {
+    /// Give the run a cgroup v2 directory of its own where the machine allows it.
+    pub cgroup: bool,
+    /// Switch to this user (its groups too) before the program starts.
+    pub run_as: Option<User>,
+    /// Start the program in this directory, entered as that user.
+    pub cwd: Option<PathBuf>,
 }
 
 /// Why a run could not be started.
@@ -166,9 +180,21 @@ pub fn launch(supervisor: &Path, l: &Launch) -> Result<Child, LaunchError> {
     if !l.cgroup {
         cmd.arg("--no-cgroup");
     }
+    if let Some(u) = l.run_as {
+        cmd.args(["--uid", &u.uid.to_string(), "--gid", &u.gid.to_string()]);
+    }
+    if let Some(cwd) = &l.request.cwd {
+        cmd.arg("--cwd").arg(cwd);
+    }
     cmd.arg("--").args(&argv);
     let visible: Vec<String> = l.gpus.iter().map(u32::to_string).collect();
     let mut env: BTreeMap<String, String> = l.request.env.clone();
+    if let Some(u) = l.run_as {
+        // The owner's own, unless the job sets them: not the daemon's.
+        for (key, value) in u.login_env() {
+            env.entry(key.into()).or_insert(value);
+        }
+    }
     env.insert("CUDA_VISIBLE_DEVICES".into(), visible.join(","));
     env.insert("GPUMEM_JOB_ID".into(), l.job_id.to_string());
     env.insert("GPUMEM_JOB_ATTEMPT".into(), l.attempt.to_string());
@@ -176,16 +202,13 @@ pub fn launch(supervisor: &Path, l: &Launch) -> Result<Child, LaunchError> {
         env.insert("GPUMEM_FAKE_MEMORY_FILE".into(), l.dir.fake_memory().display().to_string());
     }
     cmd.envs(env);
-    if let Some(cwd) = &l.request.cwd {
-        cmd.current_dir(cwd);
-    }
     cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).process_group(0);
     cmd.spawn().map_err(|source| LaunchError::Supervisor { supervisor: supervisor.display().to_string(), source })
 }
 
 /// The supervisor's body: run `argv`, log its output, kill what it leaves behind, record its
 /// exit. Returns the exit code to leave with.
-pub fn supervise(dir: &Path, argv: &[String], use_cgroup: bool) -> i32 {
+pub fn supervise(dir: &Path, argv: &[String], how: &Supervision) -> i32 {
     let dir = JobDir(dir.to_path_buf());
     // SAFETY: setting dispositions and a process attribute of this single-threaded process.
     unsafe {
@@ -208,7 +231,11 @@ pub fn supervise(dir: &Path, argv: &[String], use_cgroup: bool) -> i32 {
         return 125;
     }
     let Some((program, args)) = argv.split_first() else { return 125 };
-    let mut procs = JobProcs { cgroup: use_cgroup.then(new_cgroup).flatten(), ..JobProcs::default() };
+    // What the program's process needs after the fork, prepared before it.
+    let groups: Vec<libc::gid_t> = how.run_as.map(|u| u.groups()).unwrap_or_default();
+    let Ok(cwd) = how.cwd.as_ref().map(|c| std::ffi::CString::new(c.as_os_str().as_encoded_bytes())).transpose() else { return 125 };
+    let run_as = how.run_as;
+    let mut procs = JobProcs { cgroup: how.cgroup.then(new_cgroup).flatten(), ..JobProcs::default() };
     // Recorded before the program can run: from here on the run may have started.
     if write_private(&dir.procs_file(), &procs.to_toml()).is_err() {
         return 125;
@@ -217,17 +244,29 @@ pub fn supervise(dir: &Path, argv: &[String], use_cgroup: bool) -> i32 {
     let join_fd = join.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
     let mut cmd = Command::new(program);
     cmd.args(args).stdin(Stdio::null()).stdout(log.try_clone().map(Stdio::from).unwrap_or(Stdio::null())).stderr(Stdio::from(log)).process_group(0);
-    // SAFETY: between fork and exec only async-signal-safe calls (signal, write) on values
-    // prepared before the fork.
+    // SAFETY: between fork and exec only async-signal-safe calls (signal, write, setgroups,
+    // setgid, setuid, chdir) on values prepared before the fork.
     unsafe {
         cmd.pre_exec(move || {
             for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
                 libc::signal(sig, libc::SIG_DFL);
             }
             if let Some(fd) = join_fd {
-                // Into the run's cgroup ("0": the writing process). Should it fail, the
-                // process group still tracks the run.
+                // Into the run's cgroup ("0": the writing process) while still privileged.
+                // Should it fail, the process group still tracks the run.
                 libc::write(fd, b"0".as_ptr().cast(), 1);
+            }
+            if let Some(u) = run_as {
+                // Groups, then group, then user: each step needs the privilege the next drops.
+                let check = |rc: libc::c_int| if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) };
+                check(libc::setgroups(groups.len(), groups.as_ptr()))?;
+                check(libc::setgid(u.gid))?;
+                check(libc::setuid(u.uid))?;
+            }
+            if let Some(dir) = &cwd
+                && libc::chdir(dir.as_ptr()) != 0
+            {
+                return Err(std::io::Error::last_os_error());
             }
             Ok(())
         });

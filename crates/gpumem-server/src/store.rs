@@ -5,12 +5,15 @@ use std::path::{Path, PathBuf};
 
 use rusqlite::{Connection, OptionalExtension, params};
 
+use crate::identity::User;
 use crate::wire::{JobRequest, JobState};
 
 /// A job as the daemon keeps it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct JobRecord {
     pub id: u64,
+    /// Who submitted it: the user it runs as, the only one (with the admins) who sees it.
+    pub owner: User,
     pub request: JobRequest,
     pub state: JobState,
     pub assigned: Vec<u32>,
@@ -32,9 +35,10 @@ pub struct JobRecord {
 impl JobRecord {
     /// A new submission waiting in the queue (its id comes from the store); `estimate` is
     /// (peak, bound) bytes per GPU.
-    pub fn queued(request: JobRequest, estimate: Option<(u64, u64)>, submitted_at: f64) -> JobRecord {
+    pub fn queued(owner: User, request: JobRequest, estimate: Option<(u64, u64)>, submitted_at: f64) -> JobRecord {
         JobRecord {
             id: 0,
+            owner,
             request,
             state: JobState::Queued,
             assigned: Vec::new(),
@@ -109,7 +113,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     retries INTEGER NOT NULL,
     error TEXT,
     pid INTEGER,
-    cancel_requested INTEGER NOT NULL
+    cancel_requested INTEGER NOT NULL,
+    owner_uid INTEGER,
+    owner_gid INTEGER
 );
 CREATE TABLE IF NOT EXISTS events (
     job INTEGER NOT NULL,
@@ -120,9 +126,9 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_job ON events(job);
 ";
 
-/// The store's layout, in SQLite's `user_version` (0: a store from before versions, the same
-/// layout).
-const SCHEMA_VERSION: i64 = 1;
+/// The store's layout, in SQLite's `user_version` (0: a store from before versions, the layout
+/// of 1). Version 2 adds the owner columns; a job of an older store is the daemon's user's.
+const SCHEMA_VERSION: i64 = 2;
 
 /// The files a store at `path` is made of: the database, its WAL and its shared-memory index.
 pub fn files(path: &Path) -> [PathBuf; 3] {
@@ -155,6 +161,12 @@ impl Store {
             return Err(StoreError::Version { file, found, known: SCHEMA_VERSION });
         }
         conn.execute_batch(SCHEMA).map_err(damaged)?;
+        if found < 2 {
+            let has_owner: bool = conn.query_row("SELECT COUNT(*) FROM pragma_table_info('jobs') WHERE name = 'owner_uid'", [], |r| r.get(0))?;
+            if !has_owner {
+                conn.execute_batch("ALTER TABLE jobs ADD COLUMN owner_uid INTEGER; ALTER TABLE jobs ADD COLUMN owner_gid INTEGER;")?;
+            }
+        }
         conn.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         Ok(Store { conn })
     }
@@ -171,9 +183,9 @@ impl Store {
         let request = serde_json::to_string(&job.request).map_err(|source| StoreError::Encode { field: "request", source })?;
         self.conn
             .execute(
-                "INSERT INTO jobs (request, state, assigned, estimate_bytes, bound_bytes, submitted_at, retries, cancel_requested)
-                 VALUES (?1, ?2, '[]', ?3, ?4, ?5, 0, 0)",
-                params![request, job.state.name(), job.estimate_bytes.map(|b| b as i64), job.bound_bytes.map(|b| b as i64), job.submitted_at],
+                "INSERT INTO jobs (request, state, assigned, estimate_bytes, bound_bytes, submitted_at, retries, cancel_requested, owner_uid, owner_gid)
+                 VALUES (?1, ?2, '[]', ?3, ?4, ?5, 0, 0, ?6, ?7)",
+                params![request, job.state.name(), job.estimate_bytes.map(|b| b as i64), job.bound_bytes.map(|b| b as i64), job.submitted_at, job.owner.uid, job.owner.gid],
             )?;
         let id = self.conn.last_insert_rowid() as u64;
         self.event(id, job.submitted_at, job.state, None)?;
@@ -203,7 +215,7 @@ impl Store {
             .conn
             .prepare(
                 "SELECT id, request, state, assigned, estimate_bytes, bound_bytes, peak_bytes, submitted_at, started_at, finished_at,
-                 exit_code, retries, error, pid, cancel_requested FROM jobs ORDER BY id",
+                 exit_code, retries, error, pid, cancel_requested, owner_uid, owner_gid FROM jobs ORDER BY id",
             )?;
         let rows = stmt
             .query_map([], |r| {
@@ -223,13 +235,15 @@ impl Store {
                     r.get::<_, Option<String>>(12)?,
                     r.get::<_, Option<u32>>(13)?,
                     r.get::<_, bool>(14)?,
+                    r.get::<_, Option<u32>>(15)?.zip(r.get::<_, Option<u32>>(16)?),
                 ))
             })?;
         rows.map(|row| {
-            let (id, request, state, assigned, est, bound, peak, sub, start, fin, code, retries, error, pid, cancel) = row?;
+            let (id, request, state, assigned, est, bound, peak, sub, start, fin, code, retries, error, pid, cancel, owner) = row?;
             let job = id as u64;
             Ok(JobRecord {
                 id: job,
+                owner: owner.map_or_else(User::current, |(uid, gid)| User { uid, gid }),
                 request: serde_json::from_str(&request).map_err(|source| StoreError::Column { job, column: "request", source })?,
                 state: JobState::parse(&state).ok_or_else(|| StoreError::UnknownState { job, state: state.clone() })?,
                 assigned: serde_json::from_str(&assigned).map_err(|source| StoreError::Column { job, column: "assigned", source })?,
@@ -306,7 +320,7 @@ mod tests {
     }
 
     fn job() -> JobRecord {
-        JobRecord::queued(serde_json::from_str(r#"{"command": ["true"]}"#).unwrap(), Some((5 << 30, 6 << 30)), 1.0)
+        JobRecord::queued(User { uid: 1000, gid: 1000 }, serde_json::from_str(r#"{"command": ["true"]}"#).unwrap(), Some((5 << 30, 6 << 30)), 1.0)
     }
 
     #[test]
@@ -344,8 +358,27 @@ mod tests {
         s.conn.pragma_update(None, "user_version", 7).unwrap();
         drop(s);
         let e = Store::open(&path).err().expect("a newer store is refused");
-        assert_eq!(e.to_string(), format!("{} has job store version 7; this gpumem reads version 1 (use the gpumem that wrote it)", path.display()));
+        assert_eq!(e.to_string(), format!("{} has job store version 7; this gpumem reads version 2 (use the gpumem that wrote it)", path.display()));
         clean();
+    }
+
+    /// A version-1 store (no owners) opens, its jobs the daemon's user's.
+    #[test]
+    fn a_store_from_before_owners_is_upgraded() {
+        let path = std::env::temp_dir().join(format!("gpumem-store-v1-{}.db", std::process::id()));
+        remove(&path);
+        let v1 = SCHEMA.replace(",\n    owner_uid INTEGER,\n    owner_gid INTEGER", "");
+        assert!(!v1.contains("owner"));
+        let conn = Connection::open(&path).unwrap();
+        conn.execute_batch(&v1).unwrap();
+        conn.execute("INSERT INTO jobs (request, state, assigned, submitted_at, retries, cancel_requested) VALUES ('{\"command\": [\"true\"]}', 'queued', '[]', 1.0, 0, 0)", []).unwrap();
+        conn.pragma_update(None, "user_version", 1).unwrap();
+        drop(conn);
+        let s = Store::open(&path).unwrap();
+        assert_eq!(s.load().unwrap()[0].owner, User::current());
+        let version: i64 = s.conn.query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
+        remove(&path);
     }
 
     /// After a checkpoint the database file holds every job: a lost WAL loses nothing older.

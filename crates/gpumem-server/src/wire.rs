@@ -200,6 +200,8 @@ impl JobRequest {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobView {
     pub id: u64,
+    /// The uid of the user who submitted it (and whom it runs as).
+    pub owner: u32,
     pub state: JobState,
     pub request: JobRequest,
     /// GPUs of the current or last run.
