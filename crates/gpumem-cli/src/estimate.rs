@@ -110,7 +110,27 @@ struct EstimateJson<'a> {
     utilization: UtilizationJson,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     learned: Vec<LearnedJson>,
+    /// Present where the spec means more than one network: each reading, sized; the answer
+    /// above is the largest (its bound, the largest bound).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ambiguity: Option<AmbiguityJson>,
 }
+
+/// Why a spec is ambiguous, and what each of its readings needs.
+#[derive(Serialize)]
+struct AmbiguityJson {
+    note: &'static str,
+    readings: Vec<ReadingJson>,
+}
+
+#[derive(Serialize)]
+struct ReadingJson {
+    model: String,
+    peak_mib: f64,
+    upper_bound_mib: f64,
+}
+
+const DENSE_AMBIGUITY: &str = "a dense CNN without pool_every: the seed's runs drew the transition interval at random (5 or the depth rule); both networks are sized and the larger is given (add pool_every=5 or pool_every=0 to choose)";
 
 /// The breakdown at the peak of reserved memory, where it is not the allocated peak's.
 #[derive(Serialize)]
@@ -142,30 +162,45 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
         Some(m) => (m.clone(), a.batch.unwrap_or(32)),
         None => (DEFAULT_MODEL.to_string(), a.batch.unwrap_or(DEFAULT_BATCH as i64)),
     };
-    let (trace, native) = match ModelArg::load(&arg)? {
-        ModelArg::TraceFile(t) => (t, None),
-        ModelArg::Model(m) => {
-            let w = a.workload.workload(m, batch)?;
-            let native = match w.model() {
-                ModelRef::Native(spec) => Some(spec.clone()),
-                ModelRef::Torch(_) => None,
-            };
-            (w.trace_for_reestimates(&profile)?, native)
-        }
-    };
     let models = a.estimator.models()?;
+    if a.timeline.is_some() && a.estimator.estimator != "replay" {
+        return Err(CliError::input("--timeline draws the replay estimator's allocator; use --estimator replay"));
+    }
+    let size = |trace: &Trace| -> CliResult<Estimate> {
+        match a.timeline {
+            Some(_) => Replay { timeline: true }.estimate(trace, &profile),
+            None => a.estimator.estimator(&models)?.estimate(trace, &profile),
+        }
+        .map_err(CliError::input)
+    };
+    // Each job the argument may mean, sized; the largest is the answer.
+    let mut sized: Vec<(Trace, Estimate, Option<ModelSpec>)> = Vec::new();
+    match ModelArg::load(&arg)? {
+        ModelArg::TraceFile(t) => {
+            let est = size(&t)?;
+            sized.push((t, est, None));
+        }
+        ModelArg::Model(m) => {
+            for w in a.workload.workload(m, batch)?.alternatives() {
+                let native = match w.model() {
+                    ModelRef::Native(spec) => Some(spec.clone()),
+                    ModelRef::Torch(_) => None,
+                };
+                let trace = w.trace_for_reestimates(&profile)?;
+                let est = size(&trace)?;
+                sized.push((trace, est, native));
+            }
+        }
+    }
+    let readings: Vec<ReadingJson> = sized.iter().map(|(t, e, _)| ReadingJson { model: t.header.model.clone(), peak_mib: mib(e.peak_bytes), upper_bound_mib: mib(e.upper_bound_bytes) }).collect();
+    let ambiguity = (readings.len() > 1).then_some(AmbiguityJson { note: DENSE_AMBIGUITY, readings });
+    let largest = (0..sized.len()).max_by_key(|&i| (sized[i].1.peak_bytes, sized[i].1.upper_bound_bytes)).expect("at least one reading");
+    let (trace, mut est, native) = sized.swap_remove(largest);
+    // The bound covers every reading.
+    est.upper_bound_bytes = sized.iter().map(|s| s.1.upper_bound_bytes).fold(est.upper_bound_bytes, u64::max);
     if !models.is_empty() && native.is_none() {
         return Err(learned_needs_native());
     }
-    let est = if a.timeline.is_some() {
-        if a.estimator.estimator != "replay" {
-            return Err(CliError::input("--timeline draws the replay estimator's allocator; use --estimator replay"));
-        }
-        Replay { timeline: true }.estimate(&trace, &profile)
-    } else {
-        a.estimator.estimator(&models)?.estimate(&trace, &profile)
-    }
-    .map_err(CliError::input)?;
     if let Some(svg) = &a.timeline {
         let title = format!("{} · batch {} · {}", trace.header.model, trace.header.batch_size, profile.name);
         crate::plot::memory_timeline(svg, &title, &est.timeline, est.peak_at.as_ref().map(|p| p.event)).map_err(CliError::other)?;
@@ -203,11 +238,18 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             workspace_source: est.workspace_source,
             utilization: UtilizationJson { smact: util.smact, smocc: util.smocc, gract: util.gract, dram: util.dram, fp32: util.fp32, step_ms: util.step_s * 1e3 },
             learned,
+            ambiguity,
         };
         println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
         return Ok(());
     }
     print_estimate(&model_name, trace.header.batch_size, trace.header.iterations, &profile, &est);
+    if let Some(a) = &ambiguity {
+        println!("note         {}", a.note);
+        for r in &a.readings {
+            println!("             {}: {:.1} MiB (bound {:.1} MiB)", r.model, r.peak_mib, r.upper_bound_mib);
+        }
+    }
     println!();
     println!(
         "utilization  SMACT {:.2}  SMOCC {:.2}  GRACT {:.2}  DRAMA {:.2}  FP32A {:.2}  ({:.1} ms/step){}",

@@ -247,3 +247,26 @@ fn eval_with_no_modelled_row_fails() {
     assert_eq!(o.status.code(), Some(3), "{err}");
     assert!(err.contains("no row could be modelled (line 2: `resnet50` is neither a native spec nor a PyTorch reference)"), "{err}");
 }
+
+/// A dense CNN without pool_every is ambiguous (the seed drew its transition interval at
+/// random): both networks are sized, the larger answers, the JSON says so (issue 18 part 3).
+#[test]
+fn an_ambiguous_dense_spec_gives_the_larger_network() {
+    let spec = "cnn:classes=10,filters=32,depth=60,input=224,arch=dense";
+    let json = |spec: &str| -> serde_json::Value {
+        let o = gpumem(&["estimate", spec, "--batch", "16", "--json"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let v = json(spec);
+    let readings = v["ambiguity"]["readings"].as_array().unwrap();
+    assert_eq!(readings.len(), 2);
+    let peaks: Vec<f64> = readings.iter().map(|r| r["peak_mib"].as_f64().unwrap()).collect();
+    assert!(peaks[0] != peaks[1], "the two intervals make different networks here: {peaks:?}");
+    assert_eq!(v["peak_mib"].as_f64().unwrap(), peaks[0].max(peaks[1]));
+    assert!(readings.iter().all(|r| r["upper_bound_mib"].as_f64() <= v["upper_bound_mib"].as_f64()));
+    for (n, r) in [("5", &readings[0]), ("0", &readings[1])] {
+        let one = json(&format!("{spec},pool_every={n}"));
+        assert!(one.get("ambiguity").is_none() && one["peak_mib"] == r["peak_mib"], "pool_every={n}: {one}");
+    }
+}

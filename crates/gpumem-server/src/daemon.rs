@@ -20,7 +20,7 @@ use gpumem_monitor::GpuReading;
 use gpumem_place::{Forecast, Queued, SchedOptions, Scheduler};
 
 use crate::identity::{Admins, User};
-use crate::launcher::{Exit, JobDir, Launch, alive, launch};
+use crate::launcher::{Exit, JobDir, Launch, launch};
 use crate::probe::Prober;
 use crate::store::{JobRecord, Store, StoreError};
 use crate::wire::{GpuView, JobRequest, JobState, JobView, MAX_MEM_MIB, Submitted};
@@ -198,12 +198,22 @@ pub struct Sized {
     pub unprobed: Vec<(String, u64)>,
 }
 
-/// Sizes `workload` on `profile` with the configured estimator.
+/// Sizes `workload` on `profile` with the configured estimator: of an ambiguous spec's
+/// readings the largest, under the largest bound.
 pub fn estimate(config: &Config, profile: &GpuProfile, workload: &Workload) -> Result<Sized, SizeError> {
-    let trace = workload.trace(profile)?;
-    let (peak, bound) = size(config, profile, &trace)?;
-    let unprobed = profile.workspaces().unprobed(&trace);
-    Ok(Sized { peak, bound, trace, unprobed })
+    let mut largest: Option<Sized> = None;
+    for w in workload.alternatives() {
+        let trace = w.trace(profile)?;
+        let (peak, bound) = size(config, profile, &trace)?;
+        let bound = largest.as_ref().map_or(bound, |l| l.bound.max(bound));
+        if largest.as_ref().is_none_or(|l| peak > l.peak) {
+            let unprobed = profile.workspaces().unprobed(&trace);
+            largest = Some(Sized { peak, bound, trace, unprobed });
+        } else if let Some(l) = &mut largest {
+            l.bound = bound;
+        }
+    }
+    Ok(largest.expect("a workload has at least one reading"))
 }
 
 fn size(config: &Config, profile: &GpuProfile, trace: &Trace) -> Result<(u64, u64), SizeError> {
@@ -663,16 +673,16 @@ impl Daemon {
             }
             let job = &inner.jobs[&id];
             let kill_due = inner.kill_at.get(&id).is_some_and(|&deadline| t >= deadline);
-            let procs = dir.procs();
-            let supervised = inner.children.contains_key(&id) || job.pid.is_some_and(alive);
+            let supervised = inner.children.contains_key(&id) || job.pid.is_some_and(|pid| dir.supervised_by(pid));
             if supervised {
-                if kill_due && let Some(p) = &procs {
+                if kill_due && let Some(p) = dir.procs() {
                     p.signal(libc::SIGKILL);
                 }
                 continue;
             }
-            // The supervisor is gone without recording an end.
-            let Some(procs) = procs else {
+            // The supervisor is gone without recording an end. Read after its death is known,
+            // so whatever it wrote before dying is seen.
+            let Some(procs) = dir.procs() else {
                 // The program never started: the daemon died between recording the placement
                 // and the start (no supervisor pid after 5 s), or the supervisor before it.
                 let never = job.pid.is_some() || t - job.started_at.unwrap_or(t) > 5.0;

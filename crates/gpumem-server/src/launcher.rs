@@ -95,6 +95,24 @@ impl JobDir {
         fs::read_to_string(self.pid_file()).ok()?.trim().parse().ok()
     }
 
+    /// Whether `pid` is still this run's supervisor (zombies included; reap children before
+    /// asking). Where /proc exists its command line must be `… _supervise DIR …`, so a pid the
+    /// system has since given to another program, or to another job's supervisor, does not
+    /// keep a finished run "supervised".
+    pub fn supervised_by(&self, pid: u32) -> bool {
+        // SAFETY: signal 0 only checks for existence and permission.
+        if unsafe { libc::kill(pid as i32, 0) } != 0 {
+            return false;
+        }
+        match fs::read(format!("/proc/{pid}/cmdline")) {
+            Ok(cmd) => {
+                let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
+                args.windows(2).any(|w| w[0] == b"_supervise" && w[1] == self.0.as_os_str().as_encoded_bytes())
+            }
+            Err(_) => !Path::new("/proc/self").exists(),
+        }
+    }
+
     /// The run's processes, once its supervisor is about to start the program.
     pub fn procs(&self) -> Option<JobProcs> {
         toml::from_str(&fs::read_to_string(self.procs_file()).ok()?).ok()
@@ -464,19 +482,6 @@ fn new_cgroup() -> Option<PathBuf> {
     Some(dir)
 }
 
-/// Whether `pid` is still one of gpumem's supervisors (zombies included; reap children before
-/// asking). Where /proc exists the command line must name `_supervise`, so a pid the system has
-/// since given to another program does not keep a finished job "running".
-pub fn alive(pid: u32) -> bool {
-    // SAFETY: signal 0 only checks for existence and permission.
-    if unsafe { libc::kill(pid as i32, 0) } != 0 {
-        return false;
-    }
-    match fs::read(format!("/proc/{pid}/cmdline")) {
-        Ok(cmd) => cmd.split(|&b| b == 0).any(|arg| arg == b"_supervise"),
-        Err(_) => !Path::new("/proc/self").exists(),
-    }
-}
 
 #[cfg(test)]
 mod tests {
@@ -486,9 +491,10 @@ mod tests {
     // it makes its process a subreaper and kills its descendants, which a test runner must not.
 
     #[test]
-    fn only_supervisors_count_as_alive() {
-        assert!(!alive(std::process::id()), "the test runner is not a supervisor");
-        assert!(!alive(u32::MAX / 2), "no such process");
+    fn only_the_runs_supervisor_counts() {
+        let dir = JobDir(PathBuf::from("/nonexistent/jobs/1"));
+        assert!(!dir.supervised_by(std::process::id()), "the test runner is not a supervisor");
+        assert!(!dir.supervised_by(u32::MAX / 2), "no such process");
     }
 
     #[test]

@@ -85,6 +85,15 @@ impl Workload {
         self.batch
     }
 
+    /// The jobs this one may be: itself, or one per reading of an ambiguous native spec (a
+    /// dense CNN without `pool_every`). Sizing takes the largest.
+    pub fn alternatives(&self) -> Vec<Workload> {
+        match &self.model {
+            ModelRef::Native(spec) => spec.alternatives().into_iter().map(|m| Workload { model: ModelRef::Native(m), ..self.clone() }).collect(),
+            ModelRef::Torch(_) => vec![self.clone()],
+        }
+    }
+
     pub fn options(&self) -> &Options {
         &self.options
     }

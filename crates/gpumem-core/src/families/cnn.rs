@@ -44,12 +44,16 @@ pub struct Cnn {
     pub dropout: f64,
     pub batchnorm: bool,
     pub pooling: bool,
-    /// Pool every this many blocks; 0 = the seed's depth-based interval.
-    pub pool_every: u64,
+    /// Pool (dense: a transition) every this many blocks; 0 = the seed's depth-based interval;
+    /// `None`: not stated — 5, and for a dense network ambiguous (see [`Cnn::alternatives`]).
+    pub pool_every: Option<u64>,
     pub samples: Option<u64>,
     /// The seed's full-batch torchinfo summary (a no-grad forward) before training.
     pub summary: bool,
 }
+
+/// The pooling interval a spec without `pool_every` has (one of a dense spec's two readings).
+const DEFAULT_POOL_EVERY: u64 = 5;
 
 impl Cnn {
     pub(crate) fn from_keys(kv: &mut Keys) -> Result<Self, SpecError> {
@@ -72,7 +76,7 @@ impl Cnn {
             dropout: kv.float("dropout", 0.0, 0.0, 0.999)?,
             batchnorm: kv.boolean("batchnorm", false)?,
             pooling: kv.boolean("pooling", true)?,
-            pool_every: kv.uint("pool_every", Some(5), 0, 1000)?,
+            pool_every: kv.optional_uint("pool_every", 0, 1000)?,
             samples: match kv.uint("samples", Some(0), 0, 1 << 40)? {
                 0 => None,
                 n => Some(n),
@@ -111,16 +115,27 @@ impl Cnn {
             dropout: if v.flag(9) { v.rate(8)? } else { 0.0 },
             batchnorm: v.flag(10),
             pooling: false,
-            pool_every: 0,
+            pool_every: Some(0),
             samples: Some(4096),
             summary: true,
         };
         Ok((cnn, v.uint(5)?))
     }
 
+    /// The seed's dense runs drew their transition interval at random (5 or the depth rule) and
+    /// did not record it: a dense spec without `pool_every` means either network, both given
+    /// here; any other spec means itself.
+    pub fn alternatives(&self) -> Vec<Cnn> {
+        if self.arch != CnnArch::Dense || self.pool_every.is_some() {
+            return vec![self.clone()];
+        }
+        [DEFAULT_POOL_EVERY, 0].map(|n| Cnn { pool_every: Some(n), ..self.clone() }).to_vec()
+    }
+
     fn pooling_interval(&self) -> u64 {
-        if self.pool_every > 0 {
-            return self.pool_every;
+        let every = self.pool_every.unwrap_or(DEFAULT_POOL_EVERY);
+        if every > 0 {
+            return every;
         }
         let total = ((self.input / 7).max(1) as f64).log2().floor().max(1.0);
         ((self.depth as f64 / total).ceil() as u64).max(1)
@@ -282,9 +297,12 @@ impl fmt::Display for Cnn {
         let act = self.act.name();
         write!(
             f,
-            "cnn:channels={},classes={},filters={},depth={},input={},arch={},act={},dropout={},batchnorm={},pooling={},pool_every={}",
-            self.channels, self.classes, self.filters, self.depth, self.input, arch, act, self.dropout, self.batchnorm, self.pooling, self.pool_every
+            "cnn:channels={},classes={},filters={},depth={},input={},arch={},act={},dropout={},batchnorm={},pooling={}",
+            self.channels, self.classes, self.filters, self.depth, self.input, arch, act, self.dropout, self.batchnorm, self.pooling
         )?;
+        if let Some(n) = self.pool_every {
+            write!(f, ",pool_every={n}")?;
+        }
         super::write_loop_keys(f, self.samples, self.summary)
     }
 }

@@ -204,6 +204,15 @@ impl ModelSpec {
         Ok(m)
     }
 
+    /// The networks this spec may mean: itself, or both readings of an ambiguous one (a dense
+    /// CNN without `pool_every`).
+    pub fn alternatives(&self) -> Vec<ModelSpec> {
+        match self {
+            ModelSpec::Cnn(c) => c.alternatives().into_iter().map(ModelSpec::Cnn).collect(),
+            other => vec![other.clone()],
+        }
+    }
+
     pub fn family(&self) -> &'static str {
         match self {
             ModelSpec::Mlp(_) => "mlp",
@@ -345,6 +354,14 @@ impl Keys {
                 Ok(n as u64)
             }
         }
+    }
+
+    /// `None` where the spec does not state `key`.
+    pub(crate) fn optional_uint(&mut self, key: &str, min: u64, max: u64) -> Result<Option<u64>, SpecError> {
+        if !self.map.contains_key(key) {
+            return Ok(None);
+        }
+        self.uint(key, None, min, max).map(Some)
     }
 
     pub(crate) fn float(&mut self, key: &str, default: f64, min: f64, max: f64) -> Result<f64, SpecError> {
