@@ -329,6 +329,10 @@ pub struct LoadTestArgs {
     /// Stop sending after this many seconds.
     #[arg(long, default_value_t = 30.0)]
     seconds: f64,
+    /// Append each acknowledged job id to FILE as it is answered, and keep going while the
+    /// daemon is away (for checking that a killed daemon loses no acknowledged job).
+    #[arg(long)]
+    acked: Option<PathBuf>,
     #[command(flatten)]
     server: ServerArgs,
 }
@@ -336,7 +340,11 @@ pub struct LoadTestArgs {
 /// Submits jobs as fast as the daemon takes them; reports the rate and latency percentiles, then
 /// checks that every accepted job is stored.
 pub fn load_test(a: LoadTestArgs) -> CliResult {
-    let before = a.server.get::<Vec<JobView>>("/jobs")?.0.len();
+    let acked = match &a.acked {
+        Some(p) => Some(std::sync::Mutex::new(std::fs::OpenOptions::new().create(true).append(true).open(p).map_err(|e| CliError::input(format!("{}: {e}", p.display())))?)),
+        None => None,
+    };
+    let before = if acked.is_some() { 0 } else { a.server.get::<Vec<JobView>>("/jobs")?.0.len() };
     let started = Instant::now();
     let per = a.jobs.div_ceil(a.concurrency.max(1));
     let results: Vec<(Vec<f64>, usize)> = std::thread::scope(|s| {
@@ -351,7 +359,14 @@ pub fn load_test(a: LoadTestArgs) -> CliResult {
                         }
                         let t = Instant::now();
                         match a.server.call("POST", "/jobs", Some(&req)) {
-                            Ok(_) => lat.push(t.elapsed().as_secs_f64() * 1e3),
+                            Ok(text) => {
+                                lat.push(t.elapsed().as_secs_f64() * 1e3);
+                                if let (Some(file), Ok(s)) = (&acked, serde_json::from_str::<Submitted>(&text)) {
+                                    use std::io::Write;
+                                    let mut f = file.lock().unwrap_or_else(|p| p.into_inner());
+                                    let _ = writeln!(f, "{}", s.id);
+                                }
+                            }
                             Err(_) => failed += 1,
                         }
                     }
@@ -366,6 +381,10 @@ pub fn load_test(a: LoadTestArgs) -> CliResult {
     let failed: usize = results.iter().map(|r| r.1).sum();
     lat.sort_by(f64::total_cmp);
     let pct = |q: f64| lat.get(((q * lat.len() as f64).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0.0);
+    if acked.is_some() {
+        println!("{} submissions acknowledged in {elapsed:.2} s over {} connections; {failed} failed (the daemon away)", lat.len(), a.concurrency);
+        return Ok(());
+    }
     let stored = a.server.get::<Vec<JobView>>("/jobs")?.0.len() - before;
     println!(
         "{} submissions accepted in {elapsed:.2} s = {:.0}/s over {} connections; latency p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; {failed} failed; {stored} stored",
