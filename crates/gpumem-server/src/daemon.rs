@@ -20,7 +20,7 @@ use gpumem_monitor::GpuReading;
 use gpumem_place::{Forecast, Queued, SchedOptions, Scheduler};
 
 use crate::identity::{Admins, User};
-use crate::launcher::{Exit, JobDir, Launch, launch};
+use crate::launcher::{Exit, JobDir, Launch, Supervision, launch};
 use crate::probe::Prober;
 use crate::store::{JobRecord, Store, StoreError};
 use crate::wire::{GpuView, JobRequest, JobState, JobView, MAX_MEM_MIB, Submitted};
@@ -890,7 +890,8 @@ impl Daemon {
         // requeued (no pid file appears), never run twice.
         inner.store.transition(&placed, t, Some(&format!("placed on GPUs {gpus:?}")))?;
         *job = placed;
-        let launch_spec = Launch { request: &job.request, dir: &dir, gpus, job_id: id, attempt: job.retries + 1, fake: self.fake.is_some(), cgroup: self.config.cgroups, run_as: self.user.is_root().then_some(job.owner) };
+        let how = Supervision { cgroup: self.config.cgroups, run_as: self.user.is_root().then_some(job.owner), cwd: job.request.cwd.as_ref().map(PathBuf::from) };
+        let launch_spec = Launch { request: &job.request, dir: &dir, gpus, job_id: id, attempt: job.retries + 1, fake: self.fake.is_some(), how };
         match launch(&self.supervisor, &launch_spec) {
             Ok(child) => {
                 job.pid = Some(child.id());

@@ -158,14 +158,12 @@ pub struct Launch<'a> {
     pub attempt: u32,
     /// Set `GPUMEM_FAKE_MEMORY_FILE` (fake GPUs).
     pub fake: bool,
-    /// Give the run a cgroup v2 directory of its own where the machine allows it.
-    pub cgroup: bool,
-    /// Run the program as this user (a daemon running as root runs each job as its owner).
-    pub run_as: Option<User>,
+    /// How the supervisor runs the program (a daemon running as root runs it as its owner).
+    pub how: Supervision,
 }
 
 /// How a supervisor runs its program (`gpumem _supervise`'s options).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Supervision {
     /// Give the run a cgroup v2 directory of its own where the machine allows it.
     pub cgroup: bool,
@@ -173,6 +171,23 @@ pub struct Supervision {
     pub run_as: Option<User>,
     /// Start the program in this directory, entered as that user.
     pub cwd: Option<PathBuf>,
+}
+
+impl Supervision {
+    /// The options as `gpumem _supervise` takes them (before `--`).
+    fn args(&self) -> Vec<std::ffi::OsString> {
+        let mut a: Vec<std::ffi::OsString> = Vec::new();
+        if !self.cgroup {
+            a.push("--no-cgroup".into());
+        }
+        if let Some(u) = self.run_as {
+            a.extend(["--uid".into(), u.uid.to_string().into(), "--gid".into(), u.gid.to_string().into()]);
+        }
+        if let Some(cwd) = &self.cwd {
+            a.extend(["--cwd".into(), cwd.clone().into_os_string()]);
+        }
+        a
+    }
 }
 
 /// Why a run could not be started.
@@ -194,20 +209,10 @@ pub fn launch(supervisor: &Path, l: &Launch) -> Result<Child, LaunchError> {
     }
     let argv: Vec<String> = if l.request.shell { vec!["/bin/sh".into(), "-c".into(), l.request.command[0].clone()] } else { l.request.command.clone() };
     let mut cmd = Command::new(supervisor);
-    cmd.arg("_supervise").arg(&l.dir.0);
-    if !l.cgroup {
-        cmd.arg("--no-cgroup");
-    }
-    if let Some(u) = l.run_as {
-        cmd.args(["--uid", &u.uid.to_string(), "--gid", &u.gid.to_string()]);
-    }
-    if let Some(cwd) = &l.request.cwd {
-        cmd.arg("--cwd").arg(cwd);
-    }
-    cmd.arg("--").args(&argv);
+    cmd.arg("_supervise").arg(&l.dir.0).args(l.how.args()).arg("--").args(&argv);
     let visible: Vec<String> = l.gpus.iter().map(u32::to_string).collect();
     let mut env: BTreeMap<String, String> = l.request.env.clone();
-    if let Some(u) = l.run_as {
+    if let Some(u) = l.how.run_as {
         // The owner's own, unless the job sets them: not the daemon's.
         for (key, value) in u.login_env() {
             env.entry(key.into()).or_insert(value);
