@@ -314,6 +314,19 @@ fn lock_state_dir(dir: &Path) -> Result<std::fs::File, DaemonError> {
     Ok(f)
 }
 
+/// The highest job id any directory under STATE/jobs or a set-aside STATE/jobs.lost-* has: a
+/// new job's id is above it, so no job ever gets another's directory or log.
+fn highest_job_dir(state_dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(state_dir) else { return 0 };
+    entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_str().is_some_and(|n| n == "jobs" || n.starts_with("jobs.lost-")))
+        .filter_map(|e| std::fs::read_dir(e.path()).ok())
+        .flat_map(|dir| dir.filter_map(|j| j.ok()?.file_name().to_str()?.parse::<u64>().ok()))
+        .max()
+        .unwrap_or(0)
+}
+
 /// Why a job could not be cancelled (the API answers 404, 409 and 500).
 #[derive(Debug, thiserror::Error)]
 pub enum CancelError {
@@ -386,6 +399,8 @@ impl Daemon {
             }
             set_aside_jobs(now() as u64)?;
         }
+        let mut store = store;
+        store.set_id_floor(highest_job_dir(state_dir));
         let mut inner = Inner {
             store,
             jobs,
@@ -1052,6 +1067,21 @@ mod tests {
         // At least 256 MiB on a small GPU; never an overflow.
         assert!(at_memory_limit(gib - 200 * MIB, gib) && !at_memory_limit(gib - 300 * MIB, gib));
         assert!(at_memory_limit(u64::MAX, u64::MAX));
+    }
+
+    #[test]
+    fn ids_never_reuse_a_job_directory() {
+        let dir = std::env::temp_dir().join(format!("gpumem-daemon-ids-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        // Directories the store does not know: a lost WAL's last job, a store set aside.
+        std::fs::create_dir_all(dir.join("jobs/7")).unwrap();
+        std::fs::create_dir_all(dir.join("jobs.lost-100/12")).unwrap();
+        let monitor = FakeMonitor::new(1, "fake", 40 << 30);
+        let profile = gpumem_core::profile::builtin("a100-40gb").unwrap();
+        let d = Daemon::open(&dir, Box::new(monitor), None, profile, Config::default(), "/nonexistent".into(), true).unwrap();
+        let submit = || d.submit(User::current(), serde_json::from_str(r#"{"command": ["true"]}"#).unwrap(), None).unwrap().id;
+        assert_eq!((submit(), submit()), (13, 14));
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

@@ -67,6 +67,8 @@ pub struct StateChange {
 
 pub struct Store {
     conn: Connection,
+    /// New ids are above this (and above every stored one).
+    id_floor: u64,
 }
 
 /// Why the job store could not be opened, read or written.
@@ -168,7 +170,7 @@ impl Store {
             }
         }
         conn.pragma_update(None, "user_version", SCHEMA_VERSION)?;
-        Ok(Store { conn })
+        Ok(Store { conn, id_floor: 0 })
     }
 
     /// Copies what the WAL holds into the database file (a passive checkpoint: it waits for
@@ -178,14 +180,20 @@ impl Store {
         Ok(())
     }
 
+    /// New jobs get ids above `floor` too: ids that job directories outside the store already
+    /// have (a lost WAL's last jobs, a store set aside by --recover) are never given again.
+    pub fn set_id_floor(&mut self, floor: u64) {
+        self.id_floor = floor;
+    }
+
     /// Stores a new job and returns its id.
     pub fn insert(&mut self, job: &JobRecord) -> Result<u64, StoreError> {
         let request = serde_json::to_string(&job.request).map_err(|source| StoreError::Encode { field: "request", source })?;
         self.conn
             .execute(
-                "INSERT INTO jobs (request, state, assigned, estimate_bytes, bound_bytes, submitted_at, retries, cancel_requested, owner_uid, owner_gid)
-                 VALUES (?1, ?2, '[]', ?3, ?4, ?5, 0, 0, ?6, ?7)",
-                params![request, job.state.name(), job.estimate_bytes.map(|b| b as i64), job.bound_bytes.map(|b| b as i64), job.submitted_at, job.owner.uid, job.owner.gid],
+                "INSERT INTO jobs (id, request, state, assigned, estimate_bytes, bound_bytes, submitted_at, retries, cancel_requested, owner_uid, owner_gid)
+                 VALUES (MAX(COALESCE((SELECT MAX(id) FROM jobs), 0), ?8) + 1, ?1, ?2, '[]', ?3, ?4, ?5, 0, 0, ?6, ?7)",
+                params![request, job.state.name(), job.estimate_bytes.map(|b| b as i64), job.bound_bytes.map(|b| b as i64), job.submitted_at, job.owner.uid, job.owner.gid, self.id_floor as i64],
             )?;
         let id = self.conn.last_insert_rowid() as u64;
         self.event(id, job.submitted_at, job.state, None)?;
