@@ -46,8 +46,13 @@ impl Server {
     /// Starts a daemon on an ephemeral loopback port (chosen by the daemon itself, so parallel
     /// tests never race for one) and learns its address from its first line on stderr.
     fn start(state: &Path) -> Server {
+        Server::start_with(state, "")
+    }
+
+    /// Like [`Server::start`], with `extra` lines of daemon.toml.
+    fn start_with(state: &Path, extra: &str) -> Server {
         let cfg = state.join("daemon.toml");
-        std::fs::write(&cfg, "policy = \"first-fit\"\nwarmup_s = 1\ntick_ms = 50\ngrace_s = 1\nmax_retries = 2\n").unwrap();
+        std::fs::write(&cfg, format!("policy = \"first-fit\"\nwarmup_s = 1\ntick_ms = 50\ngrace_s = 1\nmax_retries = 2\n{extra}")).unwrap();
         let dir = state.join("state");
         let args = ["serve", "--fake-gpus", "4xa100-40gb", "--state", dir.to_str().unwrap(), "--config", cfg.to_str().unwrap()];
         let (child, url) = spawn_daemon(&args);
@@ -570,10 +575,33 @@ struct ThrowawayUser {
     gid: u32,
 }
 
+/// A throwaway group of this machine, removed when dropped.
+struct ThrowawayGroup(String);
+
+impl ThrowawayGroup {
+    fn new(name: &str) -> ThrowawayGroup {
+        let _ = Command::new("groupdel").arg(name).output();
+        let o = Command::new("groupadd").arg(name).output().unwrap();
+        assert!(o.status.success(), "groupadd {name}: {}", String::from_utf8_lossy(&o.stderr));
+        ThrowawayGroup(name.to_string())
+    }
+}
+
+impl Drop for ThrowawayGroup {
+    fn drop(&mut self) {
+        let _ = Command::new("groupdel").arg(&self.0).output();
+    }
+}
+
 impl ThrowawayUser {
-    fn new(name: &str) -> ThrowawayUser {
+    /// A new user in its own group and in `also` (a supplementary group).
+    fn new(name: &str, also: Option<&ThrowawayGroup>) -> ThrowawayUser {
         let _ = Command::new("userdel").arg(name).output();
-        let o = Command::new("useradd").args(["--no-create-home", "--shell", "/bin/sh", "--user-group", name]).output().unwrap();
+        let mut args = vec!["--no-create-home", "--shell", "/bin/sh", "--user-group", name];
+        if let Some(g) = also {
+            args.extend(["--groups", &g.0]);
+        }
+        let o = Command::new("useradd").args(&args).output().unwrap();
         assert!(o.status.success(), "useradd {name}: {}", String::from_utf8_lossy(&o.stderr));
         let id = |flag: &str| String::from_utf8(Command::new("id").args([flag, name]).output().unwrap().stdout).unwrap().trim().parse().unwrap();
         ThrowawayUser { name: name.to_string(), uid: id("-u"), gid: id("-g") }
@@ -611,9 +639,12 @@ fn users_see_and_run_only_their_own_jobs() {
     for p in [&d, &shared] {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o777)).unwrap();
     }
-    let s = Server::start(&d);
     let tag = std::process::id() % 100_000;
-    let (a, b) = (ThrowawayUser::new(&format!("gpmt{tag}a")), ThrowawayUser::new(&format!("gpmt{tag}b")));
+    let admins = ThrowawayGroup::new(&format!("gpmt{tag}g"));
+    let (a, b) = (ThrowawayUser::new(&format!("gpmt{tag}a"), None), ThrowawayUser::new(&format!("gpmt{tag}b"), None));
+    // C is no owner of anything but a member of the daemon's admin group.
+    let c = ThrowawayUser::new(&format!("gpmt{tag}c"), Some(&admins));
+    let s = Server::start_with(&d, &format!("admin_group = \"{}\"\n", admins.0));
     let submit = |u: &ThrowawayUser| -> u64 {
         let job = shared.join(format!("{}.toml", u.name));
         std::fs::write(&job, format!("command = [\"/bin/sh\", \"-c\", \"id -u > {0}/{1}.uid; echo secret-of-{1}; sleep 30\"]\nmem_mib = 100\nenv = {{ HF_TOKEN = \"hf-{1}\" }}\n", shared.display(), u.name)).unwrap();
@@ -642,8 +673,10 @@ fn users_see_and_run_only_their_own_jobs() {
     let o = a.gpumem(&shared, &["job", &ja.to_string(), "--log", "--server", &s.url]);
     assert!(String::from_utf8_lossy(&o.stdout).contains(&format!("secret-of-{}", a.name)), "A reads its own log");
     assert_eq!(s.state(jb), "running", "B's job was not cancelled by A");
-    // Root sees both; each owner cancels their own.
+    // Root and the admin group see both; each owner cancels their own.
     assert_eq!(serde_json::from_str::<Vec<serde_json::Value>>(&s.run(&["jobs", "--json"])).unwrap().len(), 2);
+    let seen = c.gpumem(&shared, &["jobs", "--server", &s.url, "--json"]);
+    assert_eq!(serde_json::from_slice::<Vec<serde_json::Value>>(&seen.stdout).unwrap().len(), 2, "{}", String::from_utf8_lossy(&seen.stderr));
     for (u, id) in [(&a, ja), (&b, jb)] {
         assert!(u.gpumem(&shared, &["cancel", &id.to_string(), "--server", &s.url]).status.success());
         s.wait_until(|| s.state(id) == "cancelled", "the owner cancels");
