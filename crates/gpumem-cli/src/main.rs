@@ -18,6 +18,7 @@ mod learn;
 mod max_batch;
 mod plot;
 mod probe;
+mod ray;
 mod serve;
 mod simulate;
 mod trace;
@@ -68,6 +69,9 @@ enum Command {
     Estimate(estimate::EstimateArgs),
     /// Find the largest batch size whose upper bound fits on the GPU.
     MaxBatch(max_batch::MaxBatchArgs),
+    /// What a Ray task training this job should ask for on each GPU type: num_gpus and a
+    /// gpu_memory_mib resource, from the upper bound.
+    RayResources(ray::RayArgs),
     /// List the built-in GPU profiles.
     Gpus(gpus::GpusArgs),
     /// Fit a GPU profile's fixed costs from measured runs.
@@ -145,6 +149,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Estimate(a) => estimate::estimate(a),
         Command::MaxBatch(a) => max_batch::max_batch(a),
+        Command::RayResources(a) => ray::ray_resources(a),
         Command::Gpus(a) => gpus::gpus(a),
         Command::Calibrate(a) => calibrate::calibrate(a),
         Command::Eval(a) => eval::eval(a),

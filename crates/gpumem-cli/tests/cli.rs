@@ -270,3 +270,26 @@ fn an_ambiguous_dense_spec_gives_the_larger_network() {
         assert!(one.get("ambiguity").is_none() && one["peak_mib"] == r["peak_mib"], "pool_every={n}: {one}");
     }
 }
+
+/// `gpumem ray-resources`: per GPU type, the num_gpus share and gpu_memory_mib resource of the
+/// upper bound; a GPU too small says so (issue 17 part 4).
+#[test]
+fn ray_resources_come_from_the_upper_bound() {
+    let o = gpumem(&["ray-resources", "mlp:input=4096,output=10,depth=4", "--batch", "256", "--gpus", "a100-40gb,t4", "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let gpus = v["gpus"].as_array().unwrap();
+    assert_eq!(gpus.len(), 2);
+    for g in gpus {
+        let (bound, capacity) = (g["upper_bound_mib"].as_f64().unwrap(), g["capacity_mib"].as_f64().unwrap());
+        let share = g["num_gpus"].as_f64().unwrap();
+        assert!(share * capacity >= bound && (share - 0.01) * capacity < bound, "{g}");
+        assert_eq!(g["gpu_memory_mib"].as_f64().unwrap(), bound.ceil());
+        let e = gpumem(&["estimate", "mlp:input=4096,output=10,depth=4", "--batch", "256", "--gpu", g["gpu"].as_str().unwrap(), "--json"]);
+        assert_eq!(serde_json::from_slice::<serde_json::Value>(&e.stdout).unwrap()["upper_bound_mib"].as_f64(), Some(bound));
+    }
+    let o = gpumem(&["ray-resources", "cnn:classes=10,filters=32,depth=60,input=224,arch=dense", "--batch", "16", "--gpus", "t4", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["gpus"][0]["fits"] == false && v["gpus"][0].get("num_gpus").is_none(), "{v}");
+    bad_input(&["ray-resources", "mlp:input=8,output=2,depth=1", "--gpus", "b300"], "unknown GPU `b300`");
+}
