@@ -67,8 +67,8 @@ pub struct StateChange {
 
 pub struct Store {
     conn: Connection,
-    /// New ids are above this (and above every stored one).
-    id_floor: u64,
+    /// The next job's id: above every stored one and the floor (the daemon is the only writer).
+    next_id: u64,
 }
 
 /// Why the job store could not be opened, read or written.
@@ -170,7 +170,8 @@ impl Store {
             }
         }
         conn.pragma_update(None, "user_version", SCHEMA_VERSION)?;
-        Ok(Store { conn, id_floor: 0 })
+        let max: Option<i64> = conn.query_row("SELECT MAX(id) FROM jobs", [], |r| r.get(0))?;
+        Ok(Store { conn, next_id: max.map_or(1, |m| m as u64 + 1) })
     }
 
     /// Copies what the WAL holds into the database file (a passive checkpoint: it waits for
@@ -183,7 +184,7 @@ impl Store {
     /// New jobs get ids above `floor` too: ids that job directories outside the store already
     /// have (a lost WAL's last jobs, a store set aside by --recover) are never given again.
     pub fn set_id_floor(&mut self, floor: u64) {
-        self.id_floor = floor;
+        self.next_id = self.next_id.max(floor + 1);
     }
 
     /// Stores a new job and returns its id.
@@ -192,10 +193,11 @@ impl Store {
         self.conn
             .execute(
                 "INSERT INTO jobs (id, request, state, assigned, estimate_bytes, bound_bytes, submitted_at, retries, cancel_requested, owner_uid, owner_gid)
-                 VALUES (MAX(COALESCE((SELECT MAX(id) FROM jobs), 0), ?8) + 1, ?1, ?2, '[]', ?3, ?4, ?5, 0, 0, ?6, ?7)",
-                params![request, job.state.name(), job.estimate_bytes.map(|b| b as i64), job.bound_bytes.map(|b| b as i64), job.submitted_at, job.owner.uid, job.owner.gid, self.id_floor as i64],
+                 VALUES (?8, ?1, ?2, '[]', ?3, ?4, ?5, 0, 0, ?6, ?7)",
+                params![request, job.state.name(), job.estimate_bytes.map(|b| b as i64), job.bound_bytes.map(|b| b as i64), job.submitted_at, job.owner.uid, job.owner.gid, self.next_id as i64],
             )?;
-        let id = self.conn.last_insert_rowid() as u64;
+        let id = self.next_id;
+        self.next_id += 1;
         self.event(id, job.submitted_at, job.state, None)?;
         Ok(id)
     }
