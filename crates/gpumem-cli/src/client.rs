@@ -68,6 +68,9 @@ impl ServerArgs {
         use hyper::header;
         let server = self.server();
         let endpoint = self.endpoint()?;
+        if let Endpoint::Unix(path) = &endpoint {
+            trusted_socket(path)?;
+        }
         let mut req = hyper::Request::builder().method(method).uri(path).header(header::HOST, "localhost");
         if let Some(t) = gpumem_server::api::Token::from_file_or_env(self.token_file.as_deref()).map_err(CliError::input)? {
             req = req.header(header::AUTHORIZATION, format!("Bearer {}", t.as_str()));
@@ -102,6 +105,17 @@ impl ServerArgs {
         let text = self.call("GET", path, None::<&()>)?;
         let v = serde_json::from_str(&text).map_err(|e| CliError::other(format!("{}: unexpected answer: {e}", self.server())))?;
         Ok((v, text))
+    }
+}
+
+/// Refuses a socket that neither root nor the caller owns: in a shared directory such as /tmp
+/// another user could have put it there to receive jobs, with their commands and environments.
+fn trusted_socket(path: &std::path::Path) -> CliResult<()> {
+    use std::os::unix::fs::MetadataExt;
+    let me = gpumem_server::identity::User::current().uid;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.uid() != 0 && m.uid() != me => Err(CliError::input(format!("{}: the socket belongs to uid {}, neither root nor you; not sending it a job", path.display(), m.uid()))),
+        _ => Ok(()),
     }
 }
 

@@ -691,11 +691,20 @@ fn users_see_and_run_only_their_own_jobs() {
     };
     let url = format!("unix:{}", shared.join("a.sock").display());
     s.wait_until(|| a.gpumem(&shared, &["jobs", "--server", &url]).status.success(), "A's own daemon answers");
+    // B's client will not talk to a socket A owns (it could be A's trap for B's jobs) ...
     let o = b.gpumem(&shared, &["submit", "--server", &url, "--mem-mib", "10", "--", "/usr/bin/id"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains(&format!("the socket belongs to uid {}, neither root nor you", a.uid)), "{}", String::from_utf8_lossy(&o.stderr));
+    // ... and A's daemon refuses B's job when B's request reaches it anyway.
+    let raw = format!("import socket; s = socket.socket(socket.AF_UNIX); s.connect('{}'); b = b'{{\"command\": [\"/usr/bin/id\"], \"mem_mib\": 10}}'; s.sendall(b'POST /jobs HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json\\r\\nConnection: close\\r\\nContent-Length: %d\\r\\n\\r\\n' % len(b) + b); print(s.makefile('rb').read().decode())", shared.join("a.sock").display());
+    let o = {
+        use std::os::unix::process::CommandExt;
+        Command::new("python3").args(["-c", &raw]).uid(b.uid).gid(b.gid).output().unwrap()
+    };
     let _ = own.kill();
     let _ = own.wait();
-    assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains(&format!("403: this daemon runs as {0} and can run jobs only as {0}, not as {1}", a.name, b.name)), "{}", String::from_utf8_lossy(&o.stderr));
+    let answer = String::from_utf8_lossy(&o.stdout);
+    assert!(answer.starts_with("HTTP/1.1 403") && answer.contains(&format!("this daemon runs as {0} and can run jobs only as {0}, not as {1}", a.name, b.name)), "{answer} {}", String::from_utf8_lossy(&o.stderr));
     // Private state: the directory 0700, its files 0600.
     let state = d.join("state");
     assert_eq!(std::fs::metadata(&state).unwrap().permissions().mode() & 0o777, 0o700);
