@@ -14,6 +14,7 @@ mod diff;
 mod estimate;
 mod eval;
 mod gpus;
+mod k8s;
 mod learn;
 mod max_batch;
 mod plot;
@@ -72,6 +73,9 @@ enum Command {
     /// What a Ray task training this job should ask for on each GPU type: num_gpus and a
     /// gpu_memory_mib resource, from the upper bound.
     RayResources(ray::RayArgs),
+    /// Kubernetes: a mutating admission webhook writing HAMi's, Volcano's or KAI's GPU-memory
+    /// request from a pod's gpumem.io annotations.
+    K8s(k8s::K8sArgs),
     /// List the built-in GPU profiles.
     Gpus(gpus::GpusArgs),
     /// Fit a GPU profile's fixed costs from measured runs.
@@ -150,6 +154,7 @@ fn main() -> ExitCode {
         Command::Estimate(a) => estimate::estimate(a),
         Command::MaxBatch(a) => max_batch::max_batch(a),
         Command::RayResources(a) => ray::ray_resources(a),
+        Command::K8s(a) => k8s::k8s(a),
         Command::Gpus(a) => gpus::gpus(a),
         Command::Calibrate(a) => calibrate::calibrate(a),
         Command::Eval(a) => eval::eval(a),
