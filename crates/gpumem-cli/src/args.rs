@@ -136,6 +136,16 @@ impl From<WorkloadError> for CliError {
     }
 }
 
+impl From<gpumem_workload::SizeError> for CliError {
+    fn from(e: gpumem_workload::SizeError) -> Self {
+        match e {
+            gpumem_workload::SizeError::Workload(w) => w.into(),
+            // As `estimate` reports an estimator's refusal: bad input (a job too large for any GPU).
+            gpumem_workload::SizeError::Estimate(e) => CliError::input(e),
+        }
+    }
+}
+
 impl From<BridgeError> for CliError {
     fn from(e: BridgeError) -> Self {
         match e {

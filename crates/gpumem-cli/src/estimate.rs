@@ -166,38 +166,29 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
     if a.timeline.is_some() && a.estimator.estimator != "replay" {
         return Err(CliError::input("--timeline draws the replay estimator's allocator; use --estimator replay"));
     }
-    let size = |trace: &Trace| -> CliResult<Estimate> {
-        match a.timeline {
-            Some(_) => Replay { timeline: true }.estimate(trace, &profile),
-            None => a.estimator.estimator(&models)?.estimate(trace, &profile),
-        }
-        .map_err(CliError::input)
+    let estimator: Box<dyn Estimator> = match a.timeline {
+        Some(_) => Box::new(Replay { timeline: true }),
+        None => a.estimator.estimator(&models)?,
     };
-    // Each job the argument may mean, sized; the largest is the answer.
-    let mut sized: Vec<(Trace, Estimate, Option<ModelSpec>)> = Vec::new();
-    match ModelArg::load(&arg)? {
+    let (trace, est, native, readings) = match ModelArg::load(&arg)? {
         ModelArg::TraceFile(t) => {
-            let est = size(&t)?;
-            sized.push((t, est, None));
+            let est = estimator.estimate(&t, &profile).map_err(CliError::input)?;
+            (t, est, None, Vec::new())
         }
         ModelArg::Model(m) => {
-            for w in a.workload.workload(m, batch)?.alternatives() {
-                let native = match w.model() {
-                    ModelRef::Native(spec) => Some(spec.clone()),
-                    ModelRef::Torch(_) => None,
-                };
-                let trace = w.trace_for_reestimates(&profile)?;
-                let est = size(&trace)?;
-                sized.push((trace, est, native));
-            }
+            // Every reading of the spec sized; an ambiguous one answers with its largest.
+            let sizing = a.workload.workload(m, batch)?.size(&profile, estimator.as_ref(), gpumem_workload::Workload::trace_for_reestimates)?;
+            let native = match sizing.workload.model() {
+                ModelRef::Native(spec) => Some(spec.clone()),
+                ModelRef::Torch(_) => None,
+            };
+            (sizing.trace, sizing.estimate, native, sizing.readings)
         }
-    }
-    let readings: Vec<ReadingJson> = sized.iter().map(|(t, e, _)| ReadingJson { model: t.header.model.clone(), peak_mib: mib(e.peak_bytes), upper_bound_mib: mib(e.upper_bound_bytes) }).collect();
-    let ambiguity = (readings.len() > 1).then_some(AmbiguityJson { note: DENSE_AMBIGUITY, readings });
-    let largest = (0..sized.len()).max_by_key(|&i| (sized[i].1.peak_bytes, sized[i].1.upper_bound_bytes)).expect("at least one reading");
-    let (trace, mut est, native) = sized.swap_remove(largest);
-    // The bound covers every reading.
-    est.upper_bound_bytes = sized.iter().map(|s| s.1.upper_bound_bytes).fold(est.upper_bound_bytes, u64::max);
+    };
+    let ambiguity = (readings.len() > 1).then(|| AmbiguityJson {
+        note: DENSE_AMBIGUITY,
+        readings: readings.iter().map(|r| ReadingJson { model: r.model.clone(), peak_mib: mib(r.peak_bytes), upper_bound_mib: mib(r.upper_bound_bytes) }).collect(),
+    });
     if !models.is_empty() && native.is_none() {
         return Err(learned_needs_native());
     }

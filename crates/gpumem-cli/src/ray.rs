@@ -4,6 +4,7 @@
 
 use clap::Args;
 use gpumem_core::profile::{self, GpuProfile};
+use gpumem_workload::Workload;
 use serde::Serialize;
 
 use crate::args::{EstimatorArgs, ModelArg, WorkloadArgs, mib};
@@ -66,12 +67,8 @@ pub fn ray_resources(a: RayArgs) -> CliResult {
     let workload = a.workload.workload(model, a.batch)?;
     let mut rows = Vec::new();
     for p in &profiles {
-        // Of an ambiguous spec's readings, the largest.
-        let (mut peak, mut bound) = (0, 0);
-        for w in workload.alternatives() {
-            let est = estimator.estimate(&w.trace(p)?, p).map_err(CliError::input)?;
-            (peak, bound) = (peak.max(est.peak_bytes), bound.max(est.upper_bound_bytes));
-        }
+        let est = workload.size(p, estimator.as_ref(), Workload::trace)?.estimate;
+        let (peak, bound) = (est.peak_bytes, est.upper_bound_bytes);
         let bound_mib = mib(bound);
         rows.push(RayGpu {
             gpu: p.name.clone(),

@@ -177,8 +177,7 @@ impl Webhook {
     }
 }
 
-/// gpumem's replay estimate and upper bound of `job` (of an ambiguous spec's readings, the
-/// largest).
+/// gpumem's replay estimate and upper bound of `job` (an ambiguous spec's largest reading).
 fn estimate(job: &Job) -> Result<Sized, String> {
     let profile = profile::builtin(&job.gpu).map_err(|e| format!("{GPU}: {e}"))?;
     let mut options = Options::default();
@@ -190,11 +189,8 @@ fn estimate(job: &Job) -> Result<Sized, String> {
     }
     let workload = Workload::parse(&job.model, job.batch, options).map_err(|e| format!("{MODEL}: {e}"))?;
     let replay = gpumem_core::estimate::by_name("replay").expect("replay is an estimator");
-    let (mut peak, mut bound) = (0, 0);
-    for w in workload.alternatives() {
-        let est = replay.estimate(&w.trace(&profile).map_err(|e| e.to_string())?, &profile).map_err(|e| e.to_string())?;
-        (peak, bound) = (peak.max(est.peak_bytes), bound.max(est.upper_bound_bytes));
-    }
+    let est = workload.size(&profile, replay.as_ref(), Workload::trace).map_err(|e| e.to_string())?.estimate;
+    let (peak, bound) = (est.peak_bytes, est.upper_bound_bytes);
     if bound > profile.capacity_bytes() {
         return Err(format!("its upper bound, {} MiB, exceeds one {} ({} MiB)", bound.div_ceil(1 << 20), profile.name, profile.capacity_mib));
     }

@@ -182,9 +182,9 @@ pub enum SizeError {
     /// The configured estimator cannot be made.
     #[error(transparent)]
     Estimator(#[from] gpumem_learn::model::LearnError),
-    /// The workload cannot be traced.
+    /// The workload cannot be traced or sized.
     #[error(transparent)]
-    Trace(#[from] gpumem_workload::WorkloadError),
+    Job(#[from] gpumem_workload::SizeError),
     #[error(transparent)]
     Estimate(#[from] gpumem_core::estimate::EstimateError),
 }
@@ -198,22 +198,13 @@ pub struct Sized {
     pub unprobed: Vec<(String, u64)>,
 }
 
-/// Sizes `workload` on `profile` with the configured estimator: of an ambiguous spec's
-/// readings the largest, under the largest bound.
+/// Sizes `workload` on `profile` with the configured estimator (an ambiguous spec by its largest
+/// reading).
 pub fn estimate(config: &Config, profile: &GpuProfile, workload: &Workload) -> Result<Sized, SizeError> {
-    let mut largest: Option<Sized> = None;
-    for w in workload.alternatives() {
-        let trace = w.trace(profile)?;
-        let (peak, bound) = size(config, profile, &trace)?;
-        let bound = largest.as_ref().map_or(bound, |l| l.bound.max(bound));
-        if largest.as_ref().is_none_or(|l| peak > l.peak) {
-            let unprobed = profile.workspaces().unprobed(&trace);
-            largest = Some(Sized { peak, bound, trace, unprobed });
-        } else if let Some(l) = &mut largest {
-            l.bound = bound;
-        }
-    }
-    Ok(largest.expect("a workload has at least one reading"))
+    let estimator = gpumem_learn::estimator(&config.estimator, config.learned_model.as_deref())?;
+    let sizing = workload.size(profile, estimator.as_ref(), Workload::trace)?;
+    let unprobed = profile.workspaces().unprobed(&sizing.trace);
+    Ok(Sized { peak: sizing.estimate.peak_bytes, bound: sizing.estimate.upper_bound_bytes, trace: sizing.trace, unprobed })
 }
 
 fn size(config: &Config, profile: &GpuProfile, trace: &Trace) -> Result<(u64, u64), SizeError> {

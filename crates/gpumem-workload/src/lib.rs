@@ -8,7 +8,7 @@
 //! everywhere, and a [`gpumem_torch::TraceRequest`] is built in one place.
 
 use gpumem_core::dataset::Measurement;
-use gpumem_core::estimate::{Estimate, Estimator};
+use gpumem_core::estimate::{Estimate, EstimateError, Estimator};
 use gpumem_core::families::{JobOptions, MAX_BATCH, ModelSpec};
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::search::{self, SearchError};
@@ -26,6 +26,33 @@ pub enum WorkloadError {
     /// The PyTorch tracer could not trace it.
     #[error(transparent)]
     Tracer(#[from] BridgeError),
+}
+
+/// Why a job could not be sized.
+#[derive(Debug, thiserror::Error)]
+pub enum SizeError {
+    #[error(transparent)]
+    Workload(#[from] WorkloadError),
+    #[error(transparent)]
+    Estimate(#[from] EstimateError),
+}
+
+/// A job sized: its largest reading (the one with the largest peak: its workload, trace and
+/// estimate, whose upper bound is raised to the largest of every reading's) and what each
+/// reading needs (one entry unless the spec is ambiguous).
+pub struct Sizing {
+    pub workload: Workload,
+    pub trace: Trace,
+    pub estimate: Estimate,
+    pub readings: Vec<Reading>,
+}
+
+/// One reading of a job, sized.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reading {
+    pub model: String,
+    pub peak_bytes: u64,
+    pub upper_bound_bytes: u64,
 }
 
 /// A native model's refusal of options only PyTorch models take, naming those models by the
@@ -96,6 +123,27 @@ impl Workload {
 
     pub fn options(&self) -> &Options {
         &self.options
+    }
+
+    /// Sizes every reading of this job (see [`Workload::alternatives`]) with `estimator` on
+    /// `profile`, each traced by `trace` ([`Workload::trace`] or
+    /// [`Workload::trace_for_reestimates`]): an ambiguous spec is answered by its largest network,
+    /// under the largest bound.
+    pub fn size(&self, profile: &GpuProfile, estimator: &dyn Estimator, trace: fn(&Workload, &GpuProfile) -> Result<Trace, WorkloadError>) -> Result<Sizing, SizeError> {
+        let mut largest: Option<Sizing> = None;
+        let mut readings = Vec::new();
+        for w in self.alternatives() {
+            let t = trace(&w, profile)?;
+            let est = estimator.estimate(&t, profile)?;
+            readings.push(Reading { model: t.header.model.clone(), peak_bytes: est.peak_bytes, upper_bound_bytes: est.upper_bound_bytes });
+            if largest.as_ref().is_none_or(|l| est.peak_bytes > l.estimate.peak_bytes) {
+                largest = Some(Sizing { workload: w, trace: t, estimate: est, readings: Vec::new() });
+            }
+        }
+        let mut sizing = largest.expect("a job has at least one reading");
+        sizing.estimate.upper_bound_bytes = readings.iter().map(|r| r.upper_bound_bytes).max().unwrap_or(sizing.estimate.upper_bound_bytes);
+        sizing.readings = readings;
+        Ok(sizing)
     }
 
     /// The native families' options for this job on `profile`'s GPU and PyTorch release.
