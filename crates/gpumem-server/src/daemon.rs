@@ -798,14 +798,19 @@ impl Daemon {
                 }
             }
         }
+        // Real GPUs: a job's memory is that of its run's processes, found once per reading (a
+        // scan of /proc) whatever the number of its GPUs.
+        let run_pids: HashMap<u64, Vec<u32>> = match self.fake {
+            Some(_) => HashMap::new(),
+            None => running.iter().map(|j| (j.id, JobDir::new(&self.state_dir, j.id).procs().map(|p| p.pids()).unwrap_or_default())).collect(),
+        };
         let mut readings = Vec::new();
         for g in 0..inner.monitor.gpu_count() as u32 {
             let Ok(r) = inner.monitor.read(g) else { continue };
             if self.fake.is_none() {
-                // Real GPUs: a job's memory is that of its run's processes.
                 for j in &running {
                     if j.assigned.contains(&g) {
-                        let pids = JobDir::new(&self.state_dir, j.id).procs().map(|p| p.pids()).unwrap_or_default();
+                        let pids = &run_pids[&j.id];
                         let mine: u64 = r.processes.iter().filter(|(pid, _)| pids.contains(pid)).map(|p| p.1).sum();
                         let e = observed.entry(j.id).or_default();
                         *e = (*e).max(mine);
