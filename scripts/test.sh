@@ -54,5 +54,28 @@ if [ -n "${GPUMEM_PYTHON:-}" ]; then
 else
   echo "SKIPPED: PyTorch bridge tests (no PyTorch)"
 fi
+# The Slurm integration test (crates/gpumem-cli/tests/slurm.rs) starts a throwaway cluster of
+# Debian's slurmctld, slurmd and munged itself; installed here where this runs as root with apt.
+slurm_installed() {
+  PATH="$PATH:/usr/sbin:/sbin" command -v slurmctld >/dev/null && PATH="$PATH:/usr/sbin:/sbin" command -v slurmd >/dev/null \
+    && command -v sbatch >/dev/null && PATH="$PATH:/usr/sbin:/sbin" command -v munged >/dev/null
+}
+install_slurm() {
+  slurm_installed && return 0
+  { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; } || return 1
+  echo "== installing slurmctld, slurmd, slurm-client and munge (Debian)" >&2
+  local pkgs="slurmctld slurmd slurm-client munge"
+  # shellcheck disable=SC2086
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $pkgs >&2 \
+    || { DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $pkgs >&2; } \
+    || return 1
+  slurm_installed
+}
+if install_slurm; then
+  export GPUMEM_TEST_REQUIRE_SLURM=1
+else
+  echo "SKIPPED: the Slurm integration test (Slurm is not installed and cannot be here)"
+fi
+
 echo "== Rust tests (bridge against ${GPUMEM_PYTHON:-nothing})"
 cargo test --release --workspace

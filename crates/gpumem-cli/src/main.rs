@@ -22,6 +22,7 @@ mod probe;
 mod ray;
 mod serve;
 mod simulate;
+mod slurm;
 mod trace;
 
 use std::process::ExitCode;
@@ -34,6 +35,8 @@ pub const EXIT_BAD_INPUT: u8 = 2;
 pub const EXIT_FAILURE: u8 = 1;
 /// Exit code when a PyTorch model cannot be traced (no torch, or the model itself failed).
 pub const EXIT_MODEL: u8 = 3;
+/// A job gpumem cannot place by its estimate (`gpumem slurm request`).
+pub const EXIT_REJECTED: u8 = 4;
 
 /// An error with its exit code.
 #[derive(Debug)]
@@ -44,6 +47,8 @@ pub enum CliError {
     Other(String),
     /// A PyTorch model could not be traced: Python/torch missing, or the model failed (exit 3).
     Model(String),
+    /// The job cannot be placed by its estimate: `gpumem slurm request` refuses it (exit 4).
+    Rejected(String),
 }
 
 impl CliError {
@@ -73,6 +78,9 @@ enum Command {
     /// What a Ray task training this job should ask for on each GPU type: num_gpus and a
     /// gpu_memory_mib resource, from the upper bound.
     RayResources(ray::RayArgs),
+    /// Slurm: a batch job's gres/shard request and comment from its #GPUMEM directives (called
+    /// by the cli_filter and job_submit Lua hooks in deploy/slurm).
+    Slurm(slurm::SlurmArgs),
     /// Kubernetes: a mutating admission webhook writing HAMi's, Volcano's or KAI's GPU-memory
     /// request from a pod's gpumem.io annotations.
     K8s(k8s::K8sArgs),
@@ -155,6 +163,7 @@ fn main() -> ExitCode {
         Command::MaxBatch(a) => max_batch::max_batch(a),
         Command::RayResources(a) => ray::ray_resources(a),
         Command::K8s(a) => k8s::k8s(a),
+        Command::Slurm(a) => slurm::slurm(a),
         Command::Gpus(a) => gpus::gpus(a),
         Command::Calibrate(a) => calibrate::calibrate(a),
         Command::Eval(a) => eval::eval(a),
@@ -185,6 +194,10 @@ fn main() -> ExitCode {
         Err(CliError::Model(m)) => {
             eprintln!("error: {m}");
             ExitCode::from(EXIT_MODEL)
+        }
+        Err(CliError::Rejected(m)) => {
+            eprintln!("error: {m}");
+            ExitCode::from(EXIT_REJECTED)
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Fuzzing every parser of user input (issue 14 part 6): the daemon's HTTP API (raw requests to a
-//! real `gpumem serve` over its socket), model specs, traces, measurement CSVs, GPU profiles and
-//! daemon configs. Each gets `FUZZ_CASES` inputs (default 10,000): valid seeds with bytes
+//! real `gpumem serve` over its socket), model specs, traces, measurement CSVs, GPU profiles,
+//! daemon configs, and Slurm submissions and cluster files. Each gets `FUZZ_CASES` inputs (default 10,000): valid seeds with bytes
 //! replaced, inserted and removed and numbers swapped for extreme ones, and arbitrary text.
 //! None may panic; none may hang (a watchdog aborts, naming the input, after 30 s on one).
 //! What parses is used as gpumem uses it: a profile, trace or spec is estimated too.
@@ -179,6 +179,31 @@ fn daemon_configs() {
     ];
     fuzz("daemon config", inputs(seeds), |input| {
         let _ = gpumem_server::Config::from_toml(input);
+    });
+}
+
+/// A Slurm job's script and comment (split at a `%%` line), decided as the controller does (no
+/// tracer: a PyTorch model is refused or taken from the comment).
+#[test]
+fn slurm_submissions() {
+    let cluster = gpumem_slurm::Cluster::parse("[[gpu]]\nprofile = \"h200\"\nshards = 16\nfeature = \"h200\"\n[[gpu]]\nprofile = \"a100-40gb\"\nshards = 8\nfeature = \"a100\"\n", std::path::Path::new(".")).unwrap();
+    let seeds = vec![
+        format!("#!/bin/bash\n#SBATCH --time=5\n#GPUMEM model={} batch=64 precision=amp-bf16\n#GPUMEM optimizer=adamw gpu=h200\npython train.py\n%%\nrun 7", SPECS[0]),
+        format!("#!/bin/sh\n#GPUMEM model={} batch=8\n%%\ngpumem: batch=4096 precision=fp16", SPECS[2]),
+        "#!/bin/sh\n#GPUMEM model=torchvision:resnet18 batch=2\n%%\ngpumem: model=torchvision:resnet18 batch=2 sized_on=h200 estimate_mib=20000 bound_mib=20500 shards=3".to_string(),
+    ];
+    fuzz("Slurm submission", inputs(seeds), |input| {
+        let (script, comment) = input.split_once("\n%%\n").unwrap_or((input, ""));
+        let sub = gpumem_slurm::Submission { script: Some(script), comment: Some(comment), gres: Some("gres:gpu:1,gres:nic:1"), constraint: Some("ib") };
+        let _ = gpumem_slurm::decide(&sub, &cluster, false);
+    });
+}
+
+#[test]
+fn slurm_cluster_files() {
+    let seeds = vec!["[[gpu]]\nprofile = \"h200\"\nshards = 16\nfeature = \"h200\"\n[[gpu]]\nprofile = \"t4\"\nshards = 4\nfeature = \"t4\"\n".to_string()];
+    fuzz("Slurm cluster file", inputs(seeds), |input| {
+        let _ = gpumem_slurm::Cluster::parse(input, std::path::Path::new("/nonexistent"));
     });
 }
 

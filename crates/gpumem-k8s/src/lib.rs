@@ -19,10 +19,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use gpumem_core::profile;
-use gpumem_core::graph::Precision;
-use gpumem_core::step::Optimizer;
-use gpumem_core::workload::Options;
-use gpumem_workload::Workload;
+use gpumem_workload::{StatedError, StatedJob};
 use json_patch::{AddOperation, Patch, PatchOperation, jsonptr::PointerBuf};
 use k8s_openapi::api::core::v1::Pod;
 use kube_core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
@@ -67,13 +64,10 @@ impl Sharing {
     }
 }
 
-/// A pod's job as its annotations state it (the cache key).
+/// A pod's job as its annotations state it, and the GPU type it is sized for (the cache key).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Job {
-    model: String,
-    batch: u64,
-    precision: String,
-    optimizer: String,
+    stated: StatedJob,
     gpu: String,
 }
 
@@ -126,12 +120,8 @@ impl Webhook {
         let notes = pod.metadata.annotations.clone().unwrap_or_default();
         let Some(model) = notes.get(MODEL) else { return Ok(None) };
         let batch = notes.get(BATCH).ok_or_else(|| format!("{MODEL} needs {BATCH}"))?;
-        let batch: u64 = batch.trim().parse().map_err(|_| format!("{BATCH} `{batch}` is not a whole number"))?;
         let job = Job {
-            model: model.trim().to_string(),
-            batch,
-            precision: notes.get(PRECISION).cloned().unwrap_or_default(),
-            optimizer: notes.get(OPTIMIZER).cloned().unwrap_or_default(),
+            stated: StatedJob { model: model.clone(), batch: batch.clone(), precision: notes.get(PRECISION).cloned(), optimizer: notes.get(OPTIMIZER).cloned() },
             gpu: notes.get(GPU).cloned().unwrap_or_else(|| self.default_gpu.clone()),
         };
         let sized = self.sized(&job)?;
@@ -180,16 +170,10 @@ impl Webhook {
 /// gpumem's replay estimate and upper bound of `job` (an ambiguous spec's largest reading).
 fn estimate(job: &Job) -> Result<Sized, String> {
     let profile = profile::builtin(&job.gpu).map_err(|e| format!("{GPU}: {e}"))?;
-    let mut options = Options::default();
-    if !job.precision.is_empty() {
-        options.precision = Precision::parse(&job.precision).map_err(|e| format!("{PRECISION}: {e}"))?;
-    }
-    if !job.optimizer.is_empty() {
-        options.optimizer = Optimizer::parse(&job.optimizer).map_err(|e| format!("{OPTIMIZER}: {e}"))?;
-    }
-    let workload = Workload::parse(&job.model, job.batch, options).map_err(|e| format!("{MODEL}: {e}"))?;
-    let replay = gpumem_core::estimate::by_name("replay").expect("replay is an estimator");
-    let est = workload.size(&profile, replay.as_ref(), Workload::trace).map_err(|e| e.to_string())?.estimate;
+    let est = job.stated.size(&profile, true).map_err(|e| match e {
+        StatedError::Invalid { field, message } => format!("gpumem.io/{}: {message}", field.key()),
+        e => e.to_string(),
+    })?;
     let (peak, bound) = (est.peak_bytes, est.upper_bound_bytes);
     if bound > profile.capacity_bytes() {
         return Err(format!("its upper bound, {} MiB, exceeds one {} ({} MiB)", bound.div_ceil(1 << 20), profile.name, profile.capacity_mib));

@@ -114,7 +114,7 @@ fn bad_annotations_never_block_a_pod() {
         r
     };
     for (review, needle) in [
-        (with("gpumem.io/batch", json!("lots")), "gpumem.io/batch `lots` is not a whole number"),
+        (with("gpumem.io/batch", json!("lots")), "gpumem.io/batch: `lots` is not a whole number"),
         (with("gpumem.io/model", json!("mlp:depth=x")), "gpumem.io/model"),
         (with("gpumem.io/gpu", json!("b300")), "unknown GPU `b300`"),
         (with("gpumem.io/precision", json!("fp7")), "gpumem.io/precision"),

@@ -270,3 +270,85 @@ mod tests {
         assert_eq!((r.model.as_str(), r.batch, &r.options, r.gpu_capability.as_str()), ("hf:gpt2", 4, &o, p.compute_capability.as_str()));
     }
 }
+
+/// A job as a user states it to a cluster engine — a pod's annotations, a batch script's
+/// directives: the texts of its model, batch size, precision and optimizer, checked when it is
+/// sized. The engines' front ends (the Kubernetes webhook, the Slurm helper) read their own
+/// syntax into this and size it here, so both mean the same job by the same words.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct StatedJob {
+    pub model: String,
+    pub batch: String,
+    pub precision: Option<String>,
+    pub optimizer: Option<String>,
+}
+
+/// Which stated field is wrong (each engine names it its own way: an annotation, a key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatedField {
+    Model,
+    Batch,
+    Precision,
+    Optimizer,
+}
+
+impl StatedField {
+    pub fn key(self) -> &'static str {
+        match self {
+            StatedField::Model => "model",
+            StatedField::Batch => "batch",
+            StatedField::Precision => "precision",
+            StatedField::Optimizer => "optimizer",
+        }
+    }
+}
+
+/// Why a stated job could not be sized.
+#[derive(Debug, thiserror::Error)]
+pub enum StatedError {
+    /// A field is malformed or out of range.
+    #[error("{message}")]
+    Invalid { field: StatedField, message: String },
+    /// A PyTorch model, and the caller may not run the tracer.
+    #[error("{0} must be traced by PyTorch to be sized")]
+    NeedsTrace(String),
+    /// The tracer or the estimator failed.
+    #[error(transparent)]
+    Size(SizeError),
+}
+
+impl StatedJob {
+    /// The workload the texts state.
+    pub fn workload(&self) -> Result<Workload, StatedError> {
+        let invalid = |field, message: String| StatedError::Invalid { field, message };
+        let batch: u64 = self.batch.trim().parse().map_err(|_| invalid(StatedField::Batch, format!("`{}` is not a whole number", self.batch)))?;
+        let mut options = Options::default();
+        // An empty text states nothing (an annotation or key left blank): the default.
+        let given = |t: &Option<String>| t.as_deref().map(str::trim).filter(|t| !t.is_empty()).map(str::to_string);
+        if let Some(p) = given(&self.precision) {
+            options.precision = gpumem_core::graph::Precision::parse(&p).map_err(|e| invalid(StatedField::Precision, e.to_string()))?;
+        }
+        if let Some(o) = given(&self.optimizer) {
+            options.optimizer = gpumem_core::step::Optimizer::parse(&o).map_err(|e| invalid(StatedField::Optimizer, e.to_string()))?;
+        }
+        let model = ModelRef::parse(self.model.trim()).map_err(|e| invalid(StatedField::Model, e.to_string()))?;
+        Workload::new(model, batch, options).map_err(|e| match e {
+            WorkloadError::Invalid(m) if m.starts_with("--batch") => invalid(StatedField::Batch, m.replacen("--batch ", "", 1)),
+            e => invalid(StatedField::Model, e.to_string()),
+        })
+    }
+
+    /// The replay estimate of the job (its largest reading, under the largest bound) on
+    /// `profile`. Without `may_trace`, a PyTorch model is refused rather than traced.
+    pub fn size(&self, profile: &GpuProfile, may_trace: bool) -> Result<Estimate, StatedError> {
+        let workload = self.workload()?;
+        if !may_trace && !workload.model().is_native() {
+            return Err(StatedError::NeedsTrace(self.model.trim().to_string()));
+        }
+        let replay = gpumem_core::estimate::by_name("replay").expect("replay is an estimator");
+        workload.size(profile, replay.as_ref(), Workload::trace).map(|s| s.estimate).map_err(|e| match e {
+            SizeError::Workload(WorkloadError::Invalid(m)) => StatedError::Invalid { field: StatedField::Model, message: m },
+            e => StatedError::Size(e),
+        })
+    }
+}
