@@ -40,6 +40,10 @@ def main(argv=None):
                    help="whether the loop holds the model's output through backward (default: kept, dropped for hf: models as their Trainer runs them)")
     p.add_argument("--attention-mask", default="none", choices=["none", "padded"],
                    help="hf: models: pass the attention mask of a padded batch (materialised by the model) instead of none")
+    p.add_argument("--lora-rank", type=int, help="LoRA fine-tuning, as PEFT sets it up: the rank r")
+    p.add_argument("--lora-alpha", type=float, default=8.0)
+    p.add_argument("--lora-targets", help="module names, comma-separated, or all-linear")
+    p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=0, help="seconds; 0 = none")
     a = p.parse_args(argv)
 
@@ -80,10 +84,16 @@ def main(argv=None):
     if a.timeout > 0:
         signal.signal(signal.SIGALRM, on_alarm)
         signal.setitimer(signal.ITIMER_REAL, a.timeout)
+    lora = None
+    if a.lora_rank is not None:
+        from .lora import Lora
+        if a.lora_rank < 1 or not a.lora_targets or not 0 <= a.lora_dropout < 1:
+            return fail(2, "--lora-rank must be at least 1, --lora-targets given, --lora-dropout in [0, 1)")
+        lora = Lora(rank=a.lora_rank, alpha=a.lora_alpha, targets=tuple(a.lora_targets.split(",")), dropout=a.lora_dropout)
     opts = TraceOptions(model=a.model, batch=a.batch[0], optimizer=a.optimizer, precision=a.precision, iterations=a.iterations,
                         input_shape=shape, seq_len=a.seq_len, gpu_capability=a.gpu_capability, sdpa=a.sdpa, checkpointing=a.checkpointing,
                         channels_last=a.channels_last, grad_accum=a.grad_accum, data_parallel=a.data_parallel,
-                        validate=a.validate, outputs=a.outputs, attention_mask=a.attention_mask)
+                        validate=a.validate, outputs=a.outputs, attention_mask=a.attention_mask, lora=lora)
     try:
         for batch, out in zip(a.batch, a.out):
             opts.batch = batch

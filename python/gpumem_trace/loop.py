@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils.checkpoint
 
-from . import amp, cuda
+from . import amp, cuda, lora
 from .models import ReferenceError_, resolve
 from .parallel import DataParallel
 from .sdpa import Stack
@@ -46,6 +46,7 @@ class TraceOptions:
     validate: str = "none"  # after training: two eval-mode batches, "no-grad" or "grad"
     outputs: str = None  # "kept" or "dropped" through backward; None: the model source's usual loop
     attention_mask: str = "none"  # "padded": Hugging Face models get the attention mask of a padded batch
+    lora: object = None  # a lora.Lora: PEFT-style LoRA fine-tuning
     lr: float = 1e-3
     extra: dict = field(default_factory=dict)
 
@@ -170,6 +171,9 @@ def trace_training(opts: TraceOptions, out_path: str):
     job = resolve(opts.model, input_shape=opts.input_shape, seq_len=opts.seq_len, batch_hint=opts.batch, attention_mask=opts.attention_mask)
     model = job.model
     model.train()
+    if opts.lora:
+        # As one fine-tunes with PEFT: get_peft_model on the loaded model, then the loop.
+        lora.apply(model, opts.lora, opts.model)
     if opts.checkpointing:
         if hasattr(model, "set_grad_checkpointing"):
             model.set_grad_checkpointing(True)

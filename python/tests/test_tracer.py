@@ -374,3 +374,67 @@ def test_probe_lists_a_jobs_convolutions_without_a_gpu(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "gpumem_trace.probe", "--list", "--models", "resnet18", "--out", str(out)],
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "MODEL:BATCH" in bad.stderr
+
+
+LLAMA = "hf:LlamaForCausalLM(hidden_size=128,intermediate_size=256,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,vocab_size=1000)"
+
+
+@pytest.mark.parametrize("ref,targets", [
+    ("hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)", ["c_attn"]),  # Conv1D
+    (LLAMA, ["q_proj", "v_proj"]),
+    (LLAMA, "all-linear"),  # every linear layer but lm_head
+    ("hf:BertForMaskedLM(hidden_size=64,num_hidden_layers=2,num_attention_heads=2,intermediate_size=128,vocab_size=1000)", ["query", "value"]),
+])
+def test_lora_trains_what_peft_trains(tmp_path, ref, targets):
+    """LoRA as PEFT sets it up: the trainable parameters are PEFT's count on the same model, and
+    on the event stream only they get gradients (each iteration) and Adam's two state tensors —
+    the frozen weights get neither."""
+    peft = pytest.importorskip("peft")
+    from gpumem_trace.models import resolve
+
+    names = targets if isinstance(targets, str) else ",".join(targets)
+    header, evs = traced([ref, "--batch", "2", "--seq-len", "32", "--lora-rank", "8", "--lora-alpha", "16", "--lora-targets", names, "--lora-dropout", "0.05"], tmp_path)
+    model = resolve(ref, seq_len=32).model
+    trainable, total = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=targets)).get_nb_trainable_parameters()
+    assert header["parameters"] == trainable < total
+    grads = sum(e["bytes"] for e in allocs(evs, category="gradient"))
+    state = sum(e["bytes"] for e in allocs(evs, category="optimizer_state"))
+    assert (grads, state) == (header["iterations"] * trainable * 4, 2 * trainable * 4)
+
+
+def test_lora_refuses_what_it_cannot_wrap(tmp_path):
+    p, _ = run([LLAMA, "--batch", "2", "--seq-len", "32", "--lora-rank", "8", "--lora-targets", "nothing_here"], tmp_path)
+    assert p.returncode == 2 and "no module matches the LoRA targets nothing_here" in p.stderr
+    p, _ = run([LLAMA, "--batch", "2", "--seq-len", "32", "--lora-rank", "8", "--lora-targets", "embed_tokens"], tmp_path)
+    assert p.returncode == 2 and "is a Embedding" in p.stderr
+
+
+@pytest.mark.parametrize("ref,targets,precision", [
+    (LLAMA, ["q_proj", "v_proj"], "amp-bf16"),
+    ("hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)", ["c_attn"], "fp32"),
+    (LLAMA, "all-linear", "bf16"),
+])
+def test_lora_steps_as_peft_does(tmp_path, monkeypatch, ref, targets, precision):
+    """The tracer's LoRA and PEFT's own (get_peft_model on the same model, traced in the same
+    loop) allocate the same: every event's size, in order."""
+    peft = pytest.importorskip("peft")
+    from gpumem_trace import loop
+    from gpumem_trace.lora import Lora
+
+    def sizes(path):
+        return [(e["ev"], e.get("bytes"), e.get("category")) for e in map(json.loads, open(path).read().splitlines()[1:]) if e["ev"] in ("alloc", "free")]
+
+    names = (targets,) if isinstance(targets, str) else tuple(targets)
+    opts = loop.TraceOptions(model=ref, batch=4, seq_len=64, precision=precision, lora=Lora(8, 16.0, names, 0.05))
+    loop.trace_training(opts, str(tmp_path / "ours.jsonl"))
+    resolve = loop.resolve
+
+    def with_peft(*args, **kwargs):
+        job = resolve(*args, **kwargs)
+        job.model = peft.get_peft_model(job.model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=targets))
+        return job
+
+    monkeypatch.setattr(loop, "resolve", with_peft)
+    opts.lora = None
+    loop.trace_training(opts, str(tmp_path / "peft.jsonl"))
+    assert sizes(tmp_path / "ours.jsonl") == sizes(tmp_path / "peft.jsonl")

@@ -15,7 +15,7 @@ use gpumem_core::trace::Trace;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_learn::{Hybrid, LearnedModel};
 use gpumem_torch::BridgeError;
-use gpumem_workload::{AttentionMask, InputShape, ModelRef, Options, Outputs, Validate, Workload, WorkloadError};
+use gpumem_workload::{AttentionMask, InputShape, Lora, ModelRef, Options, Outputs, Validate, Workload, WorkloadError};
 
 use crate::{CliError, CliResult};
 
@@ -96,6 +96,11 @@ pub struct WorkloadArgs {
     /// model materialises (and which keeps flash attention out); `none` passes no mask.
     #[arg(long, default_value = "none", value_parser = AttentionMask::parse)]
     attention_mask: AttentionMask,
+    /// LoRA fine-tuning (PyTorch models), as PEFT sets it up: `r=16,alpha=32,targets=q_proj,v_proj`
+    /// (`targets=all-linear`: every linear layer but the output head), or a PEFT
+    /// adapter_config.json. The model's own weights are frozen: no gradients, no optimizer state.
+    #[arg(long)]
+    lora: Option<String>,
 }
 
 impl WorkloadArgs {
@@ -117,6 +122,7 @@ impl WorkloadArgs {
             validate: self.validate,
             outputs: self.outputs,
             attention_mask: self.attention_mask,
+            lora: self.lora.as_deref().map(lora).transpose()?,
         })
     }
 
@@ -125,6 +131,18 @@ impl WorkloadArgs {
         let batch = u64::try_from(batch).map_err(|_| CliError::input(format!("--batch {batch} is out of range (1..={})", gpumem_core::families::MAX_BATCH)))?;
         Ok(Workload::new(model, batch, self.options()?)?)
     }
+}
+
+/// `--lora`: a PEFT adapter_config.json where the text names a file, else the inline form.
+fn lora(spec: &str) -> CliResult<Lora> {
+    let path = std::path::Path::new(spec);
+    let parsed = if spec.ends_with(".json") || path.is_file() {
+        let text = std::fs::read_to_string(path).map_err(|e| CliError::input(format!("--lora {spec}: {e}")))?;
+        Lora::from_peft_json(&text)
+    } else {
+        Lora::parse(spec)
+    };
+    parsed.map_err(|e| CliError::input(format!("--lora {spec}: {e}")))
 }
 
 impl From<WorkloadError> for CliError {

@@ -185,6 +185,86 @@ pub struct Options {
     /// `None`: the model source's usual loop (Hugging Face's Trainer drops it, others keep it).
     pub outputs: Option<Outputs>,
     pub attention_mask: AttentionMask,
+    /// LoRA fine-tuning: the model frozen, its target layers given trainable low-rank factors.
+    pub lora: Option<Lora>,
+}
+
+/// LoRA as PEFT's `LoraConfig` states it (`r`, `lora_alpha`, `target_modules`, `lora_dropout`).
+/// Invariant: rank ≥ 1, alpha and dropout finite (dropout in [0, 1)), at least one target.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Lora {
+    pub rank: u32,
+    pub alpha: f64,
+    /// Module names (a module matches one that is its name or its name's last dotted parts), or
+    /// `all-linear`: every linear layer but the output embeddings.
+    pub targets: Vec<String>,
+    #[serde(default)]
+    pub dropout: f64,
+}
+
+// Sound: the numbers are finite (checked where a Lora is made), so bitwise equality is equality.
+impl Eq for Lora {}
+
+impl std::hash::Hash for Lora {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        (self.rank, self.alpha.to_bits(), &self.targets, self.dropout.to_bits()).hash(h);
+    }
+}
+
+impl Lora {
+    /// `r=16,alpha=32,targets=q_proj,v_proj[,dropout=0.05]` (a bare word after `targets=` is one
+    /// more target). PEFT's defaults: r 8, alpha 8, dropout 0; targets are required.
+    pub fn parse(spec: &str) -> Result<Lora, String> {
+        let (mut rank, mut alpha, mut dropout, mut targets) = (8u32, 8f64, 0f64, Vec::new());
+        let mut after_targets = false;
+        for part in spec.split(',').map(str::trim) {
+            let (key, value) = match part.split_once('=') {
+                Some((k, v)) => (k.trim(), v.trim()),
+                None if after_targets && !part.is_empty() => ("targets", part),
+                None => return Err(format!("`{part}` is not key=value (r, alpha, targets, dropout)")),
+            };
+            let number = |v: &str| v.parse::<f64>().ok().filter(|x| x.is_finite()).ok_or_else(|| format!("{key} `{v}` is not a number"));
+            match key {
+                "r" | "rank" => rank = value.parse().map_err(|_| format!("r `{value}` is not a whole number"))?,
+                "alpha" | "lora_alpha" => alpha = number(value)?,
+                "dropout" | "lora_dropout" => dropout = number(value)?,
+                "targets" | "target_modules" => targets.push(value.to_string()),
+                other => return Err(format!("unknown key `{other}` (r, alpha, targets, dropout)")),
+            }
+            after_targets = matches!(key, "targets" | "target_modules");
+        }
+        Lora::new(rank, alpha, targets, dropout)
+    }
+
+    /// A PEFT `adapter_config.json` (its `r`, `lora_alpha`, `target_modules`, `lora_dropout`).
+    pub fn from_peft_json(text: &str) -> Result<Lora, String> {
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+        if let Some(t) = v.get("peft_type").and_then(|t| t.as_str()).filter(|t| *t != "LORA") {
+            return Err(format!("peft_type is {t}; gpumem models LORA"));
+        }
+        let rank = v.get("r").map_or(Some(8), |r| r.as_u64()).and_then(|r| u32::try_from(r).ok()).ok_or("`r` is not a whole number")?;
+        let number = |key: &str, default: f64| v.get(key).map_or(Some(default), |x| x.as_f64()).ok_or(format!("`{key}` is not a number"));
+        let targets = match v.get("target_modules") {
+            Some(serde_json::Value::String(s)) => vec![s.clone()],
+            Some(serde_json::Value::Array(a)) => a.iter().map(|t| t.as_str().map(str::to_string).ok_or("`target_modules` holds a non-string")).collect::<Result<_, _>>()?,
+            _ => return Err("`target_modules` is missing (a list of module names, or \"all-linear\")".into()),
+        };
+        Lora::new(rank, number("lora_alpha", 8.0)?, targets, number("lora_dropout", 0.0)?)
+    }
+
+    fn new(rank: u32, alpha: f64, targets: Vec<String>, dropout: f64) -> Result<Lora, String> {
+        if rank == 0 {
+            return Err("r must be at least 1".into());
+        }
+        if !(0.0..1.0).contains(&dropout) {
+            return Err(format!("dropout {dropout} is not in [0, 1)"));
+        }
+        if targets.is_empty() || targets.iter().any(|t| t.is_empty() || t.contains(char::is_whitespace)) {
+            return Err("give targets=NAME[,NAME…] (module names such as q_proj,v_proj, or all-linear)".into());
+        }
+        Ok(Lora { rank, alpha, targets, dropout })
+    }
 }
 
 impl Default for Options {
@@ -201,6 +281,7 @@ impl Default for Options {
             validate: Validate::None,
             outputs: None,
             attention_mask: AttentionMask::None,
+            lora: None,
         }
     }
 }
@@ -342,5 +423,19 @@ mod tests {
         assert!(!Options { checkpointing: true, ..Options::default() }.native_compatible());
         let over = OptionOverrides { seq_len: Some(512), ..Default::default() }.over(&Options { grad_accum: 2, ..Options::default() });
         assert_eq!((over.seq_len, over.grad_accum), (Some(512), 2));
+    }
+
+    #[test]
+    fn lora_is_stated_as_peft_states_it() {
+        let l = Lora::parse("r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05").unwrap();
+        assert_eq!((l.rank, l.alpha, l.targets.clone(), l.dropout), (16, 32.0, vec!["q_proj".to_string(), "v_proj".to_string()], 0.05));
+        assert_eq!(Lora::parse("targets=all-linear").unwrap(), Lora { rank: 8, alpha: 8.0, targets: vec!["all-linear".into()], dropout: 0.0 }, "PEFT's defaults");
+        let json = r#"{"peft_type": "LORA", "r": 16, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj"], "bias": "none"}"#;
+        assert_eq!(Lora::from_peft_json(json).unwrap(), Lora { dropout: 0.1, ..l });
+        for (bad, needle) in [("r=0,targets=q", "at least 1"), ("r=16", "give targets"), ("r=16,q_proj", "not key=value"), ("alpha=nan,targets=q", "not a number"), ("rank=4,colour=1", "unknown key"), ("dropout=1,targets=q", "not in [0, 1)")] {
+            assert!(Lora::parse(bad).unwrap_err().contains(needle), "{bad}");
+        }
+        assert!(Lora::from_peft_json(r#"{"peft_type": "IA3", "target_modules": ["k"]}"#).unwrap_err().contains("IA3"));
+        assert!(!Options { lora: Some(Lora::parse("targets=q").unwrap()), ..Options::default() }.native_compatible());
     }
 }

@@ -18,13 +18,14 @@ use gpumem_core::trace::Trace;
 use gpumem_core::workload::{AttentionMask, Options, Validate};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 13] = [
+const SOURCES: [(&str, &str); 14] = [
     ("__init__.py", include_str!("../../../python/gpumem_trace/__init__.py")),
     ("__main__.py", include_str!("../../../python/gpumem_trace/__main__.py")),
     ("amp.py", include_str!("../../../python/gpumem_trace/amp.py")),
     ("cuda.py", include_str!("../../../python/gpumem_trace/cuda.py")),
     ("families.py", include_str!("../../../python/gpumem_trace/families.py")),
     ("loop.py", include_str!("../../../python/gpumem_trace/loop.py")),
+    ("lora.py", include_str!("../../../python/gpumem_trace/lora.py")),
     ("models.py", include_str!("../../../python/gpumem_trace/models.py")),
     ("parallel.py", include_str!("../../../python/gpumem_trace/parallel.py")),
     ("probe.py", include_str!("../../../python/gpumem_trace/probe.py")),
@@ -106,6 +107,12 @@ impl TraceRequest {
         }
         if o.channels_last {
             a.push("--channels-last".into());
+        }
+        if let Some(l) = &o.lora {
+            a.extend(["--lora-rank".into(), l.rank.to_string(), "--lora-alpha".into(), l.alpha.to_string(), "--lora-targets".into(), l.targets.join(",")]);
+            if l.dropout > 0.0 {
+                a.extend(["--lora-dropout".into(), l.dropout.to_string()]);
+            }
         }
         a
     }

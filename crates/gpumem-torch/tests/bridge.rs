@@ -184,3 +184,28 @@ fn a_symbolic_fit_rejects_what_does_not_align() {
     let traces: Vec<_> = [4u64, 6, 8].iter().map(|&b| a.trace(&JobOptions::new(b)).unwrap()).collect();
     assert!(SymbolicTrace::fit(&traces[..2]).is_err(), "two traces are not enough");
 }
+
+/// LoRA through the bridge (issue 16 part 2): the frozen weights carry no gradient and no
+/// optimizer state on the event stream — gradients are the adapters' bytes each iteration,
+/// Adam's state twice them once — and the step needs less than full fine-tuning.
+#[test]
+fn lora_trains_only_its_adapters() {
+    use gpumem_core::trace::{Category, Event};
+    use gpumem_core::workload::Lora;
+    let Some(t) = tracer() else { return };
+    let model = "hf:LlamaForCausalLM(hidden_size=128,intermediate_size=256,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,vocab_size=1000)";
+    let lora = Lora::parse("r=8,alpha=16,targets=q_proj,v_proj").unwrap();
+    let full = TraceRequest { options: Options { seq_len: Some(32), ..Options::default() }, ..TraceRequest::new(model, 2) };
+    let tuned = TraceRequest { options: Options { lora: Some(lora), ..full.options.clone() }, ..full.clone() };
+    let bytes = |tr: &gpumem_core::trace::Trace, cat: Category| tr.events().iter().map(|e| if let Event::Alloc { bytes, category, .. } = *e && category == cat { bytes } else { 0 }).sum::<u64>();
+    let (full_trace, tuned_trace) = (t.trace(&full).unwrap(), t.trace(&tuned).unwrap());
+    // Per layer: q_proj 128→128 and v_proj 128→64 (two KV heads), each A (8 × in) and B (out × 8).
+    let adapters = 2 * (8 * (128 + 128) + 8 * (128 + 64));
+    assert_eq!(tuned_trace.header.parameters, Some(adapters));
+    let iterations = u64::from(tuned_trace.header.iterations);
+    assert_eq!(bytes(&tuned_trace, Category::Gradient), iterations * adapters * 4);
+    assert_eq!(bytes(&tuned_trace, Category::OptimizerState), 2 * adapters * 4);
+    let a100 = builtin("a100-40gb").unwrap();
+    let peak = |tr| Replay::default().estimate(tr, &a100).unwrap().peak_bytes;
+    assert!(peak(&tuned_trace) < peak(&full_trace));
+}
