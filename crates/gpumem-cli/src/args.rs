@@ -134,7 +134,7 @@ impl WorkloadArgs {
 }
 
 /// `--lora`: a PEFT adapter_config.json where the text names a file, else the inline form.
-fn lora(spec: &str) -> CliResult<Lora> {
+pub fn lora(spec: &str) -> CliResult<Lora> {
     let path = std::path::Path::new(spec);
     let parsed = if spec.ends_with(".json") || path.is_file() {
         let text = std::fs::read_to_string(path).map_err(|e| CliError::input(format!("--lora {spec}: {e}")))?;

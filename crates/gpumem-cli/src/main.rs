@@ -17,6 +17,7 @@ mod gpus;
 mod k8s;
 mod learn;
 mod max_batch;
+mod plan;
 mod plot;
 mod probe;
 mod ray;
@@ -75,6 +76,9 @@ enum Command {
     Estimate(estimate::EstimateArgs),
     /// Find the largest batch size whose upper bound fits on the GPU.
     MaxBatch(max_batch::MaxBatchArgs),
+    /// The fastest setup that fits one GPU: precision × checkpointing × micro-batch (×
+    /// accumulation to a global batch), with why the others lose.
+    Plan(plan::PlanArgs),
     /// What a Ray task training this job should ask for on each GPU type: num_gpus and a
     /// gpu_memory_mib resource, from the upper bound.
     RayResources(ray::RayArgs),
@@ -161,6 +165,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Estimate(a) => estimate::estimate(a),
         Command::MaxBatch(a) => max_batch::max_batch(a),
+        Command::Plan(a) => plan::plan(a),
         Command::RayResources(a) => ray::ray_resources(a),
         Command::K8s(a) => k8s::k8s(a),
         Command::Slurm(a) => slurm::slurm(a),

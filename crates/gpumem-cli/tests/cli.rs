@@ -91,6 +91,9 @@ fn estimate_reads_a_trace_file_written_by_trace() {
 #[test]
 fn bad_inputs_exit_2_with_one_line() {
     bad_input(&["estimate", MLP, "--gpu", "b300"], "unknown GPU `b300`");
+    bad_input(&["estimate", MLP, "--lora", "r=8,targets=q_proj"], "--lora apply to PyTorch models");
+    bad_input(&["estimate", "hf:gpt2", "--lora", "r=0,targets=q_proj"], "--lora r=0,targets=q_proj: r must be at least 1");
+    bad_input(&["estimate", "hf:gpt2", "--lora", "/nonexistent/adapter_config.json"], "--lora /nonexistent/adapter_config.json:");
     bad_input(&["estimate", MLP, "--batch", "0"], "--batch 0 is out of range");
     bad_input(&["estimate", MLP, "--batch", "-4"], "--batch -4 is out of range");
     bad_input(&["estimate", MLP, "--batch", "99999999999"], "out of range");
@@ -292,4 +295,30 @@ fn ray_resources_come_from_the_upper_bound() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(v["gpus"][0]["fits"] == false && v["gpus"][0].get("num_gpus").is_none(), "{v}");
     bad_input(&["ray-resources", "mlp:input=8,output=2,depth=1", "--gpus", "b300"], "unknown GPU `b300`");
+}
+
+/// `gpumem plan`: every setup it lists fits with its upper bound and makes up the global batch,
+/// fastest first; what does not fit is listed apart; bad arguments are one-line errors.
+#[test]
+fn plan_lists_setups_that_fit_fastest_first() {
+    let o = gpumem(&["plan", "mlp:input=4096,output=10,depth=6,arch=uniform", "--gpu", "t4", "--global-batch", "8192", "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let capacity = v["capacity_mib"].as_f64().unwrap();
+    let setups = v["setups"].as_array().unwrap();
+    assert!(!setups.is_empty());
+    for s in setups {
+        assert!(s["upper_bound_mib"].as_f64().unwrap() <= capacity, "{s}");
+        assert_eq!(s["micro_batch"].as_u64().unwrap() * s["grad_accum"].as_u64().unwrap(), 8192);
+    }
+    let rate = |s: &serde_json::Value| s["samples_per_s"].as_f64().unwrap();
+    assert!(setups[1..].windows(2).all(|w| rate(&w[0]) >= rate(&w[1])), "fastest first after the leader");
+    assert!(rate(&setups[0]) >= rate(&setups[1]) * 0.99, "the leader is within 1% of the fastest");
+    assert_eq!(setups[0]["precision"], "amp-fp16", "a T4 has no bf16; fp16 tensor cores beat fp32");
+    let o = gpumem(&["plan", "mlp:input=4096,output=10,depth=6,arch=uniform", "--gpu", "t4"]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && text.contains("best: amp-fp16") && text.contains("why the others lose:") && text.contains("does not fit"), "{text}");
+    bad_input(&["plan", "mlp:input=8,output=2,depth=1", "--precisions", "fp7"], "--precisions: unknown precision");
+    bad_input(&["plan", "mlp:input=8,output=2,depth=1", "--checkpointing", "maybe"], "--checkpointing `maybe`");
+    bad_input(&["plan", "mlp:input=8,output=2,depth=1", "--global-batch", "0"], "--global-batch must be at least 1");
 }

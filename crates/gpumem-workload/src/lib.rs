@@ -17,6 +17,8 @@ use gpumem_core::trace::Trace;
 pub use gpumem_core::workload::{AttentionMask, InputShape, Lora, ModelRef, OptionOverrides, Options, Outputs, TORCH_PREFIXES, Validate};
 use gpumem_torch::{BridgeError, TorchTracer, TraceRequest};
 
+pub mod plan;
+
 /// Why a workload could not be made or traced.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkloadError {

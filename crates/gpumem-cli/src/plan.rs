@@ -1,0 +1,173 @@
+//! `gpumem plan`: the fastest setup of a training job that fits one GPU — precision ×
+//! activation checkpointing × micro-batch (× gradient accumulation to a global batch) — with why
+//! the others lose (gpumem-workload's `plan` does the search).
+
+use clap::Args;
+use gpumem_core::graph::Precision;
+use gpumem_core::step::Optimizer;
+use gpumem_workload::plan::{Plan, Setup, Space, plan as search};
+use gpumem_workload::{InputShape, Options};
+use serde_json::json;
+
+use crate::args::{EstimatorArgs, GpuChoice, ModelArg, lora, mib};
+use crate::{CliError, CliResult};
+
+#[derive(Args)]
+pub struct PlanArgs {
+    /// A native model spec or a PyTorch reference (torchvision:, timm:, hf:, smp:, py:).
+    model: String,
+    #[command(flatten)]
+    gpu: GpuChoice,
+    /// Samples per optimizer step: micro-batches divide it, gradient accumulation makes up the
+    /// rest. Without it, micro-batches are powers of two up to the largest that fits.
+    #[arg(long)]
+    global_batch: Option<u64>,
+    /// Precisions to consider (default: fp32, amp-bf16 where the GPU has bf16, amp-fp16; pure
+    /// bf16 or fp16 only when listed).
+    #[arg(long, value_delimiter = ',')]
+    precisions: Vec<String>,
+    /// Activation checkpointing to consider (PyTorch models): both, on or off.
+    #[arg(long, default_value = "both")]
+    checkpointing: String,
+    /// Optimizer: adam, adamw, sgd or sgd-momentum.
+    #[arg(long, default_value = "adam")]
+    optimizer: String,
+    /// Sequence length (PyTorch sequence models).
+    #[arg(long)]
+    seq_len: Option<u64>,
+    /// Input shape CxHxW (PyTorch image models).
+    #[arg(long)]
+    input: Option<String>,
+    /// LoRA fine-tuning, as `gpumem estimate --lora` takes it.
+    #[arg(long)]
+    lora: Option<String>,
+    #[command(flatten)]
+    estimator: EstimatorArgs,
+    /// Setups to print, fastest first.
+    #[arg(long, default_value_t = 10)]
+    top: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+fn setup_json(s: &Setup) -> serde_json::Value {
+    json!({
+        "precision": s.precision.name(), "checkpointing": s.checkpointing, "micro_batch": s.micro_batch, "grad_accum": s.grad_accum,
+        "peak_mib": mib(s.estimate.peak_bytes), "upper_bound_mib": mib(s.estimate.upper_bound_bytes),
+        "step_s": s.step_s, "samples_per_s": if s.step_s > 0.0 { s.micro_batch as f64 / s.step_s } else { 0.0 },
+    })
+}
+
+fn label(precision: Precision, checkpointing: bool) -> String {
+    format!("{}{}", precision.name(), if checkpointing { " + checkpointing" } else { "" })
+}
+
+pub fn plan(a: PlanArgs) -> CliResult {
+    let profile = a.gpu.load()?;
+    let model = ModelArg::load(&a.model)?.model(&a.model, "plan needs a model, not a trace file (a trace fixes its setup)")?;
+    let estimator = a.estimator.estimator(&a.estimator.models()?)?;
+    let precisions: Vec<Precision> = if a.precisions.is_empty() {
+        let bf16 = profile.cc_major() >= 8;
+        [Precision::Fp32, Precision::AmpBf16, Precision::AmpFp16].into_iter().filter(|p| bf16 || *p != Precision::AmpBf16).collect()
+    } else {
+        a.precisions.iter().map(|p| Precision::parse(p).map_err(|e| CliError::input(format!("--precisions: {e}")))).collect::<CliResult<_>>()?
+    };
+    let checkpointing = match a.checkpointing.as_str() {
+        "both" if model.is_native() => vec![false],
+        "both" => vec![false, true],
+        "on" => vec![true],
+        "off" => vec![false],
+        other => return Err(CliError::input(format!("--checkpointing `{other}` is not both, on or off"))),
+    };
+    if a.global_batch == Some(0) {
+        return Err(CliError::input("--global-batch must be at least 1"));
+    }
+    let input = a.input.as_deref().map(|i| InputShape::parse(i).ok_or_else(|| CliError::input(format!("--input `{i}` is not CxHxW")))).transpose()?;
+    let options = Options { optimizer: Optimizer::parse(&a.optimizer).map_err(CliError::input)?, seq_len: a.seq_len, input, lora: a.lora.as_deref().map(lora).transpose()?, ..Options::default() };
+    let name = model.to_string();
+    let base = gpumem_workload::Workload::new(model, 1, options)?;
+    let space = Space { precisions, checkpointing, global_batch: a.global_batch };
+    let p = search(&base, &profile, estimator.as_ref(), &space).map_err(|e| match e {
+        gpumem_workload::SizeError::Workload(w) => CliError::from(w),
+        e => CliError::other(e),
+    })?;
+    if a.json {
+        let out = json!({
+            "model": name, "gpu": profile.name, "capacity_mib": profile.capacity_mib, "global_batch": a.global_batch,
+            "setups": p.fits.iter().map(setup_json).collect::<Vec<_>>(),
+            "too_big": p.too_big.iter().map(setup_json).collect::<Vec<_>>(),
+            "skipped": p.skipped.iter().map(|s| json!({"precision": s.precision.name(), "checkpointing": s.checkpointing, "reason": s.reason})).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
+        return Ok(());
+    }
+    print_table(&name, &profile, a.global_batch, a.top, &p);
+    Ok(())
+}
+
+fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: Option<u64>, top: usize, p: &Plan) {
+    match global {
+        Some(g) => println!("{name} on one {} ({} MiB), {g} samples per optimizer step", profile.name, profile.capacity_mib),
+        None => println!("{name} on one {} ({} MiB)", profile.name, profile.capacity_mib),
+    }
+    let Some(best) = p.fits.first() else {
+        println!("nothing fits: {}", why_nothing(p));
+        return;
+    };
+    let time = |s: &Setup| match global {
+        Some(g) => format!("{:>10.1}", s.seconds_per_sample() * g as f64 * 1e3),
+        None => format!("{:>10.0}", 1.0 / s.seconds_per_sample()),
+    };
+    let unit = if global.is_some() { "ms/step" } else { "samples/s" };
+    println!("{:>3}  {:<26} {:>6} {:>6} {:>12} {:>12} {:>10}  vs best", "#", "precision", "micro", "accum", "peak MiB", "bound MiB", unit);
+    for (i, s) in p.fits.iter().take(top).enumerate() {
+        let slower = if i == 0 { "best".to_string() } else { format!("{:+.0}%", (s.seconds_per_sample() / best.seconds_per_sample() - 1.0) * 100.0) };
+        println!(
+            "{:>3}  {:<26} {:>6} {:>6} {:>12.1} {:>12.1} {}  {slower}",
+            i + 1,
+            label(s.precision, s.checkpointing),
+            s.micro_batch,
+            s.grad_accum,
+            mib(s.estimate.peak_bytes),
+            mib(s.estimate.upper_bound_bytes),
+            time(s)
+        );
+    }
+    println!();
+    println!("best: {}, micro-batch {} × {} accumulation steps (upper bound {:.0} of {} MiB)", label(best.precision, best.checkpointing), best.micro_batch, best.grad_accum, mib(best.estimate.upper_bound_bytes), profile.capacity_mib);
+    println!("why the others lose:");
+    let mut pairs: Vec<(Precision, bool)> = p.fits.iter().chain(&p.too_big).map(|s| (s.precision, s.checkpointing)).collect();
+    pairs.dedup();
+    pairs.sort_by_key(|(p, c)| (p.name(), *c));
+    pairs.dedup();
+    for (precision, ckpt) in pairs {
+        let mine = p.fits.iter().find(|s| (s.precision, s.checkpointing) == (precision, ckpt));
+        let over = p.too_big.iter().find(|s| (s.precision, s.checkpointing) == (precision, ckpt));
+        let limit = over.map(|s| format!("micro-batch {} does not fit (bound {:.0} MiB)", s.micro_batch, mib(s.estimate.upper_bound_bytes)));
+        let line = match mine {
+            Some(s) if std::ptr::eq(s, best) => limit.map(|l| format!("(the best's own limit: {l})")),
+            Some(s) => Some(format!(
+                "at best micro-batch {}: {:+.0}% time per sample{}",
+                s.micro_batch,
+                (s.seconds_per_sample() / best.seconds_per_sample() - 1.0) * 100.0,
+                limit.map(|l| format!("; {l}")).unwrap_or_default()
+            )),
+            None => Some(limit.unwrap_or_else(|| "nothing fits".into())),
+        };
+        if let Some(line) = line {
+            println!("  {:<26} {line}", label(precision, ckpt));
+        }
+    }
+    for s in &p.skipped {
+        println!("  {:<26} not planned: {}", label(s.precision, s.checkpointing), s.reason);
+    }
+}
+
+fn why_nothing(p: &Plan) -> String {
+    let smallest = p.too_big.iter().min_by_key(|s| s.estimate.upper_bound_bytes);
+    match smallest {
+        Some(s) => format!("the smallest setup, {} at micro-batch {}, needs {:.0} MiB (upper bound)", label(s.precision, s.checkpointing), s.micro_batch, mib(s.estimate.upper_bound_bytes)),
+        None => p.skipped.iter().map(|s| format!("{}: {}", label(s.precision, s.checkpointing), s.reason)).collect::<Vec<_>>().join("; "),
+    }
+}
