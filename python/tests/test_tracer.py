@@ -438,3 +438,43 @@ def test_lora_steps_as_peft_does(tmp_path, monkeypatch, ref, targets, precision)
     opts.lora = None
     loop.trace_training(opts, str(tmp_path / "peft.jsonl"))
     assert sizes(tmp_path / "ours.jsonl") == sizes(tmp_path / "peft.jsonl")
+
+
+@pytest.mark.parametrize("name,cls", [("adamw8bit", "AdamW8bit"), ("adam8bit", "Adam8bit"), ("paged-adamw8bit", "PagedAdamW8bit")])
+def test_8bit_optimizers_hold_what_bitsandbytes_holds(name, cls):
+    """The tracer's 8-bit optimizers make the state bitsandbytes' own init_state makes (which
+    runs on meta tensors without a GPU): the same tensors, dtypes and shapes, per parameter."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import torch
+    from gpumem_trace.loop import make_optimizer
+
+    # A paged optimizer's state of 100,000 elements and more is CUDA managed memory, which
+    # bitsandbytes cannot make without a GPU; the tracer counts it as resident.
+    sizes = [(64,), (4095,), (4096,), (300, 70)] + ([] if name.startswith("paged") else [(200_000,)])
+
+    def fresh():
+        return [torch.nn.Parameter(torch.empty(s, device="meta")) for s in sizes]
+
+    theirs_params, ours_params = fresh(), fresh()
+    theirs = getattr(bnb.optim, cls)(theirs_params)
+    for gi, g in enumerate(theirs.param_groups):
+        for pi, p in enumerate(g["params"]):
+            theirs.init_state(g, p, gi, pi)
+    ours = make_optimizer(name, ours_params, 1e-3)
+    for p in ours_params:
+        p.grad = torch.empty_like(p)
+    ours.step()
+
+    def layout(state):
+        return {k: (v.dtype, tuple(v.shape)) for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+    assert [layout(theirs.state[p]) for p in theirs_params] == [layout(ours.state[p]) for p in ours_params]
+
+
+def test_8bit_adamw_traces_a_quarter_of_adams_state(tmp_path):
+    ref = "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)"
+    state = {}
+    for opt in ("adamw", "adamw8bit"):
+        header, evs = traced([ref, "--batch", "2", "--seq-len", "32", "--optimizer", opt], tmp_path)
+        state[opt] = sum(e["bytes"] for e in allocs(evs, category="optimizer_state"))
+    assert 0.2 < state["adamw8bit"] / state["adamw"] < 0.3, state

@@ -17,14 +17,39 @@ use crate::graph::{Bw, Graph, Precision, Role, TensorId};
 use crate::profile::CUBLAS_WORKSPACE_BYTES;
 use crate::trace::{Category, ConvPass, Phase, Trace, TraceBuilder, TraceHeader};
 
-/// The optimizers gpumem models, with PyTorch's defaults (foreach on CUDA in 2.x).
+/// The optimizers gpumem models, with PyTorch's defaults (foreach on CUDA in 2.x), and
+/// bitsandbytes' 8-bit Adam/AdamW (blockwise-quantized state; `paged`: its state in CUDA managed
+/// memory, counted as resident — what nvidia-smi shows while nothing presses it out).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Optimizer {
     Adam,
     AdamW,
     Sgd,
     SgdMomentum,
+    Adam8bit,
+    AdamW8bit,
+    PagedAdamW8bit,
 }
+
+/// bitsandbytes' 8-bit optimizers keep tensors smaller than this in 32 bits (`min_8bit_size`).
+pub const BNB_MIN_8BIT_SIZE: u64 = 4096;
+/// Elements per absmax scale of bitsandbytes' blockwise-quantized state.
+pub const BNB_BLOCK: u64 = 256;
+
+/// bitsandbytes' state for a parameter of `numel` elements: two tensors, each `(bytes, what)`
+/// twice over — uint8 per element plus an fp32 absmax per block, or fp32 per element below
+/// [`BNB_MIN_8BIT_SIZE`] (bitsandbytes 0.50 `Optimizer2State.init_state`).
+pub fn bnb_8bit_state(numel: u64) -> Vec<(u64, &'static str)> {
+    if numel < BNB_MIN_8BIT_SIZE {
+        return vec![(4 * numel, "state1"), (4 * numel, "state2")];
+    }
+    let absmax = 4 * numel.div_ceil(BNB_BLOCK);
+    vec![(numel, "state1"), (numel, "state2"), (absmax, "absmax1"), (absmax, "absmax2")]
+}
+
+/// The quantization maps (`dynamic`, `udynamic`: 256 fp32 each) bitsandbytes moves to the GPU
+/// once per optimizer.
+pub const BNB_QMAP_BYTES: u64 = 256 * 4;
 
 impl Optimizer {
     pub fn parse(s: &str) -> Result<Self, UnknownName> {
@@ -33,7 +58,10 @@ impl Optimizer {
             "adamw" => Ok(Optimizer::AdamW),
             "sgd" => Ok(Optimizer::Sgd),
             "sgd-momentum" | "sgd_momentum" | "momentum" => Ok(Optimizer::SgdMomentum),
-            other => Err(UnknownName::new("optimizer", other, "adam, adamw, sgd or sgd-momentum")),
+            "adam8bit" | "adam-8bit" => Ok(Optimizer::Adam8bit),
+            "adamw8bit" | "adamw-8bit" => Ok(Optimizer::AdamW8bit),
+            "paged-adamw8bit" | "paged_adamw8bit" | "paged-adamw-8bit" => Ok(Optimizer::PagedAdamW8bit),
+            other => Err(UnknownName::new("optimizer", other, "adam, adamw, sgd, sgd-momentum, adam8bit, adamw8bit or paged-adamw8bit")),
         }
     }
     pub fn name(self) -> &'static str {
@@ -42,6 +70,9 @@ impl Optimizer {
             Optimizer::AdamW => "adamw",
             Optimizer::Sgd => "sgd",
             Optimizer::SgdMomentum => "sgd-momentum",
+            Optimizer::Adam8bit => "adam8bit",
+            Optimizer::AdamW8bit => "adamw8bit",
+            Optimizer::PagedAdamW8bit => "paged-adamw8bit",
         }
     }
 }
@@ -553,6 +584,24 @@ impl<'a> Emitter<'a> {
                 }
             }
             Optimizer::Sgd => {}
+            Optimizer::Adam8bit | Optimizer::AdamW8bit | Optimizer::PagedAdamW8bit => {
+                // Its CUDA kernels update in place: state made on the first step, no temporaries.
+                if first {
+                    let mut qmaps = false;
+                    for &k in &have {
+                        let numel = g.t(g.params[k]).numel;
+                        if numel >= BNB_MIN_8BIT_SIZE && !qmaps {
+                            // The maps go to the GPU with the first 8-bit state.
+                            self.b.alloc(BNB_QMAP_BYTES, Category::OptimizerState, ph, "qmap_dynamic");
+                            self.b.alloc(BNB_QMAP_BYTES, Category::OptimizerState, ph, "qmap_udynamic");
+                            qmaps = true;
+                        }
+                        for (bytes, what) in bnb_8bit_state(numel) {
+                            self.b.alloc(bytes, Category::OptimizerState, ph, what);
+                        }
+                    }
+                }
+            }
         }
         let total: u64 = sizes.iter().sum();
         self.b.op("optimizer_step", 10 * total / 4, 4 * total, 2 * total);

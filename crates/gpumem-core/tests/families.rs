@@ -28,7 +28,7 @@ fn trace(spec: &str, batch: u64, opt: Optimizer, prec: Precision) -> Trace {
 fn every_family_optimizer_and_precision_traces_and_round_trips() {
     let p = builtin("a100-40gb").unwrap();
     for spec in MODELS {
-        for opt in [Optimizer::Adam, Optimizer::AdamW, Optimizer::Sgd, Optimizer::SgdMomentum] {
+        for opt in [Optimizer::Adam, Optimizer::AdamW, Optimizer::Sgd, Optimizer::SgdMomentum, Optimizer::AdamW8bit] {
             for prec in [Precision::Fp32, Precision::AmpFp16, Precision::AmpBf16] {
                 let t = trace(spec, 8, opt, prec);
                 assert!(t.header.iterations >= 3, "{spec}");
@@ -58,6 +58,16 @@ fn optimizer_state_matches_the_optimizer() {
     assert_eq!(category_bytes(&trace(spec, 8, Optimizer::Adam, Precision::Fp32), Category::OptimizerState), 2 * 4 * params);
     assert_eq!(category_bytes(&trace(spec, 8, Optimizer::SgdMomentum, Precision::Fp32), Category::OptimizerState), 4 * params);
     assert_eq!(category_bytes(&trace(spec, 8, Optimizer::Sgd, Precision::Fp32), Category::OptimizerState), 0);
+    // bitsandbytes' 8-bit AdamW: a byte per element and an fp32 scale per 256 (fp32 state below
+    // 4096 elements), plus its two 256-entry maps.
+    let g = ModelSpec::parse(spec).unwrap().graph(8, Precision::Fp32);
+    let bnb: u64 = 2 * gpumem_core::step::BNB_QMAP_BYTES + g.params.iter().flat_map(|&t| gpumem_core::step::bnb_8bit_state(g.t(t).numel)).map(|(b, _)| b).sum::<u64>();
+    for opt in [Optimizer::AdamW8bit, Optimizer::PagedAdamW8bit] {
+        assert_eq!(category_bytes(&trace(spec, 8, opt, Precision::Fp32), Category::OptimizerState), bnb);
+    }
+    assert!(bnb < 2 * 4 * params / 3, "about a quarter of Adam's");
+    assert_eq!(gpumem_core::step::bnb_8bit_state(4095), vec![(4 * 4095, "state1"), (4 * 4095, "state2")]);
+    assert_eq!(gpumem_core::step::bnb_8bit_state(4097), vec![(4097, "state1"), (4097, "state2"), (4 * 17, "absmax1"), (4 * 17, "absmax2")]);
 }
 
 fn op_bytes(t: &Trace, name: &str) -> u64 {
