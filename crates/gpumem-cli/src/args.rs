@@ -56,7 +56,7 @@ pub fn gpu_count<'a>(flag: &str, spec: &'a str, max: usize) -> CliResult<(usize,
 /// The training loop around a model: the command-line form of [`Options`].
 #[derive(Args, Clone)]
 pub struct WorkloadArgs {
-    /// Optimizer: adam, adamw, sgd or sgd-momentum.
+    /// Optimizer: adam, adamw, sgd, sgd-momentum, or bitsandbytes' adam8bit, adamw8bit, paged-adamw8bit.
     #[arg(long, default_value = "adam")]
     optimizer: String,
     /// Precision: fp32, amp-fp16, amp-bf16 (autocast), or fp16/bf16 (pure: weights, gradients

@@ -29,7 +29,7 @@ pub struct PlanArgs {
     /// Activation checkpointing to consider (PyTorch models): both, on or off.
     #[arg(long, default_value = "both")]
     checkpointing: String,
-    /// Optimizer: adam, adamw, sgd or sgd-momentum.
+    /// Optimizer: adam, adamw, sgd, sgd-momentum, or bitsandbytes' adam8bit, adamw8bit, paged-adamw8bit.
     #[arg(long, default_value = "adam")]
     optimizer: String,
     /// Sequence length (PyTorch sequence models).
