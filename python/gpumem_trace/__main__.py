@@ -40,6 +40,10 @@ def main(argv=None):
                    help="whether the loop holds the model's output through backward (default: kept, dropped for hf: models as their Trainer runs them)")
     p.add_argument("--attention-mask", default="none", choices=["none", "padded"],
                    help="hf: models: pass the attention mask of a padded batch (materialised by the model) instead of none")
+    p.add_argument("--strategy", choices=["ddp"], help="trace rank 0 of a multi-GPU job wrapped this way (a fake process group)")
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's gradient bucket size")
+    p.add_argument("--gradient-as-bucket-view", action="store_true")
     p.add_argument("--lora-rank", type=int, help="LoRA fine-tuning, as PEFT sets it up: the rank r")
     p.add_argument("--lora-alpha", type=float, default=8.0)
     p.add_argument("--lora-targets", help="module names, comma-separated, or all-linear")
@@ -84,6 +88,8 @@ def main(argv=None):
     if a.timeout > 0:
         signal.signal(signal.SIGALRM, on_alarm)
         signal.setitimer(signal.ITIMER_REAL, a.timeout)
+    if a.strategy and (a.world_size < 2 or a.bucket_cap_mb <= 0):
+        return fail(2, "--strategy needs --world-size of at least 2 and a positive --bucket-cap-mb")
     lora = None
     if a.lora_rank is not None:
         from .lora import Lora
@@ -93,7 +99,8 @@ def main(argv=None):
     opts = TraceOptions(model=a.model, batch=a.batch[0], optimizer=a.optimizer, precision=a.precision, iterations=a.iterations,
                         input_shape=shape, seq_len=a.seq_len, gpu_capability=a.gpu_capability, sdpa=a.sdpa, checkpointing=a.checkpointing,
                         channels_last=a.channels_last, grad_accum=a.grad_accum, data_parallel=a.data_parallel,
-                        validate=a.validate, outputs=a.outputs, attention_mask=a.attention_mask, lora=lora)
+                        validate=a.validate, outputs=a.outputs, attention_mask=a.attention_mask, lora=lora,
+                        strategy=a.strategy, world_size=a.world_size, bucket_cap_mb=a.bucket_cap_mb, bucket_view=a.gradient_as_bucket_view)
     try:
         for batch, out in zip(a.batch, a.out):
             opts.batch = batch

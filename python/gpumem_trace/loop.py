@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils.checkpoint
 
-from . import amp, cuda, lora
+from . import amp, cuda, distributed, lora
 from .models import ReferenceError_, resolve
 from .parallel import DataParallel
 from .sdpa import Stack
@@ -47,6 +47,10 @@ class TraceOptions:
     outputs: str = None  # "kept" or "dropped" through backward; None: the model source's usual loop
     attention_mask: str = "none"  # "padded": Hugging Face models get the attention mask of a padded batch
     lora: object = None  # a lora.Lora: PEFT-style LoRA fine-tuning
+    strategy: str = None  # "ddp": one rank of a DistributedDataParallel job (the batch is the rank's)
+    world_size: int = 1
+    bucket_cap_mb: float = 25.0
+    bucket_view: bool = False  # DDP's gradient_as_bucket_view
     lr: float = 1e-3
     extra: dict = field(default_factory=dict)
 
@@ -228,6 +232,11 @@ def trace_training(opts: TraceOptions, out_path: str):
     specs = job.batch_specs(opts.batch)
     acts, hooks = _count_activations(model)
     parallel = DataParallel(model, opts.data_parallel) if opts.data_parallel > 1 else None
+    if opts.strategy not in (None, "ddp"):
+        raise ReferenceError_(f"unknown strategy `{opts.strategy}` (expected ddp)")
+    if opts.strategy and parallel:
+        raise ReferenceError_("a job is DataParallel or DistributedDataParallel, not both")
+    runner = model  # what the loop calls: the model, or its DDP wrapper once built
     autocast = amp.Autocast(autocast_dtype) if autocast_dtype else None
     # `loss = model(**batch).loss` (Hugging Face's Trainer) drops the model's output before
     # backward; `outputs = model(x); loss = criterion(outputs, y)` keeps it alive through it.
@@ -252,7 +261,7 @@ def trace_training(opts: TraceOptions, out_path: str):
         calls `end_autocast()`: leaving `with autocast():` clears the cast cache only after the
         assignments inside it have dropped the previous outputs."""
         with autocast if autocast is not None else contextlib.nullcontext():
-            outputs = parallel(job.forward, batch) if parallel else job.forward(model, batch)
+            outputs = parallel(job.forward, batch) if parallel else job.forward(runner, batch)
             loss = job.loss(outputs, batch)
             if loss.dim() > 0:  # DataParallel gathers one loss per replica: `loss.mean()`
                 loss = loss.mean()
@@ -267,6 +276,8 @@ def trace_training(opts: TraceOptions, out_path: str):
         to_device_keeping_ties(model, weights_dtype)
         if opts.channels_last:
             model.to(memory_format=torch.channels_last)
+        if opts.strategy == "ddp":
+            runner = distributed.ddp(model, opts.world_size, opts.bucket_cap_mb, opts.bucket_view)
         optimizer = make_optimizer(opts.optimizer, [p for p in model.parameters() if p.requires_grad], opts.lr)
         scaler = GradScaler() if opts.precision == "amp-fp16" else None
         batch = outputs = loss = None
@@ -328,6 +339,8 @@ def trace_training(opts: TraceOptions, out_path: str):
         header["seq_len"] = job.seq_len
     if parallel:
         header["data_parallel"] = opts.data_parallel
+    if opts.strategy:
+        header["strategy"], header["world_size"] = opts.strategy, opts.world_size
     if opts.validate != "none":
         header["validate"] = opts.validate
     rec.write(out_path, header)

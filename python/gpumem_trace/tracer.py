@@ -353,6 +353,11 @@ def data_dependent(func, args, kwargs):
     of selections are the worst case, so memory is never underestimated). CPU tensors (Python
     ints a model turned into tensors, say) have their values and are computed."""
     p = func.overloadpacket
+    if p is aten.copy_ and args[0].device.type == "cpu" and isinstance(args[1], torch.Tensor) and args[1].device.type == "meta":
+        # Values copied back off the GPU, which a meta tensor never had: the host keeps its own.
+        # (DDP's reducer broadcasts its bucket order from rank 0, the traced rank, and reads it
+        # back: rank 0's own values are the right ones.)
+        return args[0]
     if not (args and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta"):
         return NotImplemented
     if p is aten._local_scalar_dense:

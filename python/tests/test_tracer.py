@@ -478,3 +478,30 @@ def test_8bit_adamw_traces_a_quarter_of_adams_state(tmp_path):
         header, evs = traced([ref, "--batch", "2", "--seq-len", "32", "--optimizer", opt], tmp_path)
         state[opt] = sum(e["bytes"] for e in allocs(evs, category="optimizer_state"))
     assert 0.2 < state["adamw8bit"] / state["adamw"] < 0.3, state
+
+
+def test_ddp_rank_holds_its_gradient_buckets(tmp_path):
+    """One rank of DistributedDataParallel, traced with PyTorch's own wrapper on a fake process
+    group: at the end of the step it holds what a single GPU holds plus the reducer's gradient
+    buckets (one byte per gradient byte); with gradient_as_bucket_view the gradients are the
+    buckets, so it holds what a single GPU holds. The world size does not change a rank's
+    tensors."""
+    ref = "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)"
+
+    def live_at_end(*extra):
+        header, evs = traced([ref, "--batch", "2", "--seq-len", "32", *extra], tmp_path)
+        sizes = {}
+        for e in evs:
+            if e["ev"] == "alloc":
+                sizes[e["id"]] = e["bytes"]
+            elif e["ev"] == "free":
+                sizes.pop(e["id"])
+        return header, sum(sizes.values())
+
+    header, single = live_at_end()
+    params = header["parameters"] * 4
+    ddp_header, ddp = live_at_end("--strategy", "ddp", "--world-size", "4")
+    assert (ddp_header["strategy"], ddp_header["world_size"]) == ("ddp", 4)
+    assert ddp - single == params
+    assert live_at_end("--strategy", "ddp", "--world-size", "8")[1] == ddp
+    assert live_at_end("--strategy", "ddp", "--world-size", "4", "--gradient-as-bucket-view")[1] == single

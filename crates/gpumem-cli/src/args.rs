@@ -15,7 +15,7 @@ use gpumem_core::trace::Trace;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_learn::{Hybrid, LearnedModel};
 use gpumem_torch::BridgeError;
-use gpumem_workload::{AttentionMask, InputShape, Lora, ModelRef, Options, Outputs, Validate, Workload, WorkloadError};
+use gpumem_workload::{AttentionMask, InputShape, Lora, ModelRef, Options, Outputs, Strategy, Validate, Workload, WorkloadError};
 
 use crate::{CliError, CliResult};
 
@@ -101,6 +101,20 @@ pub struct WorkloadArgs {
     /// adapter_config.json. The model's own weights are frozen: no gradients, no optimizer state.
     #[arg(long)]
     lora: Option<String>,
+    /// A multi-GPU job (PyTorch models): `ddp` (DistributedDataParallel), traced as PyTorch's
+    /// own wrapper runs on rank 0 of --world-size ranks (a fake process group); --batch is then
+    /// each rank's. NCCL's own buffers are not included.
+    #[arg(long, value_parser = ["ddp"], requires = "world_size")]
+    strategy: Option<String>,
+    /// Ranks of a --strategy job.
+    #[arg(long)]
+    world_size: Option<u32>,
+    /// DDP's gradient bucket size, MiB.
+    #[arg(long, default_value_t = 25)]
+    bucket_cap_mb: u32,
+    /// DDP's gradient_as_bucket_view: the gradients are views of the buckets.
+    #[arg(long)]
+    gradient_as_bucket_view: bool,
 }
 
 impl WorkloadArgs {
@@ -123,6 +137,11 @@ impl WorkloadArgs {
             outputs: self.outputs,
             attention_mask: self.attention_mask,
             lora: self.lora.as_deref().map(lora).transpose()?,
+            strategy: match (self.strategy.as_deref(), self.world_size) {
+                (Some(_), Some(world_size)) => Some(Strategy::Ddp { world_size, bucket_cap_mb: self.bucket_cap_mb, bucket_view: self.gradient_as_bucket_view }),
+                (None, Some(_)) => return Err(CliError::input("--world-size needs --strategy")),
+                _ => None,
+            },
         })
     }
 

@@ -187,6 +187,34 @@ pub struct Options {
     pub attention_mask: AttentionMask,
     /// LoRA fine-tuning: the model frozen, its target layers given trainable low-rank factors.
     pub lora: Option<Lora>,
+    /// A multi-GPU wrapper; the trace is one rank's, the batch that rank's.
+    pub strategy: Option<Strategy>,
+}
+
+/// How a multi-GPU job is wrapped (traced with PyTorch's own wrapper on a fake process group).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Strategy {
+    /// `DistributedDataParallel`: `bucket_cap_mb` its gradient buckets (MiB, PyTorch's 25),
+    /// `bucket_view` its `gradient_as_bucket_view`.
+    Ddp { world_size: u32, bucket_cap_mb: u32, bucket_view: bool },
+}
+
+/// The most ranks a strategy is traced for.
+pub const MAX_WORLD_SIZE: u32 = 1 << 16;
+
+impl Strategy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Ddp { .. } => "ddp",
+        }
+    }
+
+    pub fn world_size(self) -> u32 {
+        match self {
+            Strategy::Ddp { world_size, .. } => world_size,
+        }
+    }
 }
 
 /// LoRA as PEFT's `LoraConfig` states it (`r`, `lora_alpha`, `target_modules`, `lora_dropout`).
@@ -282,6 +310,7 @@ impl Default for Options {
             outputs: None,
             attention_mask: AttentionMask::None,
             lora: None,
+            strategy: None,
         }
     }
 }
@@ -295,6 +324,12 @@ pub enum OptionError {
     DataParallel(u32),
     #[error("--seq-len must be at least 1")]
     SeqLen,
+    #[error("--world-size {0} is out of range (2..={MAX_WORLD_SIZE})")]
+    WorldSize(u32),
+    #[error("--bucket-cap-mb must be at least 1")]
+    BucketCap,
+    #[error("a job is --data-parallel or --strategy, not both")]
+    TwoWrappers,
 }
 
 /// Most GPUs a DataParallel job is modelled over.
@@ -311,6 +346,17 @@ impl Options {
         }
         if self.seq_len == Some(0) {
             return Err(OptionError::SeqLen);
+        }
+        if let Some(Strategy::Ddp { world_size, bucket_cap_mb, .. }) = self.strategy {
+            if !(2..=MAX_WORLD_SIZE).contains(&world_size) {
+                return Err(OptionError::WorldSize(world_size));
+            }
+            if bucket_cap_mb == 0 {
+                return Err(OptionError::BucketCap);
+            }
+            if self.data_parallel > 1 {
+                return Err(OptionError::TwoWrappers);
+            }
         }
         Ok(())
     }
@@ -437,5 +483,17 @@ mod tests {
         }
         assert!(Lora::from_peft_json(r#"{"peft_type": "IA3", "target_modules": ["k"]}"#).unwrap_err().contains("IA3"));
         assert!(!Options { lora: Some(Lora::parse("targets=q").unwrap()), ..Options::default() }.native_compatible());
+    }
+
+    #[test]
+    fn a_strategy_is_checked_and_stated_as_json() {
+        let ddp = |world_size, data_parallel| Options { strategy: Some(Strategy::Ddp { world_size, bucket_cap_mb: 25, bucket_view: false }), data_parallel, ..Options::default() };
+        assert_eq!(ddp(8, 1).check(), Ok(()));
+        assert_eq!(ddp(1, 1).check(), Err(OptionError::WorldSize(1)));
+        assert_eq!(ddp(8, 2).check(), Err(OptionError::TwoWrappers));
+        let json = serde_json::to_string(&ddp(8, 1)).unwrap();
+        assert!(json.contains(r#""strategy":{"kind":"ddp","world_size":8,"bucket_cap_mb":25,"bucket_view":false}"#), "{json}");
+        assert_eq!(serde_json::from_str::<Options>(&json).unwrap(), ddp(8, 1));
+        assert!(!ddp(8, 1).native_compatible());
     }
 }

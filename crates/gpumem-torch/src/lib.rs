@@ -18,11 +18,12 @@ use gpumem_core::trace::Trace;
 use gpumem_core::workload::{AttentionMask, Options, Validate};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 14] = [
+const SOURCES: [(&str, &str); 15] = [
     ("__init__.py", include_str!("../../../python/gpumem_trace/__init__.py")),
     ("__main__.py", include_str!("../../../python/gpumem_trace/__main__.py")),
     ("amp.py", include_str!("../../../python/gpumem_trace/amp.py")),
     ("cuda.py", include_str!("../../../python/gpumem_trace/cuda.py")),
+    ("distributed.py", include_str!("../../../python/gpumem_trace/distributed.py")),
     ("families.py", include_str!("../../../python/gpumem_trace/families.py")),
     ("loop.py", include_str!("../../../python/gpumem_trace/loop.py")),
     ("lora.py", include_str!("../../../python/gpumem_trace/lora.py")),
@@ -107,6 +108,12 @@ impl TraceRequest {
         }
         if o.channels_last {
             a.push("--channels-last".into());
+        }
+        if let Some(gpumem_core::workload::Strategy::Ddp { world_size, bucket_cap_mb, bucket_view }) = o.strategy {
+            a.extend(["--strategy".into(), "ddp".into(), "--world-size".into(), world_size.to_string(), "--bucket-cap-mb".into(), bucket_cap_mb.to_string()]);
+            if bucket_view {
+                a.push("--gradient-as-bucket-view".into());
+            }
         }
         if let Some(l) = &o.lora {
             a.extend(["--lora-rank".into(), l.rank.to_string(), "--lora-alpha".into(), l.alpha.to_string(), "--lora-targets".into(), l.targets.join(",")]);

@@ -209,3 +209,19 @@ fn lora_trains_only_its_adapters() {
     let peak = |tr| Replay::default().estimate(tr, &a100).unwrap().peak_bytes;
     assert!(peak(&tuned_trace) < peak(&full_trace));
 }
+
+/// DistributedDataParallel through the bridge (issue 16 part 1): the rank's trace is PyTorch's
+/// own wrapper on a fake process group — its gradient buckets cost a rank more than a single
+/// GPU holds, less again with gradient_as_bucket_view.
+#[test]
+fn a_ddp_rank_carries_its_buckets() {
+    use gpumem_core::workload::Strategy;
+    let Some(t) = tracer() else { return };
+    let model = "hf:GPT2LMHeadModel(n_embd=256,n_layer=4,n_head=4,vocab_size=8000)";
+    let single = TraceRequest { options: Options { seq_len: Some(128), ..Options::default() }, ..TraceRequest::new(model, 4) };
+    let ddp = |bucket_view| TraceRequest { options: Options { strategy: Some(Strategy::Ddp { world_size: 4, bucket_cap_mb: 25, bucket_view }), ..single.options.clone() }, ..single.clone() };
+    let a100 = builtin("a100-40gb").unwrap();
+    let peak = |r: &TraceRequest| Replay::default().estimate(&t.trace(r).unwrap(), &a100).unwrap().peak_bytes;
+    let (one, rank, viewed) = (peak(&single), peak(&ddp(false)), peak(&ddp(true)));
+    assert!(one < rank && viewed < rank, "single {one}, ddp {rank}, bucket view {viewed}");
+}

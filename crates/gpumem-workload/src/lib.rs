@@ -14,7 +14,7 @@ use gpumem_core::profile::GpuProfile;
 use gpumem_core::search::{self, SearchError};
 use gpumem_core::symbolic::SymbolicTrace;
 use gpumem_core::trace::Trace;
-pub use gpumem_core::workload::{AttentionMask, InputShape, Lora, ModelRef, OptionOverrides, Options, Outputs, TORCH_PREFIXES, Validate};
+pub use gpumem_core::workload::{AttentionMask, InputShape, Lora, ModelRef, OptionOverrides, Options, Outputs, Strategy, TORCH_PREFIXES, Validate};
 use gpumem_torch::{BridgeError, TorchTracer, TraceRequest};
 
 pub mod plan;
@@ -61,7 +61,7 @@ pub struct Reading {
 /// one prefix table.
 fn torch_only() -> WorkloadError {
     WorkloadError::Invalid(format!(
-        "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs, --attention-mask and --lora apply to PyTorch models ({})",
+        "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs, --attention-mask, --lora and --strategy apply to PyTorch models ({})",
         TORCH_PREFIXES.join(", ")
     ))
 }

@@ -1,0 +1,81 @@
+"""One rank of a multi-GPU job, traced with PyTorch's own wrapper on ``meta`` tensors.
+
+The job's process group is PyTorch's fake one (``torch.testing._internal.distributed.fake_pg``:
+every collective completes at once, no data moves), so the wrapper allocates what it allocates on
+a GPU — its buffers, its copies, in its order — and the trace is rank 0's. Collectives keep the
+memory they would: in place on their inputs (all-reduce, broadcast) or into the outputs the
+caller made (all-gather). What a real run adds outside PyTorch's allocator (NCCL's own buffers)
+is not traced here.
+
+DistributedDataParallel: the constructor broadcasts the module's state (flat coalesced copies)
+and its reducer allocates the gradient buckets (``bucket_cap_mb``, a smaller first bucket,
+rebuilt in gradient-ready order after the first step); in backward each gradient is copied into
+its bucket, which is all-reduced and divided by the world size in place, and copied back
+(``gradient_as_bucket_view``: the gradients are views of the buckets instead).
+"""
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from .models import ReferenceError_
+
+# c10d ops whose meta kernel answers (inputs, work) rather than work alone.
+_RETURN_INPUTS = {"allgather_", "allreduce_", "broadcast_", "reduce_scatter_", "allgather_coalesced_", "allgather_into_tensor_coalesced_", "reduce_scatter_tensor_coalesced_"}
+_META_OPS = sorted(_RETURN_INPUTS | {"_allgather_base_", "_reduce_scatter_base_", "barrier"})
+_library = None
+
+
+def fake_world(world_size):
+    """Joins a fake process group of ``world_size`` ranks as rank 0 (once per process), and
+    teaches c10d's collectives to run on meta tensors: each calls the fake group with empty CPU
+    stand-ins (nothing moves) and answers with the meta tensors the caller gave."""
+    global _library
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise ReferenceError_(f"one tracer process traces one world size ({dist.get_world_size()}), not {world_size}")
+        return
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:
+        raise ReferenceError_(f"this torch has no fake process group to trace multi-GPU jobs with ({e})") from e
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    _library = torch.library.Library("c10d", "IMPL")
+    for name in _META_OPS:
+        op = getattr(torch.ops.c10d, name, None)
+        if op is not None:
+            _library.impl(name, _on_meta(op.default, name in _RETURN_INPUTS), "Meta")
+
+
+def _on_meta(op, returns_inputs):
+    def run(*args, **kwargs):
+        stand_in = pytree.tree_map(lambda t: torch.empty(0, dtype=t.dtype) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        out = op(*stand_in[0], **stand_in[1])
+        return (args[0], out[1]) if returns_inputs else out
+
+    return run
+
+
+def _allreduce_in_place(state, bucket):
+    """DDP's default communication as memory sees it: the bucket all-reduced and divided by the
+    world size in place (the fake group's own future carries no tensor for DDP to go on with)."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer().div_(dist.get_world_size()))
+    return future
+
+
+def ddp(model, world_size, bucket_cap_mb=25.0, gradient_as_bucket_view=False):
+    """``DistributedDataParallel(model)`` as rank 0 of ``world_size`` builds it."""
+    fake_world(world_size)
+    # The constructor's check that every rank has the same shapes reads sizes back (.item()),
+    # which meta tensors cannot; one traced rank is every rank.
+    import torch.nn.parallel.distributed as ddp_module
+
+    verify = ddp_module._verify_param_shape_across_processes
+    ddp_module._verify_param_shape_across_processes = lambda *a, **k: None
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view)
+    finally:
+        ddp_module._verify_param_shape_across_processes = verify
+    wrapped.register_comm_hook(None, _allreduce_in_place)
+    return wrapped
