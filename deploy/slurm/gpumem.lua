@@ -27,20 +27,31 @@ function M.request(job)
     if job[key] and job[key] ~= "" then cmd = cmd .. " --" .. key .. " " .. quote(job[key]) end
   end
   if job.no_trace then cmd = cmd .. " --no-trace" end
-  -- Lua 5.1's popen gives no exit status: gpumem's answer is key=value lines, and any other
-  -- line (its `error: …`, or the shell's when gpumem is missing) is the reason it failed.
-  local pipe = io.popen(cmd .. " 2>&1", "r")
-  if not pipe then return nil, "gpumem: cannot run " .. M.bin end
+  -- Lua 5.1's popen gives no exit status: gpumem's answer is its key=value lines on stdout; with
+  -- none, the first line of its stderr (its `error: …`, or the shell's when gpumem is missing)
+  -- is why it refused, and an empty stderr means the job is not gpumem's.
+  local err_path = os.tmpname()
+  local pipe = io.popen(cmd .. " 2>" .. quote(err_path), "r")
+  if not pipe then
+    os.remove(err_path)
+    return nil, "gpumem: cannot run " .. M.bin
+  end
   local out = pipe:read("*a") or ""
   pipe:close()
-  local answer = {}
+  local f = io.open(err_path, "r")
+  local err = f and f:read("*a") or ""
+  if f then f:close() end
+  os.remove(err_path)
+  local answer, any = {}, false
   for line in string.gmatch(out, "[^\n]+") do
     local key, value = string.match(line, "^(%l+)=(.*)$")
     if key == "gres" or key == "constraint" or key == "comment" then
-      answer[key] = value
-    else
-      return nil, "gpumem: " .. string.gsub(line, "^error: ", "")
+      answer[key], any = value, true
     end
+  end
+  if not any then
+    local first = string.match(err, "[^\n]+")
+    if first then return nil, "gpumem: " .. string.gsub(first, "^error: ", "") end
   end
   return answer
 end

@@ -299,6 +299,12 @@ fn slurm_places_jobs_by_gpumem_estimate() {
         assert!(why.contains("the comment's batch: `many` is not a whole number"), "{why}");
     }
 
+    // A login node whose gpumem is missing refuses the job with the shell's reason, never
+    // sends it half-sized.
+    let o = slurm.command("sbatch").env("GPUMEM_BIN", "/nonexistent/gpumem").arg(&fits).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("gpumem: ") && err.contains("/nonexistent/gpumem"), "{err}");
+
     // A PyTorch model: the controller never traces, so without the client's estimate it is
     // refused, and with it (the comment `gpumem slurm request` writes) placed by it.
     let resnet = slurm.script("resnet.sh", "#!/bin/sh\n#GPUMEM model=torchvision:resnet18 batch=2\nsleep 0\n");
