@@ -41,6 +41,12 @@ pub struct PlanArgs {
     /// LoRA fine-tuning, as `gpumem estimate --lora` takes it.
     #[arg(long)]
     lora: Option<String>,
+    /// Plan one rank of a multi-GPU job: `ddp` (DistributedDataParallel) over --world-size
+    /// ranks; --global-batch is then over all ranks.
+    #[arg(long, value_parser = ["ddp"], requires = "world_size")]
+    strategy: Option<String>,
+    #[arg(long, requires = "strategy")]
+    world_size: Option<u32>,
     #[command(flatten)]
     estimator: EstimatorArgs,
     /// Setups to print, fastest first.
@@ -80,11 +86,15 @@ pub fn plan(a: PlanArgs) -> CliResult {
         "off" => vec![false],
         other => return Err(CliError::input(format!("--checkpointing `{other}` is not both, on or off"))),
     };
-    if a.global_batch == Some(0) {
-        return Err(CliError::input("--global-batch must be at least 1"));
+    let strategy = a.world_size.map(|world_size| gpumem_workload::Strategy::Ddp { world_size, bucket_cap_mb: 25, bucket_view: false });
+    let world = u64::from(a.world_size.unwrap_or(1));
+    if let Some(g) = a.global_batch
+        && (g == 0 || g % world != 0)
+    {
+        return Err(CliError::input(format!("--global-batch {g} must be a positive multiple of the world size ({world})")));
     }
     let input = a.input.as_deref().map(|i| InputShape::parse(i).ok_or_else(|| CliError::input(format!("--input `{i}` is not CxHxW")))).transpose()?;
-    let options = Options { optimizer: Optimizer::parse(&a.optimizer).map_err(CliError::input)?, seq_len: a.seq_len, input, lora: a.lora.as_deref().map(lora).transpose()?, ..Options::default() };
+    let options = Options { optimizer: Optimizer::parse(&a.optimizer).map_err(CliError::input)?, seq_len: a.seq_len, input, lora: a.lora.as_deref().map(lora).transpose()?, strategy, ..Options::default() };
     let name = model.to_string();
     let base = gpumem_workload::Workload::new(model, 1, options)?;
     let space = Space { precisions, checkpointing, global_batch: a.global_batch };
@@ -94,7 +104,7 @@ pub fn plan(a: PlanArgs) -> CliResult {
     })?;
     if a.json {
         let out = json!({
-            "model": name, "gpu": profile.name, "capacity_mib": profile.capacity_mib, "global_batch": a.global_batch,
+            "model": name, "gpu": profile.name, "capacity_mib": profile.capacity_mib, "global_batch": a.global_batch, "strategy": a.strategy, "world_size": a.world_size,
             "setups": p.fits.iter().map(setup_json).collect::<Vec<_>>(),
             "too_big": p.too_big.iter().map(setup_json).collect::<Vec<_>>(),
             "skipped": p.skipped.iter().map(|s| json!({"precision": s.precision.name(), "checkpointing": s.checkpointing, "reason": s.reason})).collect::<Vec<_>>(),
@@ -102,15 +112,21 @@ pub fn plan(a: PlanArgs) -> CliResult {
         println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
         return Ok(());
     }
-    print_table(&name, &profile, a.global_batch, a.top, &p);
+    print_table(&name, &profile, a.global_batch, a.world_size, a.top, &p);
     Ok(())
 }
 
-fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: Option<u64>, top: usize, p: &Plan) {
+fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: Option<u64>, world: Option<u32>, top: usize, p: &Plan) {
+    let on = match world {
+        Some(w) => format!("one rank of DDP over {w} × {} ({} MiB each)", profile.name, profile.capacity_mib),
+        None => format!("one {} ({} MiB)", profile.name, profile.capacity_mib),
+    };
     match global {
-        Some(g) => println!("{name} on one {} ({} MiB), {g} samples per optimizer step", profile.name, profile.capacity_mib),
-        None => println!("{name} on one {} ({} MiB)", profile.name, profile.capacity_mib),
+        Some(g) => println!("{name} on {on}, {g} samples per optimizer step"),
+        None => println!("{name} on {on}"),
     }
+    // A rank's time per sample times its share of the global batch.
+    let global = global.map(|g| g / u64::from(world.unwrap_or(1)));
     let Some(best) = p.fits.first() else {
         println!("nothing fits: {}", why_nothing(p));
         return;
@@ -136,7 +152,7 @@ fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: O
     }
     println!();
     println!("best: {}, micro-batch {} × {} accumulation steps (upper bound {:.0} of {} MiB)", label(best.precision, best.checkpointing), best.micro_batch, best.grad_accum, mib(best.estimate.upper_bound_bytes), profile.capacity_mib);
-    println!("why the others lose:");
+    let mut why = Vec::new();
     let mut pairs: Vec<(Precision, bool)> = p.fits.iter().chain(&p.too_big).map(|s| (s.precision, s.checkpointing)).collect();
     pairs.dedup();
     pairs.sort_by_key(|(p, c)| (p.name(), *c));
@@ -156,11 +172,13 @@ fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: O
             None => Some(limit.unwrap_or_else(|| "nothing fits".into())),
         };
         if let Some(line) = line {
-            println!("  {:<26} {line}", label(precision, ckpt));
+            why.push(format!("  {:<26} {line}", label(precision, ckpt)));
         }
     }
-    for s in &p.skipped {
-        println!("  {:<26} not planned: {}", label(s.precision, s.checkpointing), s.reason);
+    why.extend(p.skipped.iter().map(|s| format!("  {:<26} not planned: {}", label(s.precision, s.checkpointing), s.reason)));
+    if !why.is_empty() {
+        println!("why the others lose:");
+        println!("{}", why.join("\n"));
     }
 }
 

@@ -320,5 +320,6 @@ fn plan_lists_setups_that_fit_fastest_first() {
     assert!(o.status.success() && text.contains("best: amp-fp16") && text.contains("why the others lose:") && text.contains("does not fit"), "{text}");
     bad_input(&["plan", "mlp:input=8,output=2,depth=1", "--precisions", "fp7"], "--precisions: unknown precision");
     bad_input(&["plan", "mlp:input=8,output=2,depth=1", "--checkpointing", "maybe"], "--checkpointing `maybe`");
-    bad_input(&["plan", "mlp:input=8,output=2,depth=1", "--global-batch", "0"], "--global-batch must be at least 1");
+    bad_input(&["plan", "mlp:input=8,output=2,depth=1", "--global-batch", "0"], "--global-batch 0 must be a positive multiple of the world size (1)");
+    bad_input(&["plan", "hf:gpt2", "--strategy", "ddp", "--world-size", "4", "--global-batch", "6"], "--global-batch 6 must be a positive multiple of the world size (4)");
 }

@@ -18,7 +18,8 @@ pub const TIE: f64 = 0.01;
 pub struct Space {
     pub precisions: Vec<Precision>,
     pub checkpointing: Vec<bool>,
-    /// Samples per optimizer step: micro-batches then divide it (the rest is gradient
+    /// Samples per optimizer step over every rank of the job's strategy (a whole multiple of its
+    /// world size): micro-batches then divide each rank's share (the rest is gradient
     /// accumulation). `None`: micro-batches are powers of two up to the largest that fits, each
     /// its own step.
     pub global_batch: Option<u64>,
@@ -84,6 +85,8 @@ fn micro_batches(global: Option<u64>, max: u64) -> Vec<u64> {
 /// searched) on `profile`.
 pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, space: &Space) -> Result<Plan, SizeError> {
     let host = HostModel::default();
+    let world = u64::from(base.options().strategy.map_or(1, |s| s.world_size()));
+    let rank_batch = space.global_batch.map(|g| g / world);
     let mut out = Plan::default();
     for &precision in &space.precisions {
         for &checkpointing in &space.checkpointing {
@@ -112,13 +115,13 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
             };
             let Some((max, _)) = sym.max_batch(profile, estimator).map_err(|e| WorkloadError::Invalid(e.to_string()))? else {
                 let estimate = estimator.estimate(&sym.at(1).map_err(|e| WorkloadError::Invalid(e.to_string()))?, profile)?;
-                out.too_big.push(Setup { precision, checkpointing, micro_batch: 1, grad_accum: space.global_batch.unwrap_or(1), estimate, step_s: 0.0 });
+                out.too_big.push(Setup { precision, checkpointing, micro_batch: 1, grad_accum: rank_batch.unwrap_or(1), estimate, step_s: 0.0 });
                 continue;
             };
-            for m in micro_batches(space.global_batch, max) {
+            for m in micro_batches(rank_batch, max) {
                 let trace = sym.at(m).map_err(|e| WorkloadError::Invalid(e.to_string()))?;
                 let estimate = estimator.estimate(&trace, profile)?;
-                let setup = Setup { precision, checkpointing, micro_batch: m, grad_accum: space.global_batch.map_or(1, |g| g / m), step_s: physical(&trace, profile, &host).step_s, estimate };
+                let setup = Setup { precision, checkpointing, micro_batch: m, grad_accum: rank_batch.map_or(1, |g| g / m), step_s: physical(&trace, profile, &host).step_s, estimate };
                 if m > max {
                     out.too_big.push(setup);
                 } else {
