@@ -205,6 +205,12 @@ pub fn submit(a: SubmitArgs) -> CliResult {
     if a.model.is_some() {
         req.options = a.workload.options()?;
     }
+    if a.gpus.is_none()
+        && let Some(s) = req.options.strategy
+    {
+        // A multi-GPU job's ranks are its GPUs.
+        req.gpus = s.world_size();
+    }
     req.model = a.model.clone().or(req.model);
     req.batch = a.batch.or(req.batch);
     req.priority = a.priority.unwrap_or(req.priority);

@@ -119,6 +119,9 @@ pub enum RequestError {
     Gpus { gpus: u32, max: usize },
     #[error("model and batch go together")]
     ModelWithoutBatch,
+    /// A multi-GPU strategy whose world size is not the job's GPU count.
+    #[error("options.strategy has world_size {world_size}, and a job's ranks are its GPUs: gpus must be {world_size}, not {gpus}")]
+    Ranks { world_size: u32, gpus: u32 },
     #[error("batch and mem_mib must be positive")]
     ZeroSize,
     /// A memory request beyond any GPU (and beyond what bytes can count without wrapping).
@@ -163,6 +166,11 @@ impl JobRequest {
         }
         if self.model.is_some() != self.batch.is_some() {
             return Err(RequestError::ModelWithoutBatch);
+        }
+        if let Some(world_size) = self.options.strategy.map(|s| s.world_size())
+            && world_size != self.gpus
+        {
+            return Err(RequestError::Ranks { world_size, gpus: self.gpus });
         }
         if self.batch == Some(0) || self.mem_mib == Some(0) {
             return Err(RequestError::ZeroSize);
@@ -296,5 +304,9 @@ mod tests {
         assert_eq!(long.validate(2), Err(RequestError::Name { bytes: 201 }));
         assert_eq!(long.validate(2).unwrap_err().to_string(), "name: at most 200 bytes");
         assert_eq!(request(r#"{"command": ["a"], "gpus": 2, "cwd": "/"}"#).validate(2), Ok(()));
+        // A DDP job's ranks are its GPUs: all placed at once, each with the rank's estimate.
+        let ddp = |gpus| request(&format!(r#"{{"command": ["torchrun", "train.py"], "gpus": {gpus}, "model": "hf:gpt2", "batch": 8, "options": {{"strategy": {{"kind": "ddp", "world_size": 2, "bucket_cap_mb": 25, "bucket_view": false}}}}}}"#));
+        assert_eq!(ddp(2).validate(2), Ok(()));
+        assert_eq!(ddp(1).validate(2).unwrap_err().to_string(), "options.strategy has world_size 2, and a job's ranks are its GPUs: gpus must be 2, not 1");
     }
 }
