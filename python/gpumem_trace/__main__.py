@@ -40,10 +40,11 @@ def main(argv=None):
                    help="whether the loop holds the model's output through backward (default: kept, dropped for hf: models as their Trainer runs them)")
     p.add_argument("--attention-mask", default="none", choices=["none", "padded"],
                    help="hf: models: pass the attention mask of a padded batch (materialised by the model) instead of none")
-    p.add_argument("--strategy", choices=["ddp"], help="trace rank 0 of a multi-GPU job wrapped this way (a fake process group)")
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], help="trace rank 0 of a multi-GPU job wrapped this way (a fake process group)")
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's gradient bucket size")
     p.add_argument("--gradient-as-bucket-view", action="store_true")
+    p.add_argument("--no-reshard-after-forward", action="store_true", help="FSDP2: keep each layer's gathered parameters from forward to backward")
     p.add_argument("--lora-rank", type=int, help="LoRA fine-tuning, as PEFT sets it up: the rank r")
     p.add_argument("--lora-alpha", type=float, default=8.0)
     p.add_argument("--lora-targets", help="module names, comma-separated, or all-linear")
@@ -100,7 +101,8 @@ def main(argv=None):
                         input_shape=shape, seq_len=a.seq_len, gpu_capability=a.gpu_capability, sdpa=a.sdpa, checkpointing=a.checkpointing,
                         channels_last=a.channels_last, grad_accum=a.grad_accum, data_parallel=a.data_parallel,
                         validate=a.validate, outputs=a.outputs, attention_mask=a.attention_mask, lora=lora,
-                        strategy=a.strategy, world_size=a.world_size, bucket_cap_mb=a.bucket_cap_mb, bucket_view=a.gradient_as_bucket_view)
+                        strategy=a.strategy, world_size=a.world_size, bucket_cap_mb=a.bucket_cap_mb, bucket_view=a.gradient_as_bucket_view,
+                        reshard_after_forward=not a.no_reshard_after_forward)
     try:
         for batch, out in zip(a.batch, a.out):
             opts.batch = batch

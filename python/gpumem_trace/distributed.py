@@ -79,3 +79,91 @@ def ddp(model, world_size, bucket_cap_mb=25.0, gradient_as_bucket_view=False):
         ddp_module._verify_param_shape_across_processes = verify
     wrapped.register_comm_hook(None, _allreduce_in_place)
     return wrapped
+
+
+class _MetaStream:
+    """A CUDA stream and event where there is no device: one stream, everything in order."""
+
+    stream_id = device_index = device_type = 0
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event or _MetaStream()
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _MetaDevice:
+    """``torch.cuda`` as FSDP2 uses it, for the meta device."""
+
+    Stream = Event = _MetaStream
+
+    @staticmethod
+    def current_stream(*args):
+        return _MetaStream()
+
+    @staticmethod
+    def stream(s):
+        import contextlib
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def current_device():
+        return 0
+
+    @staticmethod
+    def synchronize(*args):
+        pass
+
+
+def fsdp(model, blocks, world_size, reshard_after_forward, on_alloc, on_free):
+    """``fully_shard`` on each block, then on the model, as rank 0 of ``world_size`` (FSDP2).
+    FSDP2 frees a layer's gathered parameters by resizing their storage to nothing and gathers
+    them again into the same storage: ``on_free(tensor)`` and ``on_alloc(tensor)`` hear of each
+    (a storage that is resized is not a tensor that dies)."""
+    fake_world(world_size)
+    try:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group, _fsdp_state, _fully_shard
+    except ImportError as e:
+        raise ReferenceError_(f"tracing FSDP2 needs torch 2.6 or newer, where fully_shard is public (this is {torch.__version__})") from e
+    from torch.distributed.device_mesh import init_device_mesh
+
+    real = _fsdp_param_group._get_device_handle
+    handle = lambda kind: _MetaDevice if kind == "meta" else real(kind)  # noqa: E731
+    for m in (_fsdp_collectives, _fsdp_param_group, _fsdp_state):
+        m._get_device_handle = handle
+    _fully_shard._get_device_from_mesh = lambda mesh: torch.device("meta")
+    _fsdp_param_group.FSDPParamGroup._validate_no_meta_params = lambda self: None
+    alloc_storage, free_storage = getattr(_fsdp_param, "_gpumem_storage", (_fsdp_param.alloc_storage, _fsdp_param.free_storage))
+    _fsdp_param._gpumem_storage = (alloc_storage, free_storage)
+
+    def alloc(tensor):
+        alloc_storage(tensor)
+        on_alloc(tensor)
+
+    def free(tensor):
+        on_free(tensor)
+        free_storage(tensor)
+
+    _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
+    mesh = init_device_mesh("cpu", (world_size,))
+    for b in blocks:
+        fully_shard(b, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model

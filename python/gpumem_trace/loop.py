@@ -23,7 +23,7 @@ from . import amp, cuda, distributed, lora
 from .models import ReferenceError_, resolve
 from .parallel import DataParallel
 from .sdpa import Stack
-from .tracer import ModulePaths, Recorder, TraceMode
+from .tracer import ModulePaths, Recorder, TraceMode, storage_key
 
 DEVICE = "meta"
 
@@ -47,10 +47,11 @@ class TraceOptions:
     outputs: str = None  # "kept" or "dropped" through backward; None: the model source's usual loop
     attention_mask: str = "none"  # "padded": Hugging Face models get the attention mask of a padded batch
     lora: object = None  # a lora.Lora: PEFT-style LoRA fine-tuning
-    strategy: str = None  # "ddp": one rank of a DistributedDataParallel job (the batch is the rank's)
+    strategy: str = None  # "ddp" or "fsdp": one rank of a multi-GPU job (the batch is the rank's)
     world_size: int = 1
     bucket_cap_mb: float = 25.0
     bucket_view: bool = False  # DDP's gradient_as_bucket_view
+    reshard_after_forward: bool = True  # FSDP2's
     lr: float = 1e-3
     extra: dict = field(default_factory=dict)
 
@@ -159,11 +160,11 @@ def to_device_keeping_ties(model, dtype=None):
     memo.clear()
 
 
-def checkpoint_blocks(model, name):
-    """Activation checkpointing for a model without a switch of its own, as one does it by hand
-    (FSDP's ``apply_activation_checkpointing`` with a block-type check): every instance of the
-    model's most repeated composite block (ties: the outermost) runs under non-reentrant
-    ``torch.utils.checkpoint``. Containers (Sequential, ModuleList, ModuleDict) are not blocks."""
+def repeated_blocks(model, name, purpose):
+    """The instances of the model's most repeated composite block (ties: the outermost) with
+    trainable parameters — what one checkpoints or shards by hand (FSDP's
+    ``apply_activation_checkpointing`` with a block-type check, ``fully_shard`` per layer).
+    Containers (Sequential, ModuleList, ModuleDict) are not blocks."""
     containers = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
     count, depth = {}, {}
 
@@ -176,11 +177,16 @@ def checkpoint_blocks(model, name):
 
     visit(model, 0)
     if not count or max(count.values()) < 2:
-        raise ReferenceError_(f"{name}: activation checkpointing needs repeated blocks, and this model has none")
+        raise ReferenceError_(f"{name}: {purpose} needs repeated blocks, and this model has none")
     block = max(count, key=lambda t: (count[t], -depth[t]))
-    for m in model.modules():
-        if type(m) is block:
-            m.forward = functools.partial(_checkpointed, m.forward)
+    return [m for m in model.modules() if type(m) is block]
+
+
+def checkpoint_blocks(model, name):
+    """Activation checkpointing for a model without a switch of its own: every repeated block
+    runs under non-reentrant ``torch.utils.checkpoint``."""
+    for m in repeated_blocks(model, name, "activation checkpointing"):
+        m.forward = functools.partial(_checkpointed, m.forward)
 
 
 def _checkpointed(forward, *args, **kwargs):
@@ -232,8 +238,14 @@ def trace_training(opts: TraceOptions, out_path: str):
     specs = job.batch_specs(opts.batch)
     acts, hooks = _count_activations(model)
     parallel = DataParallel(model, opts.data_parallel) if opts.data_parallel > 1 else None
-    if opts.strategy not in (None, "ddp"):
-        raise ReferenceError_(f"unknown strategy `{opts.strategy}` (expected ddp)")
+    if opts.strategy not in (None, "ddp", "fsdp"):
+        raise ReferenceError_(f"unknown strategy `{opts.strategy}` (expected ddp or fsdp)")
+    if opts.strategy == "fsdp":
+        # FSDP2 as one applies it: fully_shard on each layer, then on the model, before anything
+        # reaches the GPU (the model is built on meta or the host; only shards move).
+        blocks = repeated_blocks(model, opts.model, "FSDP")
+        if weights_dtype is not None:
+            model.to(weights_dtype)
     if opts.strategy and parallel:
         raise ReferenceError_("a job is DataParallel or DistributedDataParallel, not both")
     runner = model  # what the loop calls: the model, or its DDP wrapper once built
@@ -273,7 +285,11 @@ def trace_training(opts: TraceOptions, out_path: str):
 
     with cuda.patches(Stack.here(opts.gpu_capability, opts.sdpa)), amp.model_autocast_calls(), paths, mode, (autocast.under_checkpoint() if autocast else contextlib.nullcontext()):
         rec.phase = "setup"
-        to_device_keeping_ties(model, weights_dtype)
+        if opts.strategy == "fsdp":
+            distributed.fsdp(model, blocks, opts.world_size, opts.reshard_after_forward,
+                             on_alloc=lambda t: mode.track(t, "fsdp_all_gather"), on_free=lambda t: rec.free(storage_key(t)))
+        else:
+            to_device_keeping_ties(model, weights_dtype)
         if opts.channels_last:
             model.to(memory_format=torch.channels_last)
         if opts.strategy == "ddp":

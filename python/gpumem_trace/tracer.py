@@ -145,13 +145,19 @@ def _channels_last(t):
     return False
 
 
+def _local(t):
+    """The tensor whose memory ``t`` is: a DTensor's (FSDP2's sharded parameters, gradients and
+    optimizer state) is its local shard."""
+    return getattr(t, "_local_tensor", t)
+
+
 def storage_key(t):
-    return t.untyped_storage()._cdata
+    return _local(t).untyped_storage()._cdata
 
 
 def _tensors(x):
     if isinstance(x, torch.Tensor):
-        yield x
+        yield _local(x)
     elif isinstance(x, (list, tuple)):
         for y in x:
             yield from _tensors(y)

@@ -480,6 +480,19 @@ def test_8bit_adamw_traces_a_quarter_of_adams_state(tmp_path):
     assert 0.2 < state["adamw8bit"] / state["adamw"] < 0.3, state
 
 
+def live_and_peak(evs):
+    """Bytes still allocated at the end of a trace, and the most allocated at once."""
+    sizes, live, peak = {}, 0, 0
+    for e in evs:
+        if e["ev"] == "alloc":
+            sizes[e["id"]] = e["bytes"]
+            live += e["bytes"]
+            peak = max(peak, live)
+        elif e["ev"] == "free":
+            live -= sizes.pop(e["id"])
+    return live, peak
+
+
 def test_ddp_rank_holds_its_gradient_buckets(tmp_path):
     """One rank of DistributedDataParallel, traced with PyTorch's own wrapper on a fake process
     group: at the end of the step it holds what a single GPU holds plus the reducer's gradient
@@ -490,13 +503,7 @@ def test_ddp_rank_holds_its_gradient_buckets(tmp_path):
 
     def live_at_end(*extra):
         header, evs = traced([ref, "--batch", "2", "--seq-len", "32", *extra], tmp_path)
-        sizes = {}
-        for e in evs:
-            if e["ev"] == "alloc":
-                sizes[e["id"]] = e["bytes"]
-            elif e["ev"] == "free":
-                sizes.pop(e["id"])
-        return header, sum(sizes.values())
+        return header, live_and_peak(evs)[0]
 
     header, single = live_at_end()
     params = header["parameters"] * 4
@@ -505,3 +512,31 @@ def test_ddp_rank_holds_its_gradient_buckets(tmp_path):
     assert ddp - single == params
     assert live_at_end("--strategy", "ddp", "--world-size", "8")[1] == ddp
     assert live_at_end("--strategy", "ddp", "--world-size", "4", "--gradient-as-bucket-view")[1] == single
+
+
+def test_fsdp_rank_holds_its_shards(tmp_path):
+    """One rank of FSDP2 (fully_shard per block, then the model), PyTorch's own code on a fake
+    process group: at the end of a step it holds a single GPU's bytes less (N-1)/N of the
+    parameters, gradients and Adam's two states (every dimension here divides by N: no
+    padding), the gathered layers all freed; keeping them from forward to backward
+    (reshard_after_forward=False) raises the peak."""
+    import torch
+
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6):
+        p, _ = run(["hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)", "--batch", "2", "--strategy", "fsdp", "--world-size", "2"], tmp_path)
+        assert p.returncode == 2 and "tracing FSDP2 needs torch 2.6 or newer" in p.stderr
+        return
+    ref = "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)"
+
+    def run_fsdp(*extra):
+        header, evs = traced([ref, "--batch", "2", "--seq-len", "32", *extra], tmp_path)
+        return header, live_and_peak(evs)
+
+    header, (single, _) = run_fsdp()
+    states = header["parameters"] * 4 * 4  # fp32 parameters, gradients, exp_avg, exp_avg_sq
+    for n in (2, 4):
+        h, (end, peak) = run_fsdp("--strategy", "fsdp", "--world-size", str(n))
+        assert (h["strategy"], h["world_size"]) == ("fsdp", n)
+        assert end == single - states * (n - 1) // n, (n, end, single, states)
+    _, (_, kept) = run_fsdp("--strategy", "fsdp", "--world-size", "4", "--no-reshard-after-forward")
+    assert kept > peak

@@ -101,10 +101,11 @@ pub struct WorkloadArgs {
     /// adapter_config.json. The model's own weights are frozen: no gradients, no optimizer state.
     #[arg(long)]
     lora: Option<String>,
-    /// A multi-GPU job (PyTorch models): `ddp` (DistributedDataParallel), traced as PyTorch's
-    /// own wrapper runs on rank 0 of --world-size ranks (a fake process group); --batch is then
-    /// each rank's. NCCL's own buffers are not included.
-    #[arg(long, value_parser = ["ddp"], requires = "world_size")]
+    /// A multi-GPU job (PyTorch models): `ddp` (DistributedDataParallel) or `fsdp` (FSDP2's
+    /// fully_shard per layer), traced as PyTorch's own wrapper runs on rank 0 of --world-size
+    /// ranks (a fake process group); --batch is then each rank's. NCCL's own buffers are not
+    /// included.
+    #[arg(long, value_parser = ["ddp", "fsdp"], requires = "world_size")]
     strategy: Option<String>,
     /// Ranks of a --strategy job.
     #[arg(long)]
@@ -115,6 +116,10 @@ pub struct WorkloadArgs {
     /// DDP's gradient_as_bucket_view: the gradients are views of the buckets.
     #[arg(long)]
     gradient_as_bucket_view: bool,
+    /// FSDP2's reshard_after_forward=False: each layer's gathered parameters stay from its
+    /// forward to its backward.
+    #[arg(long)]
+    no_reshard_after_forward: bool,
 }
 
 impl WorkloadArgs {
@@ -138,6 +143,7 @@ impl WorkloadArgs {
             attention_mask: self.attention_mask,
             lora: self.lora.as_deref().map(lora).transpose()?,
             strategy: match (self.strategy.as_deref(), self.world_size) {
+                (Some("fsdp"), Some(world_size)) => Some(Strategy::Fsdp { world_size, reshard_after_forward: !self.no_reshard_after_forward }),
                 (Some(_), Some(world_size)) => Some(Strategy::Ddp { world_size, bucket_cap_mb: self.bucket_cap_mb, bucket_view: self.gradient_as_bucket_view }),
                 (None, Some(_)) => return Err(CliError::input("--world-size needs --strategy")),
                 _ => None,

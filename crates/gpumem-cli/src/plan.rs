@@ -41,9 +41,9 @@ pub struct PlanArgs {
     /// LoRA fine-tuning, as `gpumem estimate --lora` takes it.
     #[arg(long)]
     lora: Option<String>,
-    /// Plan one rank of a multi-GPU job: `ddp` (DistributedDataParallel) over --world-size
-    /// ranks; --global-batch is then over all ranks.
-    #[arg(long, value_parser = ["ddp"], requires = "world_size")]
+    /// Plan one rank of a multi-GPU job: `ddp` (DistributedDataParallel) or `fsdp` (FSDP2) over
+    /// --world-size ranks; --global-batch is then over all ranks.
+    #[arg(long, value_parser = ["ddp", "fsdp"], requires = "world_size")]
     strategy: Option<String>,
     #[arg(long, requires = "strategy")]
     world_size: Option<u32>,
@@ -86,7 +86,10 @@ pub fn plan(a: PlanArgs) -> CliResult {
         "off" => vec![false],
         other => return Err(CliError::input(format!("--checkpointing `{other}` is not both, on or off"))),
     };
-    let strategy = a.world_size.map(|world_size| gpumem_workload::Strategy::Ddp { world_size, bucket_cap_mb: 25, bucket_view: false });
+    let strategy = a.world_size.map(|world_size| match a.strategy.as_deref() {
+        Some("fsdp") => gpumem_workload::Strategy::Fsdp { world_size, reshard_after_forward: true },
+        _ => gpumem_workload::Strategy::Ddp { world_size, bucket_cap_mb: 25, bucket_view: false },
+    });
     let world = u64::from(a.world_size.unwrap_or(1));
     if let Some(g) = a.global_batch
         && (g == 0 || g % world != 0)
@@ -112,13 +115,13 @@ pub fn plan(a: PlanArgs) -> CliResult {
         println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
         return Ok(());
     }
-    print_table(&name, &profile, a.global_batch, a.world_size, a.top, &p);
+    print_table(&name, &profile, a.global_batch, a.world_size, a.strategy.as_deref(), a.top, &p);
     Ok(())
 }
 
-fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: Option<u64>, world: Option<u32>, top: usize, p: &Plan) {
+fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: Option<u64>, world: Option<u32>, strategy_name: Option<&str>, top: usize, p: &Plan) {
     let on = match world {
-        Some(w) => format!("one rank of DDP over {w} × {} ({} MiB each)", profile.name, profile.capacity_mib),
+        Some(w) => format!("one rank of {} over {w} × {} ({} MiB each)", strategy_name.unwrap_or("ddp"), profile.name, profile.capacity_mib),
         None => format!("one {} ({} MiB)", profile.name, profile.capacity_mib),
     };
     match global {

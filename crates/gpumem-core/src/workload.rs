@@ -198,6 +198,10 @@ pub enum Strategy {
     /// `DistributedDataParallel`: `bucket_cap_mb` its gradient buckets (MiB, PyTorch's 25),
     /// `bucket_view` its `gradient_as_bucket_view`.
     Ddp { world_size: u32, bucket_cap_mb: u32, bucket_view: bool },
+    /// FSDP2 (`fully_shard` on each repeated block, then the model): parameters, gradients and
+    /// optimizer state sharded over the ranks, each layer's parameters gathered for its
+    /// forward and backward; `reshard_after_forward` frees them between the two.
+    Fsdp { world_size: u32, reshard_after_forward: bool },
 }
 
 /// The most ranks a strategy is traced for.
@@ -207,12 +211,13 @@ impl Strategy {
     pub fn name(self) -> &'static str {
         match self {
             Strategy::Ddp { .. } => "ddp",
+            Strategy::Fsdp { .. } => "fsdp",
         }
     }
 
     pub fn world_size(self) -> u32 {
         match self {
-            Strategy::Ddp { world_size, .. } => world_size,
+            Strategy::Ddp { world_size, .. } | Strategy::Fsdp { world_size, .. } => world_size,
         }
     }
 }
@@ -347,11 +352,11 @@ impl Options {
         if self.seq_len == Some(0) {
             return Err(OptionError::SeqLen);
         }
-        if let Some(Strategy::Ddp { world_size, bucket_cap_mb, .. }) = self.strategy {
-            if !(2..=MAX_WORLD_SIZE).contains(&world_size) {
-                return Err(OptionError::WorldSize(world_size));
+        if let Some(strategy) = self.strategy {
+            if !(2..=MAX_WORLD_SIZE).contains(&strategy.world_size()) {
+                return Err(OptionError::WorldSize(strategy.world_size()));
             }
-            if bucket_cap_mb == 0 {
+            if let Strategy::Ddp { bucket_cap_mb: 0, .. } = strategy {
                 return Err(OptionError::BucketCap);
             }
             if self.data_parallel > 1 {
@@ -495,5 +500,7 @@ mod tests {
         assert!(json.contains(r#""strategy":{"kind":"ddp","world_size":8,"bucket_cap_mb":25,"bucket_view":false}"#), "{json}");
         assert_eq!(serde_json::from_str::<Options>(&json).unwrap(), ddp(8, 1));
         assert!(!ddp(8, 1).native_compatible());
+        let fsdp = Options { strategy: Some(Strategy::Fsdp { world_size: 1, reshard_after_forward: true }), ..Options::default() };
+        assert_eq!(fsdp.check(), Err(OptionError::WorldSize(1)));
     }
 }

@@ -36,6 +36,8 @@ const SOURCES: [(&str, &str); 15] = [
     ("tracer.py", include_str!("../../../python/gpumem_trace/tracer.py")),
 ];
 
+use gpumem_core::workload::Strategy;
+
 pub mod probe;
 
 /// What to trace: a PyTorch reference at a batch size, the typed options of its loop, and what
@@ -109,11 +111,20 @@ impl TraceRequest {
         if o.channels_last {
             a.push("--channels-last".into());
         }
-        if let Some(gpumem_core::workload::Strategy::Ddp { world_size, bucket_cap_mb, bucket_view }) = o.strategy {
-            a.extend(["--strategy".into(), "ddp".into(), "--world-size".into(), world_size.to_string(), "--bucket-cap-mb".into(), bucket_cap_mb.to_string()]);
-            if bucket_view {
-                a.push("--gradient-as-bucket-view".into());
+        match o.strategy {
+            Some(Strategy::Ddp { world_size, bucket_cap_mb, bucket_view }) => {
+                a.extend(["--strategy".into(), "ddp".into(), "--world-size".into(), world_size.to_string(), "--bucket-cap-mb".into(), bucket_cap_mb.to_string()]);
+                if bucket_view {
+                    a.push("--gradient-as-bucket-view".into());
+                }
             }
+            Some(Strategy::Fsdp { world_size, reshard_after_forward }) => {
+                a.extend(["--strategy".into(), "fsdp".into(), "--world-size".into(), world_size.to_string()]);
+                if !reshard_after_forward {
+                    a.push("--no-reshard-after-forward".into());
+                }
+            }
+            None => {}
         }
         if let Some(l) = &o.lora {
             a.extend(["--lora-rank".into(), l.rank.to_string(), "--lora-alpha".into(), l.alpha.to_string(), "--lora-targets".into(), l.targets.join(",")]);
