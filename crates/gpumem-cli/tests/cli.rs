@@ -91,7 +91,7 @@ fn estimate_reads_a_trace_file_written_by_trace() {
 #[test]
 fn bad_inputs_exit_2_with_one_line() {
     bad_input(&["estimate", MLP, "--gpu", "b300"], "unknown GPU `b300`");
-    bad_input(&["estimate", MLP, "--lora", "r=8,targets=q_proj"], "--lora apply to PyTorch models");
+    bad_input(&["estimate", MLP, "--lora", "r=8,targets=q_proj"], "--lora and --strategy apply to PyTorch models");
     bad_input(&["estimate", "hf:gpt2", "--lora", "r=0,targets=q_proj"], "--lora r=0,targets=q_proj: r must be at least 1");
     bad_input(&["estimate", "hf:gpt2", "--lora", "/nonexistent/adapter_config.json"], "--lora /nonexistent/adapter_config.json:");
     bad_input(&["estimate", MLP, "--batch", "0"], "--batch 0 is out of range");
