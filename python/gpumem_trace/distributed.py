@@ -56,16 +56,18 @@ def _on_meta(op, returns_inputs):
     return run
 
 
-def _allreduce_in_place(state, bucket):
+def _allreduce_in_place(on_bucket, bucket):
     """DDP's default communication as memory sees it: the bucket all-reduced and divided by the
     world size in place (the fake group's own future carries no tensor for DDP to go on with)."""
+    on_bucket(bucket.buffer())
     future = torch.futures.Future()
     future.set_result(bucket.buffer().div_(dist.get_world_size()))
     return future
 
 
-def ddp(model, world_size, bucket_cap_mb=25.0, gradient_as_bucket_view=False):
-    """``DistributedDataParallel(model)`` as rank 0 of ``world_size`` builds it."""
+def ddp(model, world_size, bucket_cap_mb, gradient_as_bucket_view, on_bucket):
+    """``DistributedDataParallel(model)`` as rank 0 of ``world_size`` builds it; ``on_bucket``
+    hears of each gradient bucket as it is reduced (its memory is gradients)."""
     fake_world(world_size)
     # The constructor's check that every rank has the same shapes reads sizes back (.item()),
     # which meta tensors cannot; one traced rank is every rank.
@@ -77,7 +79,7 @@ def ddp(model, world_size, bucket_cap_mb=25.0, gradient_as_bucket_view=False):
         wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view)
     finally:
         ddp_module._verify_param_shape_across_processes = verify
-    wrapped.register_comm_hook(None, _allreduce_in_place)
+    wrapped.register_comm_hook(on_bucket, _allreduce_in_place)
     return wrapped
 
 

@@ -170,6 +170,9 @@ def repeated_blocks(model, name, purpose):
 
     def visit(m, d):
         for c in m.children():
+            # A LoRA layer wraps one layer: the block is what holds the layers.
+            if isinstance(c, lora.LoraLayer):
+                continue
             if not isinstance(c, containers) and next(c.children(), None) is not None and any(p.requires_grad for p in c.parameters()):
                 count[type(c)] = count.get(type(c), 0) + 1
                 depth[type(c)] = min(depth.get(type(c), d), d)
@@ -293,7 +296,7 @@ def trace_training(opts: TraceOptions, out_path: str):
         if opts.channels_last:
             model.to(memory_format=torch.channels_last)
         if opts.strategy == "ddp":
-            runner = distributed.ddp(model, opts.world_size, opts.bucket_cap_mb, opts.bucket_view)
+            runner = distributed.ddp(model, opts.world_size, opts.bucket_cap_mb, opts.bucket_view, on_bucket=lambda t: rec.relabel(t, "gradient"))
         optimizer = make_optimizer(opts.optimizer, [p for p in model.parameters() if p.requires_grad], opts.lr)
         scaler = GradScaler() if opts.precision == "amp-fp16" else None
         batch = outputs = loss = None

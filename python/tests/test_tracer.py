@@ -540,3 +540,16 @@ def test_fsdp_rank_holds_its_shards(tmp_path):
         assert end == single - states * (n - 1) // n, (n, end, single, states)
     _, (_, kept) = run_fsdp("--strategy", "fsdp", "--world-size", "4", "--no-reshard-after-forward")
     assert kept > peak
+
+
+def test_a_lora_model_is_still_sharded_and_checkpointed_by_its_layers():
+    """LoRA wraps each target layer; the repeated block FSDP shards and checkpointing wraps is
+    still the model's own layer (a LoRA layer is not a block)."""
+    pytest.importorskip("transformers")
+    from gpumem_trace.lora import Lora, apply
+    from gpumem_trace.loop import repeated_blocks
+    from gpumem_trace.models import resolve
+
+    model = resolve(LLAMA, seq_len=32).model
+    apply(model, Lora(8, 16.0, ("q_proj", "v_proj")), LLAMA)
+    assert {type(b).__name__ for b in repeated_blocks(model, LLAMA, "FSDP")} == {"LlamaDecoderLayer"}
