@@ -51,6 +51,19 @@ def allocs(evs, **match):
     return [e for e in evs if e["ev"] == "alloc" and all(e.get(k) == v for k, v in match.items())]
 
 
+def live_and_peak(evs):
+    """Bytes still allocated at the end of a trace, and the most allocated at once."""
+    sizes, live, peak = {}, 0, 0
+    for e in evs:
+        if e["ev"] == "alloc":
+            sizes[e["id"]] = e["bytes"]
+            live += e["bytes"]
+            peak = max(peak, live)
+        elif e["ev"] == "free":
+            live -= sizes.pop(e["id"])
+    return live, peak
+
+
 def test_tiny_model_trace_is_valid_and_categorised(tmp_path):
     header, evs = traced([f"py:{FIX}:tiny", "--batch", "8"], tmp_path)
     assert header["parameters"] == 16 * 32 + 32 + 32 * 4 + 4
@@ -150,15 +163,7 @@ def test_hugging_face_outputs_dropped_as_the_trainer_does(tmp_path):
 
     def peak(*extra):
         _, evs = traced([ref, "--batch", "4", "--seq-len", "128", *extra], tmp_path)
-        sizes, live, top = {}, 0, 0
-        for e in evs:
-            if e["ev"] == "alloc":
-                sizes[e["id"]] = e["bytes"]
-                live += e["bytes"]
-                top = max(top, live)
-            elif e["ev"] == "free":
-                live -= sizes.pop(e["id"])
-        return top
+        return live_and_peak(evs)[1]
 
     logits = 4 * 128 * 8000 * 4
     assert abs(peak("--outputs", "kept") - peak() - logits) < logits * 0.05
@@ -478,19 +483,6 @@ def test_8bit_adamw_traces_a_quarter_of_adams_state(tmp_path):
         header, evs = traced([ref, "--batch", "2", "--seq-len", "32", "--optimizer", opt], tmp_path)
         state[opt] = sum(e["bytes"] for e in allocs(evs, category="optimizer_state"))
     assert 0.2 < state["adamw8bit"] / state["adamw"] < 0.3, state
-
-
-def live_and_peak(evs):
-    """Bytes still allocated at the end of a trace, and the most allocated at once."""
-    sizes, live, peak = {}, 0, 0
-    for e in evs:
-        if e["ev"] == "alloc":
-            sizes[e["id"]] = e["bytes"]
-            live += e["bytes"]
-            peak = max(peak, live)
-        elif e["ev"] == "free":
-            live -= sizes.pop(e["id"])
-    return live, peak
 
 
 def test_ddp_rank_holds_its_gradient_buckets(tmp_path):
