@@ -14,6 +14,8 @@ its bucket, which is all-reduced and divided by the world size in place, and cop
 (``gradient_as_bucket_view``: the gradients are views of the buckets instead).
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
@@ -121,7 +123,6 @@ class _MetaDevice:
 
     @staticmethod
     def stream(s):
-        import contextlib
         return contextlib.nullcontext()
 
     @staticmethod

@@ -101,6 +101,13 @@ pub struct WorkloadArgs {
     /// adapter_config.json. The model's own weights are frozen: no gradients, no optimizer state.
     #[arg(long)]
     lora: Option<String>,
+    #[command(flatten)]
+    strategy: StrategyArgs,
+}
+
+/// A multi-GPU job's wrapper, as the command line names it.
+#[derive(Args, Clone)]
+pub struct StrategyArgs {
     /// A multi-GPU job (PyTorch models): `ddp` (DistributedDataParallel) or `fsdp` (FSDP2's
     /// fully_shard per layer), traced as PyTorch's own wrapper runs on rank 0 of --world-size
     /// ranks (a fake process group); --batch is then each rank's. NCCL's own buffers are not
@@ -109,7 +116,7 @@ pub struct WorkloadArgs {
     strategy: Option<String>,
     /// Ranks of a --strategy job.
     #[arg(long)]
-    world_size: Option<u32>,
+    pub world_size: Option<u32>,
     /// DDP's gradient bucket size, MiB.
     #[arg(long, default_value_t = 25)]
     bucket_cap_mb: u32,
@@ -120,6 +127,18 @@ pub struct WorkloadArgs {
     /// forward to its backward.
     #[arg(long)]
     no_reshard_after_forward: bool,
+}
+
+impl StrategyArgs {
+    /// The strategy the flags name; `None` for a one-GPU job.
+    pub fn strategy(&self) -> CliResult<Option<Strategy>> {
+        Ok(match (self.strategy.as_deref(), self.world_size) {
+            (Some("fsdp"), Some(world_size)) => Some(Strategy::Fsdp { world_size, reshard_after_forward: !self.no_reshard_after_forward }),
+            (Some(_), Some(world_size)) => Some(Strategy::Ddp { world_size, bucket_cap_mb: self.bucket_cap_mb, bucket_view: self.gradient_as_bucket_view }),
+            (None, Some(_)) => return Err(CliError::input("--world-size needs --strategy")),
+            _ => None,
+        })
+    }
 }
 
 impl WorkloadArgs {
@@ -142,12 +161,7 @@ impl WorkloadArgs {
             outputs: self.outputs,
             attention_mask: self.attention_mask,
             lora: self.lora.as_deref().map(lora).transpose()?,
-            strategy: match (self.strategy.as_deref(), self.world_size) {
-                (Some("fsdp"), Some(world_size)) => Some(Strategy::Fsdp { world_size, reshard_after_forward: !self.no_reshard_after_forward }),
-                (Some(_), Some(world_size)) => Some(Strategy::Ddp { world_size, bucket_cap_mb: self.bucket_cap_mb, bucket_view: self.gradient_as_bucket_view }),
-                (None, Some(_)) => return Err(CliError::input("--world-size needs --strategy")),
-                _ => None,
-            },
+            strategy: self.strategy.strategy()?,
         })
     }
 
@@ -173,6 +187,7 @@ pub fn lora(spec: &str) -> CliResult<Lora> {
 impl From<WorkloadError> for CliError {
     fn from(e: WorkloadError) -> Self {
         match e {
+            e @ WorkloadError::Batch(_) => CliError::input(e),
             WorkloadError::Invalid(m) => CliError::Input(m),
             WorkloadError::Tracer(b) => b.into(),
         }

@@ -6,10 +6,10 @@ use clap::Args;
 use gpumem_core::graph::Precision;
 use gpumem_core::step::Optimizer;
 use gpumem_workload::plan::{Plan, Setup, Space, plan as search};
-use gpumem_workload::{InputShape, Options};
+use gpumem_workload::{InputShape, Options, Strategy};
 use serde_json::json;
 
-use crate::args::{EstimatorArgs, GpuChoice, ModelArg, lora, mib};
+use crate::args::{EstimatorArgs, GpuChoice, ModelArg, StrategyArgs, lora, mib};
 use crate::{CliError, CliResult};
 
 #[derive(Args)]
@@ -41,12 +41,9 @@ pub struct PlanArgs {
     /// LoRA fine-tuning, as `gpumem estimate --lora` takes it.
     #[arg(long)]
     lora: Option<String>,
-    /// Plan one rank of a multi-GPU job: `ddp` (DistributedDataParallel) or `fsdp` (FSDP2) over
-    /// --world-size ranks; --global-batch is then over all ranks.
-    #[arg(long, value_parser = ["ddp", "fsdp"], requires = "world_size")]
-    strategy: Option<String>,
-    #[arg(long, requires = "strategy")]
-    world_size: Option<u32>,
+    /// With --strategy, plan one rank of a multi-GPU job; --global-batch is then over all ranks.
+    #[command(flatten)]
+    strategy: StrategyArgs,
     #[command(flatten)]
     estimator: EstimatorArgs,
     /// Setups to print, fastest first.
@@ -86,11 +83,8 @@ pub fn plan(a: PlanArgs) -> CliResult {
         "off" => vec![false],
         other => return Err(CliError::input(format!("--checkpointing `{other}` is not both, on or off"))),
     };
-    let strategy = a.world_size.map(|world_size| match a.strategy.as_deref() {
-        Some("fsdp") => gpumem_workload::Strategy::Fsdp { world_size, reshard_after_forward: true },
-        _ => gpumem_workload::Strategy::Ddp { world_size, bucket_cap_mb: 25, bucket_view: false },
-    });
-    let world = u64::from(a.world_size.unwrap_or(1));
+    let strategy = a.strategy.strategy()?;
+    let world = u64::from(strategy.map_or(1, |s| s.world_size()));
     if let Some(g) = a.global_batch
         && (g == 0 || g % world != 0)
     {
@@ -107,7 +101,7 @@ pub fn plan(a: PlanArgs) -> CliResult {
     })?;
     if a.json {
         let out = json!({
-            "model": name, "gpu": profile.name, "capacity_mib": profile.capacity_mib, "global_batch": a.global_batch, "strategy": a.strategy, "world_size": a.world_size,
+            "model": name, "gpu": profile.name, "capacity_mib": profile.capacity_mib, "global_batch": a.global_batch, "strategy": strategy.map(|s| s.name()), "world_size": strategy.map(|s| s.world_size()),
             "setups": p.fits.iter().map(setup_json).collect::<Vec<_>>(),
             "too_big": p.too_big.iter().map(setup_json).collect::<Vec<_>>(),
             "skipped": p.skipped.iter().map(|s| json!({"precision": s.precision.name(), "checkpointing": s.checkpointing, "reason": s.reason})).collect::<Vec<_>>(),
@@ -115,13 +109,14 @@ pub fn plan(a: PlanArgs) -> CliResult {
         println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
         return Ok(());
     }
-    print_table(&name, &profile, a.global_batch, a.world_size, a.strategy.as_deref(), a.top, &p);
+    print_table(&name, &profile, a.global_batch, strategy, a.top, &p);
     Ok(())
 }
 
-fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: Option<u64>, world: Option<u32>, strategy_name: Option<&str>, top: usize, p: &Plan) {
-    let on = match world {
-        Some(w) => format!("one rank of {} over {w} × {} ({} MiB each)", strategy_name.unwrap_or("ddp"), profile.name, profile.capacity_mib),
+fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: Option<u64>, strategy: Option<Strategy>, top: usize, p: &Plan) {
+    let world = strategy.map(|s| s.world_size());
+    let on = match strategy {
+        Some(s) => format!("one rank of {} over {} × {} ({} MiB each)", s.name(), s.world_size(), profile.name, profile.capacity_mib),
         None => format!("one {} ({} MiB)", profile.name, profile.capacity_mib),
     };
     match global {

@@ -141,7 +141,7 @@ fn model_tasks(tasks: &[&Task], profile: &GpuProfile) -> CliResult<HashMap<Strin
                 bar.inc(1);
                 continue;
             }
-            Err(WorkloadError::Invalid(e)) => return Err(CliError::input(format!("{} b{}: {e}", m.reference, m.batch))),
+            Err(e @ (WorkloadError::Invalid(_) | WorkloadError::Batch(_))) => return Err(CliError::input(format!("{} b{}: {e}", m.reference, m.batch))),
             Err(e) => return Err(CliError::Model(format!("{} b{}: {e}", m.reference, m.batch))),
         };
         let est = Replay::default().estimate(&trace, profile).map_err(CliError::input)?;

@@ -9,6 +9,12 @@ pub fn mib_to_bytes(mib: f64) -> u64 {
     (mib.max(0.0) * MIB as f64).round() as u64
 }
 
+/// The fewest whole MiB that hold `bytes`: what a request in MiB (a scheduler's, a sharing
+/// system's) asks for, never less than the bytes it stands for.
+pub fn whole_mib(bytes: u64) -> u64 {
+    bytes.div_ceil(MIB)
+}
+
 /// Bytes to MiB for display.
 pub fn bytes_to_mib(bytes: u64) -> f64 {
     bytes as f64 / MIB as f64

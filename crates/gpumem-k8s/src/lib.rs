@@ -19,6 +19,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use gpumem_core::profile;
+use gpumem_core::units::{bytes_to_mib, whole_mib};
 use gpumem_workload::{StatedError, StatedJob};
 use json_patch::{AddOperation, Patch, PatchOperation, jsonptr::PointerBuf};
 use k8s_openapi::api::core::v1::Pod;
@@ -175,10 +176,11 @@ fn estimate(job: &Job) -> Result<Sized, String> {
         e => e.to_string(),
     })?;
     let (peak, bound) = (est.peak_bytes, est.upper_bound_bytes);
+    let bound_mib = whole_mib(bound);
     if bound > profile.capacity_bytes() {
-        return Err(format!("its upper bound, {} MiB, exceeds one {} ({} MiB)", bound.div_ceil(1 << 20), profile.name, profile.capacity_mib));
+        return Err(format!("its upper bound, {bound_mib} MiB, exceeds one {} ({} MiB)", profile.name, profile.capacity_mib));
     }
-    Ok(Sized { estimate_mib: gpumem_core::units::bytes_to_mib(peak), bound_mib: bound.div_ceil(1 << 20) })
+    Ok(Sized { estimate_mib: bytes_to_mib(peak), bound_mib })
 }
 
 fn add(path: &str, value: Value) -> PatchOperation {

@@ -21,6 +21,7 @@
 use std::path::{Path, PathBuf};
 
 use gpumem_core::profile::{self, GpuProfile};
+use gpumem_core::units::{bytes_to_mib, whole_mib};
 use gpumem_workload::{StatedError, StatedJob};
 use serde::Deserialize;
 
@@ -332,7 +333,7 @@ pub fn decide(sub: &Submission, cluster: &Cluster, may_trace: bool) -> Result<Op
     let mut sized: Vec<(&GpuType, Sized)> = Vec::new();
     for g in types {
         match job.stated.size(&g.profile, may_trace) {
-            Ok(est) => sized.push((g, Sized { estimate_mib: gpumem_core::units::bytes_to_mib(est.peak_bytes).round() as u64, bound_mib: est.upper_bound_bytes.div_ceil(1 << 20) })),
+            Ok(est) => sized.push((g, Sized { estimate_mib: bytes_to_mib(est.peak_bytes).round() as u64, bound_mib: whole_mib(est.upper_bound_bytes) })),
             Err(StatedError::NeedsTrace(_)) => {
                 if let Some(s) = d.stated_size.as_ref().filter(|s| s.sized_on == g.name()) {
                     sized.push((g, s.sized));

@@ -22,9 +22,12 @@ pub mod plan;
 /// Why a workload could not be made or traced.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkloadError {
-    /// The job is ill-formed: its model, batch size or an option (the message names which).
+    /// The job is ill-formed: its model or an option (the message names which).
     #[error("{0}")]
     Invalid(String),
+    /// The batch size is out of range.
+    #[error("--batch {0} is out of range (1..={MAX_BATCH})")]
+    Batch(u64),
     /// The PyTorch tracer could not trace it.
     #[error(transparent)]
     Tracer(#[from] BridgeError),
@@ -79,7 +82,7 @@ pub struct Workload {
 impl Workload {
     pub fn new(model: ModelRef, batch: u64, options: Options) -> Result<Workload, WorkloadError> {
         if batch == 0 || batch > MAX_BATCH {
-            return Err(WorkloadError::Invalid(format!("--batch {batch} is out of range (1..={MAX_BATCH})")));
+            return Err(WorkloadError::Batch(batch));
         }
         options.check().map_err(|e| WorkloadError::Invalid(e.to_string()))?;
         if model.is_native() && !options.native_compatible() {
@@ -335,7 +338,7 @@ impl StatedJob {
         }
         let model = ModelRef::parse(self.model.trim()).map_err(|e| invalid(StatedField::Model, e.to_string()))?;
         Workload::new(model, batch, options).map_err(|e| match e {
-            WorkloadError::Invalid(m) if m.starts_with("--batch") => invalid(StatedField::Batch, m.replacen("--batch ", "", 1)),
+            WorkloadError::Batch(b) => invalid(StatedField::Batch, format!("{b} is out of range (1..={MAX_BATCH})")),
             e => invalid(StatedField::Model, e.to_string()),
         })
     }
