@@ -4,6 +4,7 @@
 
 use clap::Args;
 use gpumem_core::profile::{self, GpuProfile};
+use gpumem_core::units::{bytes_to_mib, whole_mib};
 use gpumem_workload::Workload;
 use serde::Serialize;
 
@@ -69,15 +70,16 @@ pub fn ray_resources(a: RayArgs) -> CliResult {
     for p in &profiles {
         let est = workload.size(p, estimator.as_ref(), Workload::trace)?.estimate;
         let (peak, bound) = (est.peak_bytes, est.upper_bound_bytes);
-        let bound_mib = mib(bound);
+        // The requests come from the exact bytes: the bound as displayed (to a tenth of a MiB)
+        // may round below them.
         rows.push(RayGpu {
             gpu: p.name.clone(),
             capacity_mib: p.capacity_mib,
             peak_mib: mib(peak),
-            upper_bound_mib: bound_mib,
+            upper_bound_mib: mib(bound),
             fits: bound <= p.capacity_bytes(),
-            num_gpus: gpu_fraction(bound_mib, p.capacity_mib).filter(|_| bound <= p.capacity_bytes()),
-            gpu_memory_mib: bound_mib.ceil() as u64,
+            num_gpus: gpu_fraction(bytes_to_mib(bound), p.capacity_mib).filter(|_| bound <= p.capacity_bytes()),
+            gpu_memory_mib: whole_mib(bound),
         });
     }
     let out = RayJson { model: workload.model().to_string(), batch_size: workload.batch(), gpus: rows };
