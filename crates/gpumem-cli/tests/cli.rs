@@ -94,6 +94,9 @@ fn bad_inputs_exit_2_with_one_line() {
     bad_input(&["estimate", MLP, "--lora", "r=8,targets=q_proj"], "--lora and --strategy apply to PyTorch models");
     bad_input(&["estimate", "hf:gpt2", "--lora", "r=0,targets=q_proj"], "--lora r=0,targets=q_proj: r must be at least 1");
     bad_input(&["estimate", "hf:gpt2", "--lora", "/nonexistent/adapter_config.json"], "--lora /nonexistent/adapter_config.json:");
+    bad_input(&["estimate", "hf:gpt2", "--world-size", "4"], "--world-size needs --strategy");
+    bad_input(&["estimate", "hf:gpt2", "--strategy", "fsdp", "--world-size", "1"], "--world-size 1 is out of range (2..=65536)");
+    bad_input(&["estimate", "hf:gpt2", "--strategy", "ddp", "--world-size", "2", "--data-parallel", "2"], "a job is --data-parallel or --strategy, not both");
     bad_input(&["estimate", MLP, "--batch", "0"], "--batch 0 is out of range");
     bad_input(&["estimate", MLP, "--batch", "-4"], "--batch -4 is out of range");
     bad_input(&["estimate", MLP, "--batch", "99999999999"], "out of range");
