@@ -8,6 +8,7 @@ inside it, exception in forward/backward); 4 timed out.
 """
 
 import argparse
+import json
 import re
 import signal
 import sys
@@ -40,11 +41,12 @@ def main(argv=None):
                    help="whether the loop holds the model's output through backward (default: kept, dropped for hf: models as their Trainer runs them)")
     p.add_argument("--attention-mask", default="none", choices=["none", "padded"],
                    help="hf: models: pass the attention mask of a padded batch (materialised by the model) instead of none")
-    p.add_argument("--strategy", choices=["ddp", "fsdp"], help="trace rank 0 of a multi-GPU job wrapped this way (a fake process group)")
+    p.add_argument("--strategy", choices=["ddp", "fsdp", "zero1", "zero2", "zero3"], help="trace rank 0 of a multi-GPU job wrapped this way (a fake process group; ZeRO modelled)")
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's gradient bucket size")
     p.add_argument("--gradient-as-bucket-view", action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true", help="FSDP2: keep each layer's gathered parameters from forward to backward")
+    p.add_argument("--zero", default="{}", help="ZeRO: a JSON object of gpumem_trace.zero.ZeroConfig's fields (DeepSpeed's defaults otherwise)")
     p.add_argument("--lora-rank", type=int, help="LoRA fine-tuning, as PEFT sets it up: the rank r")
     p.add_argument("--lora-alpha", type=float, default=8.0)
     p.add_argument("--lora-targets", help="module names, comma-separated, or all-linear")
@@ -91,6 +93,13 @@ def main(argv=None):
         signal.setitimer(signal.ITIMER_REAL, a.timeout)
     if a.strategy and (a.world_size < 2 or a.bucket_cap_mb <= 0):
         return fail(2, "--strategy needs --world-size of at least 2 and a positive --bucket-cap-mb")
+    zero = None
+    if a.strategy and a.strategy.startswith("zero"):
+        from .zero import ZeroConfig
+        try:
+            zero = ZeroConfig(stage=int(a.strategy[-1]), world_size=a.world_size, **json.loads(a.zero))
+        except (ValueError, TypeError) as e:
+            return fail(2, f"--zero: {e}")
     lora = None
     if a.lora_rank is not None:
         from .lora import Lora
@@ -102,7 +111,7 @@ def main(argv=None):
                         channels_last=a.channels_last, grad_accum=a.grad_accum, data_parallel=a.data_parallel,
                         validate=a.validate, outputs=a.outputs, attention_mask=a.attention_mask, lora=lora,
                         strategy=a.strategy, world_size=a.world_size, bucket_cap_mb=a.bucket_cap_mb, bucket_view=a.gradient_as_bucket_view,
-                        reshard_after_forward=not a.no_reshard_after_forward)
+                        reshard_after_forward=not a.no_reshard_after_forward, zero=zero)
     try:
         for batch, out in zip(a.batch, a.out):
             opts.batch = batch

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils.checkpoint
 
-from . import amp, cuda, distributed, lora
+from . import amp, cuda, distributed, lora, zero
 from .models import ReferenceError_, resolve
 from .parallel import DataParallel
 from .sdpa import Stack
@@ -47,11 +47,12 @@ class TraceOptions:
     outputs: str = None  # "kept" or "dropped" through backward; None: the model source's usual loop
     attention_mask: str = "none"  # "padded": Hugging Face models get the attention mask of a padded batch
     lora: object = None  # a lora.Lora: PEFT-style LoRA fine-tuning
-    strategy: str = None  # "ddp" or "fsdp": one rank of a multi-GPU job (the batch is the rank's)
+    strategy: str = None  # "ddp", "fsdp", "zero1", "zero2" or "zero3": one rank of a multi-GPU job (the batch is the rank's)
     world_size: int = 1
     bucket_cap_mb: float = 25.0
     bucket_view: bool = False  # DDP's gradient_as_bucket_view
     reshard_after_forward: bool = True  # FSDP2's
+    zero: object = None  # a zero.ZeroConfig for the zero strategies
     lr: float = 1e-3
     extra: dict = field(default_factory=dict)
 
@@ -241,8 +242,12 @@ def trace_training(opts: TraceOptions, out_path: str):
     specs = job.batch_specs(opts.batch)
     acts, hooks = _count_activations(model)
     parallel = DataParallel(model, opts.data_parallel) if opts.data_parallel > 1 else None
-    if opts.strategy not in (None, "ddp", "fsdp"):
-        raise ReferenceError_(f"unknown strategy `{opts.strategy}` (expected ddp or fsdp)")
+    if opts.strategy not in (None, "ddp", "fsdp", "zero1", "zero2", "zero3"):
+        raise ReferenceError_(f"unknown strategy `{opts.strategy}` (expected ddp, fsdp, zero1, zero2 or zero3)")
+    engine = None  # DeepSpeed ZeRO's, which stands in for the optimizer
+    if opts.zero is not None and opts.zero.stage == 3:
+        # zero.Init: the model is built partitioned; only each rank's partitions reach the GPU.
+        to_device_keeping_ties(model, weights_dtype)
     if opts.strategy == "fsdp":
         # FSDP2 as one applies it: fully_shard on each layer, then on the model, before anything
         # reaches the GPU (the model is built on meta or the host; only shards move).
@@ -291,13 +296,15 @@ def trace_training(opts: TraceOptions, out_path: str):
         if opts.strategy == "fsdp":
             distributed.fsdp(model, blocks, opts.world_size, opts.reshard_after_forward,
                              on_alloc=lambda t: mode.track(t, "fsdp_all_gather"), on_free=lambda t: rec.free(storage_key(t)))
+        elif opts.zero is not None:
+            engine = zero.Engine(model, opts.zero, opts.optimizer, weights_dtype or torch.float32, rec)
         else:
             to_device_keeping_ties(model, weights_dtype)
         if opts.channels_last:
             model.to(memory_format=torch.channels_last)
         if opts.strategy == "ddp":
             runner = distributed.ddp(model, opts.world_size, opts.bucket_cap_mb, opts.bucket_view, on_bucket=lambda t: rec.relabel(t, "gradient"))
-        optimizer = make_optimizer(opts.optimizer, [p for p in model.parameters() if p.requires_grad], opts.lr)
+        optimizer = engine or make_optimizer(opts.optimizer, [p for p in model.parameters() if p.requires_grad], opts.lr)
         scaler = GradScaler() if opts.precision == "amp-fp16" else None
         batch = outputs = loss = None
         for it in range(opts.iterations):
@@ -317,7 +324,11 @@ def trace_training(opts: TraceOptions, out_path: str):
                 if opts.grad_accum > 1:
                     loss = loss / opts.grad_accum
                 rec.phase = "backward"
+                if engine:
+                    engine.backward_start()
                 (scaler.scale(loss) if scaler else loss).backward()
+                if engine:
+                    engine.backward_end()
                 for p in model.parameters():
                     if p.grad is not None:
                         rec.relabel(p.grad, "gradient")
@@ -326,7 +337,7 @@ def trace_training(opts: TraceOptions, out_path: str):
                 scaler.step(optimizer)
             else:
                 optimizer.step()
-            for state in optimizer.state.values():
+            for state in getattr(optimizer, "state", {}).values():
                 for v in state.values():
                     if isinstance(v, torch.Tensor) and v.device.type == DEVICE:
                         rec.relabel(v, "optimizer_state")
@@ -360,6 +371,8 @@ def trace_training(opts: TraceOptions, out_path: str):
         header["data_parallel"] = opts.data_parallel
     if opts.strategy:
         header["strategy"], header["world_size"] = opts.strategy, opts.world_size
+    if opts.zero is not None:
+        header["largest_layer_parameters"] = zero.largest_layer_parameters(model)
     if opts.validate != "none":
         header["validate"] = opts.validate
     rec.write(out_path, header)

@@ -45,6 +45,8 @@ class Recorder:
         self.next_id = 1
         self.phase = "setup"
         self.category = None  # overrides the phase's default category
+        self.op_name = None  # overrides the op that made an allocation (a wrapper's buffer)
+        self.untracked = set()  # storage keys whose memory a wrapper accounts for itself
         self.iterations = 0
         self.closed = False
         self.workspaces = set()
@@ -54,7 +56,7 @@ class Recorder:
         i = self.next_id
         self.next_id += 1
         cat = category or self.category or DEFAULT_CATEGORY[self.phase]
-        e = {"ev": "alloc", "id": i, "bytes": int(nbytes), "category": cat, "phase": self.phase, "op": op}
+        e = {"ev": "alloc", "id": i, "bytes": int(nbytes), "category": cat, "phase": self.phase, "op": self.op_name or op}
         if module:
             e["module"] = module
         self.events.append(e)
@@ -252,7 +254,7 @@ class TraceMode(TorchDispatchMode):
             return
         st = t.untyped_storage()
         key = st._cdata
-        if key in self.r.live or st.nbytes() == 0:
+        if key in self.r.live or key in self.r.untracked or st.nbytes() == 0:
             return
         self.r.alloc(key, st.nbytes(), op, module=self.modules.current())
         weakref.finalize(st, self.r.free, key)

@@ -534,6 +534,41 @@ def test_fsdp_rank_holds_its_shards(tmp_path):
     assert kept > peak
 
 
+def test_zero_ranks_hold_deepspeeds_partitions(tmp_path):
+    """DeepSpeed ZeRO modelled from its config (DeepSpeed is not needed): after a bf16 step a
+    rank holds, in place of a single GPU's 16-bit parameters, gradients and Adam state (8 bytes
+    per parameter), stages 1-2: the 16-bit parameters (2), and its partition's fp32 master
+    weights and two moments (12 / N); stage 3: 16-bit partitions of the parameters and the
+    reduced gradients besides (16 / N), the gradient bucket, and the parameters small enough
+    to persist gathered. Offloading the optimizer leaves stage 2 the parameters and a staging
+    buffer of the largest parameter. (Every size here divides by 2 x N: no padding.)"""
+    ref = "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)"
+
+    def end(*extra):
+        header, evs = traced([ref, "--batch", "1", "--seq-len", "8", "--precision", "bf16", *extra], tmp_path)
+        return header, live_and_peak(evs)[0]
+
+    header, single = end()
+    p, n, bucket, embedding = header["parameters"], 4, 100_000, 8000 * 64
+    zero = lambda stage, **cfg: end("--strategy", f"zero{stage}", "--world-size", str(n), "--zero", json.dumps(dict(reduce_bucket_size=bucket, **cfg)))  # noqa: E731
+    for stage in (1, 2):
+        h, live = zero(stage)
+        assert (h["strategy"], h["world_size"], h["largest_layer_parameters"]) == (f"zero{stage}", n, embedding)
+        assert live == single - 8 * p + 2 * p + 12 * p // n, stage
+    persistent = p - embedding  # every parameter but the embedding is under 100,000 elements
+    assert zero(3)[1] == single - 8 * p + 16 * p // n + 2 * bucket + 2 * persistent
+    assert zero(3, param_persistence_threshold=0)[1] == single - 8 * p + 16 * p // n + 2 * bucket
+    assert zero(2, offload_optimizer=True)[1] == single - 8 * p + 2 * p + 2 * embedding
+
+
+def test_zero_options_are_checked(tmp_path):
+    ref = "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)"
+    p, _ = run([ref, "--strategy", "zero2", "--world-size", "2", "--zero", '{"bucket": 1}'], tmp_path)
+    assert p.returncode == 2 and "--zero: " in p.stderr and "bucket" in p.stderr
+    p, _ = run([ref, "--strategy", "zero2", "--world-size", "2", "--optimizer", "adam8bit"], tmp_path)
+    assert p.returncode == 2 and "ZeRO runs its own optimizer partitions" in p.stderr
+
+
 def test_a_lora_model_is_still_sharded_and_checkpointed_by_its_layers():
     """LoRA wraps each target layer; the repeated block FSDP shards and checkpointing wraps is
     still the model's own layer (a LoRA layer is not a block)."""

@@ -15,7 +15,8 @@ use gpumem_core::trace::Trace;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_learn::{Hybrid, LearnedModel};
 use gpumem_torch::BridgeError;
-use gpumem_workload::{AttentionMask, InputShape, Lora, ModelRef, Options, Outputs, Strategy, Validate, Workload, WorkloadError};
+use gpumem_workload::deepspeed::{self, DeepSpeedJob};
+use gpumem_workload::{AttentionMask, InputShape, Lora, ModelRef, Options, Outputs, Strategy, Validate, Workload, WorkloadError, Zero};
 
 use crate::{CliError, CliResult};
 
@@ -110,9 +111,10 @@ pub struct WorkloadArgs {
 pub struct StrategyArgs {
     /// A multi-GPU job (PyTorch models): `ddp` (DistributedDataParallel) or `fsdp` (FSDP2's
     /// fully_shard per layer), traced as PyTorch's own wrapper runs on rank 0 of --world-size
-    /// ranks (a fake process group); --batch is then each rank's. NCCL's own buffers are not
-    /// included.
-    #[arg(long, value_parser = ["ddp", "fsdp"], requires = "world_size")]
+    /// ranks (a fake process group); `zero1`, `zero2`, `zero3` (DeepSpeed ZeRO with its default
+    /// settings; --deepspeed for a config), modelled from DeepSpeed's rules. --batch is then
+    /// each rank's. NCCL's own buffers are not included.
+    #[arg(long, value_parser = ["ddp", "fsdp", "zero1", "zero2", "zero3"], requires = "world_size")]
     strategy: Option<String>,
     /// Ranks of a --strategy job.
     #[arg(long)]
@@ -127,15 +129,39 @@ pub struct StrategyArgs {
     /// forward to its backward.
     #[arg(long)]
     no_reshard_after_forward: bool,
+    /// A DeepSpeed config (JSON) for a ZeRO job: its zero_optimization settings, and what it
+    /// states of the loop (bf16/fp16, optimizer type, train_micro_batch_size_per_gpu,
+    /// gradient_accumulation_steps; "auto" leaves the flag's value) replace the flags. Ranks:
+    /// --world-size, or train_batch_size / (micro-batch × accumulation).
+    #[arg(long, conflicts_with = "strategy")]
+    deepspeed: Option<PathBuf>,
 }
 
 impl StrategyArgs {
+    /// The DeepSpeed config --deepspeed names, read.
+    pub fn deepspeed(&self) -> CliResult<Option<DeepSpeedJob>> {
+        let Some(path) = &self.deepspeed else { return Ok(None) };
+        let text = std::fs::read_to_string(path).map_err(|e| CliError::input(format!("--deepspeed {}: {e}", path.display())))?;
+        deepspeed::read_config(&text).map(Some).map_err(|e| CliError::input(format!("--deepspeed {}: {e}", path.display())))
+    }
+
     /// The strategy the flags name; `None` for a one-GPU job.
     pub fn strategy(&self) -> CliResult<Option<Strategy>> {
+        if let Some(job) = self.deepspeed()? {
+            let world_size = match (self.world_size, job.world_size) {
+                (Some(flag), Some(stated)) if flag != stated => {
+                    return Err(CliError::input(format!("--world-size {flag} disagrees with the DeepSpeed config's train_batch_size, which makes {stated} ranks")));
+                }
+                (Some(n), _) | (None, Some(n)) => n,
+                (None, None) => return Err(CliError::input("--deepspeed: the config does not state train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps; give --world-size")),
+            };
+            return Ok(Some(job.strategy(world_size)));
+        }
         Ok(match (self.strategy.as_deref(), self.world_size) {
             (Some("fsdp"), Some(world_size)) => Some(Strategy::Fsdp { world_size, reshard_after_forward: !self.no_reshard_after_forward }),
+            (Some(zero @ ("zero1" | "zero2" | "zero3")), Some(world_size)) => Some(Strategy::Zero { stage: zero.as_bytes()[4] - b'0', world_size, zero: Zero::default() }),
             (Some(_), Some(world_size)) => Some(Strategy::Ddp { world_size, bucket_cap_mb: self.bucket_cap_mb, bucket_view: self.gradient_as_bucket_view }),
-            (None, Some(_)) => return Err(CliError::input("--world-size needs --strategy")),
+            (None, Some(_)) => return Err(CliError::input("--world-size needs --strategy or --deepspeed")),
             _ => None,
         })
     }
@@ -148,7 +174,7 @@ impl WorkloadArgs {
             Some(i) => Some(InputShape::parse(i).ok_or_else(|| CliError::input(format!("--input `{i}` is not CxHxW")))?),
             None => None,
         };
-        Ok(Options {
+        let mut options = Options {
             optimizer: Optimizer::parse(&self.optimizer).map_err(CliError::input)?,
             precision: Precision::parse(&self.precision).map_err(CliError::input)?,
             input,
@@ -162,7 +188,19 @@ impl WorkloadArgs {
             attention_mask: self.attention_mask,
             lora: self.lora.as_deref().map(lora).transpose()?,
             strategy: self.strategy.strategy()?,
-        })
+        };
+        if let Some(job) = self.strategy.deepspeed()? {
+            options.precision = job.precision.unwrap_or(options.precision);
+            options.optimizer = job.optimizer.unwrap_or(options.optimizer);
+            options.grad_accum = job.grad_accum.unwrap_or(options.grad_accum);
+        }
+        Ok(options)
+    }
+
+    /// The micro-batch a DeepSpeed config states (`train_micro_batch_size_per_gpu`), which a
+    /// command's default batch gives way to.
+    pub fn stated_batch(&self) -> CliResult<Option<i64>> {
+        Ok(self.strategy.deepspeed()?.and_then(|job| job.micro_batch).map(|b| i64::try_from(b).unwrap_or(i64::MAX)))
     }
 
     /// The workload of `model` at `batch` (as typed: negative sizes are refused here).

@@ -114,6 +114,27 @@ struct EstimateJson<'a> {
     /// above is the largest (its bound, the largest bound).
     #[serde(skip_serializing_if = "Option::is_none")]
     ambiguity: Option<AmbiguityJson>,
+    /// A ZeRO-2/3 job: DeepSpeed's own model-state figure, beside this estimate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    deepspeed: Option<DeepSpeedJson>,
+}
+
+/// What DeepSpeed's `estimate_zero*_model_states_mem_needs` gives for the job: model states
+/// only (no activations, buffers or allocator), for comparison.
+#[derive(Serialize)]
+struct DeepSpeedJson {
+    formula: &'static str,
+    gpu_mib: f64,
+    gpu_bytes: u64,
+    cpu_mib: f64,
+    cpu_bytes: u64,
+}
+
+fn deepspeed_json(strategy: Option<gpumem_workload::Strategy>, header: &gpumem_core::trace::TraceHeader) -> Option<DeepSpeedJson> {
+    let strategy = strategy?;
+    let states = gpumem_workload::deepspeed::model_states(strategy, header.parameters?, header.largest_layer_parameters.unwrap_or(0))?;
+    let formula = if strategy.name() == "zero2" { "estimate_zero2_model_states_mem_needs" } else { "estimate_zero3_model_states_mem_needs" };
+    Some(DeepSpeedJson { formula, gpu_mib: mib(states.gpu_bytes), gpu_bytes: states.gpu_bytes, cpu_mib: mib(states.cpu_bytes), cpu_bytes: states.cpu_bytes })
 }
 
 /// Why a spec is ambiguous, and what each of its readings needs.
@@ -158,9 +179,10 @@ struct UtilizationJson {
 
 pub fn estimate(a: EstimateArgs) -> CliResult {
     let profile = a.gpu.load()?;
+    let batch = a.batch.or(a.workload.stated_batch()?);
     let (arg, batch) = match &a.model {
-        Some(m) => (m.clone(), a.batch.unwrap_or(32)),
-        None => (DEFAULT_MODEL.to_string(), a.batch.unwrap_or(DEFAULT_BATCH as i64)),
+        Some(m) => (m.clone(), batch.unwrap_or(32)),
+        None => (DEFAULT_MODEL.to_string(), batch.unwrap_or(DEFAULT_BATCH as i64)),
     };
     let models = a.estimator.models()?;
     if a.timeline.is_some() && a.estimator.estimator != "replay" {
@@ -170,10 +192,10 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
         Some(_) => Box::new(Replay { timeline: true }),
         None => a.estimator.estimator(&models)?,
     };
-    let (trace, est, native, readings) = match ModelArg::load(&arg)? {
+    let (trace, est, native, readings, strategy) = match ModelArg::load(&arg)? {
         ModelArg::TraceFile(t) => {
             let est = estimator.estimate(&t, &profile).map_err(CliError::input)?;
-            (t, est, None, Vec::new())
+            (t, est, None, Vec::new(), None)
         }
         ModelArg::Model(m) => {
             // Every reading of the spec sized; an ambiguous one answers with its largest.
@@ -182,9 +204,11 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
                 ModelRef::Native(spec) => Some(spec.clone()),
                 ModelRef::Torch(_) => None,
             };
-            (sizing.trace, sizing.estimate, native, sizing.readings)
+            let strategy = sizing.workload.options().strategy;
+            (sizing.trace, sizing.estimate, native, sizing.readings, strategy)
         }
     };
+    let deepspeed = deepspeed_json(strategy, &trace.header);
     let ambiguity = (readings.len() > 1).then(|| AmbiguityJson {
         note: DENSE_AMBIGUITY,
         readings: readings.iter().map(|r| ReadingJson { model: r.model.clone(), peak_mib: mib(r.peak_bytes), upper_bound_mib: mib(r.upper_bound_bytes) }).collect(),
@@ -230,6 +254,7 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             utilization: UtilizationJson { smact: util.smact, smocc: util.smocc, gract: util.gract, dram: util.dram, fp32: util.fp32, step_ms: util.step_s * 1e3 },
             learned,
             ambiguity,
+            deepspeed,
         };
         println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
         return Ok(());
@@ -240,6 +265,9 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
         for r in &a.readings {
             println!("             {}: {:.1} MiB (bound {:.1} MiB)", r.model, r.peak_mib, r.upper_bound_mib);
         }
+    }
+    if let Some(d) = &deepspeed {
+        println!("deepspeed    {}: {:.1} MiB per GPU (model states only), {:.1} MiB host", d.formula, d.gpu_mib, d.cpu_mib);
     }
     println!();
     println!(

@@ -326,3 +326,35 @@ fn plan_lists_setups_that_fit_fastest_first() {
     bad_input(&["plan", "mlp:input=8,output=2,depth=1", "--global-batch", "0"], "--global-batch 0 must be a positive multiple of the world size (1)");
     bad_input(&["plan", "hf:gpt2", "--strategy", "ddp", "--world-size", "4", "--global-batch", "6"], "--global-batch 6 must be a positive multiple of the world size (4)");
 }
+
+/// `gpumem estimate --deepspeed CONFIG`: the config's ZeRO stage, bf16 and micro-batch make the
+/// job (ranks from its train_batch_size), and the JSON shows DeepSpeed's own model-state
+/// figure beside the estimate; a config gpumem cannot use is a one-line error naming the key.
+#[test]
+fn estimate_reads_a_deepspeed_config() {
+    let config = common::scratch("cli", "ds_zero3.json");
+    std::fs::write(
+        &config,
+        r#"{"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "bf16": {"enabled": true},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": 1e5, "stage3_param_persistence_threshold": "auto"}}"#,
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    bad_input(&["estimate", "hf:gpt2", "--deepspeed", "/nonexistent/ds.json"], "--deepspeed /nonexistent/ds.json: ");
+    bad_input(&["estimate", "hf:gpt2", "--deepspeed", config, "--world-size", "8"], "--world-size 8 disagrees with the DeepSpeed config's train_batch_size, which makes 4 ranks");
+    let stage0 = common::scratch("cli", "ds_zero0.json");
+    std::fs::write(&stage0, r#"{"zero_optimization": {"stage": 0}}"#).unwrap();
+    bad_input(&["estimate", "hf:gpt2", "--deepspeed", stage0.to_str().unwrap(), "--world-size", "2"], "`zero_optimization.stage`: stage 0 is plain data parallelism");
+    if !common::torch("a DeepSpeed job") {
+        return;
+    }
+    let o = gpumem(&["estimate", "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)", "--seq-len", "16", "--deepspeed", config, "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["batch_size"], 2, "the config's micro-batch");
+    let ds = &v["deepspeed"];
+    assert_eq!(ds["formula"], "estimate_zero3_model_states_mem_needs");
+    // 677,632 parameters, the largest layer the 512,000-element embedding, 4 ranks, no offload.
+    assert_eq!(ds["gpu_bytes"], 4 * 512_000 + 18 * 677_632 / 4);
+    assert!(v["peak_bytes"].as_u64().unwrap() > ds["gpu_bytes"].as_u64().unwrap(), "activations and buffers besides");
+}

@@ -144,6 +144,10 @@ pub struct TraceHeader {
     /// Sum of layer output features per sample (the Horus formula needs it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub activations_per_sample: Option<u64>,
+    /// The most parameters one module holds directly (DeepSpeed's `largest_layer_params`;
+    /// written for ZeRO jobs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub largest_layer_parameters: Option<u64>,
     /// GPUs of a `torch.nn.DataParallel` job; the trace is GPU 0's (it holds the most).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_parallel: Option<u32>,
@@ -167,6 +171,7 @@ impl TraceHeader {
             framework: None,
             parameters: None,
             activations_per_sample: None,
+            largest_layer_parameters: None,
             data_parallel: None,
             validate: None,
             iterations: 0,

@@ -202,6 +202,44 @@ pub enum Strategy {
     /// optimizer state sharded over the ranks, each layer's parameters gathered for its
     /// forward and backward; `reshard_after_forward` frees them between the two.
     Fsdp { world_size: u32, reshard_after_forward: bool },
+    /// DeepSpeed ZeRO stage 1 (optimizer state partitioned), 2 (and gradients) or 3 (and
+    /// parameters), modelled from its config (DeepSpeed need not be installed).
+    Zero { stage: u8, world_size: u32, zero: Zero },
+}
+
+/// What of DeepSpeed's `zero_optimization` decides a rank's memory, in DeepSpeed's units
+/// (elements) and with its defaults. `overlap_comm: None` is DeepSpeed's own default (on for
+/// stage 3 only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Zero {
+    pub reduce_bucket_size: u64,
+    pub overlap_comm: Option<bool>,
+    pub contiguous_gradients: bool,
+    pub prefetch_bucket_size: u64,
+    pub max_live_parameters: u64,
+    pub max_reuse_distance: u64,
+    pub param_persistence_threshold: u64,
+    /// Master weights, optimizer state and fp32 gradients on the host (`offload_optimizer`).
+    pub offload_optimizer: bool,
+    /// Stage 3's parameter partitions on the host (`offload_param`).
+    pub offload_param: bool,
+}
+
+impl Default for Zero {
+    fn default() -> Self {
+        Zero {
+            reduce_bucket_size: 500_000_000,
+            overlap_comm: None,
+            contiguous_gradients: true,
+            prefetch_bucket_size: 50_000_000,
+            max_live_parameters: 1_000_000_000,
+            max_reuse_distance: 1_000_000_000,
+            param_persistence_threshold: 100_000,
+            offload_optimizer: false,
+            offload_param: false,
+        }
+    }
 }
 
 /// The most ranks a strategy is traced for.
@@ -212,12 +250,15 @@ impl Strategy {
         match self {
             Strategy::Ddp { .. } => "ddp",
             Strategy::Fsdp { .. } => "fsdp",
+            Strategy::Zero { stage: 1, .. } => "zero1",
+            Strategy::Zero { stage: 2, .. } => "zero2",
+            Strategy::Zero { .. } => "zero3",
         }
     }
 
     pub fn world_size(self) -> u32 {
         match self {
-            Strategy::Ddp { world_size, .. } | Strategy::Fsdp { world_size, .. } => world_size,
+            Strategy::Ddp { world_size, .. } | Strategy::Fsdp { world_size, .. } | Strategy::Zero { world_size, .. } => world_size,
         }
     }
 }
@@ -335,6 +376,12 @@ pub enum OptionError {
     BucketCap,
     #[error("a job is --data-parallel or --strategy, not both")]
     TwoWrappers,
+    #[error("ZeRO stage {0} is not 1, 2 or 3")]
+    ZeroStage(u8),
+    #[error("ZeRO's reduce_bucket_size must be at least 1")]
+    ReduceBucket,
+    #[error("offload_param needs ZeRO stage 3")]
+    OffloadParam,
 }
 
 /// Most GPUs a DataParallel job is modelled over.
@@ -356,8 +403,12 @@ impl Options {
             if !(2..=MAX_WORLD_SIZE).contains(&strategy.world_size()) {
                 return Err(OptionError::WorldSize(strategy.world_size()));
             }
-            if let Strategy::Ddp { bucket_cap_mb: 0, .. } = strategy {
-                return Err(OptionError::BucketCap);
+            match strategy {
+                Strategy::Ddp { bucket_cap_mb: 0, .. } => return Err(OptionError::BucketCap),
+                Strategy::Zero { stage, .. } if !(1..=3).contains(&stage) => return Err(OptionError::ZeroStage(stage)),
+                Strategy::Zero { zero, .. } if zero.reduce_bucket_size == 0 => return Err(OptionError::ReduceBucket),
+                Strategy::Zero { stage, zero, .. } if zero.offload_param && stage != 3 => return Err(OptionError::OffloadParam),
+                _ => {}
             }
             if self.data_parallel > 1 {
                 return Err(OptionError::TwoWrappers);

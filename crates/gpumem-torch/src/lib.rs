@@ -18,7 +18,7 @@ use gpumem_core::trace::Trace;
 use gpumem_core::workload::{AttentionMask, Options, Validate};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 15] = [
+const SOURCES: [(&str, &str); 16] = [
     ("__init__.py", include_str!("../../../python/gpumem_trace/__init__.py")),
     ("__main__.py", include_str!("../../../python/gpumem_trace/__main__.py")),
     ("amp.py", include_str!("../../../python/gpumem_trace/amp.py")),
@@ -34,6 +34,7 @@ const SOURCES: [(&str, &str); 15] = [
     ("run.py", include_str!("../../../python/gpumem_trace/run.py")),
     ("sdpa.py", include_str!("../../../python/gpumem_trace/sdpa.py")),
     ("tracer.py", include_str!("../../../python/gpumem_trace/tracer.py")),
+    ("zero.py", include_str!("../../../python/gpumem_trace/zero.py")),
 ];
 
 use gpumem_core::workload::Strategy;
@@ -123,6 +124,10 @@ impl TraceRequest {
                 if !reshard_after_forward {
                     a.push("--no-reshard-after-forward".into());
                 }
+            }
+            Some(s @ Strategy::Zero { world_size, zero, .. }) => {
+                let zero = serde_json::to_string(&zero).expect("plain numbers and flags serialise");
+                a.extend(["--strategy".into(), s.name().into(), "--world-size".into(), world_size.to_string(), "--zero".into(), zero]);
             }
             None => {}
         }

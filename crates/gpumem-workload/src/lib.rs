@@ -14,9 +14,10 @@ use gpumem_core::profile::GpuProfile;
 use gpumem_core::search::{self, SearchError};
 use gpumem_core::symbolic::SymbolicTrace;
 use gpumem_core::trace::Trace;
-pub use gpumem_core::workload::{AttentionMask, InputShape, Lora, ModelRef, OptionOverrides, Options, Outputs, Strategy, TORCH_PREFIXES, Validate};
+pub use gpumem_core::workload::{AttentionMask, InputShape, Lora, ModelRef, OptionOverrides, Options, Outputs, Strategy, TORCH_PREFIXES, Validate, Zero};
 use gpumem_torch::{BridgeError, TorchTracer, TraceRequest};
 
+pub mod deepspeed;
 pub mod plan;
 
 /// Why a workload could not be made or traced.
