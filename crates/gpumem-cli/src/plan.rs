@@ -1,15 +1,15 @@
-//! `gpumem plan`: the fastest setup of a training job that fits one GPU — precision ×
-//! activation checkpointing × micro-batch (× gradient accumulation to a global batch) — with why
-//! the others lose (gpumem-workload's `plan` does the search).
+//! `gpumem plan`: the fastest setup of a training job that fits its GPUs — multi-GPU strategy ×
+//! precision × activation checkpointing × micro-batch (× gradient accumulation to a global
+//! batch) — with why the others lose (gpumem-workload's `plan` does the search).
 
 use clap::Args;
 use gpumem_core::graph::Precision;
 use gpumem_core::step::Optimizer;
-use gpumem_workload::plan::{Plan, Setup, Space, plan as search};
-use gpumem_workload::{InputShape, Options, Strategy};
+use gpumem_workload::plan::{Interconnect, Plan, Setup, Space, plan as search};
+use gpumem_workload::{InputShape, Options, Strategy, Zero};
 use serde_json::json;
 
-use crate::args::{EstimatorArgs, GpuChoice, ModelArg, StrategyArgs, lora, mib};
+use crate::args::{EstimatorArgs, GpuChoice, ModelArg, StrategyArgs, gpu_count, lora, mib};
 use crate::{CliError, CliResult};
 
 #[derive(Args)]
@@ -18,6 +18,18 @@ pub struct PlanArgs {
     model: String,
     #[command(flatten)]
     gpu: GpuChoice,
+    /// The job's GPUs, COUNTxGPU (e.g. 8xh100-80gb-sxm): every strategy of --strategies is
+    /// planned over all of them (overrides --gpu).
+    #[arg(long, conflicts_with_all = ["strategy", "world_size"])]
+    gpus: Option<String>,
+    /// Strategies to consider with --gpus (PyTorch models): ddp, fsdp, zero1, zero2, zero3
+    /// (default: all of them; ZeRO with DeepSpeed's default settings).
+    #[arg(long, value_delimiter = ',', requires = "gpus")]
+    strategies: Vec<String>,
+    /// NCCL bus bandwidth per rank, GB/s, that times the strategies' collectives (default: the
+    /// GPU's usual link: NVLink on SXM parts, else PCIe).
+    #[arg(long)]
+    bus_gbs: Option<f64>,
     /// Samples per optimizer step: micro-batches divide it, gradient accumulation makes up the
     /// rest. Without it, micro-batches are powers of two up to the largest that fits.
     #[arg(long)]
@@ -56,18 +68,45 @@ pub struct PlanArgs {
 
 fn setup_json(s: &Setup) -> serde_json::Value {
     json!({
+        "strategy": s.strategy.map(|s| s.name()), "world_size": s.strategy.map(|s| s.world_size()),
         "precision": s.precision.name(), "checkpointing": s.checkpointing, "micro_batch": s.micro_batch, "grad_accum": s.grad_accum,
         "peak_mib": mib(s.estimate.peak_bytes), "upper_bound_mib": mib(s.estimate.upper_bound_bytes),
-        "step_s": s.step_s, "samples_per_s": if s.step_s > 0.0 { s.micro_batch as f64 / s.step_s } else { 0.0 },
+        "step_s": s.step_s, "comm_s": s.comm_s, "samples_per_s": if s.step_s > 0.0 { s.micro_batch as f64 / s.step_s } else { 0.0 },
     })
 }
 
-fn label(precision: Precision, checkpointing: bool) -> String {
-    format!("{}{}", precision.name(), if checkpointing { " + checkpointing" } else { "" })
+fn label(strategy: Option<Strategy>, precision: Precision, checkpointing: bool) -> String {
+    let on = strategy.map(|s| format!("{} · ", s.name())).unwrap_or_default();
+    format!("{on}{}{}", precision.name(), if checkpointing { " + checkpointing" } else { "" })
+}
+
+/// `--strategies` over `world` ranks (all five where none are listed).
+fn strategies(names: &[String], world: u32) -> CliResult<Vec<Option<Strategy>>> {
+    let all = ["ddp", "fsdp", "zero1", "zero2", "zero3"];
+    let names: Vec<&str> = if names.is_empty() { all.to_vec() } else { names.iter().map(String::as_str).collect() };
+    names
+        .into_iter()
+        .map(|n| {
+            Ok(Some(match n {
+                "ddp" => Strategy::Ddp { world_size: world, bucket_cap_mb: 25, bucket_view: false },
+                "fsdp" => Strategy::Fsdp { world_size: world, reshard_after_forward: true },
+                "zero1" => Strategy::Zero { stage: 1, world_size: world, zero: Zero::default() },
+                "zero2" => Strategy::Zero { stage: 2, world_size: world, zero: Zero::default() },
+                "zero3" => Strategy::Zero { stage: 3, world_size: world, zero: Zero::default() },
+                other => return Err(CliError::input(format!("--strategies: `{other}` is not ddp, fsdp, zero1, zero2 or zero3"))),
+            }))
+        })
+        .collect()
 }
 
 pub fn plan(a: PlanArgs) -> CliResult {
-    let profile = a.gpu.load()?;
+    let (gpus, profile) = match &a.gpus {
+        Some(spec) => {
+            let (n, gpu) = gpu_count("--gpus", spec, gpumem_core::workload::MAX_WORLD_SIZE as usize)?;
+            (n as u32, GpuChoice::new(gpu, None).load()?)
+        }
+        None => (1, a.gpu.load()?),
+    };
     let model = ModelArg::load(&a.model)?.model(&a.model, "plan needs a model, not a trace file (a trace fixes its setup)")?;
     let estimator = a.estimator.estimator(&a.estimator.models()?)?;
     let precisions: Vec<Precision> = if a.precisions.is_empty() {
@@ -84,7 +123,19 @@ pub fn plan(a: PlanArgs) -> CliResult {
         other => return Err(CliError::input(format!("--checkpointing `{other}` is not both, on or off"))),
     };
     let strategy = a.strategy.strategy()?;
-    let world = u64::from(strategy.map_or(1, |s| s.world_size()));
+    let world = u64::from(strategy.map_or(gpus, |s| s.world_size()));
+    let searched = match a.gpus {
+        Some(_) if model.is_native() => return Err(CliError::input("--gpus plans multi-GPU strategies, which apply to PyTorch models")),
+        Some(_) if gpus == 1 => vec![None],
+        Some(_) => strategies(&a.strategies, gpus)?,
+        None => Vec::new(),
+    };
+    if let Some(bus) = a.bus_gbs
+        && !(bus.is_finite() && bus > 0.0)
+    {
+        return Err(CliError::input(format!("--bus-gbs {bus} must be a positive number")));
+    }
+    let link = a.bus_gbs.map_or_else(|| Interconnect::for_gpu(&profile.name), |bus_gbs| Interconnect { bus_gbs });
     if let Some(g) = a.global_batch
         && (g == 0 || g % world != 0)
     {
@@ -94,37 +145,36 @@ pub fn plan(a: PlanArgs) -> CliResult {
     let options = Options { optimizer: Optimizer::parse(&a.optimizer).map_err(CliError::input)?, seq_len: a.seq_len, input, lora: a.lora.as_deref().map(lora).transpose()?, strategy, ..Options::default() };
     let name = model.to_string();
     let base = gpumem_workload::Workload::new(model, 1, options)?;
-    let space = Space { precisions, checkpointing, global_batch: a.global_batch };
-    let p = search(&base, &profile, estimator.as_ref(), &space).map_err(|e| match e {
+    let space = Space { strategies: searched, precisions, checkpointing, global_batch: a.global_batch };
+    let p = search(&base, &profile, estimator.as_ref(), &space, link).map_err(|e| match e {
         gpumem_workload::SizeError::Workload(w) => CliError::from(w),
         e => CliError::other(e),
     })?;
     if a.json {
         let out = json!({
-            "model": name, "gpu": profile.name, "capacity_mib": profile.capacity_mib, "global_batch": a.global_batch, "strategy": strategy.map(|s| s.name()), "world_size": strategy.map(|s| s.world_size()),
+            "model": name, "gpu": profile.name, "capacity_mib": profile.capacity_mib, "global_batch": a.global_batch, "world_size": world, "bus_gbs": link.bus_gbs,
             "setups": p.fits.iter().map(setup_json).collect::<Vec<_>>(),
             "too_big": p.too_big.iter().map(setup_json).collect::<Vec<_>>(),
-            "skipped": p.skipped.iter().map(|s| json!({"precision": s.precision.name(), "checkpointing": s.checkpointing, "reason": s.reason})).collect::<Vec<_>>(),
+            "skipped": p.skipped.iter().map(|s| json!({"strategy": s.strategy.map(|s| s.name()), "precision": s.precision.name(), "checkpointing": s.checkpointing, "reason": s.reason})).collect::<Vec<_>>(),
         });
         println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
         return Ok(());
     }
-    print_table(&name, &profile, a.global_batch, strategy, a.top, &p);
+    print_table(&name, &profile, a.global_batch, world, link, a.top, &p);
     Ok(())
 }
 
-fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: Option<u64>, strategy: Option<Strategy>, top: usize, p: &Plan) {
-    let world = strategy.map(|s| s.world_size());
-    let on = match strategy {
-        Some(s) => format!("one rank of {} over {} × {} ({} MiB each)", s.name(), s.world_size(), profile.name, profile.capacity_mib),
-        None => format!("one {} ({} MiB)", profile.name, profile.capacity_mib),
+fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: Option<u64>, world: u64, link: Interconnect, top: usize, p: &Plan) {
+    let on = match world {
+        1 => format!("one {} ({} MiB)", profile.name, profile.capacity_mib),
+        n => format!("{n} × {} ({} MiB each; collectives at {} GB/s per rank, not overlapped), sized per rank", profile.name, profile.capacity_mib, link.bus_gbs),
     };
     match global {
         Some(g) => println!("{name} on {on}, {g} samples per optimizer step"),
         None => println!("{name} on {on}"),
     }
     // A rank's time per sample times its share of the global batch.
-    let global = global.map(|g| g / u64::from(world.unwrap_or(1)));
+    let global = global.map(|g| g / world);
     let Some(best) = p.fits.first() else {
         println!("nothing fits: {}", why_nothing(p));
         return;
@@ -134,13 +184,13 @@ fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: O
         None => format!("{:>10.0}", 1.0 / s.seconds_per_sample()),
     };
     let unit = if global.is_some() { "ms/step" } else { "samples/s" };
-    println!("{:>3}  {:<26} {:>6} {:>6} {:>12} {:>12} {:>10}  vs best", "#", "precision", "micro", "accum", "peak MiB", "bound MiB", unit);
+    println!("{:>3}  {:<34} {:>6} {:>6} {:>12} {:>12} {:>10}  vs best", "#", "setup", "micro", "accum", "peak MiB", "bound MiB", unit);
     for (i, s) in p.fits.iter().take(top).enumerate() {
         let slower = if i == 0 { "best".to_string() } else { format!("{:+.0}%", (s.seconds_per_sample() / best.seconds_per_sample() - 1.0) * 100.0) };
         println!(
-            "{:>3}  {:<26} {:>6} {:>6} {:>12.1} {:>12.1} {}  {slower}",
+            "{:>3}  {:<34} {:>6} {:>6} {:>12.1} {:>12.1} {}  {slower}",
             i + 1,
-            label(s.precision, s.checkpointing),
+            label(s.strategy, s.precision, s.checkpointing),
             s.micro_batch,
             s.grad_accum,
             mib(s.estimate.peak_bytes),
@@ -149,15 +199,15 @@ fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: O
         );
     }
     println!();
-    println!("best: {}, micro-batch {} × {} accumulation steps (upper bound {:.0} of {} MiB)", label(best.precision, best.checkpointing), best.micro_batch, best.grad_accum, mib(best.estimate.upper_bound_bytes), profile.capacity_mib);
+    println!("best: {}, micro-batch {} × {} accumulation steps (upper bound {:.0} of {} MiB)", label(best.strategy, best.precision, best.checkpointing), best.micro_batch, best.grad_accum, mib(best.estimate.upper_bound_bytes), profile.capacity_mib);
     let mut why = Vec::new();
-    let mut pairs: Vec<(Precision, bool)> = p.fits.iter().chain(&p.too_big).map(|s| (s.precision, s.checkpointing)).collect();
-    pairs.dedup();
-    pairs.sort_by_key(|(p, c)| (p.name(), *c));
-    pairs.dedup();
-    for (precision, ckpt) in pairs {
-        let mine = p.fits.iter().find(|s| (s.precision, s.checkpointing) == (precision, ckpt));
-        let over = p.too_big.iter().find(|s| (s.precision, s.checkpointing) == (precision, ckpt));
+    let key = |s: &Setup| (s.strategy, s.precision, s.checkpointing);
+    let mut kinds: Vec<(Option<Strategy>, Precision, bool)> = p.fits.iter().chain(&p.too_big).map(key).collect();
+    kinds.sort_by_key(|(s, p, c)| (s.map(|s| s.name()), p.name(), *c));
+    kinds.dedup();
+    for (strategy, precision, ckpt) in kinds {
+        let mine = p.fits.iter().find(|s| key(s) == (strategy, precision, ckpt));
+        let over = p.too_big.iter().find(|s| key(s) == (strategy, precision, ckpt));
         let limit = over.map(|s| format!("micro-batch {} does not fit (bound {:.0} MiB)", s.micro_batch, mib(s.estimate.upper_bound_bytes)));
         let line = match mine {
             Some(s) if std::ptr::eq(s, best) => limit.map(|l| format!("(the best's own limit: {l})")),
@@ -170,10 +220,10 @@ fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: O
             None => Some(limit.unwrap_or_else(|| "nothing fits".into())),
         };
         if let Some(line) = line {
-            why.push(format!("  {:<26} {line}", label(precision, ckpt)));
+            why.push(format!("  {:<34} {line}", label(strategy, precision, ckpt)));
         }
     }
-    why.extend(p.skipped.iter().map(|s| format!("  {:<26} not planned: {}", label(s.precision, s.checkpointing), s.reason)));
+    why.extend(p.skipped.iter().map(|s| format!("  {:<34} not planned: {}", label(s.strategy, s.precision, s.checkpointing), s.reason)));
     if !why.is_empty() {
         println!("why the others lose:");
         println!("{}", why.join("\n"));
@@ -183,7 +233,7 @@ fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: O
 fn why_nothing(p: &Plan) -> String {
     let smallest = p.too_big.iter().min_by_key(|s| s.estimate.upper_bound_bytes);
     match smallest {
-        Some(s) => format!("the smallest setup, {} at micro-batch {}, needs {:.0} MiB (upper bound)", label(s.precision, s.checkpointing), s.micro_batch, mib(s.estimate.upper_bound_bytes)),
-        None => p.skipped.iter().map(|s| format!("{}: {}", label(s.precision, s.checkpointing), s.reason)).collect::<Vec<_>>().join("; "),
+        Some(s) => format!("the smallest setup, {} at micro-batch {}, needs {:.0} MiB (upper bound)", label(s.strategy, s.precision, s.checkpointing), s.micro_batch, mib(s.estimate.upper_bound_bytes)),
+        None => p.skipped.iter().map(|s| format!("{}: {}", label(s.strategy, s.precision, s.checkpointing), s.reason)).collect::<Vec<_>>().join("; "),
     }
 }

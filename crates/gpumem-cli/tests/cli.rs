@@ -325,6 +325,39 @@ fn plan_lists_setups_that_fit_fastest_first() {
     bad_input(&["plan", "mlp:input=8,output=2,depth=1", "--checkpointing", "maybe"], "--checkpointing `maybe`");
     bad_input(&["plan", "mlp:input=8,output=2,depth=1", "--global-batch", "0"], "--global-batch 0 must be a positive multiple of the world size (1)");
     bad_input(&["plan", "hf:gpt2", "--strategy", "ddp", "--world-size", "4", "--global-batch", "6"], "--global-batch 6 must be a positive multiple of the world size (4)");
+    bad_input(&["plan", "hf:gpt2", "--gpus", "8xh100-80gb-sxm", "--global-batch", "12"], "--global-batch 12 must be a positive multiple of the world size (8)");
+    bad_input(&["plan", "hf:gpt2", "--gpus", "8xh100-80gb-sxm", "--strategies", "zero4"], "--strategies: `zero4` is not ddp, fsdp, zero1, zero2 or zero3");
+    bad_input(&["plan", "hf:gpt2", "--gpus", "eight"], "--gpus `eight` is not COUNTxGPU");
+    bad_input(&["plan", "hf:gpt2", "--gpus", "2xh100-80gb-sxm", "--bus-gbs", "0"], "--bus-gbs 0 must be a positive number");
+    bad_input(&["plan", "mlp:input=8,output=2,depth=1", "--gpus", "2xh100-80gb-sxm"], "--gpus plans multi-GPU strategies, which apply to PyTorch models");
+}
+
+/// `gpumem plan --gpus 4xGPU`: strategies are a dimension of the search; every listed setup's
+/// upper bound (a rank's) is below one GPU's capacity, the micro-batches make up each rank's
+/// share of the global batch, and the collectives' time is part of each setup's step.
+#[test]
+fn plan_searches_strategies_over_the_gpus() {
+    if !common::torch("planning strategies") {
+        return;
+    }
+    let o = gpumem(&[
+        "plan", "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)", "--seq-len", "64", "--gpus", "4xh100-80gb-sxm", "--strategies", "ddp,zero2",
+        "--precisions", "bf16", "--checkpointing", "off", "--global-batch", "32", "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!((v["world_size"].as_u64(), v["bus_gbs"].as_f64()), (Some(4), Some(360.0)));
+    let capacity = v["capacity_mib"].as_f64().unwrap();
+    let setups = v["setups"].as_array().unwrap();
+    for name in ["ddp", "zero2"] {
+        assert!(setups.iter().any(|s| s["strategy"] == name), "{name} planned: {v}");
+    }
+    for s in setups {
+        assert!(s["upper_bound_mib"].as_f64().unwrap() <= capacity, "{s}");
+        assert_eq!(s["world_size"], 4);
+        assert_eq!(s["micro_batch"].as_u64().unwrap() * s["grad_accum"].as_u64().unwrap(), 8, "a rank's share of 32");
+        assert!(s["comm_s"].as_f64().unwrap() > 0.0 && s["comm_s"].as_f64().unwrap() < s["step_s"].as_f64().unwrap(), "{s}");
+    }
 }
 
 /// `gpumem estimate --deepspeed CONFIG`: the config's ZeRO stage, bf16 and micro-batch make the

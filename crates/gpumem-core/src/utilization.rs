@@ -68,6 +68,12 @@ enum Unit {
     Elementwise,
 }
 
+/// Ops that launch no kernel: views (a new tensor over the same memory) and allocations. The
+/// tracer records them (the host dispatches them), but a view of a 1 GB buffer reads nothing.
+const NO_KERNEL: [&str; 17] = [
+    "view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "permute", "expand", "alias", "detach", "select", "slice", "narrow", "as_strided", "unbind", "empty", "empty_strided",
+];
+
 fn unit(op: &str) -> Unit {
     if op.starts_with("conv") {
         Unit::Conv
@@ -99,10 +105,15 @@ pub fn physical(trace: &Trace, profile: &GpuProfile, host: &HostModel) -> Utiliz
     let bandwidth = profile.memory_bandwidth_gbs.max(1e-3) * 1e9;
     let sms = f64::from(profile.sm_count.max(1));
     let precision = trace.header.precision.as_str();
-    let (mut busy, mut sm_busy, mut occupied, mut dram, mut fp32, mut kernels) = (0.0, 0.0, 0.0, 0.0, 0.0, 0u64);
+    let (mut busy, mut sm_busy, mut occupied, mut dram, mut fp32, mut kernels, mut host_ops) = (0.0, 0.0, 0.0, 0.0, 0.0, 0u64, 0u64);
     for ev in trace.events() {
         let Event::Op { op, flops, bytes_read, bytes_written } = *ev else { continue };
-        let unit = unit(&trace.op_name(op));
+        let name = trace.op_name(op);
+        if NO_KERNEL.contains(&name) {
+            host_ops += 1;
+            continue;
+        }
+        let unit = unit(name);
         let bytes = (bytes_read + bytes_written) as f64;
         let compute = flops as f64 / (peak_flops(profile, unit, precision) * COMPUTE_EFFICIENCY);
         let memory = bytes / (bandwidth * MEMORY_EFFICIENCY);
@@ -123,7 +134,7 @@ pub fn physical(trace: &Trace, profile: &GpuProfile, host: &HostModel) -> Utiliz
         kernels += 1;
     }
     let iterations = trace.header.iterations.max(1) as f64;
-    let host_s = (kernels as f64 * host.dispatch_s) / iterations
+    let host_s = ((kernels + host_ops) as f64 * host.dispatch_s) / iterations
         + host.step_overhead_s
         + host.per_sample_s * trace.header.batch_size as f64;
     let step = (busy / iterations).max(host_s);

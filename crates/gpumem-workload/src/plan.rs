@@ -1,14 +1,16 @@
-//! The fastest setup of a job that fits one GPU: precision × activation checkpointing ×
-//! micro-batch (× gradient accumulation to a global batch), each sized by its upper bound and
-//! timed by the physical model. One batch-symbolic trace per (precision, checkpointing) answers
-//! every micro-batch, so a PyTorch model is traced a handful of times, not once per point.
+//! The fastest setup of a job that fits its GPUs: multi-GPU strategy × precision × activation
+//! checkpointing × micro-batch (× gradient accumulation to a global batch), each sized by its
+//! upper bound on every rank and timed by the physical model plus the strategy's collectives
+//! ([`Interconnect`]). One batch-symbolic trace per (strategy, precision, checkpointing)
+//! answers every micro-batch, so a PyTorch model is traced a handful of times, not once per
+//! point.
 
 use gpumem_core::estimate::{Estimate, Estimator};
 use gpumem_core::graph::Precision;
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::utilization::{HostModel, physical};
 
-use crate::{SizeError, Workload, WorkloadError};
+use crate::{SizeError, Strategy, Workload, WorkloadError};
 
 /// Setups whose time per sample is this close to the fastest's count as as fast.
 pub const TIE: f64 = 0.01;
@@ -16,6 +18,8 @@ pub const TIE: f64 = 0.01;
 /// What to search.
 #[derive(Debug, Clone)]
 pub struct Space {
+    /// Multi-GPU strategies (`None`: one GPU, or the base job's own strategy).
+    pub strategies: Vec<Option<Strategy>>,
     pub precisions: Vec<Precision>,
     pub checkpointing: Vec<bool>,
     /// Samples per optimizer step over every rank of the job's strategy (a whole multiple of its
@@ -25,16 +29,66 @@ pub struct Space {
     pub global_batch: Option<u64>,
 }
 
+/// How fast a job's ranks exchange bytes: NCCL's bus bandwidth per rank (what nccl-tests
+/// reports as busbw), which a ring collective moves (N−1)/N of its buffer per rank at.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Interconnect {
+    pub bus_gbs: f64,
+}
+
+impl Interconnect {
+    /// A GPU's usual link within one machine: NVLink on SXM parts (A100: ~230 GB/s bus
+    /// bandwidth in all-reduce on 8 GPUs; H100/H200: ~360 GB/s), PCIe 4.0 elsewhere (~20 GB/s).
+    /// Typical nccl-tests figures, not measurements of a given machine (`--bus-gbs` states one).
+    pub fn for_gpu(device: &str) -> Interconnect {
+        let d = device.to_ascii_lowercase();
+        let bus_gbs = if d.contains("h100") && !d.contains("pcie") || d.contains("h200") {
+            360.0
+        } else if d.contains("a100") && !d.contains("pcie") {
+            230.0
+        } else {
+            20.0
+        };
+        Interconnect { bus_gbs }
+    }
+
+    /// Seconds one rank spends in `strategy`'s collectives per micro-batch of a model with
+    /// `parameters` trainable parameters in `precision`, stepping every `grad_accum`
+    /// micro-batches; not overlapped with compute (an upper bound on their cost). DDP
+    /// all-reduces the gradients each micro-batch (2·(N−1)/N of their bytes); ZeRO-1/2
+    /// reduce-scatter them ((N−1)/N) and all-gather the updated 16-bit weights once per step;
+    /// FSDP and ZeRO-3 gather the weights for forward and again for backward (once when FSDP
+    /// keeps them) and reduce-scatter the gradients.
+    pub fn comm_s(self, strategy: Option<Strategy>, parameters: u64, precision: Precision, grad_accum: u64) -> f64 {
+        let Some(strategy) = strategy else { return 0.0 };
+        let n = f64::from(strategy.world_size());
+        let ring = (n - 1.0) / n;
+        let word = if matches!(precision, Precision::Bf16 | Precision::Fp16) { 2.0 } else { 4.0 };
+        let bytes = parameters as f64 * word;
+        let moved = match strategy {
+            Strategy::Ddp { .. } => 2.0 * ring * bytes,
+            Strategy::Zero { stage: 1 | 2, .. } => ring * bytes + ring * bytes / grad_accum.max(1) as f64,
+            Strategy::Fsdp { reshard_after_forward: false, .. } => 2.0 * ring * bytes,
+            Strategy::Fsdp { .. } | Strategy::Zero { .. } => 3.0 * ring * bytes,
+        };
+        moved / (self.bus_gbs.max(1e-3) * 1e9)
+    }
+}
+
 /// One setup, sized and timed.
 #[derive(Debug, Clone)]
 pub struct Setup {
+    pub strategy: Option<Strategy>,
     pub precision: Precision,
     pub checkpointing: bool,
     pub micro_batch: u64,
     pub grad_accum: u64,
     pub estimate: Estimate,
-    /// Seconds per micro-batch step (forward, backward, optimizer) by the physical model.
+    /// Seconds per micro-batch step: forward, backward and optimizer by the physical model,
+    /// plus `comm_s`.
     pub step_s: f64,
+    /// Of `step_s`, the strategy's collectives.
+    pub comm_s: f64,
 }
 
 impl Setup {
@@ -46,9 +100,10 @@ impl Setup {
     }
 }
 
-/// A (precision, checkpointing) pair that could not be planned, and why.
+/// A (strategy, precision, checkpointing) that could not be planned, and why.
 #[derive(Debug, Clone)]
 pub struct Skipped {
+    pub strategy: Option<Strategy>,
     pub precision: Precision,
     pub checkpointing: bool,
     pub reason: String,
@@ -81,51 +136,59 @@ fn micro_batches(global: Option<u64>, max: u64) -> Vec<u64> {
     candidates.into_iter().filter(|m| *m <= max).chain(above).collect()
 }
 
-/// Plans `base` (its model and fixed options; its precision, checkpointing and batch are
-/// searched) on `profile`.
-pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, space: &Space) -> Result<Plan, SizeError> {
+/// Plans `base` (its model and fixed options; its strategy where `space` lists none, and its
+/// precision, checkpointing and batch are searched) on `profile`, every rank's GPU.
+pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, space: &Space, link: Interconnect) -> Result<Plan, SizeError> {
     let host = HostModel::default();
-    let world = u64::from(base.options().strategy.map_or(1, |s| s.world_size()));
-    let rank_batch = space.global_batch.map(|g| g / world);
+    let strategies = if space.strategies.is_empty() { vec![base.options().strategy] } else { space.strategies.clone() };
     let mut out = Plan::default();
-    for &precision in &space.precisions {
-        for &checkpointing in &space.checkpointing {
-            let skip = |reason: String| Skipped { precision, checkpointing, reason };
-            let options = crate::Options { precision, checkpointing, grad_accum: 1, ..base.options().clone() };
-            let workload = match Workload::new(base.model().clone(), 1, options) {
-                Ok(w) => w,
-                Err(e) => {
-                    out.skipped.push(skip(e.to_string()));
+    for &strategy in &strategies {
+        let world = u64::from(strategy.map_or(1, |s| s.world_size()));
+        let rank_batch = space.global_batch.map(|g| g / world);
+        for &precision in &space.precisions {
+            for &checkpointing in &space.checkpointing {
+                let skip = |reason: String| Skipped { strategy, precision, checkpointing, reason };
+                let options = crate::Options { precision, checkpointing, grad_accum: 1, strategy, ..base.options().clone() };
+                let workload = match Workload::new(base.model().clone(), 1, options) {
+                    Ok(w) => w,
+                    Err(e) => {
+                        out.skipped.push(skip(e.to_string()));
+                        continue;
+                    }
+                };
+                let sym = match workload.symbolic(profile) {
+                    Ok(s) => s,
+                    // A model that cannot take this setup (no blocks to checkpoint or shard, a
+                    // precision the families refuse, FSDP2 on an old torch) is skipped; the
+                    // tracer missing altogether is an error.
+                    Err(WorkloadError::Invalid(m)) => {
+                        out.skipped.push(skip(m));
+                        continue;
+                    }
+                    Err(e @ WorkloadError::Tracer(gpumem_torch::BridgeError::BadReference(_) | gpumem_torch::BridgeError::Model(_))) => {
+                        out.skipped.push(skip(e.to_string()));
+                        continue;
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                let invalid = |e: gpumem_core::search::SearchError| WorkloadError::Invalid(e.to_string());
+                let Some((max, _)) = sym.max_batch(profile, estimator).map_err(invalid)? else {
+                    let estimate = estimator.estimate(&sym.at(1).map_err(invalid)?, profile)?;
+                    out.too_big.push(Setup { strategy, precision, checkpointing, micro_batch: 1, grad_accum: rank_batch.unwrap_or(1), estimate, step_s: 0.0, comm_s: 0.0 });
                     continue;
-                }
-            };
-            let sym = match workload.symbolic(profile) {
-                Ok(s) => s,
-                // A model that cannot take this pair (no blocks to checkpoint, a precision the
-                // families refuse) is skipped; the tracer missing altogether is an error.
-                Err(WorkloadError::Invalid(m)) => {
-                    out.skipped.push(skip(m));
-                    continue;
-                }
-                Err(e @ WorkloadError::Tracer(gpumem_torch::BridgeError::BadReference(_) | gpumem_torch::BridgeError::Model(_))) => {
-                    out.skipped.push(skip(e.to_string()));
-                    continue;
-                }
-                Err(e) => return Err(e.into()),
-            };
-            let Some((max, _)) = sym.max_batch(profile, estimator).map_err(|e| WorkloadError::Invalid(e.to_string()))? else {
-                let estimate = estimator.estimate(&sym.at(1).map_err(|e| WorkloadError::Invalid(e.to_string()))?, profile)?;
-                out.too_big.push(Setup { precision, checkpointing, micro_batch: 1, grad_accum: rank_batch.unwrap_or(1), estimate, step_s: 0.0 });
-                continue;
-            };
-            for m in micro_batches(rank_batch, max) {
-                let trace = sym.at(m).map_err(|e| WorkloadError::Invalid(e.to_string()))?;
-                let estimate = estimator.estimate(&trace, profile)?;
-                let setup = Setup { precision, checkpointing, micro_batch: m, grad_accum: rank_batch.map_or(1, |g| g / m), step_s: physical(&trace, profile, &host).step_s, estimate };
-                if m > max {
-                    out.too_big.push(setup);
-                } else {
-                    out.fits.push(setup);
+                };
+                for m in micro_batches(rank_batch, max) {
+                    let trace = sym.at(m).map_err(invalid)?;
+                    let estimate = estimator.estimate(&trace, profile)?;
+                    let grad_accum = rank_batch.map_or(1, |g| g / m);
+                    let comm_s = link.comm_s(strategy, trace.header.parameters.unwrap_or(0), precision, grad_accum);
+                    let step_s = physical(&trace, profile, &host).step_s + comm_s;
+                    let setup = Setup { strategy, precision, checkpointing, micro_batch: m, grad_accum, step_s, comm_s, estimate };
+                    if m > max {
+                        out.too_big.push(setup);
+                    } else {
+                        out.fits.push(setup);
+                    }
                 }
             }
         }
@@ -145,6 +208,23 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn collectives_cost_what_their_rings_move() {
+        let link = Interconnect { bus_gbs: 100.0 };
+        let (p, zero) = (1_000_000_000u64, crate::Zero::default());
+        let ddp = Strategy::Ddp { world_size: 4, bucket_cap_mb: 25, bucket_view: false };
+        // 2 · 3/4 · 4 GB over 100 GB/s.
+        assert!((link.comm_s(Some(ddp), p, Precision::Fp32, 1) - 0.06).abs() < 1e-12);
+        assert_eq!(link.comm_s(None, p, Precision::Fp32, 1), 0.0);
+        let z = |stage| Some(Strategy::Zero { stage, world_size: 4, zero });
+        // bf16: 2 GB; ZeRO-2 reduce-scatters each micro-batch, gathers weights once per 4.
+        assert!((link.comm_s(z(2), p, Precision::Bf16, 4) - (0.015 + 0.015 / 4.0)).abs() < 1e-12);
+        assert!((link.comm_s(z(3), p, Precision::Bf16, 4) - 0.045).abs() < 1e-12);
+        assert_eq!(Interconnect::for_gpu("NVIDIA H100 80GB HBM3 (SXM5)").bus_gbs, 360.0);
+        assert_eq!(Interconnect::for_gpu("NVIDIA H100 PCIe 80GB").bus_gbs, 20.0);
+        assert_eq!(Interconnect::for_gpu("NVIDIA A100-SXM4-40GB").bus_gbs, 230.0);
+    }
+
     use super::*;
     use gpumem_core::estimate::Replay;
     use gpumem_core::profile::builtin;
@@ -161,8 +241,9 @@ mod tests {
     fn the_fastest_setup_that_fits_comes_first() {
         let t4 = builtin("t4").unwrap();
         let base = Workload::parse("mlp:input=4096,output=10,depth=6,arch=uniform", 1, crate::Options::default()).unwrap();
-        let space = Space { precisions: vec![Precision::Fp32, Precision::AmpFp16], checkpointing: vec![false], global_batch: Some(4096) };
-        let p = plan(&base, &t4, &Replay::default(), &space).unwrap();
+        let space = Space { strategies: Vec::new(), precisions: vec![Precision::Fp32, Precision::AmpFp16], checkpointing: vec![false], global_batch: Some(4096) };
+        let link = Interconnect::for_gpu(&t4.name);
+        let p = plan(&base, &t4, &Replay::default(), &space, link).unwrap();
         assert!(!p.fits.is_empty());
         assert!(p.fits.windows(2).all(|w| w[0].seconds_per_sample() <= w[1].seconds_per_sample()));
         assert!(p.fits.iter().all(|s| s.estimate.upper_bound_bytes <= t4.capacity_bytes() && s.micro_batch * s.grad_accum == 4096));
@@ -172,7 +253,7 @@ mod tests {
         assert_eq!(best.precision, Precision::AmpFp16, "{best:?}");
         // Checkpointing is for PyTorch models: skipped with the reason, not an error.
         let space = Space { checkpointing: vec![true], ..space };
-        let p = plan(&base, &t4, &Replay::default(), &space).unwrap();
+        let p = plan(&base, &t4, &Replay::default(), &space, link).unwrap();
         assert!(p.fits.is_empty() && p.skipped.len() == 2 && p.skipped[0].reason.contains("apply to PyTorch models"));
     }
 }
