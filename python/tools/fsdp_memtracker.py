@@ -66,8 +66,14 @@ def tracker_peak(ref, batch, seq, world):
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     mesh = init_device_mesh("cpu", (world,))
-    with FakeTensorMode():
-        model = build(ref)
+    meta = None
+    if ref.startswith("timm:"):
+        # timm's constructor reads values (drop-path rates) that fake tensors do not have: built
+        # on meta, its tensors then made fake.
+        with torch.device("meta"):
+            meta = build(ref)
+    with FakeTensorMode(allow_non_fake_inputs=meta is not None):
+        model = meta.to_empty(device="cpu") if meta is not None else build(ref)
         model.train()
         for b in repeated_blocks(model, ref, "FSDP"):
             fully_shard(b, mesh=mesh)
