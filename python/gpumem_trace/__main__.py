@@ -46,6 +46,7 @@ def main(argv=None):
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's gradient bucket size")
     p.add_argument("--gradient-as-bucket-view", action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true", help="FSDP2: keep each layer's gathered parameters from forward to backward")
+    p.add_argument("--fsdp-param-dtype", choices=["bf16", "fp16"], help="FSDP2: MixedPrecisionPolicy's param_dtype (gradients reduced in fp32)")
     p.add_argument("--zero", default="{}", help="ZeRO: a JSON object of gpumem_trace.zero.ZeroConfig's fields (DeepSpeed's defaults otherwise)")
     p.add_argument("--lora-rank", type=int, help="LoRA fine-tuning, as PEFT sets it up: the rank r")
     p.add_argument("--lora-alpha", type=float, default=8.0)
@@ -111,7 +112,8 @@ def main(argv=None):
                         channels_last=a.channels_last, grad_accum=a.grad_accum, data_parallel=a.data_parallel,
                         validate=a.validate, outputs=a.outputs, attention_mask=a.attention_mask, lora=lora,
                         strategy=a.strategy, world_size=a.world_size, bucket_cap_mb=a.bucket_cap_mb, bucket_view=a.gradient_as_bucket_view,
-                        reshard_after_forward=not a.no_reshard_after_forward, zero=zero)
+                        reshard_after_forward=not a.no_reshard_after_forward, zero=zero,
+                        fsdp_param_dtype=a.fsdp_param_dtype)
     try:
         for batch, out in zip(a.batch, a.out):
             opts.batch = batch

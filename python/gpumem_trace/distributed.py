@@ -134,8 +134,11 @@ class _MetaDevice:
         pass
 
 
-def fsdp(model, blocks, world_size, reshard_after_forward, on_alloc, on_free):
-    """``fully_shard`` on each block, then on the model, as rank 0 of ``world_size`` (FSDP2).
+def fsdp(model, blocks, world_size, reshard_after_forward, on_alloc, on_free, param_dtype=None):
+    """``fully_shard`` on each block, then on the model, as rank 0 of ``world_size`` (FSDP2),
+    with ``MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=float32)`` where a
+    ``param_dtype`` is given: layers are gathered and computed in it, gradients reduced into
+    fp32 shards. (``CPUOffloadPolicy`` is not traced: it needs the shards' values on the host.)
     FSDP2 frees a layer's gathered parameters by resizing their storage to nothing and gathers
     them again into the same storage: ``on_free(tensor)`` and ``on_alloc(tensor)`` hear of each
     (a storage that is resized is not a tensor that dies)."""
@@ -165,8 +168,15 @@ def fsdp(model, blocks, world_size, reshard_after_forward, on_alloc, on_free):
         free_storage(tensor)
 
     _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     mesh = init_device_mesh("cpu", (world_size,))
+    policy = dict(
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None),
+    )
     for b in blocks:
-        fully_shard(b, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(b, **policy)
+    fully_shard(model, **policy)
     return model

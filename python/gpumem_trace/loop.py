@@ -52,6 +52,7 @@ class TraceOptions:
     bucket_cap_mb: float = 25.0
     bucket_view: bool = False  # DDP's gradient_as_bucket_view
     reshard_after_forward: bool = True  # FSDP2's
+    fsdp_param_dtype: str = None  # FSDP2's MixedPrecisionPolicy param_dtype: "bf16" or "fp16"
     zero: object = None  # a zero.ZeroConfig for the zero strategies
     lr: float = 1e-3
     extra: dict = field(default_factory=dict)
@@ -295,7 +296,8 @@ def trace_training(opts: TraceOptions, out_path: str):
         rec.phase = "setup"
         if opts.strategy == "fsdp":
             distributed.fsdp(model, blocks, opts.world_size, opts.reshard_after_forward,
-                             on_alloc=lambda t: mode.track(t, "fsdp_all_gather"), on_free=lambda t: rec.free(storage_key(t)))
+                             on_alloc=lambda t: mode.track(t, "fsdp_all_gather"), on_free=lambda t: rec.free(storage_key(t)),
+                             param_dtype={None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[opts.fsdp_param_dtype])
         elif opts.zero is not None:
             engine = zero.Engine(model, opts.zero, opts.optimizer, weights_dtype or torch.float32, rec)
         else:

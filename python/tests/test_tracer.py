@@ -511,7 +511,7 @@ def test_fsdp_rank_holds_its_shards(tmp_path):
     process group: at the end of a step it holds a single GPU's bytes less (N-1)/N of the
     parameters, gradients and Adam's two states (every dimension here divides by N: no
     padding), the gathered layers all freed; keeping them from forward to backward
-    (reshard_after_forward=False) raises the peak."""
+    (reshard_after_forward=False) raises the peak; a bf16 mixed-precision policy lowers it."""
     import torch
 
     if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6):
@@ -532,6 +532,10 @@ def test_fsdp_rank_holds_its_shards(tmp_path):
         assert end == single - states * (n - 1) // n, (n, end, single, states)
     _, (_, kept) = run_fsdp("--strategy", "fsdp", "--world-size", "4", "--no-reshard-after-forward")
     assert kept > peak
+    # MixedPrecisionPolicy(param_dtype=bf16): layers gathered and computed in bf16, gradients
+    # reduced into the same fp32 shards, so the step ends where fp32 ends, from a lower peak.
+    _, (mp_end, mp_peak) = run_fsdp("--strategy", "fsdp", "--world-size", "4", "--fsdp-param-dtype", "bf16")
+    assert mp_end == end and mp_peak < peak
 
 
 def test_zero_ranks_hold_deepspeeds_partitions(tmp_path):

@@ -16,7 +16,7 @@ use gpumem_core::units::bytes_to_mib;
 use gpumem_learn::{Hybrid, LearnedModel};
 use gpumem_torch::BridgeError;
 use gpumem_workload::deepspeed::{self, DeepSpeedJob};
-use gpumem_workload::{AttentionMask, InputShape, Lora, ModelRef, Options, Outputs, Strategy, Validate, Workload, WorkloadError, Zero};
+use gpumem_workload::{AttentionMask, HalfDtype, InputShape, Lora, ModelRef, Options, Outputs, Strategy, Validate, Workload, WorkloadError, Zero};
 
 use crate::{CliError, CliResult};
 
@@ -129,6 +129,10 @@ pub struct StrategyArgs {
     /// forward to its backward.
     #[arg(long)]
     no_reshard_after_forward: bool,
+    /// FSDP2's MixedPrecisionPolicy param_dtype, bf16 or fp16: layers gathered and computed in
+    /// it, gradients reduced into fp32 shards.
+    #[arg(long, value_parser = ["bf16", "fp16"])]
+    fsdp_param_dtype: Option<String>,
     /// A DeepSpeed config (JSON) for a ZeRO job: its zero_optimization settings, and what it
     /// states of the loop (bf16/fp16, optimizer type, train_micro_batch_size_per_gpu,
     /// gradient_accumulation_steps; "auto" leaves the flag's value) replace the flags. Ranks:
@@ -158,7 +162,11 @@ impl StrategyArgs {
             return Ok(Some(job.strategy(world_size)));
         }
         Ok(match (self.strategy.as_deref(), self.world_size) {
-            (Some("fsdp"), Some(world_size)) => Some(Strategy::Fsdp { world_size, reshard_after_forward: !self.no_reshard_after_forward }),
+            (Some("fsdp"), Some(world_size)) => Some(Strategy::Fsdp {
+                world_size,
+                reshard_after_forward: !self.no_reshard_after_forward,
+                param_dtype: self.fsdp_param_dtype.as_deref().map(|d| if d == "bf16" { HalfDtype::Bf16 } else { HalfDtype::Fp16 }),
+            }),
             (Some(zero @ ("zero1" | "zero2" | "zero3")), Some(world_size)) => Some(Strategy::Zero { stage: zero.as_bytes()[4] - b'0', world_size, zero: Zero::default() }),
             (Some(_), Some(world_size)) => Some(Strategy::Ddp { world_size, bucket_cap_mb: self.bucket_cap_mb, bucket_view: self.gradient_as_bucket_view }),
             (None, Some(_)) => return Err(CliError::input("--world-size needs --strategy or --deepspeed")),

@@ -200,11 +200,35 @@ pub enum Strategy {
     Ddp { world_size: u32, bucket_cap_mb: u32, bucket_view: bool },
     /// FSDP2 (`fully_shard` on each repeated block, then the model): parameters, gradients and
     /// optimizer state sharded over the ranks, each layer's parameters gathered for its
-    /// forward and backward; `reshard_after_forward` frees them between the two.
-    Fsdp { world_size: u32, reshard_after_forward: bool },
+    /// forward and backward; `reshard_after_forward` frees them between the two;
+    /// `param_dtype`: `MixedPrecisionPolicy`'s (layers gathered and computed in it, gradients
+    /// reduced into fp32 shards).
+    Fsdp {
+        world_size: u32,
+        reshard_after_forward: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        param_dtype: Option<HalfDtype>,
+    },
     /// DeepSpeed ZeRO stage 1 (optimizer state partitioned), 2 (and gradients) or 3 (and
     /// parameters), modelled from its config (DeepSpeed need not be installed).
     Zero { stage: u8, world_size: u32, zero: Zero },
+}
+
+/// A 16-bit floating-point dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HalfDtype {
+    Bf16,
+    Fp16,
+}
+
+impl HalfDtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            HalfDtype::Bf16 => "bf16",
+            HalfDtype::Fp16 => "fp16",
+        }
+    }
 }
 
 /// What of DeepSpeed's `zero_optimization` decides a rank's memory, in DeepSpeed's units
@@ -551,7 +575,7 @@ mod tests {
         assert!(json.contains(r#""strategy":{"kind":"ddp","world_size":8,"bucket_cap_mb":25,"bucket_view":false}"#), "{json}");
         assert_eq!(serde_json::from_str::<Options>(&json).unwrap(), ddp(8, 1));
         assert!(!ddp(8, 1).native_compatible());
-        let fsdp = Options { strategy: Some(Strategy::Fsdp { world_size: 1, reshard_after_forward: true }), ..Options::default() };
+        let fsdp = Options { strategy: Some(Strategy::Fsdp { world_size: 1, reshard_after_forward: true, param_dtype: None }), ..Options::default() };
         assert_eq!(fsdp.check(), Err(OptionError::WorldSize(1)));
     }
 }

@@ -119,10 +119,13 @@ impl TraceRequest {
                     a.push("--gradient-as-bucket-view".into());
                 }
             }
-            Some(Strategy::Fsdp { world_size, reshard_after_forward }) => {
+            Some(Strategy::Fsdp { world_size, reshard_after_forward, param_dtype }) => {
                 a.extend(["--strategy".into(), "fsdp".into(), "--world-size".into(), world_size.to_string()]);
                 if !reshard_after_forward {
                     a.push("--no-reshard-after-forward".into());
+                }
+                if let Some(d) = param_dtype {
+                    a.extend(["--fsdp-param-dtype".into(), d.name().into()]);
                 }
             }
             Some(s @ Strategy::Zero { world_size, zero, .. }) => {

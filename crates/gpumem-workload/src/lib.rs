@@ -14,7 +14,7 @@ use gpumem_core::profile::GpuProfile;
 use gpumem_core::search::{self, SearchError};
 use gpumem_core::symbolic::SymbolicTrace;
 use gpumem_core::trace::Trace;
-pub use gpumem_core::workload::{AttentionMask, InputShape, Lora, ModelRef, OptionOverrides, Options, Outputs, Strategy, TORCH_PREFIXES, Validate, Zero};
+pub use gpumem_core::workload::{AttentionMask, HalfDtype, InputShape, Lora, ModelRef, OptionOverrides, Options, Outputs, Strategy, TORCH_PREFIXES, Validate, Zero};
 use gpumem_torch::{BridgeError, TorchTracer, TraceRequest};
 
 pub mod deepspeed;

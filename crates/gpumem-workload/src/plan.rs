@@ -68,8 +68,13 @@ impl Interconnect {
         let moved = match strategy {
             Strategy::Ddp { .. } => 2.0 * ring * bytes,
             Strategy::Zero { stage: 1 | 2, .. } => ring * bytes + ring * bytes / grad_accum.max(1) as f64,
-            Strategy::Fsdp { reshard_after_forward: false, .. } => 2.0 * ring * bytes,
-            Strategy::Fsdp { .. } | Strategy::Zero { .. } => 3.0 * ring * bytes,
+            Strategy::Zero { .. } => 3.0 * ring * bytes,
+            // A mixed-precision policy gathers in its 16-bit dtype and reduces in fp32.
+            Strategy::Fsdp { reshard_after_forward, param_dtype, .. } => {
+                let (gathered, reduced) = if param_dtype.is_some() { (2.0, 4.0) } else { (word, word) };
+                let gathers = if reshard_after_forward { 2.0 } else { 1.0 };
+                ring * parameters as f64 * (gathers * gathered + reduced)
+            }
         };
         moved / (self.bus_gbs.max(1e-3) * 1e9)
     }
