@@ -52,6 +52,8 @@ def main(argv=None):
     p.add_argument("--lora-alpha", type=float, default=8.0)
     p.add_argument("--lora-targets", help="module names, comma-separated, or all-linear")
     p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--lora-quant", choices=["nf4", "fp4"], help="QLoRA: the model loaded in 4 bits (bitsandbytes' Linear4bit) before LoRA")
+    p.add_argument("--lora-single-quant", action="store_true", help="QLoRA without double quantization of the block statistics")
     p.add_argument("--timeout", type=float, default=0, help="seconds; 0 = none")
     a = p.parse_args(argv)
 
@@ -106,7 +108,8 @@ def main(argv=None):
         from .lora import Lora
         if a.lora_rank < 1 or not a.lora_targets or not 0 <= a.lora_dropout < 1:
             return fail(2, "--lora-rank must be at least 1, --lora-targets given, --lora-dropout in [0, 1)")
-        lora = Lora(rank=a.lora_rank, alpha=a.lora_alpha, targets=tuple(a.lora_targets.split(",")), dropout=a.lora_dropout)
+        lora = Lora(rank=a.lora_rank, alpha=a.lora_alpha, targets=tuple(a.lora_targets.split(",")), dropout=a.lora_dropout,
+                    quant=a.lora_quant, double_quant=not a.lora_single_quant)
     opts = TraceOptions(model=a.model, batch=a.batch[0], optimizer=a.optimizer, precision=a.precision, iterations=a.iterations,
                         input_shape=shape, seq_len=a.seq_len, gpu_capability=a.gpu_capability, sdpa=a.sdpa, checkpointing=a.checkpointing,
                         channels_last=a.channels_last, grad_accum=a.grad_accum, data_parallel=a.data_parallel,

@@ -10,7 +10,15 @@ rank), with PEFT's forward:
 
 Targets match as PEFT matches ``target_modules``: a module whose name is a target or ends with
 ``.target``; ``all-linear`` is every linear layer but the model's output embeddings.
+
+QLoRA (``quant``): the model is loaded in 4 bits first, as transformers' ``BitsAndBytesConfig(
+load_in_4bit=True, bnb_4bit_quant_type="nf4"|"fp4", bnb_4bit_use_double_quant=…)`` does —
+every linear layer but the output embeddings becomes bitsandbytes' ``Linear4bit`` — and LoRA
+then wraps its targets. bitsandbytes need not be installed (``Linear4bit`` below holds what its
+0.50 release holds).
 """
+
+import math
 
 from dataclasses import dataclass
 
@@ -25,6 +33,73 @@ class Lora:
     alpha: float
     targets: tuple
     dropout: float = 0.0
+    quant: str = None  # "nf4" or "fp4": QLoRA's 4-bit base weights
+    double_quant: bool = True
+
+
+class Linear4bit(torch.nn.Module):
+    """bitsandbytes' ``Linear4bit`` (0.50) as memory sees it. The weight of ``n`` elements is
+    packed two to a byte (``n/2`` uint8) with an absmax per 64-element block — fp32, or with
+    double quantization a byte, plus an fp32 absmax per 256 of those, a 256-entry fp32 code and
+    an fp32 offset — and the 16-entry fp32 code of nf4/fp4 (``quantize_4bit``'s QuantState).
+    The statistics are kept as byte buffers of their size, so casting the model's floating-point
+    tensors (pure bf16 training) leaves them as bitsandbytes keeps them. ``matmul_4bit``
+    dequantizes the whole weight into the input's dtype for the product, in forward and again in
+    backward (the weight is frozen: only the input's gradient), and saves nothing else."""
+
+    BLOCK, NESTED_BLOCK = 64, 256
+
+    def __init__(self, base, double_quant):
+        super().__init__()
+        w = base.weight
+        self.in_features, self.out_features = (w.shape[0], w.shape[1]) if isinstance(base, _conv1d_types()) else (w.shape[1], w.shape[0])
+        n, blocks = w.numel(), -(-w.numel() // self.BLOCK)
+        byte = lambda k: torch.empty(k, dtype=torch.uint8, device=w.device)  # noqa: E731
+        self.register_buffer("weight_packed", byte((n + 1) // 2))
+        self.register_buffer("code", byte(16 * 4))
+        if double_quant:
+            self.register_buffer("absmax", byte(blocks))
+            self.register_buffer("nested_absmax", byte(-(-blocks // self.NESTED_BLOCK) * 4))
+            self.register_buffer("nested_code", byte(256 * 4))
+            self.register_buffer("offset", byte(4))
+        else:
+            self.register_buffer("absmax", byte(blocks * 4))
+        self.bias = base.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+    def dequantize(self, dtype):
+        """The weight, (out, in), in ``dtype`` (a kernel writes every element)."""
+        return torch.zeros((self.out_features, self.in_features), dtype=dtype, device=self.weight_packed.device)
+
+    def forward(self, x):
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return _MatMul4bit.apply(x, self, bias)
+
+
+class _MatMul4bit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, layer, bias):
+        ctx.layer = layer
+        w = layer.dequantize(x.dtype)
+        return torch.nn.functional.linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w = ctx.layer.dequantize(grad.dtype)
+        return grad @ w, None, None
+
+
+def quantize(model, lora: Lora):
+    """Loads ``model`` in 4 bits: every linear layer but the output embeddings becomes a
+    ``Linear4bit`` (transformers' default ``llm_int8_skip_modules``)."""
+    linear = (torch.nn.Linear,) + _conv1d_types()
+    output = _output_embeddings(model)
+    chosen = [(n, m) for n, m in model.named_modules() if n and isinstance(m, linear) and m is not output]
+    for module_name, module in chosen:
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Linear4bit(module, lora.double_quant))
 
 
 def _conv1d_types():
@@ -39,12 +114,19 @@ class LoraLayer(torch.nn.Module):
     def __init__(self, base, lora: Lora):
         super().__init__()
         self.base_layer = base
-        w = base.weight
-        # transformers' Conv1D keeps its weight as (in, out) (PEFT's fan_in_fan_out).
-        in_f, out_f = (w.shape[0], w.shape[1]) if isinstance(base, _conv1d_types()) else (w.shape[1], w.shape[0])
+        if isinstance(base, Linear4bit):
+            # The factors of a 4-bit layer are made as the model's floating-point tensors are
+            # (then cast with them).
+            in_f, out_f = base.in_features, base.out_features
+            device, dtype = base.weight_packed.device, torch.get_default_dtype()
+        else:
+            w = base.weight
+            # transformers' Conv1D keeps its weight as (in, out) (PEFT's fan_in_fan_out).
+            in_f, out_f = (w.shape[0], w.shape[1]) if isinstance(base, _conv1d_types()) else (w.shape[1], w.shape[0])
+            device, dtype = w.device, w.dtype
         self.lora_dropout = torch.nn.Dropout(lora.dropout) if lora.dropout > 0 else torch.nn.Identity()
-        self.lora_A = torch.nn.Linear(in_f, lora.rank, bias=False, device=w.device, dtype=w.dtype)
-        self.lora_B = torch.nn.Linear(lora.rank, out_f, bias=False, device=w.device, dtype=w.dtype)
+        self.lora_A = torch.nn.Linear(in_f, lora.rank, bias=False, device=device, dtype=dtype)
+        self.lora_B = torch.nn.Linear(lora.rank, out_f, bias=False, device=device, dtype=dtype)
         self.scaling = lora.alpha / lora.rank
 
     def forward(self, x, *args, **kwargs):
@@ -62,8 +144,11 @@ def _output_embeddings(model):
 
 
 def apply(model, lora: Lora, name):
-    """Freezes ``model`` and puts a LoRA layer on each target; returns how many were wrapped."""
-    linear = (torch.nn.Linear,) + _conv1d_types()
+    """Freezes ``model`` (loaded in 4 bits for QLoRA) and puts a LoRA layer on each target;
+    returns how many were wrapped."""
+    if lora.quant:
+        quantize(model, lora)
+    linear = (torch.nn.Linear, Linear4bit) + _conv1d_types()
     every_linear = lora.targets == ("all-linear",)
     output = _output_embeddings(model) if every_linear else None
 

@@ -445,6 +445,39 @@ def test_lora_steps_as_peft_does(tmp_path, monkeypatch, ref, targets, precision)
     assert sizes(tmp_path / "ours.jsonl") == sizes(tmp_path / "peft.jsonl")
 
 
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_4bit_layers_hold_what_bitsandbytes_holds(double_quant):
+    """QLoRA's base layers hold, byte for byte, what bitsandbytes' quantize_4bit makes of the
+    weight (its CPU kernel): the packed weight and every tensor of its QuantState."""
+    bnb_f = pytest.importorskip("bitsandbytes.functional")
+    import torch
+    from gpumem_trace.lora import Linear4bit
+
+    for shape in [(300, 200), (4096, 11008), (7, 9)]:
+        packed, state = bnb_f.quantize_4bit(torch.zeros(shape, dtype=torch.bfloat16), quant_type="nf4", compress_statistics=double_quant)
+        theirs = [packed, state.absmax, state.code] + ([state.offset, state.state2.absmax, state.state2.code] if double_quant else [])
+        ours = Linear4bit(torch.nn.Linear(shape[1], shape[0], bias=False, device="meta"), double_quant)
+        assert sorted(t.numel() * t.element_size() for t in theirs) == sorted(b.numel() for b in ours.buffers()), shape
+
+
+def test_qlora_loads_the_model_in_4_bits(tmp_path):
+    """--lora-quant nf4: every linear layer but the output head holds 4 bits per weight (and its
+    block statistics) instead of bf16's 16; LoRA trains the same factors on top."""
+    ref = "hf:LlamaForCausalLM(hidden_size=256,intermediate_size=688,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=4,vocab_size=1000)"
+
+    def end(*extra):
+        header, evs = traced([ref, "--batch", "2", "--seq-len", "32", "--precision", "bf16", "--lora-rank", "8", "--lora-targets", "q_proj,v_proj", *extra], tmp_path)
+        return header["parameters"], live_and_peak(evs)[0]
+
+    (lora_params, lora), (qlora_params, qlora) = end(), end("--lora-quant", "nf4", "--lora-single-quant")
+    assert lora_params == qlora_params == 2 * 2 * 8 * (256 + 256)
+    layers = [(256, 256)] * 4 + [(688, 256)] * 3  # q, k, v, o; gate, up, down
+    n = 2 * sum(a * b for a, b in layers)
+    # Packed weight, an fp32 absmax per 64-element block, the 16-entry fp32 code.
+    four_bit = 2 * sum(a * b // 2 + -(-a * b // 64) * 4 + 16 * 4 for a, b in layers)
+    assert lora - qlora == 2 * n - four_bit
+
+
 @pytest.mark.parametrize("name,cls", [("adamw8bit", "AdamW8bit"), ("adam8bit", "Adam8bit"), ("paged-adamw8bit", "PagedAdamW8bit")])
 def test_8bit_optimizers_hold_what_bitsandbytes_holds(name, cls):
     """The tracer's 8-bit optimizers make the state bitsandbytes' own init_state makes (which

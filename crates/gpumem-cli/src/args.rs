@@ -100,6 +100,9 @@ pub struct WorkloadArgs {
     /// LoRA fine-tuning (PyTorch models), as PEFT sets it up: `r=16,alpha=32,targets=q_proj,v_proj`
     /// (`targets=all-linear`: every linear layer but the output head), or a PEFT
     /// adapter_config.json. The model's own weights are frozen: no gradients, no optimizer state.
+    /// `quant=nf4` (or fp4) is QLoRA: the model loaded in 4 bits first (bitsandbytes' Linear4bit
+    /// for every linear layer but the output head; `double_quant=false` without QLoRA's double
+    /// quantization).
     #[arg(long)]
     lora: Option<String>,
     #[command(flatten)]

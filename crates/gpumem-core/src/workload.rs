@@ -299,6 +299,19 @@ pub struct Lora {
     pub targets: Vec<String>,
     #[serde(default)]
     pub dropout: f64,
+    /// QLoRA: the model loaded in 4 bits first (bitsandbytes' `Linear4bit` for every linear
+    /// layer but the output embeddings), as transformers' `BitsAndBytesConfig(load_in_4bit=True)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quant: Option<Quant4>,
+}
+
+/// 4-bit base weights (nf4 and fp4 hold the same bytes); `double_quant`: the block statistics
+/// quantized again (`bnb_4bit_use_double_quant`, QLoRA's recipe).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Quant4 {
+    pub nf4: bool,
+    pub double_quant: bool,
 }
 
 // Sound: the numbers are finite (checked where a Lora is made), so bitwise equality is equality.
@@ -306,21 +319,23 @@ impl Eq for Lora {}
 
 impl std::hash::Hash for Lora {
     fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        (self.rank, self.alpha.to_bits(), &self.targets, self.dropout.to_bits()).hash(h);
+        (self.rank, self.alpha.to_bits(), &self.targets, self.dropout.to_bits(), self.quant).hash(h);
     }
 }
 
 impl Lora {
-    /// `r=16,alpha=32,targets=q_proj,v_proj[,dropout=0.05]` (a bare word after `targets=` is one
-    /// more target). PEFT's defaults: r 8, alpha 8, dropout 0; targets are required.
+    /// `r=16,alpha=32,targets=q_proj,v_proj[,dropout=0.05][,quant=nf4|fp4[,double_quant=false]]`
+    /// (a bare word after `targets=` is one more target). PEFT's defaults: r 8, alpha 8, dropout
+    /// 0; targets are required; QLoRA's double quantization unless turned off.
     pub fn parse(spec: &str) -> Result<Lora, String> {
         let (mut rank, mut alpha, mut dropout, mut targets) = (8u32, 8f64, 0f64, Vec::new());
+        let (mut quant, mut double_quant) = (None, None);
         let mut after_targets = false;
         for part in spec.split(',').map(str::trim) {
             let (key, value) = match part.split_once('=') {
                 Some((k, v)) => (k.trim(), v.trim()),
                 None if after_targets && !part.is_empty() => ("targets", part),
-                None => return Err(format!("`{part}` is not key=value (r, alpha, targets, dropout)")),
+                None => return Err(format!("`{part}` is not key=value (r, alpha, targets, dropout, quant, double_quant)")),
             };
             let number = |v: &str| v.parse::<f64>().ok().filter(|x| x.is_finite()).ok_or_else(|| format!("{key} `{v}` is not a number"));
             match key {
@@ -328,11 +343,24 @@ impl Lora {
                 "alpha" | "lora_alpha" => alpha = number(value)?,
                 "dropout" | "lora_dropout" => dropout = number(value)?,
                 "targets" | "target_modules" => targets.push(value.to_string()),
-                other => return Err(format!("unknown key `{other}` (r, alpha, targets, dropout)")),
+                "quant" => {
+                    quant = Some(match value {
+                        "nf4" => true,
+                        "fp4" => false,
+                        other => return Err(format!("quant `{other}` is not nf4 or fp4")),
+                    })
+                }
+                "double_quant" => double_quant = Some(value.parse::<bool>().map_err(|_| format!("double_quant `{value}` is not true or false"))?),
+                other => return Err(format!("unknown key `{other}` (r, alpha, targets, dropout, quant, double_quant)")),
             }
             after_targets = matches!(key, "targets" | "target_modules");
         }
-        Lora::new(rank, alpha, targets, dropout)
+        let quant = match (quant, double_quant) {
+            (Some(nf4), d) => Some(Quant4 { nf4, double_quant: d.unwrap_or(true) }),
+            (None, Some(_)) => return Err("double_quant needs quant=nf4 or quant=fp4".into()),
+            (None, None) => None,
+        };
+        Ok(Lora { quant, ..Lora::new(rank, alpha, targets, dropout)? })
     }
 
     /// A PEFT `adapter_config.json` (its `r`, `lora_alpha`, `target_modules`, `lora_dropout`).
@@ -361,7 +389,7 @@ impl Lora {
         if targets.is_empty() || targets.iter().any(|t| t.is_empty() || t.contains(char::is_whitespace)) {
             return Err("give targets=NAME[,NAME…] (module names such as q_proj,v_proj, or all-linear)".into());
         }
-        Ok(Lora { rank, alpha, targets, dropout })
+        Ok(Lora { rank, alpha, targets, dropout, quant: None })
     }
 }
 
@@ -555,10 +583,13 @@ mod tests {
     fn lora_is_stated_as_peft_states_it() {
         let l = Lora::parse("r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05").unwrap();
         assert_eq!((l.rank, l.alpha, l.targets.clone(), l.dropout), (16, 32.0, vec!["q_proj".to_string(), "v_proj".to_string()], 0.05));
-        assert_eq!(Lora::parse("targets=all-linear").unwrap(), Lora { rank: 8, alpha: 8.0, targets: vec!["all-linear".into()], dropout: 0.0 }, "PEFT's defaults");
+        assert_eq!(Lora::parse("targets=all-linear").unwrap(), Lora { rank: 8, alpha: 8.0, targets: vec!["all-linear".into()], dropout: 0.0, quant: None }, "PEFT's defaults");
+        // QLoRA: 4-bit base weights, double-quantized unless turned off.
+        assert_eq!(Lora::parse("targets=all-linear,quant=nf4").unwrap().quant, Some(Quant4 { nf4: true, double_quant: true }));
+        assert_eq!(Lora::parse("targets=q,quant=fp4,double_quant=false").unwrap().quant, Some(Quant4 { nf4: false, double_quant: false }));
         let json = r#"{"peft_type": "LORA", "r": 16, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj"], "bias": "none"}"#;
         assert_eq!(Lora::from_peft_json(json).unwrap(), Lora { dropout: 0.1, ..l });
-        for (bad, needle) in [("r=0,targets=q", "at least 1"), ("r=16", "give targets"), ("r=16,q_proj", "not key=value"), ("alpha=nan,targets=q", "not a number"), ("rank=4,colour=1", "unknown key"), ("dropout=1,targets=q", "not in [0, 1)")] {
+        for (bad, needle) in [("r=0,targets=q", "at least 1"), ("r=16", "give targets"), ("r=16,q_proj", "not key=value"), ("alpha=nan,targets=q", "not a number"), ("rank=4,colour=1", "unknown key"), ("dropout=1,targets=q", "not in [0, 1)"), ("targets=q,quant=int3", "quant `int3` is not nf4 or fp4"), ("targets=q,double_quant=true", "double_quant needs quant=nf4"), ("targets=q,quant=nf4,double_quant=2", "not true or false")] {
             assert!(Lora::parse(bad).unwrap_err().contains(needle), "{bad}");
         }
         assert!(Lora::from_peft_json(r#"{"peft_type": "IA3", "target_modules": ["k"]}"#).unwrap_err().contains("IA3"));

@@ -139,6 +139,12 @@ impl TraceRequest {
             if l.dropout > 0.0 {
                 a.extend(["--lora-dropout".into(), l.dropout.to_string()]);
             }
+            if let Some(q) = l.quant {
+                a.extend(["--lora-quant".into(), if q.nf4 { "nf4" } else { "fp4" }.into()]);
+                if !q.double_quant {
+                    a.push("--lora-single-quant".into());
+                }
+            }
         }
         a
     }
