@@ -15,7 +15,8 @@ use gpumem_core::trace::Trace;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_learn::{Hybrid, LearnedModel};
 use gpumem_torch::BridgeError;
-use gpumem_workload::deepspeed::{self, DeepSpeedJob};
+use gpumem_workload::deepspeed;
+use gpumem_workload::launch::{self, Launch};
 use gpumem_workload::{AttentionMask, HalfDtype, InputShape, Lora, ModelRef, Options, Outputs, Strategy, Validate, Workload, WorkloadError, Zero};
 
 use crate::{CliError, CliResult};
@@ -142,27 +143,43 @@ pub struct StrategyArgs {
     /// --world-size, or train_batch_size / (micro-batch × accumulation).
     #[arg(long, conflicts_with = "strategy")]
     deepspeed: Option<PathBuf>,
+    /// An accelerate config (YAML, as `accelerate config` writes it): distributed_type NO,
+    /// MULTI_GPU (DDP), FSDP (traced as FSDP2) or DEEPSPEED (its deepspeed_config_file or inline
+    /// settings), num_processes ranks, mixed_precision (autocast; DeepSpeed's bf16/fp16 mode
+    /// under DeepSpeed) replace the flags.
+    #[arg(long, conflicts_with_all = ["strategy", "deepspeed"])]
+    accelerate: Option<PathBuf>,
 }
 
 impl StrategyArgs {
-    /// The DeepSpeed config --deepspeed names, read.
-    pub fn deepspeed(&self) -> CliResult<Option<DeepSpeedJob>> {
+    /// The launch config --deepspeed or --accelerate names, read, its ranks resolved.
+    pub fn launch(&self) -> CliResult<Option<Launch>> {
+        let read = |flag: &str, path: &Path| std::fs::read_to_string(path).map_err(|e| CliError::input(format!("{flag} {}: {e}", path.display())));
+        if let Some(path) = &self.accelerate {
+            let dir = path.parent().unwrap_or(Path::new("."));
+            let l = launch::read_accelerate(&read("--accelerate", path)?, dir).map_err(|e| CliError::input(format!("--accelerate {}: {e}", path.display())))?;
+            let stated = l.strategy.map_or(1, |s| s.world_size());
+            if let Some(flag) = self.world_size.filter(|w| *w != stated) {
+                return Err(CliError::input(format!("--world-size {flag} disagrees with the accelerate config's num_processes ({stated})")));
+            }
+            return Ok(Some(l));
+        }
         let Some(path) = &self.deepspeed else { return Ok(None) };
-        let text = std::fs::read_to_string(path).map_err(|e| CliError::input(format!("--deepspeed {}: {e}", path.display())))?;
-        deepspeed::read_config(&text).map(Some).map_err(|e| CliError::input(format!("--deepspeed {}: {e}", path.display())))
+        let job = deepspeed::read_config(&read("--deepspeed", path)?).map_err(|e| CliError::input(format!("--deepspeed {}: {e}", path.display())))?;
+        let world_size = match (self.world_size, job.world_size) {
+            (Some(flag), Some(stated)) if flag != stated => {
+                return Err(CliError::input(format!("--world-size {flag} disagrees with the DeepSpeed config's train_batch_size, which makes {stated} ranks")));
+            }
+            (Some(n), _) | (None, Some(n)) => n,
+            (None, None) => return Err(CliError::input("--deepspeed: the config does not state train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps; give --world-size")),
+        };
+        Ok(Some(job.launch(world_size)))
     }
 
     /// The strategy the flags name; `None` for a one-GPU job.
     pub fn strategy(&self) -> CliResult<Option<Strategy>> {
-        if let Some(job) = self.deepspeed()? {
-            let world_size = match (self.world_size, job.world_size) {
-                (Some(flag), Some(stated)) if flag != stated => {
-                    return Err(CliError::input(format!("--world-size {flag} disagrees with the DeepSpeed config's train_batch_size, which makes {stated} ranks")));
-                }
-                (Some(n), _) | (None, Some(n)) => n,
-                (None, None) => return Err(CliError::input("--deepspeed: the config does not state train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps; give --world-size")),
-            };
-            return Ok(Some(job.strategy(world_size)));
+        if let Some(launch) = self.launch()? {
+            return Ok(launch.strategy);
         }
         Ok(match (self.strategy.as_deref(), self.world_size) {
             (Some("fsdp"), Some(world_size)) => Some(Strategy::Fsdp {
@@ -200,18 +217,18 @@ impl WorkloadArgs {
             lora: self.lora.as_deref().map(lora).transpose()?,
             strategy: self.strategy.strategy()?,
         };
-        if let Some(job) = self.strategy.deepspeed()? {
-            options.precision = job.precision.unwrap_or(options.precision);
-            options.optimizer = job.optimizer.unwrap_or(options.optimizer);
-            options.grad_accum = job.grad_accum.unwrap_or(options.grad_accum);
+        if let Some(launch) = self.strategy.launch()? {
+            options.precision = launch.precision.unwrap_or(options.precision);
+            options.optimizer = launch.optimizer.unwrap_or(options.optimizer);
+            options.grad_accum = launch.grad_accum.unwrap_or(options.grad_accum);
         }
         Ok(options)
     }
 
-    /// The micro-batch a DeepSpeed config states (`train_micro_batch_size_per_gpu`), which a
-    /// command's default batch gives way to.
+    /// The micro-batch a launch config states (DeepSpeed's `train_micro_batch_size_per_gpu`),
+    /// which a command's default batch gives way to.
     pub fn stated_batch(&self) -> CliResult<Option<i64>> {
-        Ok(self.strategy.deepspeed()?.and_then(|job| job.micro_batch).map(|b| i64::try_from(b).unwrap_or(i64::MAX)))
+        Ok(self.strategy.launch()?.and_then(|l| l.micro_batch).map(|b| i64::try_from(b).unwrap_or(i64::MAX)))
     }
 
     /// The workload of `model` at `batch` (as typed: negative sizes are refused here).

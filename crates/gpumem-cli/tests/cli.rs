@@ -363,6 +363,7 @@ fn plan_searches_strategies_over_the_gpus() {
 /// `gpumem estimate --deepspeed CONFIG`: the config's ZeRO stage, bf16 and micro-batch make the
 /// job (ranks from its train_batch_size), and the JSON shows DeepSpeed's own model-state
 /// figure beside the estimate; a config gpumem cannot use is a one-line error naming the key.
+/// `--accelerate` with a YAML naming that file is the same job.
 #[test]
 fn estimate_reads_a_deepspeed_config() {
     let config = common::scratch("cli", "ds_zero3.json");
@@ -374,6 +375,7 @@ fn estimate_reads_a_deepspeed_config() {
     .unwrap();
     let config = config.to_str().unwrap();
     bad_input(&["estimate", "hf:gpt2", "--deepspeed", "/nonexistent/ds.json"], "--deepspeed /nonexistent/ds.json: ");
+    bad_input(&["estimate", "hf:gpt2", "--accelerate", "/nonexistent/a.yaml"], "--accelerate /nonexistent/a.yaml: ");
     bad_input(&["estimate", "hf:gpt2", "--deepspeed", config, "--world-size", "8"], "--world-size 8 disagrees with the DeepSpeed config's train_batch_size, which makes 4 ranks");
     let stage0 = common::scratch("cli", "ds_zero0.json");
     std::fs::write(&stage0, r#"{"zero_optimization": {"stage": 0}}"#).unwrap();
@@ -390,4 +392,13 @@ fn estimate_reads_a_deepspeed_config() {
     // 677,632 parameters, the largest layer the 512,000-element embedding, 4 ranks, no offload.
     assert_eq!(ds["gpu_bytes"], 4 * 512_000 + 18 * 677_632 / 4);
     assert!(v["peak_bytes"].as_u64().unwrap() > ds["gpu_bytes"].as_u64().unwrap(), "activations and buffers besides");
+    // accelerate's YAML naming the same DeepSpeed file (beside it): the same job.
+    let yaml = common::scratch("cli", "accelerate.yaml");
+    std::fs::write(&yaml, "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds_zero3.json\nmixed_precision: bf16\nnum_processes: 4\n").unwrap();
+    let yaml = yaml.to_str().unwrap();
+    bad_input(&["estimate", "hf:gpt2", "--accelerate", yaml, "--world-size", "2"], "--world-size 2 disagrees with the accelerate config's num_processes (4)");
+    let o = gpumem(&["estimate", "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)", "--seq-len", "16", "--accelerate", yaml, "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let w: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!((&w["peak_bytes"], &w["deepspeed"]), (&v["peak_bytes"], &v["deepspeed"]));
 }

@@ -29,6 +29,11 @@ impl DeepSpeedJob {
     pub fn strategy(&self, world_size: u32) -> Strategy {
         Strategy::Zero { stage: self.stage, world_size, zero: self.zero }
     }
+
+    /// The launch on `world_size` ranks.
+    pub fn launch(&self, world_size: u32) -> crate::launch::Launch {
+        crate::launch::Launch { strategy: Some(self.strategy(world_size)), precision: self.precision, optimizer: self.optimizer, micro_batch: self.micro_batch, grad_accum: self.grad_accum }
+    }
 }
 
 /// Why a DeepSpeed config cannot be read; the message names the key.
@@ -128,26 +133,27 @@ pub fn read_config(text: &str) -> Result<DeepSpeedJob, ConfigError> {
         return Err(bad("zero_optimization.offload_param", "needs stage 3"));
     }
 
+    // `None`: not stated (absent, or "auto"), which leaves the command line's (or accelerate's)
+    // precision; DeepSpeed's own default is fp32.
     let enabled = |section: &str| -> Result<Option<bool>, ConfigError> {
         match root.get(section).and_then(|s| s.get("enabled")) {
-            None => Ok(Some(false)),
+            None => Ok(None),
             Some(v) => flag(v, &format!("{section}.enabled")),
         }
     };
-    // DeepSpeed's bf16/fp16 modes keep 16-bit weights (gpumem's pure precisions) with an fp32
-    // master copy in the ZeRO optimizer; neither is fp32 training.
     // `bfloat16` is DeepSpeed's other spelling of `bf16`.
     let bf16 = match (enabled("bf16")?, enabled("bfloat16")?) {
         (Some(true), _) | (_, Some(true)) => Some(true),
-        (Some(false), Some(false)) => Some(false),
-        _ => None,
+        (a, b) => a.or(b),
     };
+    // DeepSpeed's bf16/fp16 modes keep 16-bit weights (gpumem's pure precisions) with an fp32
+    // master copy in the ZeRO optimizer.
     let precision = match (bf16, enabled("fp16")?) {
         (Some(true), Some(true)) => return Err(bad("fp16.enabled", "bf16 and fp16 are both enabled")),
         (Some(true), _) => Some(Precision::Bf16),
         (_, Some(true)) => Some(Precision::Fp16),
-        (Some(false), Some(false)) => Some(Precision::Fp32),
-        _ => None,
+        (None, None) => None,
+        _ => Some(Precision::Fp32),
     };
     let optimizer = match root.get("optimizer").and_then(|o| o.get("type")) {
         None => None,

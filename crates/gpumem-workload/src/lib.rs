@@ -18,6 +18,7 @@ pub use gpumem_core::workload::{AttentionMask, HalfDtype, InputShape, Lora, Mode
 use gpumem_torch::{BridgeError, TorchTracer, TraceRequest};
 
 pub mod deepspeed;
+pub mod launch;
 pub mod plan;
 
 /// Why a workload could not be made or traced.
