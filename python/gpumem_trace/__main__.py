@@ -47,6 +47,7 @@ def main(argv=None):
     p.add_argument("--gradient-as-bucket-view", action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true", help="FSDP2: keep each layer's gathered parameters from forward to backward")
     p.add_argument("--fsdp-param-dtype", choices=["bf16", "fp16"], help="FSDP2: MixedPrecisionPolicy's param_dtype (gradients reduced in fp32)")
+    p.add_argument("--replicas", type=int, default=1, help="FSDP2: HSDP over this many replica groups (world size / replicas ranks each)")
     p.add_argument("--zero", default="{}", help="ZeRO: a JSON object of gpumem_trace.zero.ZeroConfig's fields (DeepSpeed's defaults otherwise)")
     p.add_argument("--lora-rank", type=int, help="LoRA fine-tuning, as PEFT sets it up: the rank r")
     p.add_argument("--lora-alpha", type=float, default=8.0)
@@ -96,6 +97,8 @@ def main(argv=None):
         signal.setitimer(signal.ITIMER_REAL, a.timeout)
     if a.strategy and (a.world_size < 2 or a.bucket_cap_mb <= 0):
         return fail(2, "--strategy needs --world-size of at least 2 and a positive --bucket-cap-mb")
+    if a.replicas < 1 or a.world_size % a.replicas or (a.replicas > 1 and a.world_size // a.replicas < 2):
+        return fail(2, f"--replicas {a.replicas} must divide --world-size {a.world_size} into groups of at least 2 ranks")
     zero = None
     if a.strategy and a.strategy.startswith("zero"):
         from .zero import ZeroConfig
@@ -116,7 +119,7 @@ def main(argv=None):
                         validate=a.validate, outputs=a.outputs, attention_mask=a.attention_mask, lora=lora,
                         strategy=a.strategy, world_size=a.world_size, bucket_cap_mb=a.bucket_cap_mb, bucket_view=a.gradient_as_bucket_view,
                         reshard_after_forward=not a.no_reshard_after_forward, zero=zero,
-                        fsdp_param_dtype=a.fsdp_param_dtype)
+                        fsdp_param_dtype=a.fsdp_param_dtype, replicas=a.replicas)
     try:
         for batch, out in zip(a.batch, a.out):
             opts.batch = batch

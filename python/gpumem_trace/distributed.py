@@ -134,11 +134,14 @@ class _MetaDevice:
         pass
 
 
-def fsdp(model, blocks, world_size, reshard_after_forward, on_alloc, on_free, param_dtype=None):
+def fsdp(model, blocks, world_size, reshard_after_forward, on_alloc, on_free, param_dtype=None, replicas=1):
     """``fully_shard`` on each block, then on the model, as rank 0 of ``world_size`` (FSDP2),
     with ``MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=float32)`` where a
     ``param_dtype`` is given: layers are gathered and computed in it, gradients reduced into
     fp32 shards. (``CPUOffloadPolicy`` is not traced: it needs the shards' values on the host.)
+    ``replicas`` > 1 is HSDP: a (replicas, world_size / replicas) mesh, sharded along the second
+    dimension and replicated along the first (gradients reduce-scattered in the group, then
+    all-reduced across groups).
     FSDP2 frees a layer's gathered parameters by resizing their storage to nothing and gathers
     them again into the same storage: ``on_free(tensor)`` and ``on_alloc(tensor)`` hear of each
     (a storage that is resized is not a tensor that dies)."""
@@ -170,7 +173,7 @@ def fsdp(model, blocks, world_size, reshard_after_forward, on_alloc, on_free, pa
     _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh("cpu", (world_size,)) if replicas == 1 else init_device_mesh("cpu", (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
     policy = dict(
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,

@@ -53,6 +53,7 @@ class TraceOptions:
     bucket_view: bool = False  # DDP's gradient_as_bucket_view
     reshard_after_forward: bool = True  # FSDP2's
     fsdp_param_dtype: str = None  # FSDP2's MixedPrecisionPolicy param_dtype: "bf16" or "fp16"
+    replicas: int = 1  # FSDP2 over a 2-D mesh (HSDP): replicated this many times
     zero: object = None  # a zero.ZeroConfig for the zero strategies
     lr: float = 1e-3
     extra: dict = field(default_factory=dict)
@@ -297,7 +298,8 @@ def trace_training(opts: TraceOptions, out_path: str):
         if opts.strategy == "fsdp":
             distributed.fsdp(model, blocks, opts.world_size, opts.reshard_after_forward,
                              on_alloc=lambda t: mode.track(t, "fsdp_all_gather"), on_free=lambda t: rec.free(storage_key(t)),
-                             param_dtype={None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[opts.fsdp_param_dtype])
+                             param_dtype={None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[opts.fsdp_param_dtype],
+                             replicas=opts.replicas)
         elif opts.zero is not None:
             engine = zero.Engine(model, opts.zero, opts.optimizer, weights_dtype or torch.float32, rec)
         else:

@@ -569,6 +569,10 @@ def test_fsdp_rank_holds_its_shards(tmp_path):
     # reduced into the same fp32 shards, so the step ends where fp32 ends, from a lower peak.
     _, (mp_end, mp_peak) = run_fsdp("--strategy", "fsdp", "--world-size", "4", "--fsdp-param-dtype", "bf16")
     assert mp_end == end and mp_peak < peak
+    # HSDP over 2 machines of 4: sharded as FSDP over 4 (the cross-machine all-reduce is in place).
+    assert run_fsdp("--strategy", "fsdp", "--world-size", "8", "--replicas", "2")[1] == (end, peak)
+    p, _ = run([ref, "--strategy", "fsdp", "--world-size", "8", "--replicas", "3"], tmp_path)
+    assert p.returncode == 2 and "--replicas 3 must divide --world-size 8" in p.stderr
 
 
 def test_zero_ranks_hold_deepspeeds_partitions(tmp_path):

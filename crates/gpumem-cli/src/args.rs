@@ -118,11 +118,14 @@ pub struct StrategyArgs {
     /// ranks (a fake process group); `zero1`, `zero2`, `zero3` (DeepSpeed ZeRO with its default
     /// settings; --deepspeed for a config), modelled from DeepSpeed's rules. --batch is then
     /// each rank's. NCCL's own buffers are not included.
-    #[arg(long, value_parser = ["ddp", "fsdp", "zero1", "zero2", "zero3"], requires = "world_size")]
+    #[arg(long, value_parser = ["ddp", "fsdp", "hsdp", "zero1", "zero2", "zero3"], requires = "world_size")]
     strategy: Option<String>,
     /// Ranks of a --strategy job.
     #[arg(long)]
     pub world_size: Option<u32>,
+    /// Machines of an hsdp job (FSDP2 sharded within a machine, replicated across them).
+    #[arg(long)]
+    nodes: Option<u32>,
     /// DDP's gradient bucket size, MiB.
     #[arg(long, default_value_t = 25)]
     bucket_cap_mb: u32,
@@ -182,10 +185,16 @@ impl StrategyArgs {
             return Ok(launch.strategy);
         }
         Ok(match (self.strategy.as_deref(), self.world_size) {
-            (Some("fsdp"), Some(world_size)) => Some(Strategy::Fsdp {
+            (Some(fsdp @ ("fsdp" | "hsdp")), Some(world_size)) => Some(Strategy::Fsdp {
                 world_size,
                 reshard_after_forward: !self.no_reshard_after_forward,
                 param_dtype: self.fsdp_param_dtype.as_deref().map(|d| if d == "bf16" { HalfDtype::Bf16 } else { HalfDtype::Fp16 }),
+                replicas: match (fsdp, self.nodes) {
+                    ("hsdp", Some(nodes)) => nodes,
+                    ("hsdp", None) => return Err(CliError::input("--strategy hsdp needs --nodes")),
+                    (_, Some(_)) => return Err(CliError::input("--nodes is for --strategy hsdp")),
+                    (_, None) => 1,
+                },
             }),
             (Some(zero @ ("zero1" | "zero2" | "zero3")), Some(world_size)) => Some(Strategy::Zero { stage: zero.as_bytes()[4] - b'0', world_size, zero: Zero::default() }),
             (Some(_), Some(world_size)) => Some(Strategy::Ddp { world_size, bucket_cap_mb: self.bucket_cap_mb, bucket_view: self.gradient_as_bucket_view }),

@@ -202,16 +202,23 @@ pub enum Strategy {
     /// optimizer state sharded over the ranks, each layer's parameters gathered for its
     /// forward and backward; `reshard_after_forward` frees them between the two;
     /// `param_dtype`: `MixedPrecisionPolicy`'s (layers gathered and computed in it, gradients
-    /// reduced into fp32 shards).
+    /// reduced into fp32 shards); `replicas` > 1 is HSDP: sharded within groups of
+    /// `world_size / replicas` ranks (a node's), replicated across the groups.
     Fsdp {
         world_size: u32,
         reshard_after_forward: bool,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         param_dtype: Option<HalfDtype>,
+        #[serde(default = "one")]
+        replicas: u32,
     },
     /// DeepSpeed ZeRO stage 1 (optimizer state partitioned), 2 (and gradients) or 3 (and
     /// parameters), modelled from its config (DeepSpeed need not be installed).
     Zero { stage: u8, world_size: u32, zero: Zero },
+}
+
+fn one() -> u32 {
+    1
 }
 
 /// A 16-bit floating-point dtype.
@@ -273,6 +280,7 @@ impl Strategy {
     pub fn name(self) -> &'static str {
         match self {
             Strategy::Ddp { .. } => "ddp",
+            Strategy::Fsdp { replicas: 2.., .. } => "hsdp",
             Strategy::Fsdp { .. } => "fsdp",
             Strategy::Zero { stage: 1, .. } => "zero1",
             Strategy::Zero { stage: 2, .. } => "zero2",
@@ -434,6 +442,8 @@ pub enum OptionError {
     ReduceBucket,
     #[error("offload_param needs ZeRO stage 3")]
     OffloadParam,
+    #[error("HSDP's --nodes {replicas} must divide --world-size {world_size} into groups of at least 2 ranks")]
+    Replicas { replicas: u32, world_size: u32 },
 }
 
 /// Most GPUs a DataParallel job is modelled over.
@@ -460,6 +470,9 @@ impl Options {
                 Strategy::Zero { stage, .. } if !(1..=3).contains(&stage) => return Err(OptionError::ZeroStage(stage)),
                 Strategy::Zero { zero, .. } if zero.reduce_bucket_size == 0 => return Err(OptionError::ReduceBucket),
                 Strategy::Zero { stage, zero, .. } if zero.offload_param && stage != 3 => return Err(OptionError::OffloadParam),
+                Strategy::Fsdp { world_size, replicas, .. } if replicas == 0 || !world_size.is_multiple_of(replicas) || (replicas > 1 && world_size / replicas < 2) => {
+                    return Err(OptionError::Replicas { replicas, world_size });
+                }
                 _ => {}
             }
             if self.data_parallel > 1 {
@@ -606,7 +619,7 @@ mod tests {
         assert!(json.contains(r#""strategy":{"kind":"ddp","world_size":8,"bucket_cap_mb":25,"bucket_view":false}"#), "{json}");
         assert_eq!(serde_json::from_str::<Options>(&json).unwrap(), ddp(8, 1));
         assert!(!ddp(8, 1).native_compatible());
-        let fsdp = Options { strategy: Some(Strategy::Fsdp { world_size: 1, reshard_after_forward: true, param_dtype: None }), ..Options::default() };
+        let fsdp = Options { strategy: Some(Strategy::Fsdp { world_size: 1, reshard_after_forward: true, param_dtype: None, replicas: 1 }), ..Options::default() };
         assert_eq!(fsdp.check(), Err(OptionError::WorldSize(1)));
     }
 }

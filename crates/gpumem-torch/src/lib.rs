@@ -119,8 +119,11 @@ impl TraceRequest {
                     a.push("--gradient-as-bucket-view".into());
                 }
             }
-            Some(Strategy::Fsdp { world_size, reshard_after_forward, param_dtype }) => {
+            Some(Strategy::Fsdp { world_size, reshard_after_forward, param_dtype, replicas }) => {
                 a.extend(["--strategy".into(), "fsdp".into(), "--world-size".into(), world_size.to_string()]);
+                if replicas > 1 {
+                    a.extend(["--replicas".into(), replicas.to_string()]);
+                }
                 if !reshard_after_forward {
                     a.push("--no-reshard-after-forward".into());
                 }

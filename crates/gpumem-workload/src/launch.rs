@@ -97,7 +97,7 @@ pub fn read_accelerate(yaml: &str, dir: &Path) -> Result<Launch, ConfigError> {
                 (None, Some("NO_SHARD" | "3")) => return Ok(plain(Some(ddp))),
                 (None, Some(other)) => return Err(bad("fsdp_config.fsdp_sharding_strategy", format!("`{other}` is not modelled (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD)"))),
             };
-            Ok(plain(Some(Strategy::Fsdp { world_size: world, reshard_after_forward: reshard, param_dtype: half })))
+            Ok(plain(Some(Strategy::Fsdp { world_size: world, reshard_after_forward: reshard, param_dtype: half, replicas: 1 })))
         }
         "DEEPSPEED" => {
             let d = root.get("deepspeed_config").cloned().unwrap_or(Value::Null);
@@ -156,10 +156,10 @@ mod tests {
             "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\ndowncast_bf16: 'no'\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_offload_params: false\n  fsdp_reshard_after_forward: true\n  fsdp_version: 2\nmachine_rank: 0\nmixed_precision: bf16\nnum_machines: 1\nnum_processes: 8\nuse_cpu: false\n",
         )
         .unwrap();
-        assert_eq!(fsdp.strategy, Some(Strategy::Fsdp { world_size: 8, reshard_after_forward: true, param_dtype: Some(HalfDtype::Bf16) }));
+        assert_eq!(fsdp.strategy, Some(Strategy::Fsdp { world_size: 8, reshard_after_forward: true, param_dtype: Some(HalfDtype::Bf16), replicas: 1 }));
         assert_eq!(fsdp.precision, Some(Precision::AmpBf16));
         let v1 = read("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\nmixed_precision: 'no'\nnum_processes: 4\n").unwrap();
-        assert_eq!((v1.strategy, v1.precision), (Some(Strategy::Fsdp { world_size: 4, reshard_after_forward: false, param_dtype: None }), Some(Precision::Fp32)));
+        assert_eq!((v1.strategy, v1.precision), (Some(Strategy::Fsdp { world_size: 4, reshard_after_forward: false, param_dtype: None, replicas: 1 }), Some(Precision::Fp32)));
         let ddp = read("distributed_type: MULTI_GPU\nmixed_precision: fp16\nnum_processes: 2\n").unwrap();
         assert_eq!((ddp.strategy.map(|s| s.name()), ddp.precision), (Some("ddp"), Some(Precision::AmpFp16)));
         let ds = read("distributed_type: DEEPSPEED\ndeepspeed_config:\n  gradient_accumulation_steps: 4\n  offload_optimizer_device: cpu\n  offload_param_device: none\n  zero3_init_flag: true\n  zero_stage: 3\nmixed_precision: bf16\nnum_processes: 8\n").unwrap();

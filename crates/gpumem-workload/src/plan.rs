@@ -69,11 +69,16 @@ impl Interconnect {
             Strategy::Ddp { .. } => 2.0 * ring * bytes,
             Strategy::Zero { stage: 1 | 2, .. } => ring * bytes + ring * bytes / grad_accum.max(1) as f64,
             Strategy::Zero { .. } => 3.0 * ring * bytes,
-            // A mixed-precision policy gathers in its 16-bit dtype and reduces in fp32.
-            Strategy::Fsdp { reshard_after_forward, param_dtype, .. } => {
+            // A mixed-precision policy gathers in its 16-bit dtype and reduces in fp32. HSDP
+            // gathers and reduce-scatters within a group of N/R ranks, then all-reduces its shard
+            // across the R groups (counted at the same bandwidth).
+            Strategy::Fsdp { reshard_after_forward, param_dtype, replicas, .. } => {
                 let (gathered, reduced) = if param_dtype.is_some() { (2.0, 4.0) } else { (word, word) };
                 let gathers = if reshard_after_forward { 2.0 } else { 1.0 };
-                ring * parameters as f64 * (gathers * gathered + reduced)
+                let (group, r) = (n / f64::from(replicas), f64::from(replicas));
+                let within = (group - 1.0) / group;
+                let across = if replicas > 1 { 2.0 * (r - 1.0) / r * reduced / group } else { 0.0 };
+                parameters as f64 * (within * (gathers * gathered + reduced) + across)
             }
         };
         moved / (self.bus_gbs.max(1e-3) * 1e9)
