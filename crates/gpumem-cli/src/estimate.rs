@@ -269,6 +269,9 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
     if let Some(d) = &deepspeed {
         println!("deepspeed    {}: {:.1} MiB per GPU (model states only), {:.1} MiB host", d.formula, d.gpu_mib, d.cpu_mib);
     }
+    if trace.header.strategy.is_some() && profile.nccl_mib == 0.0 {
+        println!("note         NCCL's own buffers are not included (this profile states no nccl_mib)");
+    }
     println!();
     println!(
         "utilization  SMACT {:.2}  SMOCC {:.2}  GRACT {:.2}  DRAMA {:.2}  FP32A {:.2}  ({:.1} ms/step){}",

@@ -408,7 +408,7 @@ impl Estimator for Replay {
     }
 
     fn estimate(&self, trace: &Trace, profile: &GpuProfile) -> Result<Estimate, EstimateError> {
-        let fixed = profile.fixed_bytes(trace.runs_convolutions());
+        let fixed = profile.fixed_bytes(trace.runs_convolutions(), trace.header.strategy.is_some());
         let mut run = self.run(trace, profile, profile.capacity_bytes().saturating_sub(fixed))?;
         let fits = run.oom.is_none();
         if !fits {
@@ -546,8 +546,8 @@ mod tests {
     fn a_workspace_that_cannot_fit_falls_back_and_cudnn_costs_its_share() {
         const C: &str = "in=64x56x56;w=64x64x3x3;stride=1x1;pad=1x1;dil=1x1;groups=1;dtype=float32;layout=contiguous";
         let mut profile = builtin("a100-40gb").unwrap();
-        assert_eq!(profile.fixed_bytes(true) - profile.fixed_bytes(false), 290 * MIB);
-        profile.capacity_mib = (profile.fixed_bytes(true) / MIB) + 100;
+        assert_eq!(profile.fixed_bytes(true, false) - profile.fixed_bytes(false, false), 290 * MIB);
+        profile.capacity_mib = (profile.fixed_bytes(true, false) / MIB) + 100;
         let mut b = TraceBuilder::new(TraceHeader::new("t", 1));
         b.alloc_with_id(0, 1, 60 * MIB, Category::Activation, Phase::Forward, "conv2d", None, 0).unwrap();
         // 1.0 × (input + output + weight): ~98 MiB at batch 64 (no room beside 60), ~12.4 at 8.
@@ -559,6 +559,22 @@ mod tests {
         let e = Replay::default().estimate(&t, &profile).unwrap();
         assert!(e.fits);
         assert_eq!(e.workspace_source, Some(WorkspaceSource::Policy));
-        assert_eq!(e.peak_bytes, profile.fixed_bytes(true) + 60 * MIB + 14 * MIB, "the 8-batch workspace's 14 MiB segment");
+        assert_eq!(e.peak_bytes, profile.fixed_bytes(true, false) + 60 * MIB + 14 * MIB, "the 8-batch workspace's 14 MiB segment");
+    }
+
+    /// One rank of a distributed job pays NCCL's buffers where the profile knows them.
+    #[test]
+    fn a_distributed_rank_pays_nccls_buffers() {
+        let mut profile = builtin("h100-80gb-sxm").unwrap();
+        let job = |strategy: Option<&str>| {
+            let mut b = TraceBuilder::new(TraceHeader { strategy: strategy.map(str::to_string), world_size: strategy.map(|_| 8), ..TraceHeader::new("t", 1) });
+            b.alloc(10 * MIB, Category::Activation, Phase::Forward, "mm");
+            b.iteration_end();
+            b.finish()
+        };
+        let peak = |t: &Trace, p: &GpuProfile| Replay::default().estimate(t, p).unwrap().peak_bytes;
+        assert_eq!(peak(&job(Some("ddp")), &profile), peak(&job(None), &profile), "not measured: not included");
+        profile.nccl_mib = 400.0;
+        assert_eq!(peak(&job(Some("fsdp")), &profile), peak(&job(None), &profile) + 400 * MIB);
     }
 }

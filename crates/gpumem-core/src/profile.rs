@@ -100,6 +100,11 @@ pub struct GpuProfile {
     /// it, as a probed one does).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub cudnn_context_mib: f64,
+    /// What NCCL's communicators hold outside the allocator in each process of a distributed
+    /// job (DDP, FSDP, ZeRO), where measured on a machine with several of these GPUs (0: not
+    /// known, not included).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub nccl_mib: f64,
     /// Overrides the per-architecture cuBLAS workspace size (bytes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cublas_workspace_bytes: Option<u64>,
@@ -204,10 +209,13 @@ impl GpuProfile {
     pub fn allocator_capacity(&self) -> u64 {
         self.capacity_bytes().saturating_sub(self.context_bytes() + self.non_allocator_bytes())
     }
-    /// Memory a job holds outside the allocator: the context, other fixed costs, and cuDNN's
-    /// share where the job loads it.
-    pub fn fixed_bytes(&self, loads_cudnn: bool) -> u64 {
-        self.context_bytes() + self.non_allocator_bytes() + if loads_cudnn { mib_to_bytes(self.cudnn_context_mib) } else { 0 }
+    /// Memory a job holds outside the allocator: the context, other fixed costs, cuDNN's share
+    /// where the job loads it, NCCL's where it is one process of a distributed job.
+    pub fn fixed_bytes(&self, loads_cudnn: bool, distributed: bool) -> u64 {
+        self.context_bytes()
+            + self.non_allocator_bytes()
+            + if loads_cudnn { mib_to_bytes(self.cudnn_context_mib) } else { 0 }
+            + if distributed { mib_to_bytes(self.nccl_mib) } else { 0 }
     }
 
     fn validate(&self) -> Result<(), ProfileError> {
@@ -221,8 +229,8 @@ impl GpuProfile {
         // Every other size at most the GPU, every factor finite: sums of them stay in bytes.
         let within = |x: f64, max: f64| x.is_finite() && (0.0..=max).contains(&x);
         let capacity = self.capacity_mib as f64;
-        if ![self.non_allocator_mib, self.cudnn_context_mib, self.bound_fixed_mib].iter().all(|&x| within(x, capacity)) {
-            return bad("non_allocator_mib, cudnn_context_mib and bound_fixed_mib must be between 0 and capacity_mib");
+        if ![self.non_allocator_mib, self.cudnn_context_mib, self.nccl_mib, self.bound_fixed_mib].iter().all(|&x| within(x, capacity)) {
+            return bad("non_allocator_mib, cudnn_context_mib, nccl_mib and bound_fixed_mib must be between 0 and capacity_mib");
         }
         if !within(self.bound_relative, 10.0) || !within(self.conv_workspace_bound, 100.0) {
             return bad("bound_relative must be between 0 and 10, conv_workspace_bound between 0 and 100");

@@ -144,6 +144,11 @@ pub struct TraceHeader {
     /// Sum of layer output features per sample (the Horus formula needs it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub activations_per_sample: Option<u64>,
+    /// A distributed job's strategy (`ddp`, `fsdp`, `zero2`…) and ranks; the trace is one rank's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world_size: Option<u32>,
     /// The most parameters one module holds directly (DeepSpeed's `largest_layer_params`;
     /// written for ZeRO jobs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -171,6 +176,8 @@ impl TraceHeader {
             framework: None,
             parameters: None,
             activations_per_sample: None,
+            strategy: None,
+            world_size: None,
             largest_layer_parameters: None,
             data_parallel: None,
             validate: None,
