@@ -14,13 +14,7 @@ import json
 import os
 import subprocess
 
-MIB = 1 << 20
-MODELS = {
-    "gpt2": ("hf:GPT2LMHeadModel()", 8, 1024),
-    "llama-1b": ("hf:LlamaForCausalLM(hidden_size=2048,intermediate_size=5632,num_hidden_layers=22,num_attention_heads=32,num_key_value_heads=4,vocab_size=32000)", 4, 2048),
-    "llama-7b": ("hf:LlamaForCausalLM(hidden_size=4096,intermediate_size=11008,num_hidden_layers=32,num_attention_heads=32,num_key_value_heads=32,vocab_size=32000)", 2, 2048),
-    "vit": ("timm:vit_base_patch16_224", 64, None),
-}
+from fsdp_memtracker import MODELS  # the same configurations
 STRATEGIES = {"ddp": "amp-bf16", "fsdp": "amp-bf16", "zero2": "bf16", "zero3": "bf16"}
 
 

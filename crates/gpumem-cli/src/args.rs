@@ -211,7 +211,7 @@ impl WorkloadArgs {
             Some(i) => Some(InputShape::parse(i).ok_or_else(|| CliError::input(format!("--input `{i}` is not CxHxW")))?),
             None => None,
         };
-        let mut options = Options {
+        let options = Options {
             optimizer: Optimizer::parse(&self.optimizer).map_err(CliError::input)?,
             precision: Precision::parse(&self.precision).map_err(CliError::input)?,
             input,
@@ -226,18 +226,16 @@ impl WorkloadArgs {
             lora: self.lora.as_deref().map(lora).transpose()?,
             strategy: self.strategy.strategy()?,
         };
-        if let Some(launch) = self.strategy.launch()? {
-            options.precision = launch.precision.unwrap_or(options.precision);
-            options.optimizer = launch.optimizer.unwrap_or(options.optimizer);
-            options.grad_accum = launch.grad_accum.unwrap_or(options.grad_accum);
-        }
-        Ok(options)
+        Ok(match self.strategy.launch()? {
+            Some(launch) => launch.stated.over(options),
+            None => options,
+        })
     }
 
     /// The micro-batch a launch config states (DeepSpeed's `train_micro_batch_size_per_gpu`),
     /// which a command's default batch gives way to.
     pub fn stated_batch(&self) -> CliResult<Option<i64>> {
-        Ok(self.strategy.launch()?.and_then(|l| l.micro_batch).map(|b| i64::try_from(b).unwrap_or(i64::MAX)))
+        Ok(self.strategy.launch()?.and_then(|l| l.stated.micro_batch).map(|b| i64::try_from(b).unwrap_or(i64::MAX)))
     }
 
     /// The workload of `model` at `batch` (as typed: negative sizes are refused here).

@@ -7,19 +7,16 @@ use gpumem_core::graph::Precision;
 use gpumem_core::step::Optimizer;
 use serde_json::Value;
 
+use crate::launch::{Launch, Stated};
 use crate::{Strategy, Zero};
 
-/// What a DeepSpeed config says about a job. `None` where the config leaves it to the command
-/// line (absent, or `"auto"`, which Hugging Face's Trainer fills in).
+/// What a DeepSpeed config says about a job.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeepSpeedJob {
     /// ZeRO's stage and settings; its world size is the caller's.
     pub stage: u8,
     pub zero: Zero,
-    pub precision: Option<Precision>,
-    pub micro_batch: Option<u64>,
-    pub grad_accum: Option<u32>,
-    pub optimizer: Option<Optimizer>,
+    pub stated: Stated,
     /// `train_batch_size / (micro-batch × accumulation)`, where all three are stated.
     pub world_size: Option<u32>,
 }
@@ -31,8 +28,8 @@ impl DeepSpeedJob {
     }
 
     /// The launch on `world_size` ranks.
-    pub fn launch(&self, world_size: u32) -> crate::launch::Launch {
-        crate::launch::Launch { strategy: Some(self.strategy(world_size)), precision: self.precision, optimizer: self.optimizer, micro_batch: self.micro_batch, grad_accum: self.grad_accum }
+    pub fn launch(&self, world_size: u32) -> Launch {
+        Launch { strategy: Some(self.strategy(world_size)), stated: self.stated }
     }
 }
 
@@ -184,7 +181,7 @@ pub fn read_config(text: &str) -> Result<DeepSpeedJob, ConfigError> {
         }
         _ => None,
     };
-    Ok(DeepSpeedJob { stage, zero, precision, micro_batch, grad_accum, optimizer, world_size })
+    Ok(DeepSpeedJob { stage, zero, stated: Stated { precision, optimizer, micro_batch, grad_accum }, world_size })
 }
 
 /// Bytes DeepSpeed's estimators give for one GPU and for the host.
@@ -284,11 +281,12 @@ mod tests {
                   "offload_optimizer": {"device": "cpu", "pin_memory": true}}}"#,
         )
         .unwrap();
-        assert_eq!((job.stage, job.precision, job.micro_batch, job.grad_accum, job.optimizer, job.world_size), (3, Some(Precision::Bf16), Some(4), Some(2), Some(Optimizer::AdamW), Some(8)));
+        assert_eq!((job.stage, job.world_size), (3, Some(8)));
+        assert_eq!(job.stated, Stated { precision: Some(Precision::Bf16), optimizer: Some(Optimizer::AdamW), micro_batch: Some(4), grad_accum: Some(2) });
         assert_eq!(job.zero, Zero { overlap_comm: Some(true), param_persistence_threshold: 10_000, offload_optimizer: true, ..Zero::default() });
         // Hugging Face's "auto" everywhere leaves the command line's values.
         let auto = read_config(r#"{"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2, "cpu_offload": true}}"#).unwrap();
-        assert_eq!((auto.precision, auto.micro_batch, auto.world_size, auto.zero.offload_optimizer), (None, None, None, true));
+        assert_eq!((auto.stated, auto.world_size, auto.zero.offload_optimizer), (Stated::default(), None, true));
     }
 
     #[test]

@@ -9,17 +9,35 @@ use gpumem_core::step::Optimizer;
 use serde_norway::Value;
 
 use crate::deepspeed::{self, ConfigError};
-use crate::{HalfDtype, Strategy, Zero};
+use crate::{HalfDtype, Options, Strategy, Zero};
 
-/// What a launch config states: the strategy over its ranks, and (`Some`) what it fixes of the
-/// loop, which replaces the command line's value.
+/// What a launch config states: the strategy over its ranks, and what it fixes of the loop.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Launch {
     pub strategy: Option<Strategy>,
+    pub stated: Stated,
+}
+
+/// What a config fixes of the training loop; `None` leaves the command line's value (absent,
+/// or `"auto"`, which Hugging Face's Trainer fills in).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Stated {
     pub precision: Option<Precision>,
     pub optimizer: Option<Optimizer>,
     pub micro_batch: Option<u64>,
     pub grad_accum: Option<u32>,
+}
+
+impl Stated {
+    /// `options` with what is stated here in place of its values (the batch is the caller's).
+    pub fn over(&self, options: Options) -> Options {
+        Options {
+            precision: self.precision.unwrap_or(options.precision),
+            optimizer: self.optimizer.unwrap_or(options.optimizer),
+            grad_accum: self.grad_accum.unwrap_or(options.grad_accum),
+            ..options
+        }
+    }
 }
 
 fn bad(key: &str, why: impl Into<String>) -> ConfigError {
@@ -80,7 +98,7 @@ pub fn read_accelerate(yaml: &str, dir: &Path) -> Result<Launch, ConfigError> {
         Some(HalfDtype::Bf16) => Precision::AmpBf16,
         Some(HalfDtype::Fp16) => Precision::AmpFp16,
     };
-    let plain = |strategy| Launch { strategy, precision: Some(amp), optimizer: None, micro_batch: None, grad_accum: None };
+    let plain = |strategy| Launch { strategy, stated: Stated { precision: Some(amp), ..Stated::default() } };
     let ddp = Strategy::Ddp { world_size: world, bucket_cap_mb: 25, bucket_view: false };
     match kind.as_str() {
         "NO" => Ok(plain(None)),
@@ -113,7 +131,9 @@ pub fn read_accelerate(yaml: &str, dir: &Path) -> Result<Launch, ConfigError> {
                 if let Some(stated) = job.world_size.filter(|w| *w != world) {
                     return Err(bad("num_processes", format!("{world} disagrees with the DeepSpeed config's train_batch_size, which makes {stated} ranks")));
                 }
-                return Ok(Launch { precision: job.precision.or(precision), ..job.launch(world) });
+                let mut launch = job.launch(world);
+                launch.stated.precision = launch.stated.precision.or(precision);
+                return Ok(launch);
             }
             let stage = whole(&d, "zero_stage")?.ok_or_else(|| bad("deepspeed_config.zero_stage", "missing (or name a deepspeed_config_file)"))?;
             let stage = match stage {
@@ -136,7 +156,7 @@ pub fn read_accelerate(yaml: &str, dir: &Path) -> Result<Launch, ConfigError> {
                 Some(n) => Some(u32::try_from(n).ok().filter(|n| *n >= 1).ok_or_else(|| bad("deepspeed_config.gradient_accumulation_steps", format!("{n} is out of range")))?),
                 None => None,
             };
-            Ok(Launch { strategy: Some(Strategy::Zero { stage, world_size: world, zero }), precision, optimizer: None, micro_batch: None, grad_accum })
+            Ok(Launch { strategy: Some(Strategy::Zero { stage, world_size: world, zero }), stated: Stated { precision, grad_accum, ..Stated::default() } })
         }
         other => Err(bad("distributed_type", format!("`{other}` is not modelled (NO, MULTI_GPU, FSDP, DEEPSPEED)"))),
     }
@@ -157,14 +177,17 @@ mod tests {
         )
         .unwrap();
         assert_eq!(fsdp.strategy, Some(Strategy::Fsdp { world_size: 8, reshard_after_forward: true, param_dtype: Some(HalfDtype::Bf16), replicas: 1 }));
-        assert_eq!(fsdp.precision, Some(Precision::AmpBf16));
+        assert_eq!(fsdp.stated.precision, Some(Precision::AmpBf16));
         let v1 = read("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\nmixed_precision: 'no'\nnum_processes: 4\n").unwrap();
-        assert_eq!((v1.strategy, v1.precision), (Some(Strategy::Fsdp { world_size: 4, reshard_after_forward: false, param_dtype: None, replicas: 1 }), Some(Precision::Fp32)));
+        assert_eq!((v1.strategy, v1.stated.precision), (Some(Strategy::Fsdp { world_size: 4, reshard_after_forward: false, param_dtype: None, replicas: 1 }), Some(Precision::Fp32)));
         let ddp = read("distributed_type: MULTI_GPU\nmixed_precision: fp16\nnum_processes: 2\n").unwrap();
-        assert_eq!((ddp.strategy.map(|s| s.name()), ddp.precision), (Some("ddp"), Some(Precision::AmpFp16)));
+        assert_eq!((ddp.strategy.map(|s| s.name()), ddp.stated.precision), (Some("ddp"), Some(Precision::AmpFp16)));
         let ds = read("distributed_type: DEEPSPEED\ndeepspeed_config:\n  gradient_accumulation_steps: 4\n  offload_optimizer_device: cpu\n  offload_param_device: none\n  zero3_init_flag: true\n  zero_stage: 3\nmixed_precision: bf16\nnum_processes: 8\n").unwrap();
         assert_eq!(ds.strategy, Some(Strategy::Zero { stage: 3, world_size: 8, zero: Zero { offload_optimizer: true, ..Zero::default() } }));
-        assert_eq!((ds.precision, ds.grad_accum), (Some(Precision::Bf16), Some(4)));
+        assert_eq!((ds.stated.precision, ds.stated.grad_accum), (Some(Precision::Bf16), Some(4)));
+        // What it states replaces the flags' values.
+        let o = ds.stated.over(Options { precision: Precision::Fp32, grad_accum: 1, ..Options::default() });
+        assert_eq!((o.precision, o.grad_accum, o.optimizer), (Precision::Bf16, 4, Optimizer::Adam));
         assert_eq!(read("distributed_type: 'NO'\nnum_processes: 1\n").unwrap().strategy, None);
     }
 
@@ -174,7 +197,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("ds.json"), r#"{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 3}"#).unwrap();
         let l = read_accelerate("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\nmixed_precision: bf16\nnum_processes: 4\n", &dir).unwrap();
-        assert_eq!((l.strategy.map(|s| s.name()), l.micro_batch, l.precision), (Some("zero2"), Some(3), Some(Precision::Bf16)));
+        assert_eq!((l.strategy.map(|s| s.name()), l.stated.micro_batch, l.stated.precision), (Some("zero2"), Some(3), Some(Precision::Bf16)));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
