@@ -32,6 +32,7 @@ def main(argv=None):
     p.add_argument("--gpu-capability", default="8.0", help="compute capability of the GPU the job will run on (decides the attention kernel)")
     p.add_argument("--sdpa", choices=["flash", "efficient", "cudnn", "math"], help="force this attention kernel where it applies")
     p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--selective", action="store_true", help="with --checkpointing: selective (op-level): matmul and attention outputs saved, the rest recomputed")
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--data-parallel", type=int, default=1, help="GPUs of a torch.nn.DataParallel job; the trace is GPU 0's")
@@ -114,7 +115,7 @@ def main(argv=None):
         lora = Lora(rank=a.lora_rank, alpha=a.lora_alpha, targets=tuple(a.lora_targets.split(",")), dropout=a.lora_dropout,
                     quant=a.lora_quant, double_quant=not a.lora_single_quant)
     opts = TraceOptions(model=a.model, batch=a.batch[0], optimizer=a.optimizer, precision=a.precision, iterations=a.iterations,
-                        input_shape=shape, seq_len=a.seq_len, gpu_capability=a.gpu_capability, sdpa=a.sdpa, checkpointing=a.checkpointing,
+                        input_shape=shape, seq_len=a.seq_len, gpu_capability=a.gpu_capability, sdpa=a.sdpa, checkpointing=a.checkpointing, selective=a.selective,
                         channels_last=a.channels_last, grad_accum=a.grad_accum, data_parallel=a.data_parallel,
                         validate=a.validate, outputs=a.outputs, attention_mask=a.attention_mask, lora=lora,
                         strategy=a.strategy, world_size=a.world_size, bucket_cap_mb=a.bucket_cap_mb, bucket_view=a.gradient_as_bucket_view,

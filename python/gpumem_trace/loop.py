@@ -13,6 +13,7 @@ Hugging Face models train as their Trainer runs them, ``loss = model(**batch).lo
 
 import contextlib
 import functools
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ class TraceOptions:
     gpu_capability: str = "8.0"  # compute capability of the GPU the job will run on
     sdpa: str = None  # a forced attention kernel (flash, efficient, cudnn, math), else PyTorch's choice
     checkpointing: bool = False
+    selective: bool = False  # with checkpointing: op-level selective (matmul and attention outputs saved)
     channels_last: bool = False
     grad_accum: int = 1
     data_parallel: int = 1  # GPUs of a torch.nn.DataParallel job (traced as GPU 0)
@@ -188,18 +190,58 @@ def repeated_blocks(model, name, purpose):
     return [m for m in model.modules() if type(m) is block]
 
 
-def checkpoint_blocks(model, name):
-    """Activation checkpointing for a model without a switch of its own: every repeated block
-    runs under non-reentrant ``torch.utils.checkpoint``."""
+def checkpoint_blocks(model, name, context_fn=None):
+    """Activation checkpointing for a model without a switch of its own (or a selective one):
+    every repeated block runs under non-reentrant ``torch.utils.checkpoint``, with
+    ``context_fn`` where given."""
     for m in repeated_blocks(model, name, "activation checkpointing"):
-        m.forward = functools.partial(_checkpointed, m.forward)
+        m.forward = functools.partial(_checkpointed, m.forward, context_fn)
 
 
-def _checkpointed(forward, *args, **kwargs):
+def _checkpointed(forward, context_fn, *args, **kwargs):
     # Lists are copied: the recomputation in backward must see them as they were (DenseNet
     # appends each layer's output to the list its layers receive).
     args = tuple(list(a) if isinstance(a, list) else a for a in args)
-    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    extra = {"context_fn": context_fn} if context_fn else {}
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+
+
+def _beside_defaults(context_fn):
+    """``context_fn``'s (forward, recompute) contexts entered with checkpoint's default ones,
+    which the emulated autocast sets (amp.py: the recompute runs under the forward's autocast);
+    the default is looked up when the checkpoint runs."""
+
+    def both():
+        default = inspect.unwrap(torch.utils.checkpoint.checkpoint).__kwdefaults__["context_fn"]()
+        mine = context_fn()
+        return _entered(default[0], mine[0]), _entered(default[1], mine[1])
+
+    return both
+
+
+@contextlib.contextmanager
+def _entered(*managers):
+    with contextlib.ExitStack() as stack:
+        for m in managers:
+            stack.enter_context(m)
+        yield
+
+
+# Selective activation checkpointing's policy (torchtitan's "op" mode, every matmul): the outputs
+# of matmuls and attention kernels are saved, everything else in a block is recomputed.
+_SAVED_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _selective_contexts():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved = {getattr(torch.ops.aten, n).default for n in _SAVED_OPS if hasattr(torch.ops.aten, n)}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _count_activations(model):
@@ -227,7 +269,20 @@ def trace_training(opts: TraceOptions, out_path: str):
     if opts.lora:
         # As one fine-tunes with PEFT: get_peft_model on the loaded model, then the loop.
         lora.apply(model, opts.lora, opts.model)
-    if opts.checkpointing:
+    if opts.selective and PRECISIONS.get(opts.precision, (None,))[0] is not None:
+        # Selective checkpointing replays each op's cached output by position; the emulated
+        # autocast's casts in the recomputation do not line up with the forward's on every
+        # torch (2.15 refuses the replay), so the combination is not traced.
+        raise ReferenceError_(f"selective checkpointing under autocast ({opts.precision}) is not traced; use fp32, bf16 or fp16, or full checkpointing")
+    if opts.checkpointing and opts.selective:
+        # Hugging Face's own switch (which also turns its KV cache off, as checkpointing must)
+        # with the selective policy; other models per repeated block.
+        context_fn = _beside_defaults(_selective_contexts)
+        if hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn})
+        else:
+            checkpoint_blocks(model, opts.model, context_fn=context_fn)
+    elif opts.checkpointing:
         if hasattr(model, "set_grad_checkpointing"):
             model.set_grad_checkpointing(True)
         elif hasattr(model, "gradient_checkpointing_enable"):

@@ -345,6 +345,23 @@ def test_checkpointing_with_mixed_precision(tmp_path):
     assert recast, "weights cast to fp16 again for the recomputation"
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_selective_checkpointing_saves_matmuls(tmp_path, precision):
+    """--checkpointing --selective (op-level SAC): each block keeps its matmul and attention
+    outputs and recomputes the rest, so its peak lies between full checkpointing's and none's.
+    Under the emulated autocast it is refused with the reason."""
+    ref = "hf:LlamaForCausalLM(hidden_size=256,intermediate_size=688,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=4,vocab_size=1000)"
+
+    def peak(*extra):
+        _, evs = traced([ref, "--batch", "4", "--seq-len", "256", "--precision", precision, *extra], tmp_path)
+        return live_and_peak(evs)[1]
+
+    none, full, selective = peak(), peak("--checkpointing"), peak("--checkpointing", "--selective")
+    assert full < selective < none, (full, selective, none)
+    p, _ = run([ref, "--precision", "amp-bf16", "--checkpointing", "--selective"], tmp_path)
+    assert p.returncode == 2 and "selective checkpointing under autocast (amp-bf16) is not traced" in p.stderr
+
+
 def test_convolutions_name_their_workspaces(tmp_path):
     """Each convolution pass is a `workspace` event keyed by its configuration (batch apart),
     where cuDNN takes it: after the forward's output; in backward after grad_input (data pass)

@@ -17,7 +17,7 @@ use gpumem_learn::{Hybrid, LearnedModel};
 use gpumem_torch::BridgeError;
 use gpumem_workload::deepspeed;
 use gpumem_workload::launch::{self, Launch};
-use gpumem_workload::{AttentionMask, HalfDtype, InputShape, Lora, ModelRef, Options, Outputs, Strategy, Validate, Workload, WorkloadError, Zero};
+use gpumem_workload::{AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, ModelRef, Options, Outputs, Strategy, Validate, Workload, WorkloadError, Zero};
 
 use crate::{CliError, CliResult};
 
@@ -74,6 +74,11 @@ pub struct WorkloadArgs {
     /// Activation checkpointing (PyTorch models that support it).
     #[arg(long)]
     checkpointing: bool,
+    /// Selective activation checkpointing (PyTorch models): each repeated block checkpointed
+    /// with a policy that saves its matmul and attention outputs and recomputes the rest
+    /// (torchtitan's op-level mode). Implies --checkpointing.
+    #[arg(long)]
+    selective_checkpointing: bool,
     /// channels_last memory format (PyTorch image models).
     #[arg(long)]
     channels_last: bool,
@@ -216,7 +221,11 @@ impl WorkloadArgs {
             precision: Precision::parse(&self.precision).map_err(CliError::input)?,
             input,
             seq_len: self.seq_len,
-            checkpointing: self.checkpointing,
+            checkpointing: match (self.checkpointing, self.selective_checkpointing) {
+                (_, true) => Checkpointing::Selective,
+                (true, false) => Checkpointing::Full,
+                (false, false) => Checkpointing::Off,
+            },
             channels_last: self.channels_last,
             grad_accum: self.grad_accum,
             data_parallel: self.data_parallel,

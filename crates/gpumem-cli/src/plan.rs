@@ -6,7 +6,7 @@ use clap::Args;
 use gpumem_core::graph::Precision;
 use gpumem_core::step::Optimizer;
 use gpumem_workload::plan::{Interconnect, Plan, Setup, Space, plan as search};
-use gpumem_workload::{InputShape, Options, Strategy, Zero};
+use gpumem_workload::{Checkpointing, InputShape, Options, Strategy, Zero};
 use serde_json::json;
 
 use crate::args::{EstimatorArgs, GpuChoice, ModelArg, StrategyArgs, gpu_count, lora, mib};
@@ -38,7 +38,8 @@ pub struct PlanArgs {
     /// bf16 or fp16 only when listed).
     #[arg(long, value_delimiter = ',')]
     precisions: Vec<String>,
-    /// Activation checkpointing to consider (PyTorch models): both, on or off.
+    /// Activation checkpointing to consider (PyTorch models): both (off and full), all (and
+    /// selective), on, selective or off.
     #[arg(long, default_value = "both")]
     checkpointing: String,
     /// Optimizer: adam, adamw, sgd, sgd-momentum, or bitsandbytes' adam8bit, adamw8bit, paged-adamw8bit.
@@ -69,15 +70,20 @@ pub struct PlanArgs {
 fn setup_json(s: &Setup) -> serde_json::Value {
     json!({
         "strategy": s.strategy.map(|s| s.name()), "world_size": s.strategy.map(|s| s.world_size()),
-        "precision": s.precision.name(), "checkpointing": s.checkpointing, "micro_batch": s.micro_batch, "grad_accum": s.grad_accum,
+        "precision": s.precision.name(), "checkpointing": s.checkpointing.name(), "micro_batch": s.micro_batch, "grad_accum": s.grad_accum,
         "peak_mib": mib(s.estimate.peak_bytes), "upper_bound_mib": mib(s.estimate.upper_bound_bytes),
         "step_s": s.step_s, "comm_s": s.comm_s, "samples_per_s": if s.step_s > 0.0 { s.micro_batch as f64 / s.step_s } else { 0.0 },
     })
 }
 
-fn label(strategy: Option<Strategy>, precision: Precision, checkpointing: bool) -> String {
+fn label(strategy: Option<Strategy>, precision: Precision, checkpointing: Checkpointing) -> String {
     let on = strategy.map(|s| format!("{} · ", s.name())).unwrap_or_default();
-    format!("{on}{}{}", precision.name(), if checkpointing { " + checkpointing" } else { "" })
+    let ckpt = match checkpointing {
+        Checkpointing::Off => "",
+        Checkpointing::Full => " + checkpointing",
+        Checkpointing::Selective => " + selective checkpointing",
+    };
+    format!("{on}{}{ckpt}", precision.name())
 }
 
 /// `--strategies` over `world` ranks (all five where none are listed).
@@ -115,12 +121,15 @@ pub fn plan(a: PlanArgs) -> CliResult {
     } else {
         a.precisions.iter().map(|p| Precision::parse(p).map_err(|e| CliError::input(format!("--precisions: {e}")))).collect::<CliResult<_>>()?
     };
+    use Checkpointing::{Full, Off, Selective};
     let checkpointing = match a.checkpointing.as_str() {
-        "both" if model.is_native() => vec![false],
-        "both" => vec![false, true],
-        "on" => vec![true],
-        "off" => vec![false],
-        other => return Err(CliError::input(format!("--checkpointing `{other}` is not both, on or off"))),
+        "both" | "all" if model.is_native() => vec![Off],
+        "both" => vec![Off, Full],
+        "all" => vec![Off, Full, Selective],
+        "on" | "full" => vec![Full],
+        "selective" => vec![Selective],
+        "off" => vec![Off],
+        other => return Err(CliError::input(format!("--checkpointing `{other}` is not both, all, on, selective or off"))),
     };
     let strategy = a.strategy.strategy()?;
     let world = u64::from(strategy.map_or(gpus, |s| s.world_size()));
@@ -155,7 +164,7 @@ pub fn plan(a: PlanArgs) -> CliResult {
             "model": name, "gpu": profile.name, "capacity_mib": profile.capacity_mib, "global_batch": a.global_batch, "world_size": world, "bus_gbs": link.bus_gbs,
             "setups": p.fits.iter().map(setup_json).collect::<Vec<_>>(),
             "too_big": p.too_big.iter().map(setup_json).collect::<Vec<_>>(),
-            "skipped": p.skipped.iter().map(|s| json!({"strategy": s.strategy.map(|s| s.name()), "precision": s.precision.name(), "checkpointing": s.checkpointing, "reason": s.reason})).collect::<Vec<_>>(),
+            "skipped": p.skipped.iter().map(|s| json!({"strategy": s.strategy.map(|s| s.name()), "precision": s.precision.name(), "checkpointing": s.checkpointing.name(), "reason": s.reason})).collect::<Vec<_>>(),
         });
         println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
         return Ok(());
@@ -202,8 +211,8 @@ fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: O
     println!("best: {}, micro-batch {} × {} accumulation steps (upper bound {:.0} of {} MiB)", label(best.strategy, best.precision, best.checkpointing), best.micro_batch, best.grad_accum, mib(best.estimate.upper_bound_bytes), profile.capacity_mib);
     let mut why = Vec::new();
     let key = |s: &Setup| (s.strategy, s.precision, s.checkpointing);
-    let mut kinds: Vec<(Option<Strategy>, Precision, bool)> = p.fits.iter().chain(&p.too_big).map(key).collect();
-    kinds.sort_by_key(|(s, p, c)| (s.map(|s| s.name()), p.name(), *c));
+    let mut kinds: Vec<(Option<Strategy>, Precision, Checkpointing)> = p.fits.iter().chain(&p.too_big).map(key).collect();
+    kinds.sort_by_key(|(s, p, c)| (s.map(|s| s.name()), p.name(), *c as u8));
     kinds.dedup();
     for (strategy, precision, ckpt) in kinds {
         let mine = p.fits.iter().find(|s| key(s) == (strategy, precision, ckpt));

@@ -130,6 +130,18 @@ macro_rules! spelled {
 }
 
 spelled!(
+    /// Activation checkpointing of a PyTorch model's repeated blocks.
+    Checkpointing ("checkpointing") {
+        Off = "off",
+        /// Each block recomputed whole in backward (the model's own switch where it has one).
+        Full = "full",
+        /// Selective, op-level (torchtitan's "op" mode): each block's matmul and attention
+        /// outputs saved, the rest recomputed.
+        Selective = "selective",
+    }
+);
+
+spelled!(
     /// An evaluation pass after training (two eval-mode batches).
     Validate ("validation") {
         None = "none",
@@ -172,8 +184,9 @@ pub struct Options {
     pub input: Option<InputShape>,
     /// Sequence length of sequence models.
     pub seq_len: Option<u64>,
-    /// Activation checkpointing.
-    pub checkpointing: bool,
+    /// Activation checkpointing (stored as `false`/`true` for off/full, as before selective).
+    #[serde(with = "checkpointing_compat")]
+    pub checkpointing: Checkpointing,
     /// The channels_last memory format.
     pub channels_last: bool,
     /// Gradient accumulation steps.
@@ -408,7 +421,7 @@ impl Default for Options {
             precision: Precision::Fp32,
             input: None,
             seq_len: None,
-            checkpointing: false,
+            checkpointing: Checkpointing::Off,
             channels_last: false,
             grad_accum: 1,
             data_parallel: 1,
@@ -442,6 +455,8 @@ pub enum OptionError {
     ReduceBucket,
     #[error("offload_param needs ZeRO stage 3")]
     OffloadParam,
+    #[error("selective checkpointing under autocast ({0}) is not traced; use fp32, bf16 or fp16, or full checkpointing")]
+    SelectiveUnderAutocast(&'static str),
     #[error("HSDP's --nodes {replicas} must divide --world-size {world_size} into groups of at least 2 ranks")]
     Replicas { replicas: u32, world_size: u32 },
 }
@@ -460,6 +475,9 @@ impl Options {
         }
         if self.seq_len == Some(0) {
             return Err(OptionError::SeqLen);
+        }
+        if self.checkpointing == Checkpointing::Selective && matches!(self.precision, Precision::AmpFp16 | Precision::AmpBf16) {
+            return Err(OptionError::SelectiveUnderAutocast(self.precision.name()));
         }
         if let Some(strategy) = self.strategy {
             if !(2..=MAX_WORLD_SIZE).contains(&strategy.world_size()) {
@@ -516,6 +534,29 @@ impl OptionOverrides {
             data_parallel: self.data_parallel.unwrap_or(base.data_parallel),
             outputs: self.outputs.or(base.outputs),
             ..base.clone()
+        }
+    }
+}
+
+mod checkpointing_compat {
+    use super::*;
+    pub fn serialize<S: serde::Serializer>(c: &Checkpointing, s: S) -> Result<S::Ok, S::Error> {
+        match c {
+            Checkpointing::Off => s.serialize_bool(false),
+            Checkpointing::Full => s.serialize_bool(true),
+            Checkpointing::Selective => s.serialize_str(c.name()),
+        }
+    }
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Checkpointing, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Stored {
+            Flag(bool),
+            Name(String),
+        }
+        match Stored::deserialize(d)? {
+            Stored::Flag(on) => Ok(if on { Checkpointing::Full } else { Checkpointing::Off }),
+            Stored::Name(n) => Checkpointing::parse(&n).map_err(serde::de::Error::custom),
         }
     }
 }
@@ -587,7 +628,14 @@ mod tests {
         assert!(Options::default().check().is_ok() && Options::default().native_compatible());
         let o = Options { grad_accum: 0, ..Options::default() };
         assert_eq!(o.check().unwrap_err().to_string(), "--grad-accum must be at least 1");
-        assert!(!Options { checkpointing: true, ..Options::default() }.native_compatible());
+        assert!(!Options { checkpointing: Checkpointing::Full, ..Options::default() }.native_compatible());
+        // Stored jobs from before selective checkpointing read as they were written.
+        for (stored, c) in [("false", Checkpointing::Off), ("true", Checkpointing::Full), ("\"selective\"", Checkpointing::Selective)] {
+            let o: Options = serde_json::from_str(&format!(r#"{{"checkpointing": {stored}}}"#)).unwrap();
+            assert_eq!(o.checkpointing, c);
+            assert_eq!(serde_json::to_value(&o).unwrap()["checkpointing"].to_string(), stored);
+        }
+        assert!(serde_json::from_str::<Options>(r#"{"checkpointing": "half"}"#).unwrap_err().to_string().contains("half"));
         let over = OptionOverrides { seq_len: Some(512), ..Default::default() }.over(&Options { grad_accum: 2, ..Options::default() });
         assert_eq!((over.seq_len, over.grad_accum), (Some(512), 2));
     }

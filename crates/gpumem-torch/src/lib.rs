@@ -15,7 +15,7 @@ use std::time::UNIX_EPOCH;
 
 use gpumem_core::symbolic::{SymbolicError, SymbolicTrace};
 use gpumem_core::trace::Trace;
-use gpumem_core::workload::{AttentionMask, Options, Validate};
+use gpumem_core::workload::{AttentionMask, Checkpointing, Options, Validate};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
 const SOURCES: [(&str, &str); 16] = [
@@ -106,8 +106,11 @@ impl TraceRequest {
         if o.attention_mask != AttentionMask::None {
             a.extend(["--attention-mask".into(), o.attention_mask.name().into()]);
         }
-        if o.checkpointing {
+        if o.checkpointing != Checkpointing::Off {
             a.push("--checkpointing".into());
+        }
+        if o.checkpointing == Checkpointing::Selective {
+            a.push("--selective".into());
         }
         if o.channels_last {
             a.push("--channels-last".into());
@@ -449,7 +452,7 @@ mod tests {
         use gpumem_core::workload::InputShape;
         let mut r = TraceRequest::new("timm:resnet50", 8);
         r.options.input = InputShape::parse("3x160x160");
-        r.options.checkpointing = true;
+        r.options.checkpointing = Checkpointing::Full;
         let a = r.args().join(" ");
         assert!(a.starts_with("timm:resnet50 --optimizer adam --precision fp32 --gpu-capability 8.0"), "{a}");
         assert!(a.contains("--input 3x160x160") && a.ends_with("--checkpointing"), "{a}");

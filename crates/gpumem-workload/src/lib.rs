@@ -14,7 +14,7 @@ use gpumem_core::profile::GpuProfile;
 use gpumem_core::search::{self, SearchError};
 use gpumem_core::symbolic::SymbolicTrace;
 use gpumem_core::trace::Trace;
-pub use gpumem_core::workload::{AttentionMask, HalfDtype, InputShape, Lora, ModelRef, OptionOverrides, Options, Outputs, Strategy, TORCH_PREFIXES, Validate, Zero};
+pub use gpumem_core::workload::{AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, ModelRef, OptionOverrides, Options, Outputs, Strategy, TORCH_PREFIXES, Validate, Zero};
 use gpumem_torch::{BridgeError, TorchTracer, TraceRequest};
 
 pub mod deepspeed;
@@ -246,12 +246,12 @@ mod tests {
     fn a_workload_is_checked_when_made() {
         let e = Workload::parse(MLP, 0, Options::default()).unwrap_err().to_string();
         assert_eq!(e, format!("--batch 0 is out of range (1..={MAX_BATCH})"));
-        let e = Workload::parse(MLP, 8, Options { checkpointing: true, ..Options::default() }).unwrap_err().to_string();
+        let e = Workload::parse(MLP, 8, Options { checkpointing: Checkpointing::Full, ..Options::default() }).unwrap_err().to_string();
         assert!(e.contains("apply to PyTorch models"), "{e}");
         let e = Workload::parse("hf:gpt2", 8, Options { data_parallel: 65, ..Options::default() }).unwrap_err().to_string();
         assert_eq!(e, "--data-parallel 65 is out of range (1..=64)");
         assert!(Workload::parse("resnet50", 8, Options::default()).is_err());
-        assert!(Workload::parse("hf:gpt2", 8, Options { checkpointing: true, ..Options::default() }).is_ok());
+        assert!(Workload::parse("hf:gpt2", 8, Options { checkpointing: Checkpointing::Full, ..Options::default() }).is_ok());
     }
 
     #[test]

@@ -10,7 +10,7 @@ use gpumem_core::graph::Precision;
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::utilization::{HostModel, physical};
 
-use crate::{SizeError, Strategy, Workload, WorkloadError};
+use crate::{Checkpointing, SizeError, Strategy, Workload, WorkloadError};
 
 /// Setups whose time per sample is this close to the fastest's count as as fast.
 pub const TIE: f64 = 0.01;
@@ -21,7 +21,7 @@ pub struct Space {
     /// Multi-GPU strategies (`None`: one GPU, or the base job's own strategy).
     pub strategies: Vec<Option<Strategy>>,
     pub precisions: Vec<Precision>,
-    pub checkpointing: Vec<bool>,
+    pub checkpointing: Vec<Checkpointing>,
     /// Samples per optimizer step over every rank of the job's strategy (a whole multiple of its
     /// world size): micro-batches then divide each rank's share (the rest is gradient
     /// accumulation). `None`: micro-batches are powers of two up to the largest that fits, each
@@ -90,7 +90,7 @@ impl Interconnect {
 pub struct Setup {
     pub strategy: Option<Strategy>,
     pub precision: Precision,
-    pub checkpointing: bool,
+    pub checkpointing: Checkpointing,
     pub micro_batch: u64,
     pub grad_accum: u64,
     pub estimate: Estimate,
@@ -115,7 +115,7 @@ impl Setup {
 pub struct Skipped {
     pub strategy: Option<Strategy>,
     pub precision: Precision,
-    pub checkpointing: bool,
+    pub checkpointing: Checkpointing,
     pub reason: String,
 }
 
@@ -251,7 +251,7 @@ mod tests {
     fn the_fastest_setup_that_fits_comes_first() {
         let t4 = builtin("t4").unwrap();
         let base = Workload::parse("mlp:input=4096,output=10,depth=6,arch=uniform", 1, crate::Options::default()).unwrap();
-        let space = Space { strategies: Vec::new(), precisions: vec![Precision::Fp32, Precision::AmpFp16], checkpointing: vec![false], global_batch: Some(4096) };
+        let space = Space { strategies: Vec::new(), precisions: vec![Precision::Fp32, Precision::AmpFp16], checkpointing: vec![Checkpointing::Off], global_batch: Some(4096) };
         let link = Interconnect::for_gpu(&t4.name);
         let p = plan(&base, &t4, &Replay::default(), &space, link).unwrap();
         assert!(!p.fits.is_empty());
@@ -262,7 +262,7 @@ mod tests {
         let best = &p.fits[0];
         assert_eq!(best.precision, Precision::AmpFp16, "{best:?}");
         // Checkpointing is for PyTorch models: skipped with the reason, not an error.
-        let space = Space { checkpointing: vec![true], ..space };
+        let space = Space { checkpointing: vec![Checkpointing::Full], ..space };
         let p = plan(&base, &t4, &Replay::default(), &space, link).unwrap();
         assert!(p.fits.is_empty() && p.skipped.len() == 2 && p.skipped[0].reason.contains("apply to PyTorch models"));
     }
