@@ -13,7 +13,6 @@ Hugging Face models train as their Trainer runs them, ``loss = model(**batch).lo
 
 import contextlib
 import functools
-import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -206,27 +205,6 @@ def _checkpointed(forward, context_fn, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
 
-def _beside_defaults(context_fn):
-    """``context_fn``'s (forward, recompute) contexts entered with checkpoint's default ones,
-    which the emulated autocast sets (amp.py: the recompute runs under the forward's autocast);
-    the default is looked up when the checkpoint runs."""
-
-    def both():
-        default = inspect.unwrap(torch.utils.checkpoint.checkpoint).__kwdefaults__["context_fn"]()
-        mine = context_fn()
-        return _entered(default[0], mine[0]), _entered(default[1], mine[1])
-
-    return both
-
-
-@contextlib.contextmanager
-def _entered(*managers):
-    with contextlib.ExitStack() as stack:
-        for m in managers:
-            stack.enter_context(m)
-        yield
-
-
 # Selective activation checkpointing's policy (torchtitan's "op" mode, every matmul): the outputs
 # of matmuls and attention kernels are saved, everything else in a block is recomputed.
 _SAVED_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -277,11 +255,10 @@ def trace_training(opts: TraceOptions, out_path: str):
     if opts.checkpointing and opts.selective:
         # Hugging Face's own switch (which also turns its KV cache off, as checkpointing must)
         # with the selective policy; other models per repeated block.
-        context_fn = _beside_defaults(_selective_contexts)
         if hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": _selective_contexts})
         else:
-            checkpoint_blocks(model, opts.model, context_fn=context_fn)
+            checkpoint_blocks(model, opts.model, context_fn=_selective_contexts)
     elif opts.checkpointing:
         if hasattr(model, "set_grad_checkpointing"):
             model.set_grad_checkpointing(True)

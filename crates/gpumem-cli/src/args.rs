@@ -118,11 +118,12 @@ pub struct WorkloadArgs {
 /// A multi-GPU job's wrapper, as the command line names it.
 #[derive(Args, Clone)]
 pub struct StrategyArgs {
-    /// A multi-GPU job (PyTorch models): `ddp` (DistributedDataParallel) or `fsdp` (FSDP2's
-    /// fully_shard per layer), traced as PyTorch's own wrapper runs on rank 0 of --world-size
-    /// ranks (a fake process group); `zero1`, `zero2`, `zero3` (DeepSpeed ZeRO with its default
-    /// settings; --deepspeed for a config), modelled from DeepSpeed's rules. --batch is then
-    /// each rank's. NCCL's own buffers are not included.
+    /// A multi-GPU job (PyTorch models): `ddp` (DistributedDataParallel), `fsdp` (FSDP2's
+    /// fully_shard per layer) or `hsdp` (FSDP2 over --nodes machines), traced as PyTorch's own
+    /// wrapper runs on rank 0 of --world-size ranks (a fake process group); `zero1`, `zero2`,
+    /// `zero3` (DeepSpeed ZeRO with its default settings; --deepspeed for a config), modelled
+    /// from DeepSpeed's rules. --batch is then each rank's. NCCL's own buffers are included
+    /// where the profile states them (nccl_mib).
     #[arg(long, value_parser = ["ddp", "fsdp", "hsdp", "zero1", "zero2", "zero3"], requires = "world_size")]
     strategy: Option<String>,
     /// Ranks of a --strategy job.
