@@ -91,8 +91,9 @@ fn peak_flops(profile: &GpuProfile, unit: Unit, precision: &str) -> f64 {
     let t = &profile.tflops;
     let tflops = match (unit, precision) {
         (Unit::Elementwise, _) => t.fp32,
-        (_, "amp-fp16") => t.fp16,
-        (_, "amp-bf16") => t.bf16,
+        // Autocast and pure 16-bit training alike run their matmuls on the 16-bit tensor cores.
+        (_, "amp-fp16" | "fp16") => t.fp16,
+        (_, "amp-bf16" | "bf16") => t.bf16,
         // PyTorch's defaults: cudnn.allow_tf32 = True, cuda.matmul.allow_tf32 = False.
         (Unit::Conv, _) => t.tf32,
         (Unit::Gemm, _) => t.fp32,
@@ -179,5 +180,14 @@ mod tests {
         let a100 = util(spec, 1024, "a100-40gb");
         let h100 = util(spec, 1024, "h100-80gb-sxm");
         assert!(h100.step_s < a100.step_s, "{a100:?} {h100:?}");
+    }
+
+    #[test]
+    fn matmuls_run_on_tensor_cores_in_pure_16_bit_as_under_autocast() {
+        let a100 = builtin("a100-40gb").unwrap();
+        for (pure, amp) in [("bf16", "amp-bf16"), ("fp16", "amp-fp16")] {
+            assert_eq!(peak_flops(&a100, Unit::Gemm, pure), peak_flops(&a100, Unit::Gemm, amp));
+            assert!(peak_flops(&a100, Unit::Gemm, pure) > 10.0 * peak_flops(&a100, Unit::Gemm, "fp32"), "312 against 19.5 TFLOP/s");
+        }
     }
 }
