@@ -83,8 +83,6 @@ class Engine:
     (``zero_grad``, ``backward_start``/``backward_end`` around ``loss.backward()``, ``step``)."""
 
     def __init__(self, model, cfg, optimizer, dtype, rec):
-        if cfg.stage not in (1, 2, 3):
-            raise ReferenceError_(f"ZeRO stage {cfg.stage} is not 1, 2 or 3")
         if optimizer not in _STATES:
             raise ReferenceError_(f"ZeRO runs its own optimizer partitions; `{optimizer}` is not modelled with it (adam, adamw, sgd, sgd-momentum)")
         self.cfg, self.rec, self.model, self.dtype = cfg, rec, model, dtype
@@ -148,8 +146,7 @@ class Engine:
             for name, b in m._buffers.items():
                 if b is not None:
                     m._buffers[name] = b.clone()
-        shard = lambda p: -(-p.numel() // self.world)  # noqa: E731
-        self.partition = sum(shard(p) for p in self.params)
+        self.partition = sum(self._shard(p) for p in self.params)
         if not self.cfg.offload_param:
             self.flat = _empty(self.partition, self.dtype, self.rec, "parameter", "zero3_partition")
         self._master_and_states(self.partition)
@@ -167,7 +164,11 @@ class Engine:
     # -- stage 3: gathering ------------------------------------------------------------------
 
     def _own(self, m):
-        return [p for p in m.parameters(recurse=False)]
+        return list(m.parameters(recurse=False))
+
+    def _shard(self, p):
+        """A rank's elements of ``p`` (padded to a multiple of the world size)."""
+        return -(-p.numel() // self.world)
 
     def _fetch(self, m):
         """All-gathers the module's missing parameters, then prefetches along the trace."""
@@ -181,8 +182,7 @@ class Engine:
     def _gather(self, params):
         if not params:
             return
-        world = self.world
-        flat = _empty(sum(-(-p.numel() // world) for p in params) * world, self.dtype, self.rec, "temporary", "zero3_all_gather")
+        flat = _empty(sum(self._shard(p) for p in params) * self.world, self.dtype, self.rec, "temporary", "zero3_all_gather")
         for p in params:
             self.gathered[id(p)] = (p, _empty(p.numel(), self.dtype, self.rec, "parameter", "zero3_gathered"))
         del flat
@@ -267,13 +267,13 @@ class Engine:
                 if p.grad is not None:
                     self._to_bucket(p)
         self._reduce()
-        self.bucket = [] if self.cfg.stage != 3 else self.bucket
         if self.cfg.stage == 3:
             self.gathered = {k: v for k, v in self.gathered.items() if v[0].numel() <= self.cfg.param_persistence_threshold}
             if self.trace is None:
                 self.trace = self.order
             self.step_id = 0
             return
+        self.bucket = []  # stages 1-2 free their buckets at the end of backward
         if self.cfg.stage == 1 and not self.cfg.offload_optimizer:
             # The partition's averaged gradients, in the 16-bit dtype.
             self.partition_grads = _empty(self.partition_numel, self.dtype, self.rec, "gradient", "zero_grads_in_partition")

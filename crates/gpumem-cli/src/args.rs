@@ -187,9 +187,14 @@ impl StrategyArgs {
 
     /// The strategy the flags name; `None` for a one-GPU job.
     pub fn strategy(&self) -> CliResult<Option<Strategy>> {
-        if let Some(launch) = self.launch()? {
-            return Ok(launch.strategy);
+        match self.launch()? {
+            Some(launch) => Ok(launch.strategy),
+            None => self.named(),
         }
+    }
+
+    /// The strategy --strategy and its flags name (no launch config).
+    fn named(&self) -> CliResult<Option<Strategy>> {
         Ok(match (self.strategy.as_deref(), self.world_size) {
             (Some(fsdp @ ("fsdp" | "hsdp")), Some(world_size)) => Some(Strategy::Fsdp {
                 world_size,
@@ -234,11 +239,12 @@ impl WorkloadArgs {
             outputs: self.outputs,
             attention_mask: self.attention_mask,
             lora: self.lora.as_deref().map(lora).transpose()?,
-            strategy: self.strategy.strategy()?,
+            strategy: None,
         };
+        // The launch config, read once: its strategy, and what it fixes of the loop.
         Ok(match self.strategy.launch()? {
-            Some(launch) => launch.stated.over(options),
-            None => options,
+            Some(launch) => launch.stated.over(Options { strategy: launch.strategy, ..options }),
+            None => Options { strategy: self.strategy.named()?, ..options },
         })
     }
 
