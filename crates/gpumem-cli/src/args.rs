@@ -133,7 +133,7 @@ pub struct StrategyArgs {
     #[arg(long)]
     nodes: Option<u32>,
     /// DDP's gradient bucket size, MiB.
-    #[arg(long, default_value_t = 25)]
+    #[arg(long, default_value_t = gpumem_core::workload::DDP_BUCKET_CAP_MB)]
     bucket_cap_mb: u32,
     /// DDP's gradient_as_bucket_view: the gradients are views of the buckets.
     #[arg(long)]

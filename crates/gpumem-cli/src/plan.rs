@@ -94,7 +94,7 @@ fn strategies(names: &[String], world: u32) -> CliResult<Vec<Option<Strategy>>> 
         .into_iter()
         .map(|n| {
             Ok(Some(match n {
-                "ddp" => Strategy::Ddp { world_size: world, bucket_cap_mb: 25, bucket_view: false },
+                "ddp" => Strategy::Ddp { world_size: world, bucket_cap_mb: gpumem_core::workload::DDP_BUCKET_CAP_MB, bucket_view: false },
                 "fsdp" => Strategy::Fsdp { world_size: world, reshard_after_forward: true, param_dtype: None, replicas: 1 },
                 "zero1" => Strategy::Zero { stage: 1, world_size: world, zero: Zero::default() },
                 "zero2" => Strategy::Zero { stage: 2, world_size: world, zero: Zero::default() },

@@ -1,4 +1,5 @@
-//! `gpumem simulate`: replay a CARMA workload trace on a simulated GPU server.
+//! `gpumem simulate`: replay a CARMA workload trace, or a job file of jobs described as the
+//! daemon takes them (multi-GPU strategies included), on a simulated GPU server.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -6,9 +7,10 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use gpumem_core::estimate::{Estimator, Replay};
 use gpumem_core::profile::GpuProfile;
-use gpumem_core::utilization::{HostModel, physical};
+use gpumem_core::utilization::{HostModel, Utilization, physical};
 use gpumem_place::{Load, MIB, MemoryDemand, MemoryView, Policy, Rule};
 use gpumem_sim::carma::{Task, TaskModel, load_arrivals, load_tasks};
+use gpumem_sim::jobs::{JobSpec, load_jobs};
 use gpumem_sim::{GpuSpec, Interference, NoInterference, ProportionalSharing, Report, SimConfig, SimJob, simulate};
 use gpumem_torch::BridgeError;
 use gpumem_workload::{Workload, WorkloadError};
@@ -20,15 +22,22 @@ use crate::{CliError, CliResult, plot};
 
 /// Estimators the simulator can hand to a policy.
 pub const SIM_ESTIMATORS: [&str; 6] = ["measured", "replay", "horus", "faketensor", "gpumemnet", "none"];
+/// Those a job file's jobs have (CARMA published the others for its own tasks only).
+const JOB_FILE_ESTIMATORS: [&str; 3] = ["measured", "replay", "none"];
 
 #[derive(Args)]
 pub struct SimulateArgs {
     /// Arrival trace (`arrival_s,task`), e.g. ../shared/data/carma/philly_trace-t1.csv.
-    #[arg(long)]
-    trace: PathBuf,
+    #[arg(long, required_unless_present = "jobs", requires = "tasks")]
+    trace: Option<PathBuf>,
     /// The tasks (carma_tasks.csv).
-    #[arg(long)]
-    tasks: PathBuf,
+    #[arg(long, requires = "trace")]
+    tasks: Option<PathBuf>,
+    /// A job file instead of a CARMA trace (TOML `[[job]]` tables: arrival_s, work_s, and the
+    /// fields of the daemon's API: model, batch and [options] (a multi-GPU strategy's ranks
+    /// are the job's GPUs), or mem_mib; measured_mib where known). See docs/simulate.md.
+    #[arg(long, conflicts_with_all = ["trace", "tasks", "workloads"])]
+    jobs: Option<PathBuf>,
     /// Published run times (default: carma_workloads_readme.csv beside --tasks).
     #[arg(long)]
     workloads: Option<PathBuf>,
@@ -91,7 +100,7 @@ struct SimJson<'a> {
     trace: String,
     gpus: &'a str,
     /// Tasks the estimator could not size (safe-pack runs them alone).
-    unmodelled: Vec<&'a str>,
+    unmodelled: Vec<String>,
 }
 
 /// The cluster of `--gpus COUNTxGPU`, its GPUs described by `--profile` when given.
@@ -111,33 +120,33 @@ struct Modelled {
 /// share of its measured run time the GPU is busy (steps × modelled step time over the run
 /// time; the rest is the input pipeline and the host). DCGM's run averages dilute the same way.
 /// Where the steps are unknown the GPU is taken as always busy (the cautious side).
-fn solo_load(u: &gpumem_core::utilization::Utilization, task: &Task) -> Load {
+fn solo_load(u: &Utilization, task: &Task) -> Load {
     let busy = task.train_steps.map_or(1.0, |n| (n as f64 * u.step_s / task.work_s).min(1.0));
     Load { smact: u.smact * busy, smocc: u.smocc * busy, dram: u.dram * busy }
 }
 
-/// Traces every distinct modelled task once (cached by the tracer) and estimates it.
-fn model_tasks(tasks: &[&Task], profile: &GpuProfile) -> CliResult<HashMap<String, Modelled>> {
+/// gpumem's answer for each distinct model of a workload, traced once each (and cached by the
+/// tracer): its replay estimate and bound, and the physical model's utilization while its steps
+/// run. A model whose library this interpreter lacks (say segmentation-models-pytorch) is left
+/// out with a warning: its jobs run without a gpumem estimate, as the ones gpumem cannot trace
+/// at all do.
+fn model_all<'a>(models: impl IntoIterator<Item = &'a TaskModel>, profile: &GpuProfile) -> CliResult<HashMap<TaskModel, (MemoryDemand, Utilization)>> {
     let mut distinct: Vec<&TaskModel> = Vec::new();
-    for t in tasks {
-        if let Some(m) = &t.model
-            && !distinct.contains(&m)
-        {
+    for m in models {
+        if !distinct.contains(&m) {
             distinct.push(m);
         }
     }
     let bar = ProgressBar::new(distinct.len() as u64);
     bar.set_style(ProgressStyle::with_template("tracing {bar:30} {pos}/{len} {msg}").expect("valid template"));
-    let mut by_key = HashMap::new();
+    let mut out = HashMap::new();
     for m in distinct {
         bar.set_message(format!("{} b{}", m.reference, m.batch));
         let traced = Workload::parse(&m.reference, m.batch, m.options.clone()).and_then(|w| w.trace(profile));
         let trace = match traced {
             Ok(t) => t,
-            // A library this interpreter lacks (say segmentation-models-pytorch): the task is
-            // left unmodelled here, as the tasks gpumem cannot trace at all are.
             Err(WorkloadError::Tracer(BridgeError::BadReference(e))) => {
-                bar.suspend(|| eprintln!("warning: {} b{}: {e}; its tasks run without a gpumem estimate", m.reference, m.batch));
+                bar.suspend(|| eprintln!("warning: {} b{}: {e}; its jobs run without a gpumem estimate", m.reference, m.batch));
                 bar.inc(1);
                 continue;
             }
@@ -145,45 +154,113 @@ fn model_tasks(tasks: &[&Task], profile: &GpuProfile) -> CliResult<HashMap<Strin
             Err(e) => return Err(CliError::Model(format!("{} b{}: {e}", m.reference, m.batch))),
         };
         let est = Replay::default().estimate(&trace, profile).map_err(CliError::input)?;
-        let u = physical(&trace, profile, &HostModel::default());
         let memory = MemoryDemand { estimate_bytes: est.peak_bytes, upper_bound_bytes: est.upper_bound_bytes };
-        by_key.insert(m, (memory, u));
+        out.insert(m.clone(), (memory, physical(&trace, profile, &HostModel::default())));
         bar.inc(1);
     }
     bar.finish_and_clear();
-    Ok(tasks
-        .iter()
-        .filter_map(|t| {
-            let (memory, u) = by_key.get(t.model.as_ref()?)?;
-            Some((t.name.clone(), Modelled { memory: *memory, load: solo_load(u, t) }))
-        })
-        .collect())
+    Ok(out)
 }
 
-/// The simulated jobs of a trace as `estimator` sees them.
-fn jobs(arrivals: &[(f64, usize)], tasks: &[Task], modelled: &HashMap<String, Modelled>, estimator: &str) -> Vec<SimJob> {
-    arrivals
-        .iter()
-        .map(|&(arrival_s, i)| {
-            let t = &tasks[i];
-            let ours = modelled.get(&t.name);
-            let memory = match estimator {
-                "replay" => ours.map(|m| m.memory),
-                "none" => None,
-                other => t.published(other).flatten().map(MemoryDemand::point),
-            };
-            SimJob {
-                name: t.name.clone(),
-                arrival_s,
-                gpus: t.gpus,
-                work_s: t.work_s,
-                true_bytes: t.measured_bytes,
-                memory,
-                load: ours.map(|m| m.load).or(t.fallback_load).unwrap_or_default(),
-                priority: 0,
+/// What is simulated: a CARMA trace's arrivals of its tasks, or a job file's jobs, with
+/// gpumem's answers for their models.
+enum Source {
+    Carma { arrivals: Vec<(f64, usize)>, tasks: Vec<Task>, modelled: HashMap<String, Modelled> },
+    Jobs { jobs: Vec<JobSpec>, modelled: HashMap<TaskModel, (MemoryDemand, Utilization)> },
+}
+
+impl Source {
+    fn carma(trace: &Path, tasks: &Path, workloads: &Path, profile: &GpuProfile) -> CliResult<Source> {
+        let tasks = load_tasks(tasks, workloads).map_err(CliError::input)?;
+        let arrivals = load_arrivals(trace, &tasks).map_err(CliError::input)?;
+        let used: Vec<&Task> = tasks.iter().enumerate().filter(|(i, _)| arrivals.iter().any(|a| a.1 == *i)).map(|(_, t)| t).collect();
+        let by_model = model_all(used.iter().filter_map(|t| t.model.as_ref()), profile)?;
+        let modelled = used
+            .iter()
+            .filter_map(|t| {
+                let (memory, u) = by_model.get(t.model.as_ref()?)?;
+                Some((t.name.clone(), Modelled { memory: *memory, load: solo_load(u, t) }))
+            })
+            .collect();
+        Ok(Source::Carma { arrivals, tasks, modelled })
+    }
+
+    fn job_file(path: &Path, profile: &GpuProfile) -> CliResult<Source> {
+        let jobs = load_jobs(path).map_err(CliError::input)?;
+        let modelled = model_all(&jobs.iter().filter_map(job_model).collect::<Vec<_>>(), profile)?;
+        // Every job needs a truth to crash by: what it measured, states, or gpumem estimates.
+        for job in &jobs {
+            if job.measured_bytes().or(job.stated_bytes()).is_none() && job_model(job).is_none_or(|m| !modelled.contains_key(&m)) {
+                let name = job.name.as_deref().unwrap_or_default();
+                return Err(CliError::input(format!("{}: job `{name}`: gpumem cannot estimate it here and it states no measured_mib", path.display())));
             }
-        })
-        .collect()
+        }
+        Ok(Source::Jobs { jobs, modelled })
+    }
+
+    /// The simulated jobs in arrival order as `estimator` sees them.
+    fn sim_jobs(&self, estimator: &str) -> Vec<SimJob> {
+        match self {
+            Source::Carma { arrivals, tasks, modelled } => arrivals
+                .iter()
+                .map(|&(arrival_s, i)| {
+                    let t = &tasks[i];
+                    let ours = modelled.get(&t.name);
+                    let memory = match estimator {
+                        "replay" => ours.map(|m| m.memory),
+                        "none" => None,
+                        other => t.published(other).flatten().map(MemoryDemand::point),
+                    };
+                    SimJob {
+                        name: t.name.clone(),
+                        arrival_s,
+                        gpus: t.gpus,
+                        work_s: t.work_s,
+                        true_bytes: t.measured_bytes,
+                        memory,
+                        load: ours.map(|m| m.load).or(t.fallback_load).unwrap_or_default(),
+                        priority: 0,
+                    }
+                })
+                .collect(),
+            Source::Jobs { jobs, modelled } => jobs
+                .iter()
+                .map(|j| {
+                    let ours = job_model(j).and_then(|m| modelled.get(&m));
+                    let estimate = j.stated_bytes().map(MemoryDemand::point).or(ours.map(|o| o.0));
+                    let true_bytes = j.measured_bytes().or(estimate.map(|e| e.estimate_bytes)).expect("checked when the file was read");
+                    let memory = match estimator {
+                        "measured" => Some(MemoryDemand::point(true_bytes)),
+                        "none" => None,
+                        _ => estimate,
+                    };
+                    // While it runs a job keeps its GPUs as busy as its steps do.
+                    let load = ours.map(|(_, u)| Load { smact: u.smact, smocc: u.smocc, dram: u.dram }).unwrap_or_default();
+                    SimJob { name: j.name.clone().unwrap_or_default(), arrival_s: j.arrival_s, gpus: j.gpus(), work_s: j.work_s, true_bytes, memory, load, priority: j.priority }
+                })
+                .collect(),
+        }
+    }
+
+    /// Distinct jobs (tasks) that `estimator` has no figure for.
+    fn unmodelled(&self, estimator: &str) -> Vec<String> {
+        let mut out: Vec<String> = self.sim_jobs(estimator).into_iter().filter(|j| j.memory.is_none()).map(|j| j.name).collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    fn estimators(&self) -> &'static [&'static str] {
+        match self {
+            Source::Carma { .. } => &SIM_ESTIMATORS,
+            Source::Jobs { .. } => &JOB_FILE_ESTIMATORS,
+        }
+    }
+}
+
+/// What gpumem traces for a job file's job: its model at its batch, where it states no memory.
+fn job_model(j: &JobSpec) -> Option<TaskModel> {
+    j.model().map(|(reference, batch)| TaskModel { reference: reference.to_string(), batch, options: j.options.clone() })
 }
 
 fn memory_view(estimator: &str, headroom_mib: u64) -> MemoryView {
@@ -214,16 +291,17 @@ pub fn run(a: SimulateArgs) -> CliResult {
     let tune = |p: Policy| Policy { safe_headroom_bytes: a.safe_headroom_mib * MIB, max_pressure: a.max_pressure, ..p };
     let policy = tune(Policy::parse(&a.policy, memory_view(&a.estimator, a.headroom_mib)).map_err(CliError::input)?);
     let (count, profile) = cluster(&a.gpus, a.profile.as_deref())?;
-    let workloads = a.workloads.clone().unwrap_or_else(|| a.tasks.with_file_name("carma_workloads_readme.csv"));
-    let tasks = load_tasks(&a.tasks, &workloads).map_err(CliError::input)?;
-    let arrivals = load_arrivals(&a.trace, &tasks).map_err(CliError::input)?;
-    let used: Vec<&Task> = {
-        let mut seen: Vec<usize> = arrivals.iter().map(|&(_, i)| i).collect();
-        seen.sort_unstable();
-        seen.dedup();
-        seen.into_iter().map(|i| &tasks[i]).collect()
+    let (source, input) = match (&a.jobs, &a.trace, &a.tasks) {
+        (Some(jobs), ..) => (Source::job_file(jobs, &profile)?, jobs),
+        (None, Some(trace), Some(tasks)) => {
+            let workloads = a.workloads.clone().unwrap_or_else(|| tasks.with_file_name("carma_workloads_readme.csv"));
+            (Source::carma(trace, tasks, &workloads, &profile)?, trace)
+        }
+        _ => return Err(CliError::input("give --trace and --tasks (a CARMA workload) or --jobs (a job file)")),
     };
-    let modelled = model_tasks(&used, &profile)?;
+    if !source.estimators().contains(&a.estimator.as_str()) {
+        return Err(CliError::input(format!("--estimator {}: a job file's jobs have {} (CARMA published the others for its own tasks)", a.estimator, JOB_FILE_ESTIMATORS.join(", "))));
+    }
     let spec = GpuSpec { capacity_bytes: profile.capacity_bytes(), idle_w: profile.idle_power_w, max_w: profile.power_w };
     let base = SimConfig {
         crash_after_s: a.crash_after_s,
@@ -232,47 +310,41 @@ pub fn run(a: SimulateArgs) -> CliResult {
         backfill: a.backfill,
         ..SimConfig::new(vec![spec; count], policy)
     };
-    let trace_name = a.trace.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let unmodelled_by = |estimator: &str| -> Vec<&str> {
-        let sim = jobs(&arrivals, &tasks, &modelled, estimator);
-        used.iter().filter(|t| sim.iter().any(|j| j.name == t.name && j.memory.is_none())).map(|t| t.name.as_str()).collect()
-    };
+    let input_name = input.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let one = |policy: Policy, estimator: &str| -> CliResult<Report> {
         let cfg = SimConfig { policy, ..base.clone() };
-        simulate(&jobs(&arrivals, &tasks, &modelled, estimator), &cfg, interference.as_ref()).map_err(CliError::input)
+        simulate(&source.sim_jobs(estimator), &cfg, interference.as_ref()).map_err(CliError::input)
     };
 
     if a.compare {
         let mut rows: Vec<(String, Report)> = Vec::new();
-        for (policy, estimator) in comparison() {
+        for (policy, estimator) in comparison(source.estimators()) {
             let p = tune(Policy { memory: memory_view(estimator, a.headroom_mib), ..policy });
             rows.push((estimator.to_string(), one(p, estimator)?));
         }
         if a.json {
-            let out: Vec<SimJson> = rows
-                .iter()
-                .map(|(e, r)| SimJson { report: r, estimator: e, trace: trace_name.clone(), gpus: &a.gpus, unmodelled: unmodelled_by(e) })
-                .collect();
+            let out: Vec<SimJson> =
+                rows.iter().map(|(e, r)| SimJson { report: r, estimator: e, trace: input_name.clone(), gpus: &a.gpus, unmodelled: source.unmodelled(e) }).collect();
             println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
         } else {
-            print_table(&trace_name, &a.gpus, &rows, &unmodelled_by("replay"));
+            print_table(&input_name, &a.gpus, &rows, &source.unmodelled("replay"));
         }
         return Ok(());
     }
 
     let report = one(policy, &a.estimator)?;
     if let Some(svg) = &a.timeline {
-        let labels: Vec<String> = arrivals.iter().map(|&(_, i)| tasks[i].name.clone()).collect();
-        let title = format!("{trace_name}: {} / {} on {}", report.policy, a.estimator, a.gpus);
+        let labels: Vec<String> = source.sim_jobs("none").into_iter().map(|j| j.name).collect();
+        let title = format!("{input_name}: {} / {} on {}", report.policy, a.estimator, a.gpus);
         plot::timeline(svg, &svg.with_extension("png"), &title, count, &report.runs, &labels).map_err(CliError::other)?;
     }
-    let unmodelled = unmodelled_by(&a.estimator);
+    let unmodelled = source.unmodelled(&a.estimator);
     if a.json {
-        let out = SimJson { report: &report, estimator: &a.estimator, trace: trace_name, gpus: &a.gpus, unmodelled };
+        let out = SimJson { report: &report, estimator: &a.estimator, trace: input_name, gpus: &a.gpus, unmodelled };
         println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
         return Ok(());
     }
-    println!("{trace_name}: {} jobs on {} ({}), policy {}, estimator {}", report.jobs, a.gpus, profile.display, report.policy, a.estimator);
+    println!("{input_name}: {} jobs on {} ({}), policy {}, estimator {}", report.jobs, a.gpus, profile.display, report.policy, a.estimator);
     println!("  makespan          {:>10.2} h", report.makespan_s / 3600.0);
     println!("  waiting time      {:>10.1} min mean, {:.1} min p95", report.mean_wait_s / 60.0, report.p95_wait_s / 60.0);
     println!("  completion time   {:>10.1} min mean", report.mean_jct_s / 60.0);
@@ -285,24 +357,26 @@ pub fn run(a: SimulateArgs) -> CliResult {
     Ok(())
 }
 
-/// Every policy × estimator of `--compare` (estimator-independent rules once).
-fn comparison() -> Vec<(Policy, &'static str)> {
+/// Every policy × estimator of `--compare` (estimator-independent rules once); `estimators`
+/// those the workload has, `none` aside.
+fn comparison(estimators: &[&'static str]) -> Vec<(Policy, &'static str)> {
     let blind = MemoryView::Blind;
+    let sized: Vec<&'static str> = estimators.iter().copied().filter(|e| *e != "none").collect();
     let mut out = vec![(Policy::new(Rule::Exclusive, blind), "none"), (Policy::new(Rule::RoundRobin, blind), "none")];
     for rule in [Rule::FirstFit, Rule::BestFit, Rule::MostFreeMemory, Rule::LeastUtilized] {
         for carma in [false, true] {
-            for est in ["measured", "replay", "horus", "faketensor", "gpumemnet"] {
+            for &est in &sized {
                 out.push((Policy { carma_filter: carma, ..Policy::new(rule, blind) }, est));
             }
         }
     }
-    for est in ["measured", "replay", "horus", "faketensor", "gpumemnet"] {
+    for &est in &sized {
         out.push((Policy::new(Rule::SafePack, blind), est));
     }
     out
 }
 
-fn print_table(trace: &str, gpus: &str, rows: &[(String, Report)], unmodelled: &[&str]) {
+fn print_table(trace: &str, gpus: &str, rows: &[(String, Report)], unmodelled: &[String]) {
     let exclusive = rows.iter().find(|(_, r)| r.policy == "exclusive").map_or(f64::NAN, |(_, r)| r.makespan_s);
     println!("{trace} on {gpus}: {} jobs", rows.first().map_or(0, |(_, r)| r.jobs));
     println!(

@@ -97,3 +97,51 @@ fn carma_traces_compare() {
     assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
     assert!(svg.with_extension("png").exists());
 }
+
+/// A job file's jobs: what is wrong is named by file, line or job.
+#[test]
+fn bad_job_files_are_one_line_errors() {
+    let file = |name: &str, text: &str| {
+        let p = tmp(name);
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    };
+    let unknown = file("unknown.toml", "[[job]]\narrival_s = 0\nwork_s = 1\nmem_mib = 10\ncolour = 1\n");
+    bad_input(&["simulate", "--jobs", &unknown], "unknown.toml: line 5: unknown field `colour`");
+    let ranks = file("ranks.toml", "[[job]]\nname = \"a\"\narrival_s = 0\nwork_s = 1\nmem_mib = 10\ngpus = 2\n[job.options]\nstrategy = { kind = \"fsdp\", world_size = 4 }\n");
+    bad_input(&["simulate", "--jobs", &ranks], "job 1 (`a`): options.strategy has world_size 4");
+    let big = file("big.toml", "[[job]]\narrival_s = 0\nwork_s = 1\nmem_mib = 10\ngpus = 8\n");
+    bad_input(&["simulate", "--jobs", &big, "--gpus", "4xh100-80gb-sxm"], "job 0 (`job 1`) needs 8 GPUs; the cluster has 4");
+    let ok = file("ok.toml", "[[job]]\narrival_s = 0\nwork_s = 1\nmem_mib = 10\n");
+    bad_input(&["simulate", "--jobs", &ok, "--estimator", "horus"], "--estimator horus: a job file's jobs have measured, replay, none");
+    bad_input(&["simulate", "--jobs", "/nonexistent.toml"], "/nonexistent.toml");
+}
+
+/// Multi-GPU jobs described as the daemon takes them (a strategy's ranks are the job's GPUs),
+/// sized by gpumem per rank, each placed on all its GPUs at once.
+#[test]
+fn a_job_file_places_every_rank_of_a_multi_gpu_job_at_once() {
+    if !torch() {
+        return;
+    }
+    let model = "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)";
+    let jobs = tmp("jobs.toml");
+    let job = |name: &str, strategy: &str| format!("[[job]]\nname = \"{name}\"\narrival_s = 0\nwork_s = 1000\nmodel = \"{model}\"\nbatch = 4\n[job.options]\nseq_len = 64\nstrategy = {strategy}\n");
+    let text = job("two-ranks", "{ kind = \"ddp\", world_size = 2 }") + &job("four-ranks", "{ kind = \"fsdp\", world_size = 4 }") + "[[job]]\nname = \"stated\"\narrival_s = 5\nwork_s = 100\nmem_mib = 1024\nmeasured_mib = 1500\n";
+    std::fs::write(&jobs, text).unwrap();
+    let run = |policy: &str| -> serde_json::Value {
+        let o = gpumem(&["simulate", "--jobs", jobs.to_str().unwrap(), "--gpus", "4xh100-80gb-sxm", "--policy", policy, "--interference", "none", "--json"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    // Alone on its GPUs, the four-rank job cannot start beside the two-rank one: it waits for
+    // all four GPUs, then runs its 1000 s.
+    let exclusive = run("exclusive");
+    assert_eq!(exclusive["jobs"], 3);
+    assert!(exclusive["makespan_s"].as_f64().unwrap() >= 2000.0, "{exclusive}");
+    // gpumem's per-rank bounds let both share the GPUs: all ranks start together, no crash.
+    let safe = run("safe-pack");
+    assert_eq!(safe["oom_crashes"], 0, "{safe}");
+    assert!(safe["makespan_s"].as_f64().unwrap() <= 1100.0, "{safe}"); // 30 s of warm-up (CARMA's rule)
+    assert_eq!(safe["unmodelled"], serde_json::json!([]), "{safe}");
+}

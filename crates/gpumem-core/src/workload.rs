@@ -210,7 +210,13 @@ pub struct Options {
 pub enum Strategy {
     /// `DistributedDataParallel`: `bucket_cap_mb` its gradient buckets (MiB, PyTorch's 25),
     /// `bucket_view` its `gradient_as_bucket_view`.
-    Ddp { world_size: u32, bucket_cap_mb: u32, bucket_view: bool },
+    Ddp {
+        world_size: u32,
+        #[serde(default = "ddp_bucket_cap_mb")]
+        bucket_cap_mb: u32,
+        #[serde(default)]
+        bucket_view: bool,
+    },
     /// FSDP2 (`fully_shard` on each repeated block, then the model): parameters, gradients and
     /// optimizer state sharded over the ranks, each layer's parameters gathered for its
     /// forward and backward; `reshard_after_forward` frees them between the two;
@@ -219,6 +225,7 @@ pub enum Strategy {
     /// `world_size / replicas` ranks (a node's), replicated across the groups.
     Fsdp {
         world_size: u32,
+        #[serde(default = "yes")]
         reshard_after_forward: bool,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         param_dtype: Option<HalfDtype>,
@@ -227,12 +234,29 @@ pub enum Strategy {
     },
     /// DeepSpeed ZeRO stage 1 (optimizer state partitioned), 2 (and gradients) or 3 (and
     /// parameters), modelled from its config (DeepSpeed need not be installed).
-    Zero { stage: u8, world_size: u32, zero: Zero },
+    Zero {
+        stage: u8,
+        world_size: u32,
+        #[serde(default)]
+        zero: Zero,
+    },
 }
 
+// Serde's defaults for a hand-written strategy (a job file's `[options.strategy]`): PyTorch's.
 fn one() -> u32 {
     1
 }
+
+fn yes() -> bool {
+    true
+}
+
+fn ddp_bucket_cap_mb() -> u32 {
+    DDP_BUCKET_CAP_MB
+}
+
+/// `DistributedDataParallel`'s default `bucket_cap_mb`.
+pub const DDP_BUCKET_CAP_MB: u32 = 25;
 
 /// A 16-bit floating-point dtype.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -7,10 +7,12 @@
 //! exclusive recovery ([`SimConfig`]), and a replaceable [`Interference`] model; the
 //! [`Report`] holds makespan, waits, completion times, crashes, wasted GPU time, busy fraction,
 //! SMACT and energy, plus every [`Run`] for timelines. [`carma`] loads the seed authors' CARMA
-//! workload; [`synth`] makes large synthetic ones.
+//! workload; [`jobs`] reads a job file (jobs described as the daemon takes them, multi-GPU
+//! strategies included); [`synth`] makes large synthetic ones.
 
 pub mod carma;
 pub mod interference;
+pub mod jobs;
 mod sim;
 pub mod synth;
 

@@ -99,7 +99,7 @@ pub fn read_accelerate(yaml: &str, dir: &Path) -> Result<Launch, ConfigError> {
         Some(HalfDtype::Fp16) => Precision::AmpFp16,
     };
     let plain = |strategy| Launch { strategy, stated: Stated { precision: Some(amp), ..Stated::default() } };
-    let ddp = Strategy::Ddp { world_size: world, bucket_cap_mb: 25, bucket_view: false };
+    let ddp = Strategy::Ddp { world_size: world, bucket_cap_mb: gpumem_core::workload::DDP_BUCKET_CAP_MB, bucket_view: false };
     match kind.as_str() {
         "NO" => Ok(plain(None)),
         "MULTI_GPU" => Ok(plain(Some(ddp))),
