@@ -3,14 +3,16 @@
 //! upper bound on every rank and timed by the physical model plus the strategy's collectives
 //! ([`Interconnect`]). One batch-symbolic trace per (strategy, precision, checkpointing)
 //! answers every micro-batch, so a PyTorch model is traced a handful of times, not once per
-//! point.
+//! point, and those traces run side by side, one tracer process per core.
 
 use gpumem_core::estimate::{Estimate, Estimator};
 use gpumem_core::graph::Precision;
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::utilization::{HostModel, physical};
 
-use crate::{Checkpointing, SizeError, Strategy, Workload, WorkloadError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::{Checkpointing, SizeError, Strategy, Symbolic, Workload, WorkloadError};
 
 /// Setups whose time per sample is this close to the fastest's count as as fast.
 pub const TIE: f64 = 0.01;
@@ -146,60 +148,88 @@ fn micro_batches(global: Option<u64>, max: u64) -> Vec<u64> {
     candidates.into_iter().filter(|m| *m <= max).chain(above).collect()
 }
 
+/// `f` of each item, in order, on up to one thread per core (each call may run a tracer
+/// process). Not rayon's pool: the CLI keeps that to one thread for candle's tiny networks.
+fn side_by_side<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, items.len().max(1));
+    let next = AtomicUsize::new(0);
+    let mut done: Vec<(usize, R)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(item) = items.get(i) else { break mine };
+                        mine.push((i, f(item)));
+                    }
+                })
+            })
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect()
+    });
+    done.sort_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, r)| r).collect()
+}
+
 /// Plans `base` (its model and fixed options; its strategy where `space` lists none, and its
 /// precision, checkpointing and batch are searched) on `profile`, every rank's GPU.
 pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, space: &Space, link: Interconnect) -> Result<Plan, SizeError> {
     let host = HostModel::default();
     let strategies = if space.strategies.is_empty() { vec![base.options().strategy] } else { space.strategies.clone() };
-    let mut out = Plan::default();
+    let mut pairs = Vec::new();
     for &strategy in &strategies {
-        let world = u64::from(strategy.map_or(1, |s| s.world_size()));
-        let rank_batch = space.global_batch.map(|g| g / world);
         for &precision in &space.precisions {
             for &checkpointing in &space.checkpointing {
-                let skip = |reason: String| Skipped { strategy, precision, checkpointing, reason };
-                let options = crate::Options { precision, checkpointing, grad_accum: 1, strategy, ..base.options().clone() };
-                let workload = match Workload::new(base.model().clone(), 1, options) {
-                    Ok(w) => w,
-                    Err(e) => {
-                        out.skipped.push(skip(e.to_string()));
-                        continue;
-                    }
-                };
-                let sym = match workload.symbolic(profile) {
-                    Ok(s) => s,
-                    // A model that cannot take this setup (no blocks to checkpoint or shard, a
-                    // precision the families refuse, FSDP2 on an old torch) is skipped; the
-                    // tracer missing altogether is an error.
-                    Err(WorkloadError::Invalid(m)) => {
-                        out.skipped.push(skip(m));
-                        continue;
-                    }
-                    Err(e @ WorkloadError::Tracer(gpumem_torch::BridgeError::BadReference(_) | gpumem_torch::BridgeError::Model(_))) => {
-                        out.skipped.push(skip(e.to_string()));
-                        continue;
-                    }
-                    Err(e) => return Err(e.into()),
-                };
-                let invalid = |e: gpumem_core::search::SearchError| WorkloadError::Invalid(e.to_string());
-                let Some((max, _)) = sym.max_batch(profile, estimator).map_err(invalid)? else {
-                    let estimate = estimator.estimate(&sym.at(1).map_err(invalid)?, profile)?;
-                    out.too_big.push(Setup { strategy, precision, checkpointing, micro_batch: 1, grad_accum: rank_batch.unwrap_or(1), estimate, step_s: 0.0, comm_s: 0.0 });
-                    continue;
-                };
-                for m in micro_batches(rank_batch, max) {
-                    let trace = sym.at(m).map_err(invalid)?;
-                    let estimate = estimator.estimate(&trace, profile)?;
-                    let grad_accum = rank_batch.map_or(1, |g| g / m);
-                    let comm_s = link.comm_s(strategy, trace.header.parameters.unwrap_or(0), precision, grad_accum);
-                    let step_s = physical(&trace, profile, &host).step_s + comm_s;
-                    let setup = Setup { strategy, precision, checkpointing, micro_batch: m, grad_accum, step_s, comm_s, estimate };
-                    if m > max {
-                        out.too_big.push(setup);
-                    } else {
-                        out.fits.push(setup);
-                    }
-                }
+                pairs.push((strategy, precision, checkpointing));
+            }
+        }
+    }
+    // Each pair's trace is a tracer process of its own (Python, one core each): side by side.
+    let traced: Vec<Result<Result<Symbolic, String>, WorkloadError>> = side_by_side(&pairs, |&(strategy, precision, checkpointing)| {
+        let options = crate::Options { precision, checkpointing, grad_accum: 1, strategy, ..base.options().clone() };
+        let workload = match Workload::new(base.model().clone(), 1, options) {
+            Ok(w) => w,
+            Err(e) => return Ok(Err(e.to_string())),
+        };
+        match workload.symbolic(profile) {
+            Ok(s) => Ok(Ok(s)),
+            // A model that cannot take this setup (no blocks to checkpoint or shard, a
+            // precision the families refuse, FSDP2 on an old torch) is skipped; the tracer
+            // missing altogether is an error.
+            Err(WorkloadError::Invalid(m)) => Ok(Err(m)),
+            Err(e @ WorkloadError::Tracer(gpumem_torch::BridgeError::BadReference(_) | gpumem_torch::BridgeError::Model(_))) => Ok(Err(e.to_string())),
+            Err(e) => Err(e),
+        }
+    });
+    let mut out = Plan::default();
+    for ((strategy, precision, checkpointing), traced) in pairs.into_iter().zip(traced) {
+        let sym = match traced? {
+            Ok(s) => s,
+            Err(reason) => {
+                out.skipped.push(Skipped { strategy, precision, checkpointing, reason });
+                continue;
+            }
+        };
+        let world = u64::from(strategy.map_or(1, |s| s.world_size()));
+        let rank_batch = space.global_batch.map(|g| g / world);
+        let invalid = |e: gpumem_core::search::SearchError| WorkloadError::Invalid(e.to_string());
+        let Some((max, _)) = sym.max_batch(profile, estimator).map_err(invalid)? else {
+            let estimate = estimator.estimate(&sym.at(1).map_err(invalid)?, profile)?;
+            out.too_big.push(Setup { strategy, precision, checkpointing, micro_batch: 1, grad_accum: rank_batch.unwrap_or(1), estimate, step_s: 0.0, comm_s: 0.0 });
+            continue;
+        };
+        for m in micro_batches(rank_batch, max) {
+            let trace = sym.at(m).map_err(invalid)?;
+            let estimate = estimator.estimate(&trace, profile)?;
+            let grad_accum = rank_batch.map_or(1, |g| g / m);
+            let comm_s = link.comm_s(strategy, trace.header.parameters.unwrap_or(0), precision, grad_accum);
+            let step_s = physical(&trace, profile, &host).step_s + comm_s;
+            let setup = Setup { strategy, precision, checkpointing, micro_batch: m, grad_accum, step_s, comm_s, estimate };
+            if m > max {
+                out.too_big.push(setup);
+            } else {
+                out.fits.push(setup);
             }
         }
     }
