@@ -49,6 +49,7 @@ def main(argv=None):
     p.add_argument("--no-reshard-after-forward", action="store_true", help="FSDP2: keep each layer's gathered parameters from forward to backward")
     p.add_argument("--fsdp-param-dtype", choices=["bf16", "fp16"], help="FSDP2: MixedPrecisionPolicy's param_dtype (gradients reduced in fp32)")
     p.add_argument("--replicas", type=int, default=1, help="FSDP2: HSDP over this many replica groups (world size / replicas ranks each)")
+    p.add_argument("--cpu-offload", action="store_true", help="FSDP2: CPUOffloadPolicy (shards, gradients and the optimizer step on the host)")
     p.add_argument("--zero", default="{}", help="ZeRO: a JSON object of gpumem_trace.zero.ZeroConfig's fields (DeepSpeed's defaults otherwise)")
     p.add_argument("--lora-rank", type=int, help="LoRA fine-tuning, as PEFT sets it up: the rank r")
     p.add_argument("--lora-alpha", type=float, default=8.0)
@@ -120,7 +121,7 @@ def main(argv=None):
                         validate=a.validate, outputs=a.outputs, attention_mask=a.attention_mask, lora=lora,
                         strategy=a.strategy, world_size=a.world_size, bucket_cap_mb=a.bucket_cap_mb, bucket_view=a.gradient_as_bucket_view,
                         reshard_after_forward=not a.no_reshard_after_forward, zero=zero,
-                        fsdp_param_dtype=a.fsdp_param_dtype, replicas=a.replicas)
+                        fsdp_param_dtype=a.fsdp_param_dtype, replicas=a.replicas, cpu_offload=a.cpu_offload)
     try:
         for batch, out in zip(a.batch, a.out):
             opts.batch = batch

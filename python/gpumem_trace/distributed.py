@@ -134,11 +134,34 @@ class _MetaDevice:
         pass
 
 
-def fsdp(model, blocks, world_size, reshard_after_forward, on_alloc, on_free, param_dtype=None, replicas=1):
+def _offload_on_meta(_fsdp_param, _fsdp_param_group):
+    """FSDP2's CPU offload with the host's tensors on meta: its check that the shards are CPU
+    tensors is waived, and a shard's copy to the GPU — which ``.to(device)`` skips when both
+    sides are meta — is made (a new tensor, then the param dtype's cast)."""
+    _fsdp_param_group.FSDPParamGroup._validate_cpu_offload_params = lambda self: None
+    cls = _fsdp_param.FSDPParam
+    if getattr(cls, "_gpumem_inputs", None) is not None:
+        return
+    cls._gpumem_inputs = real = cls.all_gather_inputs
+
+    def all_gather_inputs(self):
+        if self.offload_to_cpu and self.sharded_state == _fsdp_param.ShardedState.SHARDED and not hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather"):
+            return [_fsdp_param._to_dtype_if_needed(self._sharded_param_data.clone(), self.param_dtype)]
+        return real.fget(self)
+
+    cls.all_gather_inputs = property(all_gather_inputs)
+
+
+def fsdp(model, blocks, world_size, reshard_after_forward, on_alloc, on_free, param_dtype=None, replicas=1, cpu_offload=False):
     """``fully_shard`` on each block, then on the model, as rank 0 of ``world_size`` (FSDP2),
     with ``MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=float32)`` where a
     ``param_dtype`` is given: layers are gathered and computed in it, gradients reduced into
-    fp32 shards. (``CPUOffloadPolicy`` is not traced: it needs the shards' values on the host.)
+    fp32 shards. ``cpu_offload``: ``CPUOffloadPolicy`` — the shards live on the host (the caller
+    shards under ``Recorder.on_host``), each is copied to the GPU for its all-gather (the copies
+    of a layer live until they are copied into its all-gather buffer, as FSDP2's
+    ``all_gather_inputs`` makes them), gradients are reduce-scattered on the GPU and sent to the
+    host; the optimizer steps there. Pinning is the host's business (``pin_memory`` needs a GPU
+    here and changes nothing on it).
     ``replicas`` > 1 is HSDP: a (replicas, world_size / replicas) mesh, sharded along the second
     dimension and replicated along the first (gradients reduce-scattered in the group, then
     all-reduced across groups).
@@ -171,14 +194,17 @@ def fsdp(model, blocks, world_size, reshard_after_forward, on_alloc, on_free, pa
         free_storage(tensor)
 
     _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
     mesh = init_device_mesh("cpu", (world_size,)) if replicas == 1 else init_device_mesh("cpu", (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
     policy = dict(
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None),
+        offload_policy=CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy(),
     )
+    if cpu_offload:
+        _offload_on_meta(_fsdp_param, _fsdp_param_group)
     for b in blocks:
         fully_shard(b, **policy)
     fully_shard(model, **policy)

@@ -55,6 +55,7 @@ class TraceOptions:
     reshard_after_forward: bool = True  # FSDP2's
     fsdp_param_dtype: str = None  # FSDP2's MixedPrecisionPolicy param_dtype: "bf16" or "fp16"
     replicas: int = 1  # FSDP2 over a 2-D mesh (HSDP): replicated this many times
+    cpu_offload: bool = False  # FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the host
     zero: object = None  # a zero.ZeroConfig for the zero strategies
     lr: float = 1e-3
     extra: dict = field(default_factory=dict)
@@ -328,10 +329,12 @@ def trace_training(opts: TraceOptions, out_path: str):
     with cuda.patches(Stack.here(opts.gpu_capability, opts.sdpa)), amp.model_autocast_calls(), paths, mode, (autocast.under_checkpoint() if autocast else contextlib.nullcontext()):
         rec.phase = "setup"
         if opts.strategy == "fsdp":
-            distributed.fsdp(model, blocks, opts.world_size, opts.reshard_after_forward,
-                             on_alloc=lambda t: mode.track(t, "fsdp_all_gather"), on_free=lambda t: rec.free(storage_key(t)),
-                             param_dtype={None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[opts.fsdp_param_dtype],
-                             replicas=opts.replicas)
+            # Offloaded, the model is sharded where it was loaded: on the host.
+            with rec.on_host() if opts.cpu_offload else contextlib.nullcontext():
+                distributed.fsdp(model, blocks, opts.world_size, opts.reshard_after_forward,
+                                 on_alloc=lambda t: mode.track(t, "fsdp_all_gather"), on_free=lambda t: rec.free(storage_key(t)),
+                                 param_dtype={None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[opts.fsdp_param_dtype],
+                                 replicas=opts.replicas, cpu_offload=opts.cpu_offload)
         elif opts.zero is not None:
             engine = zero.Engine(model, opts.zero, opts.optimizer, weights_dtype or torch.float32, rec)
         else:
@@ -369,10 +372,12 @@ def trace_training(opts: TraceOptions, out_path: str):
                     if p.grad is not None:
                         rec.relabel(p.grad, "gradient")
             rec.phase = "optimizer"
-            if scaler:
-                scaler.step(optimizer)
-            else:
-                optimizer.step()
+            # Offloaded, the optimizer steps the host's shards with the host's gradients.
+            with rec.on_host() if opts.cpu_offload else contextlib.nullcontext():
+                if scaler:
+                    scaler.step(optimizer)
+                else:
+                    optimizer.step()
             for state in getattr(optimizer, "state", {}).values():
                 for v in state.values():
                     if isinstance(v, torch.Tensor) and v.device.type == DEVICE:

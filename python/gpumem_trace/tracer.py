@@ -1,5 +1,6 @@
 """Recording storages and kernels as gpumem trace events."""
 
+import contextlib
 import json
 import weakref
 
@@ -51,6 +52,7 @@ class Recorder:
         self.closed = False
         self.workspaces = set()
         self.kernels = True  # off during validation: utilization is the training step's
+        self.host = False  # what runs now runs on the host (CPU offload): its memory is not the GPU's
 
     def alloc(self, key, nbytes, op, category=None, module=""):
         i = self.next_id
@@ -76,6 +78,17 @@ class Recorder:
         if nbytes > 0:
             i = self.alloc(None, nbytes, op, category="temporary", module=module)
             self.events.append({"ev": "free", "id": i})
+
+    @contextlib.contextmanager
+    def on_host(self):
+        """Work the host does (FSDP2's CPU offload): the tensors it makes are meta tensors here,
+        as every tensor is, but hold host memory, and its ops are no GPU kernels."""
+        saved = self.host, self.kernels
+        self.host, self.kernels = True, False
+        try:
+            yield
+        finally:
+            self.host, self.kernels = saved
 
     def op(self, name, flops, bytes_read, bytes_written):
         if not self.kernels:
@@ -256,6 +269,11 @@ class TraceMode(TorchDispatchMode):
         key = st._cdata
         if key in self.r.live or key in self.r.untracked or st.nbytes() == 0:
             return
+        if self.r.host:
+            # The host's memory; the key is the GPU's again once the storage dies.
+            self.r.untracked.add(key)
+            weakref.finalize(st, self.r.untracked.discard, key)
+            return
         self.r.alloc(key, st.nbytes(), op, module=self.modules.current())
         weakref.finalize(st, self.r.free, key)
 
@@ -270,6 +288,12 @@ class TraceMode(TorchDispatchMode):
             if self.r.phase == "forward":
                 self.r.workspace("main", lt=True)  # linear's bias: addmm, through cuBLASLt
             return aten.alias(args[0])
+        if func is aten._to_copy.default and args[0].device.type == self.device and torch.device(kwargs.get("device") or self.device).type == "cpu":
+            # Sent to the host (FSDP2's offloaded gradients): host memory, a meta tensor here.
+            out = torch.empty(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=args[0].device)
+            with self.r.on_host():
+                self.track(out, "_to_copy")
+            return out
         out = data_dependent(func, args, kwargs)
         if out is NotImplemented:
             try:

@@ -588,6 +588,17 @@ def test_fsdp_rank_holds_its_shards(tmp_path):
     assert mp_end == end and mp_peak < peak
     # HSDP over 2 machines of 4: sharded as FSDP over 4 (the cross-machine all-reduce is in place).
     assert run_fsdp("--strategy", "fsdp", "--world-size", "8", "--replicas", "2")[1] == (end, peak)
+    # CPUOffloadPolicy: shards, gradients and Adam's state all on the host, so the step ends a
+    # single GPU's bytes less all of them; nothing is allocated on the GPU at setup or in the
+    # optimizer's step (the host's); each gather copies every shard to the GPU first (three
+    # steps, gathered again for backward: every dimension divides by 4, so no padding).
+    h, evs = traced([ref, "--batch", "2", "--seq-len", "32", "--strategy", "fsdp", "--world-size", "4", "--cpu-offload"], tmp_path)
+    off_end, off_peak = live_and_peak(evs)
+    assert off_end == single - states and off_peak < peak, (off_end, single - states, off_peak, peak)
+    allocs = [e for e in evs if e["ev"] == "alloc"]
+    assert not [e for e in allocs if e["phase"] in ("setup", "optimizer")]
+    staged = sum(e["bytes"] for e in allocs if e["phase"] == "backward" and e["op"] == "clone")
+    assert staged == 3 * h["parameters"] * 4 // 4, staged
     p, _ = run([ref, "--strategy", "fsdp", "--world-size", "8", "--replicas", "3"], tmp_path)
     assert p.returncode == 2 and "--replicas 3 must divide --world-size 8" in p.stderr
 

@@ -146,6 +146,10 @@ pub struct StrategyArgs {
     /// it, gradients reduced into fp32 shards.
     #[arg(long, value_parser = ["bf16", "fp16"])]
     fsdp_param_dtype: Option<String>,
+    /// FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the host; each
+    /// layer's shards copied to the GPU for its all-gather.
+    #[arg(long)]
+    fsdp_cpu_offload: bool,
     /// A DeepSpeed config (JSON) for a ZeRO job: its zero_optimization settings, and what it
     /// states of the loop (bf16/fp16, optimizer type, train_micro_batch_size_per_gpu,
     /// gradient_accumulation_steps; "auto" leaves the flag's value) replace the flags. Ranks:
@@ -206,7 +210,9 @@ impl StrategyArgs {
                     (_, Some(_)) => return Err(CliError::input("--nodes is for --strategy hsdp")),
                     (_, None) => 1,
                 },
+                cpu_offload: self.fsdp_cpu_offload,
             }),
+            _ if self.fsdp_cpu_offload => return Err(CliError::input("--fsdp-cpu-offload is for --strategy fsdp or hsdp")),
             (Some(zero @ ("zero1" | "zero2" | "zero3")), Some(world_size)) => Some(Strategy::Zero { stage: zero.as_bytes()[4] - b'0', world_size, zero: Zero::default() }),
             (Some(_), Some(world_size)) => Some(Strategy::Ddp { world_size, bucket_cap_mb: self.bucket_cap_mb, bucket_view: self.gradient_as_bucket_view }),
             (None, Some(_)) => return Err(CliError::input("--world-size needs --strategy or --deepspeed")),

@@ -95,7 +95,7 @@ fn strategies(names: &[String], world: u32) -> CliResult<Vec<Option<Strategy>>> 
         .map(|n| {
             Ok(Some(match n {
                 "ddp" => Strategy::Ddp { world_size: world, bucket_cap_mb: gpumem_core::workload::DDP_BUCKET_CAP_MB, bucket_view: false },
-                "fsdp" => Strategy::Fsdp { world_size: world, reshard_after_forward: true, param_dtype: None, replicas: 1 },
+                "fsdp" => Strategy::Fsdp { world_size: world, reshard_after_forward: true, param_dtype: None, replicas: 1, cpu_offload: false },
                 "zero1" => Strategy::Zero { stage: 1, world_size: world, zero: Zero::default() },
                 "zero2" => Strategy::Zero { stage: 2, world_size: world, zero: Zero::default() },
                 "zero3" => Strategy::Zero { stage: 3, world_size: world, zero: Zero::default() },

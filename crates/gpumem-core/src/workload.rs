@@ -222,7 +222,9 @@ pub enum Strategy {
     /// forward and backward; `reshard_after_forward` frees them between the two;
     /// `param_dtype`: `MixedPrecisionPolicy`'s (layers gathered and computed in it, gradients
     /// reduced into fp32 shards); `replicas` > 1 is HSDP: sharded within groups of
-    /// `world_size / replicas` ranks (a node's), replicated across the groups.
+    /// `world_size / replicas` ranks (a node's), replicated across the groups; `cpu_offload`:
+    /// `CPUOffloadPolicy` (shards, gradients and the optimizer step on the host; each layer's
+    /// shards copied to the GPU for its all-gather).
     Fsdp {
         world_size: u32,
         #[serde(default = "yes")]
@@ -231,6 +233,8 @@ pub enum Strategy {
         param_dtype: Option<HalfDtype>,
         #[serde(default = "one")]
         replicas: u32,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        cpu_offload: bool,
     },
     /// DeepSpeed ZeRO stage 1 (optimizer state partitioned), 2 (and gradients) or 3 (and
     /// parameters), modelled from its config (DeepSpeed need not be installed).
@@ -691,7 +695,7 @@ mod tests {
         assert!(json.contains(r#""strategy":{"kind":"ddp","world_size":8,"bucket_cap_mb":25,"bucket_view":false}"#), "{json}");
         assert_eq!(serde_json::from_str::<Options>(&json).unwrap(), ddp(8, 1));
         assert!(!ddp(8, 1).native_compatible());
-        let fsdp = Options { strategy: Some(Strategy::Fsdp { world_size: 1, reshard_after_forward: true, param_dtype: None, replicas: 1 }), ..Options::default() };
+        let fsdp = Options { strategy: Some(Strategy::Fsdp { world_size: 1, reshard_after_forward: true, param_dtype: None, replicas: 1, cpu_offload: false }), ..Options::default() };
         assert_eq!(fsdp.check(), Err(OptionError::WorldSize(1)));
     }
 }

@@ -122,8 +122,11 @@ impl TraceRequest {
                     a.push("--gradient-as-bucket-view".into());
                 }
             }
-            Some(Strategy::Fsdp { world_size, reshard_after_forward, param_dtype, replicas }) => {
+            Some(Strategy::Fsdp { world_size, reshard_after_forward, param_dtype, replicas, cpu_offload }) => {
                 a.extend(["--strategy".into(), "fsdp".into(), "--world-size".into(), world_size.to_string()]);
+                if cpu_offload {
+                    a.push("--cpu-offload".into());
+                }
                 if replicas > 1 {
                     a.extend(["--replicas".into(), replicas.to_string()]);
                 }

@@ -105,9 +105,7 @@ pub fn read_accelerate(yaml: &str, dir: &Path) -> Result<Launch, ConfigError> {
         "MULTI_GPU" => Ok(plain(Some(ddp))),
         "FSDP" => {
             let f = root.get("fsdp_config").cloned().unwrap_or(Value::Null);
-            if flag(&f, "fsdp_offload_params")? == Some(true) {
-                return Err(bad("fsdp_config.fsdp_offload_params", "CPU offload is not traced (it needs the shards' values on the host)"));
-            }
+            let cpu_offload = flag(&f, "fsdp_offload_params")?.unwrap_or(false);
             let reshard = match (flag(&f, "fsdp_reshard_after_forward")?, text(&f, "fsdp_sharding_strategy")?) {
                 (Some(r), _) => r,
                 (None, None | Some("FULL_SHARD" | "1")) => true,
@@ -115,7 +113,7 @@ pub fn read_accelerate(yaml: &str, dir: &Path) -> Result<Launch, ConfigError> {
                 (None, Some("NO_SHARD" | "3")) => return Ok(plain(Some(ddp))),
                 (None, Some(other)) => return Err(bad("fsdp_config.fsdp_sharding_strategy", format!("`{other}` is not modelled (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD)"))),
             };
-            Ok(plain(Some(Strategy::Fsdp { world_size: world, reshard_after_forward: reshard, param_dtype: half, replicas: 1 })))
+            Ok(plain(Some(Strategy::Fsdp { world_size: world, reshard_after_forward: reshard, param_dtype: half, replicas: 1, cpu_offload })))
         }
         "DEEPSPEED" => {
             let d = root.get("deepspeed_config").cloned().unwrap_or(Value::Null);
@@ -176,10 +174,10 @@ mod tests {
             "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\ndowncast_bf16: 'no'\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_offload_params: false\n  fsdp_reshard_after_forward: true\n  fsdp_version: 2\nmachine_rank: 0\nmixed_precision: bf16\nnum_machines: 1\nnum_processes: 8\nuse_cpu: false\n",
         )
         .unwrap();
-        assert_eq!(fsdp.strategy, Some(Strategy::Fsdp { world_size: 8, reshard_after_forward: true, param_dtype: Some(HalfDtype::Bf16), replicas: 1 }));
+        assert_eq!(fsdp.strategy, Some(Strategy::Fsdp { world_size: 8, reshard_after_forward: true, param_dtype: Some(HalfDtype::Bf16), replicas: 1, cpu_offload: false }));
         assert_eq!(fsdp.stated.precision, Some(Precision::AmpBf16));
         let v1 = read("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\nmixed_precision: 'no'\nnum_processes: 4\n").unwrap();
-        assert_eq!((v1.strategy, v1.stated.precision), (Some(Strategy::Fsdp { world_size: 4, reshard_after_forward: false, param_dtype: None, replicas: 1 }), Some(Precision::Fp32)));
+        assert_eq!((v1.strategy, v1.stated.precision), (Some(Strategy::Fsdp { world_size: 4, reshard_after_forward: false, param_dtype: None, replicas: 1, cpu_offload: false }), Some(Precision::Fp32)));
         let ddp = read("distributed_type: MULTI_GPU\nmixed_precision: fp16\nnum_processes: 2\n").unwrap();
         assert_eq!((ddp.strategy.map(|s| s.name()), ddp.stated.precision), (Some("ddp"), Some(Precision::AmpFp16)));
         let ds = read("distributed_type: DEEPSPEED\ndeepspeed_config:\n  gradient_accumulation_steps: 4\n  offload_optimizer_device: cpu\n  offload_param_device: none\n  zero3_init_flag: true\n  zero_stage: 3\nmixed_precision: bf16\nnum_processes: 8\n").unwrap();
@@ -207,7 +205,8 @@ mod tests {
         assert!(err("a: [").starts_with("not JSON: not YAML: "), "{}", err("a: ["));
         assert_eq!(err("distributed_type: TPU\n"), "`distributed_type`: `TPU` is not modelled (NO, MULTI_GPU, FSDP, DEEPSPEED)");
         assert_eq!(err("distributed_type: MULTI_GPU\nmixed_precision: fp8\n"), "`mixed_precision`: `fp8` is not modelled (no, bf16, fp16)");
-        assert_eq!(err("distributed_type: FSDP\nfsdp_config:\n  fsdp_offload_params: true\n"), "`fsdp_config.fsdp_offload_params`: CPU offload is not traced (it needs the shards' values on the host)");
+        let offload = read("distributed_type: FSDP\nfsdp_config:\n  fsdp_offload_params: true\nnum_processes: 2\n").unwrap();
+        assert!(matches!(offload.strategy, Some(Strategy::Fsdp { cpu_offload: true, world_size: 2, .. })));
         assert_eq!(err("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n"), "`fsdp_config.fsdp_sharding_strategy`: `HYBRID_SHARD` is not modelled (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD)");
         assert_eq!(err("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n  offload_param_device: cpu\n"), "`deepspeed_config.offload_param_device`: needs zero_stage 3");
         assert_eq!(err("distributed_type: MULTI_GPU\nnum_processes: 0\n"), "`num_processes`: 0 is out of range");
