@@ -153,7 +153,7 @@ class Autocast(TorchFunctionMode):
         saved = inner.__kwdefaults__["context_fn"]
 
         def context_fn():
-            return contextlib.nullcontext(), (self._recompute() if self.depth else contextlib.nullcontext())
+            return contextlib.nullcontext(), self.recompute_context()
 
         inner.__kwdefaults__["context_fn"] = context_fn
         try:
@@ -161,11 +161,22 @@ class Autocast(TorchFunctionMode):
         finally:
             inner.__kwdefaults__["context_fn"] = saved
 
+    def recompute_context(self):
+        """What a checkpointed segment's recomputation runs under: this mode where the forward
+        ran under it (asked while the forward runs), else nothing."""
+        return self._recompute() if self.depth else contextlib.nullcontext()
+
     @contextlib.contextmanager
     def _recompute(self):
-        with self:
-            yield
-        self.clear()
+        # Non-reentrant checkpoint stops a recomputation early by raising through this context
+        # once it has what backward needs: the cast cache is cleared then too (a stale entry
+        # would keep a layer's cast weights alive into the next forward, which would not cast
+        # them again).
+        try:
+            with self:
+                yield
+        finally:
+            self.clear()
 
 
 _REAL_AUTOCAST = torch.autocast

@@ -212,7 +212,10 @@ _SAVED_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_sca
               "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
 
 
-def _selective_contexts():
+def _selective_contexts(autocast):
+    """The policy's forward and recompute contexts; under the emulated autocast the recompute
+    also runs under it, as checkpoint's own context does (its casts are then recomputed as the
+    forward made them, and the saved matmul outputs keep the forward's dtype)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     saved = {getattr(torch.ops.aten, n).default for n in _SAVED_OPS if hasattr(torch.ops.aten, n)}
@@ -220,7 +223,16 @@ def _selective_contexts():
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    return forward, (_together(recompute, autocast.recompute_context()) if autocast else recompute)
+
+
+@contextlib.contextmanager
+def _together(*contexts):
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
 
 
 def _count_activations(model):
@@ -248,18 +260,18 @@ def trace_training(opts: TraceOptions, out_path: str):
     if opts.lora:
         # As one fine-tunes with PEFT: get_peft_model on the loaded model, then the loop.
         lora.apply(model, opts.lora, opts.model)
-    if opts.selective and PRECISIONS.get(opts.precision, (None,))[0] is not None:
-        # Selective checkpointing replays each op's cached output by position; the emulated
-        # autocast's casts in the recomputation do not line up with the forward's on every
-        # torch (2.15 refuses the replay), so the combination is not traced.
-        raise ReferenceError_(f"selective checkpointing under autocast ({opts.precision}) is not traced; use fp32, bf16 or fp16, or full checkpointing")
+    if opts.precision not in PRECISIONS:
+        raise ReferenceError_(f"unknown precision `{opts.precision}` (expected {', '.join(PRECISIONS)})")
+    autocast_dtype, weights_dtype = PRECISIONS[opts.precision]
+    autocast = amp.Autocast(autocast_dtype) if autocast_dtype else None
     if opts.checkpointing and opts.selective:
         # Hugging Face's own switch (which also turns its KV cache off, as checkpointing must)
         # with the selective policy; other models per repeated block.
+        contexts = functools.partial(_selective_contexts, autocast)
         if hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": _selective_contexts})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": contexts})
         else:
-            checkpoint_blocks(model, opts.model, context_fn=_selective_contexts)
+            checkpoint_blocks(model, opts.model, context_fn=contexts)
     elif opts.checkpointing:
         if hasattr(model, "set_grad_checkpointing"):
             model.set_grad_checkpointing(True)
@@ -267,9 +279,6 @@ def trace_training(opts: TraceOptions, out_path: str):
             model.gradient_checkpointing_enable()
         else:
             checkpoint_blocks(model, opts.model)
-    if opts.precision not in PRECISIONS:
-        raise ReferenceError_(f"unknown precision `{opts.precision}` (expected {', '.join(PRECISIONS)})")
-    autocast_dtype, weights_dtype = PRECISIONS[opts.precision]
     rec = Recorder()
     paths = ModulePaths(model)
     mode = TraceMode(rec, paths, DEVICE)
@@ -292,7 +301,6 @@ def trace_training(opts: TraceOptions, out_path: str):
     if opts.strategy and parallel:
         raise ReferenceError_("a job is DataParallel or DistributedDataParallel, not both")
     runner = model  # what the loop calls: the model, or its DDP wrapper once built
-    autocast = amp.Autocast(autocast_dtype) if autocast_dtype else None
     # `loss = model(**batch).loss` (Hugging Face's Trainer) drops the model's output before
     # backward; `outputs = model(x); loss = criterion(outputs, y)` keeps it alive through it.
     keep_outputs = job.keeps_outputs if opts.outputs is None else opts.outputs == "kept"

@@ -98,7 +98,6 @@ fn bad_inputs_exit_2_with_one_line() {
     bad_input(&["estimate", "hf:gpt2", "--strategy", "fsdp", "--world-size", "1"], "--world-size 1 is out of range (2..=65536)");
     bad_input(&["estimate", "hf:gpt2", "--strategy", "ddp", "--world-size", "2", "--data-parallel", "2"], "a job is --data-parallel or --strategy, not both");
     bad_input(&["estimate", "hf:gpt2", "--strategy", "hsdp", "--world-size", "8"], "--strategy hsdp needs --nodes");
-    bad_input(&["estimate", "hf:gpt2", "--selective-checkpointing", "--precision", "amp-bf16"], "selective checkpointing under autocast (amp-bf16) is not traced");
     bad_input(&["estimate", "hf:gpt2", "--strategy", "hsdp", "--world-size", "8", "--nodes", "3"], "HSDP's --nodes 3 must divide --world-size 8 into groups of at least 2 ranks");
     bad_input(&["estimate", "hf:gpt2", "--strategy", "fsdp", "--world-size", "8", "--nodes", "2"], "--nodes is for --strategy hsdp");
     bad_input(&["estimate", "hf:gpt2", "--strategy", "zero2", "--world-size", "8", "--fsdp-cpu-offload"], "--fsdp-cpu-offload is for --strategy fsdp or hsdp");

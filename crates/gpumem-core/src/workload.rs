@@ -483,8 +483,6 @@ pub enum OptionError {
     ReduceBucket,
     #[error("offload_param needs ZeRO stage 3")]
     OffloadParam,
-    #[error("selective checkpointing under autocast ({0}) is not traced; use fp32, bf16 or fp16, or full checkpointing")]
-    SelectiveUnderAutocast(&'static str),
     #[error("HSDP's --nodes {replicas} must divide --world-size {world_size} into groups of at least 2 ranks")]
     Replicas { replicas: u32, world_size: u32 },
 }
@@ -503,9 +501,6 @@ impl Options {
         }
         if self.seq_len == Some(0) {
             return Err(OptionError::SeqLen);
-        }
-        if self.checkpointing == Checkpointing::Selective && matches!(self.precision, Precision::AmpFp16 | Precision::AmpBf16) {
-            return Err(OptionError::SelectiveUnderAutocast(self.precision.name()));
         }
         if let Some(strategy) = self.strategy {
             if !(2..=MAX_WORLD_SIZE).contains(&strategy.world_size()) {
