@@ -190,6 +190,26 @@ def repeated_blocks(model, name, purpose):
     return [m for m in model.modules() if type(m) is block]
 
 
+def enable_checkpointing(model, name, selective=False, autocast=None):
+    """Activation checkpointing as the model's users switch it on: the model's own switch
+    (timm's ``set_grad_checkpointing``, Hugging Face's ``gradient_checkpointing_enable``, which
+    also turns its KV cache off, as checkpointing must), else every repeated block by hand.
+    ``selective``: with the op-level policy (``autocast``: the emulated one the trace runs under,
+    which the recomputation must join)."""
+    if selective:
+        contexts = functools.partial(_selective_contexts, autocast)
+        if hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": contexts})
+        else:
+            checkpoint_blocks(model, name, context_fn=contexts)
+    elif hasattr(model, "set_grad_checkpointing"):
+        model.set_grad_checkpointing(True)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable()
+    else:
+        checkpoint_blocks(model, name)
+
+
 def checkpoint_blocks(model, name, context_fn=None):
     """Activation checkpointing for a model without a switch of its own (or a selective one):
     every repeated block runs under non-reentrant ``torch.utils.checkpoint``, with
@@ -264,21 +284,8 @@ def trace_training(opts: TraceOptions, out_path: str):
         raise ReferenceError_(f"unknown precision `{opts.precision}` (expected {', '.join(PRECISIONS)})")
     autocast_dtype, weights_dtype = PRECISIONS[opts.precision]
     autocast = amp.Autocast(autocast_dtype) if autocast_dtype else None
-    if opts.checkpointing and opts.selective:
-        # Hugging Face's own switch (which also turns its KV cache off, as checkpointing must)
-        # with the selective policy; other models per repeated block.
-        contexts = functools.partial(_selective_contexts, autocast)
-        if hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": contexts})
-        else:
-            checkpoint_blocks(model, opts.model, context_fn=contexts)
-    elif opts.checkpointing:
-        if hasattr(model, "set_grad_checkpointing"):
-            model.set_grad_checkpointing(True)
-        elif hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable()
-        else:
-            checkpoint_blocks(model, opts.model)
+    if opts.checkpointing:
+        enable_checkpointing(model, opts.model, opts.selective, autocast)
     rec = Recorder()
     paths = ModulePaths(model)
     mode = TraceMode(rec, paths, DEVICE)

@@ -2,9 +2,11 @@
 saves PyTorch's own memory snapshot (``torch.cuda.memory._snapshot()``) for ``gpumem diff``:
 
     python -m gpumem_trace.record MODEL --batch N [--optimizer adam] [--precision fp32]
-        [--input CxHxW] [--seq-len S] [--iterations 3] [--benchmark] --out snap.pickle
+        [--input CxHxW] [--seq-len S] [--iterations 3] [--benchmark]
+        [--checkpointing [--selective]] [--lora-rank R --lora-targets T [--lora-alpha A]] --out snap.pickle
 
-The loop: the model moved to the GPU, the optimizer made; per iteration the new batch moved to
+The loop: LoRA applied as the tracer applies it (gpumem_trace.lora, PEFT's layout), the model
+moved to the GPU, checkpointing switched on as the tracer does, the optimizer made; per iteration the new batch moved to
 the GPU, ``zero_grad(set_to_none=True)``, forward and loss under autocast, backward (through
 GradScaler for amp-fp16), ``step``. Prints one JSON line: PyTorch's peaks and the device memory
 in use at the end (what nvidia-smi shows). Exit codes: 0 saved; 2 bad model or option; 3 no
@@ -18,7 +20,8 @@ import sys
 
 import torch
 
-from .loop import PRECISIONS, make_optimizer
+from . import lora
+from .loop import PRECISIONS, enable_checkpointing, make_optimizer
 from .models import ReferenceError_, resolve
 
 
@@ -64,7 +67,12 @@ def record(a, device="cuda"):
         # Python stacks make the file ~50x larger; the sizes and order are what diff needs.
         torch.cuda.memory._record_memory_history(context="alloc" if a.stacks else None, stacks="python", max_entries=a.max_entries)
     model = job.model
+    if a.lora_rank is not None:
+        lora.apply(model, lora.Lora(rank=a.lora_rank, alpha=a.lora_alpha, targets=tuple(a.lora_targets.split(",")), dropout=a.lora_dropout), a.model)
     materialise(model, weights_dtype, device)
+    if a.checkpointing:
+        # Real autocast: checkpoint's recomputation re-enters it by itself.
+        enable_checkpointing(model, a.model, a.selective)
     if a.channels_last:
         model.to(memory_format=torch.channels_last)
     model.train()
@@ -97,7 +105,8 @@ def record(a, device="cuda"):
         # The history is a ring: its oldest entries are gone, and a diff would part early.
         print(f"gpumem_trace.record: the allocator's history filled its {a.max_entries} entries; raise --max-entries", file=sys.stderr)
     free, total = torch.cuda.mem_get_info()
-    facts = {"model": a.model, "batch": a.batch, "optimizer": a.optimizer, "precision": a.precision,
+    facts = {"model": a.model, "batch": a.batch, "optimizer": a.optimizer, "precision": a.precision, "seq_len": a.seq_len,
+             "checkpointing": "selective" if a.selective else a.checkpointing, "lora_rank": a.lora_rank, "lora_targets": a.lora_targets,
              "max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved(),
              "device_used_end": total - free, "torch": str(torch.__version__), "cudnn": torch.backends.cudnn.version() or 0,
              "gpu": torch.cuda.get_device_name(0), "iterations": a.iterations}
@@ -119,6 +128,12 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int)
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--outputs", choices=["kept", "dropped"])
+    p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--selective", action="store_true", help="with --checkpointing: the op-level policy (matmul and attention outputs saved)")
+    p.add_argument("--lora-rank", type=int, help="LoRA fine-tuning: the rank r (with --lora-targets)")
+    p.add_argument("--lora-alpha", type=float, default=8.0)
+    p.add_argument("--lora-targets", help="module names, comma-separated, or all-linear")
+    p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
     p.add_argument("--stacks", action="store_true", help="record each allocation's Python stack (for pytorch.org/memory_viz)")
     p.add_argument("--max-entries", type=int, default=1_000_000)
@@ -136,6 +151,8 @@ def main(argv=None):
             return fail(2, f"--input `{a.input}` is not CxHxW")
     if a.batch < 1 or a.iterations < 1:
         return fail(2, "--batch and --iterations must be at least 1")
+    if a.lora_rank is not None and (a.lora_rank < 1 or not a.lora_targets):
+        return fail(2, "--lora-rank must be at least 1, with --lora-targets")
     if not torch.cuda.is_available():
         return fail(3, "no CUDA device (record runs the step on a GPU)")
     try:

@@ -658,3 +658,21 @@ def test_a_lora_model_is_still_sharded_and_checkpointed_by_its_layers():
     model = resolve(LLAMA, seq_len=32).model
     apply(model, Lora(8, 16.0, ("q_proj", "v_proj")), LLAMA)
     assert {type(b).__name__ for b in repeated_blocks(model, LLAMA, "FSDP")} == {"LlamaDecoderLayer"}
+
+
+def test_record_runs_lora_and_checkpointing(tmp_path):
+    """gpumem_trace.record (the GPU measurement of a job) runs a LoRA fine-tune with
+    checkpointing in pure bf16 as the tracer's loop does; on the host it checks the loop (only
+    CUDA has a snapshot)."""
+    import argparse
+
+    from gpumem_trace import record
+
+    ref = "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=4,vocab_size=1000)"
+    a = argparse.Namespace(model=ref, batch=2, seq_len=16, input_shape=None, optimizer="adamw", precision="bf16", iterations=2, benchmark=False,
+                           stacks=False, max_entries=1, channels_last=False, outputs=None, checkpointing=True, selective=False,
+                           lora_rank=4, lora_alpha=8.0, lora_targets="q_proj,v_proj", lora_dropout=0.0, out=str(tmp_path / "snap.pickle"))
+    assert record.record(a, device="cpu") is None
+    p = subprocess.run([sys.executable, "-m", "gpumem_trace.record", ref, "--batch", "2", "--lora-rank", "0", "--out", str(tmp_path / "x")],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(PKG)))
+    assert p.returncode == 2 and "--lora-rank must be at least 1" in p.stderr
