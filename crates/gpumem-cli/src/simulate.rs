@@ -13,7 +13,7 @@ use gpumem_sim::carma::{Task, TaskModel, load_arrivals, load_tasks};
 use gpumem_sim::jobs::{JobSpec, load_jobs};
 use gpumem_sim::{GpuSpec, Interference, NoInterference, ProportionalSharing, Report, SimConfig, SimJob, simulate};
 use gpumem_torch::BridgeError;
-use gpumem_workload::{Workload, WorkloadError};
+use gpumem_workload::{Workload, WorkloadError, side_by_side};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
@@ -125,11 +125,11 @@ fn solo_load(u: &Utilization, task: &Task) -> Load {
     Load { smact: u.smact * busy, smocc: u.smocc * busy, dram: u.dram * busy }
 }
 
-/// gpumem's answer for each distinct model of a workload, traced once each (and cached by the
-/// tracer): its replay estimate and bound, and the physical model's utilization while its steps
-/// run. A model whose library this interpreter lacks (say segmentation-models-pytorch) is left
-/// out with a warning: its jobs run without a gpumem estimate, as the ones gpumem cannot trace
-/// at all do.
+/// gpumem's answer for each distinct model of a workload, traced once each (side by side, and
+/// cached by the tracer): its replay estimate and bound, and the physical model's utilization
+/// while its steps run. A model whose library this interpreter lacks (say
+/// segmentation-models-pytorch) is left out with a warning: its jobs run without a gpumem
+/// estimate, as the ones gpumem cannot trace at all do.
 fn model_all<'a>(models: impl IntoIterator<Item = &'a TaskModel>, profile: &GpuProfile) -> CliResult<HashMap<TaskModel, (MemoryDemand, Utilization)>> {
     let mut distinct: Vec<&TaskModel> = Vec::new();
     for m in models {
@@ -138,16 +138,18 @@ fn model_all<'a>(models: impl IntoIterator<Item = &'a TaskModel>, profile: &GpuP
         }
     }
     let bar = ProgressBar::new(distinct.len() as u64);
-    bar.set_style(ProgressStyle::with_template("tracing {bar:30} {pos}/{len} {msg}").expect("valid template"));
+    bar.set_style(ProgressStyle::with_template("tracing {bar:30} {pos}/{len}").expect("valid template"));
+    let traced = side_by_side(&distinct, |m| {
+        let t = Workload::parse(&m.reference, m.batch, m.options.clone()).and_then(|w| w.trace(profile));
+        bar.inc(1);
+        t
+    });
     let mut out = HashMap::new();
-    for m in distinct {
-        bar.set_message(format!("{} b{}", m.reference, m.batch));
-        let traced = Workload::parse(&m.reference, m.batch, m.options.clone()).and_then(|w| w.trace(profile));
+    for (m, traced) in distinct.into_iter().zip(traced) {
         let trace = match traced {
             Ok(t) => t,
             Err(WorkloadError::Tracer(BridgeError::BadReference(e))) => {
                 bar.suspend(|| eprintln!("warning: {} b{}: {e}; its jobs run without a gpumem estimate", m.reference, m.batch));
-                bar.inc(1);
                 continue;
             }
             Err(e @ (WorkloadError::Invalid(_) | WorkloadError::Batch(_))) => return Err(CliError::input(format!("{} b{}: {e}", m.reference, m.batch))),
@@ -156,7 +158,6 @@ fn model_all<'a>(models: impl IntoIterator<Item = &'a TaskModel>, profile: &GpuP
         let est = Replay::default().estimate(&trace, profile).map_err(CliError::input)?;
         let memory = MemoryDemand { estimate_bytes: est.peak_bytes, upper_bound_bytes: est.upper_bound_bytes };
         out.insert(m.clone(), (memory, physical(&trace, profile, &HostModel::default())));
-        bar.inc(1);
     }
     bar.finish_and_clear();
     Ok(out)

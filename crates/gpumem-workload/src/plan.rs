@@ -10,9 +10,7 @@ use gpumem_core::graph::Precision;
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::utilization::{HostModel, physical};
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-use crate::{Checkpointing, SizeError, Strategy, Symbolic, Workload, WorkloadError};
+use crate::{Checkpointing, SizeError, Strategy, Symbolic, Workload, WorkloadError, side_by_side};
 
 /// Setups whose time per sample is this close to the fastest's count as as fast.
 pub const TIE: f64 = 0.01;
@@ -146,30 +144,6 @@ fn micro_batches(global: Option<u64>, max: u64) -> Vec<u64> {
     };
     let above = candidates.iter().copied().find(|m| *m > max);
     candidates.into_iter().filter(|m| *m <= max).chain(above).collect()
-}
-
-/// `f` of each item, in order, on up to one thread per core (each call may run a tracer
-/// process). Not rayon's pool: the CLI keeps that to one thread for candle's tiny networks.
-fn side_by_side<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, items.len().max(1));
-    let next = AtomicUsize::new(0);
-    let mut done: Vec<(usize, R)> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(|| {
-                    let mut mine = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(item) = items.get(i) else { break mine };
-                        mine.push((i, f(item)));
-                    }
-                })
-            })
-            .collect();
-        workers.into_iter().flat_map(|w| w.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect()
-    });
-    done.sort_by_key(|(i, _)| *i);
-    done.into_iter().map(|(_, r)| r).collect()
 }
 
 /// Plans `base` (its model and fixed options; its strategy where `space` lists none, and its
