@@ -155,10 +155,18 @@ pub fn plan(a: PlanArgs) -> CliResult {
     let name = model.to_string();
     let base = gpumem_workload::Workload::new(model, 1, options)?;
     let space = Space { strategies: searched, precisions, checkpointing, global_batch: a.global_batch };
-    let p = search(&base, &profile, estimator.as_ref(), &space, link).map_err(|e| match e {
+    // A cold plan traces the model once per setup (seconds to minutes each): say how far it is.
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(indicatif::ProgressStyle::with_template("tracing {bar:30} {pos}/{len} setups").expect("valid template"));
+    let traced = |done: usize, of: usize| {
+        bar.set_length(of as u64);
+        bar.set_position(done as u64);
+    };
+    let p = search(&base, &profile, estimator.as_ref(), &space, link, &traced).map_err(|e| match e {
         gpumem_workload::SizeError::Workload(w) => CliError::from(w),
         e => CliError::other(e),
     })?;
+    bar.finish_and_clear();
     if a.json {
         let out = json!({
             "model": name, "gpu": profile.name, "capacity_mib": profile.capacity_mib, "global_batch": a.global_batch, "world_size": world, "bus_gbs": link.bus_gbs,

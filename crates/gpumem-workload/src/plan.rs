@@ -148,7 +148,9 @@ fn micro_batches(global: Option<u64>, max: u64) -> Vec<u64> {
 
 /// Plans `base` (its model and fixed options; its strategy where `space` lists none, and its
 /// precision, checkpointing and batch are searched) on `profile`, every rank's GPU.
-pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, space: &Space, link: Interconnect) -> Result<Plan, SizeError> {
+/// `traced(done, of)` hears how many of the `of` (strategy, precision, checkpointing) setups
+/// are traced (the cold part: a tracer run each), first with none.
+pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, space: &Space, link: Interconnect, traced: &(dyn Fn(usize, usize) + Sync)) -> Result<Plan, SizeError> {
     let host = HostModel::default();
     let strategies = if space.strategies.is_empty() { vec![base.options().strategy] } else { space.strategies.clone() };
     let mut pairs = Vec::new();
@@ -160,13 +162,17 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
         }
     }
     // Each pair's trace is a tracer process of its own (Python, one core each): side by side.
-    let traced: Vec<Result<Result<Symbolic, String>, WorkloadError>> = side_by_side(&pairs, |&(strategy, precision, checkpointing)| {
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    traced(0, pairs.len());
+    let symbolic: Vec<Result<Result<Symbolic, String>, WorkloadError>> = side_by_side(&pairs, |&(strategy, precision, checkpointing)| {
         let options = crate::Options { precision, checkpointing, grad_accum: 1, strategy, ..base.options().clone() };
         let workload = match Workload::new(base.model().clone(), 1, options) {
             Ok(w) => w,
             Err(e) => return Ok(Err(e.to_string())),
         };
-        match workload.symbolic(profile) {
+        let sym = workload.symbolic(profile);
+        traced(done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1, pairs.len());
+        match sym {
             Ok(s) => Ok(Ok(s)),
             // A model that cannot take this setup (no blocks to checkpoint or shard, a
             // precision the families refuse, FSDP2 on an old torch) is skipped; the tracer
@@ -177,8 +183,8 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
         }
     });
     let mut out = Plan::default();
-    for ((strategy, precision, checkpointing), traced) in pairs.into_iter().zip(traced) {
-        let sym = match traced? {
+    for ((strategy, precision, checkpointing), sym) in pairs.into_iter().zip(symbolic) {
+        let sym = match sym? {
             Ok(s) => s,
             Err(reason) => {
                 out.skipped.push(Skipped { strategy, precision, checkpointing, reason });
@@ -257,7 +263,7 @@ mod tests {
         let base = Workload::parse("mlp:input=4096,output=10,depth=6,arch=uniform", 1, crate::Options::default()).unwrap();
         let space = Space { strategies: Vec::new(), precisions: vec![Precision::Fp32, Precision::AmpFp16], checkpointing: vec![Checkpointing::Off], global_batch: Some(4096) };
         let link = Interconnect::for_gpu(&t4.name);
-        let p = plan(&base, &t4, &Replay::default(), &space, link).unwrap();
+        let p = plan(&base, &t4, &Replay::default(), &space, link, &|_, _| ()).unwrap();
         assert!(!p.fits.is_empty());
         assert!(p.fits.windows(2).all(|w| w[0].seconds_per_sample() <= w[1].seconds_per_sample()));
         assert!(p.fits.iter().all(|s| s.estimate.upper_bound_bytes <= t4.capacity_bytes() && s.micro_batch * s.grad_accum == 4096));
@@ -267,7 +273,7 @@ mod tests {
         assert_eq!(best.precision, Precision::AmpFp16, "{best:?}");
         // Checkpointing is for PyTorch models: skipped with the reason, not an error.
         let space = Space { checkpointing: vec![Checkpointing::Full], ..space };
-        let p = plan(&base, &t4, &Replay::default(), &space, link).unwrap();
+        let p = plan(&base, &t4, &Replay::default(), &space, link, &|_, _| ()).unwrap();
         assert!(p.fits.is_empty() && p.skipped.len() == 2 && p.skipped[0].reason.contains("apply to PyTorch models"));
     }
 }
