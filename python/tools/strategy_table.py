@@ -1,7 +1,7 @@
 """One rank's memory under each multi-GPU strategy, as `gpumem estimate` gives it, beside
 DeepSpeed's own model-state figure for ZeRO-2/3 — the table of docs/results.md.
 
-    python python/tools/strategy_table.py [--models gpt2,llama-1b,llama-7b,vit] [--worlds 2,4,8] [--gpu h100-80gb-sxm]
+    python python/tools/strategy_table.py [--models gpt2,llama-1b,llama-7b,vit] [--strategies ddp,fsdp,zero2,zero3] [--worlds 2,4,8] [--gpu h100-80gb-sxm]
 
 Each strategy as it is usually run: DDP and FSDP2 with fp32 weights under bf16 autocast
 (`amp-bf16`), ZeRO with DeepSpeed's bf16 mode (bf16 weights, fp32 master copy), Adam, activation
@@ -33,6 +33,7 @@ def estimate(ref, batch, seq, strategy, world, gpu):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--worlds", default="2,4,8")
     p.add_argument("--gpu", default="h100-80gb-sxm")
     a = p.parse_args()
@@ -40,7 +41,7 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for name in a.models.split(","):
         ref, batch, seq = MODELS[name]
-        for strategy in STRATEGIES:
+        for strategy in a.strategies.split(","):
             for world in (int(w) for w in a.worlds.split(",")):
                 v, err = estimate(ref, batch, seq, strategy, world, a.gpu)
                 label = f"{name} b{batch}{f' s{seq}' if seq else ''}"

@@ -3,7 +3,7 @@
 # Llama configs, run for real (gpumem_trace.record: PyTorch's peaks and the device memory in
 # use at the end), to set beside `gpumem estimate` of the same jobs (JOBS below, each line's
 # flags are the estimate's: `gpumem estimate MODEL --batch B FLAGS --gpu h200 --json`).
-# Usage on the GPU machine: OUT=dir bash scripts/gpu/lora-h200.sh   (about 4 minutes on an H200)
+# Usage on the GPU machine: OUT=dir bash scripts/gpu/lora-h200.sh   (about 5 minutes on an H200)
 set -u
 OUT=${OUT:-gpu-out}; PY=${PYTHON:-python3}
 mkdir -p "$OUT/lora"
@@ -16,6 +16,8 @@ JOBS=(
   "lora-all|$TINYLLAMA|2|--seq-len 1024 --optimizer adamw --precision bf16 --lora-rank 16 --lora-alpha 32 --lora-targets all-linear"
   "bf16-full|$LLAMA350M|8|--seq-len 1024 --optimizer adamw --precision bf16"
   "bf16-full-ckpt|$LLAMA350M|16|--seq-len 1024 --optimizer adamw --precision bf16 --checkpointing"
+  # Autocast with checkpointing: the recomputation's weight casts (the emulated cast cache).
+  "amp-bf16-ckpt|$LLAMA350M|16|--seq-len 1024 --optimizer adamw --precision amp-bf16 --checkpointing"
 )
 for job in "${JOBS[@]}"; do
   IFS='|' read -r name model batch flags <<<"$job"
