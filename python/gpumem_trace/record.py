@@ -6,9 +6,9 @@ saves PyTorch's own memory snapshot (``torch.cuda.memory._snapshot()``) for ``gp
         [--checkpointing [--selective]] [--lora-rank R --lora-targets T [--lora-alpha A]] --out snap.pickle
 
 The loop: LoRA applied as the tracer applies it (gpumem_trace.lora, PEFT's layout), the model
-moved to the GPU, checkpointing switched on as the tracer does, the optimizer made; per iteration the new batch moved to
-the GPU, ``zero_grad(set_to_none=True)``, forward and loss under autocast, backward (through
-GradScaler for amp-fp16), ``step``. Prints one JSON line: PyTorch's peaks and the device memory
+moved to the GPU, checkpointing switched on as the tracer does, the optimizer made; per
+iteration the new batch moved to the GPU, ``zero_grad(set_to_none=True)``, forward and loss
+under autocast, backward (through GradScaler for amp-fp16), ``step``. Prints one JSON line: PyTorch's peaks and the device memory
 in use at the end (what nvidia-smi shows). Exit codes: 0 saved; 2 bad model or option; 3 no
 CUDA device or the model failed.
 """
