@@ -146,6 +146,22 @@ fn micro_batches(global: Option<u64>, max: u64) -> Vec<u64> {
     candidates.into_iter().filter(|m| *m <= max).chain(above).collect()
 }
 
+/// The batch-symbolic trace of `base`'s model under `options`; `Ok(Err(why))` for a setup the
+/// model cannot take (no blocks to checkpoint or shard, a precision the families refuse, FSDP2
+/// on an old torch), which the plan skips; the tracer missing altogether is an error.
+fn setup_trace(base: &Workload, options: crate::Options, profile: &GpuProfile) -> Result<Result<Symbolic, String>, WorkloadError> {
+    let workload = match Workload::new(base.model().clone(), 1, options) {
+        Ok(w) => w,
+        Err(e) => return Ok(Err(e.to_string())),
+    };
+    match workload.symbolic(profile) {
+        Ok(s) => Ok(Ok(s)),
+        Err(WorkloadError::Invalid(m)) => Ok(Err(m)),
+        Err(e @ WorkloadError::Tracer(gpumem_torch::BridgeError::BadReference(_) | gpumem_torch::BridgeError::Model(_))) => Ok(Err(e.to_string())),
+        Err(e) => Err(e),
+    }
+}
+
 /// Plans `base` (its model and fixed options; its strategy where `space` lists none, and its
 /// precision, checkpointing and batch are searched) on `profile`, every rank's GPU.
 /// `traced(done, of)` hears how many of the `of` (strategy, precision, checkpointing) setups
@@ -164,23 +180,11 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
     // Each pair's trace is a tracer process of its own (Python, one core each): side by side.
     let done = std::sync::atomic::AtomicUsize::new(0);
     traced(0, pairs.len());
-    let symbolic: Vec<Result<Result<Symbolic, String>, WorkloadError>> = side_by_side(&pairs, |&(strategy, precision, checkpointing)| {
+    let symbolic = side_by_side(&pairs, |&(strategy, precision, checkpointing)| {
         let options = crate::Options { precision, checkpointing, grad_accum: 1, strategy, ..base.options().clone() };
-        let workload = match Workload::new(base.model().clone(), 1, options) {
-            Ok(w) => w,
-            Err(e) => return Ok(Err(e.to_string())),
-        };
-        let sym = workload.symbolic(profile);
+        let sym = setup_trace(base, options, profile);
         traced(done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1, pairs.len());
-        match sym {
-            Ok(s) => Ok(Ok(s)),
-            // A model that cannot take this setup (no blocks to checkpoint or shard, a
-            // precision the families refuse, FSDP2 on an old torch) is skipped; the tracer
-            // missing altogether is an error.
-            Err(WorkloadError::Invalid(m)) => Ok(Err(m)),
-            Err(e @ WorkloadError::Tracer(gpumem_torch::BridgeError::BadReference(_) | gpumem_torch::BridgeError::Model(_))) => Ok(Err(e.to_string())),
-            Err(e) => Err(e),
-        }
+        sym
     });
     let mut out = Plan::default();
     for ((strategy, precision, checkpointing), sym) in pairs.into_iter().zip(symbolic) {
