@@ -101,6 +101,7 @@ fn bad_inputs_exit_2_with_one_line() {
     bad_input(&["estimate", "hf:gpt2", "--strategy", "hsdp", "--world-size", "8", "--nodes", "3"], "HSDP's --nodes 3 must divide --world-size 8 into groups of at least 2 ranks");
     bad_input(&["estimate", "hf:gpt2", "--strategy", "fsdp", "--world-size", "8", "--nodes", "2"], "--nodes is for --strategy hsdp");
     bad_input(&["estimate", "hf:gpt2", "--strategy", "zero2", "--world-size", "8", "--fsdp-cpu-offload"], "--fsdp-cpu-offload is for --strategy fsdp or hsdp");
+    bad_input(&["estimate", "hf:gpt2", "--strategy", "zero2", "--world-size", "8", "--precision", "amp-fp16"], "ZeRO trains fp16 in DeepSpeed's own fp16 mode");
     bad_input(&["estimate", MLP, "--batch", "0"], "--batch 0 is out of range");
     bad_input(&["estimate", MLP, "--batch", "-4"], "--batch -4 is out of range");
     bad_input(&["estimate", MLP, "--batch", "99999999999"], "out of range");

@@ -483,6 +483,10 @@ pub enum OptionError {
     ReduceBucket,
     #[error("offload_param needs ZeRO stage 3")]
     OffloadParam,
+    /// DeepSpeed scales the loss of fp16 training inside its engine; torch's GradScaler does not
+    /// drive one.
+    #[error("ZeRO trains fp16 in DeepSpeed's own fp16 mode (--precision fp16, loss scaling inside the engine), not under torch's GradScaler (amp-fp16)")]
+    ZeroAmpFp16,
     #[error("HSDP's --nodes {replicas} must divide --world-size {world_size} into groups of at least 2 ranks")]
     Replicas { replicas: u32, world_size: u32 },
 }
@@ -511,6 +515,7 @@ impl Options {
                 Strategy::Zero { stage, .. } if !(1..=3).contains(&stage) => return Err(OptionError::ZeroStage(stage)),
                 Strategy::Zero { zero, .. } if zero.reduce_bucket_size == 0 => return Err(OptionError::ReduceBucket),
                 Strategy::Zero { stage, zero, .. } if zero.offload_param && stage != 3 => return Err(OptionError::OffloadParam),
+                Strategy::Zero { .. } if self.precision == Precision::AmpFp16 => return Err(OptionError::ZeroAmpFp16),
                 Strategy::Fsdp { world_size, replicas, .. } if replicas == 0 || !world_size.is_multiple_of(replicas) || (replicas > 1 && world_size / replicas < 2) => {
                     return Err(OptionError::Replicas { replicas, world_size });
                 }
