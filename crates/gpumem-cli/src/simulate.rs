@@ -10,7 +10,7 @@ use gpumem_core::profile::GpuProfile;
 use gpumem_core::utilization::{HostModel, Utilization, physical};
 use gpumem_place::{Load, MIB, MemoryDemand, MemoryView, Policy, Rule};
 use gpumem_sim::carma::{Task, TaskModel, load_arrivals, load_tasks};
-use gpumem_sim::jobs::{JobSpec, load_jobs};
+use gpumem_sim::jobs::load_jobs;
 use gpumem_sim::{GpuSpec, Interference, NoInterference, ProportionalSharing, Report, SimConfig, SimJob, simulate};
 use gpumem_torch::BridgeError;
 use gpumem_workload::{Workload, WorkloadError, side_by_side};
@@ -121,7 +121,11 @@ struct Modelled {
 /// time; the rest is the input pipeline and the host). DCGM's run averages dilute the same way.
 /// Where the steps are unknown the GPU is taken as always busy (the cautious side).
 fn solo_load(u: &Utilization, task: &Task) -> Load {
-    let busy = task.train_steps.map_or(1.0, |n| (n as f64 * u.step_s / task.work_s).min(1.0));
+    busy_load(u, task.train_steps.map_or(1.0, |n| (n as f64 * u.step_s / task.work_s).min(1.0)))
+}
+
+/// The physical model's figures while the steps run, diluted to the share `busy` of the time.
+fn busy_load(u: &Utilization, busy: f64) -> Load {
     Load { smact: u.smact * busy, smocc: u.smocc * busy, dram: u.dram * busy }
 }
 
@@ -163,11 +167,12 @@ fn model_all<'a>(models: impl IntoIterator<Item = &'a TaskModel>, profile: &GpuP
     Ok(out)
 }
 
-/// What is simulated: a CARMA trace's arrivals of its tasks, or a job file's jobs, with
-/// gpumem's answers for their models.
+/// What is simulated: a CARMA trace's arrivals of its tasks, with gpumem's answers for their
+/// models; or a job file's jobs, each sized once (`memory`: what it states, else gpumem's
+/// estimate; `true_bytes`: what it measured, else that).
 enum Source {
     Carma { arrivals: Vec<(f64, usize)>, tasks: Vec<Task>, modelled: HashMap<String, Modelled> },
-    Jobs { jobs: Vec<JobSpec>, modelled: HashMap<TaskModel, (MemoryDemand, Utilization)> },
+    Jobs(Vec<SimJob>),
 }
 
 impl Source {
@@ -187,16 +192,23 @@ impl Source {
     }
 
     fn job_file(path: &Path, profile: &GpuProfile) -> CliResult<Source> {
-        let jobs = load_jobs(path).map_err(CliError::input)?;
-        let modelled = model_all(&jobs.iter().filter_map(job_model).collect::<Vec<_>>(), profile)?;
-        // Every job needs a truth to crash by: what it measured, states, or gpumem estimates.
-        for job in &jobs {
-            if job.measured_bytes().or(job.stated_bytes()).is_none() && job_model(job).is_none_or(|m| !modelled.contains_key(&m)) {
-                let name = job.name.as_deref().unwrap_or_default();
+        let specs = load_jobs(path).map_err(CliError::input)?;
+        // What gpumem traces for a job: its model at its batch, where it states no memory.
+        let models: Vec<Option<TaskModel>> = specs.iter().map(|j| j.model().map(|(reference, batch)| TaskModel { reference: reference.to_string(), batch, options: j.options.clone() })).collect();
+        let modelled = model_all(models.iter().flatten(), profile)?;
+        let jobs = specs.into_iter().zip(&models).map(|(j, m)| {
+            let ours = m.as_ref().and_then(|m| modelled.get(m));
+            let memory = j.stated_bytes().map(MemoryDemand::point).or(ours.map(|o| o.0));
+            let name = j.name.clone().unwrap_or_default();
+            // Every job needs a truth to crash by: what it measured, states, or gpumem estimates.
+            let Some(true_bytes) = j.measured_bytes().or(memory.map(|e| e.estimate_bytes)) else {
                 return Err(CliError::input(format!("{}: job `{name}`: gpumem cannot estimate it here and it states no measured_mib", path.display())));
-            }
-        }
-        Ok(Source::Jobs { jobs, modelled })
+            };
+            // While it runs a job keeps its GPUs as busy as its steps do.
+            let load = ours.map(|(_, u)| busy_load(u, 1.0)).unwrap_or_default();
+            Ok(SimJob { name, arrival_s: j.arrival_s, gpus: j.gpus(), work_s: j.work_s, true_bytes, memory, load, priority: j.priority })
+        });
+        Ok(Source::Jobs(jobs.collect::<CliResult<_>>()?))
     }
 
     /// The simulated jobs in arrival order as `estimator` sees them.
@@ -224,20 +236,15 @@ impl Source {
                     }
                 })
                 .collect(),
-            Source::Jobs { jobs, modelled } => jobs
+            Source::Jobs(jobs) => jobs
                 .iter()
-                .map(|j| {
-                    let ours = job_model(j).and_then(|m| modelled.get(&m));
-                    let estimate = j.stated_bytes().map(MemoryDemand::point).or(ours.map(|o| o.0));
-                    let true_bytes = j.measured_bytes().or(estimate.map(|e| e.estimate_bytes)).expect("checked when the file was read");
-                    let memory = match estimator {
-                        "measured" => Some(MemoryDemand::point(true_bytes)),
+                .map(|j| SimJob {
+                    memory: match estimator {
+                        "measured" => Some(MemoryDemand::point(j.true_bytes)),
                         "none" => None,
-                        _ => estimate,
-                    };
-                    // While it runs a job keeps its GPUs as busy as its steps do.
-                    let load = ours.map(|(_, u)| Load { smact: u.smact, smocc: u.smocc, dram: u.dram }).unwrap_or_default();
-                    SimJob { name: j.name.clone().unwrap_or_default(), arrival_s: j.arrival_s, gpus: j.gpus(), work_s: j.work_s, true_bytes, memory, load, priority: j.priority }
+                        _ => j.memory,
+                    },
+                    ..j.clone()
                 })
                 .collect(),
         }
@@ -254,14 +261,9 @@ impl Source {
     fn estimators(&self) -> &'static [&'static str] {
         match self {
             Source::Carma { .. } => &SIM_ESTIMATORS,
-            Source::Jobs { .. } => &JOB_FILE_ESTIMATORS,
+            Source::Jobs(_) => &JOB_FILE_ESTIMATORS,
         }
     }
-}
-
-/// What gpumem traces for a job file's job: its model at its batch, where it states no memory.
-fn job_model(j: &JobSpec) -> Option<TaskModel> {
-    j.model().map(|(reference, batch)| TaskModel { reference: reference.to_string(), batch, options: j.options.clone() })
 }
 
 fn memory_view(estimator: &str, headroom_mib: u64) -> MemoryView {

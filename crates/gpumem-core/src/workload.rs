@@ -491,6 +491,14 @@ pub enum OptionError {
     Replicas { replicas: u32, world_size: u32 },
 }
 
+/// A multi-GPU job whose GPU count is not its strategy's world size (a job's ranks are its GPUs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("options.strategy has world_size {world_size}, and a job's ranks are its GPUs: gpus must be {world_size}, not {gpus}")]
+pub struct RanksNotGpus {
+    pub world_size: u32,
+    pub gpus: u32,
+}
+
 /// Most GPUs a DataParallel job is modelled over.
 pub const MAX_DATA_PARALLEL: u32 = 64;
 
@@ -526,6 +534,14 @@ impl Options {
             }
         }
         Ok(())
+    }
+
+    /// A job of these options on `gpus` GPUs: a strategy's ranks must be exactly its GPUs.
+    pub fn check_gpus(&self, gpus: u32) -> Result<(), RanksNotGpus> {
+        match self.strategy.map(Strategy::world_size) {
+            Some(world_size) if world_size != gpus => Err(RanksNotGpus { world_size, gpus }),
+            _ => Ok(()),
+        }
     }
 
     /// What a native family model can be given of these options: the optimizer and the

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use gpumem_core::workload::Options;
+use gpumem_core::workload::{Options, RanksNotGpus};
 use serde::{Deserialize, Serialize};
 
 use gpumem_core::units::bytes_to_mib;
@@ -120,8 +120,8 @@ pub enum RequestError {
     #[error("model and batch go together")]
     ModelWithoutBatch,
     /// A multi-GPU strategy whose world size is not the job's GPU count.
-    #[error("options.strategy has world_size {world_size}, and a job's ranks are its GPUs: gpus must be {world_size}, not {gpus}")]
-    Ranks { world_size: u32, gpus: u32 },
+    #[error(transparent)]
+    Ranks(#[from] RanksNotGpus),
     #[error("batch and mem_mib must be positive")]
     ZeroSize,
     /// A memory request beyond any GPU (and beyond what bytes can count without wrapping).
@@ -167,11 +167,7 @@ impl JobRequest {
         if self.model.is_some() != self.batch.is_some() {
             return Err(RequestError::ModelWithoutBatch);
         }
-        if let Some(world_size) = self.options.strategy.map(|s| s.world_size())
-            && world_size != self.gpus
-        {
-            return Err(RequestError::Ranks { world_size, gpus: self.gpus });
-        }
+        self.options.check_gpus(self.gpus)?;
         if self.batch == Some(0) || self.mem_mib == Some(0) {
             return Err(RequestError::ZeroSize);
         }

@@ -19,7 +19,7 @@
 
 use std::path::Path;
 
-use gpumem_core::workload::Options;
+use gpumem_core::workload::{Options, RanksNotGpus};
 use gpumem_place::MIB;
 use serde::Deserialize;
 
@@ -97,10 +97,8 @@ impl JobSpec {
                 return Err(JobProblem::Mib { what, mib: m });
             }
         }
-        if let (Some(strategy), Some(gpus)) = (self.options.strategy, self.gpus)
-            && strategy.world_size() != gpus
-        {
-            return Err(JobProblem::Ranks { world_size: strategy.world_size(), gpus });
+        if let Some(gpus) = self.gpus {
+            self.options.check_gpus(gpus)?;
         }
         self.options.check().map_err(|e| JobProblem::Options(e.to_string()))
     }
@@ -138,8 +136,8 @@ pub enum JobProblem {
     ZeroBatch,
     #[error("{what} {mib} is out of range (1..={MAX_MIB})")]
     Mib { what: &'static str, mib: u64 },
-    #[error("options.strategy has world_size {world_size}, and a job's ranks are its GPUs: gpus must be {world_size}, not {gpus}")]
-    Ranks { world_size: u32, gpus: u32 },
+    #[error(transparent)]
+    Ranks(#[from] RanksNotGpus),
     #[error("options: {0}")]
     Options(String),
 }
