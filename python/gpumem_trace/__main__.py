@@ -84,6 +84,7 @@ def main(argv=None):
     version = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
     if version < OLDEST_TORCH:
         return fail(3, f"torch {torch.__version__} is older than {'.'.join(map(str, OLDEST_TORCH))}, the oldest release the tracer supports")
+    from .lora import from_flags
     from .loop import TraceOptions, trace_training
     from .models import ReferenceError_
 
@@ -108,17 +109,14 @@ def main(argv=None):
             zero = ZeroConfig(stage=int(a.strategy[-1]), world_size=a.world_size, **json.loads(a.zero))
         except (ValueError, TypeError) as e:
             return fail(2, f"--zero: {e}")
-    lora = None
-    if a.lora_rank is not None:
-        from .lora import Lora
-        if a.lora_rank < 1 or not a.lora_targets or not 0 <= a.lora_dropout < 1:
-            return fail(2, "--lora-rank must be at least 1, --lora-targets given, --lora-dropout in [0, 1)")
-        lora = Lora(rank=a.lora_rank, alpha=a.lora_alpha, targets=tuple(a.lora_targets.split(",")), dropout=a.lora_dropout,
-                    quant=a.lora_quant, double_quant=not a.lora_single_quant)
+    try:
+        adapters = from_flags(a)
+    except ValueError as e:
+        return fail(2, str(e))
     opts = TraceOptions(model=a.model, batch=a.batch[0], optimizer=a.optimizer, precision=a.precision, iterations=a.iterations,
                         input_shape=shape, seq_len=a.seq_len, gpu_capability=a.gpu_capability, sdpa=a.sdpa, checkpointing=a.checkpointing, selective=a.selective,
                         channels_last=a.channels_last, grad_accum=a.grad_accum, data_parallel=a.data_parallel,
-                        validate=a.validate, outputs=a.outputs, attention_mask=a.attention_mask, lora=lora,
+                        validate=a.validate, outputs=a.outputs, attention_mask=a.attention_mask, lora=adapters,
                         strategy=a.strategy, world_size=a.world_size, bucket_cap_mb=a.bucket_cap_mb, bucket_view=a.gradient_as_bucket_view,
                         reshard_after_forward=not a.no_reshard_after_forward, zero=zero,
                         fsdp_param_dtype=a.fsdp_param_dtype, replicas=a.replicas, cpu_offload=a.cpu_offload)

@@ -37,6 +37,17 @@ class Lora:
     double_quant: bool = True
 
 
+def from_flags(a):
+    """The ``Lora`` the parsed ``--lora-*`` flags ask for (``None`` without --lora-rank; the
+    tracer's and ``record``'s, which has no QLoRA flags); ValueError says what is wrong."""
+    if a.lora_rank is None:
+        return None
+    if a.lora_rank < 1 or not a.lora_targets or not 0 <= a.lora_dropout < 1:
+        raise ValueError("--lora-rank must be at least 1, --lora-targets given, --lora-dropout in [0, 1)")
+    return Lora(rank=a.lora_rank, alpha=a.lora_alpha, targets=tuple(a.lora_targets.split(",")), dropout=a.lora_dropout,
+                quant=getattr(a, "lora_quant", None), double_quant=not getattr(a, "lora_single_quant", False))
+
+
 class Linear4bit(torch.nn.Module):
     """bitsandbytes' ``Linear4bit`` (0.50) as memory sees it. The weight of ``n`` elements is
     packed two to a byte (``n/2`` uint8) with an absmax per 64-element block — fp32, or with

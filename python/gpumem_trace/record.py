@@ -67,8 +67,9 @@ def record(a, device="cuda"):
         # Python stacks make the file ~50x larger; the sizes and order are what diff needs.
         torch.cuda.memory._record_memory_history(context="alloc" if a.stacks else None, stacks="python", max_entries=a.max_entries)
     model = job.model
-    if a.lora_rank is not None:
-        lora.apply(model, lora.Lora(rank=a.lora_rank, alpha=a.lora_alpha, targets=tuple(a.lora_targets.split(",")), dropout=a.lora_dropout), a.model)
+    adapters = lora.from_flags(a)
+    if adapters is not None:
+        lora.apply(model, adapters, a.model)
     materialise(model, weights_dtype, device)
     if a.checkpointing:
         # Real autocast: checkpoint's recomputation re-enters it by itself.
@@ -151,8 +152,10 @@ def main(argv=None):
             return fail(2, f"--input `{a.input}` is not CxHxW")
     if a.batch < 1 or a.iterations < 1:
         return fail(2, "--batch and --iterations must be at least 1")
-    if a.lora_rank is not None and (a.lora_rank < 1 or not a.lora_targets):
-        return fail(2, "--lora-rank must be at least 1, with --lora-targets")
+    try:
+        lora.from_flags(a)  # checked before the GPU is asked for
+    except ValueError as e:
+        return fail(2, str(e))
     if not torch.cuda.is_available():
         return fail(3, "no CUDA device (record runs the step on a GPU)")
     try:
