@@ -9,6 +9,7 @@ inside it, exception in forward/backward); 4 timed out.
 
 import argparse
 import json
+import os
 import re
 import signal
 import sys
@@ -57,6 +58,7 @@ def main(argv=None):
     p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--lora-quant", choices=["nf4", "fp4"], help="QLoRA: the model loaded in 4 bits (bitsandbytes' Linear4bit) before LoRA")
     p.add_argument("--lora-single-quant", action="store_true", help="QLoRA without double quantization of the block statistics")
+    p.add_argument("--depths", type=int, nargs="+", help="trace the model cut to each of these depths of its repeated blocks, into OUT.depthK, where it has more than they add up to (gpumem rebuilds the whole depth from them); else whole, into OUT")
     p.add_argument("--timeout", type=float, default=0, help="seconds; 0 = none")
     a = p.parse_args(argv)
 
@@ -66,6 +68,8 @@ def main(argv=None):
 
     if min(a.batch) < 1 or a.iterations < 2 or a.grad_accum < 1 or a.data_parallel < 1:
         return fail(2, "--batch, --grad-accum and --data-parallel must be at least 1 and --iterations at least 2")
+    if a.depths and (min(a.depths) < 2 or len(set(a.depths)) != len(a.depths)):
+        return fail(2, f"--depths {' '.join(map(str, a.depths))}: distinct depths of at least 2")
     if len(a.batch) != len(a.out):
         return fail(2, f"{len(a.batch)} batch sizes but {len(a.out)} output files")
     if not re.fullmatch(r"\d+\.\d+", a.gpu_capability):
@@ -123,7 +127,13 @@ def main(argv=None):
     try:
         for batch, out in zip(a.batch, a.out):
             opts.batch = batch
-            trace_training(opts, out)
+            if not a.depths:
+                trace_training(opts, out)
+            for depth in a.depths or []:
+                opts.depth, opts.cut_above = depth, sum(a.depths)
+                if "depth" not in trace_training(opts, f"{out}.depth{depth}"):
+                    os.replace(f"{out}.depth{depth}", out)  # not cut (see loop.cut_blocks): the whole model's
+                    break
     except ReferenceError_ as e:
         return fail(2, str(e))
     except TimedOut:

@@ -57,6 +57,8 @@ class TraceOptions:
     replicas: int = 1  # FSDP2 over a 2-D mesh (HSDP): replicated this many times
     cpu_offload: bool = False  # FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the host
     zero: object = None  # a zero.ZeroConfig for the zero strategies
+    depth: int = None  # trace the model cut to this many of its repeated blocks (see cut_blocks)...
+    cut_above: int = 0  # ...where it has more than this many
     lr: float = 1e-3
     extra: dict = field(default_factory=dict)
 
@@ -190,6 +192,25 @@ def repeated_blocks(model, name, purpose):
     return [m for m in model.modules() if type(m) is block]
 
 
+def cut_blocks(model, name, depth, above):
+    """Cuts the model's stack of repeated blocks (a transformer's layers) to its first ``depth``
+    and returns how many it had — where the blocks are one ModuleList or Sequential of more than
+    ``above`` (and ``depth``) blocks of identical parameter shapes, the only case where the
+    events one block adds repeat; else None, and the model is left whole. gpumem traces a few depths and rebuilds
+    the whole depth from them (gpumem_core::depth)."""
+    try:
+        blocks = repeated_blocks(model, name, "depth")
+    except ReferenceError_:
+        return None
+    stacks = [m for m in model.modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) == len(blocks)
+              and all(a is b for a, b in zip(m, blocks))]
+    shapes = {tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in b.named_parameters()) for b in blocks}
+    if len(stacks) != 1 or len(shapes) != 1 or len(blocks) <= max(depth, above):
+        return None
+    del stacks[0][depth:]
+    return len(blocks)
+
+
 def enable_checkpointing(model, name, selective=False, autocast=None):
     """Activation checkpointing as the model's users switch it on: the model's own switch
     (timm's ``set_grad_checkpointing``, Hugging Face's ``gradient_checkpointing_enable``, which
@@ -280,6 +301,12 @@ def trace_training(opts: TraceOptions, out_path: str):
     if opts.lora:
         # As one fine-tunes with PEFT: get_peft_model on the loaded model, then the loop.
         lora.apply(model, opts.lora, opts.model)
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the whole model's
+    # DDP's buckets and ZeRO's flat partitions span blocks: they change with the depth, which
+    # gpumem's rebuild refuses (a buffer over blocks may reach a bucket cap beyond the traced
+    # depths), so such a job is traced whole at once.
+    cut = opts.depth and opts.strategy not in ("ddp", "zero1", "zero2", "zero3")
+    blocks = cut_blocks(model, opts.model, opts.depth, opts.cut_above) if cut else None
     if opts.precision not in PRECISIONS:
         raise ReferenceError_(f"unknown precision `{opts.precision}` (expected {', '.join(PRECISIONS)})")
     autocast_dtype, weights_dtype = PRECISIONS[opts.precision]
@@ -289,7 +316,6 @@ def trace_training(opts: TraceOptions, out_path: str):
     rec = Recorder()
     paths = ModulePaths(model)
     mode = TraceMode(rec, paths, DEVICE)
-    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     specs = job.batch_specs(opts.batch)
     acts, hooks = _count_activations(model)
     parallel = DataParallel(model, opts.data_parallel) if opts.data_parallel > 1 else None
@@ -302,7 +328,7 @@ def trace_training(opts: TraceOptions, out_path: str):
     if opts.strategy == "fsdp":
         # FSDP2 as one applies it: fully_shard on each layer, then on the model, before anything
         # reaches the GPU (the model is built on meta or the host; only shards move).
-        blocks = repeated_blocks(model, opts.model, "FSDP")
+        units = repeated_blocks(model, opts.model, "FSDP")
         if weights_dtype is not None:
             model.to(weights_dtype)
     if opts.strategy and parallel:
@@ -346,7 +372,7 @@ def trace_training(opts: TraceOptions, out_path: str):
         if opts.strategy == "fsdp":
             # Offloaded, the model is sharded where it was loaded: on the host.
             with rec.on_host() if opts.cpu_offload else contextlib.nullcontext():
-                distributed.fsdp(model, blocks, opts.world_size, opts.reshard_after_forward,
+                distributed.fsdp(model, units, opts.world_size, opts.reshard_after_forward,
                                  on_alloc=lambda t: mode.track(t, "fsdp_all_gather"), on_free=lambda t: rec.free(storage_key(t)),
                                  param_dtype={None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[opts.fsdp_param_dtype],
                                  replicas=opts.replicas, cpu_offload=opts.cpu_offload)
@@ -427,6 +453,8 @@ def trace_training(opts: TraceOptions, out_path: str):
         header["data_parallel"] = opts.data_parallel
     if opts.strategy:
         header["strategy"], header["world_size"] = opts.strategy, opts.world_size
+    if blocks:
+        header["blocks"], header["depth"] = blocks, opts.depth
     if opts.zero is not None:
         header["largest_layer_parameters"] = zero.largest_layer_parameters(model)
     if opts.validate != "none":

@@ -21,6 +21,7 @@
 pub mod allocator;
 pub mod calibrate;
 pub mod dataset;
+pub mod depth;
 pub mod diff;
 pub mod estimate;
 pub mod eval;

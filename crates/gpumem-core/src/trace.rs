@@ -159,6 +159,12 @@ pub struct TraceHeader {
     /// A validation pass after training: `no-grad`, or `grad` (autograd left on).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub validate: Option<String>,
+    /// A trace of the model cut to `depth` of its `blocks` identical blocks (the tracer's
+    /// `--depths`); [`crate::depth::extrapolate`] rebuilds the whole model's from three.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocks: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub depth: Option<u32>,
     pub iterations: u32,
 }
 
@@ -181,6 +187,8 @@ impl TraceHeader {
             largest_layer_parameters: None,
             data_parallel: None,
             validate: None,
+            blocks: None,
+            depth: None,
             iterations: 0,
         }
     }

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::UNIX_EPOCH;
 
+use gpumem_core::depth;
 use gpumem_core::symbolic::{SymbolicError, SymbolicTrace};
 use gpumem_core::trace::Trace;
 use gpumem_core::workload::{AttentionMask, Checkpointing, Options, Validate};
@@ -70,7 +71,7 @@ impl TraceRequest {
     }
 
     /// The tracer's arguments, except the batch sizes and output files.
-    fn args(&self) -> Vec<String> {
+    pub fn args(&self) -> Vec<String> {
         let o = &self.options;
         let mut a = vec![
             self.model.clone(),
@@ -348,7 +349,9 @@ impl TorchTracer {
     }
 
     /// Runs the tracer once for `batches` (the first is `req`'s own batch size where it matters)
-    /// and caches each trace; returns them in that order.
+    /// and caches each trace; returns them in that order. A model with many identical blocks
+    /// is traced cut to [`depth::DEPTHS`] and rebuilt at its whole depth
+    /// ([`depth::extrapolate`]); where that does not hold, it is traced whole after all.
     fn run_and_cache(&self, req: &TraceRequest, torch: &str, batches: &[u64]) -> Result<Vec<Trace>, BridgeError> {
         let dir = self.cache_dir.join("traces");
         fs::create_dir_all(&dir).map_err(|e| self.io(&dir, e))?;
@@ -360,15 +363,50 @@ impl TorchTracer {
                 (path, tmp)
             })
             .collect();
-        self.run(req, batches, &jobs.iter().map(|(_, tmp)| tmp.as_path()).collect::<Vec<_>>())?;
-        let mut traces = Vec::new();
-        for ((path, tmp), b) in jobs.iter().zip(batches) {
-            let f = fs::File::open(tmp).map_err(|e| self.io(tmp, e))?;
-            let t = Trace::read(BufReader::new(f)).map_err(|e| BridgeError::Model(format!("the tracer wrote a bad trace for {} at batch {b}: {e}", req.model)))?;
-            fs::rename(tmp, path).map_err(|e| self.io(path, e))?;
-            traces.push(t);
+        let tmps: Vec<&Path> = jobs.iter().map(|(_, tmp)| tmp.as_path()).collect();
+        self.run(req, batches, &tmps, true)?;
+        let mut traces: Vec<Option<Trace>> = Vec::new();
+        for (&tmp, &b) in tmps.iter().zip(batches) {
+            traces.push(if tmp.exists() { Some(self.read_tracer_output(req, tmp, b)?) } else { self.rebuild_depth(req, tmp, b)? });
         }
-        Ok(traces)
+        let whole: Vec<usize> = (0..batches.len()).filter(|&i| traces[i].is_none()).collect();
+        if !whole.is_empty() {
+            let again: Vec<&Path> = whole.iter().map(|&i| tmps[i]).collect();
+            self.run(req, &whole.iter().map(|&i| batches[i]).collect::<Vec<_>>(), &again, false)?;
+            for &i in &whole {
+                traces[i] = Some(self.read_tracer_output(req, tmps[i], batches[i])?);
+            }
+        }
+        let mut out = Vec::new();
+        for ((path, tmp), t) in jobs.iter().zip(traces) {
+            let t = t.expect("every batch traced, cut or whole");
+            if !tmp.exists() {
+                // Rebuilt from cut traces: cached as the tracer's own would be.
+                let mut w = std::io::BufWriter::new(fs::File::create(tmp).map_err(|e| self.io(tmp, e))?);
+                t.write(&mut w).and_then(|()| w.flush()).map_err(|e| self.io(tmp, e))?;
+            }
+            fs::rename(tmp, path).map_err(|e| self.io(path, e))?;
+            out.push(t);
+        }
+        Ok(out)
+    }
+
+    fn read_tracer_output(&self, req: &TraceRequest, path: &Path, batch: u64) -> Result<Trace, BridgeError> {
+        let f = fs::File::open(path).map_err(|e| self.io(path, e))?;
+        Trace::read(BufReader::new(f)).map_err(|e| BridgeError::Model(format!("the tracer wrote a bad trace for {} at batch {batch}: {e}", req.model)))
+    }
+
+    /// The whole model's trace from the cut ones the tracer wrote next to `out` (removed);
+    /// `None` where the events one block adds do not repeat.
+    fn rebuild_depth(&self, req: &TraceRequest, out: &Path, batch: u64) -> Result<Option<Trace>, BridgeError> {
+        let paths = depth::DEPTHS.map(|d| depth_path(out, d));
+        let read: Result<Vec<Trace>, BridgeError> = paths.iter().map(|p| self.read_tracer_output(req, p, batch)).collect();
+        for p in &paths {
+            let _ = fs::remove_file(p);
+        }
+        let cut: [Trace; 3] = read?.try_into().map_err(|_| BridgeError::Model(format!("the tracer wrote no trace for {} at batch {batch}", req.model)))?;
+        let blocks = cut[0].header.blocks.unwrap_or(0);
+        Ok(depth::extrapolate(&cut, blocks).ok())
     }
 
     /// Fits and stores the symbolic trace; a model whose traces do not align (batch-dependent
@@ -404,15 +442,22 @@ impl TorchTracer {
         Ok(cmd)
     }
 
-    fn run(&self, req: &TraceRequest, batches: &[u64], outs: &[&Path]) -> Result<(), BridgeError> {
+    /// `cut`: with `--depths` (see [`TorchTracer::run_and_cache`]).
+    fn run(&self, req: &TraceRequest, batches: &[u64], outs: &[&Path], cut: bool) -> Result<(), BridgeError> {
         let mut cmd = self.module_command("gpumem_trace")?;
         cmd.args(req.args()).arg("--batch").args(batches.iter().map(u64::to_string)).arg("--out").args(outs).arg("--timeout").arg(self.timeout_s.to_string());
+        if cut {
+            cmd.arg("--depths").args(depth::DEPTHS.map(|d| d.to_string()));
+        }
         let res = cmd.output().map_err(|e| BridgeError::Python(format!("cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)", self.python)))?;
         if res.status.success() {
             return Ok(());
         }
         for out in outs {
             let _ = fs::remove_file(out);
+            for d in depth::DEPTHS {
+                let _ = fs::remove_file(depth_path(out, d));
+            }
         }
         let msg = tail(&String::from_utf8_lossy(&res.stderr), 3);
         let msg = msg.strip_prefix("gpumem_trace: ").unwrap_or(&msg).to_string();
@@ -436,6 +481,13 @@ impl TorchTracer {
         self.cache_symbolic(req, &torch, &traces)
             .map_err(|e| BridgeError::Model(format!("{}: its traces do not align across batch sizes ({e}); trace each batch size instead", req.model)))
     }
+}
+
+/// Where the tracer writes `out`'s trace cut to `depth` blocks.
+fn depth_path(out: &Path, depth: u32) -> PathBuf {
+    let mut p = out.as_os_str().to_owned();
+    p.push(format!(".depth{depth}"));
+    PathBuf::from(p)
 }
 
 fn read_trace(path: &Path) -> Option<Trace> {

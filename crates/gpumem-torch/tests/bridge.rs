@@ -225,3 +225,50 @@ fn a_ddp_rank_carries_its_buckets() {
     let (one, rank, viewed) = (peak(&single), peak(&ddp(false)), peak(&ddp(true)));
     assert!(one < rank && viewed < rank, "single {one}, ddp {rank}, bucket view {viewed}");
 }
+
+/// A model of many identical blocks is traced cut to three depths and rebuilt at its whole
+/// depth: event for event the trace the tracer takes of the whole model, with and without
+/// FSDP2 and checkpointing.
+#[test]
+fn a_deep_model_rebuilt_from_cut_traces_is_its_whole_trace() {
+    use gpumem_core::depth;
+    use gpumem_core::trace::Trace;
+    use gpumem_core::graph::Precision;
+    use gpumem_core::workload::{Checkpointing, Strategy};
+    let Some(t) = tracer() else { return };
+    let model = "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=12,num_attention_heads=4,num_key_value_heads=2,vocab_size=256)";
+    let plain = Options { seq_len: Some(32), ..Options::default() };
+    let fsdp = Options {
+        strategy: Some(Strategy::Fsdp { world_size: 4, reshard_after_forward: true, param_dtype: None, replicas: 1, cpu_offload: false }),
+        precision: Precision::Bf16,
+        checkpointing: Checkpointing::Full,
+        ..plain.clone()
+    };
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("depth-test");
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = |t: &Trace| {
+        let mut out = Vec::new();
+        t.write(&mut out).unwrap();
+        String::from_utf8(out).unwrap().split_once('\n').unwrap().1.to_string()
+    };
+    for (name, options) in [("plain", plain), ("fsdp", fsdp)] {
+        let req = TraceRequest { options, ..TraceRequest::new(model, 2) };
+        let traced = |out: &std::path::Path, depths: &[&str]| {
+            let ok = t.module_command("gpumem_trace").unwrap().args(req.args()).args(["--batch", "2", "--out"]).arg(out).args(depths).status().unwrap().success();
+            assert!(ok, "{name}: the tracer failed");
+        };
+        let read = |p: PathBuf| Trace::read(std::io::BufReader::new(std::fs::File::open(&p).unwrap())).unwrap();
+        let (whole, cut) = (dir.join(format!("{name}.jsonl")), dir.join(format!("{name}-cut.jsonl")));
+        traced(&whole, &[]);
+        traced(&cut, &["--depths", "2", "3", "4"]);
+        assert!(!cut.exists(), "{name}: twelve blocks are cut");
+        let cut = depth::DEPTHS.map(|d| read(dir.join(format!("{name}-cut.jsonl.depth{d}"))));
+        assert_eq!(cut[0].header.blocks, Some(12));
+        let whole = read(whole);
+        assert_eq!(text(&depth::extrapolate(&cut, 12).unwrap()), text(&whole), "{name}");
+        // The bridge takes that route, and caches what it rebuilt.
+        let fresh = TorchTracer { cache_dir: dir.join(format!("{name}-cache")), ..t.clone() };
+        let _ = std::fs::remove_dir_all(&fresh.cache_dir);
+        assert_eq!(text(&fresh.trace(&req).unwrap()), text(&whole), "{name}: through the bridge");
+    }
+}
