@@ -302,10 +302,10 @@ def trace_training(opts: TraceOptions, out_path: str):
         # As one fine-tunes with PEFT: get_peft_model on the loaded model, then the loop.
         lora.apply(model, opts.lora, opts.model)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the whole model's
-    # DDP's buckets and ZeRO's flat partitions span blocks: they change with the depth, which
-    # gpumem's rebuild refuses (a buffer over blocks may reach a bucket cap beyond the traced
-    # depths), so such a job is traced whole at once.
-    cut = opts.depth and opts.strategy not in ("ddp", "zero1", "zero2", "zero3")
+    # DDP's buckets, ZeRO's flat partitions and DataParallel's coalesced broadcasts span blocks:
+    # they change with the depth, which gpumem's rebuild refuses (a buffer over blocks may reach
+    # a bucket cap beyond the traced depths), so such a job is traced whole at once.
+    cut = opts.depth and opts.strategy not in ("ddp", "zero1", "zero2", "zero3") and opts.data_parallel == 1
     blocks = cut_blocks(model, opts.model, opts.depth, opts.cut_above) if cut else None
     if opts.precision not in PRECISIONS:
         raise ReferenceError_(f"unknown precision `{opts.precision}` (expected {', '.join(PRECISIONS)})")

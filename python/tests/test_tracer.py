@@ -676,3 +676,37 @@ def test_record_runs_lora_and_checkpointing(tmp_path):
     p = subprocess.run([sys.executable, "-m", "gpumem_trace.record", ref, "--batch", "2", "--lora-rank", "0", "--out", str(tmp_path / "x")],
                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(PKG)))
     assert p.returncode == 2 and "--lora-rank must be at least 1" in p.stderr
+
+
+def test_a_deep_stack_is_cut_only_where_its_blocks_repeat():
+    """--depths cuts the one stack of identical blocks (a transformer's layers) when it is deep
+    enough to save time; a model whose blocks differ (ResNet's stages) or that is shallow stays
+    whole. What the cut trace says is checked against the whole model's in the bridge's
+    tests (gpumem rebuilds it event for event)."""
+    torchvision = pytest.importorskip("torchvision")
+    from gpumem_trace.loop import cut_blocks
+    from gpumem_trace.models import resolve
+
+    deep = resolve("hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=16,num_attention_heads=4,num_key_value_heads=2,vocab_size=256)", seq_len=16).model
+    params = sum(p.numel() for p in deep.parameters())
+    assert cut_blocks(deep, "llama", 3, above=15) == 16
+    assert len(deep.model.layers) == 3 and sum(p.numel() for p in deep.parameters()) < params
+    shallow = resolve(LLAMA, seq_len=16).model
+    assert cut_blocks(shallow, "llama", 3, above=15) is None
+    resnet = torchvision.models.resnet18()
+    assert cut_blocks(resnet, "resnet18", 2, above=0) is None
+
+
+def test_depths_write_cut_traces_that_say_so(tmp_path):
+    ref = "hf:GPT2LMHeadModel(n_embd=32,n_layer=16,n_head=2,vocab_size=512)"
+    out, env = tmp_path / "t.jsonl", dict(os.environ, PYTHONPATH=str(PKG))
+    p = subprocess.run([sys.executable, "-m", "gpumem_trace", ref, "--batch", "2", "--seq-len", "16", "--out", str(out), "--depths", "2", "3", "4"],
+                       capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr
+    assert not out.exists()
+    headers = [json.loads(open(f"{out}.depth{d}").readline()) for d in (2, 3, 4)]
+    assert [(h["blocks"], h["depth"]) for h in headers] == [(16, 2), (16, 3), (16, 4)]
+    assert len({h["parameters"] for h in headers}) == 1  # the whole model's
+    p = subprocess.run([sys.executable, "-m", "gpumem_trace", ref, "--batch", "2", "--seq-len", "16", "--out", str(out), "--depths", "2", "3", "4", "--strategy", "ddp", "--world-size", "2"],
+                       capture_output=True, text=True, env=env)
+    assert p.returncode == 0 and out.exists() and "depth" not in json.loads(out.open().readline())  # DDP: whole

@@ -96,6 +96,8 @@ enum Detail {
     /// Also allocations' modules: a tensor's kind, among which a free picks (one block's
     /// input may be the block before's output or, for the first, another module's).
     Kind,
+    /// Also allocations' kernels: a coarser kind.
+    Size,
 }
 
 fn shapes(t: &Trace, detail: Detail) -> Vec<Shape> {
@@ -105,7 +107,9 @@ fn shapes(t: &Trace, detail: Detail) -> Vec<Shape> {
         .map(|e| match *e {
             Event::Alloc { slot, bytes, category, phase, op, module, stream } => {
                 allocated[slot as usize] = (bytes, category as u8);
-                Shape::Alloc { bytes, category: category as u8, phase: phase as u8, op: t.op_name(op).to_string(), module: if detail == Detail::Kind { String::new() } else { generic_module(t, module) }, stream }
+                let op = if detail == Detail::Size { String::new() } else { t.op_name(op).to_string() };
+                let module = if matches!(detail, Detail::Kind | Detail::Size) { String::new() } else { generic_module(t, module) };
+                Shape::Alloc { bytes, category: category as u8, phase: phase as u8, op, module, stream }
             }
             Event::Free { slot } => Shape::Free { bytes: allocated[slot as usize].0, category: allocated[slot as usize].1 },
             Event::Op { op, .. } => Shape::Op { op: t.op_name(op).to_string(), numbers: (detail == Detail::Exact).then(|| numbers(e)) },
@@ -324,7 +328,7 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
     let mut intern = |detail: Detail| -> Vec<Vec<u32>> {
         traces.iter().map(|t| shapes(t, detail).into_iter().map(|x| { let n = ids.len() as u32; *ids.entry(x).or_insert(n) }).collect()).collect()
     };
-    let (exact, interned, kinds) = (intern(Detail::Exact), intern(Detail::Loose), intern(Detail::Kind));
+    let (exact, interned) = (intern(Detail::Exact), intern(Detail::Loose));
     // What two blocks more insert, each run a square (X X, or X X Y Y ... where two runs of
     // blocks meet, as an optimizer's per-parameter loops do): one block inserts each half.
     let two_more = insertions([&exact[0], &interned[0]], [&exact[2], &interned[2]])
@@ -369,30 +373,44 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
         }
         values.insert(s, (v[0], step));
     }
-    // Frees: which live tensor of its kind each one frees, the same rule in every instance.
-    let kind_of = |s: Source| match s {
+    // Frees: which live tensor of its kind each one frees, the same rule in every instance;
+    // kinds told apart by their kernel where that holds, else by size alone (a chain of blocks
+    // whose first input another kernel made).
+    let kind_of = |kinds: &[Vec<u32>], s: Source| match s {
         Source::Base(i) => kinds[0][i],
         Source::Chunk { chunk, offset } => kinds[2][chunks[chunk].start + offset],
     };
-    let freed: Vec<HashMap<usize, (usize, usize, usize)>> = (0..3).map(|t| picks(&traces[t], &kinds[t])).collect();
-    let mut rules: HashMap<Source, (Source, Pick)> = HashMap::new();
-    for (&s, inst) in &instances {
-        let Some(&(t0, p0)) = inst.first().filter(|&&(t, p)| matches!(event(t, p), Event::Free { .. })) else { continue };
-        let seen: Vec<(usize, (usize, usize, usize))> = inst.iter().map(|&(t, p)| (t, freed[t][&p])).collect();
-        let target = orders[seen[0].0][seen[0].1.0].0;
-        let same_kind = seen.iter().all(|&(t, (alloc, ..))| kind_of(orders[t][alloc].0) == kind_of(target));
-        let pick = if seen.iter().all(|&(_, (_, _, newer))| newer == seen[0].1.2) {
-            Pick::Newest(seen[0].1.2)
-        } else if seen.iter().all(|&(_, (_, older, _))| older == seen[0].1.1) {
-            Pick::Oldest(seen[0].1.1)
-        } else {
-            return Err(not_periodic(format!("the free at event {} of the {}-block trace frees a different tensor of its kind at other depths", p0 + 2, DEPTHS[t0])));
-        };
-        if !same_kind {
-            return Err(not_periodic(format!("the free at event {} of the {}-block trace frees tensors of different kinds at other depths", p0 + 2, DEPTHS[t0])));
+    let rules_for = |kinds: &[Vec<u32>]| -> Result<HashMap<Source, (Source, Pick)>, DepthError> {
+        let freed: Vec<HashMap<usize, (usize, usize, usize)>> = (0..3).map(|t| picks(&traces[t], &kinds[t])).collect();
+        let mut rules = HashMap::new();
+        for (&s, inst) in &instances {
+            let Some(&(t0, p0)) = inst.first().filter(|&&(t, p)| matches!(event(t, p), Event::Free { .. })) else { continue };
+            let seen: Vec<(usize, (usize, usize, usize))> = inst.iter().map(|&(t, p)| (t, freed[t][&p])).collect();
+            let target = orders[seen[0].0][seen[0].1.0].0;
+            let same_kind = seen.iter().all(|&(t, (alloc, ..))| kind_of(kinds, orders[t][alloc].0) == kind_of(kinds, target));
+            let pick = if seen.iter().all(|&(_, (_, _, newer))| newer == seen[0].1.2) {
+                Pick::Newest(seen[0].1.2)
+            } else if seen.iter().all(|&(_, (_, older, _))| older == seen[0].1.1) {
+                Pick::Oldest(seen[0].1.1)
+            } else {
+                return Err(not_periodic(format!("the free at event {} of the {}-block trace frees a different tensor of its kind at other depths", p0 + 2, DEPTHS[t0])));
+            };
+            if !same_kind {
+                return Err(not_periodic(format!("the free at event {} of the {}-block trace frees tensors of different kinds at other depths", p0 + 2, DEPTHS[t0])));
+            }
+            rules.insert(s, (target, pick));
         }
-        rules.insert(s, (target, pick));
-    }
+        Ok(rules)
+    };
+    let by_kernel = intern(Detail::Kind);
+    let (kinds, rules) = match rules_for(&by_kernel) {
+        Ok(rules) => (by_kernel, rules),
+        Err(_) => {
+            let by_size = intern(Detail::Size);
+            let rules = rules_for(&by_size)?;
+            (by_size, rules)
+        }
+    };
 
     // Rebuild at the whole depth.
     let extra = i128::from(blocks - DEPTHS[0]);
@@ -427,13 +445,13 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
         let module = names.get(&s).map(|n| n.at(blocks, copy));
         match *event(t, p) {
             Event::Alloc { category, phase, op, stream, .. } => {
-                live.entry(kind_of(s)).or_default().push(next_id);
+                live.entry(kind_of(&kinds, s)).or_default().push(next_id);
                 out.alloc_with_id(0, next_id, a, category, phase, tr.op_name(op), module.as_deref(), stream).map_err(|e| not_periodic(e.message))?;
                 next_id += 1;
             }
             Event::Free { .. } => {
                 let (target, pick) = rules[&s];
-                let list = live.get_mut(&kind_of(target)).filter(|l| !l.is_empty());
+                let list = live.get_mut(&kind_of(&kinds, target)).filter(|l| !l.is_empty());
                 let Some(list) = list else { return Err(not_periodic("a free finds no tensor of its kind at the whole depth")) };
                 let i = match pick {
                     Pick::Newest(n) => list.len().checked_sub(n + 1),

@@ -236,7 +236,7 @@ fn a_deep_model_rebuilt_from_cut_traces_is_its_whole_trace() {
     use gpumem_core::graph::Precision;
     use gpumem_core::workload::{Checkpointing, Strategy};
     let Some(t) = tracer() else { return };
-    let model = "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=12,num_attention_heads=4,num_key_value_heads=2,vocab_size=256)";
+    let model = "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=16,num_attention_heads=4,num_key_value_heads=2,vocab_size=256)";
     let plain = Options { seq_len: Some(32), ..Options::default() };
     let fsdp = Options {
         strategy: Some(Strategy::Fsdp { world_size: 4, reshard_after_forward: true, param_dtype: None, replicas: 1, cpu_offload: false }),
@@ -261,11 +261,11 @@ fn a_deep_model_rebuilt_from_cut_traces_is_its_whole_trace() {
         let (whole, cut) = (dir.join(format!("{name}.jsonl")), dir.join(format!("{name}-cut.jsonl")));
         traced(&whole, &[]);
         traced(&cut, &["--depths", "2", "3", "4"]);
-        assert!(!cut.exists(), "{name}: twelve blocks are cut");
+        assert!(!cut.exists(), "{name}: sixteen blocks are cut");
         let cut = depth::DEPTHS.map(|d| read(dir.join(format!("{name}-cut.jsonl.depth{d}"))));
-        assert_eq!(cut[0].header.blocks, Some(12));
+        assert_eq!(cut[0].header.blocks, Some(16));
         let whole = read(whole);
-        assert_eq!(text(&depth::extrapolate(&cut, 12).unwrap()), text(&whole), "{name}");
+        assert_eq!(text(&depth::extrapolate(&cut, 16).unwrap()), text(&whole), "{name}");
         // The bridge takes that route, and caches what it rebuilt.
         let fresh = TorchTracer { cache_dir: dir.join(format!("{name}-cache")), ..t.clone() };
         let _ = std::fs::remove_dir_all(&fresh.cache_dir);
