@@ -4,7 +4,7 @@
 //! Tracing costs time per layer (PyTorch's dispatch on meta tensors), so a 32-layer 7B model
 //! costs ten times a 3-layer cut of it. The tracer cuts the block stack to [`DEPTHS`]
 //! (`gpumem_trace --depths`); here the events one more block adds are found by aligning the
-//! traces (a diff of the events with sizes left out), and repeated up to the whole depth.
+//! traces (the fewest runs of inserted events), and repeated up to the whole depth.
 //!
 //! Nothing is assumed that the three traces do not show: the whole is rebuilt only where
 //! - the third trace is the first with runs of events inserted twice over, next to each other
@@ -65,8 +65,8 @@ enum Pick {
     Oldest(usize),
 }
 
-/// An event with its numbers left out and module paths with their indices left out: what the
-/// alignment compares.
+/// An event without its ids and its module path's indices, as much of it as a [`Detail`] keeps:
+/// what the alignment and the frees' kinds compare.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Shape {
     Alloc { bytes: u64, category: u8, phase: u8, op: String, module: String, stream: u32 },
@@ -231,10 +231,10 @@ fn picks(t: &Trace, kind: &[u32]) -> HashMap<usize, (usize, usize, usize)> {
 }
 
 /// `long` as `short` with the fewest runs of events inserted (the runs one block adds, whole,
-/// where the events repeat); `None` if `short` is not a subsequence of `long`. A diff would
-/// do, but a minimal diff may cut one block's run in two at different places, which do not
-/// repeat; fewest runs is a dynamic program over the band of `long`'s extra length.
-/// Events match exactly, or loosely at a cost (second in rank to the runs): `[exact, loose]`.
+/// where the events repeat); `None` if `short` is not a subsequence of `long`. A minimal diff
+/// may cut one block's run in two at different places, which do not repeat; fewest runs is a
+/// dynamic program over the band of `long`'s extra length. Each side is `[exact, loose]`: events
+/// match loosely, and among alignments with as few runs, the most match exactly.
 fn insertions(short: [&[u32]; 2], long: [&[u32]; 2]) -> Option<Vec<Chunk>> {
     let (n, m) = (short[0].len(), long[0].len());
     let w = m.checked_sub(n)?;
@@ -323,7 +323,6 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
     if depths != DEPTHS.map(Some) || traces.iter().any(|t| t.header.blocks != Some(blocks)) || blocks <= DEPTHS[2] {
         return Err(DepthError::NotDepths(depths));
     }
-    // Align: the second trace must be the first with runs of events inserted.
     let mut ids: HashMap<Shape, u32> = HashMap::new();
     let mut intern = |detail: Detail| -> Vec<Vec<u32>> {
         traces.iter().map(|t| shapes(t, detail).into_iter().map(|x| { let n = ids.len() as u32; *ids.entry(x).or_insert(n) }).collect()).collect()
