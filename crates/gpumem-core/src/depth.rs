@@ -15,8 +15,9 @@
 //! - no allocation changes its size with the depth (sizes are part of what is aligned): a
 //!   buffer over all blocks, such as a gradient bucket, may reach a cap beyond the traced
 //!   depths (DDP's `bucket_cap_mb`, ZeRO's bucket sizes);
-//! - every free frees the same tensor relative to the others of its kind (same event, same
-//!   size) in all three: the n-th newest or the n-th oldest live one.
+//! - every free frees the same tensor relative to the others of its kind (same size, category,
+//!   phase and stream, and kernel where that holds) in all three: the n-th newest or the n-th
+//!   oldest live one.
 //!
 //! Else [`DepthError`] says why, and the caller traces the whole model.
 
@@ -70,7 +71,8 @@ enum Pick {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Shape {
     Alloc { bytes: u64, category: u8, phase: u8, op: String, module: String, stream: u32 },
-    Free { bytes: u64, category: u8 },
+    /// `of`: the freed allocation's kernel and module, where aligned exactly.
+    Free { bytes: u64, category: u8, of: Option<(String, String)> },
     /// `numbers` left out where aligned loosely: a kernel over every block's tensors at once
     /// (`_foreach_add_`) grows with the depth.
     Op { op: String, numbers: Option<[u64; 3]> },
@@ -101,17 +103,20 @@ enum Detail {
 }
 
 fn shapes(t: &Trace, detail: Detail) -> Vec<Shape> {
-    let mut allocated = vec![(0u64, 0u8); t.slots()];
+    let mut allocated = vec![(0u64, 0u8, String::new(), String::new()); t.slots()];
     t.events()
         .iter()
         .map(|e| match *e {
             Event::Alloc { slot, bytes, category, phase, op, module, stream } => {
-                allocated[slot as usize] = (bytes, category as u8);
+                allocated[slot as usize] = (bytes, category as u8, t.op_name(op).to_string(), generic_module(t, module));
                 let op = if detail == Detail::Size { String::new() } else { t.op_name(op).to_string() };
                 let module = if matches!(detail, Detail::Kind | Detail::Size) { String::new() } else { generic_module(t, module) };
                 Shape::Alloc { bytes, category: category as u8, phase: phase as u8, op, module, stream }
             }
-            Event::Free { slot } => Shape::Free { bytes: allocated[slot as usize].0, category: allocated[slot as usize].1 },
+            Event::Free { slot } => {
+                let (bytes, category, op, module) = &allocated[slot as usize];
+                Shape::Free { bytes: *bytes, category: *category, of: (detail == Detail::Exact).then(|| (op.clone(), module.clone())) }
+            }
             Event::Op { op, .. } => Shape::Op { op: t.op_name(op).to_string(), numbers: (detail == Detail::Exact).then(|| numbers(e)) },
             Event::Iteration { index } => Shape::Iteration { index },
             Event::Workspace { conv, pass, phase, module, .. } => Shape::Workspace { conv: t.op_name(conv).to_string(), pass: pass as u8, phase: phase as u8, module: generic_module(t, module) },
@@ -375,41 +380,34 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
     // Frees: which live tensor of its kind each one frees, the same rule in every instance;
     // kinds told apart by their kernel where that holds, else by size alone (a chain of blocks
     // whose first input another kernel made).
-    let kind_of = |kinds: &[Vec<u32>], s: Source| match s {
-        Source::Base(i) => kinds[0][i],
-        Source::Chunk { chunk, offset } => kinds[2][chunks[chunk].start + offset],
+    let kinds = [intern(Detail::Kind), intern(Detail::Size)];
+    let kind_of = |g: usize, s: Source| match s {
+        Source::Base(i) => kinds[g][0][i],
+        Source::Chunk { chunk, offset } => kinds[g][2][chunks[chunk].start + offset],
     };
-    let rules_for = |kinds: &[Vec<u32>]| -> Result<HashMap<Source, (Source, Pick)>, DepthError> {
-        let freed: Vec<HashMap<usize, (usize, usize, usize)>> = (0..3).map(|t| picks(&traces[t], &kinds[t])).collect();
-        let mut rules = HashMap::new();
-        for (&s, inst) in &instances {
-            let Some(&(t0, p0)) = inst.first().filter(|&&(t, p)| matches!(event(t, p), Event::Free { .. })) else { continue };
-            let seen: Vec<(usize, (usize, usize, usize))> = inst.iter().map(|&(t, p)| (t, freed[t][&p])).collect();
-            let target = orders[seen[0].0][seen[0].1.0].0;
-            let same_kind = seen.iter().all(|&(t, (alloc, ..))| kind_of(kinds, orders[t][alloc].0) == kind_of(kinds, target));
-            let pick = if seen.iter().all(|&(_, (_, _, newer))| newer == seen[0].1.2) {
-                Pick::Newest(seen[0].1.2)
-            } else if seen.iter().all(|&(_, (_, older, _))| older == seen[0].1.1) {
-                Pick::Oldest(seen[0].1.1)
-            } else {
-                return Err(not_periodic(format!("the free at event {} of the {}-block trace frees a different tensor of its kind at other depths", p0 + 2, DEPTHS[t0])));
-            };
-            if !same_kind {
-                return Err(not_periodic(format!("the free at event {} of the {}-block trace frees tensors of different kinds at other depths", p0 + 2, DEPTHS[t0])));
-            }
-            rules.insert(s, (target, pick));
+    let freed: Vec<Vec<HashMap<usize, (usize, usize, usize)>>> = (0..2).map(|g| (0..3).map(|t| picks(&traces[t], &kinds[g][t])).collect()).collect();
+    let rule = |g: usize, inst: &[(usize, usize)]| -> Option<(Source, Pick)> {
+        let seen: Vec<(usize, (usize, usize, usize))> = inst.iter().map(|&(t, p)| (t, freed[g][t][&p])).collect();
+        let target = orders[seen[0].0][seen[0].1.0].0;
+        if !seen.iter().all(|&(t, (alloc, ..))| kind_of(g, orders[t][alloc].0) == kind_of(g, target)) {
+            return None;
         }
-        Ok(rules)
-    };
-    let by_kernel = intern(Detail::Kind);
-    let (kinds, rules) = match rules_for(&by_kernel) {
-        Ok(rules) => (by_kernel, rules),
-        Err(_) => {
-            let by_size = intern(Detail::Size);
-            let rules = rules_for(&by_size)?;
-            (by_size, rules)
+        if seen.iter().all(|&(_, (_, _, newer))| newer == seen[0].1.2) {
+            Some((target, Pick::Newest(seen[0].1.2)))
+        } else if seen.iter().all(|&(_, (_, older, _))| older == seen[0].1.1) {
+            Some((target, Pick::Oldest(seen[0].1.1)))
+        } else {
+            None
         }
     };
+    let mut rules: HashMap<Source, (usize, Source, Pick)> = HashMap::new();
+    for (&s, inst) in &instances {
+        let Some(&(t0, p0)) = inst.first().filter(|&&(t, p)| matches!(event(t, p), Event::Free { .. })) else { continue };
+        let Some((g, (target, pick))) = (0..2).find_map(|g| Some((g, rule(g, inst)?))) else {
+            return Err(not_periodic(format!("the free at event {} of the {}-block trace frees a different tensor at other depths", p0 + 2, DEPTHS[t0])));
+        };
+        rules.insert(s, (g, target, pick));
+    }
 
     // Rebuild at the whole depth.
     let extra = i128::from(blocks - DEPTHS[0]);
@@ -425,7 +423,9 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
         _ => None,
     };
     let mut out = TraceBuilder::new(header);
-    let mut live: HashMap<u32, Vec<u64>> = HashMap::new();
+    // The live tensors of each kind, by either grain, in allocation order.
+    let mut live: HashMap<(usize, u32), Vec<u64>> = HashMap::new();
+    let mut kinds_of_id: HashMap<u64, [u32; 2]> = HashMap::new();
     let mut next_id = 1u64;
     let mut names: HashMap<Source, ModuleName> = HashMap::new();
     for (&s, inst) in &instances {
@@ -444,20 +444,26 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
         let module = names.get(&s).map(|n| n.at(blocks, copy));
         match *event(t, p) {
             Event::Alloc { category, phase, op, stream, .. } => {
-                live.entry(kind_of(&kinds, s)).or_default().push(next_id);
+                for g in 0..2 {
+                    live.entry((g, kind_of(g, s))).or_default().push(next_id);
+                }
+                kinds_of_id.insert(next_id, [kind_of(0, s), kind_of(1, s)]);
                 out.alloc_with_id(0, next_id, a, category, phase, tr.op_name(op), module.as_deref(), stream).map_err(|e| not_periodic(e.message))?;
                 next_id += 1;
             }
             Event::Free { .. } => {
-                let (target, pick) = rules[&s];
-                let list = live.get_mut(&kind_of(&kinds, target)).filter(|l| !l.is_empty());
+                let (g, target, pick) = rules[&s];
+                let list = live.get_mut(&(g, kind_of(g, target))).filter(|l| !l.is_empty());
                 let Some(list) = list else { return Err(not_periodic("a free finds no tensor of its kind at the whole depth")) };
                 let i = match pick {
                     Pick::Newest(n) => list.len().checked_sub(n + 1),
                     Pick::Oldest(n) => (n < list.len()).then_some(n),
                 };
                 let Some(i) = i else { return Err(not_periodic("a free finds too few tensors of its kind at the whole depth")) };
-                out.free(list.remove(i));
+                let id = list.remove(i);
+                let kinds = kinds_of_id.remove(&id).expect("a live tensor has its kinds");
+                live.get_mut(&(1 - g, kinds[1 - g])).expect("a live tensor is listed by both grains").retain(|&x| x != id);
+                out.free(id);
             }
             Event::Op { op, .. } => out.op(tr.op_name(op), a, b, c),
             Event::Iteration { .. } => out.iteration_end(),
