@@ -58,7 +58,7 @@ def main(argv=None):
     p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--lora-quant", choices=["nf4", "fp4"], help="QLoRA: the model loaded in 4 bits (bitsandbytes' Linear4bit) before LoRA")
     p.add_argument("--lora-single-quant", action="store_true", help="QLoRA without double quantization of the block statistics")
-    p.add_argument("--depths", type=int, nargs="+", help="trace the model cut to each of these depths of its repeated blocks, into OUT.depthK, where it has more than they add up to and at least 16 (gpumem rebuilds the whole depth from them); else whole, into OUT")
+    p.add_argument("--depths", type=int, nargs="+", help="trace the model cut to each of these depths of its repeated blocks, into OUT.depthK, where it has enough of them to save time (gpumem rebuilds the whole depth from those traces); else whole, into OUT")
     p.add_argument("--timeout", type=float, default=0, help="seconds; 0 = none")
     a = p.parse_args(argv)
 
@@ -130,9 +130,7 @@ def main(argv=None):
             if not a.depths:
                 trace_training(opts, out)
             for depth in a.depths or []:
-                # Below 16 blocks the cut traces' fixed costs (three runs of the embedding, the
-                # head, the loop) outweigh the blocks they save.
-                opts.depth, opts.cut_above = depth, max(sum(a.depths), 15)
+                opts.depth = depth
                 if "depth" not in trace_training(opts, f"{out}.depth{depth}"):
                     os.replace(f"{out}.depth{depth}", out)  # not cut (see loop.cut_blocks): the whole model's
                     break

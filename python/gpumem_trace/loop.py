@@ -57,8 +57,7 @@ class TraceOptions:
     replicas: int = 1  # FSDP2 over a 2-D mesh (HSDP): replicated this many times
     cpu_offload: bool = False  # FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the host
     zero: object = None  # a zero.ZeroConfig for the zero strategies
-    depth: int = None  # trace the model cut to this many of its repeated blocks (see cut_blocks)...
-    cut_above: int = 0  # ...where it has more than this many
+    depth: int = None  # trace the model cut to this many of its repeated blocks (see cut_blocks)
     lr: float = 1e-3
     extra: dict = field(default_factory=dict)
 
@@ -192,12 +191,17 @@ def repeated_blocks(model, name, purpose):
     return [m for m in model.modules() if type(m) is block]
 
 
-def cut_blocks(model, name, depth, above):
+# Below this many blocks, cut traces cost about what they save: each of the three runs the
+# embedding, the head and the loop again (GPT-2's 12 layers: 14.8 s cut against 12.3 s whole).
+MIN_CUT_BLOCKS = 16
+
+
+def cut_blocks(model, name, depth):
     """Cuts the model's stack of repeated blocks (a transformer's layers) to its first ``depth``
-    and returns how many it had — where the blocks are one ModuleList or Sequential of more than
-    ``above`` (and ``depth``) blocks of identical parameter shapes, the only case where the
-    events one block adds repeat; else None, and the model is left whole. gpumem traces a few depths and rebuilds
-    the whole depth from them (gpumem_core::depth)."""
+    and returns how many it had — where the blocks are one ModuleList or Sequential of at least
+    ``MIN_CUT_BLOCKS`` (and more than ``depth``) blocks of identical parameter shapes, the only
+    case where the events one block adds repeat; else None, and the model is left whole.
+    gpumem traces a few depths and rebuilds the whole depth from them (gpumem_core::depth)."""
     try:
         blocks = repeated_blocks(model, name, "depth")
     except ReferenceError_:
@@ -205,7 +209,7 @@ def cut_blocks(model, name, depth, above):
     stacks = [m for m in model.modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) == len(blocks)
               and all(a is b for a, b in zip(m, blocks))]
     shapes = {tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in b.named_parameters()) for b in blocks}
-    if len(stacks) != 1 or len(shapes) != 1 or len(blocks) <= max(depth, above):
+    if len(stacks) != 1 or len(shapes) != 1 or len(blocks) < max(MIN_CUT_BLOCKS, depth + 1):
         return None
     del stacks[0][depth:]
     return len(blocks)
@@ -306,7 +310,7 @@ def trace_training(opts: TraceOptions, out_path: str):
     # they change with the depth, which gpumem's rebuild refuses (a buffer over blocks may reach
     # a bucket cap beyond the traced depths), so such a job is traced whole at once.
     cut = opts.depth and opts.strategy not in ("ddp", "zero1", "zero2", "zero3") and opts.data_parallel == 1
-    blocks = cut_blocks(model, opts.model, opts.depth, opts.cut_above) if cut else None
+    blocks = cut_blocks(model, opts.model, opts.depth) if cut else None
     if opts.precision not in PRECISIONS:
         raise ReferenceError_(f"unknown precision `{opts.precision}` (expected {', '.join(PRECISIONS)})")
     autocast_dtype, weights_dtype = PRECISIONS[opts.precision]

@@ -689,12 +689,12 @@ def test_a_deep_stack_is_cut_only_where_its_blocks_repeat():
 
     deep = resolve("hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=16,num_attention_heads=4,num_key_value_heads=2,vocab_size=256)", seq_len=16).model
     params = sum(p.numel() for p in deep.parameters())
-    assert cut_blocks(deep, "llama", 3, above=15) == 16
+    assert cut_blocks(deep, "llama", 3) == 16
     assert len(deep.model.layers) == 3 and sum(p.numel() for p in deep.parameters()) < params
     shallow = resolve(LLAMA, seq_len=16).model
-    assert cut_blocks(shallow, "llama", 3, above=15) is None
+    assert cut_blocks(shallow, "llama", 3) is None
     resnet = torchvision.models.resnet18()
-    assert cut_blocks(resnet, "resnet18", 2, above=0) is None
+    assert cut_blocks(resnet, "resnet18", 2) is None
 
 
 def test_depths_write_cut_traces_that_say_so(tmp_path):
