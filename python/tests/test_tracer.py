@@ -233,6 +233,8 @@ def test_bad_options(tmp_path):
     assert p.returncode == 2
     p, _ = run(["resnet50", "--batch", "2"], tmp_path)
     assert p.returncode == 2 and "is not a model reference" in p.stderr
+    p, _ = run([f"py:{FIX}:tiny", "--batch", "2", "--depths", "1", "3"], tmp_path)
+    assert p.returncode == 2 and "--depths 1 3: distinct depths of at least 2" in p.stderr
 
 
 def test_torchvision_model(tmp_path):
