@@ -59,6 +59,7 @@ def main(argv=None):
     p.add_argument("--lora-quant", choices=["nf4", "fp4"], help="QLoRA: the model loaded in 4 bits (bitsandbytes' Linear4bit) before LoRA")
     p.add_argument("--lora-single-quant", action="store_true", help="QLoRA without double quantization of the block statistics")
     p.add_argument("--depths", type=int, nargs="+", help="trace the model cut to each of these depths of its repeated blocks, into OUT.depthK, where it has enough of them to save time (gpumem rebuilds the whole depth from those traces); else whole, into OUT")
+    p.add_argument("--every-iteration", action="store_true", help="run every iteration; by default, once an iteration ends the loop in its steady state (what it freed the one before made, and what outlives it matches that), the rest copy it")
     p.add_argument("--timeout", type=float, default=0, help="seconds; 0 = none")
     a = p.parse_args(argv)
 
@@ -123,7 +124,8 @@ def main(argv=None):
                         validate=a.validate, outputs=a.outputs, attention_mask=a.attention_mask, lora=adapters,
                         strategy=a.strategy, world_size=a.world_size, bucket_cap_mb=a.bucket_cap_mb, bucket_view=a.gradient_as_bucket_view,
                         reshard_after_forward=not a.no_reshard_after_forward, zero=zero,
-                        fsdp_param_dtype=a.fsdp_param_dtype, replicas=a.replicas, cpu_offload=a.cpu_offload)
+                        fsdp_param_dtype=a.fsdp_param_dtype, replicas=a.replicas, cpu_offload=a.cpu_offload,
+                        every_iteration=a.every_iteration)
     try:
         for batch, out in zip(a.batch, a.out):
             opts.batch = batch

@@ -58,6 +58,7 @@ class TraceOptions:
     cpu_offload: bool = False  # FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the host
     zero: object = None  # a zero.ZeroConfig for the zero strategies
     depth: int = None  # trace the model cut to this many of its repeated blocks (see cut_blocks)
+    every_iteration: bool = False  # run every iteration, even those the steady state repeats
     lr: float = 1e-3
     extra: dict = field(default_factory=dict)
 
@@ -392,6 +393,14 @@ def trace_training(opts: TraceOptions, out_path: str):
         scaler = GradScaler() if opts.precision == "amp-fp16" else None
         batch = outputs = loss = None
         for it in range(opts.iterations):
+            # From the third iteration on, a loop in its steady state repeats the last one:
+            # copied, not run (a third of the tracing time). A validation pass after training
+            # would need the tensors each copy made, so with one every iteration runs.
+            if it >= 2 and not opts.every_iteration and opts.validate == "none" and rec.repeat_last_iteration():
+                while rec.iterations < opts.iterations:
+                    rec.repeat_last_iteration()
+                rec.closed = True  # the copies' tensors exist only in the trace
+                break
             for micro in range(opts.grad_accum):
                 batch = next_batch(batch)
                 if micro == 0:

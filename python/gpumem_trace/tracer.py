@@ -99,6 +99,61 @@ class Recorder:
         self.events.append({"ev": "iteration", "index": self.iterations})
         self.iterations += 1
 
+    def repeat_last_iteration(self):
+        """Appends a copy of the last iteration as the next one where the loop has reached its
+        steady state, so that it need not be run: every tensor older than the last iteration
+        that it freed was made by the iteration before (not by the setup), and those tensors
+        match one for one — by size, category, phase, op and module, in the order they were
+        made — the tensors the last iteration made that outlive it, which the copy frees where
+        the last iteration freed their counterparts. Returns False, appending nothing, where
+        that does not hold (DDP's second iteration frees the buckets its setup made, to
+        rebuild them): the caller runs the iteration."""
+        marks = [i for i, e in enumerate(self.events) if e["ev"] == "iteration"]
+        if len(marks) < 2 or marks[-1] != len(self.events) - 1:
+            return False
+        before, start, end = (marks[-3] if len(marks) > 2 else -1), marks[-2] + 1, marks[-1]
+        made = {}  # id -> (index of its alloc, its alloc event)
+        for i, e in enumerate(self.events):
+            if e["ev"] == "alloc":
+                made[e["id"]] = (i, e)
+        shape = lambda e: (e["bytes"], e["category"], e["phase"], e["op"], e.get("module"))  # noqa: E731
+        last = self.events[start:end]
+        freed_older, freed_here = [], set()
+        for e in last:
+            if e["ev"] == "free":
+                at, alloc = made[e["id"]]
+                if at >= start:
+                    freed_here.add(e["id"])
+                elif at > before and alloc["phase"] != "setup":
+                    freed_older.append((at, e["id"]))
+                else:
+                    return False
+        outliving = [(i, e["id"]) for i, e in enumerate(last, start) if e["ev"] == "alloc" and e["id"] not in freed_here]
+        by_shape = {}
+        for at, i in sorted(outliving):
+            by_shape.setdefault(shape(made[i][1]), []).append(i)
+        heir = {}  # an older tensor -> the last iteration's tensor the copy frees in its place
+        for at, i in sorted(freed_older):
+            same = by_shape.get(shape(made[i][1]))
+            if not same:
+                return False
+            heir[i] = same.pop(0)
+        if any(by_shape.values()):
+            return False
+        renamed = {}
+        for e in last + [self.events[end]]:
+            e = dict(e)
+            if e["ev"] == "alloc":
+                renamed[e["id"]] = e["id"] = self.next_id
+                self.next_id += 1
+            elif e["ev"] == "free":
+                e["id"] = renamed.get(e["id"]) or heir[e["id"]]
+            elif e["ev"] == "iteration":
+                e["index"] = self.iterations
+                self.iterations += 1
+            self.events.append(e)
+        return True
+
     def relabel(self, tensor, category):
         """Gives the allocation holding ``tensor`` a category known only later (p.grad, state)."""
         entry = self.live.get(storage_key(tensor))
@@ -127,10 +182,11 @@ class Recorder:
     def write(self, path, header):
         self.closed = True
         header = dict(header, format="gpumem-trace", version=1, iterations=self.iterations)
+        line = json.JSONEncoder(separators=(",", ":")).encode  # one encoder for every event
         with open(path, "w") as f:
             f.write(json.dumps(header) + "\n")
             for e in self.events:
-                f.write(json.dumps(e, separators=(",", ":")) + "\n")
+                f.write(line(e) + "\n")
 
 
 # A convolution's passes, as the workspace table names them.
@@ -206,7 +262,13 @@ class ModulePaths(TorchFunctionMode):
 
     def __enter__(self):
         hooks = torch.nn.modules.module
-        self.handles = [hooks.register_module_forward_pre_hook(self._enter_module), hooks.register_module_forward_hook(self._leave_module)]
+        try:
+            # Also when forward raises: checkpointing's recomputation stops early by raising
+            # inside the last module it needs, which must not stay on the stack.
+            leave = hooks.register_module_forward_hook(self._leave_module, always_call=True)
+        except TypeError:  # torch < 2.1
+            leave = hooks.register_module_forward_hook(self._leave_module)
+        self.handles = [hooks.register_module_forward_pre_hook(self._enter_module), leave]
         return super().__enter__()
 
     def _enter_module(self, module, inputs):

@@ -156,6 +156,9 @@ class Engine:
             self.partition_grads = _empty(self.partition, self.dtype, self.rec, "gradient", "zero3_grad_partitions")
         self.gathered = {}  # id(param) -> its gathered block
         self.modules = [m for m in self.model.modules() if any(True for _ in m.parameters(recurse=False))]
+        # Each module's own parameters, asked for at every fetch and release (and, by the
+        # release, for each module ahead in the trace).
+        self.own = {id(m): list(m.parameters(recurse=False)) for m in self.modules}
         self.order, self.trace, self.step_id = [], None, 0
         for m in self.modules:
             m.register_forward_pre_hook(self._pre_forward)
@@ -164,7 +167,8 @@ class Engine:
     # -- stage 3: gathering ------------------------------------------------------------------
 
     def _own(self, m):
-        return list(m.parameters(recurse=False))
+        own = self.own.get(id(m))
+        return own if own is not None else list(m.parameters(recurse=False))
 
     def _shard(self, p):
         """A rank's elements of ``p`` (padded to a multiple of the world size)."""

@@ -712,3 +712,54 @@ def test_depths_write_cut_traces_that_say_so(tmp_path):
     p = subprocess.run([sys.executable, "-m", "gpumem_trace", ref, "--batch", "2", "--seq-len", "16", "--out", str(out), "--depths", "2", "3", "4", "--strategy", "ddp", "--world-size", "2"],
                        capture_output=True, text=True, env=env)
     assert p.returncode == 0 and out.exists() and "depth" not in json.loads(out.open().readline())  # DDP: whole
+
+
+def test_an_iteration_is_copied_only_where_the_loop_is_steady():
+    """The recorder's copy of the last iteration frees the tensors that outlive it where the
+    last one freed their counterparts of the iteration before; it refuses where the last
+    iteration frees what the setup made, or what outlives it does not match what it freed."""
+    from gpumem_trace.tracer import Recorder
+
+    def loop(rec, iterations, rebuild=False):
+        bucket = rec.alloc("bucket", 64, "empty")  # the setup's
+        state = batch = None
+        for it in range(iterations):
+            rec.phase = "forward"
+            if batch is not None:
+                rec.free(batch)
+            batch = f"batch{it}"
+            rec.alloc(batch, 32, "empty")
+            rec.transient(16, "mm")
+            if rebuild and it == 1:
+                rec.free("bucket")  # DDP rebuilds its buckets in the second iteration
+                rec.alloc("bucket2", 64, "empty")
+            rec.phase = "optimizer"
+            if state is None:
+                state = rec.alloc("state", 128, "empty")
+            rec.iteration_end()
+        return bucket
+
+    run, copied = Recorder(), Recorder()
+    loop(run, 4)
+    loop(copied, 2)
+    assert copied.repeat_last_iteration() and copied.repeat_last_iteration()
+    assert copied.events == run.events and copied.iterations == 4
+    ddp = Recorder()
+    loop(ddp, 2, rebuild=True)
+    n = len(ddp.events)
+    assert not ddp.repeat_last_iteration() and len(ddp.events) == n
+    grown = Recorder()
+    loop(grown, 2)
+    grown.events.insert(-1, {"ev": "alloc", "id": 99, "bytes": 8, "category": "activation", "phase": "forward", "op": "cat"})
+    assert not grown.repeat_last_iteration()  # a tensor each iteration keeps: not steady
+
+
+@pytest.mark.parametrize("options", [["--precision", "amp-bf16", "--checkpointing"], ["--strategy", "zero3", "--world-size", "4", "--precision", "bf16"]])
+def test_a_copied_iteration_is_the_one_the_loop_runs(tmp_path, options):
+    """The third iteration copied from the second (the default) is the trace of running it,
+    event for event — with checkpointing, whose recomputation stops early inside a module."""
+    pytest.importorskip("transformers")
+    args = [LLAMA, "--batch", "2", "--seq-len", "16", *options]
+    _, copied = traced(args, tmp_path)
+    _, ran = traced([*args, "--every-iteration"], tmp_path)
+    assert copied == ran
