@@ -113,6 +113,11 @@ pub struct SymbolicTrace {
 }
 
 impl SymbolicTrace {
+    /// The header of the traces it was fitted from (`batch_size`: the first of them).
+    pub fn header(&self) -> &TraceHeader {
+        &self.header
+    }
+
     /// Batch sizes the bridge traces to fit a symbolic trace.
     pub const FIT_BATCHES: [u64; 3] = [4, 6, 8];
 

@@ -211,6 +211,14 @@ pub enum Symbolic {
 }
 
 impl Symbolic {
+    /// The trainable parameters a PyTorch model's tracer counted (`None` for a native model).
+    pub fn trainable_parameters(&self) -> Option<u64> {
+        match self {
+            Symbolic::Native(..) => None,
+            Symbolic::Torch { trace, .. } => trace.header().parameters,
+        }
+    }
+
     /// The trace at `batch` (the whole batch).
     pub fn at(&self, batch: u64) -> Result<Trace, SearchError> {
         Ok(match self {

@@ -8,6 +8,7 @@
 use gpumem_core::estimate::{Estimate, Estimator};
 use gpumem_core::graph::Precision;
 use gpumem_core::profile::GpuProfile;
+use gpumem_core::step::Optimizer;
 use gpumem_core::utilization::{HostModel, physical};
 
 use crate::{Checkpointing, SizeError, Strategy, Symbolic, Workload, WorkloadError, side_by_side};
@@ -162,6 +163,24 @@ fn setup_trace(base: &Workload, options: crate::Options, profile: &GpuProfile) -
     }
 }
 
+/// The least memory a DDP rank holds, at its optimizer step, with `trainable` parameters: a
+/// replica of them and of their gradients in the weights' dtype, and the optimizer's states
+/// (torch's in that dtype; bitsandbytes' 8-bit ones a byte each; paged ones not counted, as they
+/// may sit on the host). `None` with LoRA, whose adapters' dtype only the trace knows.
+fn ddp_replica_bytes(trainable: u64, precision: Precision, options: &crate::Options) -> Option<u64> {
+    if options.lora.is_some() {
+        return None;
+    }
+    let word = if matches!(precision, Precision::Bf16 | Precision::Fp16) { 2 } else { 4 };
+    let states = match options.optimizer {
+        Optimizer::Adam | Optimizer::AdamW => 2 * word,
+        Optimizer::SgdMomentum => word,
+        Optimizer::Sgd | Optimizer::PagedAdamW8bit => 0,
+        Optimizer::Adam8bit | Optimizer::AdamW8bit => 2,
+    };
+    trainable.checked_mul(2 * word + states)
+}
+
 /// Plans `base` (its model and fixed options; its strategy where `space` lists none, and its
 /// precision, checkpointing and batch are searched) on `profile`, every rank's GPU.
 /// `traced(done, of)` hears how many of the `of` (strategy, precision, checkpointing) setups
@@ -178,16 +197,42 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
         }
     }
     // Each pair's trace is a tracer process of its own (Python, one core each): side by side.
-    let done = std::sync::atomic::AtomicUsize::new(0);
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    let (done, of) = (AtomicUsize::new(0), AtomicUsize::new(pairs.len()));
     traced(0, pairs.len());
-    let symbolic = side_by_side(&pairs, |&(strategy, precision, checkpointing)| {
-        let options = crate::Options { precision, checkpointing, grad_accum: 1, strategy, ..base.options().clone() };
-        let sym = setup_trace(base, options, profile);
-        traced(done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1, pairs.len());
-        sym
-    });
+    let trace_each = |pairs: &[(Option<Strategy>, Precision, Checkpointing)]| {
+        let symbolic = side_by_side(pairs, |&(strategy, precision, checkpointing)| {
+            let options = crate::Options { precision, checkpointing, grad_accum: 1, strategy, ..base.options().clone() };
+            let sym = setup_trace(base, options, profile);
+            traced(done.fetch_add(1, Relaxed) + 1, of.load(Relaxed));
+            sym
+        });
+        pairs.iter().copied().zip(symbolic).collect::<Vec<_>>()
+    };
+    // DDP holds a whole replica of the model states on every rank: where that alone exceeds
+    // the GPU, its setups are not traced. The other setups, traced first, count the parameters.
+    let (ddp, others): (Vec<_>, Vec<_>) = pairs.into_iter().partition(|(s, ..)| matches!(s, Some(Strategy::Ddp { .. })));
+    let mut setups = trace_each(&others);
+    let trainable = setups.iter().find_map(|(_, sym)| sym.as_ref().ok()?.as_ref().ok()?.trainable_parameters());
     let mut out = Plan::default();
-    for ((strategy, precision, checkpointing), sym) in pairs.into_iter().zip(symbolic) {
+    let mut to_trace = Vec::new();
+    for (strategy, precision, checkpointing) in ddp {
+        match trainable.and_then(|n| Some((n, ddp_replica_bytes(n, precision, base.options())?))) {
+            Some((n, bytes)) if bytes > profile.capacity_bytes() => {
+                of.fetch_sub(1, Relaxed);
+                let reason = format!(
+                    "its model states alone do not fit: every rank's replica of the {:.1} M trainable parameters, their gradients and {}'s states needs {:.0} MiB",
+                    n as f64 / 1e6,
+                    base.options().optimizer.name(),
+                    gpumem_core::units::bytes_to_mib(bytes)
+                );
+                out.skipped.push(Skipped { strategy, precision, checkpointing, reason });
+            }
+            _ => to_trace.push((strategy, precision, checkpointing)),
+        }
+    }
+    setups.extend(trace_each(&to_trace));
+    for ((strategy, precision, checkpointing), sym) in setups {
         let sym = match sym? {
             Ok(s) => s,
             Err(reason) => {
@@ -252,6 +297,20 @@ mod tests {
     use super::*;
     use gpumem_core::estimate::Replay;
     use gpumem_core::profile::builtin;
+
+    #[test]
+    fn a_ddp_replica_is_its_parameters_gradients_and_optimizer_states() {
+        let adam = crate::Options::default();
+        assert_eq!(ddp_replica_bytes(1000, Precision::AmpBf16, &adam), Some(16_000), "fp32 weights, gradients, two moments");
+        assert_eq!(ddp_replica_bytes(1000, Precision::Bf16, &adam), Some(8_000));
+        let with = |optimizer| crate::Options { optimizer, ..adam.clone() };
+        assert_eq!(ddp_replica_bytes(1000, Precision::Fp32, &with(Optimizer::Sgd)), Some(8_000));
+        assert_eq!(ddp_replica_bytes(1000, Precision::Fp32, &with(Optimizer::SgdMomentum)), Some(12_000));
+        assert_eq!(ddp_replica_bytes(1000, Precision::Fp32, &with(Optimizer::AdamW8bit)), Some(10_000));
+        assert_eq!(ddp_replica_bytes(1000, Precision::Fp32, &with(Optimizer::PagedAdamW8bit)), Some(8_000), "paged states may sit on the host");
+        let lora = crate::Options { lora: Some(crate::Lora { rank: 8, alpha: 16.0, targets: vec!["q_proj".into()], dropout: 0.0, quant: None }), ..adam };
+        assert_eq!(ddp_replica_bytes(1000, Precision::Fp32, &lora), None);
+    }
 
     #[test]
     fn micro_batches_divide_the_global_batch_or_double() {
