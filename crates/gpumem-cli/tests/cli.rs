@@ -365,25 +365,29 @@ fn plan_searches_strategies_over_the_gpus() {
     }
 }
 
-/// A DDP setup whose replica of the model states (parameters, gradients, Adam's moments) alone
-/// exceeds a GPU is listed as not fitting without being traced; the other strategies are.
+/// A DDP or ZeRO-1 setup whose copy of the model states alone (DDP: parameters, gradients,
+/// Adam's moments; ZeRO-1: parameters and gradients, and its partition of the fp32 master
+/// weights and moments) exceeds a GPU is listed as not fitting without being traced; FSDP2 is
+/// traced.
 #[test]
-fn plan_does_not_trace_ddp_that_cannot_hold_its_replica() {
+fn plan_does_not_trace_setups_whose_model_states_cannot_fit() {
     if !common::torch("planning strategies") {
         return;
     }
-    // 1.23 billion parameters: 19.7 GB of fp32 weights, gradients and moments on a 16 GB T4.
+    // 1.23 billion parameters on 16 GB T4s: DDP 19.7 GB, ZeRO-1 over two 17.2 GB.
     let o = gpumem(&[
-        "plan", "hf:GPT2LMHeadModel(n_embd=2048,n_layer=24,n_head=16,vocab_size=8000)", "--seq-len", "64", "--gpus", "2xt4", "--strategies", "ddp,fsdp",
+        "plan", "hf:GPT2LMHeadModel(n_embd=2048,n_layer=24,n_head=16,vocab_size=8000)", "--seq-len", "64", "--gpus", "2xt4", "--strategies", "ddp,zero1,fsdp",
         "--precisions", "fp32", "--checkpointing", "on", "--global-batch", "2", "--json",
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    let ddp = |key: &str| v[key].as_array().unwrap().iter().filter(|s| s["strategy"] == "ddp").cloned().collect::<Vec<_>>();
-    assert!(ddp("setups").is_empty() && ddp("too_big").is_empty(), "{v}");
-    let skipped = ddp("skipped");
-    assert_eq!(skipped.len(), 1, "{v}");
-    assert!(skipped[0]["reason"].as_str().unwrap().contains("its model states alone do not fit: every rank's replica of the 1227."), "{v}");
+    for strategy in ["ddp", "zero1"] {
+        let of = |key: &str| v[key].as_array().unwrap().iter().filter(|s| s["strategy"] == strategy).cloned().collect::<Vec<_>>();
+        assert!(of("setups").is_empty() && of("too_big").is_empty(), "{v}");
+        let skipped = of("skipped");
+        assert_eq!(skipped.len(), 1, "{v}");
+        assert!(skipped[0]["reason"].as_str().unwrap().contains("its model states alone do not fit: what every rank holds of the 1227."), "{v}");
+    }
     assert!(v["setups"].as_array().unwrap().iter().chain(v["too_big"].as_array().unwrap()).any(|s| s["strategy"] == "fsdp"), "FSDP traced and sized: {v}");
 }
 

@@ -163,22 +163,42 @@ fn setup_trace(base: &Workload, options: crate::Options, profile: &GpuProfile) -
     }
 }
 
-/// The least memory a DDP rank holds, at its optimizer step, with `trainable` parameters: a
-/// replica of them and of their gradients in the weights' dtype, and the optimizer's states
-/// (torch's in that dtype; bitsandbytes' 8-bit ones a byte each; paged ones not counted, as they
-/// may sit on the host). `None` with LoRA, whose adapters' dtype only the trace knows.
-fn ddp_replica_bytes(trainable: u64, precision: Precision, options: &crate::Options) -> Option<u64> {
+/// The least memory a rank of `strategy` holds at once for the model states of `trainable`
+/// parameters, where that is large: DDP's replica of the parameters and their gradients in the
+/// weights' dtype and of the optimizer's states (torch's in that dtype; bitsandbytes' 8-bit
+/// ones a byte each; paged ones not counted, as they may sit on the host), alive together at the
+/// optimizer's step; ZeRO-1/2's flat copy of the parameters beside the rank's partition of the
+/// fp32 master weights and Adam's moments (none when offloaded), and stage 1's gradients, all
+/// kept until backward ends (without `overlap_comm`). `None` for the sharded strategies and
+/// with LoRA, whose adapters' dtype only the trace knows.
+fn model_states_floor(strategy: Option<Strategy>, trainable: u64, precision: Precision, options: &crate::Options) -> Option<u64> {
     if options.lora.is_some() {
         return None;
     }
     let word = if matches!(precision, Precision::Bf16 | Precision::Fp16) { 2 } else { 4 };
-    let states = match options.optimizer {
-        Optimizer::Adam | Optimizer::AdamW => 2 * word,
-        Optimizer::SgdMomentum => word,
-        Optimizer::Sgd | Optimizer::PagedAdamW8bit => 0,
-        Optimizer::Adam8bit | Optimizer::AdamW8bit => 2,
-    };
-    trainable.checked_mul(2 * word + states)
+    match strategy? {
+        Strategy::Ddp { .. } => {
+            let states = match options.optimizer {
+                Optimizer::Adam | Optimizer::AdamW => 2 * word,
+                Optimizer::SgdMomentum => word,
+                Optimizer::Sgd | Optimizer::PagedAdamW8bit => 0,
+                Optimizer::Adam8bit | Optimizer::AdamW8bit => 2,
+            };
+            trainable.checked_mul(2 * word + states)
+        }
+        Strategy::Zero { stage: stage @ (1 | 2), world_size, zero } => {
+            let states: u64 = match options.optimizer {
+                Optimizer::Adam | Optimizer::AdamW => 2,
+                Optimizer::SgdMomentum => 1,
+                Optimizer::Sgd => 0,
+                _ => return None, // ZeRO refuses bitsandbytes' optimizers (the trace says so)
+            };
+            let master = if zero.offload_optimizer { 0 } else { trainable / u64::from(world_size) * 4 * (1 + states) };
+            let grads = if stage == 1 && !zero.overlap_comm.unwrap_or(false) { word } else { 0 };
+            trainable.checked_mul(word + grads)?.checked_add(master)
+        }
+        _ => None,
+    }
 }
 
 /// Plans `base` (its model and fixed options; its strategy where `space` lists none, and its
@@ -209,19 +229,21 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
         });
         pairs.iter().copied().zip(symbolic).collect::<Vec<_>>()
     };
-    // DDP holds a whole replica of the model states on every rank: where that alone exceeds
-    // the GPU, its setups are not traced. The other setups, traced first, count the parameters.
-    let (ddp, others): (Vec<_>, Vec<_>) = pairs.into_iter().partition(|(s, ..)| matches!(s, Some(Strategy::Ddp { .. })));
+    // DDP and ZeRO-1/2 hold a whole copy of the parameters (DDP: of all model states) on every
+    // rank: where what they hold alone exceeds the GPU, those setups are not traced. The other
+    // setups, traced first, count the parameters.
+    let floored = |s: &Option<Strategy>| matches!(s, Some(Strategy::Ddp { .. } | Strategy::Zero { stage: 1 | 2, .. }));
+    let (bounded, others): (Vec<_>, Vec<_>) = pairs.into_iter().partition(|(s, ..)| floored(s));
     let mut setups = trace_each(&others);
     let trainable = setups.iter().find_map(|(_, sym)| sym.as_ref().ok()?.as_ref().ok()?.trainable_parameters());
     let mut out = Plan::default();
     let mut to_trace = Vec::new();
-    for (strategy, precision, checkpointing) in ddp {
-        match trainable.and_then(|n| Some((n, ddp_replica_bytes(n, precision, base.options())?))) {
+    for (strategy, precision, checkpointing) in bounded {
+        match trainable.and_then(|n| Some((n, model_states_floor(strategy, n, precision, base.options())?))) {
             Some((n, bytes)) if bytes > profile.capacity_bytes() => {
                 of.fetch_sub(1, Relaxed);
                 let reason = format!(
-                    "its model states alone do not fit: every rank's replica of the {:.1} M trainable parameters, their gradients and {}'s states needs {:.0} MiB",
+                    "its model states alone do not fit: what every rank holds of the {:.1} M trainable parameters, their gradients and {}'s states needs {:.0} MiB",
                     n as f64 / 1e6,
                     base.options().optimizer.name(),
                     gpumem_core::units::bytes_to_mib(bytes)
@@ -299,17 +321,27 @@ mod tests {
     use gpumem_core::profile::builtin;
 
     #[test]
-    fn a_ddp_replica_is_its_parameters_gradients_and_optimizer_states() {
+    fn a_rank_holds_at_least_its_copy_of_the_model_states() {
+        use crate::Zero;
         let adam = crate::Options::default();
-        assert_eq!(ddp_replica_bytes(1000, Precision::AmpBf16, &adam), Some(16_000), "fp32 weights, gradients, two moments");
-        assert_eq!(ddp_replica_bytes(1000, Precision::Bf16, &adam), Some(8_000));
+        let ddp = Some(Strategy::Ddp { world_size: 4, bucket_cap_mb: 25, bucket_view: false });
+        assert_eq!(model_states_floor(ddp, 1000, Precision::AmpBf16, &adam), Some(16_000), "fp32 weights, gradients, two moments");
+        assert_eq!(model_states_floor(ddp, 1000, Precision::Bf16, &adam), Some(8_000));
         let with = |optimizer| crate::Options { optimizer, ..adam.clone() };
-        assert_eq!(ddp_replica_bytes(1000, Precision::Fp32, &with(Optimizer::Sgd)), Some(8_000));
-        assert_eq!(ddp_replica_bytes(1000, Precision::Fp32, &with(Optimizer::SgdMomentum)), Some(12_000));
-        assert_eq!(ddp_replica_bytes(1000, Precision::Fp32, &with(Optimizer::AdamW8bit)), Some(10_000));
-        assert_eq!(ddp_replica_bytes(1000, Precision::Fp32, &with(Optimizer::PagedAdamW8bit)), Some(8_000), "paged states may sit on the host");
+        assert_eq!(model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::Sgd)), Some(8_000));
+        assert_eq!(model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::SgdMomentum)), Some(12_000));
+        assert_eq!(model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::AdamW8bit)), Some(10_000));
+        assert_eq!(model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::PagedAdamW8bit)), Some(8_000), "paged states may sit on the host");
+        let zero = |stage, zero| Some(Strategy::Zero { stage, world_size: 4, zero });
+        // Flat parameters, then a quarter of the fp32 master weights and two moments.
+        assert_eq!(model_states_floor(zero(2, Zero::default()), 1000, Precision::Bf16, &adam), Some(2_000 + 3_000));
+        assert_eq!(model_states_floor(zero(1, Zero::default()), 1000, Precision::Bf16, &adam), Some(4_000 + 3_000), "and every gradient");
+        assert_eq!(model_states_floor(zero(1, Zero { overlap_comm: Some(true), ..Zero::default() }), 1000, Precision::Bf16, &adam), Some(5_000));
+        assert_eq!(model_states_floor(zero(2, Zero { offload_optimizer: true, ..Zero::default() }), 1000, Precision::AmpBf16, &adam), Some(4_000));
+        assert_eq!(model_states_floor(zero(3, Zero::default()), 1000, Precision::Bf16, &adam), None, "sharded");
+        assert_eq!(model_states_floor(None, 1000, Precision::Bf16, &adam), None);
         let lora = crate::Options { lora: Some(crate::Lora { rank: 8, alpha: 16.0, targets: vec!["q_proj".into()], dropout: 0.0, quant: None }), ..adam };
-        assert_eq!(ddp_replica_bytes(1000, Precision::Fp32, &lora), None);
+        assert_eq!(model_states_floor(ddp, 1000, Precision::Fp32, &lora), None);
     }
 
     #[test]
