@@ -220,10 +220,10 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
     use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
     let (done, of) = (AtomicUsize::new(0), AtomicUsize::new(pairs.len()));
     traced(0, pairs.len());
+    let options = |strategy, precision, checkpointing| crate::Options { precision, checkpointing, grad_accum: 1, strategy, ..base.options().clone() };
     let trace_each = |pairs: &[(Option<Strategy>, Precision, Checkpointing)]| {
         let symbolic = side_by_side(pairs, |&(strategy, precision, checkpointing)| {
-            let options = crate::Options { precision, checkpointing, grad_accum: 1, strategy, ..base.options().clone() };
-            let sym = setup_trace(base, options, profile);
+            let sym = setup_trace(base, options(strategy, precision, checkpointing), profile);
             traced(done.fetch_add(1, Relaxed) + 1, of.load(Relaxed));
             sym
         });
@@ -239,7 +239,9 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
     let mut out = Plan::default();
     let mut to_trace = Vec::new();
     for (strategy, precision, checkpointing) in bounded {
-        match trainable.and_then(|n| Some((n, model_states_floor(strategy, n, precision, base.options())?))) {
+        // A setup the options refuse (ZeRO under amp-fp16) says so instead, untraced.
+        let valid = options(strategy, precision, checkpointing).check().is_ok();
+        match trainable.filter(|_| valid).and_then(|n| Some((n, model_states_floor(strategy, n, precision, base.options())?))) {
             Some((n, bytes)) if bytes > profile.capacity_bytes() => {
                 of.fetch_sub(1, Relaxed);
                 let reason = format!(
