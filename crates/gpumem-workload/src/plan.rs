@@ -168,7 +168,7 @@ fn setup_trace(base: &Workload, options: crate::Options, profile: &GpuProfile) -
 /// weights' dtype and of the optimizer's states (torch's in that dtype; bitsandbytes' 8-bit
 /// ones a byte each; paged ones not counted, as they may sit on the host), alive together at the
 /// optimizer's step; ZeRO-1/2's flat copy of the parameters beside the rank's partition of the
-/// fp32 master weights and Adam's moments (none when offloaded), and stage 1's gradients, all
+/// fp32 master weights and optimizer states (none when offloaded), and stage 1's gradients, all
 /// kept until backward ends (without `overlap_comm`). `None` for the sharded strategies and
 /// with LoRA, whose adapters' dtype only the trace knows.
 fn model_states_floor(strategy: Option<Strategy>, trainable: u64, precision: Precision, options: &crate::Options) -> Option<u64> {
