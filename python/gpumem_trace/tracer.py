@@ -128,12 +128,12 @@ class Recorder:
                     freed_older.append((at, e["id"]))
                 else:
                     return False
-        outliving = [(i, e["id"]) for i, e in enumerate(last, start) if e["ev"] == "alloc" and e["id"] not in freed_here]
+        outliving = [e for e in last if e["ev"] == "alloc" and e["id"] not in freed_here]  # in the order made
         by_shape = {}
-        for at, i in sorted(outliving):
-            by_shape.setdefault(shape(made[i][1]), []).append(i)
+        for e in outliving:
+            by_shape.setdefault(shape(e), []).append(e["id"])
         heir = {}  # an older tensor -> the last iteration's tensor the copy frees in its place
-        for at, i in sorted(freed_older):
+        for _, i in sorted(freed_older):
             same = by_shape.get(shape(made[i][1]))
             if not same:
                 return False

@@ -167,8 +167,7 @@ class Engine:
     # -- stage 3: gathering ------------------------------------------------------------------
 
     def _own(self, m):
-        own = self.own.get(id(m))
-        return own if own is not None else list(m.parameters(recurse=False))
+        return self.own[id(m)]  # every module fetched or released is one of self.modules
 
     def _shard(self, p):
         """A rank's elements of ``p`` (padded to a multiple of the world size)."""
