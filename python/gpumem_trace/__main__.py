@@ -1,7 +1,9 @@
 """Command line: ``python -m gpumem_trace MODEL --batch N [N ...] --out FILE [FILE ...] [options]``.
 
 Several batch sizes are traced in one process (the model built anew for each, the imports paid
-once), each into its own file: what gpumem needs to fit a batch-symbolic trace.
+once), each into its own file: what gpumem needs to fit a batch-symbolic trace. After the first,
+the others are traced side by side in forked copies of the process, as many at once as it has
+cores (Linux; elsewhere one after another).
 
 Exit codes: 0 trace written; 2 bad model reference or option; 3 the model failed (import error
 inside it, exception in forward/backward); 4 timed out.
@@ -126,8 +128,9 @@ def main(argv=None):
                         reshard_after_forward=not a.no_reshard_after_forward, zero=zero,
                         fsdp_param_dtype=a.fsdp_param_dtype, replicas=a.replicas, cpu_offload=a.cpu_offload,
                         every_iteration=a.every_iteration)
-    try:
-        for batch, out in zip(a.batch, a.out):
+    def traced(batch, out):
+        """Traces one batch size; its exit code (a failure is printed)."""
+        try:
             opts.batch = batch
             if not a.depths:
                 trace_training(opts, out)
@@ -136,17 +139,64 @@ def main(argv=None):
                 if "depth" not in trace_training(opts, f"{out}.depth{depth}"):
                     os.replace(f"{out}.depth{depth}", out)  # not cut (see loop.cut_blocks): the whole model's
                     break
-    except ReferenceError_ as e:
-        return fail(2, str(e))
+        except ReferenceError_ as e:
+            return fail(2, str(e))
+        except Exception as e:  # the model's own failure
+            tb = traceback.extract_tb(e.__traceback__)
+            where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+            return fail(3, f"{a.model} failed while tracing: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{where}")
+        return 0
+
+    jobs = list(zip(a.batch, a.out))
+    try:
+        # The first batch size alone: the imports it finishes, and the meta kernels' results it
+        # remembers, are then every fork's.
+        return traced(*jobs[0]) or side_by_side(jobs[1:], traced)
     except TimedOut:
         return fail(4, f"tracing {a.model} timed out after {a.timeout:g} s")
-    except Exception as e:  # the model's own failure
-        tb = traceback.extract_tb(e.__traceback__)
-        where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
-        return fail(3, f"{a.model} failed while tracing: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{where}")
     finally:
         if a.timeout > 0:
             signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def side_by_side(jobs, run):
+    """``run(*job)`` for each job, in forked copies of this process, as many at once as it may
+    use cores; the first failure's exit code (each failure prints its own message), or 0. A
+    timeout (raised in this process; forks have no timer) kills the forks still running."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    if cores < 2 or len(jobs) < 1 or sys.platform != "linux":
+        return next((code for code in (run(*job) for job in jobs) if code), 0)
+    running, codes = {}, {}
+    try:
+        for i, job in enumerate(jobs):
+            if len(running) == cores:
+                pid, status = os.wait()
+                codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                code = 3
+                try:
+                    code = run(*job)
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            running[pid] = i
+        while running:
+            pid, status = os.wait()
+            codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+    finally:
+        for pid in running:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    for i, code in sorted(codes.items()):
+        if code < 0:
+            print(f"gpumem_trace: tracing batch size {jobs[i][0]} ended by signal {-code}", file=sys.stderr)
+            return 3
+        if code:
+            return code
     return 0
 
 

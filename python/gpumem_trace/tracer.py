@@ -6,6 +6,7 @@ import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .sdpa import KERNEL_BUFFERS
@@ -183,10 +184,17 @@ class Recorder:
         self.closed = True
         header = dict(header, format="gpumem-trace", version=1, iterations=self.iterations)
         line = json.JSONEncoder(separators=(",", ":")).encode  # one encoder for every event
+        text = json.encoder.encode_basestring_ascii  # as the encoder writes strings
         with open(path, "w") as f:
             f.write(json.dumps(header) + "\n")
             for e in self.events:
-                f.write(line(e) + "\n")
+                # Kernels and frees, most of the events, written directly: the same text.
+                if e["ev"] == "op":
+                    f.write(f'{{"ev":"op","op":{text(e["op"])},"flops":{e["flops"]},"bytes_read":{e["bytes_read"]},"bytes_written":{e["bytes_written"]}}}\n')
+                elif e["ev"] == "free":
+                    f.write(f'{{"ev":"free","id":{e["id"]}}}\n')
+                else:
+                    f.write(line(e) + "\n")
 
 
 # A convolution's passes, as the workspace table names them.
@@ -238,7 +246,14 @@ def _tensors(x):
 
 
 def _nbytes(x):
-    return sum(t.numel() * t.element_size() for t in _tensors(x))
+    if isinstance(x, torch.Tensor):
+        x = _local(x)
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    if isinstance(x, dict):
+        return sum(_nbytes(y) for y in x.values())
+    return 0
 
 
 # The autograd node being run (torch >= 2.1; on older ones backward allocations name no module).
@@ -323,6 +338,7 @@ class TraceMode(TorchDispatchMode):
         self.device = device
         self.modules = modules
         self.last_op = None
+        self.memo = META_MEMO if device == "meta" else None
 
     def track(self, t, op):
         if t.device.type != self.device:
@@ -356,7 +372,9 @@ class TraceMode(TorchDispatchMode):
             with self.r.on_host():
                 self.track(out, "_to_copy")
             return out
-        out = data_dependent(func, args, kwargs)
+        out, remembered = data_dependent(func, args, kwargs), None
+        if out is NotImplemented and self.memo is not None:
+            out, remembered = self.memo.run(func, args, kwargs)
         if out is NotImplemented:
             try:
                 out = func(*args, **kwargs)
@@ -400,15 +418,119 @@ class TraceMode(TorchDispatchMode):
             self.r.workspace(thread)
             if func.overloadpacket is aten.addmm and isinstance(args[0], torch.Tensor) and args[0].dim() == 1:
                 self.r.workspace(thread, lt=True)
-        flops = 0
-        f = flop_registry.get(func.overloadpacket)
-        if f is not None:
-            try:
-                flops = f(*args, **kwargs, out_val=out)
-            except Exception:
-                flops = 0
-        self.r.op(name, flops, _nbytes(args), _nbytes(out))
+        costs = remembered[2] if remembered is not None else None
+        if costs is None:
+            flops = 0
+            f = flop_registry.get(func.overloadpacket)
+            if f is not None:
+                try:
+                    flops = f(*args, **kwargs, out_val=out)
+                except Exception:
+                    flops = 0
+            costs = (flops, _nbytes(args), _nbytes(out))
+            if remembered is not None:
+                remembered[2] = costs
+        self.r.op(name, *costs)
         return out
+
+
+class MetaMemo:
+    """The outputs of ops on meta tensors, by their inputs' metadata. A meta kernel (many are
+    PyTorch's Python references) computes only its outputs' shapes, strides and dtypes, yet it
+    is most of a trace's time; a model's layers run the same ops on the same shapes, so each
+    is computed once and its outputs made directly after that. Only ops whose outputs are new
+    tensors (no aliasing or mutation in their schema, no output shape that depends on values)
+    on meta inputs are remembered, and only where each output owns exactly its own storage."""
+
+    def __init__(self):
+        # key -> [tree spec, [(size, stride, dtype) or None], the op's costs or None], or None
+        # where the outputs cannot be made directly (the op is run).
+        self.outputs = {}
+        self.fresh = {}  # op -> whether its schema makes new tensors only
+
+    def run(self, func, args, kwargs):
+        """The op's outputs, remembered or computed (and remembered), and the memo's entry for
+        them, whose costs (flops, bytes read and written: functions of the same metadata) the
+        caller fills in once; ``(NotImplemented, None)`` where the op or its inputs cannot be
+        remembered."""
+        fresh = self.fresh.get(func)
+        if fresh is None:
+            fresh = self.fresh[func] = _makes_fresh_tensors(func)
+        if not fresh:
+            return NotImplemented, None
+        try:
+            key = (func, torch.get_default_dtype(), _meta_key(args), _meta_key(kwargs))
+        except _Unkeyable:
+            return NotImplemented, None
+        if key in self.outputs:
+            entry = self.outputs[key]
+            if entry is None:
+                return NotImplemented, None
+            spec, leaves, _ = entry
+            return pytree.tree_unflatten([None if m is None else torch.empty_strided(m[0], m[1], dtype=m[2], device="meta") for m in leaves], spec), entry
+        out = func(*args, **kwargs)
+        entry = self.outputs[key] = _fresh_outputs(out, args)
+        return out, entry
+
+
+# One per process: its keys are all an output depends on, so every trace (each batch size and
+# depth of a request) shares what the others computed.
+META_MEMO = MetaMemo()
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _meta_key(x):
+    """What an op's result on meta tensors can depend on: each tensor's metadata (values only
+    where the argument is not a tensor). Types are kept (``x + 1`` and ``x + 1.0`` differ)."""
+    t = type(x)
+    if t is torch.Tensor or t is torch.nn.Parameter:
+        if x.device.type != "meta" or x.layout != torch.strided:
+            raise _Unkeyable
+        return (x.dtype, tuple(x.shape), x.stride(), x.storage_offset(), x.is_conj(), x.is_neg())
+    if t in _PLAIN:
+        return (t, x)
+    if t is list or t is tuple or t is torch.Size:
+        return (t, tuple(_meta_key(y) for y in x))
+    if t is dict:
+        return tuple((k, _meta_key(v)) for k, v in sorted(x.items()))
+    raise _Unkeyable
+
+
+def _makes_fresh_tensors(func):
+    schema = getattr(func, "_schema", None)
+    if schema is None or schema.is_mutable:
+        return False
+    if any(a.alias_info is not None for a in schema.arguments) or any(r.alias_info is not None for r in schema.returns):
+        return False
+    tags = getattr(func, "tags", ())
+    return not any(getattr(torch.Tag, t, None) in tags for t in ("dynamic_output_shape", "data_dependent_output"))
+
+
+def _fresh_outputs(out, args):
+    """``out`` as the memo keeps it, or None where its outputs are not plain meta tensors each
+    with a storage of its own that ``torch.empty_strided`` would make."""
+    leaves, spec = pytree.tree_flatten(out)
+    seen = {storage_key(t) for t in _tensors(args)}
+    kept = []
+    for t in leaves:
+        if t is None:
+            kept.append(None)
+            continue
+        if type(t) is not torch.Tensor or t.device.type != "meta" or t.layout != torch.strided or t.storage_offset() != 0:
+            return None
+        key = storage_key(t)
+        span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        if key in seen or t.untyped_storage().nbytes() != span * t.element_size():
+            return None
+        seen.add(key)
+        kept.append((tuple(t.shape), t.stride(), t.dtype))
+    return [spec, kept, None]
 
 
 VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "permute", "expand", "alias", "detach", "select", "slice"}
@@ -442,11 +564,19 @@ def _dense(t):
     return True
 
 
+DATA_DEPENDENT_OPS = {
+    aten.copy_, aten._local_scalar_dense, aten.equal, aten.is_nonzero, aten.allclose, aten.nonzero, aten.index,
+    aten.masked_select, aten._unique2, aten.unique_dim, aten.unique_consecutive, aten._unique,
+}
+
+
 def data_dependent(func, args, kwargs):
     """Meta tensors have no values: answer value-dependent ops with a plausible stand-in (sizes
     of selections are the worst case, so memory is never underestimated). CPU tensors (Python
     ints a model turned into tensors, say) have their values and are computed."""
     p = func.overloadpacket
+    if p not in DATA_DEPENDENT_OPS:
+        return NotImplemented
     if p is aten.copy_ and args[0].device.type == "cpu" and isinstance(args[1], torch.Tensor) and args[1].device.type == "meta":
         # Values copied back off the GPU, which a meta tensor never had: the host keeps its own.
         # (DDP's reducer broadcasts its bucket order from rank 0, the traced rank, and reads it

@@ -763,3 +763,41 @@ def test_a_copied_iteration_is_the_one_the_loop_runs(tmp_path, options):
     _, copied = traced(args, tmp_path)
     _, ran = traced([*args, "--every-iteration"], tmp_path)
     assert copied == ran
+
+
+@pytest.mark.parametrize("args", [
+    [LLAMA, "--seq-len", "16", "--precision", "amp-bf16", "--checkpointing"],
+    ["torchvision:resnet18", "--input", "3x32x32", "--precision", "amp-fp16", "--channels-last"],
+])
+def test_remembered_meta_outputs_are_the_kernels_own(tmp_path, monkeypatch, args):
+    """A trace whose ops' outputs come from the memo (after each op's first run) is the trace
+    of running every meta kernel, event for event."""
+    if args[0].startswith("hf:"):
+        pytest.importorskip("transformers")
+    from gpumem_trace import __main__ as cli, tracer
+
+    def trace(name):
+        out = tmp_path / name
+        assert cli.main([*args, "--batch", "2", "--out", str(out)]) == 0
+        return out.read_text().splitlines()[1:]
+
+    memo = tracer.MetaMemo()
+    monkeypatch.setattr(tracer, "META_MEMO", memo)
+    remembered = trace("remembered")
+    assert any(e is not None for e in memo.outputs.values())
+    monkeypatch.setattr(tracer.MetaMemo, "run", lambda self, func, args, kwargs: (NotImplemented, None))
+    assert remembered == trace("run")
+
+
+def test_batch_sizes_traced_side_by_side_are_each_traced_alone(tmp_path):
+    """The batch sizes after the first, traced in forks of the tracer, are what a tracer given
+    each alone writes."""
+    pytest.importorskip("transformers")
+    args = [LLAMA, "--seq-len", "16", "--precision", "amp-bf16", "--checkpointing"]
+    env = dict(os.environ, PYTHONPATH=str(PKG))
+    outs = [tmp_path / f"b{b}.jsonl" for b in (2, 3, 4)]
+    tracer = [sys.executable, "-m", "gpumem_trace", *args]
+    subprocess.run([*tracer, "--batch", "2", "3", "4", "--out", *map(str, outs)], check=True, env=env, timeout=300)
+    subprocess.run([*tracer, "--batch", "4", "--out", str(tmp_path / "alone.jsonl")], check=True, env=env, timeout=300)
+    events = lambda p: p.read_text().splitlines()[1:]  # noqa: E731
+    assert events(outs[2]) == events(tmp_path / "alone.jsonl")
