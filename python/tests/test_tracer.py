@@ -801,3 +801,31 @@ def test_batch_sizes_traced_side_by_side_are_each_traced_alone(tmp_path):
     subprocess.run([*tracer, "--batch", "4", "--out", str(tmp_path / "alone.jsonl")], check=True, env=env, timeout=300)
     events = lambda p: p.read_text().splitlines()[1:]  # noqa: E731
     assert events(outs[2]) == events(tmp_path / "alone.jsonl")
+
+
+def test_the_pool_forks_a_tracer_per_request_and_answers_each(tmp_path):
+    """The pool answers each request with its fork's exit code, the fork's messages in its log;
+    the end of its input ends it."""
+    import threading
+
+    if sys.platform != "linux":
+        pytest.skip("the pool forks (Linux)")
+    env = dict(os.environ, PYTHONPATH=str(PKG))
+    pool = subprocess.Popen([sys.executable, "-m", "gpumem_trace.pool"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    watchdog = threading.Timer(300, pool.kill)  # a pool that never answers fails the test, not hangs it
+    watchdog.daemon = True
+    watchdog.start()
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    requests = [
+        {"id": 1, "argv": [f"py:{FIX}:tiny", "--batch", "4", "--out", str(good)], "log": str(tmp_path / "good.log")},
+        {"id": 2, "argv": ["torchvision:no_such_net", "--batch", "4", "--out", str(bad)], "log": str(tmp_path / "bad.log")},
+    ]
+    pool.stdin.write("".join(json.dumps(r) + "\n" for r in requests))
+    pool.stdin.flush()
+    answers = [json.loads(pool.stdout.readline()) for _ in requests]
+    pool.stdin.close()
+    assert pool.wait(timeout=60) == 0
+    watchdog.cancel()
+    assert {a["id"]: a["code"] for a in answers} == {1: 0, 2: 2}
+    check_valid([json.loads(l) for l in good.read_text().splitlines()])
+    assert not bad.exists() and "no_such_net" in (tmp_path / "bad.log").read_text()

@@ -19,7 +19,7 @@ use gpumem_core::trace::Trace;
 use gpumem_core::workload::{AttentionMask, Checkpointing, Options, Validate};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 16] = [
+const SOURCES: [(&str, &str); 17] = [
     ("__init__.py", include_str!("../../../python/gpumem_trace/__init__.py")),
     ("__main__.py", include_str!("../../../python/gpumem_trace/__main__.py")),
     ("amp.py", include_str!("../../../python/gpumem_trace/amp.py")),
@@ -30,6 +30,7 @@ const SOURCES: [(&str, &str); 16] = [
     ("lora.py", include_str!("../../../python/gpumem_trace/lora.py")),
     ("models.py", include_str!("../../../python/gpumem_trace/models.py")),
     ("parallel.py", include_str!("../../../python/gpumem_trace/parallel.py")),
+    ("pool.py", include_str!("../../../python/gpumem_trace/pool.py")),
     ("probe.py", include_str!("../../../python/gpumem_trace/probe.py")),
     ("record.py", include_str!("../../../python/gpumem_trace/record.py")),
     ("run.py", include_str!("../../../python/gpumem_trace/run.py")),
@@ -40,6 +41,7 @@ const SOURCES: [(&str, &str); 16] = [
 
 use gpumem_core::workload::Strategy;
 
+mod pool;
 pub mod probe;
 
 /// What to trace: a PyTorch reference at a batch size, the typed options of its loop, and what
@@ -442,15 +444,35 @@ impl TorchTracer {
         Ok(cmd)
     }
 
-    /// `cut`: with `--depths` (see [`TorchTracer::run_and_cache`]).
+    /// `cut`: with `--depths` (see [`TorchTracer::run_and_cache`]). In a fork of this process's
+    /// tracer pool where it runs (see the `pool` module), else as a process of its own.
     fn run(&self, req: &TraceRequest, batches: &[u64], outs: &[&Path], cut: bool) -> Result<(), BridgeError> {
-        let mut cmd = self.module_command("gpumem_trace")?;
-        cmd.args(req.args()).arg("--batch").args(batches.iter().map(u64::to_string)).arg("--out").args(outs).arg("--timeout").arg(self.timeout_s.to_string());
+        let mut argv = req.args();
+        argv.push("--batch".into());
+        argv.extend(batches.iter().map(u64::to_string));
+        argv.push("--out".into());
+        argv.extend(outs.iter().map(|o| o.to_string_lossy().into_owned()));
+        argv.extend(["--timeout".into(), self.timeout_s.to_string()]);
         if cut {
-            cmd.arg("--depths").args(depth::DEPTHS.map(|d| d.to_string()));
+            argv.push("--depths".into());
+            argv.extend(depth::DEPTHS.map(|d| d.to_string()));
         }
-        let res = cmd.output().map_err(|e| BridgeError::Python(format!("cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)", self.python)))?;
-        if res.status.success() {
+        let pool = outs.iter().all(|o| o.to_str().is_some()).then(|| self.pool()).flatten();
+        let log = self.cache_dir.join("traces").join(format!("tracer.{}.log", temp_suffix()));
+        let pooled = pool.and_then(|p| p.run(&argv, &log).ok()).map(|code| {
+            let stderr = fs::read_to_string(&log).unwrap_or_default();
+            let _ = fs::remove_file(&log);
+            (code, stderr)
+        });
+        let (code, stderr) = match pooled {
+            Some(done) => done,
+            None => {
+                let mut cmd = self.module_command("gpumem_trace")?;
+                let res = cmd.args(&argv).output().map_err(|e| BridgeError::Python(format!("cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)", self.python)))?;
+                (res.status.code(), String::from_utf8_lossy(&res.stderr).into_owned())
+            }
+        };
+        if code == Some(0) {
             return Ok(());
         }
         for out in outs {
@@ -459,13 +481,20 @@ impl TorchTracer {
                 let _ = fs::remove_file(depth_path(out, d));
             }
         }
-        let msg = tail(&String::from_utf8_lossy(&res.stderr), 3);
+        let msg = tail(&stderr, 3);
         let msg = msg.strip_prefix("gpumem_trace: ").unwrap_or(&msg).to_string();
-        Err(match res.status.code() {
+        Err(match code {
             Some(2) => BridgeError::BadReference(msg),
             Some(3) | Some(4) => BridgeError::Model(format!("tracer failed: {msg}")),
-            _ => BridgeError::Python(format!("tracer failed ({}): {msg}", res.status)),
+            Some(c) => BridgeError::Python(format!("tracer failed (exit status {c}): {msg}")),
+            None => BridgeError::Python(format!("tracer failed (ended by a signal): {msg}")),
         })
+    }
+
+    /// This interpreter's tracer pool, started at its first trace.
+    fn pool(&self) -> Option<std::sync::Arc<pool::Pool>> {
+        let pkg = self.package_dir().ok()?;
+        pool::Pool::shared(format!("{}\n{}", self.python, pkg.display()), || self.module_command("gpumem_trace.pool").ok())
     }
 
     /// The batch-symbolic trace of `req`'s model and options: from the cache, or fitted from

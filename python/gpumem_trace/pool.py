@@ -1,0 +1,100 @@
+"""``python -m gpumem_trace.pool``: one tracer process that imports torch (and each model library)
+once and forks a copy of itself for every trace, so that the many traces of a plan do not each
+pay seconds of imports.
+
+Requests come on stdin, one JSON object per line: ``{"id": N, "argv": [...], "log": PATH}``. A fork
+runs ``python -m gpumem_trace ARGV`` (its ``main``), its stdout and stderr into ``log``; when it
+ends, this process answers ``{"id": N, "code": EXIT}`` on stdout (a negative code: the signal that
+ended it). At the end of stdin (gpumem is done, or was stopped), forks still running are killed.
+Linux only (``fork``); gpumem runs each trace as its own process elsewhere.
+"""
+
+import json
+import os
+import re
+import select
+import signal
+import sys
+import traceback
+
+
+def preload(argv):
+    """Imports what a request's model needs before forking, so that this fork and every later
+    one start with it; a failure is left to the fork's own import, which reports it."""
+    ref = argv[0] if argv else ""
+    try:
+        import torch  # noqa: F401
+
+        from . import loop  # noqa: F401
+
+        if ref.startswith("hf:"):
+            import transformers
+
+            name = re.match(r"hf:([A-Za-z0-9_]+)", ref)
+            if name:
+                getattr(transformers, name.group(1), None)  # the model's module, lazily imported
+        elif ref.startswith("timm:"):
+            import timm  # noqa: F401
+        elif ref.startswith("torchvision:"):
+            import torchvision  # noqa: F401
+    except Exception:
+        pass
+
+
+def fork_trace(request):
+    """Forks a copy of this process that runs the request and exits with its code."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 3
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)  # the requests are this process's parent's to read
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        from .__main__ import main
+
+        code = main(request["argv"])
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve():
+    running = {}  # pid -> request id
+    pending = b""
+
+    def answer(pid, status):
+        print(json.dumps({"id": running.pop(pid), "code": os.waitstatus_to_exitcode(status)}), flush=True)
+
+    try:
+        while True:
+            # Forks end while requests wait: look for both (a fork's end within 20 ms).
+            ready, _, _ = select.select([0], [], [], 0.02 if running else None)
+            if ready:
+                chunk = os.read(0, 1 << 16)
+                if not chunk:
+                    return
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    request = json.loads(line)
+                    preload(request["argv"])
+                    running[fork_trace(request)] = request["id"]
+            while running:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                answer(pid, status)
+    finally:
+        for pid in list(running):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+if __name__ == "__main__":
+    serve()
