@@ -159,12 +159,30 @@ def main(argv=None):
             signal.setitimer(signal.ITIMER_REAL, 0)
 
 
+def forks_run_backward():
+    """Whether a fork of this process can run autograd's backward. PyTorch refuses it in a fork
+    made after its engine started worker threads, which some releases do for some wrappers
+    (torch 2.15's FSDP2 under a MixedPrecisionPolicy): a fork tries, on a meta tensor."""
+    import torch
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            x = torch.ones(1, device="meta", requires_grad=True)
+            (x * 2).sum().backward()
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
 def side_by_side(jobs, run):
     """``run(*job)`` for each job, in forked copies of this process, as many at once as it may
     use cores; the first failure's exit code (each failure prints its own message), or 0. A
     timeout (raised in this process; forks have no timer) kills the forks still running."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    if cores < 2 or len(jobs) < 1 or sys.platform != "linux":
+    if cores < 2 or len(jobs) < 2 or sys.platform != "linux" or not forks_run_backward():
         return next((code for code in (run(*job) for job in jobs) if code), 0)
     running, codes = {}, {}
     try:

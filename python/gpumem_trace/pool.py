@@ -81,7 +81,7 @@ def serve():
                     return
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
-                for line in lines:
+                for line in filter(bytes.strip, lines):
                     request = json.loads(line)
                     preload(request["argv"])
                     running[fork_trace(request)] = request["id"]

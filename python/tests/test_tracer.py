@@ -789,11 +789,17 @@ def test_remembered_meta_outputs_are_the_kernels_own(tmp_path, monkeypatch, args
     assert remembered == trace("run")
 
 
-def test_batch_sizes_traced_side_by_side_are_each_traced_alone(tmp_path):
+@pytest.mark.parametrize("options", [
+    ["--precision", "amp-bf16", "--checkpointing"],
+    # torch 2.15's FSDP2 starts autograd's worker threads, after which a fork cannot run backward:
+    # the batch sizes are then traced in turn.
+    ["--strategy", "fsdp", "--world-size", "2", "--fsdp-param-dtype", "bf16"],
+])
+def test_batch_sizes_traced_side_by_side_are_each_traced_alone(tmp_path, options):
     """The batch sizes after the first, traced in forks of the tracer, are what a tracer given
     each alone writes."""
     pytest.importorskip("transformers")
-    args = [LLAMA, "--seq-len", "16", "--precision", "amp-bf16", "--checkpointing"]
+    args = [LLAMA, "--seq-len", "16", *options]
     env = dict(os.environ, PYTHONPATH=str(PKG))
     outs = [tmp_path / f"b{b}.jsonl" for b in (2, 3, 4)]
     tracer = [sys.executable, "-m", "gpumem_trace", *args]
@@ -826,6 +832,7 @@ def test_the_pool_forks_a_tracer_per_request_and_answers_each(tmp_path):
     pool.stdin.close()
     assert pool.wait(timeout=60) == 0
     watchdog.cancel()
+    pool.stdout.close()
     assert {a["id"]: a["code"] for a in answers} == {1: 0, 2: 2}
     check_valid([json.loads(l) for l in good.read_text().splitlines()])
     assert not bad.exists() and "no_such_net" in (tmp_path / "bad.log").read_text()
