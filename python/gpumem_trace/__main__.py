@@ -3,7 +3,7 @@
 Several batch sizes are traced in one process (the model built anew for each, the imports paid
 once), each into its own file: what gpumem needs to fit a batch-symbolic trace. After the first,
 the others are traced side by side in forked copies of the process, as many at once as it has
-cores (Linux; elsewhere one after another).
+cores (on Linux, where a fork can run backward; else one after another).
 
 Exit codes: 0 trace written; 2 bad model reference or option; 3 the model failed (import error
 inside it, exception in forward/backward); 4 timed out.
@@ -179,7 +179,7 @@ def forks_run_backward():
 
 def side_by_side(jobs, run):
     """``run(*job)`` for each job, in forked copies of this process, as many at once as it may
-    use cores; the first failure's exit code (each failure prints its own message), or 0. A
+    use cores (in turn where forks cannot run backward); the first failure's exit code (each failure prints its own message), or 0. A
     timeout (raised in this process; forks have no timer) kills the forks still running."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     if cores < 2 or len(jobs) < 2 or sys.platform != "linux" or not forks_run_backward():
