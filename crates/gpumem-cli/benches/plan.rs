@@ -1,9 +1,10 @@
 //! `gpumem plan` end to end for a Llama-7B shape on 8 × H100 and on 4 × A100-40GB (FSDP2 and
 //! ZeRO-3, bf16, checkpointing on, global batch 64): a new process per plan, as a user runs it.
 //! The first plan of each traces the model (one batch-symbolic trace per strategy, side by
-//! side) into a fresh cache, timed once and printed as the cold time; the benchmark then times
-//! the plan with those traces cached (the target: ≤ 10 s). `GPUMEM_PYTHON` with torch and
-//! transformers; without them the benchmark says so and measures nothing.
+//! side, in forks of one tracer pool) into a fresh cache, timed once and printed as the cold
+//! time; the benchmark then times the plan with those traces cached. The target, ≤ 10 s, is
+//! for both. `GPUMEM_PYTHON` with torch and transformers; without them the benchmark says so
+//! and measures nothing.
 
 use std::path::PathBuf;
 use std::process::Command;
