@@ -33,6 +33,7 @@ own scratch beyond one bucket, quantized or hierarchical collectives (ZeRO++), N
 buffers, and NCCL's buffers (outside PyTorch's allocator).
 """
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -193,13 +194,14 @@ class Engine:
     def _prefetch(self):
         live = sum(p.numel() for p, _ in self.gathered.values())
         budget = min(self.cfg.max_live_parameters - live, self.cfg.prefetch_bucket_size)
-        fetched, todo = 0, []  # DeepSpeed skips what is already gathered
-        for m in self.trace[self.step_id + 1:]:
+        fetched, todo, chosen = 0, [], set()  # DeepSpeed skips what is already gathered
+        for m in itertools.islice(self.trace, self.step_id + 1, None):
             if fetched >= budget:
                 break
             for p in self._own(m):
-                if id(p) not in self.gathered and all(p is not q for q in todo):
+                if id(p) not in self.gathered and id(p) not in chosen:
                     todo.append(p)
+                    chosen.add(id(p))
                     fetched += p.numel()
         self._gather(todo)
 
@@ -209,7 +211,7 @@ class Engine:
             # DeepSpeed's __params_to_release: a parameter the trace uses again within
             # max_reuse_distance elements stays gathered.
             traversed = 0
-            for later in self.trace[self.step_id:]:
+            for later in itertools.islice(self.trace, self.step_id, None):
                 if traversed >= self.cfg.max_reuse_distance:
                     break
                 for p in self._own(later):
