@@ -159,6 +159,19 @@ def main(argv=None):
             signal.setitimer(signal.ITIMER_REAL, 0)
 
 
+def die_with_parent(parent):
+    """Makes this fork end with ``parent``, the process that forked it (Linux's
+    PR_SET_PDEATHSIG), so that a stopped gpumem leaves no trace running."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it ended before the call
+        os._exit(3)
+
+
 def forks_run_backward():
     """Whether a fork of this process can run autograd's backward. PyTorch refuses it in a fork
     made after its engine started worker threads, which some releases do for some wrappers
@@ -192,10 +205,11 @@ def side_by_side(jobs, run):
                 codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
             sys.stdout.flush()
             sys.stderr.flush()
-            pid = os.fork()
+            parent, pid = os.getpid(), os.fork()
             if pid == 0:
                 code = 3
                 try:
+                    die_with_parent(parent)
                     code = run(*job)
                 finally:
                     sys.stdout.flush()

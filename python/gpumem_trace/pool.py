@@ -43,18 +43,19 @@ def preload(argv):
 
 def fork_trace(request):
     """Forks a copy of this process that runs the request and exits with its code."""
-    pid = os.fork()
+    parent, pid = os.getpid(), os.fork()
     if pid:
         return pid
     code = 3
     try:
+        from .__main__ import die_with_parent, main
+
+        die_with_parent(parent)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)  # the requests are this process's parent's to read
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        from .__main__ import main
-
         code = main(request["argv"])
     except BaseException:
         traceback.print_exc()
