@@ -184,17 +184,10 @@ class Recorder:
         self.closed = True
         header = dict(header, format="gpumem-trace", version=1, iterations=self.iterations)
         line = json.JSONEncoder(separators=(",", ":")).encode  # one encoder for every event
-        text = json.encoder.encode_basestring_ascii  # as the encoder writes strings
         with open(path, "w") as f:
             f.write(json.dumps(header) + "\n")
             for e in self.events:
-                # Kernels and frees, most of the events, written directly: the same text.
-                if e["ev"] == "op":
-                    f.write(f'{{"ev":"op","op":{text(e["op"])},"flops":{e["flops"]},"bytes_read":{e["bytes_read"]},"bytes_written":{e["bytes_written"]}}}\n')
-                elif e["ev"] == "free":
-                    f.write(f'{{"ev":"free","id":{e["id"]}}}\n')
-                else:
-                    f.write(line(e) + "\n")
+                f.write(line(e) + "\n")
 
 
 # A convolution's passes, as the workspace table names them.
@@ -246,14 +239,7 @@ def _tensors(x):
 
 
 def _nbytes(x):
-    if isinstance(x, torch.Tensor):
-        x = _local(x)
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(y) for y in x)
-    if isinstance(x, dict):
-        return sum(_nbytes(y) for y in x.values())
-    return 0
+    return sum(t.numel() * t.element_size() for t in _tensors(x))
 
 
 # The autograd node being run (torch >= 2.1; on older ones backward allocations name no module).
