@@ -10,6 +10,7 @@ inside it, exception in forward/backward); 4 timed out.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -159,17 +160,31 @@ def main(argv=None):
             signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-def die_with_parent(parent):
-    """Makes this fork end with ``parent``, the process that forked it (Linux's
+def fork(work):
+    """Forks a copy of this process that runs ``work()`` and exits with the code it returns (3
+    where it raises); returns the fork's pid. The fork ends with this process (Linux's
     PR_SET_PDEATHSIG), so that a stopped gpumem leaves no trace running."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    parent, pid = os.getpid(), os.fork()
+    if pid:
+        return pid
+    code = 3
     try:
-        import ctypes
+        try:
+            import ctypes
 
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # it ended before the call
-        os._exit(3)
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() == parent:  # else it ended before the call
+            code = work()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def forks_run_backward():
@@ -178,22 +193,21 @@ def forks_run_backward():
     (torch 2.15's FSDP2 under a MixedPrecisionPolicy): a fork tries, on a meta tensor."""
     import torch
 
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            x = torch.ones(1, device="meta", requires_grad=True)
-            (x * 2).sum().backward()
-            code = 0
-        finally:
-            os._exit(code)
+    def backward():
+        x = torch.ones(1, device="meta", requires_grad=True)
+        (x * 2).sum().backward()
+        return 0
+
+    with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):  # a refusal is expected
+        pid = fork(backward)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
 def side_by_side(jobs, run):
     """``run(*job)`` for each job, in forked copies of this process, as many at once as it may
-    use cores (in turn where forks cannot run backward); the first failure's exit code (each failure prints its own message), or 0. A
-    timeout (raised in this process; forks have no timer) kills the forks still running."""
+    use cores (in turn where forks cannot run backward); the first failure's exit code (each
+    failure prints its own message), or 0. A timeout (raised in this process; forks have no
+    timer) kills the forks still running."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     if cores < 2 or len(jobs) < 2 or sys.platform != "linux" or not forks_run_backward():
         return next((code for code in (run(*job) for job in jobs) if code), 0)
@@ -203,19 +217,7 @@ def side_by_side(jobs, run):
             if len(running) == cores:
                 pid, status = os.wait()
                 codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            parent, pid = os.getpid(), os.fork()
-            if pid == 0:
-                code = 3
-                try:
-                    die_with_parent(parent)
-                    code = run(*job)
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
-            running[pid] = i
+            running[fork(lambda job=job: run(*job))] = i
         while running:
             pid, status = os.wait()
             codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)

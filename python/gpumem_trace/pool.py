@@ -14,8 +14,6 @@ import os
 import re
 import select
 import signal
-import sys
-import traceback
 
 
 def preload(argv):
@@ -43,26 +41,16 @@ def preload(argv):
 
 def fork_trace(request):
     """Forks a copy of this process that runs the request and exits with its code."""
-    parent, pid = os.getpid(), os.fork()
-    if pid:
-        return pid
-    code = 3
-    try:
-        from .__main__ import die_with_parent, main
+    from .__main__ import fork, main
 
-        die_with_parent(parent)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)  # the requests are this process's parent's to read
+    def run():
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the requests are this process's parent's to read
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        code = main(request["argv"])
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        return main(request["argv"])
+
+    return fork(run)
 
 
 def serve():
