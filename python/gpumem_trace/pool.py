@@ -11,32 +11,10 @@ Linux only (``fork``); gpumem runs each trace as its own process elsewhere.
 
 import json
 import os
-import re
 import select
 import signal
 
-
-def preload(argv):
-    """Imports what a request's model needs before forking, so that this fork and every later
-    one start with it; a failure is left to the fork's own import, which reports it."""
-    ref = argv[0] if argv else ""
-    try:
-        import torch  # noqa: F401
-
-        from . import loop  # noqa: F401
-
-        if ref.startswith("hf:"):
-            import transformers
-
-            name = re.match(r"hf:([A-Za-z0-9_]+)", ref)
-            if name:
-                getattr(transformers, name.group(1), None)  # the model's module, lazily imported
-        elif ref.startswith("timm:"):
-            import timm  # noqa: F401
-        elif ref.startswith("torchvision:"):
-            import torchvision  # noqa: F401
-    except Exception:
-        pass
+from .__main__ import preload
 
 
 def fork_trace(request):
@@ -72,7 +50,7 @@ def serve():
                 *lines, pending = pending.split(b"\n")
                 for line in filter(bytes.strip, lines):
                     request = json.loads(line)
-                    preload(request["argv"])
+                    preload(request["argv"][0] if request["argv"] else "")
                     running[fork_trace(request)] = request["id"]
             while running:
                 pid, status = os.waitpid(-1, os.WNOHANG)

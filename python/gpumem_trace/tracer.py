@@ -183,11 +183,22 @@ class Recorder:
     def write(self, path, header):
         self.closed = True
         header = dict(header, format="gpumem-trace", version=1, iterations=self.iterations)
-        line = json.JSONEncoder(separators=(",", ":")).encode  # one encoder for every event
+        line = _event_encoder()
         with open(path, "w") as f:
             f.write(json.dumps(header) + "\n")
-            for e in self.events:
-                f.write(line(e) + "\n")
+            f.writelines(line(e) + "\n" for e in self.events)
+
+
+def _event_encoder():
+    """A function from an event to its JSON line. ``json``'s C encoder, made once: encoding a
+    trace's events one ``JSONEncoder.encode`` at a time (which makes that encoder anew for each)
+    was a tenth of a trace's time. The same text; the public path where the C encoder is absent."""
+    encoder = json.JSONEncoder(separators=(",", ":"))
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return encoder.encode
+    encode = make(None, encoder.default, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True)
+    return lambda e: "".join(encode(e, 0))
 
 
 # A convolution's passes, as the workspace table names them.

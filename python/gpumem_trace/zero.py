@@ -156,6 +156,8 @@ class Engine:
         if not self.cfg.offload_optimizer:
             self.partition_grads = _empty(self.partition, self.dtype, self.rec, "gradient", "zero3_grad_partitions")
         self.gathered = {}  # id(param) -> its gathered block
+        self.live = 0  # elements gathered
+        self.reused = {}  # step -> ids of the parameters the trace uses within max_reuse_distance
         self.modules = [m for m in self.model.modules() if any(True for _ in m.parameters(recurse=False))]
         # Each module's own parameters, asked for at every fetch and release (and, by the
         # release, for each module ahead in the trace).
@@ -189,11 +191,11 @@ class Engine:
         flat = _empty(sum(self._shard(p) for p in params) * self.world, self.dtype, self.rec, "temporary", "zero3_all_gather")
         for p in params:
             self.gathered[id(p)] = (p, _empty(p.numel(), self.dtype, self.rec, "parameter", "zero3_gathered"))
+            self.live += p.numel()
         del flat
 
     def _prefetch(self):
-        live = sum(p.numel() for p, _ in self.gathered.values())
-        budget = min(self.cfg.max_live_parameters - live, self.cfg.prefetch_bucket_size)
+        budget = min(self.cfg.max_live_parameters - self.live, self.cfg.prefetch_bucket_size)
         fetched, todo, chosen = 0, [], set()  # DeepSpeed skips what is already gathered
         for m in itertools.islice(self.trace, self.step_id + 1, None):
             if fetched >= budget:
@@ -205,21 +207,28 @@ class Engine:
                     fetched += p.numel()
         self._gather(todo)
 
-    def _release(self, m):
-        keep = set()
-        if self.trace is not None:
-            # DeepSpeed's __params_to_release: a parameter the trace uses again within
-            # max_reuse_distance elements stays gathered.
-            traversed = 0
+    def _reused(self):
+        """DeepSpeed's __params_to_release: a parameter the trace uses again within
+        max_reuse_distance elements of this step stays gathered (the same every step: kept)."""
+        if self.trace is None:
+            return ()
+        keep = self.reused.get(self.step_id)
+        if keep is None:
+            keep, traversed = set(), 0
             for later in itertools.islice(self.trace, self.step_id, None):
                 if traversed >= self.cfg.max_reuse_distance:
                     break
                 for p in self._own(later):
                     keep.add(id(p))
                     traversed += p.numel()
+            self.reused[self.step_id] = keep
+        return keep
+
+    def _release(self, m):
+        keep = self._reused()
         for p in self._own(m):
-            if p.numel() > self.cfg.param_persistence_threshold and id(p) not in keep:
-                self.gathered.pop(id(p), None)
+            if p.numel() > self.cfg.param_persistence_threshold and id(p) not in keep and self.gathered.pop(id(p), None):
+                self.live -= p.numel()
 
     def _pre_forward(self, m, args):
         self._fetch(m)
@@ -274,6 +283,7 @@ class Engine:
         self._reduce()
         if self.cfg.stage == 3:
             self.gathered = {k: v for k, v in self.gathered.items() if v[0].numel() <= self.cfg.param_persistence_threshold}
+            self.live = sum(p.numel() for p, _ in self.gathered.values())
             if self.trace is None:
                 self.trace = self.order
             self.step_id = 0

@@ -792,12 +792,12 @@ def test_remembered_meta_outputs_are_the_kernels_own(tmp_path, monkeypatch, args
 @pytest.mark.parametrize("options", [
     ["--precision", "amp-bf16", "--checkpointing"],
     # torch 2.15's FSDP2 starts autograd's worker threads, after which a fork cannot run backward:
-    # the batch sizes are then traced in turn.
+    # the forks are made before any.
     ["--strategy", "fsdp", "--world-size", "2", "--fsdp-param-dtype", "bf16"],
 ])
 def test_batch_sizes_traced_side_by_side_are_each_traced_alone(tmp_path, options):
-    """The batch sizes after the first, traced in forks of the tracer, are what a tracer given
-    each alone writes."""
+    """The batch sizes, traced in forks of the tracer side by side, are what a tracer given each
+    alone writes."""
     pytest.importorskip("transformers")
     args = [LLAMA, "--seq-len", "16", *options]
     env = dict(os.environ, PYTHONPATH=str(PKG))
