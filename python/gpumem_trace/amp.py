@@ -147,19 +147,45 @@ class Autocast(TorchFunctionMode):
     def under_checkpoint(self):
         """torch.utils.checkpoint recomputes a segment in backward under the autocast state of
         its forward (it re-enters ``torch.autocast``; leaving it clears the cast cache). This
-        mode is not torch.autocast, so give non-reentrant checkpoint a default ``context_fn``
-        whose recompute context does the same with this mode."""
-        inner = inspect.unwrap(torch.utils.checkpoint.checkpoint)
-        saved = inner.__kwdefaults__["context_fn"]
+        mode is not torch.autocast, so it joins both kinds of checkpoint: non-reentrant ones get
+        a default ``context_fn`` whose recompute context does the same with this mode (standing,
+        for the while, as torch's no-op context function too, which reentrant calls insist on);
+        a reentrant one (Hugging Face's default before transformers 5) recomputes by calling the
+        segment's function a second time, which then runs under this mode where the first did."""
+        ckpt = torch.utils.checkpoint
+        inner = inspect.unwrap(ckpt.checkpoint)
+        saved = inner.__kwdefaults__["context_fn"], ckpt.noop_context_fn, ckpt.CheckpointFunction.forward
 
         def context_fn():
             return contextlib.nullcontext(), self.recompute_context()
 
-        inner.__kwdefaults__["context_fn"] = context_fn
+        def forward(ctx, run_function, *args):
+            return saved[2](ctx, self._recomputed_as_forward_ran(run_function), *args)
+
+        inner.__kwdefaults__["context_fn"] = ckpt.noop_context_fn = context_fn
+        ckpt.CheckpointFunction.forward = staticmethod(forward)
         try:
             yield
         finally:
-            inner.__kwdefaults__["context_fn"] = saved
+            inner.__kwdefaults__["context_fn"], ckpt.noop_context_fn = saved[:2]
+            ckpt.CheckpointFunction.forward = staticmethod(saved[2])
+
+    def _recomputed_as_forward_ran(self, function):
+        """``function`` (a reentrant checkpoint's segment, called now by its forward) whose later
+        calls, the recomputation in backward, run under this mode where this one does."""
+        if not self.depth:
+            return function
+        calls = 0
+
+        def run(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return function(*args, **kwargs)
+            with self._recompute():
+                return function(*args, **kwargs)
+
+        return run
 
     def recompute_context(self):
         """What a checkpointed segment's recomputation runs under: this mode where the forward

@@ -95,6 +95,16 @@ def test_amp_fp16_casts_weights_and_scales_the_loss(tmp_path):
     assert any(e["op"] == "_amp_foreach_non_finite_check_and_unscale_" for e in evs if e["ev"] == "op")
 
 
+def test_reentrant_checkpoints_recompute_under_the_emulated_autocast(tmp_path):
+    """A reentrant checkpoint (Hugging Face's default before transformers 5) recomputes its
+    segment in backward under the forward's autocast, as on a GPU: the recomputed linears'
+    outputs are bf16, as in forward, never fp32."""
+    _, evs = traced([f"py:{FIX}:reentrant_checkpoints", "--batch", "8", "--precision", "amp-bf16"], tmp_path)
+    linear = lambda phase: {e["bytes"] for e in allocs(evs, phase=phase) if e["op"] == "addmm"}  # noqa: E731
+    assert 8 * 64 * 2 in linear("forward") and 8 * 64 * 2 in linear("backward")
+    assert 8 * 64 * 4 not in linear("backward")
+
+
 def test_attention_uses_the_kernel_the_gpu_runs(tmp_path):
     def kernels(*extra):
         _, evs = traced([f"py:{FIX}:attention", "--batch", "2", *extra], tmp_path)
