@@ -154,21 +154,21 @@ class Autocast(TorchFunctionMode):
         segment's function a second time, which then runs under this mode where the first did."""
         ckpt = torch.utils.checkpoint
         inner = inspect.unwrap(ckpt.checkpoint)
-        saved = inner.__kwdefaults__["context_fn"], ckpt.noop_context_fn, ckpt.CheckpointFunction.forward
+        default, noop, reentrant_forward = inner.__kwdefaults__["context_fn"], ckpt.noop_context_fn, ckpt.CheckpointFunction.forward
 
         def context_fn():
             return contextlib.nullcontext(), self.recompute_context()
 
         def forward(ctx, run_function, *args):
-            return saved[2](ctx, self._recomputed_as_forward_ran(run_function), *args)
+            return reentrant_forward(ctx, self._recomputed_as_forward_ran(run_function), *args)
 
         inner.__kwdefaults__["context_fn"] = ckpt.noop_context_fn = context_fn
         ckpt.CheckpointFunction.forward = staticmethod(forward)
         try:
             yield
         finally:
-            inner.__kwdefaults__["context_fn"], ckpt.noop_context_fn = saved[:2]
-            ckpt.CheckpointFunction.forward = staticmethod(saved[2])
+            inner.__kwdefaults__["context_fn"], ckpt.noop_context_fn = default, noop
+            ckpt.CheckpointFunction.forward = staticmethod(reentrant_forward)
 
     def _recomputed_as_forward_ran(self, function):
         """``function`` (a reentrant checkpoint's segment, called now by its forward) whose later

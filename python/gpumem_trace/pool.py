@@ -14,12 +14,11 @@ import os
 import select
 import signal
 
-from .__main__ import preload
+from .__main__ import fork, main, preload
 
 
 def fork_trace(request):
     """Forks a copy of this process that runs the request and exits with its code."""
-    from .__main__ import fork, main
 
     def run():
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the requests are this process's parent's to read

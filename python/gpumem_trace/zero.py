@@ -227,7 +227,8 @@ class Engine:
     def _release(self, m):
         keep = self._reused()
         for p in self._own(m):
-            if p.numel() > self.cfg.param_persistence_threshold and id(p) not in keep and self.gathered.pop(id(p), None):
+            if p.numel() > self.cfg.param_persistence_threshold and id(p) not in keep and id(p) in self.gathered:
+                del self.gathered[id(p)]
                 self.live -= p.numel()
 
     def _pre_forward(self, m, args):
