@@ -62,6 +62,7 @@ def main(argv=None):
     p.add_argument("--lora-quant", choices=["nf4", "fp4"], help="QLoRA: the model loaded in 4 bits (bitsandbytes' Linear4bit) before LoRA")
     p.add_argument("--lora-single-quant", action="store_true", help="QLoRA without double quantization of the block statistics")
     p.add_argument("--depths", type=int, nargs="+", help="trace the model cut to each of these depths of its repeated blocks, into OUT.depthK, where it has enough of them to save time (gpumem rebuilds the whole depth from those traces); else whole, into OUT")
+    p.add_argument("--slopes", action="store_true", help="with --depths and several batch sizes: trace the first as --depths says, every other only cut to the first depth, and a job whose buffers span blocks (DDP, ZeRO) whole at the first and cut to the first depth at each: gpumem carries what the batch does to each event of the cut traces over to the whole trace")
     p.add_argument("--every-iteration", action="store_true", help="run every iteration; by default, once an iteration ends the loop in its steady state (what it freed the one before made, and what outlives it matches that), the rest copy it")
     p.add_argument("--timeout", type=float, default=0, help="seconds; 0 = none")
     a = p.parse_args(argv)
@@ -93,7 +94,7 @@ def main(argv=None):
     if version < OLDEST_TORCH:
         return fail(3, f"torch {torch.__version__} is older than {'.'.join(map(str, OLDEST_TORCH))}, the oldest release the tracer supports")
     from .lora import from_flags
-    from .loop import TraceOptions, trace_training
+    from .loop import SPANS_BLOCKS, TraceOptions, trace_training
     from .models import ReferenceError_
 
     class TimedOut(BaseException):
@@ -129,17 +130,24 @@ def main(argv=None):
                         reshard_after_forward=not a.no_reshard_after_forward, zero=zero,
                         fsdp_param_dtype=a.fsdp_param_dtype, replicas=a.replicas, cpu_offload=a.cpu_offload,
                         every_iteration=a.every_iteration)
-    def traced(batch, out):
+    spans = a.strategy in SPANS_BLOCKS
+
+    def traced(batch, out, first):
         """Traces one batch size; its exit code (a failure is printed)."""
         try:
-            opts.batch = batch
-            if not a.depths:
+            opts.batch, opts.cut_spanning = batch, a.slopes
+            depths = a.depths[:1] if a.slopes and a.depths and (spans or not first) else a.depths or []
+            if not depths:
                 trace_training(opts, out)
-            for depth in a.depths or []:
+            for depth in depths:
                 opts.depth = depth
                 if "depth" not in trace_training(opts, f"{out}.depth{depth}"):
                     os.replace(f"{out}.depth{depth}", out)  # not cut (see loop.cut_blocks): the whole model's
                     break
+            else:
+                if depths and a.slopes and spans and first:  # cut for the batch only: the whole too
+                    opts.depth = None
+                    trace_training(opts, out)
         except ReferenceError_ as e:
             return fail(2, str(e))
         except Exception as e:  # the model's own failure
@@ -150,7 +158,7 @@ def main(argv=None):
 
     try:
         preload(a.model)
-        return side_by_side(list(zip(a.batch, a.out)), traced)
+        return side_by_side([(b, out, i == 0) for i, (b, out) in enumerate(zip(a.batch, a.out))], traced)
     except TimedOut:
         return fail(4, f"tracing {a.model} timed out after {a.timeout:g} s")
     finally:

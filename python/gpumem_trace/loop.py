@@ -58,6 +58,9 @@ class TraceOptions:
     cpu_offload: bool = False  # FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the host
     zero: object = None  # a zero.ZeroConfig for the zero strategies
     depth: int = None  # trace the model cut to this many of its repeated blocks (see cut_blocks)
+    # With depth: cut even a job whose buffers span blocks (SPANS_BLOCKS), whose cut traces
+    # cannot rebuild its whole depth but do show what the batch does to each block's events.
+    cut_spanning: bool = False
     every_iteration: bool = False  # run every iteration, even those the steady state repeats
     lr: float = 1e-3
     extra: dict = field(default_factory=dict)
@@ -192,6 +195,11 @@ def repeated_blocks(model, name, purpose):
     return [m for m in model.modules() if type(m) is block]
 
 
+# DDP's buckets, ZeRO's flat partitions and gathers span blocks: they change with the depth,
+# which gpumem's rebuild refuses (a buffer over blocks may reach a bucket cap beyond the traced
+# depths), so such a job's whole depth is traced, and cut only for the batch's effect.
+SPANS_BLOCKS = ("ddp", "zero1", "zero2", "zero3")
+
 # Below this many blocks, cut traces cost about what they save: each of the three runs the
 # embedding, the head and the loop again (GPT-2's 12 layers: 14.8 s cut against 12.3 s whole).
 MIN_CUT_BLOCKS = 16
@@ -307,10 +315,8 @@ def trace_training(opts: TraceOptions, out_path: str):
         # As one fine-tunes with PEFT: get_peft_model on the loaded model, then the loop.
         lora.apply(model, opts.lora, opts.model)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the whole model's
-    # DDP's buckets, ZeRO's flat partitions and DataParallel's coalesced broadcasts span blocks:
-    # they change with the depth, which gpumem's rebuild refuses (a buffer over blocks may reach
-    # a bucket cap beyond the traced depths), so such a job is traced whole at once.
-    cut = opts.depth and opts.strategy not in ("ddp", "zero1", "zero2", "zero3") and opts.data_parallel == 1
+    # DataParallel's coalesced broadcasts span blocks too, and its replicas split the batch.
+    cut = opts.depth and opts.data_parallel == 1 and (opts.cut_spanning or opts.strategy not in SPANS_BLOCKS)
     blocks = cut_blocks(model, opts.model, opts.depth) if cut else None
     if opts.precision not in PRECISIONS:
         raise ReferenceError_(f"unknown precision `{opts.precision}` (expected {', '.join(PRECISIONS)})")
@@ -470,6 +476,8 @@ def trace_training(opts: TraceOptions, out_path: str):
         header["blocks"], header["depth"] = blocks, opts.depth
     if opts.zero is not None:
         header["largest_layer_parameters"] = zero.largest_layer_parameters(model)
+    if rec.sized_by_parameters:
+        header["sized_by_parameters"] = sorted(rec.sized_by_parameters)
     if opts.validate != "none":
         header["validate"] = opts.validate
     rec.write(out_path, header)

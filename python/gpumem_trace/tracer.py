@@ -54,6 +54,9 @@ class Recorder:
         self.workspaces = set()
         self.kernels = True  # off during validation: utilization is the training step's
         self.host = False  # what runs now runs on the host (CPU offload): its memory is not the GPU's
+        # Ops whose allocations an engine of the tracer's own (ZeRO) sizes from the parameters
+        # and its config alone, never from the batch (the header's `sized_by_parameters`).
+        self.sized_by_parameters = set()
 
     def alloc(self, key, nbytes, op, category=None, module=""):
         i = self.next_id

@@ -81,7 +81,7 @@ enum Shape {
 }
 
 /// `layers.3.mlp` → `layers.#.mlp`: the same module of another block.
-fn generic_module(t: &Trace, module: u32) -> String {
+pub(crate) fn generic_module(t: &Trace, module: u32) -> String {
     if module == NO_MODULE {
         return String::new();
     }

@@ -5,11 +5,33 @@
 //! [`SymbolicTrace::fit`] aligns traces taken at three batch sizes event by event, solves each
 //! size exactly from the first two and checks it against the third; [`SymbolicTrace::at`]
 //! evaluates the trace at any batch size, so a max-batch search needs no re-tracing.
+//!
+//! A whole trace costs time per block of the model (a 7B model's 32 layers), so three of them
+//! cost three times one. [`SymbolicTrace::transfer`] takes the whole trace at one batch size and
+//! traces of the model cut to a few blocks at three (cheap): each event of the whole trace
+//! takes the functions of the batch of the cut traces' events alike at its batch size — the
+//! same kernel, kind, phase and size in the same module of a block, whichever block. Nothing is
+//! carried over that the traces do not show, but that the whole trace's event sequence is the
+//! same at every batch size where the cut traces' is:
+//! - events alike at the whole trace's batch size must have the same functions in the cut
+//!   traces (two tensors of a block may coincide there and part at another batch size), or
+//!   be told apart by the event before them;
+//! - what happens before the first batch is made (the setup, up to the first allocation in
+//!   forward) is held constant;
+//! - an allocation or workspace of the whole trace the cut traces lack (a buffer over blocks)
+//!   must be one the batch cannot size: made in setup, zero_grad or the optimizer's step
+//!   (none sees the batch), or by an op the header names `sized_by_parameters` (ZeRO's
+//!   engine's partitions, gathers and buckets); it is held constant;
+//! - a kernel the cut traces lack is held constant: the kernels over blocks are the
+//!   optimizer's and the engines' over the parameters, and one over batch-sized tensors of
+//!   every block would make such a tensor, which the rule above refuses.
 
+use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, Write};
 
 use serde::{Deserialize, Serialize};
 
+use crate::depth::generic_module;
 use crate::trace::{Category, ConvPass, Event, Phase, Trace, TraceBuilder, TraceError, TraceHeader};
 
 /// Why traces could not be fitted, a symbolic trace evaluated, or a stored one read back.
@@ -47,6 +69,12 @@ pub enum SymbolicError {
     Trace(#[from] TraceError),
     #[error("ids do not match their slots")]
     IdsMismatch,
+    #[error("event {event} of the whole trace is alike at its batch size to events of the cut traces that differ with the batch")]
+    Ambiguous { event: usize },
+    #[error("event {event} of the whole trace is in forward or backward and in none of the cut traces: the batch may size it")]
+    NotInCut { event: usize },
+    #[error("the cut traces are of {cut}, the whole trace of {whole}")]
+    OtherModel { cut: String, whole: String },
 }
 
 /// `(c0 + c1 · batch) / d`, exact in integers, rounded up where `d` does not divide it. Sizes
@@ -84,6 +112,10 @@ impl Affine {
         points.iter().all(|&(b, y)| f.eval(b) == Some(y)).then_some(f)
     }
 
+    fn constant(v: u64) -> Affine {
+        Affine { c0: i128::from(v), c1: 0, d: 1 }
+    }
+
     pub fn eval(&self, b: u64) -> Option<u64> {
         let v = self.c0.checked_add(self.c1.checked_mul(b as i128)?)?;
         if v < 0 || self.d < 1 {
@@ -100,6 +132,69 @@ enum SymEvent {
     Op { op: u32, flops: Affine, bytes_read: Affine, bytes_written: Affine },
     Iteration { index: u32 },
     Workspace { conv: u32, n: Affine, pass: ConvPass, phase: Phase, module: u32 },
+}
+
+impl SymEvent {
+    /// Its numbers' functions: an allocation's size, a kernel's flops and bytes read and
+    /// written, a workspace's batch; `None` for frees and iteration ends.
+    fn functions(&self) -> Option<[Affine; 3]> {
+        let zero = Affine::constant(0);
+        match *self {
+            SymEvent::Alloc { bytes, .. } => Some([bytes, zero, zero]),
+            SymEvent::Op { flops, bytes_read, bytes_written, .. } => Some([flops, bytes_read, bytes_written]),
+            SymEvent::Workspace { n, .. } => Some([n, zero, zero]),
+            SymEvent::Free { .. } | SymEvent::Iteration { .. } => None,
+        }
+    }
+
+    /// `e` (of the trace whose names `op`, `module` and `conv` index) with these functions.
+    fn with(e: &Event, f: [Affine; 3]) -> SymEvent {
+        match *e {
+            Event::Alloc { slot, category, phase, op, module, stream, .. } => SymEvent::Alloc { slot, bytes: f[0], category, phase, op, module, stream },
+            Event::Op { op, .. } => SymEvent::Op { op, flops: f[0], bytes_read: f[1], bytes_written: f[2] },
+            Event::Workspace { conv, pass, phase, module, .. } => SymEvent::Workspace { conv, n: f[0], pass, phase, module },
+            Event::Free { slot } => SymEvent::Free { slot },
+            Event::Iteration { index } => SymEvent::Iteration { index },
+        }
+    }
+}
+
+/// What an event is at one batch size, its module's block index left out: how an event of a
+/// whole trace finds its kind among a cut trace's. `None` for frees and iteration ends.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Likeness {
+    Alloc { bytes: u64, category: Category, phase: Phase, op: String, module: String, stream: u32 },
+    Op { op: String, numbers: [u64; 3] },
+    Workspace { conv: String, n: u64, pass: ConvPass, phase: Phase, module: String },
+}
+
+fn likeness(t: &Trace, e: &Event) -> Option<Likeness> {
+    Some(match *e {
+        Event::Alloc { bytes, category, phase, op, module, stream, .. } => Likeness::Alloc { bytes, category, phase, op: t.op_name(op).into(), module: generic_module(t, module), stream },
+        Event::Op { op, flops, bytes_read, bytes_written } => Likeness::Op { op: t.op_name(op).into(), numbers: [flops, bytes_read, bytes_written] },
+        Event::Workspace { conv, n, pass, phase, module } => Likeness::Workspace { conv: t.op_name(conv).into(), n, pass, phase, module: generic_module(t, module) },
+        Event::Free { .. } | Event::Iteration { .. } => return None,
+    })
+}
+
+/// Each event's likeness and that of the last event before it that has one.
+fn kinds(t: &Trace) -> impl Iterator<Item = (Option<Likeness>, Option<Likeness>)> + '_ {
+    let mut last = None;
+    t.events.iter().map(move |e| {
+        let l = likeness(t, e);
+        let previous = if l.is_some() { std::mem::replace(&mut last, l.clone()) } else { last.clone() };
+        (l, previous)
+    })
+}
+
+fn constants(e: &Event) -> [Affine; 3] {
+    let [a, b, c] = match *e {
+        Event::Alloc { bytes, .. } => [bytes, 0, 0],
+        Event::Op { flops, bytes_read, bytes_written, .. } => [flops, bytes_read, bytes_written],
+        Event::Workspace { n, .. } => [n, 0, 0],
+        Event::Free { .. } | Event::Iteration { .. } => [0; 3],
+    };
+    [Affine::constant(a), Affine::constant(b), Affine::constant(c)]
 }
 
 /// A trace whose sizes are functions of the batch size.
@@ -179,6 +274,65 @@ impl SymbolicTrace {
             });
         }
         Ok(SymbolicTrace { header: first.header.clone(), events, ops: first.ops.clone(), ids: first.ids.clone(), traced_at: batches })
+    }
+
+    /// Fits from `whole`, the model's trace at one batch size, and `cut`, traces of the same
+    /// model cut to a few of its blocks at three or more batch sizes (see the module's doc for
+    /// what is carried over and what is refused).
+    pub fn transfer(whole: &Trace, cut: &[Trace]) -> Result<SymbolicTrace, SymbolicError> {
+        if let Some(c) = cut.iter().find(|c| c.header.model != whole.header.model) {
+            return Err(SymbolicError::OtherModel { cut: c.header.model.clone(), whole: whole.header.model.clone() });
+        }
+        let slopes = SymbolicTrace::fit(cut)?;
+        let b0 = whole.header.batch_size;
+        let at = slopes.at(b0)?;
+        // Each kind of the cut traces' events at b0 → its functions (None: kinds alike at b0
+        // that part at other batch sizes), and the same kind after each kind of event before it
+        // (frees and iteration ends skipped), which tells apart what the kind alone does not
+        // (a kernel has no module: a weight's cast and an activation's may be alike).
+        let mut alike: HashMap<Likeness, Option<[Affine; 3]>> = HashMap::new();
+        let mut alike_after: HashMap<(Likeness, Likeness), Option<[Affine; 3]>> = HashMap::new();
+        for (l, previous, f) in kinds(&at).zip(&slopes.events).filter_map(|((l, p), s)| Some((l?, p, s.functions()?))) {
+            let file = |g: &mut Option<[Affine; 3]>| if *g != Some(f) { *g = None };
+            if let Some(p) = previous {
+                alike_after.entry((l.clone(), p)).and_modify(file).or_insert(Some(f));
+            }
+            alike.entry(l).and_modify(file).or_insert(Some(f));
+        }
+        let fixed: HashSet<&str> = whole.header.sized_by_parameters.iter().map(String::as_str).collect();
+        let mut events = Vec::with_capacity(whole.events.len());
+        // Until the first batch is made (in forward), nothing can depend on it.
+        let mut batch_made = false;
+        for (k, (e, (l, previous))) in whole.events.iter().zip(kinds(whole)).enumerate() {
+            batch_made |= matches!(e, Event::Alloc { phase: Phase::Forward | Phase::Backward, .. });
+            if !batch_made {
+                events.push(SymEvent::with(e, constants(e)));
+                continue;
+            }
+            let found = l.map(|l| match alike.get(&l) {
+                Some(None) => Some(previous.and_then(|p| alike_after.get(&(l, p)).copied().flatten())),
+                f => f.copied(),
+            });
+            let f = match found {
+                None => [Affine::constant(0); 3], // a free or an iteration's end: no numbers
+                Some(Some(Some(f))) => f,
+                Some(Some(None)) => return Err(SymbolicError::Ambiguous { event: k + 1 }),
+                Some(None) => {
+                    let batch_blind = match *e {
+                        Event::Alloc { phase, op, .. } => !matches!(phase, Phase::Forward | Phase::Backward) || fixed.contains(whole.op_name(op)),
+                        Event::Op { .. } => true,
+                        _ => false,
+                    };
+                    if !batch_blind {
+                        return Err(SymbolicError::NotInCut { event: k + 1 });
+                    }
+                    constants(e)
+                }
+            };
+            events.push(SymEvent::with(e, f));
+        }
+        let traced_at = std::iter::once(b0).chain(slopes.traced_at.into_iter().filter(|&b| b != b0)).collect();
+        Ok(SymbolicTrace { header: whole.header.clone(), events, ops: whole.ops.clone(), ids: whole.ids.clone(), traced_at })
     }
 
     /// The trace at `batch`.
@@ -292,6 +446,114 @@ mod tests {
         // A free of a slot that was never allocated.
         let bad = text.replacen(r#"{"Free":{"slot":"#, r#"{"Free":{"slot":9999"#, 1);
         assert!(matches!(SymbolicTrace::read(bad.as_bytes()), Err(SymbolicError::SlotOutOfRange(_) | SymbolicError::Trace(_))));
+    }
+
+    /// A toy of `depth` blocks at `batch` over two iterations: each block's activation kept
+    /// for backward and a temporary there (both batch-sized), a gradient per block, a
+    /// `_foreach_add_` over all gradients in the step; `over_blocks`: a buffer over all blocks
+    /// made in backward by that op (declared `sized_by_parameters` where `declared`), batch-
+    /// sized where `batched`; `coincide`: a constant temporary in each block alike at batch 4
+    /// to the batch-sized one (the events before them tell them apart); `views`: after each
+    /// block's matmul a view, of a constant size in even blocks and batch-sized in odd ones,
+    /// alike at batch 4 after alike events.
+    struct Toy {
+        over_blocks: Option<(&'static str, bool, bool)>,
+        coincide: bool,
+        views: bool,
+    }
+
+    impl Toy {
+        fn trace(&self, batch: u64, depth: u32, cut_of: Option<u32>) -> Trace {
+            let mut h = TraceHeader::new("toy", batch);
+            (h.blocks, h.depth) = (cut_of, cut_of.map(|_| depth));
+            if let Some((op, true, _)) = self.over_blocks {
+                h.sized_by_parameters = vec![op.to_string()];
+            }
+            let mut b = TraceBuilder::new(h);
+            let mut id = 0u64;
+            let mut alloc = |b: &mut TraceBuilder, bytes: u64, c: Category, p: Phase, op: &str, module: String| {
+                id += 1;
+                b.alloc_with_id(0, id, bytes, c, p, op, Some(&module), 0).unwrap();
+                id
+            };
+            for l in 0..depth {
+                alloc(&mut b, 1000, Category::Parameter, Phase::Setup, "empty", format!("layers.{l}"));
+            }
+            for _ in 0..2 {
+                let input = alloc(&mut b, 64 * batch, Category::InputBatch, Phase::Forward, "embed", "embed".into());
+                let mut outputs = vec![input];
+                for l in 0..depth {
+                    outputs.push(alloc(&mut b, 256 * batch, Category::Activation, Phase::Forward, "mm", format!("layers.{l}.mlp")));
+                    b.op("mm", 100 * batch, 10 * batch + 1000, 10 * batch);
+                    if self.views {
+                        let bytes = if l % 2 == 0 { 1024 } else { 256 * batch };
+                        b.op("view", 0, bytes, bytes);
+                    }
+                }
+                let mut grads = Vec::new();
+                for l in (0..depth as usize).rev() {
+                    grads.push(alloc(&mut b, 1000, Category::Gradient, Phase::Backward, "mm", format!("layers.{l}")));
+                    let t = alloc(&mut b, 256 * batch, Category::Temporary, Phase::Backward, "mm", format!("layers.{l}.mlp"));
+                    b.free(t);
+                    if self.coincide {
+                        let t = alloc(&mut b, 1024, Category::Temporary, Phase::Backward, "mm", format!("layers.{l}.mlp"));
+                        b.free(t);
+                    }
+                    b.free(outputs[l + 1]);
+                }
+                if let Some((op, _, batched)) = self.over_blocks {
+                    let per_block = if batched { 8 * batch } else { 1000 };
+                    let f = alloc(&mut b, per_block * u64::from(depth), Category::Temporary, Phase::Backward, op, String::new());
+                    b.free(f);
+                }
+                b.free(input);
+                b.op("_foreach_add_", 0, 1000 * u64::from(depth), 0);
+                for g in grads {
+                    b.free(g);
+                }
+                b.iteration_end();
+            }
+            b.finish()
+        }
+
+        fn transfer(&self) -> Result<SymbolicTrace, SymbolicError> {
+            let cut: Vec<Trace> = SymbolicTrace::FIT_BATCHES.iter().map(|&b| self.trace(b, 2, Some(12))).collect();
+            SymbolicTrace::transfer(&self.trace(5, 12, None), &cut)
+        }
+    }
+
+    #[test]
+    fn a_whole_trace_takes_the_batch_from_cut_traces() {
+        for toy in [Toy { over_blocks: Some(("zero_ipg_bucket", true, false)), coincide: false, views: true }, Toy { over_blocks: None, coincide: true, views: false }] {
+            let cut: Vec<Trace> = SymbolicTrace::FIT_BATCHES.iter().map(|&b| toy.trace(b, 2, Some(12))).collect();
+            // At 4 the coinciding temporaries are alike, but not after what comes before them.
+            for b0 in [5, 4] {
+                let s = SymbolicTrace::transfer(&toy.trace(b0, 12, None), &cut).unwrap();
+                assert_eq!(s.traced_at[0], b0);
+                for b in [1, 4, 5, 7, 64] {
+                    assert_eq!(s.at(b).unwrap(), toy.trace(b, 12, None), "batch {b}");
+                }
+                if toy.views {
+                    break;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn what_the_cut_traces_do_not_show_is_refused() {
+        // Buffers over blocks in backward that no engine declares: sized by the parameters or
+        // by the batch (the hidden states of every block, stacked).
+        for over_blocks in [("flatten", false, false), ("stack", false, true)] {
+            let toy = Toy { over_blocks: Some(over_blocks), coincide: false, views: false };
+            assert!(matches!(toy.transfer(), Err(SymbolicError::NotInCut { .. })), "{over_blocks:?}");
+        }
+        // Two views alike at the whole trace's batch size (1024 bytes at 4), after alike events.
+        let toy = Toy { over_blocks: None, coincide: false, views: true };
+        let cut: Vec<Trace> = SymbolicTrace::FIT_BATCHES.iter().map(|&b| toy.trace(b, 2, Some(12))).collect();
+        assert!(matches!(SymbolicTrace::transfer(&toy.trace(4, 12, None), &cut), Err(SymbolicError::Ambiguous { .. })));
+        let other = Trace { header: TraceHeader::new("other", 5), ..toy.trace(5, 12, None) };
+        assert!(matches!(SymbolicTrace::transfer(&other, &cut), Err(SymbolicError::OtherModel { .. })));
     }
 
     #[test]

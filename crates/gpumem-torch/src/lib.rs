@@ -353,7 +353,10 @@ impl TorchTracer {
     /// Runs the tracer once for `batches` (the first is `req`'s own batch size where it matters)
     /// and caches each trace; returns them in that order. A model with many identical blocks
     /// is traced cut to [`depth::DEPTHS`] and rebuilt at its whole depth
-    /// ([`depth::extrapolate`]); where that does not hold, it is traced whole after all.
+    /// ([`depth::extrapolate`]) — or whole, where its strategy's buffers span blocks — at the
+    /// first batch size only; at the others it is traced cut to the shallowest depth, and
+    /// [`SymbolicTrace::transfer`] carries what the batch does to those cut traces' events over
+    /// to the first's whole trace. Where either does not hold, it is traced whole after all.
     fn run_and_cache(&self, req: &TraceRequest, torch: &str, batches: &[u64]) -> Result<Vec<Trace>, BridgeError> {
         let dir = self.cache_dir.join("traces");
         fs::create_dir_all(&dir).map_err(|e| self.io(&dir, e))?;
@@ -367,9 +370,32 @@ impl TorchTracer {
             .collect();
         let tmps: Vec<&Path> = jobs.iter().map(|(_, tmp)| tmp.as_path()).collect();
         self.run(req, batches, &tmps, true)?;
-        let mut traces: Vec<Option<Trace>> = Vec::new();
-        for (&tmp, &b) in tmps.iter().zip(batches) {
-            traces.push(if tmp.exists() { Some(self.read_tracer_output(req, tmp, b)?) } else { self.rebuild_depth(req, tmp, b)? });
+        // Cut to the shallowest depth at every batch size: what the batch does to each event.
+        let shallowest = |out: &Path| depth_path(out, depth::DEPTHS[0]);
+        let cut: Option<Vec<Trace>> = if batches.len() >= SymbolicTrace::FIT_BATCHES.len() && tmps.iter().all(|t| shallowest(t).exists()) {
+            Some(tmps.iter().zip(batches).map(|(t, &b)| self.read_tracer_output(req, &shallowest(t), b)).collect::<Result<_, _>>()?)
+        } else {
+            None
+        };
+        let mut traces: Vec<Option<Trace>> = vec![None; batches.len()];
+        for (i, (&tmp, &b)) in tmps.iter().zip(batches).enumerate() {
+            if tmp.exists() {
+                traces[i] = Some(self.read_tracer_output(req, tmp, b)?);
+            } else if i == 0 || cut.is_none() {
+                traces[i] = self.rebuild_depth(req, tmp, b)?;
+            }
+        }
+        if let (Some(cut), Some(first)) = (&cut, &traces[0])
+            && let Ok(sym) = SymbolicTrace::transfer(first, cut)
+        {
+            for (t, &b) in traces.iter_mut().zip(batches).skip(1) {
+                if t.is_none() {
+                    *t = sym.at(b).ok();
+                }
+            }
+        }
+        for tmp in &tmps {
+            let _ = fs::remove_file(shallowest(tmp));
         }
         let whole: Vec<usize> = (0..batches.len()).filter(|&i| traces[i].is_none()).collect();
         if !whole.is_empty() {
@@ -456,6 +482,9 @@ impl TorchTracer {
         if cut {
             argv.push("--depths".into());
             argv.extend(depth::DEPTHS.map(|d| d.to_string()));
+            if batches.len() >= SymbolicTrace::FIT_BATCHES.len() {
+                argv.push("--slopes".into());
+            }
         }
         let pool = outs.iter().all(|o| o.to_str().is_some()).then(|| self.pool()).flatten();
         let log = self.cache_dir.join("traces").join(format!("tracer.{}.log", temp_suffix()));

@@ -272,3 +272,47 @@ fn a_deep_model_rebuilt_from_cut_traces_is_its_whole_trace() {
         assert_eq!(text(&fresh.trace(&req).unwrap()), text(&whole), "{name}: through the bridge");
     }
 }
+
+/// A deep model's batch-symbolic trace as the bridge makes it — whole (or rebuilt from cut
+/// traces) at one batch size, cut to two blocks at three, what the batch does carried over
+/// ([`SymbolicTrace::transfer`]) — is the one fitted from whole traces at three batch sizes:
+/// ZeRO-3 with windows small enough that its buckets, prefetch, reuse and persistence all act
+/// (its buffers span blocks: traced whole), and FSDP2 (rebuilt from its cut traces).
+#[test]
+fn a_deep_models_batch_is_carried_over_from_cut_traces() {
+    use gpumem_core::graph::Precision;
+    use gpumem_core::trace::Trace;
+    use gpumem_core::workload::{Checkpointing, Strategy, Zero};
+    let Some(t) = tracer() else { return };
+    let model = "hf:LlamaForCausalLM(hidden_size=48,intermediate_size=136,num_hidden_layers=16,num_attention_heads=4,num_key_value_heads=2,vocab_size=250)";
+    let zero = Zero { reduce_bucket_size: 30_000, prefetch_bucket_size: 10_000, max_live_parameters: 40_000, max_reuse_distance: 30_000, param_persistence_threshold: 1000, ..Zero::default() };
+    let fsdp = Strategy::Fsdp { world_size: 4, reshard_after_forward: true, param_dtype: None, replicas: 1, cpu_offload: false };
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("carry-test");
+    std::fs::create_dir_all(&dir).unwrap();
+    let read = |p: PathBuf| Trace::read(std::io::BufReader::new(std::fs::File::open(&p).unwrap())).unwrap();
+    let batches = SymbolicTrace::FIT_BATCHES.map(|b| b.to_string());
+    for (name, strategy) in [("zero3", Strategy::Zero { stage: 3, world_size: 4, zero }), ("fsdp", fsdp)] {
+        let options = Options { seq_len: Some(20), precision: Precision::Bf16, checkpointing: Checkpointing::Full, strategy: Some(strategy), ..Options::default() };
+        let req = TraceRequest { options, ..TraceRequest::new(model, 4) };
+        let traced = |outs: &[PathBuf], more: &[&str]| {
+            let ok = t.module_command("gpumem_trace").unwrap().args(req.args()).arg("--batch").args(&batches).arg("--out").args(outs).args(more).status().unwrap().success();
+            assert!(ok, "{name}: the tracer failed");
+        };
+        let outs = |kind: &str| SymbolicTrace::FIT_BATCHES.map(|b| dir.join(format!("{name}-{kind}{b}.jsonl"))).to_vec();
+        traced(&outs("whole"), &[]);
+        let whole: Vec<Trace> = outs("whole").into_iter().map(read).collect();
+        let fitted = SymbolicTrace::fit(&whole).unwrap();
+        traced(&outs("cut"), &["--depths", "2", "3", "4", "--slopes"]);
+        let cut: Vec<Trace> = outs("cut").iter().map(|o| read(PathBuf::from(format!("{}.depth2", o.display())))).collect();
+        assert!(cut.iter().all(|c| c.header.depth == Some(2)), "{name}: cut to two blocks at every batch size");
+        let carried = SymbolicTrace::transfer(&whole[0], &cut).unwrap();
+        let fresh = TorchTracer { cache_dir: dir.join(format!("{name}-cache")), ..t.clone() };
+        let _ = std::fs::remove_dir_all(&fresh.cache_dir);
+        let bridged = fresh.symbolic(&req).unwrap();
+        for b in [1, 3, 5, 8, 13] {
+            let want = fitted.at(b).unwrap();
+            assert_eq!(carried.at(b).unwrap().events(), want.events(), "{name} at batch {b}");
+            assert_eq!(bridged.at(b).unwrap().events(), want.events(), "{name} at batch {b}: through the bridge");
+        }
+    }
+}
