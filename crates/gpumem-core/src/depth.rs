@@ -476,51 +476,11 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::{Category, Phase, TraceHeader};
+    use crate::toy::Toy;
 
-    /// A toy model of `depth` blocks over two iterations: each block's output kept for
-    /// backward, its input freed there (the block before's output, or the batch for the first),
-    /// a temporary per block in backward, and a `_foreach_add_` over every block's gradient.
-    /// `flat`: also a buffer over all blocks' gradients.
+    /// The toy model (crate::toy) at batch 4; `flat`: with a buffer over all blocks.
     fn toy(depth: u32, cut_of: Option<u32>, flat: bool) -> Trace {
-        let mut h = TraceHeader::new("toy", 4);
-        (h.blocks, h.depth) = (cut_of, cut_of.map(|_| depth));
-        let mut b = TraceBuilder::new(h);
-        let mut id = 0u64;
-        let mut alloc = |b: &mut TraceBuilder, bytes: u64, c: Category, p: Phase, module: String| {
-            id += 1;
-            b.alloc_with_id(0, id, bytes, c, p, "mm", Some(&module), 0).unwrap();
-            id
-        };
-        for l in 0..depth {
-            alloc(&mut b, 1000, Category::Parameter, Phase::Setup, format!("layers.{l}"));
-        }
-        for _ in 0..2 {
-            let batch = alloc(&mut b, 64, Category::InputBatch, Phase::Forward, "embed".into());
-            let mut outputs = vec![batch];
-            for l in 0..depth {
-                outputs.push(alloc(&mut b, 256, Category::Activation, Phase::Forward, format!("layers.{l}.mlp")));
-                b.op("mm", 100, 10, 10);
-            }
-            let mut grads = Vec::new();
-            for l in (0..depth as usize).rev() {
-                grads.push(alloc(&mut b, 1000, Category::Gradient, Phase::Backward, format!("layers.{l}")));
-                let t = alloc(&mut b, 256, Category::Temporary, Phase::Backward, format!("layers.{l}.mlp"));
-                b.free(t);
-                b.free(outputs[l + 1]);
-            }
-            b.free(batch);
-            if flat {
-                let f = alloc(&mut b, 1000 * u64::from(depth), Category::Gradient, Phase::Optimizer, String::new());
-                b.free(f);
-            }
-            b.op("_foreach_add_", 0, 1000 * u64::from(depth), 0);
-            for g in grads {
-                b.free(g);
-            }
-            b.iteration_end();
-        }
-        b.finish()
+        Toy { over_blocks: flat.then_some(("flatten", false, false)), ..Toy::default() }.trace(4, depth, cut_of)
     }
 
     fn text(t: &Trace) -> String {

@@ -33,6 +33,8 @@ pub mod search;
 pub mod snapshot;
 pub mod step;
 pub mod symbolic;
+#[cfg(test)]
+mod toy;
 pub mod trace;
 pub mod units;
 pub mod utilization;

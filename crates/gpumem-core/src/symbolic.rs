@@ -422,6 +422,7 @@ fn validated(t: &Trace) -> Result<(), SymbolicError> {
 mod tests {
     use super::*;
     use crate::families::{JobOptions, ModelSpec};
+    use crate::toy::Toy;
 
     #[test]
     fn a_native_model_is_affine_in_the_batch() {
@@ -448,94 +449,26 @@ mod tests {
         assert!(matches!(SymbolicTrace::read(bad.as_bytes()), Err(SymbolicError::SlotOutOfRange(_) | SymbolicError::Trace(_))));
     }
 
-    /// A toy of `depth` blocks at `batch` over two iterations: each block's activation kept
-    /// for backward and a temporary there (both batch-sized), a gradient per block, a
-    /// `_foreach_add_` over all gradients in the step; `over_blocks`: a buffer over all blocks
-    /// made in backward by that op (declared `sized_by_parameters` where `declared`), batch-
-    /// sized where `batched`; `coincide`: a constant temporary in each block alike at batch 4
-    /// to the batch-sized one (the events before them tell them apart); `views`: after each
-    /// block's matmul a view, of a constant size in even blocks and batch-sized in odd ones,
-    /// alike at batch 4 after alike events.
-    struct Toy {
-        over_blocks: Option<(&'static str, bool, bool)>,
-        coincide: bool,
-        views: bool,
+    fn cut(toy: &Toy) -> Vec<Trace> {
+        SymbolicTrace::FIT_BATCHES.iter().map(|&b| toy.trace(b, 2, Some(12))).collect()
     }
 
-    impl Toy {
-        fn trace(&self, batch: u64, depth: u32, cut_of: Option<u32>) -> Trace {
-            let mut h = TraceHeader::new("toy", batch);
-            (h.blocks, h.depth) = (cut_of, cut_of.map(|_| depth));
-            if let Some((op, true, _)) = self.over_blocks {
-                h.sized_by_parameters = vec![op.to_string()];
-            }
-            let mut b = TraceBuilder::new(h);
-            let mut id = 0u64;
-            let mut alloc = |b: &mut TraceBuilder, bytes: u64, c: Category, p: Phase, op: &str, module: String| {
-                id += 1;
-                b.alloc_with_id(0, id, bytes, c, p, op, Some(&module), 0).unwrap();
-                id
-            };
-            for l in 0..depth {
-                alloc(&mut b, 1000, Category::Parameter, Phase::Setup, "empty", format!("layers.{l}"));
-            }
-            for _ in 0..2 {
-                let input = alloc(&mut b, 64 * batch, Category::InputBatch, Phase::Forward, "embed", "embed".into());
-                let mut outputs = vec![input];
-                for l in 0..depth {
-                    outputs.push(alloc(&mut b, 256 * batch, Category::Activation, Phase::Forward, "mm", format!("layers.{l}.mlp")));
-                    b.op("mm", 100 * batch, 10 * batch + 1000, 10 * batch);
-                    if self.views {
-                        let bytes = if l % 2 == 0 { 1024 } else { 256 * batch };
-                        b.op("view", 0, bytes, bytes);
-                    }
-                }
-                let mut grads = Vec::new();
-                for l in (0..depth as usize).rev() {
-                    grads.push(alloc(&mut b, 1000, Category::Gradient, Phase::Backward, "mm", format!("layers.{l}")));
-                    let t = alloc(&mut b, 256 * batch, Category::Temporary, Phase::Backward, "mm", format!("layers.{l}.mlp"));
-                    b.free(t);
-                    if self.coincide {
-                        let t = alloc(&mut b, 1024, Category::Temporary, Phase::Backward, "mm", format!("layers.{l}.mlp"));
-                        b.free(t);
-                    }
-                    b.free(outputs[l + 1]);
-                }
-                if let Some((op, _, batched)) = self.over_blocks {
-                    let per_block = if batched { 8 * batch } else { 1000 };
-                    let f = alloc(&mut b, per_block * u64::from(depth), Category::Temporary, Phase::Backward, op, String::new());
-                    b.free(f);
-                }
-                b.free(input);
-                b.op("_foreach_add_", 0, 1000 * u64::from(depth), 0);
-                for g in grads {
-                    b.free(g);
-                }
-                b.iteration_end();
-            }
-            b.finish()
-        }
-
-        fn transfer(&self) -> Result<SymbolicTrace, SymbolicError> {
-            let cut: Vec<Trace> = SymbolicTrace::FIT_BATCHES.iter().map(|&b| self.trace(b, 2, Some(12))).collect();
-            SymbolicTrace::transfer(&self.trace(5, 12, None), &cut)
-        }
+    /// The toy's symbolic trace carried over from its two-block cuts to its whole (12 blocks)
+    /// trace at `b0`.
+    fn carried(toy: &Toy, b0: u64) -> Result<SymbolicTrace, SymbolicError> {
+        SymbolicTrace::transfer(&toy.trace(b0, 12, None), &cut(toy))
     }
 
     #[test]
     fn a_whole_trace_takes_the_batch_from_cut_traces() {
-        for toy in [Toy { over_blocks: Some(("zero_ipg_bucket", true, false)), coincide: false, views: true }, Toy { over_blocks: None, coincide: true, views: false }] {
-            let cut: Vec<Trace> = SymbolicTrace::FIT_BATCHES.iter().map(|&b| toy.trace(b, 2, Some(12))).collect();
-            // At 4 the coinciding temporaries are alike, but not after what comes before them.
-            for b0 in [5, 4] {
-                let s = SymbolicTrace::transfer(&toy.trace(b0, 12, None), &cut).unwrap();
-                assert_eq!(s.traced_at[0], b0);
-                for b in [1, 4, 5, 7, 64] {
-                    assert_eq!(s.at(b).unwrap(), toy.trace(b, 12, None), "batch {b}");
-                }
-                if toy.views {
-                    break;
-                }
+        let declared = Toy { over_blocks: Some(("zero_ipg_bucket", true, false)), views: true, ..Toy::default() };
+        // At 4 the coinciding temporaries are alike, but not after what comes before them.
+        let coinciding = Toy { coincide: true, ..Toy::default() };
+        for (toy, b0) in [(&declared, 5), (&coinciding, 5), (&coinciding, 4)] {
+            let s = carried(toy, b0).unwrap();
+            assert_eq!(s.traced_at[0], b0);
+            for b in [1, 4, 5, 7, 64] {
+                assert_eq!(s.at(b).unwrap(), toy.trace(b, 12, None), "batch {b}");
             }
         }
     }
@@ -545,15 +478,14 @@ mod tests {
         // Buffers over blocks in backward that no engine declares: sized by the parameters or
         // by the batch (the hidden states of every block, stacked).
         for over_blocks in [("flatten", false, false), ("stack", false, true)] {
-            let toy = Toy { over_blocks: Some(over_blocks), coincide: false, views: false };
-            assert!(matches!(toy.transfer(), Err(SymbolicError::NotInCut { .. })), "{over_blocks:?}");
+            let toy = Toy { over_blocks: Some(over_blocks), ..Toy::default() };
+            assert!(matches!(carried(&toy, 5), Err(SymbolicError::NotInCut { .. })), "{over_blocks:?}");
         }
         // Two views alike at the whole trace's batch size (1024 bytes at 4), after alike events.
-        let toy = Toy { over_blocks: None, coincide: false, views: true };
-        let cut: Vec<Trace> = SymbolicTrace::FIT_BATCHES.iter().map(|&b| toy.trace(b, 2, Some(12))).collect();
-        assert!(matches!(SymbolicTrace::transfer(&toy.trace(4, 12, None), &cut), Err(SymbolicError::Ambiguous { .. })));
+        let toy = Toy { views: true, ..Toy::default() };
+        assert!(matches!(carried(&toy, 4), Err(SymbolicError::Ambiguous { .. })));
         let other = Trace { header: TraceHeader::new("other", 5), ..toy.trace(5, 12, None) };
-        assert!(matches!(SymbolicTrace::transfer(&other, &cut), Err(SymbolicError::OtherModel { .. })));
+        assert!(matches!(SymbolicTrace::transfer(&other, &cut(&toy)), Err(SymbolicError::OtherModel { .. })));
     }
 
     #[test]
