@@ -183,7 +183,7 @@ impl ModuleName {
 }
 
 /// An event's numbers: an allocation's size, a kernel's flops and bytes, a workspace's batch.
-fn numbers(e: &Event) -> [u64; 3] {
+pub(crate) fn numbers(e: &Event) -> [u64; 3] {
     match *e {
         Event::Alloc { bytes, .. } => [bytes, 0, 0],
         Event::Op { flops, bytes_read, bytes_written, .. } => [flops, bytes_read, bytes_written],

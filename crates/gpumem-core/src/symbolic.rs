@@ -31,7 +31,7 @@ use std::io::{BufRead, Write};
 
 use serde::{Deserialize, Serialize};
 
-use crate::depth::generic_module;
+use crate::depth::{generic_module, numbers};
 use crate::trace::{Category, ConvPass, Event, Phase, Trace, TraceBuilder, TraceError, TraceHeader};
 
 /// Why traces could not be fitted, a symbolic trace evaluated, or a stored one read back.
@@ -160,7 +160,7 @@ impl SymEvent {
 }
 
 /// What an event is at one batch size, its module's block index left out: how an event of a
-/// whole trace finds its kind among a cut trace's. `None` for frees and iteration ends.
+/// whole trace finds its kind among a cut trace's.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Likeness {
     Alloc { bytes: u64, category: Category, phase: Phase, op: String, module: String, stream: u32 },
@@ -168,6 +168,7 @@ enum Likeness {
     Workspace { conv: String, n: u64, pass: ConvPass, phase: Phase, module: String },
 }
 
+/// `None` for frees and iteration ends.
 fn likeness(t: &Trace, e: &Event) -> Option<Likeness> {
     Some(match *e {
         Event::Alloc { bytes, category, phase, op, module, stream, .. } => Likeness::Alloc { bytes, category, phase, op: t.op_name(op).into(), module: generic_module(t, module), stream },
@@ -188,13 +189,7 @@ fn kinds(t: &Trace) -> impl Iterator<Item = (Option<Likeness>, Option<Likeness>)
 }
 
 fn constants(e: &Event) -> [Affine; 3] {
-    let [a, b, c] = match *e {
-        Event::Alloc { bytes, .. } => [bytes, 0, 0],
-        Event::Op { flops, bytes_read, bytes_written, .. } => [flops, bytes_read, bytes_written],
-        Event::Workspace { n, .. } => [n, 0, 0],
-        Event::Free { .. } | Event::Iteration { .. } => [0; 3],
-    };
-    [Affine::constant(a), Affine::constant(b), Affine::constant(c)]
+    numbers(e).map(Affine::constant)
 }
 
 /// A trace whose sizes are functions of the batch size.
