@@ -353,10 +353,10 @@ impl TorchTracer {
     /// Runs the tracer once for `batches` (the first is `req`'s own batch size where it matters)
     /// and caches each trace; returns them in that order. A model with many identical blocks
     /// is traced cut to [`depth::DEPTHS`] and rebuilt at its whole depth
-    /// ([`depth::extrapolate`]) — or whole, where its strategy's buffers span blocks — at the
-    /// first batch size only; at the others it is traced cut to the shallowest depth, and
+    /// ([`depth::extrapolate`]) — or whole, where its strategy's buffers span blocks — at
+    /// one batch size only; at the others it is traced cut to the shallowest depth, and
     /// [`SymbolicTrace::transfer`] carries what the batch does to those cut traces' events over
-    /// to the first's whole trace. Where either does not hold, it is traced whole after all.
+    /// to that whole trace. Where either does not hold, it is traced whole after all.
     fn run_and_cache(&self, req: &TraceRequest, torch: &str, batches: &[u64]) -> Result<Vec<Trace>, BridgeError> {
         let dir = self.cache_dir.join("traces");
         fs::create_dir_all(&dir).map_err(|e| self.io(&dir, e))?;
@@ -369,7 +369,14 @@ impl TorchTracer {
             })
             .collect();
         let tmps: Vec<&Path> = jobs.iter().map(|(_, tmp)| tmp.as_path()).collect();
-        self.run(req, batches, &tmps, true)?;
+        // The tracer takes the whole depth at the first batch size it is given: the one with
+        // the largest odd factor, at which a block's tensors least often coincide in size with
+        // one another (the model's sizes are mostly powers of two; at 4, a 2048-token batch's
+        // activation may weigh what a 4096-wide weight does), which SymbolicTrace::transfer
+        // cannot tell apart.
+        let lead = (0..batches.len()).max_by_key(|&i| (batches[i] >> batches[i].trailing_zeros(), std::cmp::Reverse(i))).unwrap_or(0);
+        let order: Vec<usize> = std::iter::once(lead).chain((0..batches.len()).filter(|&i| i != lead)).collect();
+        self.run(req, &order.iter().map(|&i| batches[i]).collect::<Vec<_>>(), &order.iter().map(|&i| tmps[i]).collect::<Vec<_>>(), true)?;
         // Cut to the shallowest depth at every batch size: what the batch does to each event.
         let shallowest = |out: &Path| depth_path(out, depth::DEPTHS[0]);
         let cut: Option<Vec<Trace>> = if batches.len() >= SymbolicTrace::FIT_BATCHES.len() && tmps.iter().all(|t| shallowest(t).exists()) {
@@ -381,14 +388,14 @@ impl TorchTracer {
         for (i, (&tmp, &b)) in tmps.iter().zip(batches).enumerate() {
             if tmp.exists() {
                 traces[i] = Some(self.read_tracer_output(req, tmp, b)?);
-            } else if i == 0 || cut.is_none() {
+            } else if i == lead || cut.is_none() {
                 traces[i] = self.rebuild_depth(req, tmp, b)?;
             }
         }
-        if let (Some(cut), Some(first)) = (&cut, &traces[0])
-            && let Ok(sym) = SymbolicTrace::transfer(first, cut)
+        if let (Some(cut), Some(whole)) = (&cut, &traces[lead])
+            && let Ok(sym) = SymbolicTrace::transfer(whole, cut)
         {
-            for (t, &b) in traces.iter_mut().zip(batches).skip(1) {
+            for (t, &b) in traces.iter_mut().zip(batches) {
                 if t.is_none() {
                     *t = sym.at(b).ok();
                 }
