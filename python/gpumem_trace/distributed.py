@@ -67,9 +67,10 @@ def _allreduce_in_place(on_bucket, bucket):
     return future
 
 
-def ddp(model, world_size, bucket_cap_mb, gradient_as_bucket_view, on_bucket):
+def ddp(model, world_size, bucket_cap_mb, gradient_as_bucket_view, on_bucket, rebuilding=contextlib.nullcontext):
     """``DistributedDataParallel(model)`` as rank 0 of ``world_size`` builds it; ``on_bucket``
-    hears of each gradient bucket as it is reduced (its memory is gradients)."""
+    hears of each gradient bucket as it is reduced (its memory is gradients); the buckets'
+    rebuild (in the second step's forward) runs inside ``rebuilding()``."""
     fake_world(world_size)
     # The constructor's check that every rank has the same shapes reads sizes back (.item()),
     # which meta tensors cannot; one traced rank is every rank.
@@ -82,7 +83,23 @@ def ddp(model, world_size, bucket_cap_mb, gradient_as_bucket_view, on_bucket):
     finally:
         ddp_module._verify_param_shape_across_processes = verify
     wrapped.register_comm_hook(on_bucket, _allreduce_in_place)
+    wrapped.reducer = _Rebuilding(wrapped.reducer, rebuilding)  # after the hook: C++ takes the reducer itself
     return wrapped
+
+
+class _Rebuilding:
+    """DDP's reducer, its bucket rebuild inside ``rebuilding()``; DDP's Python only calls its
+    methods once the comm hook is registered."""
+
+    def __init__(self, reducer, rebuilding):
+        self._reducer, self._rebuilding = reducer, rebuilding
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self):
+        with self._rebuilding():
+            return self._reducer._rebuild_buckets()
 
 
 class _MetaStream:

@@ -394,7 +394,8 @@ def trace_training(opts: TraceOptions, out_path: str):
         if opts.channels_last:
             model.to(memory_format=torch.channels_last)
         if opts.strategy == "ddp":
-            runner = distributed.ddp(model, opts.world_size, opts.bucket_cap_mb, opts.bucket_view, on_bucket=lambda t: rec.relabel(t, "gradient"))
+            runner = distributed.ddp(model, opts.world_size, opts.bucket_cap_mb, opts.bucket_view, on_bucket=lambda t: rec.relabel(t, "gradient"),
+                                     rebuilding=lambda: rec.parameter_sized("ddp_rebuild_buckets"))
         optimizer = engine or make_optimizer(opts.optimizer, [p for p in model.parameters() if p.requires_grad], opts.lr)
         scaler = GradScaler() if opts.precision == "amp-fp16" else None
         batch = outputs = loss = None

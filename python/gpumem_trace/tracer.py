@@ -54,9 +54,7 @@ class Recorder:
         self.workspaces = set()
         self.kernels = True  # off during validation: utilization is the training step's
         self.host = False  # what runs now runs on the host (CPU offload): its memory is not the GPU's
-        # Ops whose allocations an engine of the tracer's own (ZeRO) sizes from the parameters
-        # and its config alone, never from the batch (the header's `sized_by_parameters`).
-        self.sized_by_parameters = set()
+        self.sized_by_parameters = set()  # see parameter_sized
 
     def alloc(self, key, nbytes, op, category=None, module=""):
         i = self.next_id
@@ -69,6 +67,19 @@ class Recorder:
         if key is not None:
             self.live[key] = (i, len(self.events) - 1)
         return i
+
+    @contextlib.contextmanager
+    def parameter_sized(self, op):
+        """Allocations made inside are a wrapper's own, sized from the parameters and its config
+        alone, never from the batch: made by ``op``, which the header lists in
+        ``sized_by_parameters``."""
+        saved = self.op_name
+        self.op_name = op
+        self.sized_by_parameters.add(op)
+        try:
+            yield
+        finally:
+            self.op_name = saved
 
     def free(self, key):
         if self.closed:

@@ -74,14 +74,13 @@ def largest_layer_parameters(model):
 def _empty(numel, dtype, rec, category, op):
     """The engine's own buffer: sized from the parameters and the config, never the batch; an
     allocation that launches no kernel."""
-    rec.category, rec.op_name, kernels = category, op, rec.kernels
+    rec.category, kernels = category, rec.kernels
     rec.kernels = False
-    rec.sized_by_parameters.add(op)
     try:
-        return torch.empty(int(numel), dtype=dtype, device=DEVICE)
+        with rec.parameter_sized(op):
+            return torch.empty(int(numel), dtype=dtype, device=DEVICE)
     finally:
-        rec.category = rec.op_name = None
-        rec.kernels = kernels
+        rec.category, rec.kernels = None, kernels
 
 
 class Engine:

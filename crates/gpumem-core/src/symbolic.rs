@@ -21,7 +21,7 @@
 //! - an allocation or workspace of the whole trace the cut traces lack (a buffer over blocks)
 //!   must be one the batch cannot size: made in setup, zero_grad or the optimizer's step
 //!   (none sees the batch), or by an op the header names `sized_by_parameters` (ZeRO's
-//!   engine's partitions, gathers and buckets); it is held constant;
+//!   engine's partitions, gathers and buckets, DDP's rebuilt buckets); it is held constant;
 //! - a kernel the cut traces lack is held constant: the kernels over blocks are the
 //!   optimizer's and the engines' over the parameters, and one over batch-sized tensors of
 //!   every block would make such a tensor, which the rule above refuses.

@@ -165,9 +165,10 @@ pub struct TraceHeader {
     pub blocks: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub depth: Option<u32>,
-    /// Ops whose allocations the tracer's own engines (ZeRO's) size from the parameters and
-    /// their config alone, never from the batch: what [`crate::symbolic::SymbolicTrace::transfer`]
-    /// may hold constant where the cut traces do not show them.
+    /// Ops whose allocations a wrapper (the tracer's ZeRO engine, DDP's bucket rebuild) sizes
+    /// from the parameters and its config alone, never from the batch: what
+    /// [`crate::symbolic::SymbolicTrace::transfer`] may hold constant where the cut traces do
+    /// not show them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sized_by_parameters: Vec<String>,
     pub iterations: u32,

@@ -276,8 +276,9 @@ fn a_deep_model_rebuilt_from_cut_traces_is_its_whole_trace() {
 /// A deep model's batch-symbolic trace as the bridge makes it — whole (or rebuilt from cut
 /// traces) at one batch size, cut to two blocks at three, what the batch does carried over
 /// ([`SymbolicTrace::transfer`]) — is the one fitted from whole traces at three batch sizes:
-/// ZeRO-3 with windows small enough that its buckets, prefetch, reuse and persistence all act
-/// (its buffers span blocks: traced whole), and FSDP2 (rebuilt from its cut traces).
+/// ZeRO-3 with windows small enough that its buckets, prefetch, reuse and persistence all act,
+/// and DDP with small buckets, rebuilt in the second step (their buffers span blocks: traced
+/// whole), and FSDP2 (rebuilt from its cut traces).
 #[test]
 fn a_deep_models_batch_is_carried_over_from_cut_traces() {
     use gpumem_core::graph::Precision;
@@ -291,7 +292,8 @@ fn a_deep_models_batch_is_carried_over_from_cut_traces() {
     std::fs::create_dir_all(&dir).unwrap();
     let read = |p: PathBuf| Trace::read(std::io::BufReader::new(std::fs::File::open(&p).unwrap())).unwrap();
     let batches = SymbolicTrace::FIT_BATCHES.map(|b| b.to_string());
-    for (name, strategy) in [("zero3", Strategy::Zero { stage: 3, world_size: 4, zero }), ("fsdp", fsdp)] {
+    let ddp = Strategy::Ddp { world_size: 4, bucket_cap_mb: 1, bucket_view: false };
+    for (name, strategy) in [("zero3", Strategy::Zero { stage: 3, world_size: 4, zero }), ("fsdp", fsdp), ("ddp", ddp)] {
         let options = Options { seq_len: Some(20), precision: Precision::Bf16, checkpointing: Checkpointing::Full, strategy: Some(strategy), ..Options::default() };
         let req = TraceRequest { options, ..TraceRequest::new(model, 4) };
         let traced = |outs: &[PathBuf], more: &[&str]| {
