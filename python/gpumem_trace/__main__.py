@@ -139,15 +139,16 @@ def main(argv=None):
             depths = a.depths[:1] if a.slopes and a.depths and (spans or not first) else a.depths or []
             if not depths:
                 trace_training(opts, out)
-            for depth in depths:
-                opts.depth = depth
-                if "depth" not in trace_training(opts, f"{out}.depth{depth}"):
-                    os.replace(f"{out}.depth{depth}", out)  # not cut (see loop.cut_blocks): the whole model's
-                    break
             else:
-                if depths and a.slopes and spans and first:  # cut for the batch only: the whole too
-                    opts.depth = None
-                    trace_training(opts, out)
+                for depth in depths:
+                    opts.depth = depth
+                    if "depth" not in trace_training(opts, f"{out}.depth{depth}"):
+                        os.replace(f"{out}.depth{depth}", out)  # not cut (see loop.cut_blocks): the whole model's
+                        break
+                else:
+                    if a.slopes and spans and first:  # cut for the batch only: the whole too
+                        opts.depth = None
+                        trace_training(opts, out)
         except ReferenceError_ as e:
             return fail(2, str(e))
         except Exception as e:  # the model's own failure

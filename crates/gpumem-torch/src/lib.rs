@@ -379,7 +379,7 @@ impl TorchTracer {
         self.run(req, &order.iter().map(|&i| batches[i]).collect::<Vec<_>>(), &order.iter().map(|&i| tmps[i]).collect::<Vec<_>>(), true)?;
         // Cut to the shallowest depth at every batch size: what the batch does to each event.
         let shallowest = |out: &Path| depth_path(out, depth::DEPTHS[0]);
-        let cut: Option<Vec<Trace>> = if batches.len() >= SymbolicTrace::FIT_BATCHES.len() && tmps.iter().all(|t| shallowest(t).exists()) {
+        let cut: Option<Vec<Trace>> = if carries_batch(batches) && tmps.iter().all(|t| shallowest(t).exists()) {
             Some(tmps.iter().zip(batches).map(|(t, &b)| self.read_tracer_output(req, &shallowest(t), b)).collect::<Result<_, _>>()?)
         } else {
             None
@@ -489,7 +489,7 @@ impl TorchTracer {
         if cut {
             argv.push("--depths".into());
             argv.extend(depth::DEPTHS.map(|d| d.to_string()));
-            if batches.len() >= SymbolicTrace::FIT_BATCHES.len() {
+            if carries_batch(batches) {
                 argv.push("--slopes".into());
             }
         }
@@ -546,6 +546,12 @@ impl TorchTracer {
         self.cache_symbolic(req, &torch, &traces)
             .map_err(|e| BridgeError::Model(format!("{}: its traces do not align across batch sizes ({e}); trace each batch size instead", req.model)))
     }
+}
+
+/// Whether a cut run of `batches` traces the whole depth at one of them and carries the batch
+/// over from the model cut to the shallowest depth at each (`--slopes`).
+fn carries_batch(batches: &[u64]) -> bool {
+    batches.len() >= SymbolicTrace::FIT_BATCHES.len()
 }
 
 /// Where the tracer writes `out`'s trace cut to `depth` blocks.
