@@ -14,4 +14,13 @@ Principal pieces: ``tracer.Recorder`` (events), ``tracer.TraceMode`` (the dispat
 
 __version__ = "0.1.0"
 
-from .loop import TraceOptions, trace_training  # noqa: E402,F401
+
+
+def __getattr__(name):
+    # The loop (and torch) load when first asked for: the tracer's entry points import torch
+    # themselves, with the cyclic collector paused (``__main__.preload``).
+    if name in ("TraceOptions", "trace_training"):
+        from . import loop
+
+        return getattr(loop, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -86,6 +86,7 @@ def main(argv=None):
             assert shape and all(x > 0 for x in shape)
         except (ValueError, AssertionError):
             return fail(2, f"--input `{a.input}` is not CxHxW")
+    preload(a.model)
     try:
         import torch
     except ImportError as e:
@@ -158,7 +159,6 @@ def main(argv=None):
         return 0
 
     try:
-        preload(a.model)
         return side_by_side([(b, out, i == 0) for i, (b, out) in enumerate(zip(a.batch, a.out))], traced)
     except TimedOut:
         return fail(4, f"tracing {a.model} timed out after {a.timeout:g} s")
@@ -170,7 +170,11 @@ def main(argv=None):
 def preload(ref):
     """Imports what tracing the model ``ref`` needs (torch, the tracer, the model's library)
     before any fork, so that every fork starts with them; a failure is left to the trace's own
-    import, which reports it."""
+    import, which reports it. The cyclic collector pauses meanwhile: the imports make hundreds of
+    thousands of objects that live as long as the process, and scanning them over and over was
+    a tenth of the imports' time (it runs again before any trace, which frees as the job would)."""
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         import torch  # noqa: F401
 
@@ -190,6 +194,9 @@ def preload(ref):
             import segmentation_models_pytorch  # noqa: F401
     except Exception:
         pass
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def fork(work):
@@ -258,4 +265,9 @@ def side_by_side(jobs, run):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Exits without the interpreter's teardown of what the imports made (a second of one core,
+    # which gpumem would wait for): the traces are written and closed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -190,8 +190,9 @@ pub enum EstimateError {
     Learned(String),
 }
 
-/// Every estimator implements this.
-pub trait Estimator {
+/// Every estimator implements this. An estimate is a function of the trace and the profile:
+/// estimators hold no state a call changes, and callers share one across threads.
+pub trait Estimator: Send + Sync {
     fn name(&self) -> &'static str;
     fn estimate(&self, trace: &Trace, profile: &GpuProfile) -> Result<Estimate, EstimateError>;
 }

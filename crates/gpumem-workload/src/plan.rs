@@ -201,12 +201,47 @@ fn model_states_floor(strategy: Option<Strategy>, trainable: u64, precision: Pre
     }
 }
 
+/// One (strategy, precision, checkpointing) setup's micro-batches: those that fit, and the
+/// next one up that does not; its trainable parameters.
+struct Sized {
+    trainable: Option<u64>,
+    fits: Vec<Setup>,
+    too_big: Vec<Setup>,
+}
+
+/// Sizes and times the micro-batches of one setup from its batch-symbolic trace.
+fn size(sym: &Symbolic, (strategy, precision, checkpointing): (Option<Strategy>, Precision, Checkpointing), profile: &GpuProfile, estimator: &dyn Estimator, space: &Space, link: Interconnect) -> Result<Sized, SizeError> {
+    let host = HostModel::default();
+    let mut sized = Sized { trainable: sym.trainable_parameters(), fits: Vec::new(), too_big: Vec::new() };
+    let world = u64::from(strategy.map_or(1, |s| s.world_size()));
+    let rank_batch = space.global_batch.map(|g| g / world);
+    let invalid = |e: gpumem_core::search::SearchError| WorkloadError::Invalid(e.to_string());
+    let Some((max, _)) = sym.max_batch(profile, estimator).map_err(invalid)? else {
+        let estimate = estimator.estimate(&sym.at(1).map_err(invalid)?, profile)?;
+        sized.too_big.push(Setup { strategy, precision, checkpointing, micro_batch: 1, grad_accum: rank_batch.unwrap_or(1), estimate, step_s: 0.0, comm_s: 0.0 });
+        return Ok(sized);
+    };
+    for m in micro_batches(rank_batch, max) {
+        let trace = sym.at(m).map_err(invalid)?;
+        let estimate = estimator.estimate(&trace, profile)?;
+        let grad_accum = rank_batch.map_or(1, |g| g / m);
+        let comm_s = link.comm_s(strategy, trace.header.parameters.unwrap_or(0), precision, grad_accum);
+        let step_s = physical(&trace, profile, &host).step_s + comm_s;
+        let setup = Setup { strategy, precision, checkpointing, micro_batch: m, grad_accum, step_s, comm_s, estimate };
+        if m > max {
+            sized.too_big.push(setup);
+        } else {
+            sized.fits.push(setup);
+        }
+    }
+    Ok(sized)
+}
+
 /// Plans `base` (its model and fixed options; its strategy where `space` lists none, and its
 /// precision, checkpointing and batch are searched) on `profile`, every rank's GPU.
 /// `traced(done, of)` hears how many of the `of` (strategy, precision, checkpointing) setups
 /// are traced (the cold part: a tracer run each), first with none.
 pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, space: &Space, link: Interconnect, traced: &(dyn Fn(usize, usize) + Sync)) -> Result<Plan, SizeError> {
-    let host = HostModel::default();
     let strategies = if space.strategies.is_empty() { vec![base.options().strategy] } else { space.strategies.clone() };
     let mut pairs = Vec::new();
     for &strategy in &strategies {
@@ -216,18 +251,22 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
             }
         }
     }
-    // Each pair's trace is a tracer process of its own (Python, one core each): side by side.
+    // Each pair's trace is a tracer process of its own (Python, one core each): side by side,
+    // each sized as soon as it is traced, beside the traces still running.
     use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
     let (done, of) = (AtomicUsize::new(0), AtomicUsize::new(pairs.len()));
     traced(0, pairs.len());
     let options = |strategy, precision, checkpointing| crate::Options { precision, checkpointing, grad_accum: 1, strategy, ..base.options().clone() };
     let trace_each = |pairs: &[(Option<Strategy>, Precision, Checkpointing)]| {
-        let symbolic = side_by_side(pairs, |&(strategy, precision, checkpointing)| {
+        let sized = side_by_side(pairs, |&(strategy, precision, checkpointing)| -> Result<Result<Sized, String>, SizeError> {
             let sym = setup_trace(base, options(strategy, precision, checkpointing), profile);
             traced(done.fetch_add(1, Relaxed) + 1, of.load(Relaxed));
-            sym
+            Ok(match sym? {
+                Ok(sym) => Ok(size(&sym, (strategy, precision, checkpointing), profile, estimator, space, link)?),
+                Err(reason) => Err(reason),
+            })
         });
-        pairs.iter().copied().zip(symbolic).collect::<Vec<_>>()
+        pairs.iter().copied().zip(sized).collect::<Vec<_>>()
     };
     // DDP and ZeRO-1/2 hold a whole copy of the parameters (DDP: of all model states) on every
     // rank: where what they hold alone exceeds the GPU, those setups are not traced. The other
@@ -235,7 +274,7 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
     let floored = |s: &Option<Strategy>| matches!(s, Some(Strategy::Ddp { .. } | Strategy::Zero { stage: 1 | 2, .. }));
     let (bounded, others): (Vec<_>, Vec<_>) = pairs.into_iter().partition(|(s, ..)| floored(s));
     let mut setups = trace_each(&others);
-    let trainable = setups.iter().find_map(|(_, sym)| sym.as_ref().ok()?.as_ref().ok()?.trainable_parameters());
+    let trainable = setups.iter().find_map(|(_, sized)| sized.as_ref().ok()?.as_ref().ok()?.trainable);
     let mut out = Plan::default();
     let mut to_trace = Vec::new();
     for (strategy, precision, checkpointing) in bounded {
@@ -256,34 +295,13 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
         }
     }
     setups.extend(trace_each(&to_trace));
-    for ((strategy, precision, checkpointing), sym) in setups {
-        let sym = match sym? {
-            Ok(s) => s,
-            Err(reason) => {
-                out.skipped.push(Skipped { strategy, precision, checkpointing, reason });
-                continue;
+    for ((strategy, precision, checkpointing), sized) in setups {
+        match sized? {
+            Ok(sized) => {
+                out.fits.extend(sized.fits);
+                out.too_big.extend(sized.too_big);
             }
-        };
-        let world = u64::from(strategy.map_or(1, |s| s.world_size()));
-        let rank_batch = space.global_batch.map(|g| g / world);
-        let invalid = |e: gpumem_core::search::SearchError| WorkloadError::Invalid(e.to_string());
-        let Some((max, _)) = sym.max_batch(profile, estimator).map_err(invalid)? else {
-            let estimate = estimator.estimate(&sym.at(1).map_err(invalid)?, profile)?;
-            out.too_big.push(Setup { strategy, precision, checkpointing, micro_batch: 1, grad_accum: rank_batch.unwrap_or(1), estimate, step_s: 0.0, comm_s: 0.0 });
-            continue;
-        };
-        for m in micro_batches(rank_batch, max) {
-            let trace = sym.at(m).map_err(invalid)?;
-            let estimate = estimator.estimate(&trace, profile)?;
-            let grad_accum = rank_batch.map_or(1, |g| g / m);
-            let comm_s = link.comm_s(strategy, trace.header.parameters.unwrap_or(0), precision, grad_accum);
-            let step_s = physical(&trace, profile, &host).step_s + comm_s;
-            let setup = Setup { strategy, precision, checkpointing, micro_batch: m, grad_accum, step_s, comm_s, estimate };
-            if m > max {
-                out.too_big.push(setup);
-            } else {
-                out.fits.push(setup);
-            }
+            Err(reason) => out.skipped.push(Skipped { strategy, precision, checkpointing, reason }),
         }
     }
     out.fits.sort_by(|a, b| a.seconds_per_sample().total_cmp(&b.seconds_per_sample()));
