@@ -15,7 +15,6 @@ Principal pieces: ``tracer.Recorder`` (events), ``tracer.TraceMode`` (the dispat
 __version__ = "0.1.0"
 
 
-
 def __getattr__(name):
     # The loop (and torch) load when first asked for: the tracer's entry points import torch
     # themselves, with the cyclic collector paused (``__main__.preload``).
