@@ -107,7 +107,7 @@ def run(line, epochs, device, out, max_steps=0, seconds=20.0):
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")  # C++ stacks cost seconds
     used = [0]
 
     def sample():
