@@ -21,6 +21,8 @@ import traceback
 
 # The oldest torch release the tracer is tested on (scripts/test.sh runs the pinned and newest).
 OLDEST_TORCH = (2, 4)
+# Seconds between alarms once --timeout has passed, until one is caught (see main's on_alarm).
+ALARM_REPEAT_S = 2.0
 
 
 def main(argv=None):
@@ -102,12 +104,12 @@ def main(argv=None):
         """Not an Exception: the model's and the tracer's own fallbacks (``except Exception``)
         must not swallow the alarm and run the model again."""
 
+    expired = []
+
     def on_alarm(*_):
+        expired.append(True)
         raise TimedOut
 
-    if a.timeout > 0:
-        signal.signal(signal.SIGALRM, on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, a.timeout)
     if a.strategy and (a.world_size < 2 or a.bucket_cap_mb <= 0):
         return fail(2, "--strategy needs --world-size of at least 2 and a positive --bucket-cap-mb")
     if a.replicas < 1 or a.world_size % a.replicas or (a.replicas > 1 and a.world_size // a.replicas < 2):
@@ -150,14 +152,22 @@ def main(argv=None):
                     if a.slopes and spans and first:  # cut for the batch only: the whole too
                         opts.depth = None
                         trace_training(opts, out)
-        except ReferenceError_ as e:
-            return fail(2, str(e))
-        except Exception as e:  # the model's own failure
-            tb = traceback.extract_tb(e.__traceback__)
+        except Exception as e:
+            if expired:  # the alarm, wrapped (see on_alarm): not the model's failure
+                raise TimedOut from e
+            if isinstance(e, ReferenceError_):
+                return fail(2, str(e))
+            tb = traceback.extract_tb(e.__traceback__)  # the model's own failure
             where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
             return fail(3, f"{a.model} failed while tracing: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{where}")
         return 0
 
+    if a.timeout > 0:
+        signal.signal(signal.SIGALRM, on_alarm)
+        # Again every ALARM_REPEAT_S until caught: an alarm raised inside an import or a class's
+        # creation reaches the code as a RuntimeError, which a fallback (the model's, or the
+        # tracer's own `except Exception`) can swallow, and the trace would run on untimed.
+        signal.setitimer(signal.ITIMER_REAL, a.timeout, ALARM_REPEAT_S)
     try:
         return side_by_side([(b, out, i == 0) for i, (b, out) in enumerate(zip(a.batch, a.out))], traced)
     except TimedOut:

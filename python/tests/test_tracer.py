@@ -230,9 +230,10 @@ def test_exception_inside_forward_is_reported(tmp_path):
     assert "failed while tracing: ValueError: boom" in p.stderr and "user_models.py" in p.stderr
 
 
-@pytest.mark.parametrize("fixture", ["slow", "slow_to_build"])
+@pytest.mark.parametrize("fixture", ["slow", "slow_to_build", "swallows_an_alarm"])
 def test_timeout(tmp_path, fixture):
-    # slow_to_build: the build's meta-device fallback must not swallow the alarm and build again
+    # slow_to_build: the build's meta-device fallback must not swallow the alarm and build again;
+    # swallows_an_alarm: one alarm lost in the model's own fallback, the next ends the trace
     p, _ = run([f"py:{FIX}:{fixture}", "--batch", "2", "--timeout", "1"], tmp_path, timeout=60)
     assert p.returncode == 4
     assert "timed out after 1 s" in p.stderr
