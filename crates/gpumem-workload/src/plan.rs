@@ -203,16 +203,16 @@ fn model_states_floor(strategy: Option<Strategy>, trainable: u64, precision: Pre
 
 /// One (strategy, precision, checkpointing) setup's micro-batches: those that fit, and the
 /// next one up that does not; its trainable parameters.
-struct Sized {
+struct MicroBatches {
     trainable: Option<u64>,
     fits: Vec<Setup>,
     too_big: Vec<Setup>,
 }
 
 /// Sizes and times the micro-batches of one setup from its batch-symbolic trace.
-fn size(sym: &Symbolic, (strategy, precision, checkpointing): (Option<Strategy>, Precision, Checkpointing), profile: &GpuProfile, estimator: &dyn Estimator, space: &Space, link: Interconnect) -> Result<Sized, SizeError> {
+fn size(sym: &Symbolic, (strategy, precision, checkpointing): (Option<Strategy>, Precision, Checkpointing), profile: &GpuProfile, estimator: &dyn Estimator, space: &Space, link: Interconnect) -> Result<MicroBatches, SizeError> {
     let host = HostModel::default();
-    let mut sized = Sized { trainable: sym.trainable_parameters(), fits: Vec::new(), too_big: Vec::new() };
+    let mut sized = MicroBatches { trainable: sym.trainable_parameters(), fits: Vec::new(), too_big: Vec::new() };
     let world = u64::from(strategy.map_or(1, |s| s.world_size()));
     let rank_batch = space.global_batch.map(|g| g / world);
     let invalid = |e: gpumem_core::search::SearchError| WorkloadError::Invalid(e.to_string());
@@ -258,7 +258,7 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
     traced(0, pairs.len());
     let options = |strategy, precision, checkpointing| crate::Options { precision, checkpointing, grad_accum: 1, strategy, ..base.options().clone() };
     let trace_each = |pairs: &[(Option<Strategy>, Precision, Checkpointing)]| {
-        let sized = side_by_side(pairs, |&(strategy, precision, checkpointing)| -> Result<Result<Sized, String>, SizeError> {
+        let sized = side_by_side(pairs, |&(strategy, precision, checkpointing)| -> Result<Result<MicroBatches, String>, SizeError> {
             let sym = setup_trace(base, options(strategy, precision, checkpointing), profile);
             traced(done.fetch_add(1, Relaxed) + 1, of.load(Relaxed));
             Ok(match sym? {
