@@ -26,8 +26,24 @@ fn cache() -> PathBuf {
 
 fn plan(gpus: &str) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_gpumem"));
-    c.args(["plan", LLAMA_7B, "--seq-len", "2048", "--gpus", gpus, "--strategies", "fsdp,zero3", "--precisions", "bf16", "--checkpointing", "on", "--global-batch", "64", "--json"])
-        .env("GPUMEM_CACHE", cache());
+    c.args([
+        "plan",
+        LLAMA_7B,
+        "--seq-len",
+        "2048",
+        "--gpus",
+        gpus,
+        "--strategies",
+        "fsdp,zero3",
+        "--precisions",
+        "bf16",
+        "--checkpointing",
+        "on",
+        "--global-batch",
+        "64",
+        "--json",
+    ])
+    .env("GPUMEM_CACHE", cache());
     c
 }
 
@@ -41,10 +57,16 @@ fn prepared() -> bool {
             let t = Instant::now();
             let out = plan(gpus).output().expect("gpumem runs");
             if !out.status.success() {
-                eprintln!("plan: skipped, the first plan on {gpus} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+                eprintln!(
+                    "plan: skipped, the first plan on {gpus} failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
                 return false;
             }
-            eprintln!("plan: {gpus} cold (traces made): {:.1} s", t.elapsed().as_secs_f64());
+            eprintln!(
+                "plan: {gpus} cold (traces made): {:.1} s",
+                t.elapsed().as_secs_f64()
+            );
             true
         })
     })
@@ -57,6 +79,10 @@ fn plan_with_traces_cached(bencher: Bencher, gpus: &str) {
     }
     bencher.bench_local(|| {
         let out = plan(gpus).output().expect("gpumem runs");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     });
 }

@@ -10,7 +10,10 @@ use std::sync::OnceLock;
 
 use divan::Bencher;
 
-const MODELS: [&str; 2] = ["torchvision:resnet50", "hf:GPT2LMHeadModel(n_embd=768,n_layer=12,n_head=12)"];
+const MODELS: [&str; 2] = [
+    "torchvision:resnet50",
+    "hf:GPT2LMHeadModel(n_embd=768,n_layer=12,n_head=12)",
+];
 
 fn main() {
     divan::main();
@@ -22,7 +25,16 @@ fn cache() -> PathBuf {
 
 fn estimate(model: &str, batch: u64) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_gpumem"));
-    c.args(["estimate", model, "--batch", &batch.to_string(), "--gpu", "h200", "--json"]).env("GPUMEM_CACHE", cache());
+    c.args([
+        "estimate",
+        model,
+        "--batch",
+        &batch.to_string(),
+        "--gpu",
+        "h200",
+        "--json",
+    ])
+    .env("GPUMEM_CACHE", cache());
     if model.starts_with("hf:") {
         c.args(["--seq-len", "1024", "--optimizer", "adamw"]);
     }
@@ -37,7 +49,10 @@ fn prepared() -> bool {
         MODELS.iter().all(|m| {
             let out = estimate(m, 32).output().expect("gpumem runs");
             if !out.status.success() {
-                eprintln!("reestimate: skipped, the first estimate of {m} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+                eprintln!(
+                    "reestimate: skipped, the first estimate of {m} failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
             }
             out.status.success()
         })
@@ -53,6 +68,10 @@ fn second_estimate_at_another_batch(bencher: Bencher, model: &str) {
     bencher.bench_local(|| {
         batch += 8; // a batch size no trace was taken at
         let out = estimate(model, batch).output().expect("gpumem runs");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     });
 }

@@ -17,7 +17,10 @@ use gpumem_learn::{Hybrid, LearnedModel};
 use gpumem_torch::BridgeError;
 use gpumem_workload::deepspeed;
 use gpumem_workload::launch::{self, Launch};
-use gpumem_workload::{AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, ModelRef, Options, Outputs, Strategy, Validate, Workload, WorkloadError, Zero};
+use gpumem_workload::{
+    AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, ModelRef, Options, Outputs,
+    Strategy, Validate, Workload, WorkloadError, Zero,
+};
 
 use crate::{CliError, CliResult};
 
@@ -34,14 +37,19 @@ pub struct GpuChoice {
 
 impl GpuChoice {
     pub fn new(gpu: &str, profile: Option<PathBuf>) -> Self {
-        GpuChoice { gpu: gpu.into(), profile }
+        GpuChoice {
+            gpu: gpu.into(),
+            profile,
+        }
     }
 
     pub fn load(&self) -> CliResult<GpuProfile> {
         match &self.profile {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
-                GpuProfile::from_toml(&text).map_err(|e| CliError::input(format!("{}: {e}", path.display())))
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
+                GpuProfile::from_toml(&text)
+                    .map_err(|e| CliError::input(format!("{}: {e}", path.display())))
             }
             None => profile::builtin(&self.gpu).map_err(CliError::input),
         }
@@ -51,8 +59,17 @@ impl GpuChoice {
 /// `COUNTxGPU` (e.g. `4xa100-40gb`) of option `flag`, with 1..=`max` GPUs.
 pub fn gpu_count<'a>(flag: &str, spec: &'a str, max: usize) -> CliResult<(usize, &'a str)> {
     spec.split_once('x')
-        .and_then(|(n, g)| Some((n.parse::<usize>().ok().filter(|n| (1..=max).contains(n))?, g)))
-        .ok_or_else(|| CliError::input(format!("{flag} `{spec}` is not COUNTxGPU (e.g. 4xa100-40gb)")))
+        .and_then(|(n, g)| {
+            Some((
+                n.parse::<usize>().ok().filter(|n| (1..=max).contains(n))?,
+                g,
+            ))
+        })
+        .ok_or_else(|| {
+            CliError::input(format!(
+                "{flag} `{spec}` is not COUNTxGPU (e.g. 4xa100-40gb)"
+            ))
+        })
 }
 
 /// The training loop around a model: the command-line form of [`Options`].
@@ -167,24 +184,39 @@ pub struct StrategyArgs {
 impl StrategyArgs {
     /// The launch config --deepspeed or --accelerate names, read, its ranks resolved.
     pub fn launch(&self) -> CliResult<Option<Launch>> {
-        let read = |flag: &str, path: &Path| std::fs::read_to_string(path).map_err(|e| CliError::input(format!("{flag} {}: {e}", path.display())));
+        let read = |flag: &str, path: &Path| {
+            std::fs::read_to_string(path)
+                .map_err(|e| CliError::input(format!("{flag} {}: {e}", path.display())))
+        };
         if let Some(path) = &self.accelerate {
             let dir = path.parent().unwrap_or(Path::new("."));
-            let l = launch::read_accelerate(&read("--accelerate", path)?, dir).map_err(|e| CliError::input(format!("--accelerate {}: {e}", path.display())))?;
+            let l = launch::read_accelerate(&read("--accelerate", path)?, dir)
+                .map_err(|e| CliError::input(format!("--accelerate {}: {e}", path.display())))?;
             let stated = l.strategy.map_or(1, |s| s.world_size());
             if let Some(flag) = self.world_size.filter(|w| *w != stated) {
-                return Err(CliError::input(format!("--world-size {flag} disagrees with the accelerate config's num_processes ({stated})")));
+                return Err(CliError::input(format!(
+                    "--world-size {flag} disagrees with the accelerate config's num_processes ({stated})"
+                )));
             }
             return Ok(Some(l));
         }
-        let Some(path) = &self.deepspeed else { return Ok(None) };
-        let job = deepspeed::read_config(&read("--deepspeed", path)?).map_err(|e| CliError::input(format!("--deepspeed {}: {e}", path.display())))?;
+        let Some(path) = &self.deepspeed else {
+            return Ok(None);
+        };
+        let job = deepspeed::read_config(&read("--deepspeed", path)?)
+            .map_err(|e| CliError::input(format!("--deepspeed {}: {e}", path.display())))?;
         let world_size = match (self.world_size, job.world_size) {
             (Some(flag), Some(stated)) if flag != stated => {
-                return Err(CliError::input(format!("--world-size {flag} disagrees with the DeepSpeed config's train_batch_size, which makes {stated} ranks")));
+                return Err(CliError::input(format!(
+                    "--world-size {flag} disagrees with the DeepSpeed config's train_batch_size, which makes {stated} ranks"
+                )));
             }
             (Some(n), _) | (None, Some(n)) => n,
-            (None, None) => return Err(CliError::input("--deepspeed: the config does not state train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps; give --world-size")),
+            (None, None) => {
+                return Err(CliError::input(
+                    "--deepspeed: the config does not state train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps; give --world-size",
+                ));
+            }
         };
         Ok(Some(job.launch(world_size)))
     }
@@ -203,7 +235,13 @@ impl StrategyArgs {
             (Some(fsdp @ ("fsdp" | "hsdp")), Some(world_size)) => Some(Strategy::Fsdp {
                 world_size,
                 reshard_after_forward: !self.no_reshard_after_forward,
-                param_dtype: self.fsdp_param_dtype.as_deref().map(|d| if d == "bf16" { HalfDtype::Bf16 } else { HalfDtype::Fp16 }),
+                param_dtype: self.fsdp_param_dtype.as_deref().map(|d| {
+                    if d == "bf16" {
+                        HalfDtype::Bf16
+                    } else {
+                        HalfDtype::Fp16
+                    }
+                }),
                 replicas: match (fsdp, self.nodes) {
                     ("hsdp", Some(nodes)) => nodes,
                     ("hsdp", None) => return Err(CliError::input("--strategy hsdp needs --nodes")),
@@ -212,10 +250,28 @@ impl StrategyArgs {
                 },
                 cpu_offload: self.fsdp_cpu_offload,
             }),
-            _ if self.fsdp_cpu_offload => return Err(CliError::input("--fsdp-cpu-offload is for --strategy fsdp or hsdp")),
-            (Some(zero @ ("zero1" | "zero2" | "zero3")), Some(world_size)) => Some(Strategy::Zero { stage: zero.as_bytes()[4] - b'0', world_size, zero: Zero::default() }),
-            (Some(_), Some(world_size)) => Some(Strategy::Ddp { world_size, bucket_cap_mb: self.bucket_cap_mb, bucket_view: self.gradient_as_bucket_view }),
-            (None, Some(_)) => return Err(CliError::input("--world-size needs --strategy or --deepspeed")),
+            _ if self.fsdp_cpu_offload => {
+                return Err(CliError::input(
+                    "--fsdp-cpu-offload is for --strategy fsdp or hsdp",
+                ));
+            }
+            (Some(zero @ ("zero1" | "zero2" | "zero3")), Some(world_size)) => {
+                Some(Strategy::Zero {
+                    stage: zero.as_bytes()[4] - b'0',
+                    world_size,
+                    zero: Zero::default(),
+                })
+            }
+            (Some(_), Some(world_size)) => Some(Strategy::Ddp {
+                world_size,
+                bucket_cap_mb: self.bucket_cap_mb,
+                bucket_view: self.gradient_as_bucket_view,
+            }),
+            (None, Some(_)) => {
+                return Err(CliError::input(
+                    "--world-size needs --strategy or --deepspeed",
+                ));
+            }
             _ => None,
         })
     }
@@ -225,7 +281,10 @@ impl WorkloadArgs {
     /// The typed options, each parsed value named by its flag where it is wrong.
     pub fn options(&self) -> CliResult<Options> {
         let input = match &self.input {
-            Some(i) => Some(InputShape::parse(i).ok_or_else(|| CliError::input(format!("--input `{i}` is not CxHxW")))?),
+            Some(i) => Some(
+                InputShape::parse(i)
+                    .ok_or_else(|| CliError::input(format!("--input `{i}` is not CxHxW")))?,
+            ),
             None => None,
         };
         let options = Options {
@@ -249,20 +308,35 @@ impl WorkloadArgs {
         };
         // The launch config, read once: its strategy, and what it fixes of the loop.
         Ok(match self.strategy.launch()? {
-            Some(launch) => launch.stated.over(Options { strategy: launch.strategy, ..options }),
-            None => Options { strategy: self.strategy.named()?, ..options },
+            Some(launch) => launch.stated.over(Options {
+                strategy: launch.strategy,
+                ..options
+            }),
+            None => Options {
+                strategy: self.strategy.named()?,
+                ..options
+            },
         })
     }
 
     /// The micro-batch a launch config states (DeepSpeed's `train_micro_batch_size_per_gpu`),
     /// which a command's default batch gives way to.
     pub fn stated_batch(&self) -> CliResult<Option<i64>> {
-        Ok(self.strategy.launch()?.and_then(|l| l.stated.micro_batch).map(|b| i64::try_from(b).unwrap_or(i64::MAX)))
+        Ok(self
+            .strategy
+            .launch()?
+            .and_then(|l| l.stated.micro_batch)
+            .map(|b| i64::try_from(b).unwrap_or(i64::MAX)))
     }
 
     /// The workload of `model` at `batch` (as typed: negative sizes are refused here).
     pub fn workload(&self, model: ModelRef, batch: i64) -> CliResult<Workload> {
-        let batch = u64::try_from(batch).map_err(|_| CliError::input(format!("--batch {batch} is out of range (1..={})", gpumem_core::families::MAX_BATCH)))?;
+        let batch = u64::try_from(batch).map_err(|_| {
+            CliError::input(format!(
+                "--batch {batch} is out of range (1..={})",
+                gpumem_core::families::MAX_BATCH
+            ))
+        })?;
         Ok(Workload::new(model, batch, self.options()?)?)
     }
 }
@@ -271,7 +345,8 @@ impl WorkloadArgs {
 pub fn lora(spec: &str) -> CliResult<Lora> {
     let path = std::path::Path::new(spec);
     let parsed = if spec.ends_with(".json") || path.is_file() {
-        let text = std::fs::read_to_string(path).map_err(|e| CliError::input(format!("--lora {spec}: {e}")))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| CliError::input(format!("--lora {spec}: {e}")))?;
         Lora::from_peft_json(&text)
     } else {
         Lora::parse(spec)
@@ -326,12 +401,18 @@ pub struct EstimatorArgs {
 impl EstimatorArgs {
     /// The learned models, read.
     pub fn models(&self) -> CliResult<Vec<(PathBuf, LearnedModel)>> {
-        self.learned_model.iter().map(|p| Ok((p.clone(), LearnedModel::read(p).map_err(CliError::input)?))).collect()
+        self.learned_model
+            .iter()
+            .map(|p| Ok((p.clone(), LearnedModel::read(p).map_err(CliError::input)?)))
+            .collect()
     }
 
     /// The estimator by name; `learned` is the hybrid among `models`.
     pub fn estimator(&self, models: &[(PathBuf, LearnedModel)]) -> CliResult<Box<dyn Estimator>> {
-        let hybrid = models.iter().find(|(_, m)| Hybrid::accepts(m)).map(|(p, _)| p.as_path());
+        let hybrid = models
+            .iter()
+            .find(|(_, m)| Hybrid::accepts(m))
+            .map(|(p, _)| p.as_path());
         gpumem_learn::estimator(&self.estimator, hybrid).map_err(CliError::input)
     }
 }
@@ -347,12 +428,16 @@ impl ModelArg {
         let path = Path::new(arg);
         if path.is_file() {
             let f = File::open(path).map_err(|e| CliError::input(format!("{arg}: {e}")))?;
-            return Trace::read(BufReader::new(f)).map(ModelArg::TraceFile).map_err(|e| CliError::input(format!("{arg}: {e}")));
+            return Trace::read(BufReader::new(f))
+                .map(ModelArg::TraceFile)
+                .map_err(|e| CliError::input(format!("{arg}: {e}")));
         }
         if arg.ends_with(".jsonl") || arg.ends_with(".trace") {
             return Err(CliError::input(format!("{arg}: no such trace file")));
         }
-        ModelRef::parse(arg).map(ModelArg::Model).map_err(CliError::input)
+        ModelRef::parse(arg)
+            .map(ModelArg::Model)
+            .map_err(CliError::input)
     }
 
     /// The model, where the argument is not a trace file (`what` says which command needs one).
@@ -372,7 +457,8 @@ pub fn read_csv(path: &Path) -> CliResult<Vec<Measurement>> {
 /// A measurement CSV's rows, those that did not fit on the GPU too.
 pub fn read_rows(path: &Path) -> CliResult<gpumem_core::dataset::Rows> {
     let f = File::open(path).map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
-    gpumem_core::dataset::read_rows(&path.display().to_string(), BufReader::new(f)).map_err(CliError::input)
+    gpumem_core::dataset::read_rows(&path.display().to_string(), BufReader::new(f))
+        .map_err(CliError::input)
 }
 
 /// Bytes as MiB rounded to 0.1, for JSON output.
@@ -383,9 +469,16 @@ pub fn mib(b: u64) -> f64 {
 /// The trace of a measured row's job (its own options over `defaults`). `Err(reason)` inside
 /// `Ok` means the row cannot be modelled here and is skipped: its model is not one gpumem can
 /// trace, or the tracer failed on it.
-pub fn row_trace(m: &Measurement, defaults: &Options, profile: &GpuProfile) -> CliResult<Result<Trace, String>> {
+pub fn row_trace(
+    m: &Measurement,
+    defaults: &Options,
+    profile: &GpuProfile,
+) -> CliResult<Result<Trace, String>> {
     let Some(w) = Workload::of_row(m, defaults)? else {
-        return Ok(Err(format!("`{}` is neither a native spec nor a PyTorch reference", m.label)));
+        return Ok(Err(format!(
+            "`{}` is neither a native spec nor a PyTorch reference",
+            m.label
+        )));
     };
     match w.trace(profile) {
         Ok(t) => Ok(Ok(t)),

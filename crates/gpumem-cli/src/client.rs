@@ -42,11 +42,18 @@ impl ServerArgs {
 
     /// The daemon's address as given, or the default one.
     fn server(&self) -> String {
-        self.server.clone().filter(|s| !s.is_empty()).unwrap_or_else(|| {
-            let machine = std::path::Path::new(gpumem_server::api::MACHINE_SOCKET);
-            let socket = if machine.exists() { machine.to_path_buf() } else { gpumem_server::api::default_socket(gpumem_server::identity::User::current()) };
-            format!("unix:{}", socket.display())
-        })
+        self.server
+            .clone()
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| {
+                let machine = std::path::Path::new(gpumem_server::api::MACHINE_SOCKET);
+                let socket = if machine.exists() {
+                    machine.to_path_buf()
+                } else {
+                    gpumem_server::api::default_socket(gpumem_server::identity::User::current())
+                };
+                format!("unix:{}", socket.display())
+            })
     }
 
     fn endpoint(&self) -> CliResult<Endpoint> {
@@ -57,22 +64,39 @@ impl ServerArgs {
         if server.starts_with('/') {
             return Ok(Endpoint::Unix(server.into()));
         }
-        match server.strip_prefix("http://").map(|h| h.trim_end_matches('/')) {
-            Some(host) if !host.is_empty() && !host.contains('/') => Ok(Endpoint::Tcp(host.to_string())),
-            _ => Err(CliError::input(format!("--server `{server}` is neither unix:PATH nor http://HOST:PORT"))),
+        match server
+            .strip_prefix("http://")
+            .map(|h| h.trim_end_matches('/'))
+        {
+            Some(host) if !host.is_empty() && !host.contains('/') => {
+                Ok(Endpoint::Tcp(host.to_string()))
+            }
+            _ => Err(CliError::input(format!(
+                "--server `{server}` is neither unix:PATH nor http://HOST:PORT"
+            ))),
         }
     }
 
     /// Sends a request; a non-2xx answer becomes a one-line error (4xx: bad input, exit 2).
-    fn call(&self, method: &str, path: &str, body: Option<&impl serde::Serialize>) -> CliResult<String> {
+    fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&impl serde::Serialize>,
+    ) -> CliResult<String> {
         use hyper::header;
         let server = self.server();
         let endpoint = self.endpoint()?;
         if let Endpoint::Unix(path) = &endpoint {
             trusted_socket(path)?;
         }
-        let mut req = hyper::Request::builder().method(method).uri(path).header(header::HOST, "localhost");
-        if let Some(t) = gpumem_server::api::Token::from_file_or_env(self.token_file.as_deref()).map_err(CliError::input)? {
+        let mut req = hyper::Request::builder()
+            .method(method)
+            .uri(path)
+            .header(header::HOST, "localhost");
+        if let Some(t) = gpumem_server::api::Token::from_file_or_env(self.token_file.as_deref())
+            .map_err(CliError::input)?
+        {
             req = req.header(header::AUTHORIZATION, format!("Bearer {}", t.as_str()));
         }
         let body = match body {
@@ -82,28 +106,47 @@ impl ServerArgs {
             }
             None => Vec::new(),
         };
-        let req = req.body(http_body_util::Full::new(hyper::body::Bytes::from(body))).map_err(|e| CliError::input(format!("{path}: {e}")))?;
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(CliError::other)?;
+        let req = req
+            .body(http_body_util::Full::new(hyper::body::Bytes::from(body)))
+            .map_err(|e| CliError::input(format!("{path}: {e}")))?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(CliError::other)?;
         let answer = rt.block_on(async {
             let exchange = async {
                 match endpoint {
-                    Endpoint::Unix(p) => exchange(tokio::net::UnixStream::connect(p).await?, req).await,
-                    Endpoint::Tcp(host) => exchange(tokio::net::TcpStream::connect(host).await?, req).await,
+                    Endpoint::Unix(p) => {
+                        exchange(tokio::net::UnixStream::connect(p).await?, req).await
+                    }
+                    Endpoint::Tcp(host) => {
+                        exchange(tokio::net::TcpStream::connect(host).await?, req).await
+                    }
                 }
             };
-            tokio::time::timeout(Duration::from_secs(60), exchange).await.unwrap_or_else(|_| Err("no answer within 60 s".into()))
+            tokio::time::timeout(Duration::from_secs(60), exchange)
+                .await
+                .unwrap_or_else(|_| Err("no answer within 60 s".into()))
         });
-        let (status, text) = answer.map_err(|e| CliError::other(format!("{server}: {e} (is `gpumem serve` running?)")))?;
+        let (status, text) = answer
+            .map_err(|e| CliError::other(format!("{server}: {e} (is `gpumem serve` running?)")))?;
         if (200..300).contains(&status) {
             return Ok(text);
         }
-        let msg = serde_json::from_str::<ErrorBody>(&text).map(|e| e.error).unwrap_or(text);
-        if (400..500).contains(&status) { Err(CliError::input(format!("{status}: {msg}"))) } else { Err(CliError::other(format!("{status}: {msg}"))) }
+        let msg = serde_json::from_str::<ErrorBody>(&text)
+            .map(|e| e.error)
+            .unwrap_or(text);
+        if (400..500).contains(&status) {
+            Err(CliError::input(format!("{status}: {msg}")))
+        } else {
+            Err(CliError::other(format!("{status}: {msg}")))
+        }
     }
 
     fn get<T: for<'de> Deserialize<'de>>(&self, path: &str) -> CliResult<(T, String)> {
         let text = self.call("GET", path, None::<&()>)?;
-        let v = serde_json::from_str(&text).map_err(|e| CliError::other(format!("{}: unexpected answer: {e}", self.server())))?;
+        let v = serde_json::from_str(&text)
+            .map_err(|e| CliError::other(format!("{}: unexpected answer: {e}", self.server())))?;
         Ok((v, text))
     }
 }
@@ -114,18 +157,26 @@ fn trusted_socket(path: &std::path::Path) -> CliResult<()> {
     use std::os::unix::fs::MetadataExt;
     let me = gpumem_server::identity::User::current().uid;
     match std::fs::symlink_metadata(path) {
-        Ok(m) if m.uid() != 0 && m.uid() != me => Err(CliError::input(format!("{}: the socket belongs to uid {}, neither root nor you; not sending it a job", path.display(), m.uid()))),
+        Ok(m) if m.uid() != 0 && m.uid() != me => Err(CliError::input(format!(
+            "{}: the socket belongs to uid {}, neither root nor you; not sending it a job",
+            path.display(),
+            m.uid()
+        ))),
         _ => Ok(()),
     }
 }
 
 /// One HTTP/1 request over `stream`: the answer's status and body.
-async fn exchange<S>(stream: S, req: hyper::Request<http_body_util::Full<hyper::body::Bytes>>) -> Result<(u16, String), Box<dyn std::error::Error + Send + Sync>>
+async fn exchange<S>(
+    stream: S,
+    req: hyper::Request<http_body_util::Full<hyper::body::Bytes>>,
+) -> Result<(u16, String), Box<dyn std::error::Error + Send + Sync>>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     use http_body_util::BodyExt;
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
     tokio::spawn(connection);
     let res = sender.send_request(req).await?;
     let status = res.status().as_u16();
@@ -172,14 +223,23 @@ pub struct SubmitArgs {
 pub fn submit(a: SubmitArgs) -> CliResult {
     let mut req: JobRequest = match &a.file {
         Some(p) => {
-            let text = std::fs::read_to_string(p).map_err(|e| CliError::input(format!("{}: {e}", p.display())))?;
-            toml::from_str(&text).map_err(|e| CliError::input(format!("{}: {}", p.display(), e.to_string().replace('\n', " "))))?
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| CliError::input(format!("{}: {e}", p.display())))?;
+            toml::from_str(&text).map_err(|e| {
+                CliError::input(format!(
+                    "{}: {}",
+                    p.display(),
+                    e.to_string().replace('\n', " ")
+                ))
+            })?
         }
         None => JobRequest {
             command: Vec::new(),
             shell: false,
             name: None,
-            cwd: std::env::current_dir().ok().map(|d| d.display().to_string()),
+            cwd: std::env::current_dir()
+                .ok()
+                .map(|d| d.display().to_string()),
             env: Default::default(),
             gpus: 1,
             model: None,
@@ -198,7 +258,9 @@ pub fn submit(a: SubmitArgs) -> CliResult {
         req.shell = false;
     }
     if req.command.is_empty() {
-        return Err(CliError::input("no command: give a job file, `-- PROGRAM ARGS…` or --shell"));
+        return Err(CliError::input(
+            "no command: give a job file, `-- PROGRAM ARGS…` or --shell",
+        ));
     }
     req.gpus = a.gpus.unwrap_or(req.gpus);
     req.mem_mib = a.mem_mib.or(req.mem_mib);
@@ -223,7 +285,12 @@ pub fn submit(a: SubmitArgs) -> CliResult {
     }
     let s: Submitted = serde_json::from_str(&text).map_err(|e| CliError::other(e.to_string()))?;
     match s.estimate_mib {
-        Some(e) => println!("job {} {} (estimate {e:.0} MiB, bound {:.0} MiB)", s.id, s.state.name(), s.bound_mib.unwrap_or(e)),
+        Some(e) => println!(
+            "job {} {} (estimate {e:.0} MiB, bound {:.0} MiB)",
+            s.id,
+            s.state.name(),
+            s.bound_mib.unwrap_or(e)
+        ),
         None => println!("job {} {}", s.id, s.state.name()),
     }
     Ok(())
@@ -250,12 +317,28 @@ pub fn jobs(a: JobsArgs) -> CliResult {
         println!("{text}");
         return Ok(());
     }
-    println!("{:>6}  {:<15} {:<9} {:>10} {:>10}  command", "id", "state", "gpus", "est MiB", "peak MiB");
+    println!(
+        "{:>6}  {:<15} {:<9} {:>10} {:>10}  command",
+        "id", "state", "gpus", "est MiB", "peak MiB"
+    );
     for j in jobs {
-        let gpus = j.assigned.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+        let gpus = j
+            .assigned
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(",");
         let cmd = j.request.command.join(" ");
         let f = |x: Option<f64>| x.map_or("-".into(), |v| format!("{v:.0}"));
-        println!("{:>6}  {:<15} {:<9} {:>10} {:>10}  {}", j.id, j.state.name(), gpus, f(j.estimate_mib), f(j.peak_mib), printable(&cmd.chars().take(60).collect::<String>()));
+        println!(
+            "{:>6}  {:<15} {:<9} {:>10} {:>10}  {}",
+            j.id,
+            j.state.name(),
+            gpus,
+            f(j.estimate_mib),
+            f(j.peak_mib),
+            printable(&cmd.chars().take(60).collect::<String>())
+        );
     }
     Ok(())
 }
@@ -274,7 +357,11 @@ pub struct JobShowArgs {
 
 pub fn job(a: JobShowArgs) -> CliResult {
     if a.log {
-        print!("{}", a.server.call("GET", &format!("/jobs/{}/log", a.id), None::<&()>)?);
+        print!(
+            "{}",
+            a.server
+                .call("GET", &format!("/jobs/{}/log", a.id), None::<&()>)?
+        );
         return Ok(());
     }
     let (j, text): (JobView, _) = a.server.get(&format!("/jobs/{}", a.id))?;
@@ -282,11 +369,27 @@ pub fn job(a: JobShowArgs) -> CliResult {
         println!("{text}");
         return Ok(());
     }
-    println!("job {} ({})", j.id, printable(j.request.name.as_deref().unwrap_or("-")));
+    println!(
+        "job {} ({})",
+        j.id,
+        printable(j.request.name.as_deref().unwrap_or("-"))
+    );
     println!("  state      {}", j.state.name());
-    println!("  command    {}{}", printable(&j.request.command.join(" ")), if j.request.shell { "  (shell)" } else { "" });
-    println!("  gpus       {} requested, on {:?}", j.request.gpus, j.assigned);
-    println!("  memory     estimate {}, bound {}, peak {}", mib(j.estimate_mib), mib(j.bound_mib), mib(j.peak_mib));
+    println!(
+        "  command    {}{}",
+        printable(&j.request.command.join(" ")),
+        if j.request.shell { "  (shell)" } else { "" }
+    );
+    println!(
+        "  gpus       {} requested, on {:?}",
+        j.request.gpus, j.assigned
+    );
+    println!(
+        "  memory     estimate {}, bound {}, peak {}",
+        mib(j.estimate_mib),
+        mib(j.bound_mib),
+        mib(j.peak_mib)
+    );
     println!("  retries    {}", j.retries);
     if let Some(c) = j.exit_code {
         println!("  exit code  {c}");
@@ -309,9 +412,19 @@ pub struct CancelArgs {
 }
 
 pub fn cancel(a: CancelArgs) -> CliResult {
-    let text = a.server.call("POST", &format!("/jobs/{}/cancel", a.id), None::<&()>)?;
+    let text = a
+        .server
+        .call("POST", &format!("/jobs/{}/cancel", a.id), None::<&()>)?;
     let j: JobView = serde_json::from_str(&text).map_err(|e| CliError::other(e.to_string()))?;
-    println!("job {}: {}", j.id, if j.state.is_final() { j.state.name() } else { "cancelling" });
+    println!(
+        "job {}: {}",
+        j.id,
+        if j.state.is_final() {
+            j.state.name()
+        } else {
+            "cancelling"
+        }
+    );
     Ok(())
 }
 
@@ -337,7 +450,6 @@ pub fn live_gpus(server: &ServerArgs, json: bool) -> CliResult {
     Ok(())
 }
 
-
 #[derive(Args)]
 pub struct LoadTestArgs {
     /// Submissions to send.
@@ -361,10 +473,20 @@ pub struct LoadTestArgs {
 /// checks that every accepted job is stored.
 pub fn load_test(a: LoadTestArgs) -> CliResult {
     let acked = match &a.acked {
-        Some(p) => Some(std::sync::Mutex::new(std::fs::OpenOptions::new().create(true).append(true).open(p).map_err(|e| CliError::input(format!("{}: {e}", p.display())))?)),
+        Some(p) => Some(std::sync::Mutex::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .map_err(|e| CliError::input(format!("{}: {e}", p.display())))?,
+        )),
         None => None,
     };
-    let before = if acked.is_some() { 0 } else { a.server.get::<Vec<JobView>>("/jobs")?.0.len() };
+    let before = if acked.is_some() {
+        0
+    } else {
+        a.server.get::<Vec<JobView>>("/jobs")?.0.len()
+    };
     let started = Instant::now();
     let per = a.jobs.div_ceil(a.concurrency.max(1));
     let results: Vec<(Vec<f64>, usize)> = std::thread::scope(|s| {
@@ -394,15 +516,26 @@ pub fn load_test(a: LoadTestArgs) -> CliResult {
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_default())
+            .collect()
     });
     let elapsed = started.elapsed().as_secs_f64();
     let mut lat: Vec<f64> = results.iter().flat_map(|r| r.0.iter().copied()).collect();
     let failed: usize = results.iter().map(|r| r.1).sum();
     lat.sort_by(f64::total_cmp);
-    let pct = |q: f64| lat.get(((q * lat.len() as f64).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0.0);
+    let pct = |q: f64| {
+        lat.get(((q * lat.len() as f64).ceil() as usize).saturating_sub(1))
+            .copied()
+            .unwrap_or(0.0)
+    };
     if acked.is_some() {
-        println!("{} submissions acknowledged in {elapsed:.2} s over {} connections; {failed} failed (the daemon away)", lat.len(), a.concurrency);
+        println!(
+            "{} submissions acknowledged in {elapsed:.2} s over {} connections; {failed} failed (the daemon away)",
+            lat.len(),
+            a.concurrency
+        );
         return Ok(());
     }
     let stored = a.server.get::<Vec<JobView>>("/jobs")?.0.len() - before;
@@ -416,24 +549,37 @@ pub fn load_test(a: LoadTestArgs) -> CliResult {
         lat.last().copied().unwrap_or(0.0)
     );
     if stored != lat.len() {
-        return Err(CliError::other(format!("{} submissions were accepted but {stored} are stored", lat.len())));
+        return Err(CliError::other(format!(
+            "{} submissions were accepted but {stored} are stored",
+            lat.len()
+        )));
     }
     Ok(())
 }
-
 
 /// Text another user chose (a job's name, command, error), as a terminal shows it safely:
 /// control characters (escape sequences that would move the cursor, recolour or retitle the
 /// terminal) are written escaped.
 fn printable(text: &str) -> String {
-    text.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     #[test]
     fn control_characters_are_escaped() {
-        assert_eq!(super::printable("ok \u{1b}]0;pwned\u{7}name\n"), "ok \\u{1b}]0;pwned\\u{7}name\\n");
+        assert_eq!(
+            super::printable("ok \u{1b}]0;pwned\u{7}name\n"),
+            "ok \\u{1b}]0;pwned\\u{7}name\\n"
+        );
         assert_eq!(super::printable("plain name"), "plain name");
     }
 }

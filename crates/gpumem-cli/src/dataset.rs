@@ -86,45 +86,82 @@ fn generate_cmd(a: GenerateArgs) -> CliResult {
     }
     let ranges = match &a.ranges {
         Some(p) => {
-            let text = std::fs::read_to_string(p).map_err(|e| CliError::input(format!("{}: {e}", p.display())))?;
-            Ranges::from_toml(&text).map_err(|e| CliError::input(format!("{}: {e}", p.display())))?
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| CliError::input(format!("{}: {e}", p.display())))?;
+            Ranges::from_toml(&text)
+                .map_err(|e| CliError::input(format!("{}: {e}", p.display())))?
         }
         None => Ranges::default(),
     };
     let jobs = generate(family, a.count, a.seed, &ranges).map_err(CliError::input)?;
     write_jobs(&a.out, &jobs).map_err(CliError::other)?;
-    println!("wrote {} {} jobs to {}", jobs.len(), family.name(), a.out.display());
+    println!(
+        "wrote {} {} jobs to {}",
+        jobs.len(),
+        family.name(),
+        a.out.display()
+    );
     Ok(())
 }
 
 fn collect_cmd(a: CollectArgs) -> CliResult {
     if !(a.seconds.is_finite() && a.seconds >= 0.0 && a.timeout.is_finite() && a.timeout > 0.0) {
-        return Err(CliError::input("--seconds must be non-negative and --timeout positive"));
+        return Err(CliError::input(
+            "--seconds must be non-negative and --timeout positive",
+        ));
     }
     if !(a.sample_hz.is_finite() && a.sample_hz >= 10.0) {
         return Err(CliError::input("--sample-hz must be at least 10"));
     }
     let jobs = read_jobs(&a.jobs).map_err(CliError::input)?;
-    let (mut runner, mut monitor, gpu): (Box<dyn Runner>, Box<dyn Monitor>, u32) = match &a.fake_gpu {
+    let (mut runner, mut monitor, gpu): (Box<dyn Runner>, Box<dyn Monitor>, u32) = match &a.fake_gpu
+    {
         Some(name) => {
             let p = profile::builtin(name).map_err(CliError::input)?;
             let fake = FakeMonitor::new(1, &p.display, p.capacity_bytes());
-            let runner = SimulatedRunner { profile: p, gpus: fake.gpus.clone(), seconds: a.seconds.min(1.0), seed: a.seed };
+            let runner = SimulatedRunner {
+                profile: p,
+                gpus: fake.gpus.clone(),
+                seconds: a.seconds.min(1.0),
+                seed: a.seed,
+            };
             (Box::new(runner), Box::new(fake), 0)
         }
         None => {
-            let monitor = NvmlMonitor::new(Some(&[a.gpu]), 100).map_err(|e| CliError::other(format!("{e} (no GPU here? use --fake-gpu NAME)")))?;
-            let runner = PythonRunner { tracer: TorchTracer::from_env(), seconds: a.seconds, device: "cuda:0".into() };
+            let monitor = NvmlMonitor::new(Some(&[a.gpu]), 100)
+                .map_err(|e| CliError::other(format!("{e} (no GPU here? use --fake-gpu NAME)")))?;
+            let runner = PythonRunner {
+                tracer: TorchTracer::from_env(),
+                seconds: a.seconds,
+                device: "cuda:0".into(),
+            };
             (Box::new(runner), Box::new(monitor), a.gpu)
         }
     };
-    let bar = if std::io::stderr().is_terminal() { ProgressBar::new(jobs.len() as u64) } else { ProgressBar::hidden() };
-    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} {eta}").expect("valid template"));
-    let cfg = CollectConfig { gpu, out: a.out.clone(), timeout_s: a.timeout, sample_hz: a.sample_hz };
-    let summary = collect(&jobs, runner.as_mut(), monitor.as_mut(), &cfg, |done, _, id, status| {
-        bar.set_position(done as u64);
-        bar.set_message(format!("{id}: {status}"));
-    })
+    let bar = if std::io::stderr().is_terminal() {
+        ProgressBar::new(jobs.len() as u64)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} {eta}").expect("valid template"),
+    );
+    let cfg = CollectConfig {
+        gpu,
+        out: a.out.clone(),
+        timeout_s: a.timeout,
+        sample_hz: a.sample_hz,
+    };
+    let summary = collect(
+        &jobs,
+        runner.as_mut(),
+        monitor.as_mut(),
+        &cfg,
+        |done, _, id, status| {
+            bar.set_position(done as u64);
+            bar.set_message(format!("{id}: {status}"));
+        },
+    )
     .map_err(CliError::input)?;
     bar.finish_and_clear();
     println!(
@@ -133,7 +170,11 @@ fn collect_cmd(a: CollectArgs) -> CliResult {
         summary.ok,
         summary.skipped,
         a.out.display(),
-        if a.fake_gpu.is_some() { " (synthetic: fake GPU)" } else { "" }
+        if a.fake_gpu.is_some() {
+            " (synthetic: fake GPU)"
+        } else {
+            ""
+        }
     );
     Ok(())
 }

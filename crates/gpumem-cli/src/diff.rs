@@ -32,15 +32,23 @@ pub struct DiffArgs {
 
 pub fn run(a: DiffArgs) -> CliResult {
     let profile = a.gpu.load()?;
-    let bytes = std::fs::read(&a.snapshot).map_err(|e| CliError::input(format!("{}: {e}", a.snapshot.display())))?;
-    let snap = Snapshot::read(&bytes).map_err(|e| CliError::input(format!("{}: {e}", a.snapshot.display())))?;
+    let bytes = std::fs::read(&a.snapshot)
+        .map_err(|e| CliError::input(format!("{}: {e}", a.snapshot.display())))?;
+    let snap = Snapshot::read(&bytes)
+        .map_err(|e| CliError::input(format!("{}: {e}", a.snapshot.display())))?;
     let trace = match ModelArg::load(&a.model)? {
         ModelArg::TraceFile(t) => t,
-        ModelArg::Model(m) => a.workload.workload(m, a.batch)?.trace_for_reestimates(&profile)?,
+        ModelArg::Model(m) => a
+            .workload
+            .workload(m, a.batch)?
+            .trace_for_reestimates(&profile)?,
     };
     let d = diff(&trace, &profile, &snap).map_err(CliError::input)?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&d).map_err(CliError::other)?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&d).map_err(CliError::other)?
+        );
     } else {
         print(&d, trace.header.iterations);
     }
@@ -49,28 +57,69 @@ pub fn run(a: DiffArgs) -> CliResult {
 
 fn print(d: &Diff, iterations: u32) {
     let mib = |b: u64| bytes_to_mib(b);
-    println!("requests     gpumem {}, PyTorch {}; {} matched in order", d.gpumem_requests, d.torch_requests, d.matched);
-    println!("peaks        allocated: PyTorch {:.1} MiB, gpumem {:.1} MiB", mib(d.peaks.torch_allocated), mib(d.peaks.gpumem_allocated));
-    println!("             reserved:  PyTorch {:.1} MiB, gpumem {:.1} MiB", mib(d.peaks.torch_reserved), mib(d.peaks.gpumem_reserved));
+    println!(
+        "requests     gpumem {}, PyTorch {}; {} matched in order",
+        d.gpumem_requests, d.torch_requests, d.matched
+    );
+    println!(
+        "peaks        allocated: PyTorch {:.1} MiB, gpumem {:.1} MiB",
+        mib(d.peaks.torch_allocated),
+        mib(d.peaks.gpumem_allocated)
+    );
+    println!(
+        "             reserved:  PyTorch {:.1} MiB, gpumem {:.1} MiB",
+        mib(d.peaks.torch_reserved),
+        mib(d.peaks.gpumem_reserved)
+    );
     match &d.first_divergence {
         None => println!("divergence   none: every request matches"),
         Some(v) => {
-            let when = if v.before_peak { "before PyTorch's allocated peak" } else { "after PyTorch's allocated peak" };
-            println!("divergence   after {} matching requests (PyTorch's request {}, {when}):", v.after_matching, v.torch_index + 1);
+            let when = if v.before_peak {
+                "before PyTorch's allocated peak"
+            } else {
+                "after PyTorch's allocated peak"
+            };
+            println!(
+                "divergence   after {} matching requests (PyTorch's request {}, {when}):",
+                v.after_matching,
+                v.torch_index + 1
+            );
             for r in &v.gpumem {
-                let at = r.at.as_ref().map(|a| a.describe(iterations)).unwrap_or_default();
-                println!("  gpumem     {:>12} B  {}  {at}", r.bytes, r.category.name());
+                let at =
+                    r.at.as_ref()
+                        .map(|a| a.describe(iterations))
+                        .unwrap_or_default();
+                println!(
+                    "  gpumem     {:>12} B  {}  {at}",
+                    r.bytes,
+                    r.category.name()
+                );
             }
-            println!("  PyTorch    {}", v.torch.iter().map(|b| format!("{b} B")).collect::<Vec<_>>().join(", "));
+            println!(
+                "  PyTorch    {}",
+                v.torch
+                    .iter()
+                    .map(|b| format!("{b} B"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
         }
     }
     if !d.gpumem_only.is_empty() {
         println!("only gpumem's:");
         for (c, bytes, n) in &d.gpumem_only {
-            println!("  {:<16} {:>10.1} MiB in {n} requests", c.name(), mib(*bytes));
+            println!(
+                "  {:<16} {:>10.1} MiB in {n} requests",
+                c.name(),
+                mib(*bytes)
+            );
         }
     }
     if d.torch_only_count > 0 {
-        println!("only PyTorch's: {:.1} MiB in {} requests", mib(d.torch_only_bytes), d.torch_only_count);
+        println!(
+            "only PyTorch's: {:.1} MiB in {} requests",
+            mib(d.torch_only_bytes),
+            d.torch_only_count
+        );
     }
 }

@@ -9,9 +9,9 @@ use gpumem_core::profile::GpuProfile;
 use gpumem_core::trace::Trace;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_core::utilization::{HostModel, Utilization, physical};
+use gpumem_core::workspace::WorkspaceSource;
 use gpumem_learn::{LearnedModel, Sample, Target};
 use gpumem_workload::ModelRef;
-use gpumem_core::workspace::WorkspaceSource;
 use serde::Serialize;
 
 use crate::args::{EstimatorArgs, GpuChoice, ModelArg, WorkloadArgs, mib};
@@ -55,16 +55,30 @@ struct LearnedJson {
 }
 
 fn learned_needs_native() -> CliError {
-    CliError::input("--learned-model needs a native model spec (its features come from the model's layers)")
+    CliError::input(
+        "--learned-model needs a native model spec (its features come from the model's layers)",
+    )
 }
 
 /// The learned models' predictions for a native model, and the utilization they leave.
-fn learned(models: &[(PathBuf, LearnedModel)], spec: &ModelSpec, trace: &Trace, profile: &GpuProfile, util: &mut Utilization) -> CliResult<Vec<LearnedJson>> {
+fn learned(
+    models: &[(PathBuf, LearnedModel)],
+    spec: &ModelSpec,
+    trace: &Trace,
+    profile: &GpuProfile,
+    util: &mut Utilization,
+) -> CliResult<Vec<LearnedJson>> {
     if models.is_empty() {
         return Ok(Vec::new());
     }
     let summary = gpumem_learn::features::trace_summary(trace, profile).map_err(CliError::input)?;
-    let sample = Sample::new(0, spec.to_spec_string(), String::new(), spec.facts(trace.header.batch_size), summary);
+    let sample = Sample::new(
+        0,
+        spec.to_spec_string(),
+        String::new(),
+        spec.facts(trace.header.batch_size),
+        summary,
+    );
     let mut out = Vec::new();
     for (path, m) in models {
         let p = &m.predict(&[&sample]).map_err(CliError::input)?[0];
@@ -76,7 +90,12 @@ fn learned(models: &[(PathBuf, LearnedModel)], spec: &ModelSpec, trace: &Trace, 
             Target::Dram => util.dram = p.value,
             Target::Fp32 => util.fp32 = p.value,
         }
-        out.push(LearnedJson { target: m.target.name(), model: path.display().to_string(), value: p.value, upper: p.upper });
+        out.push(LearnedJson {
+            target: m.target.name(),
+            model: path.display().to_string(),
+            value: p.value,
+            upper: p.upper,
+        });
     }
     Ok(out)
 }
@@ -130,11 +149,28 @@ struct DeepSpeedJson {
     cpu_bytes: u64,
 }
 
-fn deepspeed_json(strategy: Option<gpumem_workload::Strategy>, header: &gpumem_core::trace::TraceHeader) -> Option<DeepSpeedJson> {
+fn deepspeed_json(
+    strategy: Option<gpumem_workload::Strategy>,
+    header: &gpumem_core::trace::TraceHeader,
+) -> Option<DeepSpeedJson> {
     let strategy = strategy?;
-    let states = gpumem_workload::deepspeed::model_states(strategy, header.parameters?, header.largest_layer_parameters.unwrap_or(0))?;
-    let formula = if strategy.name() == "zero2" { "estimate_zero2_model_states_mem_needs" } else { "estimate_zero3_model_states_mem_needs" };
-    Some(DeepSpeedJson { formula, gpu_mib: mib(states.gpu_bytes), gpu_bytes: states.gpu_bytes, cpu_mib: mib(states.cpu_bytes), cpu_bytes: states.cpu_bytes })
+    let states = gpumem_workload::deepspeed::model_states(
+        strategy,
+        header.parameters?,
+        header.largest_layer_parameters.unwrap_or(0),
+    )?;
+    let formula = if strategy.name() == "zero2" {
+        "estimate_zero2_model_states_mem_needs"
+    } else {
+        "estimate_zero3_model_states_mem_needs"
+    };
+    Some(DeepSpeedJson {
+        formula,
+        gpu_mib: mib(states.gpu_bytes),
+        gpu_bytes: states.gpu_bytes,
+        cpu_mib: mib(states.cpu_bytes),
+        cpu_bytes: states.cpu_bytes,
+    })
 }
 
 /// Why a spec is ambiguous, and what each of its readings needs.
@@ -164,7 +200,10 @@ struct MomentJson<'a> {
 }
 
 fn breakdown_mib(b: &Breakdown) -> serde_json::Map<String, serde_json::Value> {
-    b.items().iter().map(|(k, v)| (format!("{k}_mib"), serde_json::json!(mib(*v)))).collect()
+    b.items()
+        .iter()
+        .map(|(k, v)| (format!("{k}_mib"), serde_json::json!(mib(*v))))
+        .collect()
 }
 
 #[derive(Serialize)]
@@ -182,11 +221,16 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
     let batch = a.batch.or(a.workload.stated_batch()?);
     let (arg, batch) = match &a.model {
         Some(m) => (m.clone(), batch.unwrap_or(32)),
-        None => (DEFAULT_MODEL.to_string(), batch.unwrap_or(DEFAULT_BATCH as i64)),
+        None => (
+            DEFAULT_MODEL.to_string(),
+            batch.unwrap_or(DEFAULT_BATCH as i64),
+        ),
     };
     let models = a.estimator.models()?;
     if a.timeline.is_some() && a.estimator.estimator != "replay" {
-        return Err(CliError::input("--timeline draws the replay estimator's allocator; use --estimator replay"));
+        return Err(CliError::input(
+            "--timeline draws the replay estimator's allocator; use --estimator replay",
+        ));
     }
     let estimator: Box<dyn Estimator> = match a.timeline {
         Some(_) => Box::new(Replay { timeline: true }),
@@ -199,26 +243,52 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
         }
         ModelArg::Model(m) => {
             // Every reading of the spec sized; an ambiguous one answers with its largest.
-            let sizing = a.workload.workload(m, batch)?.size(&profile, estimator.as_ref(), gpumem_workload::Workload::trace_for_reestimates)?;
+            let sizing = a.workload.workload(m, batch)?.size(
+                &profile,
+                estimator.as_ref(),
+                gpumem_workload::Workload::trace_for_reestimates,
+            )?;
             let native = match sizing.workload.model() {
                 ModelRef::Native(spec) => Some(spec.clone()),
                 ModelRef::Torch(_) => None,
             };
             let strategy = sizing.workload.options().strategy;
-            (sizing.trace, sizing.estimate, native, sizing.readings, strategy)
+            (
+                sizing.trace,
+                sizing.estimate,
+                native,
+                sizing.readings,
+                strategy,
+            )
         }
     };
     let deepspeed = deepspeed_json(strategy, &trace.header);
     let ambiguity = (readings.len() > 1).then(|| AmbiguityJson {
         note: DENSE_AMBIGUITY,
-        readings: readings.iter().map(|r| ReadingJson { model: r.model.clone(), peak_mib: mib(r.peak_bytes), upper_bound_mib: mib(r.upper_bound_bytes) }).collect(),
+        readings: readings
+            .iter()
+            .map(|r| ReadingJson {
+                model: r.model.clone(),
+                peak_mib: mib(r.peak_bytes),
+                upper_bound_mib: mib(r.upper_bound_bytes),
+            })
+            .collect(),
     });
     if !models.is_empty() && native.is_none() {
         return Err(learned_needs_native());
     }
     if let Some(svg) = &a.timeline {
-        let title = format!("{} · batch {} · {}", trace.header.model, trace.header.batch_size, profile.name);
-        crate::plot::memory_timeline(svg, &title, &est.timeline, est.peak_at.as_ref().map(|p| p.event)).map_err(CliError::other)?;
+        let title = format!(
+            "{} · batch {} · {}",
+            trace.header.model, trace.header.batch_size, profile.name
+        );
+        crate::plot::memory_timeline(
+            svg,
+            &title,
+            &est.timeline,
+            est.peak_at.as_ref().map(|p| p.event),
+        )
+        .map_err(CliError::other)?;
     }
     let model_name = trace.header.model.clone();
     let mut util = physical(&trace, &profile, &HostModel::default());
@@ -251,26 +321,50 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             }),
             allocator: est.allocator.as_ref(),
             workspace_source: est.workspace_source,
-            utilization: UtilizationJson { smact: util.smact, smocc: util.smocc, gract: util.gract, dram: util.dram, fp32: util.fp32, step_ms: util.step_s * 1e3 },
+            utilization: UtilizationJson {
+                smact: util.smact,
+                smocc: util.smocc,
+                gract: util.gract,
+                dram: util.dram,
+                fp32: util.fp32,
+                step_ms: util.step_s * 1e3,
+            },
             learned,
             ambiguity,
             deepspeed,
         };
-        println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&out).map_err(CliError::other)?
+        );
         return Ok(());
     }
-    print_estimate(&model_name, trace.header.batch_size, trace.header.iterations, &profile, &est);
+    print_estimate(
+        &model_name,
+        trace.header.batch_size,
+        trace.header.iterations,
+        &profile,
+        &est,
+    );
     if let Some(a) = &ambiguity {
         println!("note         {}", a.note);
         for r in &a.readings {
-            println!("             {}: {:.1} MiB (bound {:.1} MiB)", r.model, r.peak_mib, r.upper_bound_mib);
+            println!(
+                "             {}: {:.1} MiB (bound {:.1} MiB)",
+                r.model, r.peak_mib, r.upper_bound_mib
+            );
         }
     }
     if let Some(d) = &deepspeed {
-        println!("deepspeed    {}: {:.1} MiB per GPU (model states only), {:.1} MiB host", d.formula, d.gpu_mib, d.cpu_mib);
+        println!(
+            "deepspeed    {}: {:.1} MiB per GPU (model states only), {:.1} MiB host",
+            d.formula, d.gpu_mib, d.cpu_mib
+        );
     }
     if trace.header.strategy.is_some() && profile.nccl_mib == 0.0 {
-        println!("note         NCCL's own buffers are not included (this profile states no nccl_mib)");
+        println!(
+            "note         NCCL's own buffers are not included (this profile states no nccl_mib)"
+        );
     }
     println!();
     println!(
@@ -281,11 +375,18 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
         util.dram,
         util.fp32,
         util.step_s * 1e3,
-        if learned.iter().any(|l| l.target != "memory") { "  [learned where given]" } else { "  [physical model]" }
+        if learned.iter().any(|l| l.target != "memory") {
+            "  [learned where given]"
+        } else {
+            "  [physical model]"
+        }
     );
     for l in learned.iter().filter(|l| l.target == "memory") {
         match l.upper {
-            Some(u) => println!("learned      {:.1} MiB, upper bound {u:.1} MiB ({})", l.value, l.model),
+            Some(u) => println!(
+                "learned      {:.1} MiB, upper bound {u:.1} MiB ({})",
+                l.value, l.model
+            ),
             None => println!("learned      {:.1} MiB ({})", l.value, l.model),
         }
     }
@@ -295,11 +396,20 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
 fn print_estimate(model: &str, batch: u64, iterations: u32, profile: &GpuProfile, est: &Estimate) {
     println!("model      {model}");
     println!("batch      {batch}");
-    println!("gpu        {} ({} MiB)", profile.display, profile.capacity_mib);
+    println!(
+        "gpu        {} ({} MiB)",
+        profile.display, profile.capacity_mib
+    );
     println!("estimator  {}", est.estimator);
     println!();
-    println!("peak         {:>10.1} MiB   (as nvidia-smi will show it)", bytes_to_mib(est.peak_bytes));
-    println!("upper bound  {:>10.1} MiB", bytes_to_mib(est.upper_bound_bytes));
+    println!(
+        "peak         {:>10.1} MiB   (as nvidia-smi will show it)",
+        bytes_to_mib(est.peak_bytes)
+    );
+    println!(
+        "upper bound  {:>10.1} MiB",
+        bytes_to_mib(est.upper_bound_bytes)
+    );
     let verdict = match (est.fits, est.upper_bound_bytes <= est.capacity_bytes) {
         (true, true) => "fits, with its upper bound",
         (true, false) => "fits, but its upper bound does not: little headroom",
@@ -309,15 +419,24 @@ fn print_estimate(model: &str, batch: u64, iterations: u32, profile: &GpuProfile
     if let Some(source) = est.workspace_source {
         let why = match source {
             WorkspaceSource::Probed => "cuDNN workspaces as probed on this GPU and stack",
-            WorkspaceSource::Fitted => "some cuDNN workspaces fitted from the profile's probed table (the bound covers them)",
-            WorkspaceSource::Policy => "some cuDNN workspaces sized by the profile's policy for this architecture (the bound covers them)",
-            WorkspaceSource::Default => "cuDNN workspaces not modelled (no probed table: `gpumem probe`); the bound covers them",
+            WorkspaceSource::Fitted => {
+                "some cuDNN workspaces fitted from the profile's probed table (the bound covers them)"
+            }
+            WorkspaceSource::Policy => {
+                "some cuDNN workspaces sized by the profile's policy for this architecture (the bound covers them)"
+            }
+            WorkspaceSource::Default => {
+                "cuDNN workspaces not modelled (no probed table: `gpumem probe`); the bound covers them"
+            }
         };
         println!("workspaces   {} — {why}", source.name());
     }
     println!();
     match &est.peak_at {
-        Some(at) => println!("at the peak of allocated memory — {}:", at.describe(iterations)),
+        Some(at) => println!(
+            "at the peak of allocated memory — {}:",
+            at.describe(iterations)
+        ),
         None => println!("at the peak:"),
     }
     print_breakdown(&est.breakdown);
@@ -336,7 +455,11 @@ fn print_estimate(model: &str, batch: u64, iterations: u32, profile: &GpuProfile
 fn print_breakdown(b: &Breakdown) {
     for (name, bytes) in b.items() {
         if bytes > 0 {
-            let note = if name == "allocator_slack" { "   (reserved − allocated: cached and split blocks, rounding)" } else { "" };
+            let note = if name == "allocator_slack" {
+                "   (reserved − allocated: cached and split blocks, rounding)"
+            } else {
+                ""
+            };
             println!("  {name:<16} {:>10.1} MiB{note}", bytes_to_mib(bytes));
         }
     }

@@ -48,18 +48,30 @@ struct DidNotFit {
     skipped: usize,
 }
 
-fn did_not_fit(rows: &[Measurement], defaults: &gpumem_core::workload::Options, profile: &gpumem_core::profile::GpuProfile, replay: &dyn Estimator) -> CliResult<Option<DidNotFit>> {
+fn did_not_fit(
+    rows: &[Measurement],
+    defaults: &gpumem_core::workload::Options,
+    profile: &gpumem_core::profile::GpuProfile,
+    replay: &dyn Estimator,
+) -> CliResult<Option<DidNotFit>> {
     if rows.is_empty() {
         return Ok(None);
     }
-    let mut d = DidNotFit { rows: rows.len(), estimate_over: 0, bound_over: 0, skipped: 0 };
+    let mut d = DidNotFit {
+        rows: rows.len(),
+        estimate_over: 0,
+        bound_over: 0,
+        skipped: 0,
+    };
     for m in rows {
         // A job refused outright (too large for any GPU) or not traceable: not a check here.
         let Ok(Ok(trace)) = row_trace(m, defaults, profile) else {
             d.skipped += 1;
             continue;
         };
-        let est = replay.estimate(&trace, profile).map_err(|e| CliError::input(format!("line {}: {e}", m.line)))?;
+        let est = replay
+            .estimate(&trace, profile)
+            .map_err(|e| CliError::input(format!("line {}: {e}", m.line)))?;
         d.estimate_over += usize::from(est.peak_bytes > profile.capacity_bytes());
         d.bound_over += usize::from(est.upper_bound_bytes > profile.capacity_bytes());
     }
@@ -82,18 +94,34 @@ pub fn eval(a: EvalArgs) -> CliResult {
     let rows = all.measured;
     let defaults = a.workload.options()?;
     let mut names: Vec<String> = ESTIMATORS.iter().map(|s| s.to_string()).collect();
-    let published: Vec<String> = rows[0].published.iter().map(|(n, _)| format!("published:{n}")).collect();
+    let published: Vec<String> = rows[0]
+        .published
+        .iter()
+        .map(|(n, _)| format!("published:{n}"))
+        .collect();
     names.extend(published.iter().cloned());
-    let estimators: Vec<Box<dyn Estimator>> = ESTIMATORS.iter().map(|n| by_name(n).expect("known")).collect();
+    let estimators: Vec<Box<dyn Estimator>> = ESTIMATORS
+        .iter()
+        .map(|n| by_name(n).expect("known"))
+        .collect();
     let mut outcomes: Vec<Vec<(usize, Outcome)>> = vec![Vec::new(); names.len()];
     let mut skipped = Vec::new();
     let bar = ProgressBar::new(rows.len() as u64);
-    bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} rows {eta}").expect("valid template"));
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} rows {eta}").expect("valid template"),
+    );
     for (ri, m) in rows.iter().enumerate() {
         bar.inc(1);
         for (k, (_, v)) in m.published.iter().enumerate() {
             if let Some(v) = v {
-                outcomes[ESTIMATORS.len() + k].push((ri, Outcome { measured: m.measured_bytes, predicted: *v, upper: *v }));
+                outcomes[ESTIMATORS.len() + k].push((
+                    ri,
+                    Outcome {
+                        measured: m.measured_bytes,
+                        predicted: *v,
+                        upper: *v,
+                    },
+                ));
             }
         }
         let trace = match row_trace(m, &defaults, &profile)? {
@@ -104,31 +132,65 @@ pub fn eval(a: EvalArgs) -> CliResult {
             }
         };
         for (k, e) in estimators.iter().enumerate() {
-            let est = e.estimate(&trace, &profile).map_err(|e| CliError::input(format!("line {}: {e}", m.line)))?;
-            outcomes[k].push((ri, Outcome { measured: m.measured_bytes, predicted: est.peak_bytes, upper: est.upper_bound_bytes }));
+            let est = e
+                .estimate(&trace, &profile)
+                .map_err(|e| CliError::input(format!("line {}: {e}", m.line)))?;
+            outcomes[k].push((
+                ri,
+                Outcome {
+                    measured: m.measured_bytes,
+                    predicted: est.peak_bytes,
+                    upper: est.upper_bound_bytes,
+                },
+            ));
         }
     }
     bar.finish_and_clear();
     if let Some((m, why)) = skipped.first().filter(|_| skipped.len() == rows.len()) {
         // Nothing to score: not a success (exit 3, as for a model that cannot be traced).
-        return Err(CliError::Model(format!("{}: no row could be modelled (line {}: {why})", a.measurements.display(), m.line)));
+        return Err(CliError::Model(format!(
+            "{}: no row could be modelled (line {}: {why})",
+            a.measurements.display(),
+            m.line
+        )));
     }
-    let did_not_fit = did_not_fit(&all.did_not_fit, &defaults, &profile, estimators[0].as_ref())?;
+    let did_not_fit = did_not_fit(
+        &all.did_not_fit,
+        &defaults,
+        &profile,
+        estimators[0].as_ref(),
+    )?;
     if !a.learned_model.is_empty() {
         let samples = crate::learn::load_dataset(&a.measurements, &profile)?;
         let refs: Vec<&gpumem_learn::Sample> = samples.iter().collect();
         for path in &a.learned_model {
             let model = LearnedModel::read(path).map_err(CliError::input)?;
             if model.target != gpumem_learn::Target::Memory {
-                return Err(CliError::input(format!("{}: eval scores memory models; this one predicts {}", path.display(), model.target.name())));
+                return Err(CliError::input(format!(
+                    "{}: eval scores memory models; this one predicts {}",
+                    path.display(),
+                    model.target.name()
+                )));
             }
-            let stem = path.file_stem().map_or("model".into(), |s| s.to_string_lossy().into_owned());
+            let stem = path
+                .file_stem()
+                .map_or("model".into(), |s| s.to_string_lossy().into_owned());
             names.push(format!("learned:{stem}"));
             let mut scored = Vec::new();
-            for (s, p) in samples.iter().zip(model.predict(&refs).map_err(CliError::input)?) {
+            for (s, p) in samples
+                .iter()
+                .zip(model.predict(&refs).map_err(CliError::input)?)
+            {
                 if let Some(ri) = rows.iter().position(|m| m.line == s.line) {
                     let mib = |x: f64| gpumem_core::units::mib_to_bytes(x);
-                    scored.push((ri, Outcome { measured: rows[ri].measured_bytes, predicted: mib(p.value), upper: mib(p.upper.unwrap_or(p.value)) }));
+                    scored.push((
+                        ri,
+                        Outcome {
+                            measured: rows[ri].measured_bytes,
+                            predicted: mib(p.value),
+                            upper: mib(p.upper.unwrap_or(p.value)),
+                        },
+                    ));
                 }
             }
             outcomes.push(scored);
@@ -138,29 +200,79 @@ pub fn eval(a: EvalArgs) -> CliResult {
         .iter()
         .zip(&outcomes)
         .filter(|(_, o)| !o.is_empty())
-        .map(|(n, o)| EvalSummary { estimator: n.clone(), metrics: metrics(&o.iter().map(|(_, x)| *x).collect::<Vec<_>>(), a.bin_mib) })
+        .map(|(n, o)| EvalSummary {
+            estimator: n.clone(),
+            metrics: metrics(&o.iter().map(|(_, x)| *x).collect::<Vec<_>>(), a.bin_mib),
+        })
         .collect();
-    std::fs::create_dir_all(&a.out_dir).map_err(|e| CliError::other(format!("{}: {e}", a.out_dir.display())))?;
+    std::fs::create_dir_all(&a.out_dir)
+        .map_err(|e| CliError::other(format!("{}: {e}", a.out_dir.display())))?;
     write_rows_csv(&a.out_dir.join("rows.csv"), &rows, &names, &outcomes)?;
     let series: Vec<(String, Vec<(f64, f64)>)> = names
         .iter()
         .zip(&outcomes)
         .filter(|(_, o)| !o.is_empty())
-        .map(|(n, o)| (n.clone(), o.iter().map(|(_, x)| (bytes_to_mib(x.measured), bytes_to_mib(x.predicted))).collect()))
+        .map(|(n, o)| {
+            (
+                n.clone(),
+                o.iter()
+                    .map(|(_, x)| (bytes_to_mib(x.measured), bytes_to_mib(x.predicted)))
+                    .collect(),
+            )
+        })
         .collect();
-    crate::plot::scatter(&a.out_dir.join("scatter.svg"), &a.out_dir.join("scatter.png"), &series).map_err(CliError::other)?;
+    crate::plot::scatter(
+        &a.out_dir.join("scatter.svg"),
+        &a.out_dir.join("scatter.png"),
+        &series,
+    )
+    .map_err(CliError::other)?;
     if a.json {
         let out = serde_json::json!({"gpu": profile.name, "rows": rows.len(), "skipped": skipped.len(), "bin_mib": a.bin_mib, "estimators": summaries, "did_not_fit": did_not_fit});
-        println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&out).map_err(CliError::other)?
+        );
     } else {
-        println!("{} rows, {} modelled, {} skipped; GPU profile {} (context {:.1} MiB); bins of {} MiB", rows.len(), rows.len() - skipped.len(), skipped.len(), profile.name, profile.cuda_context_mib, a.bin_mib);
+        println!(
+            "{} rows, {} modelled, {} skipped; GPU profile {} (context {:.1} MiB); bins of {} MiB",
+            rows.len(),
+            rows.len() - skipped.len(),
+            skipped.len(),
+            profile.name,
+            profile.cuda_context_mib,
+            a.bin_mib
+        );
         println!();
-        println!("{:<24} {:>6} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>8} {:>7} {:>8}", "estimator", "rows", "mean%", "median%", "p90%", "p95%", "<=5%", "<=10%", "under3%", "bin", "ub-miss");
+        println!(
+            "{:<24} {:>6} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>8} {:>7} {:>8}",
+            "estimator",
+            "rows",
+            "mean%",
+            "median%",
+            "p90%",
+            "p95%",
+            "<=5%",
+            "<=10%",
+            "under3%",
+            "bin",
+            "ub-miss"
+        );
         for s in &summaries {
             let m = &s.metrics;
             println!(
                 "{:<24} {:>6} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>6.1}% {:>6.1}% {:>7.2}% {:>6.1}% {:>7.2}%",
-                s.estimator, m.rows, m.mean_ape, m.median_ape, m.p90_ape, m.p95_ape, 100.0 * m.within_5pct, 100.0 * m.within_10pct, 100.0 * m.under_3pct, 100.0 * m.bin_accuracy, 100.0 * m.bound_misses
+                s.estimator,
+                m.rows,
+                m.mean_ape,
+                m.median_ape,
+                m.p90_ape,
+                m.p95_ape,
+                100.0 * m.within_5pct,
+                100.0 * m.within_10pct,
+                100.0 * m.under_3pct,
+                100.0 * m.bin_accuracy,
+                100.0 * m.bound_misses
             );
         }
         for (m, why) in &skipped {
@@ -170,19 +282,38 @@ pub fn eval(a: EvalArgs) -> CliResult {
             println!();
             println!(
                 "{} rows did not fit on the GPU (out of memory): the replay's estimate exceeds its {:.0} MiB on {} of them, its upper bound on {} ({} not modelled)",
-                d.rows, bytes_to_mib(profile.capacity_bytes()), d.estimate_over, d.bound_over, d.skipped
+                d.rows,
+                bytes_to_mib(profile.capacity_bytes()),
+                d.estimate_over,
+                d.bound_over,
+                d.skipped
             );
         }
         println!();
-        println!("wrote {}, {} and {}", a.out_dir.join("rows.csv").display(), a.out_dir.join("scatter.svg").display(), a.out_dir.join("scatter.png").display());
+        println!(
+            "wrote {}, {} and {}",
+            a.out_dir.join("rows.csv").display(),
+            a.out_dir.join("scatter.svg").display(),
+            a.out_dir.join("scatter.png").display()
+        );
     }
     Ok(())
 }
 
-fn write_rows_csv(path: &Path, rows: &[Measurement], names: &[String], outcomes: &[Vec<(usize, Outcome)>]) -> CliResult {
+fn write_rows_csv(
+    path: &Path,
+    rows: &[Measurement],
+    names: &[String],
+    outcomes: &[Vec<(usize, Outcome)>],
+) -> CliResult {
     let f = File::create(path).map_err(|e| CliError::other(format!("{}: {e}", path.display())))?;
     let mut w = csv::Writer::from_writer(BufWriter::new(f));
-    let mut header = vec!["line".to_string(), "model".into(), "batch_size".into(), "measured_mib".into()];
+    let mut header = vec![
+        "line".to_string(),
+        "model".into(),
+        "batch_size".into(),
+        "measured_mib".into(),
+    ];
     for n in names {
         header.push(format!("{n}_mib"));
         header.push(format!("{n}_upper_mib"));
@@ -197,7 +328,12 @@ fn write_rows_csv(path: &Path, rows: &[Measurement], names: &[String], outcomes:
         }
     }
     for (m, cols) in rows.iter().zip(per_row) {
-        let mut rec = vec![m.line.to_string(), m.label.clone(), m.batch.to_string(), format!("{:.1}", bytes_to_mib(m.measured_bytes))];
+        let mut rec = vec![
+            m.line.to_string(),
+            m.label.clone(),
+            m.batch.to_string(),
+            format!("{:.1}", bytes_to_mib(m.measured_bytes)),
+        ];
         for c in cols {
             match c {
                 Some(x) => {
@@ -210,6 +346,7 @@ fn write_rows_csv(path: &Path, rows: &[Measurement], names: &[String], outcomes:
         }
         w.write_record(&rec).map_err(io)?;
     }
-    w.flush().map_err(|e| CliError::other(format!("{}: {e}", path.display())))?;
+    w.flush()
+        .map_err(|e| CliError::other(format!("{}: {e}", path.display())))?;
     Ok(())
 }

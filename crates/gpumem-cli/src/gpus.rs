@@ -22,15 +22,26 @@ pub struct GpusArgs {
 
 pub fn gpus(a: GpusArgs) -> CliResult {
     if let Some(url) = a.server {
-        let url = Some(url).filter(|u| !u.is_empty()).or_else(|| std::env::var("GPUMEM_SERVER").ok());
-        return crate::client::live_gpus(&crate::client::ServerArgs::new(url, a.token_file), a.json);
+        let url = Some(url)
+            .filter(|u| !u.is_empty())
+            .or_else(|| std::env::var("GPUMEM_SERVER").ok());
+        return crate::client::live_gpus(
+            &crate::client::ServerArgs::new(url, a.token_file),
+            a.json,
+        );
     }
     let all = profile::catalogue();
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&all).map_err(CliError::other)?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&all).map_err(CliError::other)?
+        );
         return Ok(());
     }
-    println!("{:<16} {:<32} {:>10} {:>5} {:>8} {:>8} {:>8} {:>9} {:>8}", "name", "device", "MiB", "SMs", "fp32 TF", "bf16 TF", "GB/s", "context", "cuBLAS ws");
+    println!(
+        "{:<16} {:<32} {:>10} {:>5} {:>8} {:>8} {:>8} {:>9} {:>8}",
+        "name", "device", "MiB", "SMs", "fp32 TF", "bf16 TF", "GB/s", "context", "cuBLAS ws"
+    );
     for p in all {
         println!(
             "{:<16} {:<32} {:>10} {:>5} {:>8.1} {:>8.1} {:>8.0} {:>9.0} {:>8.3}",

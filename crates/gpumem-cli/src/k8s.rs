@@ -41,7 +41,8 @@ struct WebhookArgs {
 
 pub fn k8s(a: K8sArgs) -> CliResult {
     let K8sCommand::Webhook(w) = a.command;
-    let sharing = Sharing::parse(&w.sharing).map_err(|e| CliError::input(format!("--sharing: {e}")))?;
+    let sharing =
+        Sharing::parse(&w.sharing).map_err(|e| CliError::input(format!("--sharing: {e}")))?;
     let hook = Webhook::new(sharing, &w.gpu).map_err(|e| CliError::input(format!("--gpu: {e}")))?;
     let addr = std::net::ToSocketAddrs::to_socket_addrs(w.addr.as_str())
         .ok()

@@ -66,7 +66,10 @@ struct LearnSpec {
 
 impl LearnSpec {
     fn spec(&self) -> CliResult<Spec> {
-        let mut s = Spec::new(Target::parse(&self.target).map_err(CliError::input)?, Kind::parse(&self.model).map_err(CliError::input)?);
+        let mut s = Spec::new(
+            Target::parse(&self.target).map_err(CliError::input)?,
+            Kind::parse(&self.model).map_err(CliError::input)?,
+        );
         if !(self.bins >= 1.0 && self.bins.is_finite()) {
             return Err(CliError::input("--bins must be at least 1 MiB"));
         }
@@ -74,7 +77,9 @@ impl LearnSpec {
             return Err(CliError::input("--miss-rate must be between 0 and 1"));
         }
         if self.members == Some(0) || self.epochs == Some(0) || self.trees == 0 {
-            return Err(CliError::input("--members, --epochs and --trees must be at least 1"));
+            return Err(CliError::input(
+                "--members, --epochs and --trees must be at least 1",
+            ));
         }
         if self.lr.is_some_and(|lr| !(lr > 0.0 && lr < 1.0)) {
             return Err(CliError::input("--lr must be between 0 and 1"));
@@ -135,8 +140,15 @@ pub fn run(a: LearnArgs) -> CliResult {
 
 /// A progress bar on a terminal; silent otherwise.
 fn bar(len: u64, what: &str) -> ProgressBar {
-    let bar = if std::io::stderr().is_terminal() { ProgressBar::new(len) } else { ProgressBar::hidden() };
-    bar.set_style(ProgressStyle::with_template(&format!("{what} {{bar:30}} {{pos}}/{{len}} {{msg}}")).expect("valid template"));
+    let bar = if std::io::stderr().is_terminal() {
+        ProgressBar::new(len)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template(&format!("{what} {{bar:30}} {{pos}}/{{len}} {{msg}}"))
+            .expect("valid template"),
+    );
     bar
 }
 
@@ -154,14 +166,24 @@ pub fn load_dataset(path: &Path, profile: &GpuProfile) -> CliResult<Vec<Sample>>
 fn with_target<'a>(rows: &'a [Sample], t: Target, path: &Path) -> CliResult<Vec<&'a Sample>> {
     let keep: Vec<&Sample> = rows.iter().filter(|s| s.target(t).is_some()).collect();
     if keep.is_empty() {
-        return Err(CliError::input(format!("{}: no rows measure {}", path.display(), t.name())));
+        return Err(CliError::input(format!(
+            "{}: no rows measure {}",
+            path.display(),
+            t.name()
+        )));
     }
     Ok(keep)
 }
 
 fn spinner() -> ProgressBar {
-    let pb = if std::io::stderr().is_terminal() { ProgressBar::new_spinner() } else { ProgressBar::hidden() };
-    pb.set_style(ProgressStyle::with_template("{spinner} {elapsed} {msg}").expect("valid template"));
+    let pb = if std::io::stderr().is_terminal() {
+        ProgressBar::new_spinner()
+    } else {
+        ProgressBar::hidden()
+    };
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} {elapsed} {msg}").expect("valid template"),
+    );
     pb
 }
 
@@ -172,9 +194,11 @@ fn train_cmd(a: TrainArgs) -> CliResult {
     let rows = with_target(&rows, spec.target, &a.dataset)?;
     let pb = spinner();
     let started = std::time::Instant::now();
-    let model = gpumem_learn::model::train(&rows, &spec, &profile.name, &mut |m| pb.set_message(m)).map_err(CliError::input)?;
+    let model = gpumem_learn::model::train(&rows, &spec, &profile.name, &mut |m| pb.set_message(m))
+        .map_err(CliError::input)?;
     pb.finish_and_clear();
-    std::fs::write(&a.out, model.to_json().map_err(CliError::other)?).map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
+    std::fs::write(&a.out, model.to_json().map_err(CliError::other)?)
+        .map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
     println!(
         "trained {} {} on {} rows in {:.1} s; wrote {}",
         a.spec.model,
@@ -192,10 +216,21 @@ fn kfold_cmd(a: KfoldArgs) -> CliResult {
     let rows = load_dataset(&a.dataset, &profile)?;
     let rows = with_target(&rows, spec.target, &a.dataset)?;
     let pb = spinner();
-    let report = kfold(&rows, &spec, a.folds, a.spec.seed, &profile.name, &mut |m| pb.set_message(m)).map_err(CliError::input)?;
+    let report = kfold(
+        &rows,
+        &spec,
+        a.folds,
+        a.spec.seed,
+        &profile.name,
+        &mut |m| pb.set_message(m),
+    )
+    .map_err(CliError::input)?;
     pb.finish_and_clear();
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report).map_err(CliError::other)?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).map_err(CliError::other)?
+        );
     } else {
         print_report(&report, spec.target);
     }
@@ -204,18 +239,40 @@ fn kfold_cmd(a: KfoldArgs) -> CliResult {
 
 fn print_report(r: &Report, t: Target) {
     let unit = if t == Target::Memory { "MiB" } else { "" };
-    println!("{}-fold cross validation: target {}, model {}", r.folds.len(), r.target, r.model);
+    println!(
+        "{}-fold cross validation: target {}, model {}",
+        r.folds.len(),
+        r.target,
+        r.model
+    );
     for f in &r.folds {
-        let mut line = format!("fold {}: {} rows, MAE {:.4}{unit} (gpumem alone {:.4}{unit})", f.fold, f.rows, f.mae, f.baseline_mae);
+        let mut line = format!(
+            "fold {}: {} rows, MAE {:.4}{unit} (gpumem alone {:.4}{unit})",
+            f.fold, f.rows, f.mae, f.baseline_mae
+        );
         if let Some(c) = &f.classification {
-            line += &format!(", accuracy {:.4}, precision {:.4}, recall {:.4}, F1 {:.4}, too-low bin {:.2}%", c.accuracy, c.precision, c.recall, c.f1, c.too_low * 100.0);
+            line += &format!(
+                ", accuracy {:.4}, precision {:.4}, recall {:.4}, F1 {:.4}, too-low bin {:.2}%",
+                c.accuracy,
+                c.precision,
+                c.recall,
+                c.f1,
+                c.too_low * 100.0
+            );
         }
-        if let (Some(m), Some(b), Some(miss)) = (f.median_ape, f.baseline_median_ape, f.bound_miss_rate) {
-            line += &format!(", median APE {m:.2}% (replay {b:.2}%), bound misses {:.2}%", miss * 100.0);
+        if let (Some(m), Some(b), Some(miss)) =
+            (f.median_ape, f.baseline_median_ape, f.bound_miss_rate)
+        {
+            line += &format!(
+                ", median APE {m:.2}% (replay {b:.2}%), bound misses {:.2}%",
+                miss * 100.0
+            );
         }
         println!("{line}");
     }
-    let mean = |f: &dyn Fn(&gpumem_learn::kfold::FoldScore) -> Option<f64>| r.mean(f).map_or("-".into(), |v| format!("{v:.4}"));
+    let mean = |f: &dyn Fn(&gpumem_learn::kfold::FoldScore) -> Option<f64>| {
+        r.mean(f).map_or("-".into(), |v| format!("{v:.4}"))
+    };
     println!(
         "mean: MAE {} (gpumem alone {}), accuracy {}, too-low {}, median APE {}, bound misses {}",
         mean(&|f| Some(f.mae)),
@@ -225,7 +282,12 @@ fn print_report(r: &Report, t: Target) {
         mean(&|f| f.median_ape),
         mean(&|f| f.bound_miss_rate)
     );
-    if let Some(c) = r.folds.iter().filter_map(|f| f.classification.as_ref()).next() {
+    if let Some(c) = r
+        .folds
+        .iter()
+        .filter_map(|f| f.classification.as_ref())
+        .next()
+    {
         let n = c.confusion.len();
         let mut total = vec![vec![0u64; n]; n];
         for f in r.folds.iter().filter_map(|f| f.classification.as_ref()) {
@@ -238,7 +300,10 @@ fn print_report(r: &Report, t: Target) {
         println!("confusion (rows: true bin, columns: predicted bin), all folds:");
         for (i, row) in total.iter().enumerate() {
             if row.iter().any(|&v| v > 0) {
-                println!("  bin {i:>2}: {}", row.iter().map(|v| format!("{v:>5}")).collect::<String>());
+                println!(
+                    "  bin {i:>2}: {}",
+                    row.iter().map(|v| format!("{v:>5}")).collect::<String>()
+                );
             }
         }
     }
@@ -250,8 +315,10 @@ fn predict_cmd(a: PredictArgs) -> CliResult {
     let rows = load_dataset(&a.dataset, &profile)?;
     let refs: Vec<&Sample> = rows.iter().collect();
     let pred = model.predict(&refs).map_err(CliError::input)?;
-    let mut rdr = csv::Reader::from_path(&a.dataset).map_err(|e| CliError::input(format!("{}: {e}", a.dataset.display())))?;
-    let mut w = csv::Writer::from_path(&a.out).map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
+    let mut rdr = csv::Reader::from_path(&a.dataset)
+        .map_err(|e| CliError::input(format!("{}: {e}", a.dataset.display())))?;
+    let mut w = csv::Writer::from_path(&a.out)
+        .map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
     let mut header = rdr.headers().map_err(CliError::input)?.clone();
     header.push_field("predicted");
     let bounded = pred.iter().any(|p| p.upper.is_some());
@@ -260,7 +327,9 @@ fn predict_cmd(a: PredictArgs) -> CliResult {
     }
     w.write_record(&header).map_err(CliError::other)?;
     for ((rec, p), s) in rdr.records().zip(&pred).zip(&rows) {
-        let mut rec = rec.map_err(|e| CliError::input(format!("{} line {}: {e}", a.dataset.display(), s.line)))?;
+        let mut rec = rec.map_err(|e| {
+            CliError::input(format!("{} line {}: {e}", a.dataset.display(), s.line))
+        })?;
         rec.push_field(&format!("{:.6}", p.value));
         if bounded {
             rec.push_field(&p.upper.map_or(String::new(), |u| format!("{u:.6}")));
@@ -268,6 +337,12 @@ fn predict_cmd(a: PredictArgs) -> CliResult {
         w.write_record(&rec).map_err(CliError::other)?;
     }
     w.flush().map_err(CliError::other)?;
-    println!("predicted {} rows ({} of {}); wrote {}", pred.len(), model.target.name(), a.dataset.display(), a.out.display());
+    println!(
+        "predicted {} rows ({} of {}); wrote {}",
+        pred.len(),
+        model.target.name(),
+        a.dataset.display(),
+        a.out.display()
+    );
     Ok(())
 }

@@ -64,7 +64,11 @@ impl CliError {
 pub type CliResult<T = ()> = Result<T, CliError>;
 
 #[derive(Parser)]
-#[command(name = "gpumem", version, about = "How much GPU memory will this training job take? Answered before it touches a GPU.")]
+#[command(
+    name = "gpumem",
+    version,
+    about = "How much GPU memory will this training job take? Answered before it touches a GPU."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -140,8 +144,15 @@ struct SuperviseArgs {
 
 impl SuperviseArgs {
     fn supervision(&self) -> gpumem_server::launcher::Supervision {
-        let run_as = self.uid.zip(self.gid).map(|(uid, gid)| gpumem_server::identity::User { uid, gid });
-        gpumem_server::launcher::Supervision { cgroup: !self.no_cgroup, run_as, cwd: self.cwd.clone() }
+        let run_as = self
+            .uid
+            .zip(self.gid)
+            .map(|(uid, gid)| gpumem_server::identity::User { uid, gid });
+        gpumem_server::launcher::Supervision {
+            cgroup: !self.no_cgroup,
+            run_as,
+            cwd: self.cwd.clone(),
+        }
     }
 }
 
@@ -155,7 +166,11 @@ fn main() -> ExitCode {
     // `gpumem ... | head` closes stdout early: that is not an error worth a panic message.
     let default_hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        let msg = info.payload().downcast_ref::<String>().map(String::as_str).unwrap_or("");
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .unwrap_or("");
         if msg.contains("failed printing to stdout") && msg.contains("Broken pipe") {
             std::process::exit(0);
         }
@@ -184,7 +199,12 @@ fn main() -> ExitCode {
         Command::Job(a) => client::job(a),
         Command::Cancel(a) => client::cancel(a),
         Command::LoadTest(a) => client::load_test(a),
-        Command::Supervise(a) => return ExitCode::from(gpumem_server::launcher::supervise(&a.dir, &a.argv, &a.supervision()).clamp(0, 255) as u8),
+        Command::Supervise(a) => {
+            return ExitCode::from(
+                gpumem_server::launcher::supervise(&a.dir, &a.argv, &a.supervision()).clamp(0, 255)
+                    as u8,
+            );
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -23,18 +23,29 @@ pub struct MaxBatchArgs {
 
 pub fn max_batch(a: MaxBatchArgs) -> CliResult {
     let profile = a.gpu.load()?;
-    let model = ModelArg::load(&a.model)?.model(&a.model, "max-batch needs a model, not a trace file (a trace fixes its batch size)")?;
+    let model = ModelArg::load(&a.model)?.model(
+        &a.model,
+        "max-batch needs a model, not a trace file (a trace fixes its batch size)",
+    )?;
     let est = a.estimator.estimator(&a.estimator.models()?)?;
     let name = model.to_string();
     // One symbolic source answers every batch size: no re-tracing during the search.
     let sym = a.workload.workload(model, 1)?.symbolic(&profile)?;
-    let best = sym.max_batch(&profile, est.as_ref()).map_err(CliError::input)?;
+    let best = sym
+        .max_batch(&profile, est.as_ref())
+        .map_err(CliError::input)?;
     match best {
         None => {
             if a.json {
-                println!("{}", serde_json::json!({"model": name, "gpu": profile.name, "max_batch": 0}));
+                println!(
+                    "{}",
+                    serde_json::json!({"model": name, "gpu": profile.name, "max_batch": 0})
+                );
             } else {
-                println!("even batch 1 does not fit on {} with its upper bound", profile.name);
+                println!(
+                    "even batch 1 does not fit on {} with its upper bound",
+                    profile.name
+                );
             }
         }
         Some((lo, e)) => {
@@ -46,7 +57,12 @@ pub fn max_batch(a: MaxBatchArgs) -> CliResult {
                 );
             } else {
                 println!("max batch  {lo}");
-                println!("at it      peak {:.1} MiB, upper bound {:.1} MiB of {} MiB", bytes_to_mib(e.peak_bytes), bytes_to_mib(e.upper_bound_bytes), profile.capacity_mib);
+                println!(
+                    "at it      peak {:.1} MiB, upper bound {:.1} MiB of {} MiB",
+                    bytes_to_mib(e.peak_bytes),
+                    bytes_to_mib(e.upper_bound_bytes),
+                    profile.capacity_mib
+                );
             }
         }
     }

@@ -77,7 +77,9 @@ fn setup_json(s: &Setup) -> serde_json::Value {
 }
 
 fn label(strategy: Option<Strategy>, precision: Precision, checkpointing: Checkpointing) -> String {
-    let on = strategy.map(|s| format!("{} · ", s.name())).unwrap_or_default();
+    let on = strategy
+        .map(|s| format!("{} · ", s.name()))
+        .unwrap_or_default();
     let ckpt = match checkpointing {
         Checkpointing::Off => "",
         Checkpointing::Full => " + checkpointing",
@@ -89,17 +91,47 @@ fn label(strategy: Option<Strategy>, precision: Precision, checkpointing: Checkp
 /// `--strategies` over `world` ranks (all five where none are listed).
 fn strategies(names: &[String], world: u32) -> CliResult<Vec<Option<Strategy>>> {
     let all = ["ddp", "fsdp", "zero1", "zero2", "zero3"];
-    let names: Vec<&str> = if names.is_empty() { all.to_vec() } else { names.iter().map(String::as_str).collect() };
+    let names: Vec<&str> = if names.is_empty() {
+        all.to_vec()
+    } else {
+        names.iter().map(String::as_str).collect()
+    };
     names
         .into_iter()
         .map(|n| {
             Ok(Some(match n {
-                "ddp" => Strategy::Ddp { world_size: world, bucket_cap_mb: gpumem_core::workload::DDP_BUCKET_CAP_MB, bucket_view: false },
-                "fsdp" => Strategy::Fsdp { world_size: world, reshard_after_forward: true, param_dtype: None, replicas: 1, cpu_offload: false },
-                "zero1" => Strategy::Zero { stage: 1, world_size: world, zero: Zero::default() },
-                "zero2" => Strategy::Zero { stage: 2, world_size: world, zero: Zero::default() },
-                "zero3" => Strategy::Zero { stage: 3, world_size: world, zero: Zero::default() },
-                other => return Err(CliError::input(format!("--strategies: `{other}` is not ddp, fsdp, zero1, zero2 or zero3"))),
+                "ddp" => Strategy::Ddp {
+                    world_size: world,
+                    bucket_cap_mb: gpumem_core::workload::DDP_BUCKET_CAP_MB,
+                    bucket_view: false,
+                },
+                "fsdp" => Strategy::Fsdp {
+                    world_size: world,
+                    reshard_after_forward: true,
+                    param_dtype: None,
+                    replicas: 1,
+                    cpu_offload: false,
+                },
+                "zero1" => Strategy::Zero {
+                    stage: 1,
+                    world_size: world,
+                    zero: Zero::default(),
+                },
+                "zero2" => Strategy::Zero {
+                    stage: 2,
+                    world_size: world,
+                    zero: Zero::default(),
+                },
+                "zero3" => Strategy::Zero {
+                    stage: 3,
+                    world_size: world,
+                    zero: Zero::default(),
+                },
+                other => {
+                    return Err(CliError::input(format!(
+                        "--strategies: `{other}` is not ddp, fsdp, zero1, zero2 or zero3"
+                    )));
+                }
             }))
         })
         .collect()
@@ -108,18 +140,31 @@ fn strategies(names: &[String], world: u32) -> CliResult<Vec<Option<Strategy>>> 
 pub fn plan(a: PlanArgs) -> CliResult {
     let (gpus, profile) = match &a.gpus {
         Some(spec) => {
-            let (n, gpu) = gpu_count("--gpus", spec, gpumem_core::workload::MAX_WORLD_SIZE as usize)?;
+            let (n, gpu) = gpu_count(
+                "--gpus",
+                spec,
+                gpumem_core::workload::MAX_WORLD_SIZE as usize,
+            )?;
             (n as u32, GpuChoice::new(gpu, None).load()?)
         }
         None => (1, a.gpu.load()?),
     };
-    let model = ModelArg::load(&a.model)?.model(&a.model, "plan needs a model, not a trace file (a trace fixes its setup)")?;
+    let model = ModelArg::load(&a.model)?.model(
+        &a.model,
+        "plan needs a model, not a trace file (a trace fixes its setup)",
+    )?;
     let estimator = a.estimator.estimator(&a.estimator.models()?)?;
     let precisions: Vec<Precision> = if a.precisions.is_empty() {
         let bf16 = profile.cc_major() >= 8;
-        [Precision::Fp32, Precision::AmpBf16, Precision::AmpFp16].into_iter().filter(|p| bf16 || *p != Precision::AmpBf16).collect()
+        [Precision::Fp32, Precision::AmpBf16, Precision::AmpFp16]
+            .into_iter()
+            .filter(|p| bf16 || *p != Precision::AmpBf16)
+            .collect()
     } else {
-        a.precisions.iter().map(|p| Precision::parse(p).map_err(|e| CliError::input(format!("--precisions: {e}")))).collect::<CliResult<_>>()?
+        a.precisions
+            .iter()
+            .map(|p| Precision::parse(p).map_err(|e| CliError::input(format!("--precisions: {e}"))))
+            .collect::<CliResult<_>>()?
     };
     use Checkpointing::{Full, Off, Selective};
     let checkpointing = match a.checkpointing.as_str() {
@@ -129,12 +174,20 @@ pub fn plan(a: PlanArgs) -> CliResult {
         "on" | "full" => vec![Full],
         "selective" => vec![Selective],
         "off" => vec![Off],
-        other => return Err(CliError::input(format!("--checkpointing `{other}` is not both, all, on, selective or off"))),
+        other => {
+            return Err(CliError::input(format!(
+                "--checkpointing `{other}` is not both, all, on, selective or off"
+            )));
+        }
     };
     let strategy = a.strategy.strategy()?;
     let world = u64::from(strategy.map_or(gpus, |s| s.world_size()));
     let searched = match a.gpus {
-        Some(_) if model.is_native() => return Err(CliError::input("--gpus plans multi-GPU strategies, which apply to PyTorch models")),
+        Some(_) if model.is_native() => {
+            return Err(CliError::input(
+                "--gpus plans multi-GPU strategies, which apply to PyTorch models",
+            ));
+        }
         Some(_) if gpus == 1 => vec![None],
         Some(_) => strategies(&a.strategies, gpus)?,
         None => Vec::new(),
@@ -142,30 +195,61 @@ pub fn plan(a: PlanArgs) -> CliResult {
     if let Some(bus) = a.bus_gbs
         && !(bus.is_finite() && bus > 0.0)
     {
-        return Err(CliError::input(format!("--bus-gbs {bus} must be a positive number")));
+        return Err(CliError::input(format!(
+            "--bus-gbs {bus} must be a positive number"
+        )));
     }
-    let link = a.bus_gbs.map_or_else(|| Interconnect::for_gpu(&profile.name), |bus_gbs| Interconnect { bus_gbs });
+    let link = a.bus_gbs.map_or_else(
+        || Interconnect::for_gpu(&profile.name),
+        |bus_gbs| Interconnect { bus_gbs },
+    );
     if let Some(g) = a.global_batch
         && (g == 0 || g % world != 0)
     {
-        return Err(CliError::input(format!("--global-batch {g} must be a positive multiple of the world size ({world})")));
+        return Err(CliError::input(format!(
+            "--global-batch {g} must be a positive multiple of the world size ({world})"
+        )));
     }
-    let input = a.input.as_deref().map(|i| InputShape::parse(i).ok_or_else(|| CliError::input(format!("--input `{i}` is not CxHxW")))).transpose()?;
-    let options = Options { optimizer: Optimizer::parse(&a.optimizer).map_err(CliError::input)?, seq_len: a.seq_len, input, lora: a.lora.as_deref().map(lora).transpose()?, strategy, ..Options::default() };
+    let input = a
+        .input
+        .as_deref()
+        .map(|i| {
+            InputShape::parse(i)
+                .ok_or_else(|| CliError::input(format!("--input `{i}` is not CxHxW")))
+        })
+        .transpose()?;
+    let options = Options {
+        optimizer: Optimizer::parse(&a.optimizer).map_err(CliError::input)?,
+        seq_len: a.seq_len,
+        input,
+        lora: a.lora.as_deref().map(lora).transpose()?,
+        strategy,
+        ..Options::default()
+    };
     let name = model.to_string();
     let base = gpumem_workload::Workload::new(model, 1, options)?;
-    let space = Space { strategies: searched, precisions, checkpointing, global_batch: a.global_batch };
+    let space = Space {
+        strategies: searched,
+        precisions,
+        checkpointing,
+        global_batch: a.global_batch,
+    };
     // A cold plan traces the model once per setup (seconds to minutes each): say how far it is.
     let bar = indicatif::ProgressBar::new(0);
-    bar.set_style(indicatif::ProgressStyle::with_template("tracing {bar:30} {pos}/{len} setups").expect("valid template"));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("tracing {bar:30} {pos}/{len} setups")
+            .expect("valid template"),
+    );
     let traced = |done: usize, of: usize| {
         bar.set_length(of as u64);
         bar.set_position(done as u64);
     };
-    let p = search(&base, &profile, estimator.as_ref(), &space, link, &traced).map_err(|e| match e {
-        gpumem_workload::SizeError::Workload(w) => CliError::from(w),
-        e => CliError::other(e),
-    })?;
+    let p = search(&base, &profile, estimator.as_ref(), &space, link, &traced).map_err(
+        |e| match e {
+            gpumem_workload::SizeError::Workload(w) => CliError::from(w),
+            e => CliError::other(e),
+        },
+    )?;
     bar.finish_and_clear();
     if a.json {
         let out = json!({
@@ -174,17 +258,31 @@ pub fn plan(a: PlanArgs) -> CliResult {
             "too_big": p.too_big.iter().map(setup_json).collect::<Vec<_>>(),
             "skipped": p.skipped.iter().map(|s| json!({"strategy": s.strategy.map(|s| s.name()), "precision": s.precision.name(), "checkpointing": s.checkpointing.name(), "reason": s.reason})).collect::<Vec<_>>(),
         });
-        println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&out).map_err(CliError::other)?
+        );
         return Ok(());
     }
     print_table(&name, &profile, a.global_batch, world, link, a.top, &p);
     Ok(())
 }
 
-fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: Option<u64>, world: u64, link: Interconnect, top: usize, p: &Plan) {
+fn print_table(
+    name: &str,
+    profile: &gpumem_core::profile::GpuProfile,
+    global: Option<u64>,
+    world: u64,
+    link: Interconnect,
+    top: usize,
+    p: &Plan,
+) {
     let on = match world {
         1 => format!("one {} ({} MiB)", profile.name, profile.capacity_mib),
-        n => format!("{n} × {} ({} MiB each; collectives at {} GB/s per rank, not overlapped), sized per rank", profile.name, profile.capacity_mib, link.bus_gbs),
+        n => format!(
+            "{n} × {} ({} MiB each; collectives at {} GB/s per rank, not overlapped), sized per rank",
+            profile.name, profile.capacity_mib, link.bus_gbs
+        ),
     };
     match global {
         Some(g) => println!("{name} on {on}, {g} samples per optimizer step"),
@@ -200,10 +298,24 @@ fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: O
         Some(g) => format!("{:>10.1}", s.seconds_per_sample() * g as f64 * 1e3),
         None => format!("{:>10.0}", 1.0 / s.seconds_per_sample()),
     };
-    let unit = if global.is_some() { "ms/step" } else { "samples/s" };
-    println!("{:>3}  {:<34} {:>6} {:>6} {:>12} {:>12} {:>10}  vs best", "#", "setup", "micro", "accum", "peak MiB", "bound MiB", unit);
+    let unit = if global.is_some() {
+        "ms/step"
+    } else {
+        "samples/s"
+    };
+    println!(
+        "{:>3}  {:<34} {:>6} {:>6} {:>12} {:>12} {:>10}  vs best",
+        "#", "setup", "micro", "accum", "peak MiB", "bound MiB", unit
+    );
     for (i, s) in p.fits.iter().take(top).enumerate() {
-        let slower = if i == 0 { "best".to_string() } else { format!("{:+.0}%", (s.seconds_per_sample() / best.seconds_per_sample() - 1.0) * 100.0) };
+        let slower = if i == 0 {
+            "best".to_string()
+        } else {
+            format!(
+                "{:+.0}%",
+                (s.seconds_per_sample() / best.seconds_per_sample() - 1.0) * 100.0
+            )
+        };
         println!(
             "{:>3}  {:<34} {:>6} {:>6} {:>12.1} {:>12.1} {}  {slower}",
             i + 1,
@@ -216,18 +328,40 @@ fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: O
         );
     }
     println!();
-    println!("best: {}, micro-batch {} × {} accumulation steps (upper bound {:.0} of {} MiB)", label(best.strategy, best.precision, best.checkpointing), best.micro_batch, best.grad_accum, mib(best.estimate.upper_bound_bytes), profile.capacity_mib);
+    println!(
+        "best: {}, micro-batch {} × {} accumulation steps (upper bound {:.0} of {} MiB)",
+        label(best.strategy, best.precision, best.checkpointing),
+        best.micro_batch,
+        best.grad_accum,
+        mib(best.estimate.upper_bound_bytes),
+        profile.capacity_mib
+    );
     let mut why = Vec::new();
     let key = |s: &Setup| (s.strategy, s.precision, s.checkpointing);
-    let mut kinds: Vec<(Option<Strategy>, Precision, Checkpointing)> = p.fits.iter().chain(&p.too_big).map(key).collect();
+    let mut kinds: Vec<(Option<Strategy>, Precision, Checkpointing)> =
+        p.fits.iter().chain(&p.too_big).map(key).collect();
     kinds.sort_by_key(|(s, p, c)| (s.map(|s| s.name()), p.name(), *c as u8));
     kinds.dedup();
     for (strategy, precision, ckpt) in kinds {
-        let mine = p.fits.iter().find(|s| key(s) == (strategy, precision, ckpt));
-        let over = p.too_big.iter().find(|s| key(s) == (strategy, precision, ckpt));
-        let limit = over.map(|s| format!("micro-batch {} does not fit (bound {:.0} MiB)", s.micro_batch, mib(s.estimate.upper_bound_bytes)));
+        let mine = p
+            .fits
+            .iter()
+            .find(|s| key(s) == (strategy, precision, ckpt));
+        let over = p
+            .too_big
+            .iter()
+            .find(|s| key(s) == (strategy, precision, ckpt));
+        let limit = over.map(|s| {
+            format!(
+                "micro-batch {} does not fit (bound {:.0} MiB)",
+                s.micro_batch,
+                mib(s.estimate.upper_bound_bytes)
+            )
+        });
         let line = match mine {
-            Some(s) if std::ptr::eq(s, best) => limit.map(|l| format!("(the best's own limit: {l})")),
+            Some(s) if std::ptr::eq(s, best) => {
+                limit.map(|l| format!("(the best's own limit: {l})"))
+            }
             Some(s) => Some(format!(
                 "at best micro-batch {}: {:+.0}% time per sample{}",
                 s.micro_batch,
@@ -240,7 +374,13 @@ fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: O
             why.push(format!("  {:<34} {line}", label(strategy, precision, ckpt)));
         }
     }
-    why.extend(p.skipped.iter().map(|s| format!("  {:<34} not planned: {}", label(s.strategy, s.precision, s.checkpointing), s.reason)));
+    why.extend(p.skipped.iter().map(|s| {
+        format!(
+            "  {:<34} not planned: {}",
+            label(s.strategy, s.precision, s.checkpointing),
+            s.reason
+        )
+    }));
     if !why.is_empty() {
         println!("why the others lose:");
         println!("{}", why.join("\n"));
@@ -248,9 +388,28 @@ fn print_table(name: &str, profile: &gpumem_core::profile::GpuProfile, global: O
 }
 
 fn why_nothing(p: &Plan) -> String {
-    let smallest = p.too_big.iter().min_by_key(|s| s.estimate.upper_bound_bytes);
+    let smallest = p
+        .too_big
+        .iter()
+        .min_by_key(|s| s.estimate.upper_bound_bytes);
     match smallest {
-        Some(s) => format!("the smallest setup, {} at micro-batch {}, needs {:.0} MiB (upper bound)", label(s.strategy, s.precision, s.checkpointing), s.micro_batch, mib(s.estimate.upper_bound_bytes)),
-        None => p.skipped.iter().map(|s| format!("{}: {}", label(s.strategy, s.precision, s.checkpointing), s.reason)).collect::<Vec<_>>().join("; "),
+        Some(s) => format!(
+            "the smallest setup, {} at micro-batch {}, needs {:.0} MiB (upper bound)",
+            label(s.strategy, s.precision, s.checkpointing),
+            s.micro_batch,
+            mib(s.estimate.upper_bound_bytes)
+        ),
+        None => p
+            .skipped
+            .iter()
+            .map(|s| {
+                format!(
+                    "{}: {}",
+                    label(s.strategy, s.precision, s.checkpointing),
+                    s.reason
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; "),
     }
 }

@@ -42,8 +42,10 @@ pub struct ProbeArgs {
 
 fn start(a: &ProbeArgs) -> CliResult<GpuProfile> {
     let from_file = |path: &std::path::Path| -> CliResult<GpuProfile> {
-        let text = std::fs::read_to_string(path).map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
-        GpuProfile::from_toml(&text).map_err(|e| CliError::input(format!("{}: {e}", path.display())))
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
+        GpuProfile::from_toml(&text)
+            .map_err(|e| CliError::input(format!("{}: {e}", path.display())))
     };
     if a.out.exists() {
         return from_file(&a.out);
@@ -61,7 +63,13 @@ pub fn probe(a: ProbeArgs) -> CliResult {
         Some(path) => ProbeReport::read(path).map_err(CliError::input)?,
         None => {
             let tracer = TorchTracer::from_env();
-            let req = ProbeRequest { gpu: a.gpu, models: a.models.clone(), benchmark: a.benchmark.clone(), seconds: a.seconds, ..Default::default() };
+            let req = ProbeRequest {
+                gpu: a.gpu,
+                models: a.models.clone(),
+                benchmark: a.benchmark.clone(),
+                seconds: a.seconds,
+                ..Default::default()
+            };
             let json = a.out.with_extension("probe.json");
             tracer.probe(&req, &json)?
         }
@@ -72,7 +80,13 @@ pub fn probe(a: ProbeArgs) -> CliResult {
         if (&held.gpu, &held.torch, held.cudnn) != (&r.gpu, &r.torch, r.cudnn) {
             return Err(CliError::input(format!(
                 "{}: holds a table measured on {} (torch {}, cuDNN {}); this report is of {} (torch {}, cuDNN {}): write it to a new profile",
-                a.out.display(), held.gpu, held.torch, held.cudnn, r.gpu, r.torch, r.cudnn
+                a.out.display(),
+                held.gpu,
+                held.torch,
+                held.cudnn,
+                r.gpu,
+                r.torch,
+                r.cudnn
             )));
         }
     }
@@ -80,7 +94,8 @@ pub fn probe(a: ProbeArgs) -> CliResult {
     if profile.calibration.is_none() {
         profile.calibration = Some(format!("context from gpumem probe on {}", report.stack.gpu));
     }
-    std::fs::write(&a.out, profile.to_toml()).map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
+    std::fs::write(&a.out, profile.to_toml())
+        .map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
     let s = &report.stack;
     println!(
         "{}: {} (torch {}, CUDA {}, cuDNN {}): {} convolution configurations added, {} updated, {} refused by the GPU; table now {}; context {:.0} MiB; cuBLAS workspace {} MiB",

@@ -62,13 +62,23 @@ fn gpu_fraction(bound_mib: f64, capacity_mib: u64) -> Option<f64> {
 }
 
 pub fn ray_resources(a: RayArgs) -> CliResult {
-    let model = ModelArg::load(&a.model)?.model(&a.model, "ray-resources needs a model, not a trace file")?;
-    let profiles: Vec<GpuProfile> = if a.gpus.is_empty() { profile::catalogue() } else { a.gpus.iter().map(|g| profile::builtin(g).map_err(CliError::input)).collect::<CliResult<_>>()? };
+    let model = ModelArg::load(&a.model)?
+        .model(&a.model, "ray-resources needs a model, not a trace file")?;
+    let profiles: Vec<GpuProfile> = if a.gpus.is_empty() {
+        profile::catalogue()
+    } else {
+        a.gpus
+            .iter()
+            .map(|g| profile::builtin(g).map_err(CliError::input))
+            .collect::<CliResult<_>>()?
+    };
     let estimator = a.estimator.estimator(&a.estimator.models()?)?;
     let workload = a.workload.workload(model, a.batch)?;
     let mut rows = Vec::new();
     for p in &profiles {
-        let est = workload.size(p, estimator.as_ref(), Workload::trace)?.estimate;
+        let est = workload
+            .size(p, estimator.as_ref(), Workload::trace)?
+            .estimate;
         let (peak, bound) = (est.peak_bytes, est.upper_bound_bytes);
         // The requests come from the exact bytes: the bound as displayed (to a tenth of a MiB)
         // may round below them.
@@ -78,25 +88,49 @@ pub fn ray_resources(a: RayArgs) -> CliResult {
             peak_mib: mib(peak),
             upper_bound_mib: mib(bound),
             fits: bound <= p.capacity_bytes(),
-            num_gpus: gpu_fraction(bytes_to_mib(bound), p.capacity_mib).filter(|_| bound <= p.capacity_bytes()),
+            num_gpus: gpu_fraction(bytes_to_mib(bound), p.capacity_mib)
+                .filter(|_| bound <= p.capacity_bytes()),
             gpu_memory_mib: whole_mib(bound),
         });
     }
-    let out = RayJson { model: workload.model().to_string(), batch_size: workload.batch(), gpus: rows };
+    let out = RayJson {
+        model: workload.model().to_string(),
+        batch_size: workload.batch(),
+        gpus: rows,
+    };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&out).map_err(CliError::other)?
+        );
         return Ok(());
     }
     println!("{} at batch {}", out.model, out.batch_size);
-    println!("{:<16} {:>12} {:>12} {:>12} {:>9} {:>15}", "gpu", "capacity MiB", "estimate MiB", "bound MiB", "num_gpus", "gpu_memory_mib");
+    println!(
+        "{:<16} {:>12} {:>12} {:>12} {:>9} {:>15}",
+        "gpu", "capacity MiB", "estimate MiB", "bound MiB", "num_gpus", "gpu_memory_mib"
+    );
     for g in &out.gpus {
-        let share = g.num_gpus.map_or("does not fit".to_string(), |f| format!("{f:.2}"));
-        println!("{:<16} {:>12} {:>12.1} {:>12.1} {:>9} {:>15}", g.gpu, g.capacity_mib, g.peak_mib, g.upper_bound_mib, share, g.gpu_memory_mib);
+        let share = g
+            .num_gpus
+            .map_or("does not fit".to_string(), |f| format!("{f:.2}"));
+        println!(
+            "{:<16} {:>12} {:>12.1} {:>12.1} {:>9} {:>15}",
+            g.gpu, g.capacity_mib, g.peak_mib, g.upper_bound_mib, share, g.gpu_memory_mib
+        );
     }
     if let Some(g) = out.gpus.iter().find(|g| g.num_gpus.is_some()) {
         println!();
-        println!("on {}: @ray.remote(num_gpus={:.2}, resources={{\"gpu_memory_mib\": {}}})", g.gpu, g.num_gpus.unwrap_or(1.0), g.gpu_memory_mib);
-        println!("(each node declares its GPUs' memory: ray start --resources='{{\"gpu_memory_mib\": {}}}' for one such GPU)", g.capacity_mib);
+        println!(
+            "on {}: @ray.remote(num_gpus={:.2}, resources={{\"gpu_memory_mib\": {}}})",
+            g.gpu,
+            g.num_gpus.unwrap_or(1.0),
+            g.gpu_memory_mib
+        );
+        println!(
+            "(each node declares its GPUs' memory: ray start --resources='{{\"gpu_memory_mib\": {}}}' for one such GPU)",
+            g.capacity_mib
+        );
     }
     Ok(())
 }

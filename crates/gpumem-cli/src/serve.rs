@@ -7,8 +7,8 @@ use std::sync::Arc;
 use clap::Args;
 use gpumem_core::profile;
 use gpumem_monitor::{FakeMonitor, Monitor, NvmlMonitor};
-use gpumem_server::probe::{FakeProber, Prober, TorchProber};
 use gpumem_server::api::{Listen, Token};
+use gpumem_server::probe::{FakeProber, Prober, TorchProber};
 use gpumem_server::{Config, Daemon};
 use gpumem_torch::TorchTracer;
 
@@ -60,8 +60,10 @@ pub fn serve(a: ServeArgs) -> CliResult {
     let listen = listen(&a)?;
     let config = match &a.config {
         Some(p) => {
-            let text = std::fs::read_to_string(p).map_err(|e| CliError::input(format!("{}: {e}", p.display())))?;
-            Config::from_toml(&text).map_err(|e| CliError::input(format!("{}: {e}", p.display())))?
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| CliError::input(format!("{}: {e}", p.display())))?;
+            Config::from_toml(&text)
+                .map_err(|e| CliError::input(format!("{}: {e}", p.display())))?
         }
         None => Config::default(),
     };
@@ -74,8 +76,14 @@ pub fn serve(a: ServeArgs) -> CliResult {
             (Box::new(m), Some(gpus), p)
         }
         None => {
-            let m = NvmlMonitor::new(None, 1000).map_err(|e| CliError::other(format!("{e} (no GPU here? use --fake-gpus 4xa100-40gb)")))?;
-            (Box::new(m), None, profile::builtin(&a.gpu).map_err(CliError::input)?)
+            let m = NvmlMonitor::new(None, 1000).map_err(|e| {
+                CliError::other(format!("{e} (no GPU here? use --fake-gpus 4xa100-40gb)"))
+            })?;
+            (
+                Box::new(m),
+                None,
+                profile::builtin(&a.gpu).map_err(CliError::input)?,
+            )
         }
     };
     let prof = match &a.profile {
@@ -85,16 +93,25 @@ pub fn serve(a: ServeArgs) -> CliResult {
     let prober: Option<Arc<dyn Prober>> = match (a.fake_probe, &a.fake_gpus) {
         (Some(bytes), _) => Some(Arc::new(FakeProber { bytes })),
         (None, Some(_)) => None, // no GPU to probe on
-        (None, None) => Some(Arc::new(TorchProber { tracer: TorchTracer::from_env(), dir: a.state.join("probe") })),
+        (None, None) => Some(Arc::new(TorchProber {
+            tracer: TorchTracer::from_env(),
+            dir: a.state.join("probe"),
+        })),
     };
-    let exe = std::env::current_exe().map_err(|e| CliError::other(format!("cannot find the gpumem binary: {e}")))?;
-    let daemon = Daemon::open(&a.state, monitor, fake, prof, config, exe, a.recover).map_err(|e| match e {
-        // Another daemon on the same state, or a lost store: the operator's to decide (exit 2).
-        e @ (gpumem_server::DaemonError::InUse { .. }
-        | gpumem_server::DaemonError::StoreLost { .. }
-        | gpumem_server::DaemonError::Store(gpumem_server::store::StoreError::Damaged { .. } | gpumem_server::store::StoreError::Version { .. })) => CliError::input(e),
-        e => CliError::other(e),
-    })?;
+    let exe = std::env::current_exe()
+        .map_err(|e| CliError::other(format!("cannot find the gpumem binary: {e}")))?;
+    let daemon = Daemon::open(&a.state, monitor, fake, prof, config, exe, a.recover).map_err(
+        |e| match e {
+            // Another daemon on the same state, or a lost store: the operator's to decide (exit 2).
+            e @ (gpumem_server::DaemonError::InUse { .. }
+            | gpumem_server::DaemonError::StoreLost { .. }
+            | gpumem_server::DaemonError::Store(
+                gpumem_server::store::StoreError::Damaged { .. }
+                | gpumem_server::store::StoreError::Version { .. },
+            )) => CliError::input(e),
+            e => CliError::other(e),
+        },
+    )?;
     let daemon = match prober {
         Some(p) => daemon.with_prober(p),
         None => daemon,
@@ -108,7 +125,9 @@ pub fn serve(a: ServeArgs) -> CliResult {
 /// The socket, or TCP with its token (checked before anything starts, as bad input).
 fn listen(a: &ServeArgs) -> CliResult<Listen> {
     let Some(text) = &a.addr else {
-        return Ok(Listen::Unix(a.socket.clone().unwrap_or_else(|| gpumem_server::api::default_socket(gpumem_server::identity::User::current()))));
+        return Ok(Listen::Unix(a.socket.clone().unwrap_or_else(|| {
+            gpumem_server::api::default_socket(gpumem_server::identity::User::current())
+        })));
     };
     // A host name (localhost) resolves; its first address is used.
     let addr: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(text.as_str())
@@ -116,7 +135,7 @@ fn listen(a: &ServeArgs) -> CliResult<Listen> {
         .and_then(|mut it| it.next())
         .ok_or_else(|| CliError::input(format!("--addr `{text}` is not HOST:PORT")))?;
     let token = Token::from_file_or_env(a.token_file.as_deref()).map_err(CliError::input)?;
-    let token = token.ok_or_else(|| CliError::input(gpumem_server::api::ServeError::NoToken { addr }))?;
+    let token =
+        token.ok_or_else(|| CliError::input(gpumem_server::api::ServeError::NoToken { addr }))?;
     Ok(Listen::Tcp { addr, token })
 }
-

@@ -11,7 +11,9 @@ use gpumem_core::utilization::{HostModel, Utilization, physical};
 use gpumem_place::{Load, MIB, MemoryDemand, MemoryView, Policy, Rule};
 use gpumem_sim::carma::{Task, TaskModel, load_arrivals, load_tasks};
 use gpumem_sim::jobs::load_jobs;
-use gpumem_sim::{GpuSpec, Interference, NoInterference, ProportionalSharing, Report, SimConfig, SimJob, simulate};
+use gpumem_sim::{
+    GpuSpec, Interference, NoInterference, ProportionalSharing, Report, SimConfig, SimJob, simulate,
+};
 use gpumem_torch::BridgeError;
 use gpumem_workload::{Workload, WorkloadError, side_by_side};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -21,7 +23,14 @@ use crate::args::{GpuChoice, gpu_count};
 use crate::{CliError, CliResult, plot};
 
 /// Estimators the simulator can hand to a policy.
-pub const SIM_ESTIMATORS: [&str; 6] = ["measured", "replay", "horus", "faketensor", "gpumemnet", "none"];
+pub const SIM_ESTIMATORS: [&str; 6] = [
+    "measured",
+    "replay",
+    "horus",
+    "faketensor",
+    "gpumemnet",
+    "none",
+];
 /// Those a job file's jobs have (CARMA published the others for its own tasks only).
 const JOB_FILE_ESTIMATORS: [&str; 3] = ["measured", "replay", "none"];
 
@@ -106,7 +115,10 @@ struct SimJson<'a> {
 /// The cluster of `--gpus COUNTxGPU`, its GPUs described by `--profile` when given.
 fn cluster(spec: &str, file: Option<&Path>) -> CliResult<(usize, GpuProfile)> {
     let (count, name) = gpu_count("--gpus", spec, 100_000)?;
-    Ok((count, GpuChoice::new(name, file.map(Path::to_path_buf)).load()?))
+    Ok((
+        count,
+        GpuChoice::new(name, file.map(Path::to_path_buf)).load()?,
+    ))
 }
 
 /// gpumem's own answer for a task: replay estimate and bound, and its utilization alone.
@@ -121,12 +133,20 @@ struct Modelled {
 /// time; the rest is the input pipeline and the host). DCGM's run averages dilute the same way.
 /// Where the steps are unknown the GPU is taken as always busy (the cautious side).
 fn solo_load(u: &Utilization, task: &Task) -> Load {
-    busy_load(u, task.train_steps.map_or(1.0, |n| (n as f64 * u.step_s / task.work_s).min(1.0)))
+    busy_load(
+        u,
+        task.train_steps
+            .map_or(1.0, |n| (n as f64 * u.step_s / task.work_s).min(1.0)),
+    )
 }
 
 /// The physical model's figures while the steps run, diluted to the share `busy` of the time.
 fn busy_load(u: &Utilization, busy: f64) -> Load {
-    Load { smact: u.smact * busy, smocc: u.smocc * busy, dram: u.dram * busy }
+    Load {
+        smact: u.smact * busy,
+        smocc: u.smocc * busy,
+        dram: u.dram * busy,
+    }
 }
 
 /// gpumem's answer for each distinct model of a workload, traced once each (side by side, and
@@ -134,7 +154,10 @@ fn busy_load(u: &Utilization, busy: f64) -> Load {
 /// while its steps run. A model whose library this interpreter lacks (say
 /// segmentation-models-pytorch) is left out with a warning: its jobs run without a gpumem
 /// estimate, as the ones gpumem cannot trace at all do.
-fn model_all<'a>(models: impl IntoIterator<Item = &'a TaskModel>, profile: &GpuProfile) -> CliResult<HashMap<TaskModel, (MemoryDemand, Utilization)>> {
+fn model_all<'a>(
+    models: impl IntoIterator<Item = &'a TaskModel>,
+    profile: &GpuProfile,
+) -> CliResult<HashMap<TaskModel, (MemoryDemand, Utilization)>> {
     let mut distinct: Vec<&TaskModel> = Vec::new();
     for m in models {
         if !distinct.contains(&m) {
@@ -142,9 +165,12 @@ fn model_all<'a>(models: impl IntoIterator<Item = &'a TaskModel>, profile: &GpuP
         }
     }
     let bar = ProgressBar::new(distinct.len() as u64);
-    bar.set_style(ProgressStyle::with_template("tracing {bar:30} {pos}/{len}").expect("valid template"));
+    bar.set_style(
+        ProgressStyle::with_template("tracing {bar:30} {pos}/{len}").expect("valid template"),
+    );
     let traced = side_by_side(&distinct, |m| {
-        let t = Workload::parse(&m.reference, m.batch, m.options.clone()).and_then(|w| w.trace(profile));
+        let t = Workload::parse(&m.reference, m.batch, m.options.clone())
+            .and_then(|w| w.trace(profile));
         bar.inc(1);
         t
     });
@@ -153,15 +179,38 @@ fn model_all<'a>(models: impl IntoIterator<Item = &'a TaskModel>, profile: &GpuP
         let trace = match traced {
             Ok(t) => t,
             Err(WorkloadError::Tracer(BridgeError::BadReference(e))) => {
-                bar.suspend(|| eprintln!("warning: {} b{}: {e}; its jobs run without a gpumem estimate", m.reference, m.batch));
+                bar.suspend(|| {
+                    eprintln!(
+                        "warning: {} b{}: {e}; its jobs run without a gpumem estimate",
+                        m.reference, m.batch
+                    )
+                });
                 continue;
             }
-            Err(e @ (WorkloadError::Invalid(_) | WorkloadError::Batch(_))) => return Err(CliError::input(format!("{} b{}: {e}", m.reference, m.batch))),
-            Err(e) => return Err(CliError::Model(format!("{} b{}: {e}", m.reference, m.batch))),
+            Err(e @ (WorkloadError::Invalid(_) | WorkloadError::Batch(_))) => {
+                return Err(CliError::input(format!(
+                    "{} b{}: {e}",
+                    m.reference, m.batch
+                )));
+            }
+            Err(e) => {
+                return Err(CliError::Model(format!(
+                    "{} b{}: {e}",
+                    m.reference, m.batch
+                )));
+            }
         };
-        let est = Replay::default().estimate(&trace, profile).map_err(CliError::input)?;
-        let memory = MemoryDemand { estimate_bytes: est.peak_bytes, upper_bound_bytes: est.upper_bound_bytes };
-        out.insert(m.clone(), (memory, physical(&trace, profile, &HostModel::default())));
+        let est = Replay::default()
+            .estimate(&trace, profile)
+            .map_err(CliError::input)?;
+        let memory = MemoryDemand {
+            estimate_bytes: est.peak_bytes,
+            upper_bound_bytes: est.upper_bound_bytes,
+        };
+        out.insert(
+            m.clone(),
+            (memory, physical(&trace, profile, &HostModel::default())),
+        );
     }
     bar.finish_and_clear();
     Ok(out)
@@ -171,30 +220,63 @@ fn model_all<'a>(models: impl IntoIterator<Item = &'a TaskModel>, profile: &GpuP
 /// models; or a job file's jobs, each sized once (`memory`: what it states, else gpumem's
 /// estimate; `true_bytes`: what it measured, else that).
 enum Source {
-    Carma { arrivals: Vec<(f64, usize)>, tasks: Vec<Task>, modelled: HashMap<String, Modelled> },
+    Carma {
+        arrivals: Vec<(f64, usize)>,
+        tasks: Vec<Task>,
+        modelled: HashMap<String, Modelled>,
+    },
     Jobs(Vec<SimJob>),
 }
 
 impl Source {
-    fn carma(trace: &Path, tasks: &Path, workloads: &Path, profile: &GpuProfile) -> CliResult<Source> {
+    fn carma(
+        trace: &Path,
+        tasks: &Path,
+        workloads: &Path,
+        profile: &GpuProfile,
+    ) -> CliResult<Source> {
         let tasks = load_tasks(tasks, workloads).map_err(CliError::input)?;
         let arrivals = load_arrivals(trace, &tasks).map_err(CliError::input)?;
-        let used: Vec<&Task> = tasks.iter().enumerate().filter(|(i, _)| arrivals.iter().any(|a| a.1 == *i)).map(|(_, t)| t).collect();
+        let used: Vec<&Task> = tasks
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| arrivals.iter().any(|a| a.1 == *i))
+            .map(|(_, t)| t)
+            .collect();
         let by_model = model_all(used.iter().filter_map(|t| t.model.as_ref()), profile)?;
         let modelled = used
             .iter()
             .filter_map(|t| {
                 let (memory, u) = by_model.get(t.model.as_ref()?)?;
-                Some((t.name.clone(), Modelled { memory: *memory, load: solo_load(u, t) }))
+                Some((
+                    t.name.clone(),
+                    Modelled {
+                        memory: *memory,
+                        load: solo_load(u, t),
+                    },
+                ))
             })
             .collect();
-        Ok(Source::Carma { arrivals, tasks, modelled })
+        Ok(Source::Carma {
+            arrivals,
+            tasks,
+            modelled,
+        })
     }
 
     fn job_file(path: &Path, profile: &GpuProfile) -> CliResult<Source> {
         let specs = load_jobs(path).map_err(CliError::input)?;
         // What gpumem traces for a job: its model at its batch, where it states no memory.
-        let models: Vec<Option<TaskModel>> = specs.iter().map(|j| j.model().map(|(reference, batch)| TaskModel { reference: reference.to_string(), batch, options: j.options.clone() })).collect();
+        let models: Vec<Option<TaskModel>> = specs
+            .iter()
+            .map(|j| {
+                j.model().map(|(reference, batch)| TaskModel {
+                    reference: reference.to_string(),
+                    batch,
+                    options: j.options.clone(),
+                })
+            })
+            .collect();
         let modelled = model_all(models.iter().flatten(), profile)?;
         let jobs = specs.into_iter().zip(&models).map(|(j, m)| {
             let ours = m.as_ref().and_then(|m| modelled.get(m));
@@ -214,7 +296,11 @@ impl Source {
     /// The simulated jobs in arrival order as `estimator` sees them.
     fn sim_jobs(&self, estimator: &str) -> Vec<SimJob> {
         match self {
-            Source::Carma { arrivals, tasks, modelled } => arrivals
+            Source::Carma {
+                arrivals,
+                tasks,
+                modelled,
+            } => arrivals
                 .iter()
                 .map(|&(arrival_s, i)| {
                     let t = &tasks[i];
@@ -252,7 +338,12 @@ impl Source {
 
     /// Distinct jobs (tasks) that `estimator` has no figure for.
     fn unmodelled(&self, estimator: &str) -> Vec<String> {
-        let mut out: Vec<String> = self.sim_jobs(estimator).into_iter().filter(|j| j.memory.is_none()).map(|j| j.name).collect();
+        let mut out: Vec<String> = self
+            .sim_jobs(estimator)
+            .into_iter()
+            .filter(|j| j.memory.is_none())
+            .map(|j| j.name)
+            .collect();
         out.sort_unstable();
         out.dedup();
         out
@@ -270,42 +361,81 @@ fn memory_view(estimator: &str, headroom_mib: u64) -> MemoryView {
     match estimator {
         "measured" => MemoryView::Oracle,
         "none" => MemoryView::Blind,
-        _ => MemoryView::Estimate { headroom_bytes: headroom_mib * MIB },
+        _ => MemoryView::Estimate {
+            headroom_bytes: headroom_mib * MIB,
+        },
     }
 }
 
 pub fn run(a: SimulateArgs) -> CliResult {
     if !SIM_ESTIMATORS.contains(&a.estimator.as_str()) {
-        return Err(CliError::input(format!("unknown estimator `{}` (expected {})", a.estimator, SIM_ESTIMATORS.join(", "))));
+        return Err(CliError::input(format!(
+            "unknown estimator `{}` (expected {})",
+            a.estimator,
+            SIM_ESTIMATORS.join(", ")
+        )));
     }
-    for (name, v) in [("--crash-after-s", a.crash_after_s), ("--warmup-s", a.warmup_s)] {
+    for (name, v) in [
+        ("--crash-after-s", a.crash_after_s),
+        ("--warmup-s", a.warmup_s),
+    ] {
         if !(v.is_finite() && v >= 0.0) {
-            return Err(CliError::input(format!("{name} must be a non-negative number")));
+            return Err(CliError::input(format!(
+                "{name} must be a non-negative number"
+            )));
         }
     }
     let interference: Box<dyn Interference> = match a.interference.as_str() {
         "proportional" => Box::new(ProportionalSharing::default()),
         "none" => Box::new(NoInterference),
-        other => return Err(CliError::input(format!("unknown interference model `{other}` (expected proportional or none)"))),
+        other => {
+            return Err(CliError::input(format!(
+                "unknown interference model `{other}` (expected proportional or none)"
+            )));
+        }
     };
     if !(a.max_pressure.is_finite() && a.max_pressure >= 1.0) {
-        return Err(CliError::input("--max-pressure must be a number of at least 1"));
+        return Err(CliError::input(
+            "--max-pressure must be a number of at least 1",
+        ));
     }
-    let tune = |p: Policy| Policy { safe_headroom_bytes: a.safe_headroom_mib * MIB, max_pressure: a.max_pressure, ..p };
-    let policy = tune(Policy::parse(&a.policy, memory_view(&a.estimator, a.headroom_mib)).map_err(CliError::input)?);
+    let tune = |p: Policy| Policy {
+        safe_headroom_bytes: a.safe_headroom_mib * MIB,
+        max_pressure: a.max_pressure,
+        ..p
+    };
+    let policy = tune(
+        Policy::parse(&a.policy, memory_view(&a.estimator, a.headroom_mib))
+            .map_err(CliError::input)?,
+    );
     let (count, profile) = cluster(&a.gpus, a.profile.as_deref())?;
     let (source, input) = match (&a.jobs, &a.trace, &a.tasks) {
         (Some(jobs), ..) => (Source::job_file(jobs, &profile)?, jobs),
         (None, Some(trace), Some(tasks)) => {
-            let workloads = a.workloads.clone().unwrap_or_else(|| tasks.with_file_name("carma_workloads_readme.csv"));
+            let workloads = a
+                .workloads
+                .clone()
+                .unwrap_or_else(|| tasks.with_file_name("carma_workloads_readme.csv"));
             (Source::carma(trace, tasks, &workloads, &profile)?, trace)
         }
-        _ => return Err(CliError::input("give --trace and --tasks (a CARMA workload) or --jobs (a job file)")),
+        _ => {
+            return Err(CliError::input(
+                "give --trace and --tasks (a CARMA workload) or --jobs (a job file)",
+            ));
+        }
     };
     if !source.estimators().contains(&a.estimator.as_str()) {
-        return Err(CliError::input(format!("--estimator {}: a job file's jobs have {} (CARMA published the others for its own tasks)", a.estimator, JOB_FILE_ESTIMATORS.join(", "))));
+        return Err(CliError::input(format!(
+            "--estimator {}: a job file's jobs have {} (CARMA published the others for its own tasks)",
+            a.estimator,
+            JOB_FILE_ESTIMATORS.join(", ")
+        )));
     }
-    let spec = GpuSpec { capacity_bytes: profile.capacity_bytes(), idle_w: profile.idle_power_w, max_w: profile.power_w };
+    let spec = GpuSpec {
+        capacity_bytes: profile.capacity_bytes(),
+        idle_w: profile.idle_power_w,
+        max_w: profile.power_w,
+    };
     let base = SimConfig {
         crash_after_s: a.crash_after_s,
         max_retries: a.max_retries,
@@ -313,22 +443,42 @@ pub fn run(a: SimulateArgs) -> CliResult {
         backfill: a.backfill,
         ..SimConfig::new(vec![spec; count], policy)
     };
-    let input_name = input.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let input_name = input
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let one = |policy: Policy, estimator: &str| -> CliResult<Report> {
-        let cfg = SimConfig { policy, ..base.clone() };
+        let cfg = SimConfig {
+            policy,
+            ..base.clone()
+        };
         simulate(&source.sim_jobs(estimator), &cfg, interference.as_ref()).map_err(CliError::input)
     };
 
     if a.compare {
         let mut rows: Vec<(String, Report)> = Vec::new();
         for (policy, estimator) in comparison(source.estimators()) {
-            let p = tune(Policy { memory: memory_view(estimator, a.headroom_mib), ..policy });
+            let p = tune(Policy {
+                memory: memory_view(estimator, a.headroom_mib),
+                ..policy
+            });
             rows.push((estimator.to_string(), one(p, estimator)?));
         }
         if a.json {
-            let out: Vec<SimJson> =
-                rows.iter().map(|(e, r)| SimJson { report: r, estimator: e, trace: input_name.clone(), gpus: &a.gpus, unmodelled: source.unmodelled(e) }).collect();
-            println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
+            let out: Vec<SimJson> = rows
+                .iter()
+                .map(|(e, r)| SimJson {
+                    report: r,
+                    estimator: e,
+                    trace: input_name.clone(),
+                    gpus: &a.gpus,
+                    unmodelled: source.unmodelled(e),
+                })
+                .collect();
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&out).map_err(CliError::other)?
+            );
         } else {
             print_table(&input_name, &a.gpus, &rows, &source.unmodelled("replay"));
         }
@@ -337,25 +487,74 @@ pub fn run(a: SimulateArgs) -> CliResult {
 
     let report = one(policy, &a.estimator)?;
     if let Some(svg) = &a.timeline {
-        let labels: Vec<String> = source.sim_jobs("none").into_iter().map(|j| j.name).collect();
-        let title = format!("{input_name}: {} / {} on {}", report.policy, a.estimator, a.gpus);
-        plot::timeline(svg, &svg.with_extension("png"), &title, count, &report.runs, &labels).map_err(CliError::other)?;
+        let labels: Vec<String> = source
+            .sim_jobs("none")
+            .into_iter()
+            .map(|j| j.name)
+            .collect();
+        let title = format!(
+            "{input_name}: {} / {} on {}",
+            report.policy, a.estimator, a.gpus
+        );
+        plot::timeline(
+            svg,
+            &svg.with_extension("png"),
+            &title,
+            count,
+            &report.runs,
+            &labels,
+        )
+        .map_err(CliError::other)?;
     }
     let unmodelled = source.unmodelled(&a.estimator);
     if a.json {
-        let out = SimJson { report: &report, estimator: &a.estimator, trace: input_name, gpus: &a.gpus, unmodelled };
-        println!("{}", serde_json::to_string_pretty(&out).map_err(CliError::other)?);
+        let out = SimJson {
+            report: &report,
+            estimator: &a.estimator,
+            trace: input_name,
+            gpus: &a.gpus,
+            unmodelled,
+        };
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&out).map_err(CliError::other)?
+        );
         return Ok(());
     }
-    println!("{input_name}: {} jobs on {} ({}), policy {}, estimator {}", report.jobs, a.gpus, profile.display, report.policy, a.estimator);
+    println!(
+        "{input_name}: {} jobs on {} ({}), policy {}, estimator {}",
+        report.jobs, a.gpus, profile.display, report.policy, a.estimator
+    );
     println!("  makespan          {:>10.2} h", report.makespan_s / 3600.0);
-    println!("  waiting time      {:>10.1} min mean, {:.1} min p95", report.mean_wait_s / 60.0, report.p95_wait_s / 60.0);
-    println!("  completion time   {:>10.1} min mean", report.mean_jct_s / 60.0);
-    println!("  OOM crashes       {:>10}  ({:.1} GPU-min wasted, {} jobs failed)", report.oom_crashes, report.wasted_gpu_min, report.failed_jobs);
-    println!("  GPU busy          {:>10.1} %   mean SMACT {:.2}", report.mean_busy * 100.0, report.mean_smact);
+    println!(
+        "  waiting time      {:>10.1} min mean, {:.1} min p95",
+        report.mean_wait_s / 60.0,
+        report.p95_wait_s / 60.0
+    );
+    println!(
+        "  completion time   {:>10.1} min mean",
+        report.mean_jct_s / 60.0
+    );
+    println!(
+        "  OOM crashes       {:>10}  ({:.1} GPU-min wasted, {} jobs failed)",
+        report.oom_crashes, report.wasted_gpu_min, report.failed_jobs
+    );
+    println!(
+        "  GPU busy          {:>10.1} %   mean SMACT {:.2}",
+        report.mean_busy * 100.0,
+        report.mean_smact
+    );
     println!("  energy            {:>10.2} kWh", report.energy_kwh);
     if !unmodelled.is_empty() {
-        println!("  without an estimate ({}): {}", if report.policy == "safe-pack" { "run alone" } else { "need an empty GPU" }, unmodelled.join(", "));
+        println!(
+            "  without an estimate ({}): {}",
+            if report.policy == "safe-pack" {
+                "run alone"
+            } else {
+                "need an empty GPU"
+            },
+            unmodelled.join(", ")
+        );
     }
     Ok(())
 }
@@ -364,12 +563,30 @@ pub fn run(a: SimulateArgs) -> CliResult {
 /// those the workload has, `none` aside.
 fn comparison(estimators: &[&'static str]) -> Vec<(Policy, &'static str)> {
     let blind = MemoryView::Blind;
-    let sized: Vec<&'static str> = estimators.iter().copied().filter(|e| *e != "none").collect();
-    let mut out = vec![(Policy::new(Rule::Exclusive, blind), "none"), (Policy::new(Rule::RoundRobin, blind), "none")];
-    for rule in [Rule::FirstFit, Rule::BestFit, Rule::MostFreeMemory, Rule::LeastUtilized] {
+    let sized: Vec<&'static str> = estimators
+        .iter()
+        .copied()
+        .filter(|e| *e != "none")
+        .collect();
+    let mut out = vec![
+        (Policy::new(Rule::Exclusive, blind), "none"),
+        (Policy::new(Rule::RoundRobin, blind), "none"),
+    ];
+    for rule in [
+        Rule::FirstFit,
+        Rule::BestFit,
+        Rule::MostFreeMemory,
+        Rule::LeastUtilized,
+    ] {
         for carma in [false, true] {
             for &est in &sized {
-                out.push((Policy { carma_filter: carma, ..Policy::new(rule, blind) }, est));
+                out.push((
+                    Policy {
+                        carma_filter: carma,
+                        ..Policy::new(rule, blind)
+                    },
+                    est,
+                ));
             }
         }
     }
@@ -380,11 +597,27 @@ fn comparison(estimators: &[&'static str]) -> Vec<(Policy, &'static str)> {
 }
 
 fn print_table(trace: &str, gpus: &str, rows: &[(String, Report)], unmodelled: &[String]) {
-    let exclusive = rows.iter().find(|(_, r)| r.policy == "exclusive").map_or(f64::NAN, |(_, r)| r.makespan_s);
-    println!("{trace} on {gpus}: {} jobs", rows.first().map_or(0, |(_, r)| r.jobs));
+    let exclusive = rows
+        .iter()
+        .find(|(_, r)| r.policy == "exclusive")
+        .map_or(f64::NAN, |(_, r)| r.makespan_s);
+    println!(
+        "{trace} on {gpus}: {} jobs",
+        rows.first().map_or(0, |(_, r)| r.jobs)
+    );
     println!(
         "{:<24} {:<11} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7} {:>10} {:>6} {:>7}",
-        "policy", "estimator", "makespan h", "vs excl", "wait min", "p95 wait", "JCT min", "crashes", "wasted min", "SMACT", "kWh"
+        "policy",
+        "estimator",
+        "makespan h",
+        "vs excl",
+        "wait min",
+        "p95 wait",
+        "JCT min",
+        "crashes",
+        "wasted min",
+        "SMACT",
+        "kWh"
     );
     for (est, r) in rows {
         println!(
@@ -403,6 +636,9 @@ fn print_table(trace: &str, gpus: &str, rows: &[(String, Report)], unmodelled: &
         );
     }
     if !unmodelled.is_empty() {
-        println!("gpumem cannot model yet (safe-pack runs them alone): {}", unmodelled.join(", "));
+        println!(
+            "gpumem cannot model yet (safe-pack runs them alone): {}",
+            unmodelled.join(", ")
+        );
     }
 }

@@ -37,7 +37,11 @@ struct RequestArgs {
     #[arg(long)]
     constraint: Option<String>,
     /// The cluster's GPU types (TOML).
-    #[arg(long, env = "GPUMEM_SLURM_CONFIG", default_value = "/etc/gpumem/slurm.toml")]
+    #[arg(
+        long,
+        env = "GPUMEM_SLURM_CONFIG",
+        default_value = "/etc/gpumem/slurm.toml"
+    )]
     config: PathBuf,
     /// Never run the PyTorch tracer (the controller side): a PyTorch model is sized by the
     /// estimate its comment carries.
@@ -55,12 +59,22 @@ pub fn slurm(a: SlurmArgs) -> CliResult {
         None => None,
         Some(p) if p.as_os_str() == "-" => {
             let mut text = String::new();
-            std::io::stdin().read_to_string(&mut text).map_err(|e| CliError::input(format!("standard input: {e}")))?;
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .map_err(|e| CliError::input(format!("standard input: {e}")))?;
             Some(text)
         }
-        Some(p) => Some(std::fs::read_to_string(p).map_err(|e| CliError::input(format!("{}: {e}", p.display())))?),
+        Some(p) => Some(
+            std::fs::read_to_string(p)
+                .map_err(|e| CliError::input(format!("{}: {e}", p.display())))?,
+        ),
     };
-    let sub = Submission { script: script.as_deref(), comment: r.comment.as_deref(), gres: r.gres.as_deref(), constraint: r.constraint.as_deref() };
+    let sub = Submission {
+        script: script.as_deref(),
+        comment: r.comment.as_deref(),
+        gres: r.gres.as_deref(),
+        constraint: r.constraint.as_deref(),
+    };
     let request = gpumem_slurm::decide(&sub, &cluster, !r.no_trace).map_err(error)?;
     match (request, r.json) {
         (None, false) => {}

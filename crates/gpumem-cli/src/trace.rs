@@ -27,11 +27,21 @@ pub struct TraceArgs {
 pub fn trace(a: TraceArgs) -> CliResult {
     let profile = a.gpu.load()?;
     let model = ModelArg::load(&a.model)?.model(&a.model, "already a trace file")?;
-    let t = a.workload.workload(model, a.batch)?.trace_for_reestimates(&profile)?;
-    let f = File::create(&a.out).map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
+    let t = a
+        .workload
+        .workload(model, a.batch)?
+        .trace_for_reestimates(&profile)?;
+    let f =
+        File::create(&a.out).map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
     let mut w = BufWriter::new(f);
-    t.write(&mut w).and_then(|_| w.flush()).map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
-    println!("wrote {} ({} events, {} iterations)", a.out.display(), t.events().len(), t.header.iterations);
+    t.write(&mut w)
+        .and_then(|_| w.flush())
+        .map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
+    println!(
+        "wrote {} ({} events, {} iterations)",
+        a.out.display(),
+        t.events().len(),
+        t.header.iterations
+    );
     Ok(())
 }
-

@@ -10,12 +10,9 @@ fn tmp(name: &str) -> PathBuf {
     common::scratch("cli-test", name)
 }
 
-
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
-
-
 
 fn write(name: &str, text: &str) -> PathBuf {
     let p = tmp(name);
@@ -23,23 +20,46 @@ fn write(name: &str, text: &str) -> PathBuf {
     p
 }
 
-const MLP: &str = "mlp:input=1024,output=10,depth=3,arch=pyramid,act=relu,dropout=0.2,batchnorm=true";
+const MLP: &str =
+    "mlp:input=1024,output=10,depth=3,arch=pyramid,act=relu,dropout=0.2,batchnorm=true";
 
 #[test]
 fn estimate_on_the_embedded_default() {
     let o = gpumem(&["estimate"]);
     assert!(o.status.success());
     let s = stdout(&o);
-    assert!(s.contains("peak") && s.contains("upper bound") && s.contains("context"), "{s}");
+    assert!(
+        s.contains("peak") && s.contains("upper bound") && s.contains("context"),
+        "{s}"
+    );
 }
 
 #[test]
 fn estimate_json_contract() {
     for est in ["replay", "live-tensors", "horus"] {
-        let o = gpumem(&["estimate", MLP, "--batch", "64", "--gpu", "h100-80gb-sxm", "--estimator", est, "--json"]);
+        let o = gpumem(&[
+            "estimate",
+            MLP,
+            "--batch",
+            "64",
+            "--gpu",
+            "h100-80gb-sxm",
+            "--estimator",
+            est,
+            "--json",
+        ]);
         assert!(o.status.success(), "{est}");
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        for key in ["peak_mib", "peak_bytes", "upper_bound_mib", "capacity_mib", "fits", "breakdown", "estimator", "gpu"] {
+        for key in [
+            "peak_mib",
+            "peak_bytes",
+            "upper_bound_mib",
+            "capacity_mib",
+            "fits",
+            "breakdown",
+            "estimator",
+            "gpu",
+        ] {
             assert!(v.get(key).is_some(), "{est}: missing {key}");
         }
         assert_eq!(v["estimator"], est);
@@ -56,30 +76,81 @@ fn estimate_explains_its_peak() {
     assert!(o.status.success());
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let at = &v["peak_at"];
-    assert!(["forward", "backward", "optimizer"].contains(&at["phase"].as_str().unwrap()), "{at}");
-    assert!(at["op"].is_string() && at["iteration"].is_u64() && at["event"].is_u64(), "{at}");
-    let total: u64 = v["breakdown_bytes"].as_object().unwrap().values().map(|b| b.as_u64().unwrap()).sum();
+    assert!(
+        ["forward", "backward", "optimizer"].contains(&at["phase"].as_str().unwrap()),
+        "{at}"
+    );
+    assert!(
+        at["op"].is_string() && at["iteration"].is_u64() && at["event"].is_u64(),
+        "{at}"
+    );
+    let total: u64 = v["breakdown_bytes"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|b| b.as_u64().unwrap())
+        .sum();
     assert!(total <= v["peak_bytes"].as_u64().unwrap());
     if let Some(r) = v.get("reserved_peak") {
-        let total: u64 = r["breakdown_bytes"].as_object().unwrap().values().map(|b| b.as_u64().unwrap()).sum();
-        assert_eq!(total, v["peak_bytes"].as_u64().unwrap(), "at the reserved peak the breakdown is the whole peak");
+        let total: u64 = r["breakdown_bytes"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|b| b.as_u64().unwrap())
+            .sum();
+        assert_eq!(
+            total,
+            v["peak_bytes"].as_u64().unwrap(),
+            "at the reserved peak the breakdown is the whole peak"
+        );
     } else {
         assert_eq!(total, v["peak_bytes"].as_u64().unwrap());
     }
     let text = stdout(&gpumem(&["estimate", MLP, "--batch", "64"]));
-    assert!(text.contains("at the peak of allocated memory — "), "{text}");
+    assert!(
+        text.contains("at the peak of allocated memory — "),
+        "{text}"
+    );
     let svg = tmp("timeline.svg");
-    let o = gpumem(&["estimate", MLP, "--batch", "64", "--timeline", svg.to_str().unwrap()]);
+    let o = gpumem(&[
+        "estimate",
+        MLP,
+        "--batch",
+        "64",
+        "--timeline",
+        svg.to_str().unwrap(),
+    ]);
     assert!(o.status.success());
     let drawn = std::fs::read_to_string(&svg).unwrap();
-    assert!(drawn.starts_with("<svg") && drawn.contains("activation") && drawn.contains("reserved"), "{}", &drawn[..200.min(drawn.len())]);
-    bad_input(&["estimate", MLP, "--estimator", "horus", "--timeline", svg.to_str().unwrap()], "--timeline draws the replay");
+    assert!(
+        drawn.starts_with("<svg") && drawn.contains("activation") && drawn.contains("reserved"),
+        "{}",
+        &drawn[..200.min(drawn.len())]
+    );
+    bad_input(
+        &[
+            "estimate",
+            MLP,
+            "--estimator",
+            "horus",
+            "--timeline",
+            svg.to_str().unwrap(),
+        ],
+        "--timeline draws the replay",
+    );
 }
 
 #[test]
 fn estimate_reads_a_trace_file_written_by_trace() {
     let out = tmp("m.jsonl");
-    let o = gpumem(&["trace", MLP, "--batch", "32", "--out", out.to_str().unwrap()]);
+    let o = gpumem(&[
+        "trace",
+        MLP,
+        "--batch",
+        "32",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
     assert!(o.status.success());
     let from_file = gpumem(&["estimate", out.to_str().unwrap(), "--json"]);
     let native = gpumem(&["estimate", MLP, "--batch", "32", "--json"]);
@@ -91,27 +162,150 @@ fn estimate_reads_a_trace_file_written_by_trace() {
 #[test]
 fn bad_inputs_exit_2_with_one_line() {
     bad_input(&["estimate", MLP, "--gpu", "b300"], "unknown GPU `b300`");
-    bad_input(&["estimate", MLP, "--lora", "r=8,targets=q_proj"], "--lora and --strategy apply to PyTorch models");
-    bad_input(&["estimate", "hf:gpt2", "--lora", "r=0,targets=q_proj"], "--lora r=0,targets=q_proj: r must be at least 1");
-    bad_input(&["estimate", "hf:gpt2", "--lora", "/nonexistent/adapter_config.json"], "--lora /nonexistent/adapter_config.json:");
-    bad_input(&["estimate", "hf:gpt2", "--world-size", "4"], "--world-size needs --strategy");
-    bad_input(&["estimate", "hf:gpt2", "--strategy", "fsdp", "--world-size", "1"], "--world-size 1 is out of range (2..=65536)");
-    bad_input(&["estimate", "hf:gpt2", "--strategy", "ddp", "--world-size", "2", "--data-parallel", "2"], "a job is --data-parallel or --strategy, not both");
-    bad_input(&["estimate", "hf:gpt2", "--strategy", "hsdp", "--world-size", "8"], "--strategy hsdp needs --nodes");
-    bad_input(&["estimate", "hf:gpt2", "--strategy", "hsdp", "--world-size", "8", "--nodes", "3"], "HSDP's --nodes 3 must divide --world-size 8 into groups of at least 2 ranks");
-    bad_input(&["estimate", "hf:gpt2", "--strategy", "fsdp", "--world-size", "8", "--nodes", "2"], "--nodes is for --strategy hsdp");
-    bad_input(&["estimate", "hf:gpt2", "--strategy", "zero2", "--world-size", "8", "--fsdp-cpu-offload"], "--fsdp-cpu-offload is for --strategy fsdp or hsdp");
-    bad_input(&["estimate", "hf:gpt2", "--strategy", "zero2", "--world-size", "8", "--precision", "amp-fp16"], "ZeRO trains fp16 in DeepSpeed's own fp16 mode");
-    bad_input(&["estimate", MLP, "--batch", "0"], "--batch 0 is out of range");
-    bad_input(&["estimate", MLP, "--batch", "-4"], "--batch -4 is out of range");
+    bad_input(
+        &["estimate", MLP, "--lora", "r=8,targets=q_proj"],
+        "--lora and --strategy apply to PyTorch models",
+    );
+    bad_input(
+        &["estimate", "hf:gpt2", "--lora", "r=0,targets=q_proj"],
+        "--lora r=0,targets=q_proj: r must be at least 1",
+    );
+    bad_input(
+        &[
+            "estimate",
+            "hf:gpt2",
+            "--lora",
+            "/nonexistent/adapter_config.json",
+        ],
+        "--lora /nonexistent/adapter_config.json:",
+    );
+    bad_input(
+        &["estimate", "hf:gpt2", "--world-size", "4"],
+        "--world-size needs --strategy",
+    );
+    bad_input(
+        &[
+            "estimate",
+            "hf:gpt2",
+            "--strategy",
+            "fsdp",
+            "--world-size",
+            "1",
+        ],
+        "--world-size 1 is out of range (2..=65536)",
+    );
+    bad_input(
+        &[
+            "estimate",
+            "hf:gpt2",
+            "--strategy",
+            "ddp",
+            "--world-size",
+            "2",
+            "--data-parallel",
+            "2",
+        ],
+        "a job is --data-parallel or --strategy, not both",
+    );
+    bad_input(
+        &[
+            "estimate",
+            "hf:gpt2",
+            "--strategy",
+            "hsdp",
+            "--world-size",
+            "8",
+        ],
+        "--strategy hsdp needs --nodes",
+    );
+    bad_input(
+        &[
+            "estimate",
+            "hf:gpt2",
+            "--strategy",
+            "hsdp",
+            "--world-size",
+            "8",
+            "--nodes",
+            "3",
+        ],
+        "HSDP's --nodes 3 must divide --world-size 8 into groups of at least 2 ranks",
+    );
+    bad_input(
+        &[
+            "estimate",
+            "hf:gpt2",
+            "--strategy",
+            "fsdp",
+            "--world-size",
+            "8",
+            "--nodes",
+            "2",
+        ],
+        "--nodes is for --strategy hsdp",
+    );
+    bad_input(
+        &[
+            "estimate",
+            "hf:gpt2",
+            "--strategy",
+            "zero2",
+            "--world-size",
+            "8",
+            "--fsdp-cpu-offload",
+        ],
+        "--fsdp-cpu-offload is for --strategy fsdp or hsdp",
+    );
+    bad_input(
+        &[
+            "estimate",
+            "hf:gpt2",
+            "--strategy",
+            "zero2",
+            "--world-size",
+            "8",
+            "--precision",
+            "amp-fp16",
+        ],
+        "ZeRO trains fp16 in DeepSpeed's own fp16 mode",
+    );
+    bad_input(
+        &["estimate", MLP, "--batch", "0"],
+        "--batch 0 is out of range",
+    );
+    bad_input(
+        &["estimate", MLP, "--batch", "-4"],
+        "--batch -4 is out of range",
+    );
     bad_input(&["estimate", MLP, "--batch", "99999999999"], "out of range");
-    bad_input(&["estimate", "mlp:input=10,output=2,depth=1,act=swoosh"], "unknown activation `swoosh`");
-    bad_input(&["estimate", MLP, "--optimizer", "lion"], "unknown optimizer `lion`");
-    bad_input(&["estimate", MLP, "--precision", "fp8"], "unknown precision `fp8`");
-    bad_input(&["estimate", MLP, "--precision", "bf16"], "--precision bf16 (pure low precision) applies to PyTorch models");
-    bad_input(&["estimate", MLP, "--outputs", "kept"], "apply to PyTorch models");
-    bad_input(&["estimate", MLP, "--attention-mask", "padded"], "apply to PyTorch models");
-    bad_input(&["estimate", MLP, "--estimator", "oracle"], "unknown estimator `oracle`");
+    bad_input(
+        &["estimate", "mlp:input=10,output=2,depth=1,act=swoosh"],
+        "unknown activation `swoosh`",
+    );
+    bad_input(
+        &["estimate", MLP, "--optimizer", "lion"],
+        "unknown optimizer `lion`",
+    );
+    bad_input(
+        &["estimate", MLP, "--precision", "fp8"],
+        "unknown precision `fp8`",
+    );
+    bad_input(
+        &["estimate", MLP, "--precision", "bf16"],
+        "--precision bf16 (pure low precision) applies to PyTorch models",
+    );
+    bad_input(
+        &["estimate", MLP, "--outputs", "kept"],
+        "apply to PyTorch models",
+    );
+    bad_input(
+        &["estimate", MLP, "--attention-mask", "padded"],
+        "apply to PyTorch models",
+    );
+    bad_input(
+        &["estimate", MLP, "--estimator", "oracle"],
+        "unknown estimator `oracle`",
+    );
     bad_input(&["estimate", "missing.jsonl"], "no such trace file");
     bad_input(&["max-batch", "nonsense"], "has no `family:` prefix");
 }
@@ -126,21 +320,48 @@ fn a_missing_python_is_exit_3_with_a_clear_message() {
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(3), "{err}");
-    assert!(err.contains("cannot run the Python interpreter `/nonexistent/python3`"), "{err}");
-    bad_input(&["estimate", MLP, "--input", "3x224x224"], "apply to PyTorch models");
+    assert!(
+        err.contains("cannot run the Python interpreter `/nonexistent/python3`"),
+        "{err}"
+    );
+    bad_input(
+        &["estimate", MLP, "--input", "3x224x224"],
+        "apply to PyTorch models",
+    );
 }
 
 #[test]
 fn bad_traces_exit_2_naming_the_line() {
     let header = r#"{"format":"gpumem-trace","version":1,"model":"t","batch_size":1,"optimizer":"adam","precision":"fp32","producer":"test","iterations":0}"#;
-    let alloc = r#"{"ev":"alloc","id":1,"bytes":1024,"category":"activation","phase":"forward","op":"x"}"#;
+    let alloc =
+        r#"{"ev":"alloc","id":1,"bytes":1024,"category":"activation","phase":"forward","op":"x"}"#;
     let cases = [
-        (format!("{header}\n{{\"ev\":\"free\",\"id\":9}}\n"), "line 2: free of unknown id 9"),
-        (format!("{header}\n{alloc}\n{{\"ev\":\"free\",\"id\":1}}\n{{\"ev\":\"free\",\"id\":1}}\n"), "line 4: double free of id 1"),
-        (format!("{header}\n{}\n", alloc.replace("1024", "-1")), "line 2: field bytes: negative size -1"),
-        (format!("{header}\n{}\n", alloc.replace("1024", "18446744073709551616")), "line 2: field bytes"),
+        (
+            format!("{header}\n{{\"ev\":\"free\",\"id\":9}}\n"),
+            "line 2: free of unknown id 9",
+        ),
+        (
+            format!(
+                "{header}\n{alloc}\n{{\"ev\":\"free\",\"id\":1}}\n{{\"ev\":\"free\",\"id\":1}}\n"
+            ),
+            "line 4: double free of id 1",
+        ),
+        (
+            format!("{header}\n{}\n", alloc.replace("1024", "-1")),
+            "line 2: field bytes: negative size -1",
+        ),
+        (
+            format!(
+                "{header}\n{}\n",
+                alloc.replace("1024", "18446744073709551616")
+            ),
+            "line 2: field bytes",
+        ),
         (format!("{header}\n{{\"ev\":\"alloc\",\"id\":"), "line 2:"),
-        (header.replace("\"version\":1", "\"version\":7"), "line 1: field version"),
+        (
+            header.replace("\"version\":1", "\"version\":7"),
+            "line 1: field version",
+        ),
     ];
     for (i, (text, needle)) in cases.iter().enumerate() {
         let p = write(&format!("bad{i}.jsonl"), text);
@@ -150,15 +371,38 @@ fn bad_traces_exit_2_naming_the_line() {
 
 #[test]
 fn bad_csvs_exit_2_naming_the_line() {
-    let p = write("bad1.csv", "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1\",abc,1500\n");
-    bad_input(&["eval", p.to_str().unwrap()], "line 2: column batch_size: `abc` is not a whole number");
+    let p = write(
+        "bad1.csv",
+        "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1\",abc,1500\n",
+    );
+    bad_input(
+        &["eval", p.to_str().unwrap()],
+        "line 2: column batch_size: `abc` is not a whole number",
+    );
     let p = write("bad2.csv", "a,b\n1,2\n");
-    bad_input(&["calibrate", p.to_str().unwrap(), "--out", tmp("x.toml").to_str().unwrap()], "line 1: expected columns");
-    let p = write("bad3.csv", "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1\",4\n");
+    bad_input(
+        &[
+            "calibrate",
+            p.to_str().unwrap(),
+            "--out",
+            tmp("x.toml").to_str().unwrap(),
+        ],
+        "line 1: expected columns",
+    );
+    let p = write(
+        "bad3.csv",
+        "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1\",4\n",
+    );
     bad_input(&["eval", p.to_str().unwrap()], "line 2:");
     bad_input(&["eval", "/nonexistent/data.csv"], "/nonexistent/data.csv");
-    let p = write("bad4.csv", "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1,act=nope\",4,1500\n");
-    bad_input(&["eval", p.to_str().unwrap()], "line 2: column model: unknown activation `nope`");
+    let p = write(
+        "bad4.csv",
+        "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1,act=nope\",4,1500\n",
+    );
+    bad_input(
+        &["eval", p.to_str().unwrap()],
+        "line 2: column model: unknown activation `nope`",
+    );
 }
 
 #[test]
@@ -168,16 +412,49 @@ fn calibrate_then_use_the_profile() {
         "model,batch_size,measured_mib\n\"mlp:input=64,output=2,depth=1\",8,900\n\"mlp:input=64,output=2,depth=2\",8,902\n\"mlp:input=2048,output=100,depth=4,arch=uniform\",512,1200\n",
     );
     let out = tmp("cal.toml");
-    let o = gpumem(&["calibrate", data.to_str().unwrap(), "--gpu", "l4", "--rows", "smallest:2", "--out", out.to_str().unwrap()]);
+    let o = gpumem(&[
+        "calibrate",
+        data.to_str().unwrap(),
+        "--gpu",
+        "l4",
+        "--rows",
+        "smallest:2",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(stdout(&o).contains("fitted l4 on 2 rows (smallest:2)"));
-    let e = gpumem(&["estimate", "mlp:input=64,output=2,depth=1", "--batch", "8", "--profile", out.to_str().unwrap(), "--json"]);
+    let e = gpumem(&[
+        "estimate",
+        "mlp:input=64,output=2,depth=1",
+        "--batch",
+        "8",
+        "--profile",
+        out.to_str().unwrap(),
+        "--json",
+    ]);
     let v: serde_json::Value = serde_json::from_slice(&e.stdout).unwrap();
     let peak = v["peak_mib"].as_f64().unwrap();
-    assert!((peak - 900.0).abs() <= 1.5, "calibrated estimate {peak} should reproduce the 900/902 MiB rows");
-    bad_input(&["calibrate", data.to_str().unwrap(), "--rows", "biggest:3", "--out", out.to_str().unwrap()], "--rows biggest:3");
+    assert!(
+        (peak - 900.0).abs() <= 1.5,
+        "calibrated estimate {peak} should reproduce the 900/902 MiB rows"
+    );
+    bad_input(
+        &[
+            "calibrate",
+            data.to_str().unwrap(),
+            "--rows",
+            "biggest:3",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        "--rows biggest:3",
+    );
     let badp = write("bad.toml", "[[gpu]]\nname = 1\n");
-    bad_input(&["estimate", MLP, "--profile", badp.to_str().unwrap()], "bad profile");
+    bad_input(
+        &["estimate", MLP, "--profile", badp.to_str().unwrap()],
+        "bad profile",
+    );
 }
 
 #[test]
@@ -194,13 +471,25 @@ fn max_batch_is_monotone_in_memory() {
 #[test]
 fn gpus_lists_the_catalogue() {
     let s = stdout(&gpumem(&["gpus"]));
-    for n in ["a100-40gb", "h100-80gb-pcie", "h200", "v100-32gb", "t4", "l4", "a10", "l40s", "rtx3090", "rtx4090"] {
+    for n in [
+        "a100-40gb",
+        "h100-80gb-pcie",
+        "h200",
+        "v100-32gb",
+        "t4",
+        "l4",
+        "a10",
+        "l40s",
+        "rtx3090",
+        "rtx4090",
+    ] {
         assert!(s.contains(n), "{n}");
     }
 }
 
 fn seed_data() -> Option<PathBuf> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/gpumemnet_mlp_a100_40gb.csv");
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/data/gpumemnet_mlp_a100_40gb.csv");
     p.exists().then_some(p)
 }
 
@@ -212,12 +501,34 @@ fn seed_mlp_accuracy() {
         return;
     };
     let profile = tmp("a100-cal.toml");
-    let o = gpumem(&["calibrate", data.to_str().unwrap(), "--gpu", "a100-40gb", "--rows", "smallest:10", "--out", profile.to_str().unwrap()]);
+    let o = gpumem(&[
+        "calibrate",
+        data.to_str().unwrap(),
+        "--gpu",
+        "a100-40gb",
+        "--rows",
+        "smallest:10",
+        "--out",
+        profile.to_str().unwrap(),
+    ]);
     assert!(o.status.success());
-    let o = gpumem(&["eval", data.to_str().unwrap(), "--profile", profile.to_str().unwrap(), "--out-dir", tmp("eval").to_str().unwrap(), "--json"]);
+    let o = gpumem(&[
+        "eval",
+        data.to_str().unwrap(),
+        "--profile",
+        profile.to_str().unwrap(),
+        "--out-dir",
+        tmp("eval").to_str().unwrap(),
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    let replay = v["estimators"].as_array().unwrap().iter().find(|e| e["estimator"] == "replay").unwrap();
+    let replay = v["estimators"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["estimator"] == "replay")
+        .unwrap();
     assert_eq!(replay["rows"], 3000);
     assert!(replay["median_ape"].as_f64().unwrap() <= 1.0, "{replay}");
     assert!(replay["p95_ape"].as_f64().unwrap() <= 4.0, "{replay}");
@@ -232,12 +543,29 @@ fn seed_mlp_accuracy() {
 /// OOM_CRASH rows counted as "did not fit" checks.
 #[test]
 fn eval_reads_the_seeds_transformer_runs_and_their_out_of_memory_rows() {
-    let Some(csv) = common::shared_data("gpumemnet_transformer_a100_dev.csv") else { return };
+    let Some(csv) = common::shared_data("gpumemnet_transformer_a100_dev.csv") else {
+        return;
+    };
     let out = common::scratch("cli", "eval-tf");
-    let o = common::gpumem(&["eval", csv.to_str().unwrap(), "--gpu", "a100-40gb", "--out-dir", out.to_str().unwrap(), "--json"]);
+    let o = common::gpumem(&[
+        "eval",
+        csv.to_str().unwrap(),
+        "--gpu",
+        "a100-40gb",
+        "--out-dir",
+        out.to_str().unwrap(),
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!((v["rows"].as_u64(), v["did_not_fit"]["rows"].as_u64(), v["did_not_fit"]["bound_over"].as_u64()), (Some(75), Some(5), Some(5)));
+    assert_eq!(
+        (
+            v["rows"].as_u64(),
+            v["did_not_fit"]["rows"].as_u64(),
+            v["did_not_fit"]["bound_over"].as_u64()
+        ),
+        (Some(75), Some(5), Some(5))
+    );
     let replay = &v["estimators"][0];
     assert!(replay["median_ape"].as_f64().unwrap() < 1.0, "{replay}");
 }
@@ -245,7 +573,15 @@ fn eval_reads_the_seeds_transformer_runs_and_their_out_of_memory_rows() {
 /// A job too large for any GPU (a tensor over 1 PiB) is a one-line error, not a panic.
 #[test]
 fn a_job_too_large_for_any_gpu_is_a_one_line_error() {
-    common::bad_input(&["estimate", "cnn:classes=10,filters=2048,depth=1,input=4096", "--batch", "16777216"], "does not fit on any GPU");
+    common::bad_input(
+        &[
+            "estimate",
+            "cnn:classes=10,filters=2048,depth=1,input=4096",
+            "--batch",
+            "16777216",
+        ],
+        "does not fit on any GPU",
+    );
 }
 
 /// eval with no row it can model fails (exit 3) instead of reporting an empty success.
@@ -253,7 +589,12 @@ fn a_job_too_large_for_any_gpu_is_a_one_line_error() {
 fn eval_with_no_modelled_row_fails() {
     let csv = common::scratch("cli", "unmodelled.csv");
     std::fs::write(&csv, "model,batch_size,measured_mib\nresnet50,32,3934\n").unwrap();
-    let o = common::gpumem(&["eval", csv.to_str().unwrap(), "--out-dir", common::scratch("cli", "eval-none").to_str().unwrap()]);
+    let o = common::gpumem(&[
+        "eval",
+        csv.to_str().unwrap(),
+        "--out-dir",
+        common::scratch("cli", "eval-none").to_str().unwrap(),
+    ]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(3), "{err}");
     assert!(err.contains("no row could be modelled (line 2: `resnet50` is neither a native spec nor a PyTorch reference)"), "{err}");
@@ -272,13 +613,26 @@ fn an_ambiguous_dense_spec_gives_the_larger_network() {
     let v = json(spec);
     let readings = v["ambiguity"]["readings"].as_array().unwrap();
     assert_eq!(readings.len(), 2);
-    let peaks: Vec<f64> = readings.iter().map(|r| r["peak_mib"].as_f64().unwrap()).collect();
-    assert!(peaks[0] != peaks[1], "the two intervals make different networks here: {peaks:?}");
+    let peaks: Vec<f64> = readings
+        .iter()
+        .map(|r| r["peak_mib"].as_f64().unwrap())
+        .collect();
+    assert!(
+        peaks[0] != peaks[1],
+        "the two intervals make different networks here: {peaks:?}"
+    );
     assert_eq!(v["peak_mib"].as_f64().unwrap(), peaks[0].max(peaks[1]));
-    assert!(readings.iter().all(|r| r["upper_bound_mib"].as_f64() <= v["upper_bound_mib"].as_f64()));
+    assert!(
+        readings
+            .iter()
+            .all(|r| r["upper_bound_mib"].as_f64() <= v["upper_bound_mib"].as_f64())
+    );
     for (n, r) in [("5", &readings[0]), ("0", &readings[1])] {
         let one = json(&format!("{spec},pool_every={n}"));
-        assert!(one.get("ambiguity").is_none() && one["peak_mib"] == r["peak_mib"], "pool_every={n}: {one}");
+        assert!(
+            one.get("ambiguity").is_none() && one["peak_mib"] == r["peak_mib"],
+            "pool_every={n}: {one}"
+        );
     }
 }
 
@@ -286,30 +640,83 @@ fn an_ambiguous_dense_spec_gives_the_larger_network() {
 /// upper bound; a GPU too small says so (issue 17 part 4).
 #[test]
 fn ray_resources_come_from_the_upper_bound() {
-    let o = gpumem(&["ray-resources", "mlp:input=4096,output=10,depth=4", "--batch", "256", "--gpus", "a100-40gb,t4", "--json"]);
+    let o = gpumem(&[
+        "ray-resources",
+        "mlp:input=4096,output=10,depth=4",
+        "--batch",
+        "256",
+        "--gpus",
+        "a100-40gb,t4",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let gpus = v["gpus"].as_array().unwrap();
     assert_eq!(gpus.len(), 2);
     for g in gpus {
-        let (bound, capacity) = (g["upper_bound_mib"].as_f64().unwrap(), g["capacity_mib"].as_f64().unwrap());
+        let (bound, capacity) = (
+            g["upper_bound_mib"].as_f64().unwrap(),
+            g["capacity_mib"].as_f64().unwrap(),
+        );
         let share = g["num_gpus"].as_f64().unwrap();
-        assert!(share * capacity >= bound && (share - 0.01) * capacity < bound, "{g}");
+        assert!(
+            share * capacity >= bound && (share - 0.01) * capacity < bound,
+            "{g}"
+        );
         assert_eq!(g["gpu_memory_mib"].as_f64().unwrap(), bound.ceil());
-        let e = gpumem(&["estimate", "mlp:input=4096,output=10,depth=4", "--batch", "256", "--gpu", g["gpu"].as_str().unwrap(), "--json"]);
-        assert_eq!(serde_json::from_slice::<serde_json::Value>(&e.stdout).unwrap()["upper_bound_mib"].as_f64(), Some(bound));
+        let e = gpumem(&[
+            "estimate",
+            "mlp:input=4096,output=10,depth=4",
+            "--batch",
+            "256",
+            "--gpu",
+            g["gpu"].as_str().unwrap(),
+            "--json",
+        ]);
+        assert_eq!(
+            serde_json::from_slice::<serde_json::Value>(&e.stdout).unwrap()["upper_bound_mib"]
+                .as_f64(),
+            Some(bound)
+        );
     }
-    let o = gpumem(&["ray-resources", "cnn:classes=10,filters=32,depth=60,input=224,arch=dense", "--batch", "16", "--gpus", "t4", "--json"]);
+    let o = gpumem(&[
+        "ray-resources",
+        "cnn:classes=10,filters=32,depth=60,input=224,arch=dense",
+        "--batch",
+        "16",
+        "--gpus",
+        "t4",
+        "--json",
+    ]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert!(v["gpus"][0]["fits"] == false && v["gpus"][0].get("num_gpus").is_none(), "{v}");
-    bad_input(&["ray-resources", "mlp:input=8,output=2,depth=1", "--gpus", "b300"], "unknown GPU `b300`");
+    assert!(
+        v["gpus"][0]["fits"] == false && v["gpus"][0].get("num_gpus").is_none(),
+        "{v}"
+    );
+    bad_input(
+        &[
+            "ray-resources",
+            "mlp:input=8,output=2,depth=1",
+            "--gpus",
+            "b300",
+        ],
+        "unknown GPU `b300`",
+    );
 }
 
 /// `gpumem plan`: every setup it lists fits with its upper bound and makes up the global batch,
 /// fastest first; what does not fit is listed apart; bad arguments are one-line errors.
 #[test]
 fn plan_lists_setups_that_fit_fastest_first() {
-    let o = gpumem(&["plan", "mlp:input=4096,output=10,depth=6,arch=uniform", "--gpu", "t4", "--global-batch", "8192", "--json"]);
+    let o = gpumem(&[
+        "plan",
+        "mlp:input=4096,output=10,depth=6,arch=uniform",
+        "--gpu",
+        "t4",
+        "--global-batch",
+        "8192",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let capacity = v["capacity_mib"].as_f64().unwrap();
@@ -317,24 +724,124 @@ fn plan_lists_setups_that_fit_fastest_first() {
     assert!(!setups.is_empty());
     for s in setups {
         assert!(s["upper_bound_mib"].as_f64().unwrap() <= capacity, "{s}");
-        assert_eq!(s["micro_batch"].as_u64().unwrap() * s["grad_accum"].as_u64().unwrap(), 8192);
+        assert_eq!(
+            s["micro_batch"].as_u64().unwrap() * s["grad_accum"].as_u64().unwrap(),
+            8192
+        );
     }
     let rate = |s: &serde_json::Value| s["samples_per_s"].as_f64().unwrap();
-    assert!(setups[1..].windows(2).all(|w| rate(&w[0]) >= rate(&w[1])), "fastest first after the leader");
-    assert!(rate(&setups[0]) >= rate(&setups[1]) * 0.99, "the leader is within 1% of the fastest");
-    assert_eq!(setups[0]["precision"], "amp-fp16", "a T4 has no bf16; fp16 tensor cores beat fp32");
-    let o = gpumem(&["plan", "mlp:input=4096,output=10,depth=6,arch=uniform", "--gpu", "t4"]);
+    assert!(
+        setups[1..].windows(2).all(|w| rate(&w[0]) >= rate(&w[1])),
+        "fastest first after the leader"
+    );
+    assert!(
+        rate(&setups[0]) >= rate(&setups[1]) * 0.99,
+        "the leader is within 1% of the fastest"
+    );
+    assert_eq!(
+        setups[0]["precision"], "amp-fp16",
+        "a T4 has no bf16; fp16 tensor cores beat fp32"
+    );
+    let o = gpumem(&[
+        "plan",
+        "mlp:input=4096,output=10,depth=6,arch=uniform",
+        "--gpu",
+        "t4",
+    ]);
     let text = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success() && text.contains("best: amp-fp16") && text.contains("why the others lose:") && text.contains("does not fit"), "{text}");
-    bad_input(&["plan", "mlp:input=8,output=2,depth=1", "--precisions", "fp7"], "--precisions: unknown precision");
-    bad_input(&["plan", "mlp:input=8,output=2,depth=1", "--checkpointing", "maybe"], "--checkpointing `maybe`");
-    bad_input(&["plan", "mlp:input=8,output=2,depth=1", "--global-batch", "0"], "--global-batch 0 must be a positive multiple of the world size (1)");
-    bad_input(&["plan", "hf:gpt2", "--strategy", "ddp", "--world-size", "4", "--global-batch", "6"], "--global-batch 6 must be a positive multiple of the world size (4)");
-    bad_input(&["plan", "hf:gpt2", "--gpus", "8xh100-80gb-sxm", "--global-batch", "12"], "--global-batch 12 must be a positive multiple of the world size (8)");
-    bad_input(&["plan", "hf:gpt2", "--gpus", "8xh100-80gb-sxm", "--strategies", "zero4"], "--strategies: `zero4` is not ddp, fsdp, zero1, zero2 or zero3");
-    bad_input(&["plan", "hf:gpt2", "--gpus", "eight"], "--gpus `eight` is not COUNTxGPU");
-    bad_input(&["plan", "hf:gpt2", "--gpus", "2xh100-80gb-sxm", "--bus-gbs", "0"], "--bus-gbs 0 must be a positive number");
-    bad_input(&["plan", "mlp:input=8,output=2,depth=1", "--gpus", "2xh100-80gb-sxm"], "--gpus plans multi-GPU strategies, which apply to PyTorch models");
+    assert!(
+        o.status.success()
+            && text.contains("best: amp-fp16")
+            && text.contains("why the others lose:")
+            && text.contains("does not fit"),
+        "{text}"
+    );
+    bad_input(
+        &[
+            "plan",
+            "mlp:input=8,output=2,depth=1",
+            "--precisions",
+            "fp7",
+        ],
+        "--precisions: unknown precision",
+    );
+    bad_input(
+        &[
+            "plan",
+            "mlp:input=8,output=2,depth=1",
+            "--checkpointing",
+            "maybe",
+        ],
+        "--checkpointing `maybe`",
+    );
+    bad_input(
+        &[
+            "plan",
+            "mlp:input=8,output=2,depth=1",
+            "--global-batch",
+            "0",
+        ],
+        "--global-batch 0 must be a positive multiple of the world size (1)",
+    );
+    bad_input(
+        &[
+            "plan",
+            "hf:gpt2",
+            "--strategy",
+            "ddp",
+            "--world-size",
+            "4",
+            "--global-batch",
+            "6",
+        ],
+        "--global-batch 6 must be a positive multiple of the world size (4)",
+    );
+    bad_input(
+        &[
+            "plan",
+            "hf:gpt2",
+            "--gpus",
+            "8xh100-80gb-sxm",
+            "--global-batch",
+            "12",
+        ],
+        "--global-batch 12 must be a positive multiple of the world size (8)",
+    );
+    bad_input(
+        &[
+            "plan",
+            "hf:gpt2",
+            "--gpus",
+            "8xh100-80gb-sxm",
+            "--strategies",
+            "zero4",
+        ],
+        "--strategies: `zero4` is not ddp, fsdp, zero1, zero2 or zero3",
+    );
+    bad_input(
+        &["plan", "hf:gpt2", "--gpus", "eight"],
+        "--gpus `eight` is not COUNTxGPU",
+    );
+    bad_input(
+        &[
+            "plan",
+            "hf:gpt2",
+            "--gpus",
+            "2xh100-80gb-sxm",
+            "--bus-gbs",
+            "0",
+        ],
+        "--bus-gbs 0 must be a positive number",
+    );
+    bad_input(
+        &[
+            "plan",
+            "mlp:input=8,output=2,depth=1",
+            "--gpus",
+            "2xh100-80gb-sxm",
+        ],
+        "--gpus plans multi-GPU strategies, which apply to PyTorch models",
+    );
 }
 
 /// `gpumem plan --gpus 4xGPU`: strategies are a dimension of the search; every listed setup's
@@ -346,22 +853,49 @@ fn plan_searches_strategies_over_the_gpus() {
         return;
     }
     let o = gpumem(&[
-        "plan", "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)", "--seq-len", "64", "--gpus", "4xh100-80gb-sxm", "--strategies", "ddp,zero2",
-        "--precisions", "bf16", "--checkpointing", "off", "--global-batch", "32", "--json",
+        "plan",
+        "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)",
+        "--seq-len",
+        "64",
+        "--gpus",
+        "4xh100-80gb-sxm",
+        "--strategies",
+        "ddp,zero2",
+        "--precisions",
+        "bf16",
+        "--checkpointing",
+        "off",
+        "--global-batch",
+        "32",
+        "--json",
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!((v["world_size"].as_u64(), v["bus_gbs"].as_f64()), (Some(4), Some(360.0)));
+    assert_eq!(
+        (v["world_size"].as_u64(), v["bus_gbs"].as_f64()),
+        (Some(4), Some(360.0))
+    );
     let capacity = v["capacity_mib"].as_f64().unwrap();
     let setups = v["setups"].as_array().unwrap();
     for name in ["ddp", "zero2"] {
-        assert!(setups.iter().any(|s| s["strategy"] == name), "{name} planned: {v}");
+        assert!(
+            setups.iter().any(|s| s["strategy"] == name),
+            "{name} planned: {v}"
+        );
     }
     for s in setups {
         assert!(s["upper_bound_mib"].as_f64().unwrap() <= capacity, "{s}");
         assert_eq!(s["world_size"], 4);
-        assert_eq!(s["micro_batch"].as_u64().unwrap() * s["grad_accum"].as_u64().unwrap(), 8, "a rank's share of 32");
-        assert!(s["comm_s"].as_f64().unwrap() > 0.0 && s["comm_s"].as_f64().unwrap() < s["step_s"].as_f64().unwrap(), "{s}");
+        assert_eq!(
+            s["micro_batch"].as_u64().unwrap() * s["grad_accum"].as_u64().unwrap(),
+            8,
+            "a rank's share of 32"
+        );
+        assert!(
+            s["comm_s"].as_f64().unwrap() > 0.0
+                && s["comm_s"].as_f64().unwrap() < s["step_s"].as_f64().unwrap(),
+            "{s}"
+        );
     }
 }
 
@@ -376,19 +910,54 @@ fn plan_does_not_trace_setups_whose_model_states_cannot_fit() {
     }
     // 1.23 billion parameters on 16 GB T4s: DDP 19.7 GB, ZeRO-1 over two 17.2 GB.
     let o = gpumem(&[
-        "plan", "hf:GPT2LMHeadModel(n_embd=2048,n_layer=24,n_head=16,vocab_size=8000)", "--seq-len", "64", "--gpus", "2xt4", "--strategies", "ddp,zero1,fsdp",
-        "--precisions", "fp32", "--checkpointing", "on", "--global-batch", "2", "--json",
+        "plan",
+        "hf:GPT2LMHeadModel(n_embd=2048,n_layer=24,n_head=16,vocab_size=8000)",
+        "--seq-len",
+        "64",
+        "--gpus",
+        "2xt4",
+        "--strategies",
+        "ddp,zero1,fsdp",
+        "--precisions",
+        "fp32",
+        "--checkpointing",
+        "on",
+        "--global-batch",
+        "2",
+        "--json",
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     for strategy in ["ddp", "zero1"] {
-        let of = |key: &str| v[key].as_array().unwrap().iter().filter(|s| s["strategy"] == strategy).cloned().collect::<Vec<_>>();
+        let of = |key: &str| {
+            v[key]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|s| s["strategy"] == strategy)
+                .cloned()
+                .collect::<Vec<_>>()
+        };
         assert!(of("setups").is_empty() && of("too_big").is_empty(), "{v}");
         let skipped = of("skipped");
         assert_eq!(skipped.len(), 1, "{v}");
-        assert!(skipped[0]["reason"].as_str().unwrap().contains("its model states alone do not fit: what every rank holds of the 1227."), "{v}");
+        assert!(
+            skipped[0]["reason"]
+                .as_str()
+                .unwrap()
+                .contains("its model states alone do not fit: what every rank holds of the 1227."),
+            "{v}"
+        );
     }
-    assert!(v["setups"].as_array().unwrap().iter().chain(v["too_big"].as_array().unwrap()).any(|s| s["strategy"] == "fsdp"), "FSDP traced and sized: {v}");
+    assert!(
+        v["setups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .chain(v["too_big"].as_array().unwrap())
+            .any(|s| s["strategy"] == "fsdp"),
+        "FSDP traced and sized: {v}"
+    );
 }
 
 /// `gpumem estimate --deepspeed CONFIG`: the config's ZeRO stage, bf16 and micro-batch make the
@@ -405,16 +974,50 @@ fn estimate_reads_a_deepspeed_config() {
     )
     .unwrap();
     let config = config.to_str().unwrap();
-    bad_input(&["estimate", "hf:gpt2", "--deepspeed", "/nonexistent/ds.json"], "--deepspeed /nonexistent/ds.json: ");
-    bad_input(&["estimate", "hf:gpt2", "--accelerate", "/nonexistent/a.yaml"], "--accelerate /nonexistent/a.yaml: ");
-    bad_input(&["estimate", "hf:gpt2", "--deepspeed", config, "--world-size", "8"], "--world-size 8 disagrees with the DeepSpeed config's train_batch_size, which makes 4 ranks");
+    bad_input(
+        &["estimate", "hf:gpt2", "--deepspeed", "/nonexistent/ds.json"],
+        "--deepspeed /nonexistent/ds.json: ",
+    );
+    bad_input(
+        &["estimate", "hf:gpt2", "--accelerate", "/nonexistent/a.yaml"],
+        "--accelerate /nonexistent/a.yaml: ",
+    );
+    bad_input(
+        &[
+            "estimate",
+            "hf:gpt2",
+            "--deepspeed",
+            config,
+            "--world-size",
+            "8",
+        ],
+        "--world-size 8 disagrees with the DeepSpeed config's train_batch_size, which makes 4 ranks",
+    );
     let stage0 = common::scratch("cli", "ds_zero0.json");
     std::fs::write(&stage0, r#"{"zero_optimization": {"stage": 0}}"#).unwrap();
-    bad_input(&["estimate", "hf:gpt2", "--deepspeed", stage0.to_str().unwrap(), "--world-size", "2"], "`zero_optimization.stage`: stage 0 is plain data parallelism");
+    bad_input(
+        &[
+            "estimate",
+            "hf:gpt2",
+            "--deepspeed",
+            stage0.to_str().unwrap(),
+            "--world-size",
+            "2",
+        ],
+        "`zero_optimization.stage`: stage 0 is plain data parallelism",
+    );
     if !common::torch("a DeepSpeed job") {
         return;
     }
-    let o = gpumem(&["estimate", "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)", "--seq-len", "16", "--deepspeed", config, "--json"]);
+    let o = gpumem(&[
+        "estimate",
+        "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)",
+        "--seq-len",
+        "16",
+        "--deepspeed",
+        config,
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["batch_size"], 2, "the config's micro-batch");
@@ -422,14 +1025,38 @@ fn estimate_reads_a_deepspeed_config() {
     assert_eq!(ds["formula"], "estimate_zero3_model_states_mem_needs");
     // 677,632 parameters, the largest layer the 512,000-element embedding, 4 ranks, no offload.
     assert_eq!(ds["gpu_bytes"], 4 * 512_000 + 18 * 677_632 / 4);
-    assert!(v["peak_bytes"].as_u64().unwrap() > ds["gpu_bytes"].as_u64().unwrap(), "activations and buffers besides");
+    assert!(
+        v["peak_bytes"].as_u64().unwrap() > ds["gpu_bytes"].as_u64().unwrap(),
+        "activations and buffers besides"
+    );
     // accelerate's YAML naming the same DeepSpeed file (beside it): the same job.
     let yaml = common::scratch("cli", "accelerate.yaml");
     std::fs::write(&yaml, "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds_zero3.json\nmixed_precision: bf16\nnum_processes: 4\n").unwrap();
     let yaml = yaml.to_str().unwrap();
-    bad_input(&["estimate", "hf:gpt2", "--accelerate", yaml, "--world-size", "2"], "--world-size 2 disagrees with the accelerate config's num_processes (4)");
-    let o = gpumem(&["estimate", "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)", "--seq-len", "16", "--accelerate", yaml, "--json"]);
+    bad_input(
+        &[
+            "estimate",
+            "hf:gpt2",
+            "--accelerate",
+            yaml,
+            "--world-size",
+            "2",
+        ],
+        "--world-size 2 disagrees with the accelerate config's num_processes (4)",
+    );
+    let o = gpumem(&[
+        "estimate",
+        "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)",
+        "--seq-len",
+        "16",
+        "--accelerate",
+        yaml,
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let w: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!((&w["peak_bytes"], &w["deepspeed"]), (&v["peak_bytes"], &v["deepspeed"]));
+    assert_eq!(
+        (&w["peak_bytes"], &w["deepspeed"]),
+        (&v["peak_bytes"], &v["deepspeed"])
+    );
 }

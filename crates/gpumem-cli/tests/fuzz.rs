@@ -19,11 +19,24 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
 fn cases() -> u32 {
-    std::env::var("FUZZ_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(10_000)
+    std::env::var("FUZZ_CASES")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(10_000)
 }
 
 /// Numbers that have broken parsers: overflow, sign, NaN, infinity.
-const EXTREME: [&str; 9] = ["0", "-1", "4294967296", "18446744073709551615", "18446744073709551616", "1e308", "nan", "inf", "-0.0"];
+const EXTREME: [&str; 9] = [
+    "0",
+    "-1",
+    "4294967296",
+    "18446744073709551615",
+    "18446744073709551616",
+    "1e308",
+    "nan",
+    "inf",
+    "-0.0",
+];
 
 /// A seed with up to 8 edits: a byte replaced, inserted or removed, or an extreme number put in.
 fn mutated(seeds: Vec<String>) -> impl Strategy<Value = String> {
@@ -64,7 +77,11 @@ fn guarded<T>(what: &str, input: &str, f: impl FnOnce() -> T) -> T {
             loop {
                 std::thread::sleep(Duration::from_secs(1));
                 let w = WORKING.lock().unwrap_or_else(|p| p.into_inner());
-                if let Some((t, input)) = w.iter().flat_map(|m| m.values()).find(|(t, _)| t.elapsed() > Duration::from_secs(30)) {
+                if let Some((t, input)) = w
+                    .iter()
+                    .flat_map(|m| m.values())
+                    .find(|(t, _)| t.elapsed() > Duration::from_secs(30))
+                {
                     eprintln!("HANG: {:.0} s on {input:?}", t.elapsed().as_secs_f64());
                     std::process::abort();
                 }
@@ -72,15 +89,27 @@ fn guarded<T>(what: &str, input: &str, f: impl FnOnce() -> T) -> T {
         });
     });
     let id = std::thread::current().id();
-    WORKING.lock().unwrap().get_or_insert_with(HashMap::new).insert(id, (Instant::now(), format!("{what}: {input}")));
+    WORKING
+        .lock()
+        .unwrap()
+        .get_or_insert_with(HashMap::new)
+        .insert(id, (Instant::now(), format!("{what}: {input}")));
     let out = f();
-    WORKING.lock().unwrap().get_or_insert_with(HashMap::new).remove(&id);
+    WORKING
+        .lock()
+        .unwrap()
+        .get_or_insert_with(HashMap::new)
+        .remove(&id);
     out
 }
 
 /// Runs `check` on `FUZZ_CASES` inputs from `strategy`; a panic fails the test with the input.
 fn fuzz(what: &str, strategy: impl Strategy<Value = String>, check: impl Fn(&str)) {
-    let mut runner = TestRunner::new(Config { cases: cases(), failure_persistence: None, ..Config::default() });
+    let mut runner = TestRunner::new(Config {
+        cases: cases(),
+        failure_persistence: None,
+        ..Config::default()
+    });
     let seen = std::cell::Cell::new(0u32);
     runner
         .run(&strategy, |input| {
@@ -108,7 +137,9 @@ fn a100() -> GpuProfile {
 /// Traces and estimates a native workload as `gpumem estimate` would (errors are fine).
 fn estimate(w: &Workload, p: &GpuProfile) {
     if let Ok(trace) = w.trace(p) {
-        let _ = gpumem_core::estimate::by_name("replay").unwrap().estimate(&trace, p);
+        let _ = gpumem_core::estimate::by_name("replay")
+            .unwrap()
+            .estimate(&trace, p);
     }
 }
 
@@ -116,7 +147,13 @@ fn estimate(w: &Workload, p: &GpuProfile) {
 fn model_specs() {
     let specs: Vec<String> = SPECS.iter().map(|s| s.to_string()).collect();
     let p = a100();
-    let batch = prop_oneof![Just(1u64), Just(8), 1u64..4096, Just(1 << 24), Just(u64::MAX)];
+    let batch = prop_oneof![
+        Just(1u64),
+        Just(8),
+        1u64..4096,
+        Just(1 << 24),
+        Just(u64::MAX)
+    ];
     let strategy = (inputs(specs), batch).prop_map(|(spec, batch)| format!("{batch} {spec}"));
     fuzz("model spec", strategy, |input| {
         let (batch, spec) = input.split_once(' ').unwrap();
@@ -136,7 +173,12 @@ fn traces() {
         .iter()
         .map(|s| {
             let mut out = Vec::new();
-            Workload::parse(s, 2, Options::default()).unwrap().trace(&p).unwrap().write(&mut out).unwrap();
+            Workload::parse(s, 2, Options::default())
+                .unwrap()
+                .trace(&p)
+                .unwrap()
+                .write(&mut out)
+                .unwrap();
             String::from_utf8(out).unwrap()
         })
         .collect();
@@ -162,7 +204,10 @@ fn measurement_csvs() {
 
 #[test]
 fn gpu_profiles() {
-    let seeds: Vec<String> = profile::catalogue().iter().map(GpuProfile::to_toml).collect();
+    let seeds: Vec<String> = profile::catalogue()
+        .iter()
+        .map(GpuProfile::to_toml)
+        .collect();
     let w = Workload::parse(SPECS[2], 4, Options::default()).unwrap();
     fuzz("GPU profile", inputs(seeds), |input| {
         if let Ok(p) = GpuProfile::from_toml(input) {
@@ -194,7 +239,12 @@ fn slurm_submissions() {
     ];
     fuzz("Slurm submission", inputs(seeds), |input| {
         let (script, comment) = input.split_once("\n%%\n").unwrap_or((input, ""));
-        let sub = gpumem_slurm::Submission { script: Some(script), comment: Some(comment), gres: Some("gres:gpu:1,gres:nic:1"), constraint: Some("ib") };
+        let sub = gpumem_slurm::Submission {
+            script: Some(script),
+            comment: Some(comment),
+            gres: Some("gres:gpu:1,gres:nic:1"),
+            constraint: Some("ib"),
+        };
         let _ = gpumem_slurm::decide(&sub, &cluster, false);
     });
 }
@@ -218,38 +268,67 @@ fn http_api() {
     std::fs::write(dir.join("daemon.toml"), "tick_ms = 50\n").unwrap();
     let stderr = std::fs::File::create(dir.join("stderr")).unwrap();
     let mut daemon = Command::new(env!("CARGO_BIN_EXE_gpumem"))
-        .args(["serve", "--fake-gpus", "2xa100-40gb", "--state", dir.join("state").to_str().unwrap(), "--socket", socket.to_str().unwrap(), "--config", dir.join("daemon.toml").to_str().unwrap()])
+        .args([
+            "serve",
+            "--fake-gpus",
+            "2xa100-40gb",
+            "--state",
+            dir.join("state").to_str().unwrap(),
+            "--socket",
+            socket.to_str().unwrap(),
+            "--config",
+            dir.join("daemon.toml").to_str().unwrap(),
+        ])
         .stdout(Stdio::null())
         .stderr(stderr)
         .spawn()
         .unwrap();
     let t = Instant::now();
     while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(t.elapsed() < Duration::from_secs(30), "the daemon did not start");
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the daemon did not start"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let job = |body: &str| format!("POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+    let job = |body: &str| {
+        format!(
+            "POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
     let get = |path: &str| format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
     let seeds = vec![
-        job(r#"{"command": ["/nonexistent/gpumem-fuzz", "a"], "mem_mib": 100, "priority": 3, "name": "f"}"#),
-        job(r#"{"command": ["/nonexistent/gpumem-fuzz"], "gpus": 2, "model": "mlp:input=64,output=2,depth=1", "batch": 8, "options": {"optimizer": "adamw", "precision": "amp-bf16"}}"#),
-        job(r#"{"command": ["/nonexistent/gpumem-fuzz"], "model": "cnn:classes=10,filters=16,depth=3,input=32", "batch": 4, "expected_s": 60, "cwd": "/tmp", "env": {"A": "1"}}"#),
+        job(
+            r#"{"command": ["/nonexistent/gpumem-fuzz", "a"], "mem_mib": 100, "priority": 3, "name": "f"}"#,
+        ),
+        job(
+            r#"{"command": ["/nonexistent/gpumem-fuzz"], "gpus": 2, "model": "mlp:input=64,output=2,depth=1", "batch": 8, "options": {"optimizer": "adamw", "precision": "amp-bf16"}}"#,
+        ),
+        job(
+            r#"{"command": ["/nonexistent/gpumem-fuzz"], "model": "cnn:classes=10,filters=16,depth=3,input=32", "batch": 4, "expected_s": 60, "cwd": "/tmp", "env": {"A": "1"}}"#,
+        ),
         get("/jobs?state=queued"),
         get("/jobs/1"),
         get("/jobs/1/log?bytes=100"),
-        "POST /jobs/1/cancel HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_string(),
+        "POST /jobs/1/cancel HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            .to_string(),
         get("/gpus"),
         get("/metrics"),
     ];
     fuzz("HTTP request", inputs(seeds), |request| {
-        let mut c = std::os::unix::net::UnixStream::connect(&socket).expect("the daemon still answers");
+        let mut c =
+            std::os::unix::net::UnixStream::connect(&socket).expect("the daemon still answers");
         c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
         let _ = c.write_all(request.as_bytes());
         // Whatever a request lacks, the daemon answers or closes (within its 10 s header limit).
         let _ = c.shutdown(std::net::Shutdown::Write);
         let mut answer = Vec::new();
         let read = c.read_to_end(&mut answer);
-        assert!(!matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock), "no answer within 20 s");
+        assert!(
+            !matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+            "no answer within 20 s"
+        );
         if answer.starts_with(b"HTTP/1.1 5") {
             panic!("a server error: {}", String::from_utf8_lossy(&answer));
         }
@@ -258,6 +337,9 @@ fn http_api() {
     let _ = daemon.kill();
     let _ = daemon.wait();
     let log = std::fs::read_to_string(dir.join("stderr")).unwrap();
-    assert!(alive && !log.contains("panicked"), "the daemon died or panicked: {log}");
+    assert!(
+        alive && !log.contains("panicked"),
+        "the daemon died or panicked: {log}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -14,14 +14,25 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-const TOOLS: [&str; 7] = ["munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "squeue"];
+const TOOLS: [&str; 7] = [
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "scontrol",
+    "sinfo",
+    "squeue",
+];
 /// Shards per fake GPU (gres.conf) and the GPU type they are sized as.
 const SHARDS: u64 = 16;
 const GPU: &str = "h200";
 
 fn which(tool: &str) -> Option<PathBuf> {
     let path = std::env::var("PATH").unwrap_or_default();
-    path.split(':').chain(["/usr/sbin", "/sbin"]).map(|d| Path::new(d).join(tool)).find(|p| p.is_file())
+    path.split(':')
+        .chain(["/usr/sbin", "/sbin"])
+        .map(|d| Path::new(d).join(tool))
+        .find(|p| p.is_file())
 }
 
 /// Whether the test can run: root and every Slurm tool present.
@@ -32,14 +43,25 @@ fn can_run() -> bool {
     if root && missing.is_empty() {
         return true;
     }
-    let why = if root { format!("missing {}", missing.join(", ")) } else { "not root".to_string() };
-    assert!(std::env::var("GPUMEM_TEST_REQUIRE_SLURM").as_deref() != Ok("1"), "GPUMEM_TEST_REQUIRE_SLURM=1 but {why}");
+    let why = if root {
+        format!("missing {}", missing.join(", "))
+    } else {
+        "not root".to_string()
+    };
+    assert!(
+        std::env::var("GPUMEM_TEST_REQUIRE_SLURM").as_deref() != Ok("1"),
+        "GPUMEM_TEST_REQUIRE_SLURM=1 but {why}"
+    );
     eprintln!("SKIPPED: the Slurm integration test needs root and the slurm-wlm packages ({why})");
     false
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// The throwaway cluster; dropping it stops its daemons.
@@ -70,20 +92,32 @@ impl Slurm {
     fn start() -> Slurm {
         let dir = std::env::temp_dir().join(format!("gpumem-slurm-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        for sub in ["etc", "client", "state/ctld", "state/d", "log", "run", "dev"] {
+        for sub in [
+            "etc",
+            "client",
+            "state/ctld",
+            "state/d",
+            "log",
+            "run",
+            "dev",
+        ] {
             std::fs::create_dir_all(dir.join(sub)).unwrap();
         }
         // munged refuses a socket whose directories not everyone may enter.
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
         let key = dir.join("etc/munge.key");
         let mut bytes = vec![0u8; 1024];
-        std::fs::File::open("/dev/urandom").unwrap().read_exact(&mut bytes).unwrap();
+        std::fs::File::open("/dev/urandom")
+            .unwrap()
+            .read_exact(&mut bytes)
+            .unwrap();
         std::fs::write(&key, &bytes).unwrap();
         std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o400)).unwrap();
         for gpu in ["gpu0", "gpu1"] {
             let path = std::ffi::CString::new(dir.join("dev").join(gpu).to_str().unwrap()).unwrap();
             // SAFETY: a plain mknod of a character device (the null device's numbers) as root.
-            let rc = unsafe { libc::mknod(path.as_ptr(), libc::S_IFCHR | 0o644, libc::makedev(1, 3)) };
+            let rc =
+                unsafe { libc::mknod(path.as_ptr(), libc::S_IFCHR | 0o644, libc::makedev(1, 3)) };
             assert_eq!(rc, 0, "mknod {path:?}");
         }
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
@@ -104,7 +138,11 @@ impl Slurm {
             2 * SHARDS
         );
         // The login nodes' slurm.conf adds the client-side filter; `client/` is one without it.
-        std::fs::write(dir.join("etc/slurm.conf"), format!("{conf}CliFilterPlugins=cli_filter/lua\n")).unwrap();
+        std::fs::write(
+            dir.join("etc/slurm.conf"),
+            format!("{conf}CliFilterPlugins=cli_filter/lua\n"),
+        )
+        .unwrap();
         std::fs::write(dir.join("client/slurm.conf"), &conf).unwrap();
         std::fs::write(
             dir.join("etc/gres.conf"),
@@ -115,9 +153,16 @@ impl Slurm {
         for lua in ["gpumem.lua", "cli_filter.lua", "job_submit.lua"] {
             std::fs::copy(hooks.join(lua), dir.join("etc").join(lua)).unwrap();
         }
-        std::fs::write(dir.join("etc/gpumem.toml"), format!("[[gpu]]\nprofile = \"{GPU}\"\nshards = {SHARDS}\nfeature = \"{GPU}\"\n")).unwrap();
+        std::fs::write(
+            dir.join("etc/gpumem.toml"),
+            format!("[[gpu]]\nprofile = \"{GPU}\"\nshards = {SHARDS}\nfeature = \"{GPU}\"\n"),
+        )
+        .unwrap();
 
-        let mut slurm = Slurm { dir: dir.clone(), daemons: Vec::new() };
+        let mut slurm = Slurm {
+            dir: dir.clone(),
+            daemons: Vec::new(),
+        };
         let munge = [
             "-F".to_string(),
             format!("--socket={d}/run/munge.sock"),
@@ -129,9 +174,13 @@ impl Slurm {
         slurm.spawn("munged", &munge);
         slurm.wait_for("munged's socket", |_| dir.join("run/munge.sock").exists());
         slurm.spawn("slurmctld", &["-D", "-c"]);
-        slurm.wait_for("slurmctld answers", |s| s.run("scontrol", &["ping"]).status.success());
+        slurm.wait_for("slurmctld answers", |s| {
+            s.run("scontrol", &["ping"]).status.success()
+        });
         slurm.spawn("slurmd", &["-D"]);
-        slurm.wait_for("the node is idle", |s| String::from_utf8_lossy(&s.run("sinfo", &["-h", "-o", "%t"]).stdout).trim() == "idle");
+        slurm.wait_for("the node is idle", |s| {
+            String::from_utf8_lossy(&s.run("sinfo", &["-h", "-o", "%t"]).stdout).trim() == "idle"
+        });
         slurm
     }
 
@@ -146,24 +195,52 @@ impl Slurm {
 
     fn spawn(&mut self, tool: &str, args: &[impl AsRef<std::ffi::OsStr>]) {
         let log = std::fs::File::create(self.dir.join("log").join(format!("{tool}.out"))).unwrap();
-        let child = self.command(tool).args(args).stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log).spawn().unwrap();
+        let child = self
+            .command(tool)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
         self.daemons.push(child);
     }
 
     fn wait_for(&mut self, what: &str, ready: impl Fn(&Slurm) -> bool) {
         let deadline = Instant::now() + Duration::from_secs(60);
         while !ready(self) {
-            let exited = self.daemons.iter_mut().any(|c| c.try_wait().ok().flatten().is_some());
-            assert!(!exited && Instant::now() < deadline, "{what}: not so after {:?}{}; logs:\n{}", Duration::from_secs(60) - deadline.saturating_duration_since(Instant::now()), if exited { " (a daemon exited)" } else { "" }, self.logs());
+            let exited = self
+                .daemons
+                .iter_mut()
+                .any(|c| c.try_wait().ok().flatten().is_some());
+            assert!(
+                !exited && Instant::now() < deadline,
+                "{what}: not so after {:?}{}; logs:\n{}",
+                Duration::from_secs(60) - deadline.saturating_duration_since(Instant::now()),
+                if exited { " (a daemon exited)" } else { "" },
+                self.logs()
+            );
             std::thread::sleep(Duration::from_millis(200));
         }
     }
 
     fn logs(&self) -> String {
-        ["slurmctld.log", "slurmd.log", "munged.log", "slurmctld.out", "slurmd.out", "munged.out"]
-            .iter()
-            .map(|f| format!("== {f}\n{}", std::fs::read_to_string(self.dir.join("log").join(f)).unwrap_or_default()))
-            .collect()
+        [
+            "slurmctld.log",
+            "slurmd.log",
+            "munged.log",
+            "slurmctld.out",
+            "slurmd.out",
+            "munged.out",
+        ]
+        .iter()
+        .map(|f| {
+            format!(
+                "== {f}\n{}",
+                std::fs::read_to_string(self.dir.join("log").join(f)).unwrap_or_default()
+            )
+        })
+        .collect()
     }
 
     fn run(&self, tool: &str, args: &[&str]) -> Output {
@@ -190,8 +267,16 @@ impl Slurm {
     fn submitted(&self, filter: bool, args: &[&str]) -> u64 {
         let o = self.sbatch(filter, args);
         let out = String::from_utf8_lossy(&o.stdout);
-        assert!(o.status.success(), "sbatch {args:?}: {}{out}", String::from_utf8_lossy(&o.stderr));
-        out.trim().rsplit(' ').next().and_then(|id| id.parse().ok()).unwrap_or_else(|| panic!("sbatch said `{out}`"))
+        assert!(
+            o.status.success(),
+            "sbatch {args:?}: {}{out}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        out.trim()
+            .rsplit(' ')
+            .next()
+            .and_then(|id| id.parse().ok())
+            .unwrap_or_else(|| panic!("sbatch said `{out}`"))
     }
 
     /// `sbatch ARGS` is refused; returns its gpumem line.
@@ -199,8 +284,16 @@ impl Slurm {
         let jobs_before = self.job_ids();
         let o = self.sbatch(filter, args);
         let err = String::from_utf8_lossy(&o.stderr);
-        assert!(!o.status.success(), "sbatch {args:?} was accepted: {}", String::from_utf8_lossy(&o.stdout));
-        assert_eq!(self.job_ids(), jobs_before, "a refused job left a job behind");
+        assert!(
+            !o.status.success(),
+            "sbatch {args:?} was accepted: {}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+        assert_eq!(
+            self.job_ids(),
+            jobs_before,
+            "a refused job left a job behind"
+        );
         let ours: Vec<&str> = err.lines().filter(|l| l.contains("gpumem: ")).collect();
         assert_eq!(ours.len(), 1, "not one gpumem line: {err}");
         ours[0].to_string()
@@ -208,7 +301,10 @@ impl Slurm {
 
     fn job_ids(&self) -> Vec<String> {
         let o = self.run("squeue", &["-h", "-t", "all", "-o", "%i"]);
-        String::from_utf8_lossy(&o.stdout).lines().map(str::to_string).collect()
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(str::to_string)
+            .collect()
     }
 
     /// A field of `scontrol show job ID` (the comment whole, others up to a space); "" if absent.
@@ -216,10 +312,15 @@ impl Slurm {
         let o = self.run("scontrol", &["show", "job", &id.to_string()]);
         let text = String::from_utf8_lossy(&o.stdout);
         for token in text.lines().map(str::trim) {
-            if key == "Comment" && let Some(v) = token.strip_prefix("Comment=") {
+            if key == "Comment"
+                && let Some(v) = token.strip_prefix("Comment=")
+            {
                 return v.trim_end().to_string();
             }
-            if let Some(v) = token.split(' ').find_map(|t| t.strip_prefix(&format!("{key}="))) {
+            if let Some(v) = token
+                .split(' ')
+                .find_map(|t| t.strip_prefix(&format!("{key}=")))
+            {
                 return v.to_string();
             }
         }
@@ -230,20 +331,35 @@ impl Slurm {
 /// What `gpumem slurm request` decides for a script: (gres, comment).
 fn decided(slurm: &Slurm, script: &str, comment: Option<&str>) -> (String, String) {
     let config = slurm.dir.join("etc/gpumem.toml");
-    let mut args = vec!["slurm", "request", script, "--config", config.to_str().unwrap()];
+    let mut args = vec![
+        "slurm",
+        "request",
+        script,
+        "--config",
+        config.to_str().unwrap(),
+    ];
     if let Some(c) = comment {
         args.extend(["--comment", c]);
     }
     let o = common::gpumem(&args);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let out = String::from_utf8_lossy(&o.stdout).to_string();
-    let get = |k: &str| out.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).unwrap_or_default().to_string();
+    let get = |k: &str| {
+        out.lines()
+            .find_map(|l| l.strip_prefix(&format!("{k}=")))
+            .unwrap_or_default()
+            .to_string()
+    };
     (get("gres"), get("comment"))
 }
 
 /// The bound a gpumem comment states, and the shards it takes of one GPU.
 fn shards_of(comment: &str) -> u64 {
-    let bound: u64 = comment.split(' ').find_map(|t| t.strip_prefix("bound_mib=")).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no bound in `{comment}`"));
+    let bound: u64 = comment
+        .split(' ')
+        .find_map(|t| t.strip_prefix("bound_mib="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no bound in `{comment}`"));
     (bound * SHARDS).div_ceil(capacity_mib())
 }
 
@@ -251,7 +367,12 @@ fn shards_of(comment: &str) -> u64 {
 fn capacity_mib() -> u64 {
     let o = common::gpumem(&["gpus", "--json"]);
     let gpus: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    gpus.as_array().unwrap().iter().find(|g| g["name"] == GPU).and_then(|g| g["capacity_mib"].as_u64()).unwrap()
+    gpus.as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["name"] == GPU)
+        .and_then(|g| g["capacity_mib"].as_u64())
+        .unwrap()
 }
 
 #[test]
@@ -263,12 +384,18 @@ fn slurm_places_jobs_by_gpumem_estimate() {
     let fits = slurm.script("fits.sh", "#!/bin/sh\n#SBATCH --time=5\n#GPUMEM model=mlp:input=4096,output=10,depth=4 batch=4096 precision=amp-bf16\n#GPUMEM optimizer=adamw\nsleep 1\n");
     let (gres, comment) = decided(&slurm, &fits, None);
     let shards = shards_of(&comment);
-    assert!(shards >= 1 && gres == format!("shard:{shards}"), "{gres} {comment}");
+    assert!(
+        shards >= 1 && gres == format!("shard:{shards}"),
+        "{gres} {comment}"
+    );
 
     // A fitting job, through the client-side filter: the derived shards, the feature of the GPU
     // type it was sized for, and the estimate in its comment. It then runs on its shards.
     let first = slurm.submitted(true, &[&fits]);
-    assert_eq!(slurm.field(first, "TresPerNode"), format!("gres:shard:{shards}"));
+    assert_eq!(
+        slurm.field(first, "TresPerNode"),
+        format!("gres:shard:{shards}")
+    );
     assert_eq!(slurm.field(first, "Features"), GPU);
     assert_eq!(slurm.field(first, "Comment"), comment);
     assert!(comment.contains("model=mlp:input=4096,output=10,depth=4 batch=4096 precision=amp-bf16 optimizer=adamw sized_on=h200 estimate_mib="), "{comment}");
@@ -276,50 +403,106 @@ fn slurm_places_jobs_by_gpumem_estimate() {
     // The same job from a client without the filter: the controller's hook decides the same,
     // replaces a whole-GPU request and keeps the user's own comment.
     let plain = slurm.submitted(false, &["--gres=gpu:1", "--comment=run 7", &fits]);
-    assert_eq!(slurm.field(plain, "TresPerNode"), format!("gres:shard:{shards}"));
+    assert_eq!(
+        slurm.field(plain, "TresPerNode"),
+        format!("gres:shard:{shards}")
+    );
     assert_eq!(slurm.field(plain, "Comment"), format!("run 7 {comment}"));
 
     // A job without #GPUMEM is untouched, with either configuration.
-    let other = slurm.script("other.sh", "#!/bin/sh\n#SBATCH --time=5\n# GPUMEM is not a directive here\nsleep 0\n");
+    let other = slurm.script(
+        "other.sh",
+        "#!/bin/sh\n#SBATCH --time=5\n# GPUMEM is not a directive here\nsleep 0\n",
+    );
     for filter in [true, false] {
         let id = slurm.submitted(filter, &["--gres=gpu:1", "--comment=just a note", &other]);
-        assert_eq!((slurm.field(id, "TresPerNode"), slurm.field(id, "Comment"), slurm.field(id, "Features")), ("gres:gpu:1".into(), "just a note".into(), "(null)".into()));
+        assert_eq!(
+            (
+                slurm.field(id, "TresPerNode"),
+                slurm.field(id, "Comment"),
+                slurm.field(id, "Features")
+            ),
+            ("gres:gpu:1".into(), "just a note".into(), "(null)".into())
+        );
     }
 
     // A job no GPU here holds is rejected with the reason; a malformed directive gets a
     // one-line error at submission and nothing is recorded. Both with and without the filter.
-    let huge = slurm.script("huge.sh", "#!/bin/sh\n#GPUMEM model=mlp:input=65536,output=10,depth=8 batch=262144\nsleep 0\n");
-    let bad = slurm.script("bad.sh", "#!/bin/sh\n#GPUMEM model=mlp:input=8 batch=64 colour=red\nsleep 0\n");
+    let huge = slurm.script(
+        "huge.sh",
+        "#!/bin/sh\n#GPUMEM model=mlp:input=65536,output=10,depth=8 batch=262144\nsleep 0\n",
+    );
+    let bad = slurm.script(
+        "bad.sh",
+        "#!/bin/sh\n#GPUMEM model=mlp:input=8 batch=64 colour=red\nsleep 0\n",
+    );
     for filter in [true, false] {
         let why = slurm.refused(filter, &[&huge]);
-        assert!(why.contains("fits on no GPU of this cluster: its upper bound needs") && why.contains("MiB h200"), "{why}");
+        assert!(
+            why.contains("fits on no GPU of this cluster: its upper bound needs")
+                && why.contains("MiB h200"),
+            "{why}"
+        );
         let why = slurm.refused(filter, &[&bad]);
-        assert!(why.contains("#GPUMEM line 2: unknown key `colour`"), "{why}");
+        assert!(
+            why.contains("#GPUMEM line 2: unknown key `colour`"),
+            "{why}"
+        );
         let why = slurm.refused(filter, &["--comment=gpumem: batch=many", &fits]);
-        assert!(why.contains("the comment's batch: `many` is not a whole number"), "{why}");
+        assert!(
+            why.contains("the comment's batch: `many` is not a whole number"),
+            "{why}"
+        );
     }
 
     // A login node whose gpumem is missing refuses the job with the shell's reason, never
     // sends it half-sized.
-    let o = slurm.command("sbatch").env("GPUMEM_BIN", "/nonexistent/gpumem").arg(&fits).output().unwrap();
+    let o = slurm
+        .command("sbatch")
+        .env("GPUMEM_BIN", "/nonexistent/gpumem")
+        .arg(&fits)
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && err.contains("gpumem: ") && err.contains("/nonexistent/gpumem"), "{err}");
+    assert!(
+        !o.status.success() && err.contains("gpumem: ") && err.contains("/nonexistent/gpumem"),
+        "{err}"
+    );
 
     // A PyTorch model: the controller never traces, so without the client's estimate it is
     // refused, and with it (the comment `gpumem slurm request` writes) placed by it.
-    let resnet = slurm.script("resnet.sh", "#!/bin/sh\n#GPUMEM model=torchvision:resnet18 batch=2\nsleep 0\n");
+    let resnet = slurm.script(
+        "resnet.sh",
+        "#!/bin/sh\n#GPUMEM model=torchvision:resnet18 batch=2\nsleep 0\n",
+    );
     let why = slurm.refused(false, &[&resnet]);
-    assert!(why.contains("torchvision:resnet18 must be traced to be sized, which the controller does not do"), "{why}");
+    assert!(
+        why.contains(
+            "torchvision:resnet18 must be traced to be sized, which the controller does not do"
+        ),
+        "{why}"
+    );
     let stated = "gpumem: model=torchvision:resnet18 batch=2 sized_on=h200 estimate_mib=20000 bound_mib=20500 shards=3";
     let id = slurm.submitted(false, &["--comment", stated, &resnet]);
-    assert_eq!(slurm.field(id, "TresPerNode"), format!("gres:shard:{}", shards_of(stated)));
+    assert_eq!(
+        slurm.field(id, "TresPerNode"),
+        format!("gres:shard:{}", shards_of(stated))
+    );
     if common::torch("the Slurm filter tracing a PyTorch model") {
         // The client side traces it (as the submitting user, on the login node).
         let (_, comment) = decided(&slurm, &resnet, None);
         let id = slurm.submitted(true, &[&resnet]);
-        assert_eq!((slurm.field(id, "Comment"), slurm.field(id, "TresPerNode")), (comment.clone(), format!("gres:shard:{}", shards_of(&comment))));
+        assert_eq!(
+            (slurm.field(id, "Comment"), slurm.field(id, "TresPerNode")),
+            (
+                comment.clone(),
+                format!("gres:shard:{}", shards_of(&comment))
+            )
+        );
     }
 
     // The first job ran on its shards.
-    slurm.wait_for("the fitting job completed", |s| s.field(first, "JobState") == "COMPLETED");
+    slurm.wait_for("the fitting job completed", |s| {
+        s.field(first, "JobState") == "COMPLETED"
+    });
 }

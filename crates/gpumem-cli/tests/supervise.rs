@@ -35,13 +35,17 @@ fn sh(script: &str) -> Vec<&str> {
 }
 
 fn running(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.rsplit_once(')').unwrap().1.trim_start().starts_with('Z'))
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| !s.rsplit_once(')').unwrap().1.trim_start().starts_with('Z'))
 }
 
 fn wait_until(mut f: impl FnMut() -> bool, what: &str) {
     let t = Instant::now();
     while !f() {
-        assert!(t.elapsed() < Duration::from_secs(20), "timed out waiting: {what}");
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "timed out waiting: {what}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -49,7 +53,10 @@ fn wait_until(mut f: impl FnMut() -> bool, what: &str) {
 #[test]
 fn supervise_records_output_and_exit() {
     let d = dir("ok");
-    assert_eq!(supervise(&d, &sh("echo hello; echo CUDA out of memory >&2; exit 3")), 3);
+    assert_eq!(
+        supervise(&d, &sh("echo hello; echo CUDA out of memory >&2; exit 3")),
+        3
+    );
     assert_eq!(d.exit(), Some(Exit::Code(3)));
     assert!(d.log_tail(1000).contains("hello") && d.ran_out_of_memory());
     let procs = d.procs().expect("the run's processes are recorded");
@@ -63,16 +70,25 @@ fn supervise_records_output_and_exit() {
 fn each_attempt_is_judged_by_its_own_output() {
     let d = dir("attempts");
     let run = |script: &str| supervise(&d, &sh(script));
-    assert_eq!(run("echo 'torch.OutOfMemoryError: CUDA out of memory.' >&2; exit 1"), 1);
+    assert_eq!(
+        run("echo 'torch.OutOfMemoryError: CUDA out of memory.' >&2; exit 1"),
+        1
+    );
     assert!(d.ran_out_of_memory());
     // Attempt 2 fails otherwise: the OOM of attempt 1 still in the log does not make it one.
     assert_eq!(run("echo 'ValueError: bad label' >&2; exit 1"), 1);
     assert!(!d.ran_out_of_memory());
-    assert!(d.log_tail(10_000).contains("CUDA out of memory"), "the log keeps every attempt");
+    assert!(
+        d.log_tail(10_000).contains("CUDA out of memory"),
+        "the log keeps every attempt"
+    );
     // A host allocation failure is not the GPU's.
     assert_eq!(run("echo 'MemoryError: out of memory' >&2; exit 1"), 1);
     assert!(!d.ran_out_of_memory());
-    assert_eq!(run("echo 'RuntimeError: CUDA error: out of memory' >&2; exit 1"), 1);
+    assert_eq!(
+        run("echo 'RuntimeError: CUDA error: out of memory' >&2; exit 1"),
+        1
+    );
     assert!(d.ran_out_of_memory());
 }
 
@@ -91,13 +107,25 @@ fn leftover_children_are_killed_at_the_end() {
     for cgroup in [true, false] {
         let d = dir(&format!("leftovers-{cgroup}"));
         let pids: PathBuf = d.0.join("pids");
-        let script = format!("sleep 30 & echo $! > {p}; setsid sleep 30 & echo $! >> {p}; exit 0", p = pids.display());
+        let script = format!(
+            "sleep 30 & echo $! > {p}; setsid sleep 30 & echo $! >> {p}; exit 0",
+            p = pids.display()
+        );
         let t = Instant::now();
-        assert_eq!(supervisor(&d, cgroup, &sh(&script)).wait().unwrap().code(), Some(0));
-        assert!(t.elapsed() < Duration::from_secs(10), "the supervisor waited for its leftovers to end by themselves");
+        assert_eq!(
+            supervisor(&d, cgroup, &sh(&script)).wait().unwrap().code(),
+            Some(0)
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the supervisor waited for its leftovers to end by themselves"
+        );
         assert_eq!(d.exit(), Some(Exit::Code(0)));
         for pid in std::fs::read_to_string(&pids).unwrap().split_whitespace() {
-            assert!(!running(pid.parse().unwrap()), "cgroup {cgroup}: leftover {pid} still runs");
+            assert!(
+                !running(pid.parse().unwrap()),
+                "cgroup {cgroup}: leftover {pid} still runs"
+            );
         }
     }
 }
@@ -110,7 +138,10 @@ fn the_run_is_tracked_apart_from_its_supervisor() {
     for cgroup in [true, false] {
         let d = dir(&format!("trap-{cgroup}"));
         let mut sup = supervisor(&d, cgroup, &sh("trap '' TERM; sleep 30 & wait; wait"));
-        wait_until(|| d.procs().is_some_and(|p| p.leader.is_some()), "the leader is recorded");
+        wait_until(
+            || d.procs().is_some_and(|p| p.leader.is_some()),
+            "the leader is recorded",
+        );
         let procs = d.procs().unwrap();
         if !cgroup {
             assert_eq!(procs.cgroup, None, "no cgroup asked for");
@@ -119,7 +150,10 @@ fn the_run_is_tracked_apart_from_its_supervisor() {
         procs.signal(libc::SIGTERM);
         unsafe { libc::kill(sup.id() as i32, libc::SIGTERM) };
         std::thread::sleep(Duration::from_millis(300));
-        assert!(sup.try_wait().unwrap().is_none() && d.exit().is_none() && procs.leader_running(), "SIGTERM ended the run");
+        assert!(
+            sup.try_wait().unwrap().is_none() && d.exit().is_none() && procs.leader_running(),
+            "SIGTERM ended the run"
+        );
         // Supervisor killed outright: the run goes on, known by its record.
         sup.kill().unwrap();
         sup.wait().unwrap();

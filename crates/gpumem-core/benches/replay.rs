@@ -25,7 +25,11 @@ fn replay_100k_events(bencher: Bencher) {
     let trace = big_trace();
     let profile = builtin("h200").unwrap();
     let n = trace.events().len();
-    bencher.counter(ItemsCount::new(n)).bench(|| Replay::default().estimate(black_box(&trace), &profile).unwrap());
+    bencher.counter(ItemsCount::new(n)).bench(|| {
+        Replay::default()
+            .estimate(black_box(&trace), &profile)
+            .unwrap()
+    });
 }
 
 #[divan::bench(args = ["mlp:input=4096,output=1000,depth=10,arch=uniform", "cnn:classes=1000,filters=64,depth=30,input=224,arch=dense,batchnorm=true", "transformer:vocab=30000,embed=768,layers=12,heads=12,ff=3072,seq=512,classes=2"])]

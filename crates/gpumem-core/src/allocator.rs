@@ -89,10 +89,16 @@ impl AllocatorConfig {
         let mut c = AllocatorConfig::default();
         let mut rest = conf.trim();
         while !rest.is_empty() {
-            let (key, after) = rest.split_once(':').ok_or_else(|| AllocatorConfigError::NoValue(rest.to_string()))?;
+            let (key, after) = rest
+                .split_once(':')
+                .ok_or_else(|| AllocatorConfigError::NoValue(rest.to_string()))?;
             let key = key.trim();
             let (value, next) = if after.starts_with('[') {
-                let end = after.find(']').ok_or_else(|| AllocatorConfigError::MissingBracket { option: key.to_string() })?;
+                let end = after
+                    .find(']')
+                    .ok_or_else(|| AllocatorConfigError::MissingBracket {
+                        option: key.to_string(),
+                    })?;
                 (&after[..=end], after[end + 1..].trim_start_matches(','))
             } else {
                 match after.split_once(',') {
@@ -101,7 +107,13 @@ impl AllocatorConfig {
                 }
             };
             let value = value.trim();
-            let num = |v: &str| v.parse::<u64>().map_err(|_| AllocatorConfigError::NotWholeNumber { option: key.to_string(), value: v.to_string() });
+            let num = |v: &str| {
+                v.parse::<u64>()
+                    .map_err(|_| AllocatorConfigError::NotWholeNumber {
+                        option: key.to_string(),
+                        value: v.to_string(),
+                    })
+            };
             match key {
                 "max_split_size_mb" => {
                     let mb = num(value)?;
@@ -118,7 +130,10 @@ impl AllocatorConfig {
                         v => return Err(AllocatorConfigError::NotBool(v.to_string())),
                     }
                 }
-                "roundup_power2_divisions" => c.roundup_power2_divisions = parse_divisions(value).map_err(AllocatorConfigError::Divisions)?,
+                "roundup_power2_divisions" => {
+                    c.roundup_power2_divisions =
+                        parse_divisions(value).map_err(AllocatorConfigError::Divisions)?
+                }
                 // Options that do not change how much memory is reserved.
                 "garbage_collection_threshold" | "pinned_use_cuda_host_register" | "backend" => {}
                 other => return Err(AllocatorConfigError::UnknownOption(other.to_string())),
@@ -162,14 +177,21 @@ fn parse_divisions(value: &str) -> Result<[u32; 16], DivisionsError> {
             let (k, v) = item
                 .split_once(':')
                 .ok_or_else(|| DivisionsError::NotKeyValue(item.to_string()))?;
-            let d = check(v.trim().parse().map_err(|_| DivisionsError::NotNumber(v.to_string()))?)?;
+            let d = check(
+                v.trim()
+                    .parse()
+                    .map_err(|_| DivisionsError::NotNumber(v.to_string()))?,
+            )?;
             if k.trim() == ">" {
                 for slot in out.iter_mut().skip(last_index + 1) {
                     *slot = d;
                 }
                 continue;
             }
-            let mb: u64 = k.trim().parse().map_err(|_| DivisionsError::NotNumber(k.to_string()))?;
+            let mb: u64 = k
+                .trim()
+                .parse()
+                .map_err(|_| DivisionsError::NotNumber(k.to_string()))?;
             if !mb.is_power_of_two() {
                 return Err(DivisionsError::KeyNotPowerOfTwo(mb));
             }
@@ -184,7 +206,11 @@ fn parse_divisions(value: &str) -> Result<[u32; 16], DivisionsError> {
             last_index = index;
         }
     } else {
-        let d = check(value.parse().map_err(|_| DivisionsError::NotNumber(value.to_string()))?)?;
+        let d = check(
+            value
+                .parse()
+                .map_err(|_| DivisionsError::NotNumber(value.to_string()))?,
+        )?;
         out = [d; 16];
     }
     Ok(out)
@@ -255,7 +281,9 @@ pub struct BlockId(u32);
 
 /// The allocator could not serve a request even after releasing its cache.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("out of memory: tried to allocate {requested} bytes ({rounded} rounded); {reserved} reserved of {capacity} available")]
+#[error(
+    "out of memory: tried to allocate {requested} bytes ({rounded} rounded); {reserved} reserved of {capacity} available"
+)]
 pub struct OutOfMemory {
     pub requested: u64,
     pub rounded: u64,
@@ -363,7 +391,11 @@ impl CachingAllocator {
     /// `malloc`: serve a request of `request` bytes on `stream`.
     pub fn malloc(&mut self, request: u64, stream: u32) -> Result<BlockId, OutOfMemory> {
         let size = self.config.round_size(request);
-        let pool = if size <= SMALL_SIZE { Pool::Small } else { Pool::Large };
+        let pool = if size <= SMALL_SIZE {
+            Pool::Small
+        } else {
+            Pool::Large
+        };
         let alloc_size = allocation_size(size);
         let block = match self.get_free_block(stream, size, pool) {
             Some(b) => b,
@@ -385,7 +417,13 @@ impl CachingAllocator {
 
     /// §1.3 step 7: a new segment; else release oversize cached blocks and retry; else release
     /// every cached segment (an implicit `empty_cache`) and retry.
-    fn grow_or_release(&mut self, stream: u32, size: u64, alloc_size: u64, pool: Pool) -> Option<u32> {
+    fn grow_or_release(
+        &mut self,
+        stream: u32,
+        size: u64,
+        alloc_size: u64,
+        pool: Pool,
+    ) -> Option<u32> {
         if let Some(b) = self.grow(stream, size, alloc_size, pool) {
             return Some(b);
         }
@@ -445,7 +483,16 @@ impl CachingAllocator {
             prev: NONE,
             next: NONE,
         });
-        self.segments.push(Segment { base, size: alloc_size, stream, pool, expandable: false, head: b, tail: b, live: true });
+        self.segments.push(Segment {
+            base,
+            size: alloc_size,
+            stream,
+            pool,
+            expandable: false,
+            head: b,
+            tail: b,
+            live: true,
+        });
         self.note_reserved(alloc_size as i64);
         self.stats.segments += 1;
         self.stats.num_device_alloc += 1;
@@ -453,8 +500,16 @@ impl CachingAllocator {
     }
 
     fn grow_expandable(&mut self, stream: u32, size: u64, pool: Pool) -> Option<u32> {
-        let page = if pool == Pool::Small { SMALL_BUFFER } else { LARGE_BUFFER };
-        let seg = match self.segments.iter().position(|s| s.live && s.expandable && s.stream == stream && s.pool == pool) {
+        let page = if pool == Pool::Small {
+            SMALL_BUFFER
+        } else {
+            LARGE_BUFFER
+        };
+        let seg = match self
+            .segments
+            .iter()
+            .position(|s| s.live && s.expandable && s.stream == stream && s.pool == pool)
+        {
             Some(i) => i as u32,
             None => {
                 let i = self.segments.len() as u32;
@@ -474,7 +529,11 @@ impl CachingAllocator {
         };
         let tail = self.segments[seg as usize].tail;
         let tail_free = tail != NONE && !self.blocks[tail as usize].allocated;
-        let have = if tail_free { self.blocks[tail as usize].size } else { 0 };
+        let have = if tail_free {
+            self.blocks[tail as usize].size
+        } else {
+            0
+        };
         let map = (size - have).div_ceil(page) * page;
         if self.stats.reserved + map > self.capacity {
             return None;
@@ -629,7 +688,9 @@ impl CachingAllocator {
         let candidates: Vec<(u64, u32)> = self
             .large
             .range((stream, wanted, 0, 0)..(stream + 1, 0, 0, 0))
-            .filter(|&&(_, _, _, i)| !self.segments[self.blocks[i as usize].segment as usize].expandable)
+            .filter(|&&(_, _, _, i)| {
+                !self.segments[self.blocks[i as usize].segment as usize].expandable
+            })
             .map(|&(_, s, _, i)| (s, i))
             .collect();
         if let Some(&(_, i)) = candidates.first() {
@@ -639,7 +700,9 @@ impl CachingAllocator {
         let mut oversize: Vec<(u64, u32)> = self
             .large
             .range((stream, max_split, 0, 0)..(stream + 1, 0, 0, 0))
-            .filter(|&&(_, _, _, i)| !self.segments[self.blocks[i as usize].segment as usize].expandable)
+            .filter(|&&(_, _, _, i)| {
+                !self.segments[self.blocks[i as usize].segment as usize].expandable
+            })
             .map(|&(_, s, _, i)| (s, i))
             .collect();
         oversize.reverse();
@@ -672,10 +735,15 @@ impl CachingAllocator {
         }
         for seg in 0..self.segments.len() {
             let s = &self.segments[seg];
-            if !(s.live && s.expandable) || s.tail == NONE || self.blocks[s.tail as usize].allocated {
+            if !(s.live && s.expandable) || s.tail == NONE || self.blocks[s.tail as usize].allocated
+            {
                 continue;
             }
-            let page = if s.pool == Pool::Small { SMALL_BUFFER } else { LARGE_BUFFER };
+            let page = if s.pool == Pool::Small {
+                SMALL_BUFFER
+            } else {
+                LARGE_BUFFER
+            };
             let (base, end, tail) = (s.base, s.base + s.size, s.tail);
             let start = self.blocks[tail as usize].addr;
             let keep_end = base + (start - base).div_ceil(page) * page;
@@ -721,7 +789,12 @@ impl CachingAllocator {
                     blocks.push((b.size, b.allocated));
                     i = b.next;
                 }
-                SegmentSnapshot { size: s.size, pool: s.pool, stream: s.stream, blocks }
+                SegmentSnapshot {
+                    size: s.size,
+                    pool: s.pool,
+                    stream: s.stream,
+                    blocks,
+                }
             })
             .collect()
     }
@@ -767,7 +840,13 @@ mod tests {
         assert_eq!(snap[0].size, 2_097_152);
         assert_eq!(
             snap[0].blocks,
-            vec![(40_448, true), (512, true), (4_096, true), (512, true), (2_051_584, false)]
+            vec![
+                (40_448, true),
+                (512, true),
+                (4_096, true),
+                (512, true),
+                (2_051_584, false)
+            ]
         );
         assert_eq!(a.stats().allocated, 45_568);
     }
@@ -778,7 +857,10 @@ mod tests {
         a.malloc(8_519_680, 0).unwrap();
         assert_eq!(a.stats().allocated, 8_519_680);
         assert_eq!(a.stats().reserved, 20_971_520);
-        assert_eq!(a.snapshot()[0].blocks, vec![(8_519_680, true), (12_451_840, false)]);
+        assert_eq!(
+            a.snapshot()[0].blocks,
+            vec![(8_519_680, true), (12_451_840, false)]
+        );
     }
 
     #[test]
@@ -786,22 +868,40 @@ mod tests {
         let mut a = fresh();
         let b = a.malloc(26_214_400, 0).unwrap();
         assert_eq!(a.stats().reserved, 27_262_976);
-        assert_eq!(a.stats().allocated, 27_262_976, "remaining 1 MiB is not > 1 MiB: whole block handed out");
+        assert_eq!(
+            a.stats().allocated,
+            27_262_976,
+            "remaining 1 MiB is not > 1 MiB: whole block handed out"
+        );
         a.free(b);
         a.malloc(12 << 20, 0).unwrap();
         assert_eq!(a.stats().reserved, 27_262_976, "served from the cache");
-        assert_eq!(a.snapshot()[0].blocks, vec![(12 << 20, true), (14_680_064, false)]);
+        assert_eq!(
+            a.snapshot()[0].blocks,
+            vec![(12 << 20, true), (14_680_064, false)]
+        );
     }
 
     #[test]
     fn spec_example_5_max_split_size() {
-        let mut a = CachingAllocator::new(AllocatorConfig::parse("max_split_size_mb:128").unwrap(), 40 << 30);
+        let mut a = CachingAllocator::new(
+            AllocatorConfig::parse("max_split_size_mb:128").unwrap(),
+            40 << 30,
+        );
         let big = a.malloc(200 << 20, 0).unwrap();
         a.free(big);
         a.malloc(100 << 20, 0).unwrap();
-        assert_eq!(a.stats().reserved, 300 << 20, "a normal request may not eat an oversize block");
+        assert_eq!(
+            a.stats().reserved,
+            300 << 20,
+            "a normal request may not eat an oversize block"
+        );
         let b = a.malloc(190 << 20, 0).unwrap();
-        assert_eq!(a.block_size(b), 200 << 20, "oversize request takes the cached block whole");
+        assert_eq!(
+            a.block_size(b),
+            200 << 20,
+            "oversize request takes the cached block whole"
+        );
         assert_eq!(a.stats().reserved, 300 << 20);
     }
 
@@ -825,11 +925,36 @@ mod tests {
 
     #[test]
     fn config_errors_are_one_line() {
-        assert_eq!(AllocatorConfig::parse("max_split_size_mb:10").unwrap_err().to_string(), "option max_split_size_mb: 10 is below the minimum of 20");
-        assert_eq!(AllocatorConfig::parse("frobnicate:1").unwrap_err().to_string(), "unknown allocator option `frobnicate`");
-        assert_eq!(AllocatorConfig::parse("roundup_power2_divisions:3").unwrap_err().to_string(), "option roundup_power2_divisions: 3 is not a power of two");
-        assert_eq!(AllocatorConfig::parse("roundup_power2_divisions:[256:4,x:8]").unwrap_err().to_string(), "option roundup_power2_divisions: `x` is not a number");
-        assert_eq!(AllocatorConfig::parse("max_split_size_mb").unwrap_err().to_string(), "option `max_split_size_mb` has no value");
+        assert_eq!(
+            AllocatorConfig::parse("max_split_size_mb:10")
+                .unwrap_err()
+                .to_string(),
+            "option max_split_size_mb: 10 is below the minimum of 20"
+        );
+        assert_eq!(
+            AllocatorConfig::parse("frobnicate:1")
+                .unwrap_err()
+                .to_string(),
+            "unknown allocator option `frobnicate`"
+        );
+        assert_eq!(
+            AllocatorConfig::parse("roundup_power2_divisions:3")
+                .unwrap_err()
+                .to_string(),
+            "option roundup_power2_divisions: 3 is not a power of two"
+        );
+        assert_eq!(
+            AllocatorConfig::parse("roundup_power2_divisions:[256:4,x:8]")
+                .unwrap_err()
+                .to_string(),
+            "option roundup_power2_divisions: `x` is not a number"
+        );
+        assert_eq!(
+            AllocatorConfig::parse("max_split_size_mb")
+                .unwrap_err()
+                .to_string(),
+            "option `max_split_size_mb` has no value"
+        );
         let c = AllocatorConfig::parse("expandable_segments:True,max_split_size_mb:64").unwrap();
         assert!(c.expandable_segments);
         assert_eq!(c.max_split_size, 64 << 20);
@@ -871,11 +996,18 @@ mod tests {
 
     #[test]
     fn expandable_segments_map_pages_on_demand() {
-        let mut a = CachingAllocator::new(AllocatorConfig::parse("expandable_segments:True").unwrap(), 40 << 30);
+        let mut a = CachingAllocator::new(
+            AllocatorConfig::parse("expandable_segments:True").unwrap(),
+            40 << 30,
+        );
         let x = a.malloc(30 << 20, 0).unwrap();
         assert_eq!(a.stats().reserved, 40 << 20, "two 20 MiB pages");
         let y = a.malloc(15 << 20, 0).unwrap();
-        assert_eq!(a.stats().reserved, 60 << 20, "the free 10 MiB tail grows by one page");
+        assert_eq!(
+            a.stats().reserved,
+            60 << 20,
+            "the free 10 MiB tail grows by one page"
+        );
         assert_eq!(a.stats().segments, 1);
         a.free(y);
         a.free(x);

@@ -25,7 +25,10 @@ pub struct Calibration {
 }
 
 /// Fits `cuda_context_mib` of `profile` from (trace, measured bytes) pairs.
-pub fn fit_context(profile: &GpuProfile, runs: &[(Trace, u64)]) -> Result<Calibration, EstimateError> {
+pub fn fit_context(
+    profile: &GpuProfile,
+    runs: &[(Trace, u64)],
+) -> Result<Calibration, EstimateError> {
     let mut zero = profile.clone();
     zero.cuda_context_mib = 0.0;
     let replay = crate::estimate::Replay::default();
@@ -34,7 +37,11 @@ pub fn fit_context(profile: &GpuProfile, runs: &[(Trace, u64)]) -> Result<Calibr
         use crate::estimate::Estimator;
         reserved.push(replay.estimate(trace, &zero)?.peak_bytes);
     }
-    let mut views: Vec<f64> = runs.iter().zip(&reserved).map(|((_, m), r)| *m as f64 - *r as f64).collect();
+    let mut views: Vec<f64> = runs
+        .iter()
+        .zip(&reserved)
+        .map(|((_, m), r)| *m as f64 - *r as f64)
+        .collect();
     views.sort_by(f64::total_cmp);
     let n = views.len();
     let median = if n == 0 {
@@ -45,11 +52,22 @@ pub fn fit_context(profile: &GpuProfile, runs: &[(Trace, u64)]) -> Result<Calibr
         (views[n / 2 - 1] + views[n / 2]) / 2.0
     };
     let context = median.max(0.0);
-    let residuals_mib: Vec<f64> = runs.iter().zip(&reserved).map(|((_, m), r)| bytes_to_mib(*m) - (context + *r as f64) / MIB as f64).collect();
+    let residuals_mib: Vec<f64> = runs
+        .iter()
+        .zip(&reserved)
+        .map(|((_, m), r)| bytes_to_mib(*m) - (context + *r as f64) / MIB as f64)
+        .collect();
     let mut p = profile.clone();
     p.cuda_context_mib = (context / MIB as f64 * 1000.0).round() / 1000.0;
     let spread = residuals_mib.iter().fold(0.0f64, |a, r| a.max(r.abs()));
     p.bound_fixed_mib = p.bound_fixed_mib.max(2.0 * spread);
-    p.calibration = Some(format!("fitted on {n} runs: context = median(measured - replay reserved); max |residual| {spread:.1} MiB"));
-    Ok(Calibration { context_mib: p.cuda_context_mib, residuals_mib, rows: n, profile: p })
+    p.calibration = Some(format!(
+        "fitted on {n} runs: context = median(measured - replay reserved); max |residual| {spread:.1} MiB"
+    ));
+    Ok(Calibration {
+        context_mib: p.cuda_context_mib,
+        residuals_mib,
+        rows: n,
+        profile: p,
+    })
 }

@@ -26,12 +26,21 @@ use crate::workload::{InputShape, ModelRef, OptionOverrides, Outputs};
 pub enum CsvError {
     /// Not well-formed CSV (the csv reader's message, on one line).
     #[error("{file} line {line}: {}", one_line(.source))]
-    Malformed { file: String, line: usize, source: csv::Error },
+    Malformed {
+        file: String,
+        line: usize,
+        source: csv::Error,
+    },
     #[error("{file} line 1: expected columns model, batch_size, measured_mib (or the seed's Filename, Max GPU Memory (MiB)); found {}", .found.join(", "))]
     Columns { file: String, found: Vec<String> },
     /// (`problem` is boxed: a model spec's error is large, and this is the common case's `Err`.)
     #[error("{file} line {line}: column {column}: {problem}")]
-    Cell { file: String, line: usize, column: String, problem: Box<CellProblem> },
+    Cell {
+        file: String,
+        line: usize,
+        column: String,
+        problem: Box<CellProblem>,
+    },
     /// No row measured a peak (`with_status`: the file has a `status` column and no row is `ok`).
     #[error("{file}: no rows{}", if *with_status { " with status ok" } else { "" })]
     NoRows { file: String, with_status: bool },
@@ -59,7 +68,6 @@ pub enum CellProblem {
     #[error(transparent)]
     Name(#[from] UnknownName),
 }
-
 
 /// One measured training run.
 #[derive(Debug, Clone, PartialEq)]
@@ -112,19 +120,34 @@ fn seed_model(filename: &str) -> Result<(ModelSpec, u64), SpecError> {
 
 /// Reads a measurement CSV (see [`read_measurements`]), keeping the rows that did not fit.
 pub fn read_rows(name: &str, reader: impl Read) -> Result<Rows, CsvError> {
-    let mut rdr = csv::ReaderBuilder::new().flexible(false).from_reader(reader);
-    let headers = rdr.headers().map_err(|source| CsvError::Malformed { file: name.into(), line: 1, source })?.clone();
+    let mut rdr = csv::ReaderBuilder::new()
+        .flexible(false)
+        .from_reader(reader);
+    let headers = rdr
+        .headers()
+        .map_err(|source| CsvError::Malformed {
+            file: name.into(),
+            line: 1,
+            source,
+        })?
+        .clone();
     // A `model` column (gpumem's schema, or a collected dataset in the seed's schema plus
     // `model`) wins over rebuilding MLPs from the seed's `Filename`.
     let batch_col = column(&headers, "batch_size").or_else(|| column(&headers, "Batch Size"));
-    let memory_col = column(&headers, "measured_mib").or_else(|| column(&headers, "Max GPU Memory (MiB)"));
+    let memory_col =
+        column(&headers, "measured_mib").or_else(|| column(&headers, "Max GPU Memory (MiB)"));
     let generic = (column(&headers, "model"), batch_col, memory_col);
     let generic_ok = generic.0.is_some() && generic.1.is_some() && generic.2.is_some();
-    let seed = column(&headers, "Filename").zip(column(&headers, "Max GPU Memory (MiB)")).filter(|_| !generic_ok);
+    let seed = column(&headers, "Filename")
+        .zip(column(&headers, "Max GPU Memory (MiB)"))
+        .filter(|_| !generic_ok);
     let status_col = column(&headers, "status");
     let seed_status_col = column(&headers, "Status");
     if seed.is_none() && !generic_ok {
-        return Err(CsvError::Columns { file: name.into(), found: headers.iter().map(String::from).collect() });
+        return Err(CsvError::Columns {
+            file: name.into(),
+            found: headers.iter().map(String::from).collect(),
+        });
     }
     let published_cols: Vec<(usize, String)> = headers
         .iter()
@@ -132,20 +155,35 @@ pub fn read_rows(name: &str, reader: impl Read) -> Result<Rows, CsvError> {
         .filter(|(_, h)| h.ends_with("_mib") && *h != "measured_mib" && !h.starts_with("measured"))
         .map(|(i, h)| (i, h.trim_end_matches("_mib").to_string()))
         .collect();
-    let (opt_col, prec_col, src_col) = (column(&headers, "optimizer"), column(&headers, "precision"), column(&headers, "source"));
+    let (opt_col, prec_col, src_col) = (
+        column(&headers, "optimizer"),
+        column(&headers, "precision"),
+        column(&headers, "source"),
+    );
     let mut out = Vec::new();
     let mut did_not_fit = Vec::new();
     for (k, rec) in rdr.records().enumerate() {
         let line = k + 2;
-        let rec = rec.map_err(|source| CsvError::Malformed { file: name.into(), line, source })?;
+        let rec = rec.map_err(|source| CsvError::Malformed {
+            file: name.into(),
+            line,
+            source,
+        })?;
         let get = |i: usize| rec.get(i).unwrap_or("").trim();
         // Collected rows that crashed, ran out of memory or timed out measure no peak.
         if status_col.is_some_and(|c| !get(c).is_empty() && get(c) != "ok") {
             continue;
         }
-        let bad = |col: &str, problem: CellProblem| CsvError::Cell { file: name.into(), line, column: col.into(), problem: Box::new(problem) };
+        let bad = |col: &str, problem: CellProblem| CsvError::Cell {
+            file: name.into(),
+            line,
+            column: col.into(),
+            problem: Box::new(problem),
+        };
         let mib = |col: &str, v: &str| -> Result<u64, CsvError> {
-            let x: f64 = v.parse().map_err(|_| bad(col, CellProblem::NotNumber(v.into())))?;
+            let x: f64 = v
+                .parse()
+                .map_err(|_| bad(col, CellProblem::NotNumber(v.into())))?;
             if !(x > 0.0 && x < 1e9) {
                 return Err(bad(col, CellProblem::ImplausibleMib(x)));
             }
@@ -162,8 +200,16 @@ pub fn read_rows(name: &str, reader: impl Read) -> Result<Rows, CsvError> {
                 label: get(fcol).to_string(),
                 model: Some(ModelRef::Native(model)),
                 batch,
-                measured_bytes: if oom { 0 } else { mib("Max GPU Memory (MiB)", get(mcol))? },
-                options: OptionOverrides { optimizer: Some(Optimizer::Adam), precision: Some(Precision::Fp32), ..OptionOverrides::default() },
+                measured_bytes: if oom {
+                    0
+                } else {
+                    mib("Max GPU Memory (MiB)", get(mcol))?
+                },
+                options: OptionOverrides {
+                    optimizer: Some(Optimizer::Adam),
+                    precision: Some(Precision::Fp32),
+                    ..OptionOverrides::default()
+                },
                 published: Vec::new(),
             };
             if oom {
@@ -174,9 +220,15 @@ pub fn read_rows(name: &str, reader: impl Read) -> Result<Rows, CsvError> {
         } else {
             let (mc, bc, vc) = (generic.0.unwrap(), generic.1.unwrap(), generic.2.unwrap());
             let label = get(mc).to_string();
-            let reference = src_col.map(get).filter(|s| s.contains(':')).unwrap_or(&label).to_string();
+            let reference = src_col
+                .map(get)
+                .filter(|s| s.contains(':'))
+                .unwrap_or(&label)
+                .to_string();
             let model = ModelRef::recognise(&reference).map_err(|e| bad("model", e.into()))?;
-            let mut batch: u64 = get(bc).parse().map_err(|_| bad(&headers[bc], CellProblem::NotWholeNumber(get(bc).into())))?;
+            let mut batch: u64 = get(bc)
+                .parse()
+                .map_err(|_| bad(&headers[bc], CellProblem::NotWholeNumber(get(bc).into())))?;
             if batch == 0 {
                 return Err(bad(&headers[bc], CellProblem::Zero));
             }
@@ -195,7 +247,10 @@ pub fn read_rows(name: &str, reader: impl Read) -> Result<Rows, CsvError> {
             let optimizer = match opt_col.map(get).filter(|s| !s.is_empty()) {
                 None => None,
                 // "adamw(hf-trainer)" style annotations keep their optimizer name.
-                Some(s) => Some(Optimizer::parse(s.split('(').next().unwrap_or(s)).map_err(|e| bad("optimizer", e.into()))?),
+                Some(s) => Some(
+                    Optimizer::parse(s.split('(').next().unwrap_or(s))
+                        .map_err(|e| bad("optimizer", e.into()))?,
+                ),
             };
             let precision = match prec_col.map(get).filter(|s| !s.is_empty()) {
                 None => None,
@@ -203,28 +258,75 @@ pub fn read_rows(name: &str, reader: impl Read) -> Result<Rows, CsvError> {
             };
             let published = published_cols
                 .iter()
-                .map(|(i, n)| (n.clone(), get(*i).parse::<f64>().ok().filter(|x| *x > 0.0).map(mib_to_bytes)))
+                .map(|(i, n)| {
+                    (
+                        n.clone(),
+                        get(*i)
+                            .parse::<f64>()
+                            .ok()
+                            .filter(|x| *x > 0.0)
+                            .map(mib_to_bytes),
+                    )
+                })
                 .collect();
             let input_text = column(&headers, "input").map(get).unwrap_or("");
             let input = InputShape::parse(input_text);
-            let seq_len = match column(&headers, "seq_len").map(get).filter(|s| !s.is_empty()) {
-                Some(s) => Some(s.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(|| bad("seq_len", CellProblem::NotPositive(s.into())))?),
+            let seq_len = match column(&headers, "seq_len")
+                .map(get)
+                .filter(|s| !s.is_empty())
+            {
+                Some(s) => Some(
+                    s.parse::<u64>()
+                        .ok()
+                        .filter(|&n| n > 0)
+                        .ok_or_else(|| bad("seq_len", CellProblem::NotPositive(s.into())))?,
+                ),
                 None => input_text.strip_prefix("seq").and_then(|s| s.parse().ok()),
             };
             let data_parallel = (gpus > 1).then_some(gpus);
-            let outputs = match column(&headers, "outputs").map(get).filter(|s| !s.is_empty()) {
-                Some(s) => Some(Outputs::parse(s).map_err(|_| bad("outputs", CellProblem::NotOutputs(s.into())))?),
-                None => opt_col.map(get).is_some_and(|s| s.contains("hf-trainer")).then_some(Outputs::Dropped),
+            let outputs = match column(&headers, "outputs")
+                .map(get)
+                .filter(|s| !s.is_empty())
+            {
+                Some(s) => Some(
+                    Outputs::parse(s)
+                        .map_err(|_| bad("outputs", CellProblem::NotOutputs(s.into())))?,
+                ),
+                None => opt_col
+                    .map(get)
+                    .is_some_and(|s| s.contains("hf-trainer"))
+                    .then_some(Outputs::Dropped),
             };
-            let options = OptionOverrides { optimizer, precision, input, seq_len, data_parallel, outputs };
-            Measurement { line, label, model, batch, measured_bytes: mib(&headers[vc], get(vc))?, options, published }
+            let options = OptionOverrides {
+                optimizer,
+                precision,
+                input,
+                seq_len,
+                data_parallel,
+                outputs,
+            };
+            Measurement {
+                line,
+                label,
+                model,
+                batch,
+                measured_bytes: mib(&headers[vc], get(vc))?,
+                options,
+                published,
+            }
         };
         out.push(m);
     }
     if out.is_empty() {
-        return Err(CsvError::NoRows { file: name.into(), with_status: status_col.is_some() });
+        return Err(CsvError::NoRows {
+            file: name.into(),
+            with_status: status_col.is_some(),
+        });
     }
-    Ok(Rows { measured: out, did_not_fit })
+    Ok(Rows {
+        measured: out,
+        did_not_fit,
+    })
 }
 
 fn one_line(e: &csv::Error) -> String {
@@ -240,16 +342,44 @@ mod tests {
         let ok = "model,batch_size,measured_mib,horus_mib\n\"mlp:input=8,output=2,depth=1\",32,1500,2000\nresnet50,32,3934,\n";
         let rows = read_measurements("d.csv", ok.as_bytes()).unwrap();
         assert_eq!(rows.len(), 2);
-        assert_eq!(rows[0].published, vec![("horus".to_string(), Some(2000 << 20))]);
+        assert_eq!(
+            rows[0].published,
+            vec![("horus".to_string(), Some(2000 << 20))]
+        );
         assert_eq!(rows[1].model, None);
-        let e = read_measurements("d.csv", "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1\",x,1500\n".as_bytes()).unwrap_err();
-        assert_eq!(e.to_string(), "d.csv line 2: column batch_size: `x` is not a whole number");
+        let e = read_measurements(
+            "d.csv",
+            "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1\",x,1500\n".as_bytes(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "d.csv line 2: column batch_size: `x` is not a whole number"
+        );
         let e = read_measurements("d.csv", "a,b\n1,2\n".as_bytes()).unwrap_err();
-        assert!(e.to_string().starts_with("d.csv line 1: expected columns model, batch_size, measured_mib"), "{e}");
-        let e = read_measurements("d.csv", "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1\",4,-3\n".as_bytes()).unwrap_err();
-        assert_eq!(e.to_string(), "d.csv line 2: column measured_mib: -3 MiB is not a plausible memory size");
-        let e = read_measurements("d.csv", "model,batch_size,measured_mib\nmlp:input=8,4\n".as_bytes()).unwrap_err();
-        assert!(e.to_string().starts_with("d.csv line 2: ") && !e.to_string().contains('\n'), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("d.csv line 1: expected columns model, batch_size, measured_mib"),
+            "{e}"
+        );
+        let e = read_measurements(
+            "d.csv",
+            "model,batch_size,measured_mib\n\"mlp:input=8,output=2,depth=1\",4,-3\n".as_bytes(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "d.csv line 2: column measured_mib: -3 MiB is not a plausible memory size"
+        );
+        let e = read_measurements(
+            "d.csv",
+            "model,batch_size,measured_mib\nmlp:input=8,4\n".as_bytes(),
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().starts_with("d.csv line 2: ") && !e.to_string().contains('\n'),
+            "{e}"
+        );
     }
 
     #[test]
@@ -260,13 +390,56 @@ mod tests {
             input_channels:3_num_classes:10_depth:40_arch:dense_base_filters:64_batch:512_input_size:224_act:relu_dropout:0.1_dropout:True_batchnorm:True.out,512,38217,OOM_CRASH\n";
         let rows = read_rows("s.csv", csv.as_bytes()).unwrap();
         assert_eq!(rows.measured.len(), 2);
-        let Some(ModelRef::Native(ModelSpec::Cnn(c))) = &rows.measured[0].model else { panic!("a CNN") };
-        assert_eq!((c.channels, c.classes, c.depth, c.filters, c.input, c.dropout, c.pooling, rows.measured[0].batch), (3, 99, 14, 121, 90, 0.0, false, 34));
-        let Some(ModelRef::Native(ModelSpec::Transformer(t))) = &rows.measured[1].model else { panic!("a Transformer") };
-        assert_eq!((t.vocab, t.embed, t.layers, t.heads, t.ff, t.seq, t.classes, t.samples, rows.measured[1].batch), (553893, 128, 8, 8, 332, 512, 273, Some(1527), 64));
-        assert_eq!((rows.did_not_fit.len(), rows.did_not_fit[0].batch, rows.did_not_fit[0].line), (1, 512, 4));
-        let e = read_rows("s.csv", "Filename,Max GPU Memory (MiB)\ninput_channels:3_num_classes:x.out,5\n".as_bytes()).unwrap_err();
-        assert_eq!(e.to_string(), "s.csv line 2: column Filename: seed filename `input_channels:3_num_classes:x.out`: missing `depth:`");
+        let Some(ModelRef::Native(ModelSpec::Cnn(c))) = &rows.measured[0].model else {
+            panic!("a CNN")
+        };
+        assert_eq!(
+            (
+                c.channels,
+                c.classes,
+                c.depth,
+                c.filters,
+                c.input,
+                c.dropout,
+                c.pooling,
+                rows.measured[0].batch
+            ),
+            (3, 99, 14, 121, 90, 0.0, false, 34)
+        );
+        let Some(ModelRef::Native(ModelSpec::Transformer(t))) = &rows.measured[1].model else {
+            panic!("a Transformer")
+        };
+        assert_eq!(
+            (
+                t.vocab,
+                t.embed,
+                t.layers,
+                t.heads,
+                t.ff,
+                t.seq,
+                t.classes,
+                t.samples,
+                rows.measured[1].batch
+            ),
+            (553893, 128, 8, 8, 332, 512, 273, Some(1527), 64)
+        );
+        assert_eq!(
+            (
+                rows.did_not_fit.len(),
+                rows.did_not_fit[0].batch,
+                rows.did_not_fit[0].line
+            ),
+            (1, 512, 4)
+        );
+        let e = read_rows(
+            "s.csv",
+            "Filename,Max GPU Memory (MiB)\ninput_channels:3_num_classes:x.out,5\n".as_bytes(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "s.csv line 2: column Filename: seed filename `input_channels:3_num_classes:x.out`: missing `depth:`"
+        );
     }
 
     #[test]
@@ -276,12 +449,35 @@ mod tests {
                    b,8,100,adamw,2 (torch.nn.DataParallel)\n\
                    c,4,100,adamw(hf-trainer),2 (data parallel)\n";
         let rows = read_measurements("d.csv", csv.as_bytes()).unwrap();
-        assert_eq!(rows.iter().map(|r| (r.batch, r.options.data_parallel)).collect::<Vec<_>>(), vec![(8, None), (8, Some(2)), (8, Some(2))]);
-        let e = read_measurements("d.csv", "model,batch_size,measured_mib,gpus\na,8,100,two\n".as_bytes()).unwrap_err();
-        assert_eq!(e.to_string(), "d.csv line 2: column gpus: `two` does not start with a GPU count (1..=64)");
-        let e = read_measurements("d.csv", "model,batch_size,measured_mib,status\na,8,100,oom\n".as_bytes()).unwrap_err();
+        assert_eq!(
+            rows.iter()
+                .map(|r| (r.batch, r.options.data_parallel))
+                .collect::<Vec<_>>(),
+            vec![(8, None), (8, Some(2)), (8, Some(2))]
+        );
+        let e = read_measurements(
+            "d.csv",
+            "model,batch_size,measured_mib,gpus\na,8,100,two\n".as_bytes(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "d.csv line 2: column gpus: `two` does not start with a GPU count (1..=64)"
+        );
+        let e = read_measurements(
+            "d.csv",
+            "model,batch_size,measured_mib,status\na,8,100,oom\n".as_bytes(),
+        )
+        .unwrap_err();
         assert_eq!(e.to_string(), "d.csv: no rows with status ok");
-        let e = read_measurements("d.csv", "model,batch_size,measured_mib,optimizer\na,8,100,lion\n".as_bytes()).unwrap_err();
-        assert_eq!(e.to_string(), "d.csv line 2: column optimizer: unknown optimizer `lion` (expected adam, adamw, sgd, sgd-momentum, adam8bit, adamw8bit or paged-adamw8bit)");
+        let e = read_measurements(
+            "d.csv",
+            "model,batch_size,measured_mib,optimizer\na,8,100,lion\n".as_bytes(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "d.csv line 2: column optimizer: unknown optimizer `lion` (expected adam, adamw, sgd, sgd-momentum, adam8bit, adamw8bit or paged-adamw8bit)"
+        );
     }
 }

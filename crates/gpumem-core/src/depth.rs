@@ -70,14 +70,35 @@ enum Pick {
 /// what the alignment and the frees' kinds compare.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Shape {
-    Alloc { bytes: u64, category: u8, phase: u8, op: String, module: String, stream: u32 },
+    Alloc {
+        bytes: u64,
+        category: u8,
+        phase: u8,
+        op: String,
+        module: String,
+        stream: u32,
+    },
     /// `of`: the freed allocation's kernel and module, where aligned exactly.
-    Free { bytes: u64, category: u8, of: Option<(String, String)> },
+    Free {
+        bytes: u64,
+        category: u8,
+        of: Option<(String, String)>,
+    },
     /// `numbers` left out where aligned loosely: a kernel over every block's tensors at once
     /// (`_foreach_add_`) grows with the depth.
-    Op { op: String, numbers: Option<[u64; 3]> },
-    Iteration { index: u32 },
-    Workspace { conv: String, pass: u8, phase: u8, module: String },
+    Op {
+        op: String,
+        numbers: Option<[u64; 3]>,
+    },
+    Iteration {
+        index: u32,
+    },
+    Workspace {
+        conv: String,
+        pass: u8,
+        phase: u8,
+        module: String,
+    },
 }
 
 /// `layers.3.mlp` → `layers.#.mlp`: the same module of another block.
@@ -85,7 +106,17 @@ pub(crate) fn generic_module(t: &Trace, module: u32) -> String {
     if module == NO_MODULE {
         return String::new();
     }
-    t.op_name(module).split('.').map(|p| if p.bytes().all(|b| b.is_ascii_digit()) { "#" } else { p }).collect::<Vec<_>>().join(".")
+    t.op_name(module)
+        .split('.')
+        .map(|p| {
+            if p.bytes().all(|b| b.is_ascii_digit()) {
+                "#"
+            } else {
+                p
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(".")
 }
 
 /// How much of an event its shape keeps.
@@ -107,26 +138,74 @@ fn shapes(t: &Trace, detail: Detail) -> Vec<Shape> {
     t.events()
         .iter()
         .map(|e| match *e {
-            Event::Alloc { slot, bytes, category, phase, op, module, stream } => {
-                allocated[slot as usize] = (bytes, category as u8, t.op_name(op).to_string(), generic_module(t, module));
-                let op = if detail == Detail::Size { String::new() } else { t.op_name(op).to_string() };
-                let module = if matches!(detail, Detail::Kind | Detail::Size) { String::new() } else { generic_module(t, module) };
-                Shape::Alloc { bytes, category: category as u8, phase: phase as u8, op, module, stream }
+            Event::Alloc {
+                slot,
+                bytes,
+                category,
+                phase,
+                op,
+                module,
+                stream,
+            } => {
+                allocated[slot as usize] = (
+                    bytes,
+                    category as u8,
+                    t.op_name(op).to_string(),
+                    generic_module(t, module),
+                );
+                let op = if detail == Detail::Size {
+                    String::new()
+                } else {
+                    t.op_name(op).to_string()
+                };
+                let module = if matches!(detail, Detail::Kind | Detail::Size) {
+                    String::new()
+                } else {
+                    generic_module(t, module)
+                };
+                Shape::Alloc {
+                    bytes,
+                    category: category as u8,
+                    phase: phase as u8,
+                    op,
+                    module,
+                    stream,
+                }
             }
             Event::Free { slot } => {
                 let (bytes, category, op, module) = &allocated[slot as usize];
-                Shape::Free { bytes: *bytes, category: *category, of: (detail == Detail::Exact).then(|| (op.clone(), module.clone())) }
+                Shape::Free {
+                    bytes: *bytes,
+                    category: *category,
+                    of: (detail == Detail::Exact).then(|| (op.clone(), module.clone())),
+                }
             }
-            Event::Op { op, .. } => Shape::Op { op: t.op_name(op).to_string(), numbers: (detail == Detail::Exact).then(|| numbers(e)) },
+            Event::Op { op, .. } => Shape::Op {
+                op: t.op_name(op).to_string(),
+                numbers: (detail == Detail::Exact).then(|| numbers(e)),
+            },
             Event::Iteration { index } => Shape::Iteration { index },
-            Event::Workspace { conv, pass, phase, module, .. } => Shape::Workspace { conv: t.op_name(conv).to_string(), pass: pass as u8, phase: phase as u8, module: generic_module(t, module) },
+            Event::Workspace {
+                conv,
+                pass,
+                phase,
+                module,
+                ..
+            } => Shape::Workspace {
+                conv: t.op_name(conv).to_string(),
+                pass: pass as u8,
+                phase: phase as u8,
+                module: generic_module(t, module),
+            },
         })
         .collect()
 }
 
 fn module_of(e: &Event) -> Option<u32> {
     match *e {
-        Event::Alloc { module, .. } | Event::Workspace { module, .. } => (module != NO_MODULE).then_some(module),
+        Event::Alloc { module, .. } | Event::Workspace { module, .. } => {
+            (module != NO_MODULE).then_some(module)
+        }
         _ => None,
     }
 }
@@ -144,14 +223,18 @@ impl ModuleName {
     /// more than their indices; the first is kept as it is where the indices do not fit.
     fn fit(paths: &[(u32, usize, &str)]) -> Option<ModuleName> {
         let split: Vec<Vec<&str>> = paths.iter().map(|p| p.2.split('.').collect()).collect();
-        let literal = ModuleName { parts: split.first()?.iter().map(|p| Err(p.to_string())).collect() };
+        let literal = ModuleName {
+            parts: split.first()?.iter().map(|p| Err(p.to_string())).collect(),
+        };
         let value = |depth: u32, copy: usize, k: usize| -> Option<i64> {
             let i = paths.iter().position(|p| p.0 == depth && p.1 == copy)?;
             split[i].get(k)?.parse().ok()
         };
         let mut parts = Vec::new();
         for (k, part) in split[0].iter().enumerate() {
-            if split.iter().any(|s| s.len() != split[0].len() || (s[k] != *part && s[k].parse::<i64>().is_err())) {
+            if split.iter().any(|s| {
+                s.len() != split[0].len() || (s[k] != *part && s[k].parse::<i64>().is_err())
+            }) {
                 return Some(literal);
             }
             if part.parse::<i64>().is_err() {
@@ -159,7 +242,12 @@ impl ModuleName {
                 continue;
             }
             // A block's own events are seen twice at the deepest depth; others once per depth.
-            let fitted = match (value(DEPTHS[0], 0, k), value(DEPTHS[1], 0, k), value(DEPTHS[2], 0, k), value(DEPTHS[2], 1, k)) {
+            let fitted = match (
+                value(DEPTHS[0], 0, k),
+                value(DEPTHS[1], 0, k),
+                value(DEPTHS[2], 0, k),
+                value(DEPTHS[2], 1, k),
+            ) {
                 (Some(v2), Some(v3), _, None) => Some((v2, 0, v3 - v2)),
                 (None, Some(v3), Some(v4), Some(v4b)) => Some((v3 - (v4 - v3), v4b - v4, v4 - v3)),
                 _ => None,
@@ -174,10 +262,18 @@ impl ModuleName {
 
     fn at(&self, blocks: u32, copy: usize) -> String {
         let depth = i64::from(blocks - DEPTHS[0]);
-        let parts: Vec<String> = self.parts.iter().map(|p| match p {
-            Ok((first, per_copy, per_block)) => (first + per_copy * copy as i64 + per_block * depth).max(0).to_string(),
-            Err(text) => text.clone(),
-        }).collect();
+        let parts: Vec<String> = self
+            .parts
+            .iter()
+            .map(|p| match p {
+                Ok((first, per_copy, per_block)) => {
+                    (first + per_copy * copy as i64 + per_block * depth)
+                        .max(0)
+                        .to_string()
+                }
+                Err(text) => text.clone(),
+            })
+            .collect();
         parts.join(".")
     }
 }
@@ -186,7 +282,12 @@ impl ModuleName {
 pub(crate) fn numbers(e: &Event) -> [u64; 3] {
     match *e {
         Event::Alloc { bytes, .. } => [bytes, 0, 0],
-        Event::Op { flops, bytes_read, bytes_written, .. } => [flops, bytes_read, bytes_written],
+        Event::Op {
+            flops,
+            bytes_read,
+            bytes_written,
+            ..
+        } => [flops, bytes_read, bytes_written],
         Event::Workspace { n, .. } => [n, 0, 0],
         Event::Free { .. } | Event::Iteration { .. } => [0; 3],
     }
@@ -224,8 +325,13 @@ fn picks(t: &Trace, kind: &[u32]) -> HashMap<usize, (usize, usize, usize)> {
             }
             Event::Free { slot } => {
                 let alloc = at[slot as usize];
-                let list = live.get_mut(&kind[alloc]).expect("an allocation is live until freed");
-                let i = list.iter().position(|&p| p == alloc).expect("an allocation is live until freed");
+                let list = live
+                    .get_mut(&kind[alloc])
+                    .expect("an allocation is live until freed");
+                let i = list
+                    .iter()
+                    .position(|&p| p == alloc)
+                    .expect("an allocation is live until freed");
                 list.remove(i);
                 out.insert(pos, (alloc, i, list.len() - i));
             }
@@ -258,7 +364,9 @@ fn insertions(short: [&[u32]; 2], long: [&[u32]; 2]) -> Option<Vec<Chunk>> {
             } else if short[1][i - 1] == long[1][j - 1] {
                 let via_inserted = inserted[k] < matched[k];
                 from[i * (w + 1) + k] |= via_inserted as u8;
-                matched[k].min(inserted[k]).saturating_add(u64::from(short[0][i - 1] != long[0][j - 1]))
+                matched[k]
+                    .min(inserted[k])
+                    .saturating_add(u64::from(short[0][i - 1] != long[0][j - 1]))
             } else {
                 NONE
             };
@@ -285,7 +393,11 @@ fn insertions(short: [&[u32]; 2], long: [&[u32]; 2]) -> Option<Vec<Chunk>> {
         if in_insert {
             match chunks.last_mut() {
                 Some(c) if c.gap == i && c.start == i + k => c.start -= 1,
-                _ => chunks.push(Chunk { gap: i, start: i + k - 1, len: 0 }),
+                _ => chunks.push(Chunk {
+                    gap: i,
+                    start: i + k - 1,
+                    len: 0,
+                }),
             }
             let c = chunks.last_mut().expect("just pushed");
             c.len += 1;
@@ -311,7 +423,9 @@ fn squares(run: &[u32]) -> Option<Vec<(usize, usize)>> {
             return None;
         }
         for half in (1..=(run.len() - at) / 2).rev() {
-            if run[at..at + half] == run[at + half..at + 2 * half] && let Some(mut rest) = from(run, at + 2 * half, failed) {
+            if run[at..at + half] == run[at + half..at + 2 * half]
+                && let Some(mut rest) = from(run, at + 2 * half, failed)
+            {
                 rest.insert(0, (at, half));
                 return Some(rest);
             }
@@ -325,32 +439,70 @@ fn squares(run: &[u32]) -> Option<Vec<(usize, usize)>> {
 /// The trace of the whole model (`blocks` blocks) from its traces at [`DEPTHS`], in order.
 pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError> {
     let depths: Vec<Option<u32>> = traces.iter().map(|t| t.header.depth).collect();
-    if depths != DEPTHS.map(Some) || traces.iter().any(|t| t.header.blocks != Some(blocks)) || blocks <= DEPTHS[2] {
+    if depths != DEPTHS.map(Some)
+        || traces.iter().any(|t| t.header.blocks != Some(blocks))
+        || blocks <= DEPTHS[2]
+    {
         return Err(DepthError::NotDepths(depths));
     }
     let mut ids: HashMap<Shape, u32> = HashMap::new();
     let mut intern = |detail: Detail| -> Vec<Vec<u32>> {
-        traces.iter().map(|t| shapes(t, detail).into_iter().map(|x| { let n = ids.len() as u32; *ids.entry(x).or_insert(n) }).collect()).collect()
+        traces
+            .iter()
+            .map(|t| {
+                shapes(t, detail)
+                    .into_iter()
+                    .map(|x| {
+                        let n = ids.len() as u32;
+                        *ids.entry(x).or_insert(n)
+                    })
+                    .collect()
+            })
+            .collect()
     };
     let (exact, interned) = (intern(Detail::Exact), intern(Detail::Loose));
     // What two blocks more insert, each run a square (X X, or X X Y Y ... where two runs of
     // blocks meet, as an optimizer's per-parameter loops do): one block inserts each half.
-    let two_more = insertions([&exact[0], &interned[0]], [&exact[2], &interned[2]])
-        .ok_or_else(|| not_periodic(format!("the {}-block trace is not the {}-block one with events inserted", DEPTHS[2], DEPTHS[0])))?;
+    let two_more =
+        insertions([&exact[0], &interned[0]], [&exact[2], &interned[2]]).ok_or_else(|| {
+            not_periodic(format!(
+                "the {}-block trace is not the {}-block one with events inserted",
+                DEPTHS[2], DEPTHS[0]
+            ))
+        })?;
     let mut chunks = Vec::new();
     for run in two_more {
-        let halves = squares(&exact[2][run.start..run.start + run.len])
-            .ok_or_else(|| not_periodic(format!("what two blocks insert at event {} of the {}-block trace is not one block's twice", run.gap + 2, DEPTHS[0])))?;
-        chunks.extend(halves.into_iter().map(|(at, len)| Chunk { gap: run.gap, start: run.start + at, len }));
+        let halves = squares(&exact[2][run.start..run.start + run.len]).ok_or_else(|| {
+            not_periodic(format!(
+                "what two blocks insert at event {} of the {}-block trace is not one block's twice",
+                run.gap + 2,
+                DEPTHS[0]
+            ))
+        })?;
+        chunks.extend(halves.into_iter().map(|(at, len)| Chunk {
+            gap: run.gap,
+            start: run.start + at,
+            len,
+        }));
     }
     let base = traces[0].events().len();
-    let orders: Vec<Vec<(Source, usize)>> = (0..3).map(|copies| unrolled(base, &chunks, copies)).collect();
+    let orders: Vec<Vec<(Source, usize)>> = (0..3)
+        .map(|copies| unrolled(base, &chunks, copies))
+        .collect();
     let shape_of = |s: Source| match s {
         Source::Base(i) => interned[0][i],
         Source::Chunk { chunk, offset } => interned[2][chunks[chunk].start + offset],
     };
-    if orders[1].len() != interned[1].len() || orders[1].iter().zip(&interned[1]).any(|(&(s, _), &x)| shape_of(s) != x) {
-        return Err(not_periodic(format!("the {}-block trace is not the {}-block one with one block's events inserted", DEPTHS[1], DEPTHS[0])));
+    if orders[1].len() != interned[1].len()
+        || orders[1]
+            .iter()
+            .zip(&interned[1])
+            .any(|(&(s, _), &x)| shape_of(s) != x)
+    {
+        return Err(not_periodic(format!(
+            "the {}-block trace is not the {}-block one with one block's events inserted",
+            DEPTHS[1], DEPTHS[0]
+        )));
     }
 
     // Every instance of each source: (trace, position).
@@ -371,9 +523,15 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
             Source::Chunk { .. } => [0; 3],
         };
         let (t, p) = inst[0];
-        let ok = v.iter().zip(inst).all(|(x, &(ti, _))| (0..3).all(|k| x[k] as i128 == v[0][k] as i128 + step[k] * (ti as i128 - t as i128)));
+        let ok = v.iter().zip(inst).all(|(x, &(ti, _))| {
+            (0..3).all(|k| x[k] as i128 == v[0][k] as i128 + step[k] * (ti as i128 - t as i128))
+        });
         if !ok {
-            return Err(not_periodic(format!("event {} of the {}-block trace changes its numbers with the depth other than by a fixed step", p + 2, DEPTHS[t])));
+            return Err(not_periodic(format!(
+                "event {} of the {}-block trace changes its numbers with the depth other than by a fixed step",
+                p + 2,
+                DEPTHS[t]
+            )));
         }
         values.insert(s, (v[0], step));
     }
@@ -385,11 +543,17 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
         Source::Base(i) => kinds[g][0][i],
         Source::Chunk { chunk, offset } => kinds[g][2][chunks[chunk].start + offset],
     };
-    let freed: Vec<Vec<HashMap<usize, (usize, usize, usize)>>> = (0..2).map(|g| (0..3).map(|t| picks(&traces[t], &kinds[g][t])).collect()).collect();
+    let freed: Vec<Vec<HashMap<usize, (usize, usize, usize)>>> = (0..2)
+        .map(|g| (0..3).map(|t| picks(&traces[t], &kinds[g][t])).collect())
+        .collect();
     let rule = |g: usize, inst: &[(usize, usize)]| -> Option<(Source, Pick)> {
-        let seen: Vec<(usize, (usize, usize, usize))> = inst.iter().map(|&(t, p)| (t, freed[g][t][&p])).collect();
+        let seen: Vec<(usize, (usize, usize, usize))> =
+            inst.iter().map(|&(t, p)| (t, freed[g][t][&p])).collect();
         let target = orders[seen[0].0][seen[0].1.0].0;
-        if !seen.iter().all(|&(t, (alloc, ..))| kind_of(g, orders[t][alloc].0) == kind_of(g, target)) {
+        if !seen
+            .iter()
+            .all(|&(t, (alloc, ..))| kind_of(g, orders[t][alloc].0) == kind_of(g, target))
+        {
             return None;
         }
         if seen.iter().all(|&(_, (_, _, newer))| newer == seen[0].1.2) {
@@ -402,9 +566,18 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
     };
     let mut rules: HashMap<Source, (usize, Source, Pick)> = HashMap::new();
     for (&s, inst) in &instances {
-        let Some(&(t0, p0)) = inst.first().filter(|&&(t, p)| matches!(event(t, p), Event::Free { .. })) else { continue };
+        let Some(&(t0, p0)) = inst
+            .first()
+            .filter(|&&(t, p)| matches!(event(t, p), Event::Free { .. }))
+        else {
+            continue;
+        };
         let Some((g, (target, pick))) = (0..2).find_map(|g| Some((g, rule(g, inst)?))) else {
-            return Err(not_periodic(format!("the free at event {} of the {}-block trace frees a different tensor at other depths", p0 + 2, DEPTHS[t0])));
+            return Err(not_periodic(format!(
+                "the free at event {} of the {}-block trace frees a different tensor at other depths",
+                p0 + 2,
+                DEPTHS[t0]
+            )));
         };
         rules.insert(s, (g, target, pick));
     }
@@ -418,8 +591,11 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
     let mut header = traces[0].header.clone();
     header.depth = None;
     header.blocks = None;
-    header.activations_per_sample = match traces.each_ref().map(|t| t.header.activations_per_sample) {
-        [Some(a), Some(b), _] => Some((i128::from(a) + (i128::from(b) - i128::from(a)) * extra).max(0) as u64),
+    header.activations_per_sample = match traces.each_ref().map(|t| t.header.activations_per_sample)
+    {
+        [Some(a), Some(b), _] => {
+            Some((i128::from(a) + (i128::from(b) - i128::from(a)) * extra).max(0) as u64)
+        }
         _ => None,
     };
     let mut out = TraceBuilder::new(header);
@@ -429,7 +605,16 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
     let mut next_id = 1u64;
     let mut names: HashMap<Source, ModuleName> = HashMap::new();
     for (&s, inst) in &instances {
-        let paths: Vec<(u32, usize, &str)> = inst.iter().filter_map(|&(t, p)| Some((DEPTHS[t], orders[t][p].1, traces[t].module(module_of(event(t, p))?)?))).collect();
+        let paths: Vec<(u32, usize, &str)> = inst
+            .iter()
+            .filter_map(|&(t, p)| {
+                Some((
+                    DEPTHS[t],
+                    orders[t][p].1,
+                    traces[t].module(module_of(event(t, p))?)?,
+                ))
+            })
+            .collect();
         if let Some(name) = ModuleName::fit(&paths) {
             names.insert(s, name);
         }
@@ -443,31 +628,63 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
         let [a, b, c] = at(s);
         let module = names.get(&s).map(|n| n.at(blocks, copy));
         match *event(t, p) {
-            Event::Alloc { category, phase, op, stream, .. } => {
+            Event::Alloc {
+                category,
+                phase,
+                op,
+                stream,
+                ..
+            } => {
                 for g in 0..2 {
                     live.entry((g, kind_of(g, s))).or_default().push(next_id);
                 }
                 kinds_of_id.insert(next_id, [kind_of(0, s), kind_of(1, s)]);
-                out.alloc_with_id(0, next_id, a, category, phase, tr.op_name(op), module.as_deref(), stream).map_err(|e| not_periodic(e.message))?;
+                out.alloc_with_id(
+                    0,
+                    next_id,
+                    a,
+                    category,
+                    phase,
+                    tr.op_name(op),
+                    module.as_deref(),
+                    stream,
+                )
+                .map_err(|e| not_periodic(e.message))?;
                 next_id += 1;
             }
             Event::Free { .. } => {
                 let (g, target, pick) = rules[&s];
-                let list = live.get_mut(&(g, kind_of(g, target))).filter(|l| !l.is_empty());
-                let Some(list) = list else { return Err(not_periodic("a free finds no tensor of its kind at the whole depth")) };
+                let list = live
+                    .get_mut(&(g, kind_of(g, target)))
+                    .filter(|l| !l.is_empty());
+                let Some(list) = list else {
+                    return Err(not_periodic(
+                        "a free finds no tensor of its kind at the whole depth",
+                    ));
+                };
                 let i = match pick {
                     Pick::Newest(n) => list.len().checked_sub(n + 1),
                     Pick::Oldest(n) => (n < list.len()).then_some(n),
                 };
-                let Some(i) = i else { return Err(not_periodic("a free finds too few tensors of its kind at the whole depth")) };
+                let Some(i) = i else {
+                    return Err(not_periodic(
+                        "a free finds too few tensors of its kind at the whole depth",
+                    ));
+                };
                 let id = list.remove(i);
-                let kinds = kinds_of_id.remove(&id).expect("a live tensor has its kinds");
-                live.get_mut(&(1 - g, kinds[1 - g])).expect("a live tensor is listed by both grains").retain(|&x| x != id);
+                let kinds = kinds_of_id
+                    .remove(&id)
+                    .expect("a live tensor has its kinds");
+                live.get_mut(&(1 - g, kinds[1 - g]))
+                    .expect("a live tensor is listed by both grains")
+                    .retain(|&x| x != id);
                 out.free(id);
             }
             Event::Op { op, .. } => out.op(tr.op_name(op), a, b, c),
             Event::Iteration { .. } => out.iteration_end(),
-            Event::Workspace { conv, pass, phase, .. } => out.workspace(tr.op_name(conv), a, pass, phase, module.as_deref()),
+            Event::Workspace {
+                conv, pass, phase, ..
+            } => out.workspace(tr.op_name(conv), a, pass, phase, module.as_deref()),
         }
     }
     Ok(out.finish())
@@ -480,13 +697,22 @@ mod tests {
 
     /// The toy model (crate::toy) at batch 4; `flat`: with a buffer over all blocks.
     fn toy(depth: u32, cut_of: Option<u32>, flat: bool) -> Trace {
-        Toy { over_blocks: flat.then_some(("flatten", false, false)), ..Toy::default() }.trace(4, depth, cut_of)
+        Toy {
+            over_blocks: flat.then_some(("flatten", false, false)),
+            ..Toy::default()
+        }
+        .trace(4, depth, cut_of)
     }
 
     fn text(t: &Trace) -> String {
         let mut out = Vec::new();
         t.write(&mut out).unwrap();
-        String::from_utf8(out).unwrap().split_once('\n').unwrap().1.to_string()
+        String::from_utf8(out)
+            .unwrap()
+            .split_once('\n')
+            .unwrap()
+            .1
+            .to_string()
     }
 
     #[test]
@@ -500,15 +726,28 @@ mod tests {
     #[test]
     fn a_buffer_over_all_blocks_is_refused() {
         let cut = DEPTHS.map(|d| toy(d, Some(10), true));
-        assert!(matches!(extrapolate(&cut, 10), Err(DepthError::NotPeriodic(_))));
+        assert!(matches!(
+            extrapolate(&cut, 10),
+            Err(DepthError::NotPeriodic(_))
+        ));
     }
 
     #[test]
     fn traces_not_at_the_cut_depths_are_refused() {
-        let cut = [toy(2, Some(10), false), toy(3, Some(10), false), toy(5, Some(10), false)];
-        assert!(matches!(extrapolate(&cut, 10), Err(DepthError::NotDepths(_))));
+        let cut = [
+            toy(2, Some(10), false),
+            toy(3, Some(10), false),
+            toy(5, Some(10), false),
+        ];
+        assert!(matches!(
+            extrapolate(&cut, 10),
+            Err(DepthError::NotDepths(_))
+        ));
         let cut = DEPTHS.map(|d| toy(d, Some(10), false));
-        assert!(matches!(extrapolate(&cut, 9), Err(DepthError::NotDepths(_))));
+        assert!(matches!(
+            extrapolate(&cut, 9),
+            Err(DepthError::NotDepths(_))
+        ));
     }
 
     #[test]
@@ -517,9 +756,17 @@ mod tests {
         let mut cut = DEPTHS.map(|d| toy(d, Some(10), false));
         let mut file = Vec::new();
         cut[2].write(&mut file).unwrap();
-        let (header, events) = std::str::from_utf8(&file).unwrap().split_once('\n').unwrap();
-        let extra = format!("{header}\n{{\"ev\":\"op\",\"op\":\"extra\",\"flops\":1,\"bytes_read\":1,\"bytes_written\":1}}\n{events}");
+        let (header, events) = std::str::from_utf8(&file)
+            .unwrap()
+            .split_once('\n')
+            .unwrap();
+        let extra = format!(
+            "{header}\n{{\"ev\":\"op\",\"op\":\"extra\",\"flops\":1,\"bytes_read\":1,\"bytes_written\":1}}\n{events}"
+        );
         cut[2] = Trace::read(extra.as_bytes()).unwrap();
-        assert!(matches!(extrapolate(&cut, 10), Err(DepthError::NotPeriodic(_))));
+        assert!(matches!(
+            extrapolate(&cut, 10),
+            Err(DepthError::NotPeriodic(_))
+        ));
     }
 }

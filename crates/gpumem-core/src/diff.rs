@@ -26,15 +26,30 @@ fn requests(trace: &Trace, profile: &GpuProfile) -> Vec<Request> {
     let mut iteration = 0;
     for (event, ev) in trace.events().iter().enumerate() {
         match *ev {
-            Event::Alloc { bytes, category, op, .. } => {
+            Event::Alloc {
+                bytes,
+                category,
+                op,
+                ..
+            } => {
                 let bytes = sizes.alloc(bytes, category, op);
                 if bytes > 0 {
-                    out.push(Request { bytes, event, iteration, category });
+                    out.push(Request {
+                        bytes,
+                        event,
+                        iteration,
+                        category,
+                    });
                 }
             }
             Event::Workspace { conv, n, pass, .. } => {
                 for bytes in sizes.workspace(trace, conv, n, pass).0 {
-                    out.push(Request { bytes, event, iteration, category: Category::Workspace });
+                    out.push(Request {
+                        bytes,
+                        event,
+                        iteration,
+                        category: Category::Workspace,
+                    });
                 }
             }
             Event::Iteration { .. } => iteration += 1,
@@ -91,7 +106,11 @@ pub struct Diff {
 }
 
 /// Lines `trace` (replayed on `profile`) up with the real run of `snapshot`.
-pub fn diff(trace: &Trace, profile: &GpuProfile, snapshot: &Snapshot) -> Result<Diff, EstimateError> {
+pub fn diff(
+    trace: &Trace,
+    profile: &GpuProfile,
+    snapshot: &Snapshot,
+) -> Result<Diff, EstimateError> {
     let ours = requests(trace, profile);
     let a: Vec<u64> = ours.iter().map(|r| r.bytes).collect();
     let b: Vec<u64> = snapshot.allocs.iter().map(|r| r.bytes).collect();
@@ -104,10 +123,19 @@ pub fn diff(trace: &Trace, profile: &GpuProfile, snapshot: &Snapshot) -> Result<
         gpumem_only: Vec::new(),
         torch_only_bytes: 0,
         torch_only_count: 0,
-        peaks: Peaks { gpumem_allocated: 0, torch_allocated: snapshot.peak_allocated, gpumem_reserved: 0, torch_reserved: snapshot.peak_reserved },
+        peaks: Peaks {
+            gpumem_allocated: 0,
+            torch_allocated: snapshot.peak_allocated,
+            gpumem_reserved: 0,
+            torch_reserved: snapshot.peak_reserved,
+        },
     };
     let mut only = [(0u64, 0usize); 7];
-    let describe = |r: &Request| GpumemRequest { bytes: r.bytes, category: r.category, at: PeakAt::of(trace, r.event, r.iteration) };
+    let describe = |r: &Request| GpumemRequest {
+        bytes: r.bytes,
+        category: r.category,
+        at: PeakAt::of(trace, r.event, r.iteration),
+    };
     for op in &ops {
         let (ours_range, theirs_range) = (op.old_range(), op.new_range());
         if let DiffOp::Equal { len, .. } = op {
@@ -117,7 +145,10 @@ pub fn diff(trace: &Trace, profile: &GpuProfile, snapshot: &Snapshot) -> Result<
         if d.first_divergence.is_none() {
             d.first_divergence = Some(Divergence {
                 after_matching: d.matched,
-                gpumem: ours[ours_range.start..ours_range.end.min(ours_range.start + 3)].iter().map(describe).collect(),
+                gpumem: ours[ours_range.start..ours_range.end.min(ours_range.start + 3)]
+                    .iter()
+                    .map(describe)
+                    .collect(),
                 torch: b[theirs_range.start..theirs_range.end.min(theirs_range.start + 3)].to_vec(),
                 torch_index: theirs_range.start,
                 before_peak: theirs_range.start <= snapshot.peak_allocated_at,
@@ -130,10 +161,15 @@ pub fn diff(trace: &Trace, profile: &GpuProfile, snapshot: &Snapshot) -> Result<
         d.torch_only_bytes += b[theirs_range.clone()].iter().sum::<u64>();
         d.torch_only_count += theirs_range.len();
     }
-    d.gpumem_only = Category::ALL.iter().map(|&c| (c, only[c.index()].0, only[c.index()].1)).filter(|x| x.2 > 0).collect();
+    d.gpumem_only = Category::ALL
+        .iter()
+        .map(|&c| (c, only[c.index()].0, only[c.index()].1))
+        .filter(|x| x.2 > 0)
+        .collect();
     let est = Replay::default().estimate(trace, profile)?;
     if let Some(stats) = est.allocator {
-        (d.peaks.gpumem_allocated, d.peaks.gpumem_reserved) = (stats.peak_allocated, stats.peak_reserved);
+        (d.peaks.gpumem_allocated, d.peaks.gpumem_reserved) =
+            (stats.peak_allocated, stats.peak_reserved);
     }
     Ok(d)
 }
@@ -145,26 +181,63 @@ mod tests {
     use crate::trace::{Phase, TraceBuilder, TraceHeader};
 
     fn snapshot(sizes: &[u64]) -> Snapshot {
-        Snapshot { allocs: sizes.iter().map(|&bytes| Alloc { bytes }).collect(), peak_allocated: 0, peak_allocated_at: 2, peak_reserved: 0, recorded: None }
+        Snapshot {
+            allocs: sizes.iter().map(|&bytes| Alloc { bytes }).collect(),
+            peak_allocated: 0,
+            peak_allocated_at: 2,
+            peak_reserved: 0,
+            recorded: None,
+        }
     }
 
     #[test]
     fn the_first_parting_is_found_and_the_leftovers_counted() {
         let mut b = TraceBuilder::new(TraceHeader::new("t", 1));
         for (id, bytes) in [(1, 1000), (2, 2000), (3, 3000), (4, 4000)] {
-            b.alloc_with_id(0, id, bytes, Category::Activation, Phase::Forward, "mm", Some("fc"), 0).unwrap();
+            b.alloc_with_id(
+                0,
+                id,
+                bytes,
+                Category::Activation,
+                Phase::Forward,
+                "mm",
+                Some("fc"),
+                0,
+            )
+            .unwrap();
         }
         let t = b.finish();
         let profile = crate::profile::builtin("h200").unwrap();
         let same = diff(&t, &profile, &snapshot(&[1000, 2000, 3000, 4000])).unwrap();
-        assert_eq!((same.matched, same.first_divergence.is_none(), same.torch_only_count), (4, true, 0));
+        assert_eq!(
+            (
+                same.matched,
+                same.first_divergence.is_none(),
+                same.torch_only_count
+            ),
+            (4, true, 0)
+        );
         // PyTorch made a 512-byte request gpumem does not know of, and no 3000 one.
         let d = diff(&t, &profile, &snapshot(&[1000, 2000, 512, 4000])).unwrap();
         let first = d.first_divergence.unwrap();
-        assert_eq!((first.after_matching, first.torch_index, first.torch.as_slice(), first.before_peak), (2, 2, &[512u64][..], true));
+        assert_eq!(
+            (
+                first.after_matching,
+                first.torch_index,
+                first.torch.as_slice(),
+                first.before_peak
+            ),
+            (2, 2, &[512u64][..], true)
+        );
         assert_eq!(first.gpumem[0].bytes, 3000);
-        assert_eq!(first.gpumem[0].at.as_ref().unwrap().module.as_deref(), Some("fc"));
+        assert_eq!(
+            first.gpumem[0].at.as_ref().unwrap().module.as_deref(),
+            Some("fc")
+        );
         assert_eq!(d.gpumem_only, vec![(Category::Activation, 3000, 1)]);
-        assert_eq!((d.torch_only_bytes, d.torch_only_count, d.matched), (512, 1, 3));
+        assert_eq!(
+            (d.torch_only_bytes, d.torch_only_count, d.matched),
+            (512, 1, 3)
+        );
     }
 }

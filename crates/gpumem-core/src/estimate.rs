@@ -93,19 +93,48 @@ pub struct PeakAt {
 impl PeakAt {
     pub(crate) fn of(trace: &Trace, event: usize, iteration: u32) -> Option<PeakAt> {
         let (phase, op, module) = match trace.events()[event] {
-            Event::Alloc { phase, op, module, .. } => (phase, trace.op_name(op).to_string(), module),
+            Event::Alloc {
+                phase, op, module, ..
+            } => (phase, trace.op_name(op).to_string(), module),
             // A peak inside a convolution kernel, while cuDNN holds its workspace.
-            Event::Workspace { phase, pass, module, .. } => (phase, format!("convolution {} workspace", pass.name()), module),
+            Event::Workspace {
+                phase,
+                pass,
+                module,
+                ..
+            } => (
+                phase,
+                format!("convolution {} workspace", pass.name()),
+                module,
+            ),
             _ => return None,
         };
-        Some(PeakAt { phase, op, module: trace.module(module).map(str::to_string), iteration, event: event as u32 })
+        Some(PeakAt {
+            phase,
+            op,
+            module: trace.module(module).map(str::to_string),
+            iteration,
+            event: event as u32,
+        })
     }
 
     /// "backward, layer4.2.conv3 (convolution_backward), iteration 2"
     pub fn describe(&self, iterations: u32) -> String {
-        let phase = if self.iteration >= iterations { "validation".to_string() } else { self.phase.name().to_string() };
-        let module = self.module.as_deref().map(|m| format!("{m} ")).unwrap_or_default();
-        let iteration = if self.iteration >= iterations { String::new() } else { format!(", iteration {}", self.iteration + 1) };
+        let phase = if self.iteration >= iterations {
+            "validation".to_string()
+        } else {
+            self.phase.name().to_string()
+        };
+        let module = self
+            .module
+            .as_deref()
+            .map(|m| format!("{m} "))
+            .unwrap_or_default();
+        let iteration = if self.iteration >= iterations {
+            String::new()
+        } else {
+            format!(", iteration {}", self.iteration + 1)
+        };
         format!("{phase}, {module}({}){iteration}", self.op)
     }
 }
@@ -158,7 +187,11 @@ pub struct Estimate {
 
 impl Estimate {
     /// An estimate that is just its breakdown's total (the baselines: no allocator, no margin).
-    fn without_allocator(estimator: &'static str, profile: &GpuProfile, breakdown: Breakdown) -> Estimate {
+    fn without_allocator(
+        estimator: &'static str,
+        profile: &GpuProfile,
+        breakdown: Breakdown,
+    ) -> Estimate {
         let peak = breakdown.total();
         Estimate {
             estimator,
@@ -183,7 +216,10 @@ pub enum EstimateError {
     #[error(transparent)]
     Profile(#[from] ProfileError),
     #[error("the {estimator} estimator needs `{field}` in the trace header")]
-    MissingField { estimator: &'static str, field: &'static str },
+    MissingField {
+        estimator: &'static str,
+        field: &'static str,
+    },
     /// A learned estimator could not answer (its model, or a model it has no features for):
     /// its own error's message (the learned estimators live above this crate).
     #[error("{0}")]
@@ -203,7 +239,11 @@ pub fn by_name(name: &str) -> Result<Box<dyn Estimator>, UnknownName> {
         "replay" => Ok(Box::new(Replay::default())),
         "live-tensors" => Ok(Box::new(LiveTensors)),
         "horus" => Ok(Box::new(Horus)),
-        other => Err(UnknownName::new("estimator", other, "replay, live-tensors or horus")),
+        other => Err(UnknownName::new(
+            "estimator",
+            other,
+            "replay, live-tensors or horus",
+        )),
     }
 }
 
@@ -214,11 +254,22 @@ const CONVOLUTIONS: [&str; 2] = ["convolution", "conv2d"];
 
 /// The estimate plus the profile's margins; convolution workspaces not probed on this stack
 /// (sized by the fitted model, or not modelled) get the allowance for cuDNN's choices.
-fn upper_bound(profile: &GpuProfile, trace: &Trace, peak: u64, fixed: u64, workspaces: Option<WorkspaceSource>) -> u64 {
+fn upper_bound(
+    profile: &GpuProfile,
+    trace: &Trace,
+    peak: u64,
+    fixed: u64,
+    workspaces: Option<WorkspaceSource>,
+) -> u64 {
     let variable = peak.saturating_sub(fixed) as f64;
-    let allowance = if workspaces == Some(WorkspaceSource::Probed) { 0.0 } else { profile.conv_workspace_bound };
+    let allowance = if workspaces == Some(WorkspaceSource::Probed) {
+        0.0
+    } else {
+        profile.conv_workspace_bound
+    };
     let conv_workspace = trace.largest_output(&CONVOLUTIONS) as f64 * allowance;
-    peak + mib_to_bytes(profile.bound_fixed_mib) + (variable * profile.bound_relative + conv_workspace).round() as u64
+    peak + mib_to_bytes(profile.bound_fixed_mib)
+        + (variable * profile.bound_relative + conv_workspace).round() as u64
 }
 
 /// How the replay sizes what a trace leaves to the GPU: the cuBLAS workspace from the
@@ -233,7 +284,13 @@ pub struct GpuSizes<'a> {
 
 impl<'a> GpuSizes<'a> {
     pub fn new(trace: &Trace, profile: &'a GpuProfile) -> Self {
-        let op = |name: &str| trace.op_names().iter().position(|o| o == name).map(|i| i as u32);
+        let op = |name: &str| {
+            trace
+                .op_names()
+                .iter()
+                .position(|o| o == name)
+                .map(|i| i as u32)
+        };
         GpuSizes {
             cublas_op: op("cublas_workspace"),
             cublas: profile.cublas_workspace(),
@@ -257,7 +314,13 @@ impl<'a> GpuSizes<'a> {
     }
 
     /// The requests (none of zero bytes) of a convolution's workspace event, and their source.
-    pub fn workspace(&self, trace: &Trace, conv: u32, n: u64, pass: ConvPass) -> (Vec<u64>, WorkspaceSource) {
+    pub fn workspace(
+        &self,
+        trace: &Trace,
+        conv: u32,
+        n: u64,
+        pass: ConvPass,
+    ) -> (Vec<u64>, WorkspaceSource) {
         let (mut bytes, source) = self.convs.lookup(trace.op_name(conv), n, pass);
         bytes.retain(|&b| b > 0);
         (bytes, source)
@@ -292,7 +355,13 @@ struct Peaks {
 
 impl Peaks {
     /// After a malloc at event `n`: the instant it makes, and any new peak.
-    fn reach(&mut self, now: &mut Instant, n: usize, alloc: &CachingAllocator, fragmentation: bool) {
+    fn reach(
+        &mut self,
+        now: &mut Instant,
+        n: usize,
+        alloc: &CachingAllocator,
+        fragmentation: bool,
+    ) {
         let s = alloc.stats();
         (now.event, now.allocated, now.reserved) = (n, s.allocated, s.reserved);
         if now.allocated > self.allocated.allocated {
@@ -319,19 +388,32 @@ struct Run {
 }
 
 impl Replay {
-    fn run(&self, trace: &Trace, profile: &GpuProfile, capacity: u64) -> Result<Run, EstimateError> {
+    fn run(
+        &self,
+        trace: &Trace,
+        profile: &GpuProfile,
+        capacity: u64,
+    ) -> Result<Run, EstimateError> {
         let cfg = profile.allocator_config()?;
         let sizes = GpuSizes::new(trace, profile);
         let mut workspace_source = None;
         let mut alloc = CachingAllocator::new(cfg, capacity);
-        let mut slots: Vec<Option<(crate::allocator::BlockId, u8, u64)>> = vec![None; trace.slots()];
+        let mut slots: Vec<Option<(crate::allocator::BlockId, u8, u64)>> =
+            vec![None; trace.slots()];
         let mut now = Instant::default();
         let mut peaks = Peaks::default();
         let mut timeline = Vec::new();
         let mut oom = None;
         for (n, ev) in trace.events().iter().enumerate() {
             match *ev {
-                Event::Alloc { slot, bytes, category, op, stream, .. } => {
+                Event::Alloc {
+                    slot,
+                    bytes,
+                    category,
+                    op,
+                    stream,
+                    ..
+                } => {
                     let bytes = sizes.alloc(bytes, category, op);
                     if bytes == 0 {
                         continue; // zero-byte tensors never reach the allocator
@@ -360,7 +442,12 @@ impl Replay {
                     continue;
                 }
                 Event::Op { .. } => continue,
-                Event::Workspace { conv, n: batch, pass, .. } => {
+                Event::Workspace {
+                    conv,
+                    n: batch,
+                    pass,
+                    ..
+                } => {
                     // Taken and given back inside the kernel: it raises the peaks (and can make
                     // the allocator reserve a segment) but outlives nothing. A workspace the
                     // allocator cannot serve (after emptying its cache, as PyTorch's does) is no
@@ -380,16 +467,35 @@ impl Replay {
             }
             if self.timeline {
                 let s = alloc.stats();
-                if timeline.last().is_none_or(|p: &TimelinePoint| (p.allocated, p.reserved, p.live) != (s.allocated, s.reserved, now.live)) {
-                    timeline.push(TimelinePoint { event: n as u32, live: now.live, allocated: s.allocated, reserved: s.reserved });
+                if timeline.last().is_none_or(|p: &TimelinePoint| {
+                    (p.allocated, p.reserved, p.live) != (s.allocated, s.reserved, now.live)
+                }) {
+                    timeline.push(TimelinePoint {
+                        event: n as u32,
+                        live: now.live,
+                        allocated: s.allocated,
+                        reserved: s.reserved,
+                    });
                 }
             }
         }
         if !self.timeline {
             peaks.fragmentation = alloc.inactive_split_bytes();
         }
-        let Peaks { allocated: allocated_peak, reserved: reserved_peak, fragmentation } = peaks;
-        Ok(Run { stats: *alloc.stats(), allocated_peak, reserved_peak, fragmentation, timeline, oom, workspace_source })
+        let Peaks {
+            allocated: allocated_peak,
+            reserved: reserved_peak,
+            fragmentation,
+        } = peaks;
+        Ok(Run {
+            stats: *alloc.stats(),
+            allocated_peak,
+            reserved_peak,
+            fragmentation,
+            timeline,
+            oom,
+            workspace_source,
+        })
     }
 }
 
@@ -399,7 +505,12 @@ impl Instant {
         let mut breakdown = Breakdown::from_categories(&self.live);
         breakdown.context = fixed;
         breakdown.allocator_slack = self.reserved.saturating_sub(self.live.iter().sum());
-        Some(Moment { breakdown, allocated: self.allocated, reserved: self.reserved, at: PeakAt::of(trace, self.event, self.iteration)? })
+        Some(Moment {
+            breakdown,
+            allocated: self.allocated,
+            reserved: self.reserved,
+            at: PeakAt::of(trace, self.event, self.iteration)?,
+        })
     }
 }
 
@@ -410,7 +521,11 @@ impl Estimator for Replay {
 
     fn estimate(&self, trace: &Trace, profile: &GpuProfile) -> Result<Estimate, EstimateError> {
         let fixed = profile.fixed_bytes(trace.runs_convolutions(), trace.header.strategy.is_some());
-        let mut run = self.run(trace, profile, profile.capacity_bytes().saturating_sub(fixed))?;
+        let mut run = self.run(
+            trace,
+            profile,
+            profile.capacity_bytes().saturating_sub(fixed),
+        )?;
         let fits = run.oom.is_none();
         if !fits {
             // Report what the job would take on a GPU large enough to hold it.
@@ -418,7 +533,9 @@ impl Estimator for Replay {
         }
         let peak = fixed + run.stats.peak_reserved;
         let at_allocated = run.allocated_peak.moment(trace, fixed);
-        let reserved_peak = (run.reserved_peak.event != run.allocated_peak.event).then(|| run.reserved_peak.moment(trace, fixed)).flatten();
+        let reserved_peak = (run.reserved_peak.event != run.allocated_peak.event)
+            .then(|| run.reserved_peak.moment(trace, fixed))
+            .flatten();
         Ok(Estimate {
             estimator: self.name(),
             gpu: profile.name.clone(),
@@ -426,7 +543,13 @@ impl Estimator for Replay {
             upper_bound_bytes: upper_bound(profile, trace, peak, fixed, run.workspace_source),
             capacity_bytes: profile.capacity_bytes(),
             fits,
-            breakdown: at_allocated.as_ref().map_or(Breakdown { context: fixed, ..Default::default() }, |m| m.breakdown),
+            breakdown: at_allocated.as_ref().map_or(
+                Breakdown {
+                    context: fixed,
+                    ..Default::default()
+                },
+                |m| m.breakdown,
+            ),
             peak_at: at_allocated.map(|m| m.at),
             reserved_peak,
             allocator: Some(run.stats),
@@ -454,8 +577,16 @@ impl Estimator for LiveTensors {
         for (n, ev) in trace.events().iter().enumerate() {
             match *ev {
                 // The cuBLAS workspace is not a tensor: FakeTensor never sees it.
-                Event::Alloc { category: Category::Workspace, .. } => {}
-                Event::Alloc { slot, bytes, category, .. } => {
+                Event::Alloc {
+                    category: Category::Workspace,
+                    ..
+                } => {}
+                Event::Alloc {
+                    slot,
+                    bytes,
+                    category,
+                    ..
+                } => {
                     sizes[slot as usize] = (bytes, category.index() as u8);
                     live[category.index()] += bytes;
                     total += bytes;
@@ -475,7 +606,8 @@ impl Estimator for LiveTensors {
                 Event::Op { .. } | Event::Workspace { .. } => {}
             }
         }
-        let mut est = Estimate::without_allocator(self.name(), profile, Breakdown::from_categories(&at_peak));
+        let mut est =
+            Estimate::without_allocator(self.name(), profile, Breakdown::from_categories(&at_peak));
         est.peak_at = peak_event.and_then(|(n, i)| PeakAt::of(trace, n, i));
         Ok(est)
     }
@@ -492,8 +624,16 @@ impl Estimator for Horus {
 
     fn estimate(&self, trace: &Trace, profile: &GpuProfile) -> Result<Estimate, EstimateError> {
         let h = &trace.header;
-        let p = h.parameters.ok_or(EstimateError::MissingField { estimator: "horus", field: "parameters" })?;
-        let a = h.activations_per_sample.ok_or(EstimateError::MissingField { estimator: "horus", field: "activations_per_sample" })?;
+        let p = h.parameters.ok_or(EstimateError::MissingField {
+            estimator: "horus",
+            field: "parameters",
+        })?;
+        let a = h
+            .activations_per_sample
+            .ok_or(EstimateError::MissingField {
+                estimator: "horus",
+                field: "activations_per_sample",
+            })?;
         let b = h.batch_size;
         let breakdown = Breakdown {
             parameters: 4 * p,
@@ -519,26 +659,70 @@ mod tests {
     fn the_breakdown_is_the_allocated_peaks_and_the_reserved_peak_has_its_own() {
         let mut b = TraceBuilder::new(TraceHeader::new("t", 1));
         for (id, module) in [(1, "fc1"), (2, "fc2"), (3, "fc3")] {
-            b.alloc_with_id(0, id, 6 * MIB, Category::Activation, Phase::Forward, "mm", Some(module), 0).unwrap();
+            b.alloc_with_id(
+                0,
+                id,
+                6 * MIB,
+                Category::Activation,
+                Phase::Forward,
+                "mm",
+                Some(module),
+                0,
+            )
+            .unwrap();
         }
         b.free(1);
         b.free(3);
         b.iteration_end();
-        b.alloc_with_id(0, 4, 9 * MIB, Category::Temporary, Phase::Optimizer, "_foreach_sqrt", None, 0).unwrap();
+        b.alloc_with_id(
+            0,
+            4,
+            9 * MIB,
+            Category::Temporary,
+            Phase::Optimizer,
+            "_foreach_sqrt",
+            None,
+            0,
+        )
+        .unwrap();
         let t = b.finish();
         let profile = builtin("a100-40gb").unwrap();
         let e = Replay::default().estimate(&t, &profile).unwrap();
         assert_eq!(e.breakdown.activations, 18 * MIB);
         let at = e.peak_at.as_ref().unwrap();
-        assert_eq!((at.phase, at.op.as_str(), at.module.as_deref(), at.iteration), (Phase::Forward, "mm", Some("fc3"), 0));
+        assert_eq!(
+            (at.phase, at.op.as_str(), at.module.as_deref(), at.iteration),
+            (Phase::Forward, "mm", Some("fc3"), 0)
+        );
         assert_eq!(at.describe(1), "forward, fc3 (mm), iteration 1");
-        assert_eq!(e.breakdown.allocator_slack, 2 * MIB, "the segment's unused 2 MiB");
-        let r = e.reserved_peak.as_ref().expect("reserved peaks at the optimizer's new segment");
-        assert_eq!((r.at.phase, r.at.iteration, r.at.module.as_deref()), (Phase::Optimizer, 1, None));
-        assert_eq!((r.breakdown.activations, r.breakdown.temporaries, r.reserved), (6 * MIB, 9 * MIB, 40 * MIB));
-        assert_eq!(r.breakdown.total(), e.peak_bytes, "at the reserved peak the breakdown is the whole peak");
+        assert_eq!(
+            e.breakdown.allocator_slack,
+            2 * MIB,
+            "the segment's unused 2 MiB"
+        );
+        let r = e
+            .reserved_peak
+            .as_ref()
+            .expect("reserved peaks at the optimizer's new segment");
+        assert_eq!(
+            (r.at.phase, r.at.iteration, r.at.module.as_deref()),
+            (Phase::Optimizer, 1, None)
+        );
+        assert_eq!(
+            (r.breakdown.activations, r.breakdown.temporaries, r.reserved),
+            (6 * MIB, 9 * MIB, 40 * MIB)
+        );
+        assert_eq!(
+            r.breakdown.total(),
+            e.peak_bytes,
+            "at the reserved peak the breakdown is the whole peak"
+        );
         assert!(e.breakdown.total() < e.peak_bytes);
-        assert_eq!(r.at.describe(1), "validation, (_foreach_sqrt)", "an iteration past the trace's count is its validation pass");
+        assert_eq!(
+            r.at.describe(1),
+            "validation, (_foreach_sqrt)",
+            "an iteration past the trace's count is its validation pass"
+        );
     }
 
     /// A job that runs a convolution pays cuDNN's share of the context; a workspace the
@@ -547,10 +731,23 @@ mod tests {
     fn a_workspace_that_cannot_fit_falls_back_and_cudnn_costs_its_share() {
         const C: &str = "in=64x56x56;w=64x64x3x3;stride=1x1;pad=1x1;dil=1x1;groups=1;dtype=float32;layout=contiguous";
         let mut profile = builtin("a100-40gb").unwrap();
-        assert_eq!(profile.fixed_bytes(true, false) - profile.fixed_bytes(false, false), 290 * MIB);
+        assert_eq!(
+            profile.fixed_bytes(true, false) - profile.fixed_bytes(false, false),
+            290 * MIB
+        );
         profile.capacity_mib = (profile.fixed_bytes(true, false) / MIB) + 100;
         let mut b = TraceBuilder::new(TraceHeader::new("t", 1));
-        b.alloc_with_id(0, 1, 60 * MIB, Category::Activation, Phase::Forward, "conv2d", None, 0).unwrap();
+        b.alloc_with_id(
+            0,
+            1,
+            60 * MIB,
+            Category::Activation,
+            Phase::Forward,
+            "conv2d",
+            None,
+            0,
+        )
+        .unwrap();
         // 1.0 × (input + output + weight): ~98 MiB at batch 64 (no room beside 60), ~12.4 at 8.
         b.workspace(C, 64, ConvPass::Forward, Phase::Forward, None);
         b.workspace(C, 8, ConvPass::Forward, Phase::Forward, None);
@@ -560,7 +757,11 @@ mod tests {
         let e = Replay::default().estimate(&t, &profile).unwrap();
         assert!(e.fits);
         assert_eq!(e.workspace_source, Some(WorkspaceSource::Policy));
-        assert_eq!(e.peak_bytes, profile.fixed_bytes(true, false) + 60 * MIB + 14 * MIB, "the 8-batch workspace's 14 MiB segment");
+        assert_eq!(
+            e.peak_bytes,
+            profile.fixed_bytes(true, false) + 60 * MIB + 14 * MIB,
+            "the 8-batch workspace's 14 MiB segment"
+        );
     }
 
     /// One rank of a distributed job pays NCCL's buffers where the profile knows them.
@@ -568,14 +769,25 @@ mod tests {
     fn a_distributed_rank_pays_nccls_buffers() {
         let mut profile = builtin("h100-80gb-sxm").unwrap();
         let job = |strategy: Option<&str>| {
-            let mut b = TraceBuilder::new(TraceHeader { strategy: strategy.map(str::to_string), world_size: strategy.map(|_| 8), ..TraceHeader::new("t", 1) });
+            let mut b = TraceBuilder::new(TraceHeader {
+                strategy: strategy.map(str::to_string),
+                world_size: strategy.map(|_| 8),
+                ..TraceHeader::new("t", 1)
+            });
             b.alloc(10 * MIB, Category::Activation, Phase::Forward, "mm");
             b.iteration_end();
             b.finish()
         };
         let peak = |t: &Trace, p: &GpuProfile| Replay::default().estimate(t, p).unwrap().peak_bytes;
-        assert_eq!(peak(&job(Some("ddp")), &profile), peak(&job(None), &profile), "not measured: not included");
+        assert_eq!(
+            peak(&job(Some("ddp")), &profile),
+            peak(&job(None), &profile),
+            "not measured: not included"
+        );
         profile.nccl_mib = 400.0;
-        assert_eq!(peak(&job(Some("fsdp")), &profile), peak(&job(None), &profile) + 400 * MIB);
+        assert_eq!(
+            peak(&job(Some("fsdp")), &profile),
+            peak(&job(None), &profile) + 400 * MIB
+        );
     }
 }

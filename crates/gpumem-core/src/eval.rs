@@ -53,7 +53,13 @@ pub fn metrics(rows: &[Outcome], bin_mib: u64) -> Metrics {
     let n = rows.len();
     let mut apes: Vec<f64> = rows.iter().map(Outcome::ape).collect();
     apes.sort_by(f64::total_cmp);
-    let share = |f: &dyn Fn(&Outcome) -> bool| if n == 0 { f64::NAN } else { rows.iter().filter(|r| f(r)).count() as f64 / n as f64 };
+    let share = |f: &dyn Fn(&Outcome) -> bool| {
+        if n == 0 {
+            f64::NAN
+        } else {
+            rows.iter().filter(|r| f(r)).count() as f64 / n as f64
+        }
+    };
     let bin = bin_mib * MIB;
     Metrics {
         rows: n,
@@ -75,7 +81,11 @@ mod tests {
 
     #[test]
     fn metrics_on_a_small_example() {
-        let o = |m: u64, p: u64| Outcome { measured: m * MIB, predicted: p * MIB, upper: (p + 10) * MIB };
+        let o = |m: u64, p: u64| Outcome {
+            measured: m * MIB,
+            predicted: p * MIB,
+            upper: (p + 10) * MIB,
+        };
         let rows = [o(1000, 1000), o(1000, 1020), o(1000, 950), o(2000, 2300)];
         let m = metrics(&rows, 1024);
         assert_eq!(m.rows, 4);

@@ -63,7 +63,11 @@ impl Precision {
             "amp-bf16" => Ok(Precision::AmpBf16),
             "fp16" => Ok(Precision::Fp16),
             "bf16" => Ok(Precision::Bf16),
-            other => Err(UnknownName::new("precision", other, "fp32, amp-fp16, amp-bf16, fp16 or bf16")),
+            other => Err(UnknownName::new(
+                "precision",
+                other,
+                "fp32, amp-fp16, amp-bf16, fp16 or bf16",
+            )),
         }
     }
     pub fn name(self) -> &'static str {
@@ -224,8 +228,19 @@ pub enum Activation {
 }
 
 impl Activation {
-    pub const NAMES: [&'static str; 11] =
-        ["relu", "leaky_relu", "prelu", "elu", "selu", "tanh", "softplus", "swish", "mish", "gelu", "identity"];
+    pub const NAMES: [&'static str; 11] = [
+        "relu",
+        "leaky_relu",
+        "prelu",
+        "elu",
+        "selu",
+        "tanh",
+        "softplus",
+        "swish",
+        "mish",
+        "gelu",
+        "identity",
+    ];
 
     pub fn parse(s: &str) -> Result<Self, UnknownName> {
         Ok(match s.to_ascii_lowercase().as_str() {
@@ -241,7 +256,13 @@ impl Activation {
             "gelu" => Activation::Gelu,
             "identity" => Activation::Identity,
             "sigmoid" => Activation::Sigmoid,
-            other => return Err(UnknownName::new("activation", other, format!("one of {}", Self::NAMES.join(", ")))),
+            other => {
+                return Err(UnknownName::new(
+                    "activation",
+                    other,
+                    format!("one of {}", Self::NAMES.join(", ")),
+                ));
+            }
         })
     }
 
@@ -265,7 +286,10 @@ impl Activation {
 
     /// Whether autograd saves the output (`result`) rather than the input (`self`).
     fn saves_result(self) -> bool {
-        matches!(self, Activation::Relu | Activation::Tanh | Activation::Sigmoid)
+        matches!(
+            self,
+            Activation::Relu | Activation::Tanh | Activation::Sigmoid
+        )
     }
 }
 
@@ -279,7 +303,11 @@ pub struct GraphBuilder {
 
 impl GraphBuilder {
     pub fn new(precision: Precision) -> Self {
-        GraphBuilder { g: Graph::default(), precision, cast_cache: HashMap::new() }
+        GraphBuilder {
+            g: Graph::default(),
+            precision,
+            cast_cache: HashMap::new(),
+        }
     }
 
     pub fn precision(&self) -> Precision {
@@ -291,7 +319,13 @@ impl GraphBuilder {
     }
 
     fn tensor(&mut self, numel: u64, dtype: Dtype, role: Role, requires_grad: bool) -> TensorId {
-        self.g.tensors.push(Tensor { numel, dtype, role, requires_grad, base: None });
+        self.g.tensors.push(Tensor {
+            numel,
+            dtype,
+            role,
+            requires_grad,
+            base: None,
+        });
         TensorId((self.g.tensors.len() - 1) as u32)
     }
 
@@ -332,13 +366,19 @@ impl GraphBuilder {
         cublas: bool,
     ) -> Vec<TensorId> {
         let rg = inputs.iter().any(|&i| self.g.t(i).requires_grad);
-        let outs: Vec<TensorId> =
-            outputs.iter().map(|&(n, d)| self.tensor(n, d, Role::Activation, rg)).collect();
+        let outs: Vec<TensorId> = outputs
+            .iter()
+            .map(|&(n, d)| self.tensor(n, d, Role::Activation, rg))
+            .collect();
         let resolve = |s: &Saved| match *s {
             Saved::In(i) => inputs[i],
             Saved::Out(i) => outs[i],
         };
-        let mut saved_ids: Vec<TensorId> = if rg { saved.iter().map(resolve).collect() } else { Vec::new() };
+        let mut saved_ids: Vec<TensorId> = if rg {
+            saved.iter().map(resolve).collect()
+        } else {
+            Vec::new()
+        };
         saved_ids.dedup();
         let bytes_read = inputs.iter().map(|&i| self.g.t(i).bytes()).sum();
         let bytes_written = outs.iter().map(|&i| self.g.t(i).bytes()).sum();
@@ -408,7 +448,9 @@ impl GraphBuilder {
     /// Autocast's cast of `x` to the low dtype for a matmul-like op (spec §5.2): parameters are
     /// cast once per forward and cached; other fp32 tensors are cast every time.
     fn autocast(&mut self, x: TensorId) -> TensorId {
-        let Some(low) = self.precision.low() else { return x };
+        let Some(low) = self.precision.low() else {
+            return x;
+        };
         let t = self.g.t(x).clone();
         if t.dtype != Dtype::F32 {
             return x;
@@ -418,7 +460,15 @@ impl GraphBuilder {
         {
             return c;
         }
-        let c = self.node("to_copy", &[x], &[(t.numel, low)], &[], &[Bw::Grad(0)], 0, false)[0];
+        let c = self.node(
+            "to_copy",
+            &[x],
+            &[(t.numel, low)],
+            &[],
+            &[Bw::Grad(0)],
+            0,
+            false,
+        )[0];
         if t.role == Role::Param {
             self.cast_cache.insert(x, c);
             self.g.autocast_cache.push(c);
@@ -432,7 +482,15 @@ impl GraphBuilder {
         if self.precision.low().is_none() || t.dtype == Dtype::F32 {
             return x;
         }
-        self.node("to_copy", &[x], &[(t.numel, Dtype::F32)], &[], &[Bw::Grad(0)], 0, false)[0]
+        self.node(
+            "to_copy",
+            &[x],
+            &[(t.numel, Dtype::F32)],
+            &[],
+            &[Bw::Grad(0)],
+            0,
+            false,
+        )[0]
     }
 
     /// `nn.Linear` on an input of `rows × in_f` (2-D or a contiguous N-D input): addmm.
@@ -443,13 +501,25 @@ impl GraphBuilder {
     }
 
     /// Registers a linear layer's weight (and bias) now.
-    pub fn linear_params(&mut self, in_f: u64, out_f: u64, bias: bool) -> (TensorId, Option<TensorId>) {
+    pub fn linear_params(
+        &mut self,
+        in_f: u64,
+        out_f: u64,
+        bias: bool,
+    ) -> (TensorId, Option<TensorId>) {
         let w = self.param(out_f * in_f);
         (w, bias.then(|| self.param(out_f)))
     }
 
     /// A linear layer with given weights (shared or pre-registered parameters).
-    pub fn linear_with(&mut self, x: TensorId, w: TensorId, b: Option<TensorId>, in_f: u64, out_f: u64) -> TensorId {
+    pub fn linear_with(
+        &mut self,
+        x: TensorId,
+        w: TensorId,
+        b: Option<TensorId>,
+        in_f: u64,
+        out_f: u64,
+    ) -> TensorId {
         let rows = self.g.t(x).numel / in_f;
         let flops = 2 * rows * in_f * out_f;
         let xc = self.autocast(x);
@@ -465,11 +535,36 @@ impl GraphBuilder {
             Some(b) => {
                 let bc = self.autocast(b);
                 // AddmmBackward computes mat1's grad, then mat2's, then the bias reduction.
-                self.node("addmm", &[bc, xc, wc], &[(rows * out_f, dt)], &saved, &[Bw::Grad(1), Bw::Grad(2), Bw::Grad(0)], flops, true)[0]
+                self.node(
+                    "addmm",
+                    &[bc, xc, wc],
+                    &[(rows * out_f, dt)],
+                    &saved,
+                    &[Bw::Grad(1), Bw::Grad(2), Bw::Grad(0)],
+                    flops,
+                    true,
+                )[0]
             }
             None => {
-                let saved: Vec<Saved> = saved.iter().map(|s| if let Saved::In(i) = s { Saved::In(i - 1) } else { *s }).collect();
-                self.node("mm", &[xc, wc], &[(rows * out_f, dt)], &saved, &[Bw::Grad(0), Bw::Grad(1)], flops, true)[0]
+                let saved: Vec<Saved> = saved
+                    .iter()
+                    .map(|s| {
+                        if let Saved::In(i) = s {
+                            Saved::In(i - 1)
+                        } else {
+                            *s
+                        }
+                    })
+                    .collect();
+                self.node(
+                    "mm",
+                    &[xc, wc],
+                    &[(rows * out_f, dt)],
+                    &saved,
+                    &[Bw::Grad(0), Bw::Grad(1)],
+                    flops,
+                    true,
+                )[0]
             }
         }
     }
@@ -491,12 +586,21 @@ impl GraphBuilder {
     }
 
     /// A BatchNorm with parameters from [`GraphBuilder::batch_norm_params`].
-    pub fn batch_norm_with(&mut self, x: TensorId, (w, b): (TensorId, TensorId), channels: u64) -> TensorId {
+    pub fn batch_norm_with(
+        &mut self,
+        x: TensorId,
+        (w, b): (TensorId, TensorId),
+        channels: u64,
+    ) -> TensorId {
         let t = self.g.t(x).clone();
         let outs = self.node(
             "batch_norm",
             &[x, w, b],
-            &[(t.numel, t.dtype), (channels, Dtype::F32), (channels, Dtype::F32)],
+            &[
+                (t.numel, t.dtype),
+                (channels, Dtype::F32),
+                (channels, Dtype::F32),
+            ],
             &[Saved::In(0), Saved::In(1), Saved::Out(1), Saved::Out(2)],
             &[Bw::Grad(0), Bw::Grad(1), Bw::Grad(2)],
             8 * t.numel,
@@ -512,7 +616,12 @@ impl GraphBuilder {
     }
 
     /// A LayerNorm whose weight and bias were registered already.
-    pub fn layer_norm_with(&mut self, x: TensorId, (w, b): (TensorId, TensorId), features: u64) -> TensorId {
+    pub fn layer_norm_with(
+        &mut self,
+        x: TensorId,
+        (w, b): (TensorId, TensorId),
+        features: u64,
+    ) -> TensorId {
         let x32 = self.cast_up(x);
         let n = self.g.t(x32).numel;
         let rows = n / features;
@@ -520,7 +629,13 @@ impl GraphBuilder {
             "layer_norm",
             &[x32, w, b],
             &[(n, Dtype::F32), (rows, Dtype::F32), (rows, Dtype::F32)],
-            &[Saved::In(0), Saved::In(1), Saved::In(2), Saved::Out(1), Saved::Out(2)],
+            &[
+                Saved::In(0),
+                Saved::In(1),
+                Saved::In(2),
+                Saved::Out(1),
+                Saved::Out(2),
+            ],
             &[Bw::Grad(0), Bw::Grad(1), Bw::Grad(2)],
             8 * n,
             false,
@@ -536,10 +651,22 @@ impl GraphBuilder {
             Activation::Prelu => {
                 let w = self.param(1);
                 // The weight gradient comes out at full input size, then is summed to [1].
-                self.node("prelu", &[x, w], &[(t.numel, t.dtype)], &[Saved::In(0), Saved::In(1)], &[Bw::Grad(0), Bw::Temp(t.bytes()), Bw::Grad(1)], 2 * t.numel, false)[0]
+                self.node(
+                    "prelu",
+                    &[x, w],
+                    &[(t.numel, t.dtype)],
+                    &[Saved::In(0), Saved::In(1)],
+                    &[Bw::Grad(0), Bw::Temp(t.bytes()), Bw::Grad(1)],
+                    2 * t.numel,
+                    false,
+                )[0]
             }
             _ => {
-                let saved = if act.saves_result() { Saved::Out(0) } else { Saved::In(0) };
+                let saved = if act.saves_result() {
+                    Saved::Out(0)
+                } else {
+                    Saved::In(0)
+                };
                 let name = match act {
                     Activation::Relu => "relu",
                     Activation::LeakyRelu => "leaky_relu",
@@ -552,7 +679,15 @@ impl GraphBuilder {
                     Activation::Sigmoid => "sigmoid",
                     Activation::Identity | Activation::Prelu => unreachable!(),
                 };
-                self.node(name, &[x], &[(t.numel, t.dtype)], &[saved], &[Bw::Grad(0)], 4 * t.numel, false)[0]
+                self.node(
+                    name,
+                    &[x],
+                    &[(t.numel, t.dtype)],
+                    &[saved],
+                    &[Bw::Grad(0)],
+                    4 * t.numel,
+                    false,
+                )[0]
             }
         }
     }
@@ -563,7 +698,15 @@ impl GraphBuilder {
             return x;
         }
         let t = self.g.t(x).clone();
-        self.node("native_dropout", &[x], &[(t.numel, t.dtype), (t.numel, Dtype::Bool)], &[Saved::Out(1)], &[Bw::Grad(0)], 2 * t.numel, false)[0]
+        self.node(
+            "native_dropout",
+            &[x],
+            &[(t.numel, t.dtype), (t.numel, Dtype::Bool)],
+            &[Saved::Out(1)],
+            &[Bw::Grad(0)],
+            2 * t.numel,
+            false,
+        )[0]
     }
 
     /// Softmax over the last dim; autocast computes it in fp32.
@@ -572,18 +715,54 @@ impl GraphBuilder {
         if self.precision == Precision::AmpBf16 && t.dtype == Dtype::BF16 {
             // bf16 input is converted to an fp32 copy first (fp16 has a fused half→float kernel).
             let x32 = self.cast_up(x);
-            return self.node("softmax", &[x32], &[(t.numel, Dtype::F32)], &[Saved::Out(0)], &[Bw::Grad(0)], 5 * t.numel, false)[0];
+            return self.node(
+                "softmax",
+                &[x32],
+                &[(t.numel, Dtype::F32)],
+                &[Saved::Out(0)],
+                &[Bw::Grad(0)],
+                5 * t.numel,
+                false,
+            )[0];
         }
-        let dt = if self.precision.low().is_some() { Dtype::F32 } else { t.dtype };
-        self.node("softmax", &[x], &[(t.numel, dt)], &[Saved::Out(0)], &[Bw::Grad(0)], 5 * t.numel, false)[0]
+        let dt = if self.precision.low().is_some() {
+            Dtype::F32
+        } else {
+            t.dtype
+        };
+        self.node(
+            "softmax",
+            &[x],
+            &[(t.numel, dt)],
+            &[Saved::Out(0)],
+            &[Bw::Grad(0)],
+            5 * t.numel,
+            false,
+        )[0]
     }
 
     /// `nn.CrossEntropyLoss()` = log_softmax + nll_loss (mean). Returns the scalar loss.
     pub fn cross_entropy(&mut self, logits: TensorId, labels: TensorId) -> TensorId {
         let t = self.g.t(logits).clone();
-        let x = if self.precision == Precision::AmpBf16 { self.cast_up(logits) } else { logits };
-        let dt = if self.precision.low().is_some() { Dtype::F32 } else { t.dtype };
-        let logp = self.node("log_softmax", &[x], &[(t.numel, dt)], &[Saved::Out(0)], &[Bw::Grad(0)], 5 * t.numel, false)[0];
+        let x = if self.precision == Precision::AmpBf16 {
+            self.cast_up(logits)
+        } else {
+            logits
+        };
+        let dt = if self.precision.low().is_some() {
+            Dtype::F32
+        } else {
+            t.dtype
+        };
+        let logp = self.node(
+            "log_softmax",
+            &[x],
+            &[(t.numel, dt)],
+            &[Saved::Out(0)],
+            &[Bw::Grad(0)],
+            5 * t.numel,
+            false,
+        )[0];
         let outs = self.node(
             "nll_loss",
             &[logp, labels],
@@ -600,7 +779,15 @@ impl GraphBuilder {
     pub fn bce_with_logits(&mut self, logits: TensorId, target: TensorId) -> TensorId {
         let x = self.cast_up(logits);
         let n = self.g.t(x).numel;
-        let loss = self.node("bce_with_logits", &[x, target], &[(1, Dtype::F32)], &[Saved::In(0), Saved::In(1)], &[Bw::Grad(0), Bw::Temp(4 * n)], 8 * n, false)[0];
+        let loss = self.node(
+            "bce_with_logits",
+            &[x, target],
+            &[(1, Dtype::F32)],
+            &[Saved::In(0), Saved::In(1)],
+            &[Bw::Grad(0), Bw::Temp(4 * n)],
+            8 * n,
+            false,
+        )[0];
         // log_sigmoid output and buffer, (1 - target), the product: freed inside the op.
         self.with_temps(&[4 * n, 4 * n, 4 * n, 4 * n]);
         loss
@@ -609,7 +796,15 @@ impl GraphBuilder {
     /// Element-wise `a + b` (residual connections): nothing saved, the gradient passes through.
     pub fn add(&mut self, a: TensorId, b: TensorId) -> TensorId {
         let t = self.g.t(a).clone();
-        self.node("add", &[a, b], &[(t.numel, t.dtype)], &[], &[Bw::PassThrough(0), Bw::PassThrough(1)], t.numel, false)[0]
+        self.node(
+            "add",
+            &[a, b],
+            &[(t.numel, t.dtype)],
+            &[],
+            &[Bw::PassThrough(0), Bw::PassThrough(1)],
+            t.numel,
+            false,
+        )[0]
     }
 
     /// `torch.cat` along channels: the gradient of each input is a slice of the incoming one.
@@ -628,7 +823,15 @@ impl GraphBuilder {
         let part = (t.numel / parts, t.dtype);
         // The views' strided gradients are first copied (one part at a time), then scattered.
         let part_bytes = part.0 * part.1.size();
-        let outs = self.node("unpack", &[x], &vec![part; parts as usize], &[], &[Bw::Temp(part_bytes), Bw::Grad(0), Bw::Temp(t.bytes())], 0, false);
+        let outs = self.node(
+            "unpack",
+            &[x],
+            &vec![part; parts as usize],
+            &[],
+            &[Bw::Temp(part_bytes), Bw::Grad(0), Bw::Temp(t.bytes())],
+            0,
+            false,
+        );
         for &o in &outs {
             self.g.tensors[o.0 as usize].base = Some(x);
         }
@@ -639,7 +842,15 @@ impl GraphBuilder {
     /// and gets copied before the producer's backward can use it.
     pub fn strided_view(&mut self, x: TensorId) -> TensorId {
         let t = self.g.t(x).clone();
-        let v = self.node("transpose", &[x], &[(t.numel, t.dtype)], &[], &[Bw::Grad(0)], 0, false)[0];
+        let v = self.node(
+            "transpose",
+            &[x],
+            &[(t.numel, t.dtype)],
+            &[],
+            &[Bw::Grad(0)],
+            0,
+            false,
+        )[0];
         self.g.tensors[v.0 as usize].base = Some(x);
         v
     }
@@ -648,26 +859,59 @@ impl GraphBuilder {
     /// into the original layout (a reshape of a non-contiguous gradient).
     pub fn contiguous_copy(&mut self, x: TensorId) -> TensorId {
         let t = self.g.t(x).clone();
-        self.node("clone", &[x], &[(t.numel, t.dtype)], &[], &[Bw::Grad(0)], t.numel, false)[0]
+        self.node(
+            "clone",
+            &[x],
+            &[(t.numel, t.dtype)],
+            &[],
+            &[Bw::Grad(0)],
+            t.numel,
+            false,
+        )[0]
     }
 
     /// A copy (`.contiguous()`, a non-viewable reshape): nothing saved, gradient passes through.
     pub fn copy(&mut self, x: TensorId) -> TensorId {
         let t = self.g.t(x).clone();
-        self.node("clone", &[x], &[(t.numel, t.dtype)], &[], &[Bw::PassThrough(0)], t.numel, false)[0]
+        self.node(
+            "clone",
+            &[x],
+            &[(t.numel, t.dtype)],
+            &[],
+            &[Bw::PassThrough(0)],
+            t.numel,
+            false,
+        )[0]
     }
 
     /// `nn.Conv2d(in_c, out_c, k, stride, padding)` on `batch × in_c × h × w`; returns the output
     /// and its spatial size.
     #[allow(clippy::too_many_arguments)]
-    pub fn conv2d(&mut self, x: TensorId, batch: u64, in_c: u64, out_c: u64, hw: u64, k: u64, stride: u64, pad: u64, bias: bool) -> (TensorId, u64) {
+    pub fn conv2d(
+        &mut self,
+        x: TensorId,
+        batch: u64,
+        in_c: u64,
+        out_c: u64,
+        hw: u64,
+        k: u64,
+        stride: u64,
+        pad: u64,
+        bias: bool,
+    ) -> (TensorId, u64) {
         let params = self.conv_params(in_c, out_c, k, bias);
         self.conv2d_with(x, params, batch, in_c, out_c, hw, k, stride, pad)
     }
 
     /// Registers a conv's weight (and bias) now, for modules whose parameters are defined in
     /// another order than they run.
-    pub fn conv_params(&mut self, in_c: u64, out_c: u64, k: u64, bias: bool) -> (TensorId, Option<TensorId>) {
+    pub fn conv_params(
+        &mut self,
+        in_c: u64,
+        out_c: u64,
+        k: u64,
+        bias: bool,
+    ) -> (TensorId, Option<TensorId>) {
         let w = self.param(out_c * in_c * k * k);
         let b = if bias { Some(self.param(out_c)) } else { None };
         (w, b)
@@ -675,7 +919,18 @@ impl GraphBuilder {
 
     /// A conv with parameters from [`GraphBuilder::conv_params`].
     #[allow(clippy::too_many_arguments)]
-    pub fn conv2d_with(&mut self, x: TensorId, (w, b): (TensorId, Option<TensorId>), batch: u64, in_c: u64, out_c: u64, hw: u64, k: u64, stride: u64, pad: u64) -> (TensorId, u64) {
+    pub fn conv2d_with(
+        &mut self,
+        x: TensorId,
+        (w, b): (TensorId, Option<TensorId>),
+        batch: u64,
+        in_c: u64,
+        out_c: u64,
+        hw: u64,
+        k: u64,
+        stride: u64,
+        pad: u64,
+    ) -> (TensorId, u64) {
         let out_hw = (hw + 2 * pad - k) / stride + 1;
         let out_numel = batch * out_c * out_hw * out_hw;
         let flops = 2 * out_numel * in_c * k * k;
@@ -689,7 +944,15 @@ impl GraphBuilder {
             inputs.push(bc);
             bw.push(Bw::Grad(2));
         }
-        let y = self.node("conv2d", &inputs, &[(out_numel, dt)], &[Saved::In(0), Saved::In(1)], &bw, flops, false)[0];
+        let y = self.node(
+            "conv2d",
+            &inputs,
+            &[(out_numel, dt)],
+            &[Saved::In(0), Saved::In(1)],
+            &bw,
+            flops,
+            false,
+        )[0];
         let key = format!(
             "in={in_c}x{hw}x{hw};w={out_c}x{in_c}x{k}x{k};stride={stride}x{stride};pad={pad}x{pad};dil=1x1;groups=1;dtype={};layout=contiguous",
             dt.torch_name()
@@ -703,7 +966,15 @@ impl GraphBuilder {
         let out_hw = hw / 2;
         let n = batch * c * out_hw * out_hw;
         let dt = self.g.t(x).dtype;
-        let outs = self.node("max_pool2d", &[x], &[(n, dt), (n, Dtype::I64)], &[Saved::In(0), Saved::Out(1)], &[Bw::Grad(0)], 4 * n, false);
+        let outs = self.node(
+            "max_pool2d",
+            &[x],
+            &[(n, dt), (n, Dtype::I64)],
+            &[Saved::In(0), Saved::Out(1)],
+            &[Bw::Grad(0)],
+            4 * n,
+            false,
+        );
         (outs[0], out_hw)
     }
 
@@ -712,7 +983,15 @@ impl GraphBuilder {
         let out_hw = hw / 2;
         let n = batch * c * out_hw * out_hw;
         let dt = self.g.t(x).dtype;
-        let y = self.node("avg_pool2d", &[x], &[(n, dt)], &[Saved::In(0)], &[Bw::Grad(0)], 4 * n, false)[0];
+        let y = self.node(
+            "avg_pool2d",
+            &[x],
+            &[(n, dt)],
+            &[Saved::In(0)],
+            &[Bw::Grad(0)],
+            4 * n,
+            false,
+        )[0];
         (y, out_hw)
     }
 
@@ -720,7 +999,15 @@ impl GraphBuilder {
     pub fn global_avg_pool(&mut self, x: TensorId, batch: u64, c: u64) -> TensorId {
         let dt = self.g.t(x).dtype;
         let n = self.g.t(x).numel;
-        self.node("mean", &[x], &[(batch * c, dt)], &[], &[Bw::Grad(0)], n, false)[0]
+        self.node(
+            "mean",
+            &[x],
+            &[(batch * c, dt)],
+            &[],
+            &[Bw::Grad(0)],
+            n,
+            false,
+        )[0]
     }
 
     /// `nn.Embedding(vocab, dim)` lookup of `tokens` int64 ids; its weight grad is dense.
@@ -733,18 +1020,44 @@ impl GraphBuilder {
     pub fn embedding_with(&mut self, ids: TensorId, w: TensorId, dim: u64) -> TensorId {
         let n = self.g.t(ids).numel;
         // The backward sorts the indices (int64 temporaries) before the scatter-add.
-        self.node("embedding", &[w, ids], &[(n * dim, Dtype::F32)], &[Saved::In(1)], &[Bw::Temp(8 * n), Bw::Temp(8 * n), Bw::Grad(0)], n * dim, false)[0]
+        self.node(
+            "embedding",
+            &[w, ids],
+            &[(n * dim, Dtype::F32)],
+            &[Saved::In(1)],
+            &[Bw::Temp(8 * n), Bw::Temp(8 * n), Bw::Grad(0)],
+            n * dim,
+            false,
+        )[0]
     }
 
     /// Scaled dot-product attention on `batch × heads × seq × head_dim` q, k, v, with the kernel
     /// the GPU and dtype allow (flash for fp16/bf16 where the GPU has it, else memory-efficient).
     /// Saves q, k, v, the output and the log-sum-exp; its backward returns dq, dk, dv.
     #[allow(clippy::too_many_arguments)]
-    pub fn sdpa(&mut self, q: TensorId, k: TensorId, v: TensorId, batch: u64, heads: u64, seq: u64, head_dim: u64, flash: bool) -> TensorId {
+    pub fn sdpa(
+        &mut self,
+        q: TensorId,
+        k: TensorId,
+        v: TensorId,
+        batch: u64,
+        heads: u64,
+        seq: u64,
+        head_dim: u64,
+        flash: bool,
+    ) -> TensorId {
         let dt = self.g.t(q).dtype;
         let n = batch * heads * seq * head_dim;
         let flops = 4 * batch * heads * seq * seq * head_dim;
-        let saved = [Saved::In(0), Saved::In(1), Saved::In(2), Saved::Out(0), Saved::Out(1), Saved::Out(2), Saved::Out(3)];
+        let saved = [
+            Saved::In(0),
+            Saved::In(1),
+            Saved::In(2),
+            Saved::Out(0),
+            Saved::Out(1),
+            Saved::Out(2),
+            Saved::Out(3),
+        ];
         if flash && dt != Dtype::F32 {
             let rounded = seq.div_ceil(128) * 128;
             let d_round = head_dim.div_ceil(32) * 32;
@@ -753,9 +1066,20 @@ impl GraphBuilder {
             let outs = self.node(
                 "flash_attention",
                 &[q, k, v],
-                &[(n, dt), (batch * heads * seq, Dtype::F32), (2, Dtype::I64), (1, Dtype::I64)],
+                &[
+                    (n, dt),
+                    (batch * heads * seq, Dtype::F32),
+                    (2, Dtype::I64),
+                    (1, Dtype::I64),
+                ],
                 &saved,
-                &[Bw::Temp(4 * batch * rounded * heads * d_round), Bw::Temp(4 * batch * heads * rounded), Bw::Grad(0), Bw::Grad(1), Bw::Grad(2)],
+                &[
+                    Bw::Temp(4 * batch * rounded * heads * d_round),
+                    Bw::Temp(4 * batch * heads * rounded),
+                    Bw::Grad(0),
+                    Bw::Grad(1),
+                    Bw::Grad(2),
+                ],
                 flops,
                 false,
             );

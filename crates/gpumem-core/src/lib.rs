@@ -57,6 +57,10 @@ pub struct UnknownName {
 
 impl UnknownName {
     pub fn new(what: &'static str, name: &str, expected: impl Into<String>) -> Self {
-        UnknownName { what, name: name.to_string(), expected: expected.into() }
+        UnknownName {
+            what,
+            name: name.to_string(),
+            expected: expected.into(),
+        }
     }
 }

@@ -8,8 +8,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::allocator::{AllocatorConfig, AllocatorConfigError};
-use crate::units::{MIB, mib_to_bytes};
 use crate::trace::ConvPass;
+use crate::units::{MIB, mib_to_bytes};
 use crate::workspace::{ConvWorkspace, WorkspacePolicy, WorkspaceTable};
 
 const BUILTIN: &str = include_str!("../profiles/gpus.toml");
@@ -176,7 +176,10 @@ pub enum ProfileError {
     #[error("bad profile `{name}`: {message}")]
     Invalid { name: String, message: &'static str },
     #[error("bad profile `{name}`: {source}")]
-    Allocator { name: String, source: AllocatorConfigError },
+    Allocator {
+        name: String,
+        source: AllocatorConfigError,
+    },
 }
 
 impl GpuProfile {
@@ -191,11 +194,20 @@ impl GpuProfile {
     }
     /// Compute capability major version (8 for "8.0").
     pub fn cc_major(&self) -> u32 {
-        self.compute_capability.split('.').next().and_then(|m| m.parse().ok()).unwrap_or(0)
+        self.compute_capability
+            .split('.')
+            .next()
+            .and_then(|m| m.parse().ok())
+            .unwrap_or(0)
     }
     /// PyTorch's default cuBLAS workspace for this architecture (spec §2.3.3).
     pub fn cublas_workspace(&self) -> u64 {
-        self.cublas_workspace_bytes.unwrap_or(if self.cc_major() == 9 { CUBLAS_WORKSPACE_HOPPER_BYTES } else { CUBLAS_WORKSPACE_BYTES })
+        self.cublas_workspace_bytes
+            .unwrap_or(if self.cc_major() == 9 {
+                CUBLAS_WORKSPACE_HOPPER_BYTES
+            } else {
+                CUBLAS_WORKSPACE_BYTES
+            })
     }
     /// The convolution workspaces as the replay looks them up: the probed table, then the
     /// policy.
@@ -203,23 +215,40 @@ impl GpuProfile {
         WorkspaceTable::new(&self.conv_workspace, self.conv_workspace_policy)
     }
     pub fn allocator_config(&self) -> Result<AllocatorConfig, ProfileError> {
-        AllocatorConfig::parse(&self.allocator).map_err(|source| ProfileError::Allocator { name: self.name.clone(), source })
+        AllocatorConfig::parse(&self.allocator).map_err(|source| ProfileError::Allocator {
+            name: self.name.clone(),
+            source,
+        })
     }
     /// Bytes the caching allocator may reserve before cudaMalloc fails.
     pub fn allocator_capacity(&self) -> u64 {
-        self.capacity_bytes().saturating_sub(self.context_bytes() + self.non_allocator_bytes())
+        self.capacity_bytes()
+            .saturating_sub(self.context_bytes() + self.non_allocator_bytes())
     }
     /// Memory a job holds outside the allocator: the context, other fixed costs, cuDNN's share
     /// where the job loads it, NCCL's where it is one process of a distributed job.
     pub fn fixed_bytes(&self, loads_cudnn: bool, distributed: bool) -> u64 {
         self.context_bytes()
             + self.non_allocator_bytes()
-            + if loads_cudnn { mib_to_bytes(self.cudnn_context_mib) } else { 0 }
-            + if distributed { mib_to_bytes(self.nccl_mib) } else { 0 }
+            + if loads_cudnn {
+                mib_to_bytes(self.cudnn_context_mib)
+            } else {
+                0
+            }
+            + if distributed {
+                mib_to_bytes(self.nccl_mib)
+            } else {
+                0
+            }
     }
 
     fn validate(&self) -> Result<(), ProfileError> {
-        let bad = |message: &'static str| Err(ProfileError::Invalid { name: self.name.clone(), message });
+        let bad = |message: &'static str| {
+            Err(ProfileError::Invalid {
+                name: self.name.clone(),
+                message,
+            })
+        };
         if !(1..=MAX_CAPACITY_MIB).contains(&self.capacity_mib) {
             return bad("capacity_mib must be between 1 and 16777216 (16 TiB)");
         }
@@ -229,20 +258,57 @@ impl GpuProfile {
         // Every other size at most the GPU, every factor finite: sums of them stay in bytes.
         let within = |x: f64, max: f64| x.is_finite() && (0.0..=max).contains(&x);
         let capacity = self.capacity_mib as f64;
-        if ![self.non_allocator_mib, self.cudnn_context_mib, self.nccl_mib, self.bound_fixed_mib].iter().all(|&x| within(x, capacity)) {
-            return bad("non_allocator_mib, cudnn_context_mib, nccl_mib and bound_fixed_mib must be between 0 and capacity_mib");
+        if ![
+            self.non_allocator_mib,
+            self.cudnn_context_mib,
+            self.nccl_mib,
+            self.bound_fixed_mib,
+        ]
+        .iter()
+        .all(|&x| within(x, capacity))
+        {
+            return bad(
+                "non_allocator_mib, cudnn_context_mib, nccl_mib and bound_fixed_mib must be between 0 and capacity_mib",
+            );
         }
         if !within(self.bound_relative, 10.0) || !within(self.conv_workspace_bound, 100.0) {
-            return bad("bound_relative must be between 0 and 10, conv_workspace_bound between 0 and 100");
+            return bad(
+                "bound_relative must be between 0 and 10, conv_workspace_bound between 0 and 100",
+            );
         }
         let t = &self.tflops;
-        if ![self.memory_bandwidth_gbs, self.power_w, self.idle_power_w, t.fp32, t.tf32, t.fp16, t.bf16].iter().all(|&x| within(x, 1e9)) {
-            return bad("tflops, memory_bandwidth_gbs, power_w and idle_power_w must be between 0 and 1e9");
+        if ![
+            self.memory_bandwidth_gbs,
+            self.power_w,
+            self.idle_power_w,
+            t.fp32,
+            t.tf32,
+            t.fp16,
+            t.bf16,
+        ]
+        .iter()
+        .all(|&x| within(x, 1e9))
+        {
+            return bad(
+                "tflops, memory_bandwidth_gbs, power_w and idle_power_w must be between 0 and 1e9",
+            );
         }
-        if [self.cublas_workspace_bytes, self.cublaslt_workspace_bytes].iter().flatten().any(|&b| b > crate::trace::MAX_ALLOC_BYTES) || self.cublas_workspaces > 64 {
+        if [self.cublas_workspace_bytes, self.cublaslt_workspace_bytes]
+            .iter()
+            .flatten()
+            .any(|&b| b > crate::trace::MAX_ALLOC_BYTES)
+            || self.cublas_workspaces > 64
+        {
             return bad("cuBLAS workspaces must be at most 1 PiB, and at most 64 of them");
         }
-        if self.conv_workspace.iter().any(|e| e.n == 0 || ConvPass::ALL.iter().any(|&p| e.sizes(p).iter().any(|&b| b > crate::trace::MAX_ALLOC_BYTES))) {
+        if self.conv_workspace.iter().any(|e| {
+            e.n == 0
+                || ConvPass::ALL.iter().any(|&p| {
+                    e.sizes(p)
+                        .iter()
+                        .any(|&b| b > crate::trace::MAX_ALLOC_BYTES)
+                })
+        }) {
             return bad("conv_workspace entries need n of at least 1 and sizes of at most 1 PiB");
         }
         if let Some(Err(message)) = self.conv_workspace_policy.map(|p| p.validate()) {
@@ -254,7 +320,9 @@ impl GpuProfile {
 
     /// Reads a TOML file holding one or more `[[gpu]]` tables; returns them all.
     pub fn parse_many(text: &str) -> Result<Vec<GpuProfile>, ProfileError> {
-        let file: ProfileFile = toml::from_str(text).map_err(|e| ProfileError::Parse(e.to_string().replace('\n', " ").trim().to_string()))?;
+        let file: ProfileFile = toml::from_str(text).map_err(|e| {
+            ProfileError::Parse(e.to_string().replace('\n', " ").trim().to_string())
+        })?;
         for p in &file.gpu {
             p.validate()?;
         }
@@ -265,7 +333,10 @@ impl GpuProfile {
     pub fn from_toml(text: &str) -> Result<GpuProfile, ProfileError> {
         let mut all = Self::parse_many(text)?;
         if all.len() != 1 {
-            return Err(ProfileError::Parse(format!("expected one [[gpu]] table, found {}", all.len())));
+            return Err(ProfileError::Parse(format!(
+                "expected one [[gpu]] table, found {}",
+                all.len()
+            )));
         }
         Ok(all.remove(0))
     }
@@ -292,10 +363,17 @@ pub fn builtin(name: &str) -> Result<GpuProfile, ProfileError> {
     let norm = |s: &str| s.to_ascii_lowercase().replace('_', "-");
     let all = catalogue();
     let wanted = norm(name);
-    all.iter().find(|p| norm(&p.name) == wanted).cloned().ok_or_else(|| ProfileError::Unknown {
-        name: name.to_string(),
-        known: all.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", "),
-    })
+    all.iter()
+        .find(|p| norm(&p.name) == wanted)
+        .cloned()
+        .ok_or_else(|| ProfileError::Unknown {
+            name: name.to_string(),
+            known: all
+                .iter()
+                .map(|p| p.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
 }
 
 #[cfg(test)]
@@ -305,7 +383,21 @@ mod tests {
     #[test]
     fn catalogue_has_the_required_gpus() {
         let names: Vec<String> = catalogue().into_iter().map(|p| p.name).collect();
-        for n in ["a100-40gb", "a100-80gb", "h100-80gb-sxm", "h100-80gb-pcie", "h200", "v100-16gb", "v100-32gb", "t4", "l4", "a10", "l40s", "rtx3090", "rtx4090"] {
+        for n in [
+            "a100-40gb",
+            "a100-80gb",
+            "h100-80gb-sxm",
+            "h100-80gb-pcie",
+            "h200",
+            "v100-16gb",
+            "v100-32gb",
+            "t4",
+            "l4",
+            "a10",
+            "l40s",
+            "rtx3090",
+            "rtx4090",
+        ] {
             assert!(names.iter().any(|x| x == n), "{n} missing");
         }
     }
@@ -313,7 +405,10 @@ mod tests {
     #[test]
     fn workspace_follows_architecture() {
         assert_eq!(builtin("A100_40GB").unwrap().cublas_workspace(), 8_519_680);
-        assert_eq!(builtin("h100-80gb-sxm").unwrap().cublas_workspace(), 32 << 20);
+        assert_eq!(
+            builtin("h100-80gb-sxm").unwrap().cublas_workspace(),
+            32 << 20
+        );
     }
 
     #[test]
@@ -322,11 +417,30 @@ mod tests {
         assert_eq!(GpuProfile::from_toml(&p.to_toml()).unwrap(), p);
         let e = builtin("b300").unwrap_err().to_string();
         assert!(e.starts_with("unknown GPU `b300`; known: a100-40gb"), "{e}");
-        let e = GpuProfile::from_toml(&p.to_toml().replace("capacity_mib = 15360", "capacity_mib = 0")).unwrap_err();
-        assert_eq!(e.to_string(), "bad profile `t4`: capacity_mib must be between 1 and 16777216 (16 TiB)");
+        let e = GpuProfile::from_toml(
+            &p.to_toml()
+                .replace("capacity_mib = 15360", "capacity_mib = 0"),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "bad profile `t4`: capacity_mib must be between 1 and 16777216 (16 TiB)"
+        );
         // Found by the fuzz harness: a bound factor past f64's integers overflowed the bound.
-        let e = GpuProfile::from_toml(&p.to_toml().replace("conv_workspace_bound = 4.0", "conv_workspace_bound = 1.8e20")).unwrap_err();
-        assert_eq!(e.to_string(), "bad profile `t4`: bound_relative must be between 0 and 10, conv_workspace_bound between 0 and 100");
-        assert!(GpuProfile::from_toml("[[gpu]]\nname = 3").unwrap_err().to_string().starts_with("bad profile:"));
+        let e = GpuProfile::from_toml(&p.to_toml().replace(
+            "conv_workspace_bound = 4.0",
+            "conv_workspace_bound = 1.8e20",
+        ))
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "bad profile `t4`: bound_relative must be between 0 and 10, conv_workspace_bound between 0 and 100"
+        );
+        assert!(
+            GpuProfile::from_toml("[[gpu]]\nname = 3")
+                .unwrap_err()
+                .to_string()
+                .starts_with("bad profile:")
+        );
     }
 }

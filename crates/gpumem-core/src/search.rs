@@ -20,8 +20,17 @@ pub enum SearchError {
 
 /// The largest batch in 1..=MAX_BATCH whose estimate fits with its upper bound, and that
 /// estimate; `None` if even batch 1 does not.
-pub fn max_batch(model: &ModelSpec, job: &JobOptions, profile: &GpuProfile, estimator: &dyn Estimator) -> Result<Option<(u64, Estimate)>, SearchError> {
-    max_batch_with(&mut |b| model.trace(&JobOptions { batch: b, ..*job }), profile, estimator)
+pub fn max_batch(
+    model: &ModelSpec,
+    job: &JobOptions,
+    profile: &GpuProfile,
+    estimator: &dyn Estimator,
+) -> Result<Option<(u64, Estimate)>, SearchError> {
+    max_batch_with(
+        &mut |b| model.trace(&JobOptions { batch: b, ..*job }),
+        profile,
+        estimator,
+    )
 }
 
 /// The same search over any source of traces by batch size (a symbolic trace, say).
@@ -69,12 +78,29 @@ mod tests {
 
     #[test]
     fn the_found_batch_fits_and_the_next_does_not() {
-        let model = ModelSpec::parse("cnn:classes=100,filters=64,depth=6,input=64,arch=uniform").unwrap();
+        let model =
+            ModelSpec::parse("cnn:classes=100,filters=64,depth=6,input=64,arch=uniform").unwrap();
         let p = builtin("t4").unwrap();
         let job = JobOptions::new(1);
-        let (b, e) = max_batch(&model, &job, &p, &Replay::default()).unwrap().unwrap();
+        let (b, e) = max_batch(&model, &job, &p, &Replay::default())
+            .unwrap()
+            .unwrap();
         assert!(e.upper_bound_bytes <= e.capacity_bytes);
-        let next = Replay::default().estimate(&model.trace(&JobOptions { batch: b + 1, ..job }).unwrap(), &p).unwrap();
-        assert!(!next.fits || next.upper_bound_bytes > next.capacity_bytes, "batch {} also fits", b + 1);
+        let next = Replay::default()
+            .estimate(
+                &model
+                    .trace(&JobOptions {
+                        batch: b + 1,
+                        ..job
+                    })
+                    .unwrap(),
+                &p,
+            )
+            .unwrap();
+        assert!(
+            !next.fits || next.upper_bound_bytes > next.capacity_bytes,
+            "batch {} also fits",
+            b + 1
+        );
     }
 }

@@ -13,7 +13,9 @@ use crate::allocator::MIN_BLOCK_SIZE;
 pub enum SnapshotError {
     #[error("not a PyTorch memory snapshot: {0}")]
     Pickle(String),
-    #[error("the snapshot holds no allocator trace (record it with torch.cuda.memory._record_memory_history on)")]
+    #[error(
+        "the snapshot holds no allocator trace (record it with torch.cuda.memory._record_memory_history on)"
+    )]
     NoTrace,
 }
 
@@ -73,12 +75,23 @@ impl Snapshot {
         // A snapshot may hold Python objects of other packages (torch's version string): they
         // are not needed and are read as None.
         let options = serde_pickle::DeOptions::new().replace_unresolved_globals();
-        let raw: Raw = serde_pickle::from_slice(bytes, options).map_err(|e| SnapshotError::Pickle(e.to_string()))?;
-        let trace = raw.device_traces.into_iter().find(|t| !t.is_empty()).ok_or(SnapshotError::NoTrace)?;
+        let raw: Raw = serde_pickle::from_slice(bytes, options)
+            .map_err(|e| SnapshotError::Pickle(e.to_string()))?;
+        let trace = raw
+            .device_traces
+            .into_iter()
+            .find(|t| !t.is_empty())
+            .ok_or(SnapshotError::NoTrace)?;
         let round = |b: u64| b.max(1).div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE;
         let mut live: HashMap<u64, u64> = HashMap::new();
         let (mut allocated, mut reserved) = (0u64, 0u64);
-        let mut s = Snapshot { allocs: Vec::new(), peak_allocated: 0, peak_allocated_at: 0, peak_reserved: 0, recorded: raw.gpumem };
+        let mut s = Snapshot {
+            allocs: Vec::new(),
+            peak_allocated: 0,
+            peak_allocated_at: 0,
+            peak_reserved: 0,
+            recorded: raw.gpumem,
+        };
         for e in trace {
             match e.action.as_str() {
                 "alloc" => {
@@ -114,6 +127,9 @@ mod tests {
     #[test]
     fn garbage_is_refused_in_one_line() {
         let e = Snapshot::read(b"not a pickle").unwrap_err().to_string();
-        assert!(e.starts_with("not a PyTorch memory snapshot") && !e.contains('\n'), "{e}");
+        assert!(
+            e.starts_with("not a PyTorch memory snapshot") && !e.contains('\n'),
+            "{e}"
+        );
     }
 }

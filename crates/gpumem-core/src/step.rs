@@ -44,7 +44,12 @@ pub fn bnb_8bit_state(numel: u64) -> Vec<(u64, &'static str)> {
         return vec![(4 * numel, "state1"), (4 * numel, "state2")];
     }
     let absmax = 4 * numel.div_ceil(BNB_BLOCK);
-    vec![(numel, "state1"), (numel, "state2"), (absmax, "absmax1"), (absmax, "absmax2")]
+    vec![
+        (numel, "state1"),
+        (numel, "state2"),
+        (absmax, "absmax1"),
+        (absmax, "absmax2"),
+    ]
 }
 
 /// The quantization maps (`dynamic`, `udynamic`: 256 fp32 each) bitsandbytes moves to the GPU
@@ -60,8 +65,14 @@ impl Optimizer {
             "sgd-momentum" | "sgd_momentum" | "momentum" => Ok(Optimizer::SgdMomentum),
             "adam8bit" | "adam-8bit" => Ok(Optimizer::Adam8bit),
             "adamw8bit" | "adamw-8bit" => Ok(Optimizer::AdamW8bit),
-            "paged-adamw8bit" | "paged_adamw8bit" | "paged-adamw-8bit" => Ok(Optimizer::PagedAdamW8bit),
-            other => Err(UnknownName::new("optimizer", other, "adam, adamw, sgd, sgd-momentum, adam8bit, adamw8bit or paged-adamw8bit")),
+            "paged-adamw8bit" | "paged_adamw8bit" | "paged-adamw-8bit" => {
+                Ok(Optimizer::PagedAdamW8bit)
+            }
+            other => Err(UnknownName::new(
+                "optimizer",
+                other,
+                "adam, adamw, sgd, sgd-momentum, adam8bit, adamw8bit or paged-adamw8bit",
+            )),
         }
     }
     pub fn name(self) -> &'static str {
@@ -90,7 +101,13 @@ pub enum TorchBehaviour {
 
 impl TorchBehaviour {
     pub fn parse(version: &str) -> Self {
-        let mut it = version.split('.').map(|p| p.chars().take_while(char::is_ascii_digit).collect::<String>().parse::<u32>().unwrap_or(0));
+        let mut it = version.split('.').map(|p| {
+            p.chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+                .parse::<u32>()
+                .unwrap_or(0)
+        });
         match (it.next().unwrap_or(2), it.next().unwrap_or(1)) {
             (0 | 1, _) => TorchBehaviour::V1_13,
             (2, 0) => TorchBehaviour::V2_0,
@@ -116,7 +133,12 @@ pub struct TrainingLoop {
 impl TrainingLoop {
     /// `iterations` full batches of `batch`; when the epoch has `samples` samples, the short last
     /// batch of the epoch is replayed too (it can fragment the cache), followed by two more.
-    pub fn new(optimizer: Optimizer, precision: Precision, batch: u64, samples: Option<u64>) -> Self {
+    pub fn new(
+        optimizer: Optimizer,
+        precision: Precision,
+        batch: u64,
+        samples: Option<u64>,
+    ) -> Self {
         let mut batches = vec![batch; 3];
         if let Some(s) = samples {
             let tail = s % batch;
@@ -213,7 +235,12 @@ impl<'a> Emitter<'a> {
         for &t in &g.setup_order {
             let tensor = g.t(t);
             // Buffers (BatchNorm running statistics) are model state, like parameters.
-            let id = self.b.alloc(tensor.bytes(), Category::Parameter, Phase::Setup, "to_device");
+            let id = self.b.alloc(
+                tensor.bytes(),
+                Category::Parameter,
+                Phase::Setup,
+                "to_device",
+            );
             self.persistent.push(id);
         }
         self.grads = vec![None; g.params.len()];
@@ -273,11 +300,16 @@ impl<'a> Emitter<'a> {
 
     fn workspace(&mut self, phase: Phase) {
         // One per thread: the main thread's, and the autograd engine's for backward.
-        let done = if phase == Phase::Backward { &mut self.autograd_workspace } else { &mut self.main_workspace };
+        let done = if phase == Phase::Backward {
+            &mut self.autograd_workspace
+        } else {
+            &mut self.main_workspace
+        };
         if !*done {
             *done = true;
             let bytes = self.cfg.cublas_workspace;
-            self.b.alloc(bytes, Category::Workspace, phase, "cublas_workspace");
+            self.b
+                .alloc(bytes, Category::Workspace, phase, "cublas_workspace");
         }
     }
 
@@ -289,14 +321,21 @@ impl<'a> Emitter<'a> {
                 match g.t(o).base {
                     // A view allocates nothing and keeps its base alive.
                     Some(base) => p.refs[base.0 as usize] += 1,
-                    None => p.id[o.0 as usize] = Some(self.b.alloc(g.t(o).bytes(), Category::Activation, phase, n.name)),
+                    None => {
+                        p.id[o.0 as usize] =
+                            Some(
+                                self.b
+                                    .alloc(g.t(o).bytes(), Category::Activation, phase, n.name),
+                            )
+                    }
                 }
             }
             if n.cublas {
                 self.workspace(phase);
             }
             if let Some(c) = &n.conv {
-                self.b.workspace(&c.key, c.n, ConvPass::Forward, phase, None);
+                self.b
+                    .workspace(&c.key, c.n, ConvPass::Forward, phase, None);
             }
             for &bytes in &n.temps {
                 let id = self.b.alloc(bytes, Category::Temporary, phase, n.name);
@@ -322,7 +361,12 @@ impl<'a> Emitter<'a> {
     fn forward_only(&mut self, g: &Graph) {
         let mut p = self.new_pass(g);
         for &i in &g.inputs {
-            let id = self.b.alloc(g.t(i).bytes(), Category::InputBatch, Phase::Setup, "warmup_input");
+            let id = self.b.alloc(
+                g.t(i).bytes(),
+                Category::InputBatch,
+                Phase::Setup,
+                "warmup_input",
+            );
             p.id[i.0 as usize] = Some(id);
         }
         self.forward(g, &mut p, Phase::Setup, 0..g.model_nodes);
@@ -350,7 +394,12 @@ impl<'a> Emitter<'a> {
             self.b.free(id);
         }
         for &i in &g.inputs {
-            let id = self.b.alloc(g.t(i).bytes(), Category::InputBatch, Phase::Forward, "to_device");
+            let id = self.b.alloc(
+                g.t(i).bytes(),
+                Category::InputBatch,
+                Phase::Forward,
+                "to_device",
+            );
             p.id[i.0 as usize] = Some(id);
         }
         self.zero_grad();
@@ -377,7 +426,10 @@ impl<'a> Emitter<'a> {
             }
         }
         debug_assert!(
-            p.id.iter().enumerate().all(|(k, id)| id.is_none() || matches!(g.tensors[k].role, Role::Param | Role::Buffer)),
+            p.id.iter()
+                .enumerate()
+                .all(|(k, id)| id.is_none()
+                    || matches!(g.tensors[k].role, Role::Param | Role::Buffer)),
             "a tensor outlived its iteration"
         );
         self.b.iteration_end();
@@ -400,11 +452,16 @@ impl<'a> Emitter<'a> {
             return None;
         }
         if !self.scaler_ready {
-            self.b.alloc(4, Category::OptimizerState, Phase::Forward, "grad_scaler");
-            self.b.alloc(4, Category::OptimizerState, Phase::Forward, "grad_scaler");
+            self.b
+                .alloc(4, Category::OptimizerState, Phase::Forward, "grad_scaler");
+            self.b
+                .alloc(4, Category::OptimizerState, Phase::Forward, "grad_scaler");
             self.scaler_ready = true;
         }
-        Some(self.b.alloc(4, Category::Temporary, Phase::Forward, "scale_loss"))
+        Some(
+            self.b
+                .alloc(4, Category::Temporary, Phase::Forward, "scale_loss"),
+        )
     }
 
     /// The autograd engine, node by node in reverse creation order: the node allocates its
@@ -414,21 +471,33 @@ impl<'a> Emitter<'a> {
         let Some(loss) = g.loss else { return };
         let mut bufs = GradBufs::default();
         let mut grad: Vec<Option<usize>> = vec![None; g.tensors.len()];
-        let ones = self.b.alloc(4, Category::Temporary, Phase::Backward, "ones_like");
+        let ones = self
+            .b
+            .alloc(4, Category::Temporary, Phase::Backward, "ones_like");
         let root = bufs.new_buf(ones);
         // The engine also holds the root gradient until the whole backward returns.
         bufs.0[root].1 += 1;
         grad[loss.0 as usize] = Some(root);
-        let param_index: HashMap<TensorId, usize> = g.params.iter().enumerate().map(|(k, &t)| (t, k)).collect();
+        let param_index: HashMap<TensorId, usize> =
+            g.params.iter().enumerate().map(|(k, &t)| (t, k)).collect();
         for ni in (0..g.nodes.len()).rev() {
             let n = &g.nodes[ni];
-            let incoming: Vec<usize> = n.outputs.iter().filter_map(|o| grad[o.0 as usize].take()).collect();
+            let incoming: Vec<usize> = n
+                .outputs
+                .iter()
+                .filter_map(|o| grad[o.0 as usize].take())
+                .collect();
             let mut outputs: Vec<(TensorId, usize)> = Vec::new();
             if !n.bw.is_empty() && !incoming.is_empty() {
                 let mut temps = Vec::new();
                 for step in &n.bw {
                     match *step {
-                        Bw::Temp(bytes) => temps.push(self.b.alloc(bytes, Category::Temporary, Phase::Backward, n.name)),
+                        Bw::Temp(bytes) => temps.push(self.b.alloc(
+                            bytes,
+                            Category::Temporary,
+                            Phase::Backward,
+                            n.name,
+                        )),
                         Bw::Grad(i) | Bw::PassThrough(i) => {
                             let t = n.inputs[i];
                             let tensor = g.t(t);
@@ -441,8 +510,13 @@ impl<'a> Emitter<'a> {
                                     incoming[0]
                                 }
                                 _ => {
-                                    let cat = if tensor.role == Role::Param { Category::Gradient } else { Category::Temporary };
-                                    let id = self.b.alloc(tensor.bytes(), cat, Phase::Backward, n.name);
+                                    let cat = if tensor.role == Role::Param {
+                                        Category::Gradient
+                                    } else {
+                                        Category::Temporary
+                                    };
+                                    let id =
+                                        self.b.alloc(tensor.bytes(), cat, Phase::Backward, n.name);
                                     if n.cublas {
                                         self.workspace(Phase::Backward);
                                     }
@@ -455,7 +529,13 @@ impl<'a> Emitter<'a> {
                                             _ => None,
                                         };
                                         if let Some(pass) = pass {
-                                            self.b.workspace(&c.key, c.n, pass, Phase::Backward, None);
+                                            self.b.workspace(
+                                                &c.key,
+                                                c.n,
+                                                pass,
+                                                Phase::Backward,
+                                                None,
+                                            );
                                         }
                                     }
                                     bufs.new_buf(id)
@@ -466,7 +546,12 @@ impl<'a> Emitter<'a> {
                     }
                 }
                 // Backward reads what forward read and wrote, and writes input-sized gradients.
-                self.b.op(n.name, 2 * n.flops, n.bytes_read + n.bytes_written, n.bytes_read);
+                self.b.op(
+                    n.name,
+                    2 * n.flops,
+                    n.bytes_read + n.bytes_written,
+                    n.bytes_read,
+                );
                 for id in temps {
                     self.b.free(id);
                 }
@@ -500,7 +585,14 @@ impl<'a> Emitter<'a> {
 
     /// InputBuffer::accumulate: keep the first gradient; add a later one in place into whichever
     /// of the two is exclusively owned (the other reference dies), else sum out of place.
-    fn accumulate(&mut self, bufs: &mut GradBufs, grad: &mut [Option<usize>], t: TensorId, new: usize, bytes: u64) {
+    fn accumulate(
+        &mut self,
+        bufs: &mut GradBufs,
+        grad: &mut [Option<usize>],
+        t: TensorId,
+        new: usize,
+        bytes: u64,
+    ) {
         let k = t.0 as usize;
         let Some(old) = grad[k] else {
             grad[k] = Some(new);
@@ -512,7 +604,9 @@ impl<'a> Emitter<'a> {
             grad[k] = Some(new);
             self.drop_grad(bufs, old);
         } else {
-            let id = self.b.alloc(bytes, Category::Temporary, Phase::Backward, "accumulate");
+            let id = self
+                .b
+                .alloc(bytes, Category::Temporary, Phase::Backward, "accumulate");
             grad[k] = Some(bufs.new_buf(id));
             self.drop_grad(bufs, old);
             self.drop_grad(bufs, new);
@@ -527,14 +621,21 @@ impl<'a> Emitter<'a> {
                 self.grads[k] = Some(bufs.0[new].0);
                 return;
             }
-            self.grads[k] = Some(self.b.alloc(bytes, Category::Gradient, Phase::Backward, "accumulate_grad"));
+            self.grads[k] = Some(self.b.alloc(
+                bytes,
+                Category::Gradient,
+                Phase::Backward,
+                "accumulate_grad",
+            ));
         }
         self.drop_grad(bufs, new);
     }
 
     fn step(&mut self, g: &Graph) {
         let sizes: Vec<u64> = g.params.iter().map(|&t| g.t(t).bytes()).collect();
-        let have: Vec<usize> = (0..sizes.len()).filter(|&k| self.grads[k].is_some() || self.cfg.torch == TorchBehaviour::V1_13).collect();
+        let have: Vec<usize> = (0..sizes.len())
+            .filter(|&k| self.grads[k].is_some() || self.cfg.torch == TorchBehaviour::V1_13)
+            .collect();
         let ph = Phase::Optimizer;
         if self.cfg.precision == Precision::AmpFp16 {
             // unscale_: found_inf and the inverse scale (scalars); grads are unscaled in place.
@@ -551,15 +652,28 @@ impl<'a> Emitter<'a> {
                 if first {
                     for &k in &have {
                         // exp_avg, exp_avg_sq: kept for the whole run.
-                        self.b.alloc(sizes[k], Category::OptimizerState, ph, "exp_avg");
-                        self.b.alloc(sizes[k], Category::OptimizerState, ph, "exp_avg_sq");
+                        self.b
+                            .alloc(sizes[k], Category::OptimizerState, ph, "exp_avg");
+                        self.b
+                            .alloc(sizes[k], Category::OptimizerState, ph, "exp_avg_sq");
                     }
                 }
                 if foreach {
                     // exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs): one bucket-sized temporary.
-                    let sqrt: Vec<u64> = have.iter().map(|&k| self.b.alloc(sizes[k], Category::Temporary, ph, "_foreach_sqrt")).collect();
+                    let sqrt: Vec<u64> = have
+                        .iter()
+                        .map(|&k| {
+                            self.b
+                                .alloc(sizes[k], Category::Temporary, ph, "_foreach_sqrt")
+                        })
+                        .collect();
                     let denom: Vec<u64> = if self.cfg.torch == TorchBehaviour::V2_0 {
-                        have.iter().map(|&k| self.b.alloc(sizes[k], Category::Temporary, ph, "_foreach_add")).collect()
+                        have.iter()
+                            .map(|&k| {
+                                self.b
+                                    .alloc(sizes[k], Category::Temporary, ph, "_foreach_add")
+                            })
+                            .collect()
                     } else {
                         Vec::new()
                     };
@@ -579,7 +693,8 @@ impl<'a> Emitter<'a> {
             Optimizer::SgdMomentum => {
                 if first {
                     for &k in &have {
-                        self.b.alloc(sizes[k], Category::OptimizerState, ph, "momentum_buffer");
+                        self.b
+                            .alloc(sizes[k], Category::OptimizerState, ph, "momentum_buffer");
                     }
                 }
             }
@@ -592,8 +707,18 @@ impl<'a> Emitter<'a> {
                         let numel = g.t(g.params[k]).numel;
                         if numel >= BNB_MIN_8BIT_SIZE && !qmaps {
                             // The maps go to the GPU with the first 8-bit state.
-                            self.b.alloc(BNB_QMAP_BYTES, Category::OptimizerState, ph, "qmap_dynamic");
-                            self.b.alloc(BNB_QMAP_BYTES, Category::OptimizerState, ph, "qmap_udynamic");
+                            self.b.alloc(
+                                BNB_QMAP_BYTES,
+                                Category::OptimizerState,
+                                ph,
+                                "qmap_dynamic",
+                            );
+                            self.b.alloc(
+                                BNB_QMAP_BYTES,
+                                Category::OptimizerState,
+                                ph,
+                                "qmap_udynamic",
+                            );
                             qmaps = true;
                         }
                         for (bytes, what) in bnb_8bit_state(numel) {
@@ -604,6 +729,7 @@ impl<'a> Emitter<'a> {
             }
         }
         let total: u64 = sizes.iter().sum();
-        self.b.op("optimizer_step", 10 * total / 4, 4 * total, 2 * total);
+        self.b
+            .op("optimizer_step", 10 * total / 4, 4 * total, 2 * total);
     }
 }

@@ -27,19 +27,42 @@ impl Toy {
         }
         let mut b = TraceBuilder::new(h);
         let mut id = 0u64;
-        let mut alloc = |b: &mut TraceBuilder, bytes: u64, c: Category, p: Phase, op: &str, module: String| {
-            id += 1;
-            b.alloc_with_id(0, id, bytes, c, p, op, Some(&module), 0).unwrap();
-            id
-        };
+        let mut alloc =
+            |b: &mut TraceBuilder, bytes: u64, c: Category, p: Phase, op: &str, module: String| {
+                id += 1;
+                b.alloc_with_id(0, id, bytes, c, p, op, Some(&module), 0)
+                    .unwrap();
+                id
+            };
         for l in 0..depth {
-            alloc(&mut b, 1000, Category::Parameter, Phase::Setup, "empty", format!("layers.{l}"));
+            alloc(
+                &mut b,
+                1000,
+                Category::Parameter,
+                Phase::Setup,
+                "empty",
+                format!("layers.{l}"),
+            );
         }
         for _ in 0..2 {
-            let input = alloc(&mut b, 64 * batch, Category::InputBatch, Phase::Forward, "embed", "embed".into());
+            let input = alloc(
+                &mut b,
+                64 * batch,
+                Category::InputBatch,
+                Phase::Forward,
+                "embed",
+                "embed".into(),
+            );
             let mut outputs = vec![input];
             for l in 0..depth {
-                outputs.push(alloc(&mut b, 256 * batch, Category::Activation, Phase::Forward, "mm", format!("layers.{l}.mlp")));
+                outputs.push(alloc(
+                    &mut b,
+                    256 * batch,
+                    Category::Activation,
+                    Phase::Forward,
+                    "mm",
+                    format!("layers.{l}.mlp"),
+                ));
                 b.op("mm", 100 * batch, 10 * batch + 1000, 10 * batch);
                 if self.views {
                     let bytes = if l % 2 == 0 { 1024 } else { 256 * batch };
@@ -48,18 +71,46 @@ impl Toy {
             }
             let mut grads = Vec::new();
             for l in (0..depth as usize).rev() {
-                grads.push(alloc(&mut b, 1000, Category::Gradient, Phase::Backward, "mm", format!("layers.{l}")));
-                let t = alloc(&mut b, 256 * batch, Category::Temporary, Phase::Backward, "mm", format!("layers.{l}.mlp"));
+                grads.push(alloc(
+                    &mut b,
+                    1000,
+                    Category::Gradient,
+                    Phase::Backward,
+                    "mm",
+                    format!("layers.{l}"),
+                ));
+                let t = alloc(
+                    &mut b,
+                    256 * batch,
+                    Category::Temporary,
+                    Phase::Backward,
+                    "mm",
+                    format!("layers.{l}.mlp"),
+                );
                 b.free(t);
                 if self.coincide {
-                    let t = alloc(&mut b, 1024, Category::Temporary, Phase::Backward, "mm", format!("layers.{l}.mlp"));
+                    let t = alloc(
+                        &mut b,
+                        1024,
+                        Category::Temporary,
+                        Phase::Backward,
+                        "mm",
+                        format!("layers.{l}.mlp"),
+                    );
                     b.free(t);
                 }
                 b.free(outputs[l + 1]);
             }
             if let Some((op, _, batched)) = self.over_blocks {
                 let per_block = if batched { 8 * batch } else { 1000 };
-                let f = alloc(&mut b, per_block * u64::from(depth), Category::Temporary, Phase::Backward, op, String::new());
+                let f = alloc(
+                    &mut b,
+                    per_block * u64::from(depth),
+                    Category::Temporary,
+                    Phase::Backward,
+                    op,
+                    String::new(),
+                );
                 b.free(f);
             }
             b.free(input);

@@ -90,7 +90,11 @@ pub enum ConvPass {
 }
 
 impl ConvPass {
-    pub const ALL: [ConvPass; 3] = [ConvPass::Forward, ConvPass::BackwardData, ConvPass::BackwardFilter];
+    pub const ALL: [ConvPass; 3] = [
+        ConvPass::Forward,
+        ConvPass::BackwardData,
+        ConvPass::BackwardFilter,
+    ];
     pub fn name(self) -> &'static str {
         match self {
             ConvPass::Forward => "fwd",
@@ -110,18 +114,37 @@ pub enum Event {
     /// A new storage of `bytes` on `stream`, made by kernel `op` on behalf of `module` (its path
     /// in the model, e.g. `layer4.2.conv3`; [`NO_MODULE`] if none). `slot` is the dense index of
     /// its id (see [`Trace::ids`]).
-    Alloc { slot: u32, bytes: u64, category: Category, phase: Phase, op: u32, module: u32, stream: u32 },
+    Alloc {
+        slot: u32,
+        bytes: u64,
+        category: Category,
+        phase: Phase,
+        op: u32,
+        module: u32,
+        stream: u32,
+    },
     /// The storage in `slot` dies.
     Free { slot: u32 },
     /// A kernel: feeds the utilization model.
-    Op { op: u32, flops: u64, bytes_read: u64, bytes_written: u64 },
+    Op {
+        op: u32,
+        flops: u64,
+        bytes_read: u64,
+        bytes_written: u64,
+    },
     /// End of iteration `index` (0-based).
     Iteration { index: u32 },
     /// The workspaces a convolution kernel takes and gives back before it returns. Their sizes
     /// depend on the GPU and cuDNN, so the trace names the convolution (`conv`, interned: its
     /// configuration without the batch; `n`: the batch) and the replay sizes them from the
     /// profile's workspace table.
-    Workspace { conv: u32, n: u64, pass: ConvPass, phase: Phase, module: u32 },
+    Workspace {
+        conv: u32,
+        n: u64,
+        pass: ConvPass,
+        phase: Phase,
+        module: u32,
+    },
 }
 
 /// Header: what the trace describes and who produced it.
@@ -222,7 +245,10 @@ pub struct TraceError {
 }
 
 fn err(line: usize, message: impl Into<String>) -> TraceError {
-    TraceError { line, message: message.into() }
+    TraceError {
+        line,
+        message: message.into(),
+    }
 }
 
 /// Largest single allocation a trace may ask for (1 PiB): anything above is a corrupt size.
@@ -308,7 +334,10 @@ impl TraceBuilder {
         stream: u32,
     ) -> Result<(), TraceError> {
         if bytes > MAX_ALLOC_BYTES {
-            return Err(err(line, format!("alloc of id {id}: size {bytes} bytes is absurd (over 1 PiB)")));
+            return Err(err(
+                line,
+                format!("alloc of id {id}: size {bytes} bytes is absurd (over 1 PiB)"),
+            ));
         }
         if self.live.contains_key(&id) {
             return Err(err(line, format!("alloc of id {id}, which is still live")));
@@ -319,7 +348,15 @@ impl TraceBuilder {
         self.ids.push(id);
         self.live.insert(id, slot);
         self.next_id = self.next_id.max(id + 1);
-        self.events.push(Event::Alloc { slot, bytes, category, phase, op, module, stream });
+        self.events.push(Event::Alloc {
+            slot,
+            bytes,
+            category,
+            phase,
+            op,
+            module,
+            stream,
+        });
         Ok(())
     }
 
@@ -340,17 +377,37 @@ impl TraceBuilder {
 
     pub fn op(&mut self, name: &str, flops: u64, bytes_read: u64, bytes_written: u64) {
         let op = self.intern(name);
-        self.events.push(Event::Op { op, flops, bytes_read, bytes_written });
+        self.events.push(Event::Op {
+            op,
+            flops,
+            bytes_read,
+            bytes_written,
+        });
     }
 
-    pub fn workspace(&mut self, conv: &str, n: u64, pass: ConvPass, phase: Phase, module: Option<&str>) {
+    pub fn workspace(
+        &mut self,
+        conv: &str,
+        n: u64,
+        pass: ConvPass,
+        phase: Phase,
+        module: Option<&str>,
+    ) {
         let conv = self.intern(conv);
         let module = module.map_or(NO_MODULE, |m| self.intern(m));
-        self.events.push(Event::Workspace { conv, n, pass, phase, module });
+        self.events.push(Event::Workspace {
+            conv,
+            n,
+            pass,
+            phase,
+            module,
+        });
     }
 
     pub fn iteration_end(&mut self) {
-        self.events.push(Event::Iteration { index: self.iterations });
+        self.events.push(Event::Iteration {
+            index: self.iterations,
+        });
         self.iterations += 1;
     }
 
@@ -360,7 +417,12 @@ impl TraceBuilder {
 
     pub fn finish(mut self) -> Trace {
         self.header.iterations = self.iterations;
-        Trace { header: self.header, events: self.events, ops: self.ops, ids: self.ids }
+        Trace {
+            header: self.header,
+            events: self.events,
+            ops: self.ops,
+            ids: self.ids,
+        }
     }
 }
 
@@ -408,7 +470,9 @@ impl Trace {
     /// Reads the JSON Lines format. Errors name the 1-based line and what is wrong.
     pub fn read(mut reader: impl BufRead) -> Result<Trace, TraceError> {
         let mut text = String::new();
-        reader.read_to_string(&mut text).map_err(|e| err(0, format!("cannot read: {e}")))?;
+        reader
+            .read_to_string(&mut text)
+            .map_err(|e| err(0, format!("cannot read: {e}")))?;
         let mut lines = text.lines();
         let first = match lines.next() {
             None => return Err(err(1, "empty trace: expected a header line")),
@@ -417,10 +481,22 @@ impl Trace {
         let header: TraceHeader = serde_json::from_str(first)
             .map_err(|e| err(1, format!("bad header: {}", one_line(&e))))?;
         if header.format != FORMAT_NAME {
-            return Err(err(1, format!("field format: expected \"{FORMAT_NAME}\", found \"{}\"", header.format)));
+            return Err(err(
+                1,
+                format!(
+                    "field format: expected \"{FORMAT_NAME}\", found \"{}\"",
+                    header.format
+                ),
+            ));
         }
         if header.version != FORMAT_VERSION {
-            return Err(err(1, format!("field version: this gpumem reads version {FORMAT_VERSION}, found {}", header.version)));
+            return Err(err(
+                1,
+                format!(
+                    "field version: this gpumem reads version {FORMAT_VERSION}, found {}",
+                    header.version
+                ),
+            ));
         }
         let mut b = TraceBuilder::new(header);
         for (i, line) in lines.enumerate() {
@@ -435,23 +511,52 @@ impl Trace {
                     let bytes = need(l.bytes, n, "alloc", "bytes")?;
                     let bytes = match (bytes.as_u64(), bytes.as_i64()) {
                         (Some(b), _) => b,
-                        (None, Some(neg)) => return Err(err(n, format!("field bytes: negative size {neg}"))),
-                        (None, None) => return Err(err(n, format!("field bytes: size {bytes} is not a whole number of bytes or overflows"))),
+                        (None, Some(neg)) => {
+                            return Err(err(n, format!("field bytes: negative size {neg}")));
+                        }
+                        (None, None) => {
+                            return Err(err(
+                                n,
+                                format!(
+                                    "field bytes: size {bytes} is not a whole number of bytes or overflows"
+                                ),
+                            ));
+                        }
                     };
                     let category = need(l.category, n, "alloc", "category")?;
                     let phase = need(l.phase, n, "alloc", "phase")?;
                     let op = need(l.op, n, "alloc", "op")?;
-                    b.alloc_with_id(n, id, bytes, category, phase, &op, l.module.as_deref(), l.stream.unwrap_or(0))?;
+                    b.alloc_with_id(
+                        n,
+                        id,
+                        bytes,
+                        category,
+                        phase,
+                        &op,
+                        l.module.as_deref(),
+                        l.stream.unwrap_or(0),
+                    )?;
                 }
                 "free" => b.free_at(n, need(l.id, n, "free", "id")?)?,
                 "op" => {
                     let op = need(l.op, n, "op", "op")?;
-                    b.op(&op, l.flops.unwrap_or(0), l.bytes_read.unwrap_or(0), l.bytes_written.unwrap_or(0));
+                    b.op(
+                        &op,
+                        l.flops.unwrap_or(0),
+                        l.bytes_read.unwrap_or(0),
+                        l.bytes_written.unwrap_or(0),
+                    );
                 }
                 "iteration" => {
                     let index = need(l.index, n, "iteration", "index")?;
                     if index != b.iterations {
-                        return Err(err(n, format!("field index: expected iteration {}, found {index}", b.iterations)));
+                        return Err(err(
+                            n,
+                            format!(
+                                "field index: expected iteration {}, found {index}",
+                                b.iterations
+                            ),
+                        ));
                     }
                     b.iteration_end();
                 }
@@ -459,13 +564,23 @@ impl Trace {
                     let conv = need(l.conv, n, "workspace", "conv")?;
                     let batch = need(l.n, n, "workspace", "n")?;
                     if batch == 0 || batch > MAX_ALLOC_BYTES {
-                        return Err(err(n, format!("field n: batch {batch} is out of range (1..=2^50)")));
+                        return Err(err(
+                            n,
+                            format!("field n: batch {batch} is out of range (1..=2^50)"),
+                        ));
                     }
                     let pass = need(l.pass, n, "workspace", "pass")?;
                     let phase = need(l.phase, n, "workspace", "phase")?;
                     b.workspace(&conv, batch, pass, phase, l.module.as_deref());
                 }
-                other => return Err(err(n, format!("unknown event `{other}` (expected alloc, free, op, iteration or workspace)"))),
+                other => {
+                    return Err(err(
+                        n,
+                        format!(
+                            "unknown event `{other}` (expected alloc, free, op, iteration or workspace)"
+                        ),
+                    ));
+                }
             }
         }
         Ok(b.finish())
@@ -477,7 +592,15 @@ impl Trace {
         writeln!(w)?;
         for ev in &self.events {
             let line = match *ev {
-                Event::Alloc { slot, bytes, category, phase, op, module, stream } => Line {
+                Event::Alloc {
+                    slot,
+                    bytes,
+                    category,
+                    phase,
+                    op,
+                    module,
+                    stream,
+                } => Line {
                     ev: "alloc",
                     id: Some(self.ids[slot as usize]),
                     bytes: Some(bytes.into()),
@@ -488,8 +611,17 @@ impl Trace {
                     stream: (stream != 0).then_some(stream),
                     ..Default::default()
                 },
-                Event::Free { slot } => Line { ev: "free", id: Some(self.ids[slot as usize]), ..Default::default() },
-                Event::Op { op, flops, bytes_read, bytes_written } => Line {
+                Event::Free { slot } => Line {
+                    ev: "free",
+                    id: Some(self.ids[slot as usize]),
+                    ..Default::default()
+                },
+                Event::Op {
+                    op,
+                    flops,
+                    bytes_read,
+                    bytes_written,
+                } => Line {
                     ev: "op",
                     op: Some(self.ops[op as usize].as_str().into()),
                     flops: Some(flops),
@@ -497,8 +629,18 @@ impl Trace {
                     bytes_written: Some(bytes_written),
                     ..Default::default()
                 },
-                Event::Iteration { index } => Line { ev: "iteration", index: Some(index), ..Default::default() },
-                Event::Workspace { conv, n, pass, phase, module } => Line {
+                Event::Iteration { index } => Line {
+                    ev: "iteration",
+                    index: Some(index),
+                    ..Default::default()
+                },
+                Event::Workspace {
+                    conv,
+                    n,
+                    pass,
+                    phase,
+                    module,
+                } => Line {
                     ev: "workspace",
                     conv: Some(self.ops[conv as usize].as_str().into()),
                     n: Some(n),
@@ -543,16 +685,25 @@ impl Trace {
     /// Whether the job runs a convolution (and so loads cuDNN): the trace names its
     /// workspaces.
     pub fn runs_convolutions(&self) -> bool {
-        self.events.iter().any(|ev| matches!(ev, Event::Workspace { .. }))
+        self.events
+            .iter()
+            .any(|ev| matches!(ev, Event::Workspace { .. }))
     }
 
     pub fn largest_output(&self, names: &[&str]) -> u64 {
-        let wanted: Vec<u32> =
-            self.ops.iter().enumerate().filter(|(_, n)| names.contains(&n.as_str())).map(|(i, _)| i as u32).collect();
+        let wanted: Vec<u32> = self
+            .ops
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| names.contains(&n.as_str()))
+            .map(|(i, _)| i as u32)
+            .collect();
         self.events
             .iter()
             .filter_map(|ev| match *ev {
-                Event::Op { op, bytes_written, .. } if wanted.contains(&op) => Some(bytes_written),
+                Event::Op {
+                    op, bytes_written, ..
+                } if wanted.contains(&op) => Some(bytes_written),
                 _ => None,
             })
             .max()
@@ -563,14 +714,24 @@ impl Trace {
     pub fn op_totals(&self) -> OpTotals {
         let mut t = OpTotals::default();
         for ev in &self.events {
-            if let Event::Op { flops, bytes_read, bytes_written, .. } = *ev {
+            if let Event::Op {
+                flops,
+                bytes_read,
+                bytes_written,
+                ..
+            } = *ev
+            {
                 t.kernels += 1;
                 t.flops += flops;
                 t.bytes += bytes_read + bytes_written;
             }
         }
         let iters = self.header.iterations.max(1) as u64;
-        OpTotals { kernels: t.kernels / iters, flops: t.flops / iters, bytes: t.bytes / iters }
+        OpTotals {
+            kernels: t.kernels / iters,
+            flops: t.flops / iters,
+            bytes: t.bytes / iters,
+        }
     }
 }
 
@@ -605,7 +766,13 @@ mod tests {
         b.op("mm", 10, 20, 30);
         let c = b.alloc(24, Category::Activation, Phase::Forward, "mm");
         b.free(c);
-        b.workspace("in=3x8x8;w=4x3x3x3", 8, ConvPass::BackwardData, Phase::Backward, Some("conv1"));
+        b.workspace(
+            "in=3x8x8;w=4x3x3x3",
+            8,
+            ConvPass::BackwardData,
+            Phase::Backward,
+            Some("conv1"),
+        );
         b.iteration_end();
         b.free(a);
         let t = b.finish();
@@ -617,18 +784,32 @@ mod tests {
     #[test]
     fn errors_name_line_and_field() {
         let alloc = r#"{"ev":"alloc","id":1,"bytes":10,"category":"activation","phase":"forward","op":"x"}"#;
-        assert_eq!(read(r#"{"ev":"free","id":3}"#).unwrap_err().to_string(), "line 2: free of unknown id 3");
-        let e = read(&format!("{alloc}\n{{\"ev\":\"free\",\"id\":1}}\n{{\"ev\":\"free\",\"id\":1}}")).unwrap_err();
+        assert_eq!(
+            read(r#"{"ev":"free","id":3}"#).unwrap_err().to_string(),
+            "line 2: free of unknown id 3"
+        );
+        let e = read(&format!(
+            "{alloc}\n{{\"ev\":\"free\",\"id\":1}}\n{{\"ev\":\"free\",\"id\":1}}"
+        ))
+        .unwrap_err();
         assert_eq!(e.to_string(), "line 4: double free of id 1");
         let e = read(&alloc.replace("10", "-5")).unwrap_err();
         assert_eq!(e.to_string(), "line 2: field bytes: negative size -5");
         let e = read(&alloc.replace("10", "99999999999999999999999")).unwrap_err();
-        assert!(e.to_string().starts_with("line 2: field bytes: size"), "{e}");
+        assert!(
+            e.to_string().starts_with("line 2: field bytes: size"),
+            "{e}"
+        );
         let e = read(r#"{"ev":"alloc","id":1"#).unwrap_err();
         assert!(e.to_string().starts_with("line 2: EOF"), "{e}");
         let e = read(&alloc.replace("activation", "weights")).unwrap_err();
         assert!(e.to_string().contains("unknown variant `weights`"), "{e}");
-        assert!(Trace::read("".as_bytes()).unwrap_err().to_string().contains("empty trace"));
+        assert!(
+            Trace::read("".as_bytes())
+                .unwrap_err()
+                .to_string()
+                .contains("empty trace")
+        );
         let e = Trace::read(r#"{"format":"x"}"#.as_bytes()).unwrap_err();
         assert!(e.to_string().starts_with("line 1: bad header"), "{e}");
     }

@@ -43,7 +43,11 @@ pub struct HostModel {
 
 impl Default for HostModel {
     fn default() -> Self {
-        HostModel { dispatch_s: 8e-6, step_overhead_s: 1e-3, per_sample_s: 6e-6 }
+        HostModel {
+            dispatch_s: 8e-6,
+            step_overhead_s: 1e-3,
+            per_sample_s: 6e-6,
+        }
     }
 }
 
@@ -71,14 +75,32 @@ enum Unit {
 /// Ops that launch no kernel: views (a new tensor over the same memory) and allocations. The
 /// tracer records them (the host dispatches them), but a view of a 1 GB buffer reads nothing.
 const NO_KERNEL: [&str; 17] = [
-    "view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "permute", "expand", "alias", "detach", "select", "slice", "narrow", "as_strided", "unbind", "empty", "empty_strided",
+    "view",
+    "_unsafe_view",
+    "t",
+    "transpose",
+    "unsqueeze",
+    "squeeze",
+    "permute",
+    "expand",
+    "alias",
+    "detach",
+    "select",
+    "slice",
+    "narrow",
+    "as_strided",
+    "unbind",
+    "empty",
+    "empty_strided",
 ];
 
 fn unit(op: &str) -> Unit {
     if op.starts_with("conv") {
         Unit::Conv
-    } else if matches!(op, "addmm" | "mm" | "bmm" | "baddbmm" | "matmul" | "linear" | "addbmm")
-        || op.contains("attention")
+    } else if matches!(
+        op,
+        "addmm" | "mm" | "bmm" | "baddbmm" | "matmul" | "linear" | "addbmm"
+    ) || op.contains("attention")
     {
         Unit::Gemm
     } else {
@@ -106,9 +128,18 @@ pub fn physical(trace: &Trace, profile: &GpuProfile, host: &HostModel) -> Utiliz
     let bandwidth = profile.memory_bandwidth_gbs.max(1e-3) * 1e9;
     let sms = f64::from(profile.sm_count.max(1));
     let precision = trace.header.precision.as_str();
-    let (mut busy, mut sm_busy, mut occupied, mut dram, mut fp32, mut kernels, mut host_ops) = (0.0, 0.0, 0.0, 0.0, 0.0, 0u64, 0u64);
+    let (mut busy, mut sm_busy, mut occupied, mut dram, mut fp32, mut kernels, mut host_ops) =
+        (0.0, 0.0, 0.0, 0.0, 0.0, 0u64, 0u64);
     for ev in trace.events() {
-        let Event::Op { op, flops, bytes_read, bytes_written } = *ev else { continue };
+        let Event::Op {
+            op,
+            flops,
+            bytes_read,
+            bytes_written,
+        } = *ev
+        else {
+            continue;
+        };
         let name = trace.op_name(op);
         if NO_KERNEL.contains(&name) {
             host_ops += 1;
@@ -121,8 +152,14 @@ pub fn physical(trace: &Trace, profile: &GpuProfile, host: &HostModel) -> Utiliz
         let time = compute.max(memory) + KERNEL_FLOOR_S;
         let outputs = bytes_written as f64 / 4.0;
         let (coverage, occupancy) = match unit {
-            Unit::Elementwise => ((outputs / (THREADS_PER_SM * sms)).min(1.0), ELEMENTWISE_OCCUPANCY),
-            _ => ((outputs / (TILE_ELEMENTS * sms)).clamp(1.0 / sms, 1.0), TENSOR_OCCUPANCY),
+            Unit::Elementwise => (
+                (outputs / (THREADS_PER_SM * sms)).min(1.0),
+                ELEMENTWISE_OCCUPANCY,
+            ),
+            _ => (
+                (outputs / (TILE_ELEMENTS * sms)).clamp(1.0 / sms, 1.0),
+                TENSOR_OCCUPANCY,
+            ),
         };
         let coverage = coverage.max(1.0 / sms);
         busy += time;
@@ -143,7 +180,14 @@ pub fn physical(trace: &Trace, profile: &GpuProfile, host: &HostModel) -> Utiliz
         return Utilization::default();
     }
     let per_step = |x: f64| (x / iterations / step).clamp(0.0, 1.0);
-    Utilization { smact: per_step(sm_busy), smocc: per_step(occupied), gract: per_step(busy), dram: per_step(dram), fp32: per_step(fp32), step_s: step }
+    Utilization {
+        smact: per_step(sm_busy),
+        smocc: per_step(occupied),
+        gract: per_step(busy),
+        dram: per_step(dram),
+        fp32: per_step(fp32),
+        step_s: step,
+    }
 }
 
 #[cfg(test)]
@@ -153,13 +197,20 @@ mod tests {
     use crate::profile::builtin;
 
     fn util(spec: &str, batch: u64, gpu: &str) -> Utilization {
-        let trace = ModelSpec::parse(spec).unwrap().trace(&JobOptions::new(batch)).unwrap();
+        let trace = ModelSpec::parse(spec)
+            .unwrap()
+            .trace(&JobOptions::new(batch))
+            .unwrap();
         physical(&trace, &builtin(gpu).unwrap(), &HostModel::default())
     }
 
     #[test]
     fn fields_are_fractions_and_ordered() {
-        let u = util("mlp:input=4096,output=10,depth=6,arch=uniform,act=relu", 512, "a100-40gb");
+        let u = util(
+            "mlp:input=4096,output=10,depth=6,arch=uniform,act=relu",
+            512,
+            "a100-40gb",
+        );
         for x in [u.smact, u.smocc, u.gract, u.dram, u.fp32] {
             assert!((0.0..=1.0).contains(&x), "{u:?}");
         }
@@ -168,10 +219,21 @@ mod tests {
 
     #[test]
     fn bigger_batches_keep_the_gpu_busier() {
-        let small = util("mlp:input=256,output=10,depth=3,arch=uniform,act=relu", 8, "a100-40gb");
-        let large = util("mlp:input=4096,output=10,depth=3,arch=uniform,act=relu", 1024, "a100-40gb");
+        let small = util(
+            "mlp:input=256,output=10,depth=3,arch=uniform,act=relu",
+            8,
+            "a100-40gb",
+        );
+        let large = util(
+            "mlp:input=4096,output=10,depth=3,arch=uniform,act=relu",
+            1024,
+            "a100-40gb",
+        );
         assert!(small.gract < 0.5, "a tiny job is launch-bound: {small:?}");
-        assert!(large.gract > small.gract && large.smact > small.smact, "{small:?} {large:?}");
+        assert!(
+            large.gract > small.gract && large.smact > small.smact,
+            "{small:?} {large:?}"
+        );
     }
 
     #[test]
@@ -186,8 +248,14 @@ mod tests {
     fn matmuls_run_on_tensor_cores_in_pure_16_bit_as_under_autocast() {
         let a100 = builtin("a100-40gb").unwrap();
         for (pure, amp) in [("bf16", "amp-bf16"), ("fp16", "amp-fp16")] {
-            assert_eq!(peak_flops(&a100, Unit::Gemm, pure), peak_flops(&a100, Unit::Gemm, amp));
-            assert!(peak_flops(&a100, Unit::Gemm, pure) > 10.0 * peak_flops(&a100, Unit::Gemm, "fp32"), "312 against 19.5 TFLOP/s");
+            assert_eq!(
+                peak_flops(&a100, Unit::Gemm, pure),
+                peak_flops(&a100, Unit::Gemm, amp)
+            );
+            assert!(
+                peak_flops(&a100, Unit::Gemm, pure) > 10.0 * peak_flops(&a100, Unit::Gemm, "fp32"),
+                "312 against 19.5 TFLOP/s"
+            );
         }
     }
 }

@@ -46,7 +46,9 @@ impl ModelRef {
             return Ok(Some(ModelRef::Torch(model.to_string())));
         }
         match model.split_once(':') {
-            Some((family, _)) if ModelSpec::FAMILIES.contains(&family) => ModelSpec::parse(model).map(|m| Some(ModelRef::Native(m))),
+            Some((family, _)) if ModelSpec::FAMILIES.contains(&family) => {
+                ModelSpec::parse(model).map(|m| Some(ModelRef::Native(m)))
+            }
             _ => Ok(None),
         }
     }
@@ -75,9 +77,18 @@ pub struct InputShape {
 
 impl InputShape {
     pub fn parse(s: &str) -> Option<InputShape> {
-        let v: Vec<u64> = s.split('x').map(|p| p.parse::<u64>().ok().filter(|&n| n > 0)).collect::<Option<_>>()?;
-        let [channels, height, width] = v[..] else { return None };
-        Some(InputShape { channels, height, width })
+        let v: Vec<u64> = s
+            .split('x')
+            .map(|p| p.parse::<u64>().ok().filter(|&n| n > 0))
+            .collect::<Option<_>>()?;
+        let [channels, height, width] = v[..] else {
+            return None;
+        };
+        Some(InputShape {
+            channels,
+            height,
+            width,
+        })
     }
 }
 
@@ -331,7 +342,9 @@ impl Strategy {
 
     pub fn world_size(self) -> u32 {
         match self {
-            Strategy::Ddp { world_size, .. } | Strategy::Fsdp { world_size, .. } | Strategy::Zero { world_size, .. } => world_size,
+            Strategy::Ddp { world_size, .. }
+            | Strategy::Fsdp { world_size, .. }
+            | Strategy::Zero { world_size, .. } => world_size,
         }
     }
 }
@@ -368,7 +381,14 @@ impl Eq for Lora {}
 
 impl std::hash::Hash for Lora {
     fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        (self.rank, self.alpha.to_bits(), &self.targets, self.dropout.to_bits(), self.quant).hash(h);
+        (
+            self.rank,
+            self.alpha.to_bits(),
+            &self.targets,
+            self.dropout.to_bits(),
+            self.quant,
+        )
+            .hash(h);
     }
 }
 
@@ -384,11 +404,24 @@ impl Lora {
             let (key, value) = match part.split_once('=') {
                 Some((k, v)) => (k.trim(), v.trim()),
                 None if after_targets && !part.is_empty() => ("targets", part),
-                None => return Err(format!("`{part}` is not key=value (r, alpha, targets, dropout, quant, double_quant)")),
+                None => {
+                    return Err(format!(
+                        "`{part}` is not key=value (r, alpha, targets, dropout, quant, double_quant)"
+                    ));
+                }
             };
-            let number = |v: &str| v.parse::<f64>().ok().filter(|x| x.is_finite()).ok_or_else(|| format!("{key} `{v}` is not a number"));
+            let number = |v: &str| {
+                v.parse::<f64>()
+                    .ok()
+                    .filter(|x| x.is_finite())
+                    .ok_or_else(|| format!("{key} `{v}` is not a number"))
+            };
             match key {
-                "r" | "rank" => rank = value.parse().map_err(|_| format!("r `{value}` is not a whole number"))?,
+                "r" | "rank" => {
+                    rank = value
+                        .parse()
+                        .map_err(|_| format!("r `{value}` is not a whole number"))?
+                }
                 "alpha" | "lora_alpha" => alpha = number(value)?,
                 "dropout" | "lora_dropout" => dropout = number(value)?,
                 "targets" | "target_modules" => targets.push(value.to_string()),
@@ -399,33 +432,79 @@ impl Lora {
                         other => return Err(format!("quant `{other}` is not nf4 or fp4")),
                     })
                 }
-                "double_quant" => double_quant = Some(value.parse::<bool>().map_err(|_| format!("double_quant `{value}` is not true or false"))?),
-                other => return Err(format!("unknown key `{other}` (r, alpha, targets, dropout, quant, double_quant)")),
+                "double_quant" => {
+                    double_quant = Some(
+                        value
+                            .parse::<bool>()
+                            .map_err(|_| format!("double_quant `{value}` is not true or false"))?,
+                    )
+                }
+                other => {
+                    return Err(format!(
+                        "unknown key `{other}` (r, alpha, targets, dropout, quant, double_quant)"
+                    ));
+                }
             }
             after_targets = matches!(key, "targets" | "target_modules");
         }
         let quant = match (quant, double_quant) {
-            (Some(nf4), d) => Some(Quant4 { nf4, double_quant: d.unwrap_or(true) }),
+            (Some(nf4), d) => Some(Quant4 {
+                nf4,
+                double_quant: d.unwrap_or(true),
+            }),
             (None, Some(_)) => return Err("double_quant needs quant=nf4 or quant=fp4".into()),
             (None, None) => None,
         };
-        Ok(Lora { quant, ..Lora::new(rank, alpha, targets, dropout)? })
+        Ok(Lora {
+            quant,
+            ..Lora::new(rank, alpha, targets, dropout)?
+        })
     }
 
     /// A PEFT `adapter_config.json` (its `r`, `lora_alpha`, `target_modules`, `lora_dropout`).
     pub fn from_peft_json(text: &str) -> Result<Lora, String> {
-        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
-        if let Some(t) = v.get("peft_type").and_then(|t| t.as_str()).filter(|t| *t != "LORA") {
+        let v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+        if let Some(t) = v
+            .get("peft_type")
+            .and_then(|t| t.as_str())
+            .filter(|t| *t != "LORA")
+        {
             return Err(format!("peft_type is {t}; gpumem models LORA"));
         }
-        let rank = v.get("r").map_or(Some(8), |r| r.as_u64()).and_then(|r| u32::try_from(r).ok()).ok_or("`r` is not a whole number")?;
-        let number = |key: &str, default: f64| v.get(key).map_or(Some(default), |x| x.as_f64()).ok_or(format!("`{key}` is not a number"));
+        let rank = v
+            .get("r")
+            .map_or(Some(8), |r| r.as_u64())
+            .and_then(|r| u32::try_from(r).ok())
+            .ok_or("`r` is not a whole number")?;
+        let number = |key: &str, default: f64| {
+            v.get(key)
+                .map_or(Some(default), |x| x.as_f64())
+                .ok_or(format!("`{key}` is not a number"))
+        };
         let targets = match v.get("target_modules") {
             Some(serde_json::Value::String(s)) => vec![s.clone()],
-            Some(serde_json::Value::Array(a)) => a.iter().map(|t| t.as_str().map(str::to_string).ok_or("`target_modules` holds a non-string")).collect::<Result<_, _>>()?,
-            _ => return Err("`target_modules` is missing (a list of module names, or \"all-linear\")".into()),
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .map(|t| {
+                    t.as_str()
+                        .map(str::to_string)
+                        .ok_or("`target_modules` holds a non-string")
+                })
+                .collect::<Result<_, _>>()?,
+            _ => {
+                return Err(
+                    "`target_modules` is missing (a list of module names, or \"all-linear\")"
+                        .into(),
+                );
+            }
         };
-        Lora::new(rank, number("lora_alpha", 8.0)?, targets, number("lora_dropout", 0.0)?)
+        Lora::new(
+            rank,
+            number("lora_alpha", 8.0)?,
+            targets,
+            number("lora_dropout", 0.0)?,
+        )
     }
 
     fn new(rank: u32, alpha: f64, targets: Vec<String>, dropout: f64) -> Result<Lora, String> {
@@ -435,10 +514,23 @@ impl Lora {
         if !(0.0..1.0).contains(&dropout) {
             return Err(format!("dropout {dropout} is not in [0, 1)"));
         }
-        if targets.is_empty() || targets.iter().any(|t| t.is_empty() || t.contains(char::is_whitespace)) {
-            return Err("give targets=NAME[,NAME…] (module names such as q_proj,v_proj, or all-linear)".into());
+        if targets.is_empty()
+            || targets
+                .iter()
+                .any(|t| t.is_empty() || t.contains(char::is_whitespace))
+        {
+            return Err(
+                "give targets=NAME[,NAME…] (module names such as q_proj,v_proj, or all-linear)"
+                    .into(),
+            );
         }
-        Ok(Lora { rank, alpha, targets, dropout, quant: None })
+        Ok(Lora {
+            rank,
+            alpha,
+            targets,
+            dropout,
+            quant: None,
+        })
     }
 }
 
@@ -485,15 +577,21 @@ pub enum OptionError {
     OffloadParam,
     /// DeepSpeed scales the loss of fp16 training inside its engine; torch's GradScaler does not
     /// drive one.
-    #[error("ZeRO trains fp16 in DeepSpeed's own fp16 mode (--precision fp16, loss scaling inside the engine), not under torch's GradScaler (amp-fp16)")]
+    #[error(
+        "ZeRO trains fp16 in DeepSpeed's own fp16 mode (--precision fp16, loss scaling inside the engine), not under torch's GradScaler (amp-fp16)"
+    )]
     ZeroAmpFp16,
-    #[error("HSDP's --nodes {replicas} must divide --world-size {world_size} into groups of at least 2 ranks")]
+    #[error(
+        "HSDP's --nodes {replicas} must divide --world-size {world_size} into groups of at least 2 ranks"
+    )]
     Replicas { replicas: u32, world_size: u32 },
 }
 
 /// A multi-GPU job whose GPU count is not its strategy's world size (a job's ranks are its GPUs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("options.strategy has world_size {world_size}, and a job's ranks are its GPUs: gpus must be {world_size}, not {gpus}")]
+#[error(
+    "options.strategy has world_size {world_size}, and a job's ranks are its GPUs: gpus must be {world_size}, not {gpus}"
+)]
 pub struct RanksNotGpus {
     pub world_size: u32,
     pub gpus: u32,
@@ -519,13 +617,33 @@ impl Options {
                 return Err(OptionError::WorldSize(strategy.world_size()));
             }
             match strategy {
-                Strategy::Ddp { bucket_cap_mb: 0, .. } => return Err(OptionError::BucketCap),
-                Strategy::Zero { stage, .. } if !(1..=3).contains(&stage) => return Err(OptionError::ZeroStage(stage)),
-                Strategy::Zero { zero, .. } if zero.reduce_bucket_size == 0 => return Err(OptionError::ReduceBucket),
-                Strategy::Zero { stage, zero, .. } if zero.offload_param && stage != 3 => return Err(OptionError::OffloadParam),
-                Strategy::Zero { .. } if self.precision == Precision::AmpFp16 => return Err(OptionError::ZeroAmpFp16),
-                Strategy::Fsdp { world_size, replicas, .. } if replicas == 0 || !world_size.is_multiple_of(replicas) || (replicas > 1 && world_size / replicas < 2) => {
-                    return Err(OptionError::Replicas { replicas, world_size });
+                Strategy::Ddp {
+                    bucket_cap_mb: 0, ..
+                } => return Err(OptionError::BucketCap),
+                Strategy::Zero { stage, .. } if !(1..=3).contains(&stage) => {
+                    return Err(OptionError::ZeroStage(stage));
+                }
+                Strategy::Zero { zero, .. } if zero.reduce_bucket_size == 0 => {
+                    return Err(OptionError::ReduceBucket);
+                }
+                Strategy::Zero { stage, zero, .. } if zero.offload_param && stage != 3 => {
+                    return Err(OptionError::OffloadParam);
+                }
+                Strategy::Zero { .. } if self.precision == Precision::AmpFp16 => {
+                    return Err(OptionError::ZeroAmpFp16);
+                }
+                Strategy::Fsdp {
+                    world_size,
+                    replicas,
+                    ..
+                } if replicas == 0
+                    || !world_size.is_multiple_of(replicas)
+                    || (replicas > 1 && world_size / replicas < 2) =>
+                {
+                    return Err(OptionError::Replicas {
+                        replicas,
+                        world_size,
+                    });
                 }
                 _ => {}
             }
@@ -547,7 +665,11 @@ impl Options {
     /// What a native family model can be given of these options: the optimizer and the
     /// precision, in an otherwise plain loop (the families refuse pure precision themselves).
     pub fn native_part(&self) -> Options {
-        Options { optimizer: self.optimizer, precision: self.precision, ..Options::default() }
+        Options {
+            optimizer: self.optimizer,
+            precision: self.precision,
+            ..Options::default()
+        }
     }
 
     /// Whether a native family model can take all of these options.
@@ -599,7 +721,11 @@ mod checkpointing_compat {
             Name(String),
         }
         match Stored::deserialize(d)? {
-            Stored::Flag(on) => Ok(if on { Checkpointing::Full } else { Checkpointing::Off }),
+            Stored::Flag(on) => Ok(if on {
+                Checkpointing::Full
+            } else {
+                Checkpointing::Off
+            }),
             Stored::Name(n) => Checkpointing::parse(&n).map_err(serde::de::Error::custom),
         }
     }
@@ -627,16 +753,23 @@ mod precision_name {
 
 mod input_text {
     use super::*;
-    pub fn serialize<S: serde::Serializer>(i: &Option<InputShape>, s: S) -> Result<S::Ok, S::Error> {
+    pub fn serialize<S: serde::Serializer>(
+        i: &Option<InputShape>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
         match i {
             Some(i) => s.serialize_str(&i.to_string()),
             None => s.serialize_none(),
         }
     }
-    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<InputShape>, D::Error> {
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<InputShape>, D::Error> {
         match Option::<String>::deserialize(d)? {
             None => Ok(None),
-            Some(t) => InputShape::parse(&t).map(Some).ok_or_else(|| serde::de::Error::custom(format!("input `{t}` is not CxHxW"))),
+            Some(t) => InputShape::parse(&t)
+                .map(Some)
+                .ok_or_else(|| serde::de::Error::custom(format!("input `{t}` is not CxHxW"))),
         }
     }
 }
@@ -647,8 +780,15 @@ mod tests {
 
     #[test]
     fn one_prefix_table() {
-        assert_eq!(ModelRef::parse("hf:gpt2").unwrap(), ModelRef::Torch("hf:gpt2".into()));
-        assert!(ModelRef::parse("mlp:input=8,output=2,depth=1").unwrap().is_native());
+        assert_eq!(
+            ModelRef::parse("hf:gpt2").unwrap(),
+            ModelRef::Torch("hf:gpt2".into())
+        );
+        assert!(
+            ModelRef::parse("mlp:input=8,output=2,depth=1")
+                .unwrap()
+                .is_native()
+        );
         let e = ModelRef::parse("resnet50").unwrap_err().to_string();
         assert!(e.contains("no `family:` prefix"), "{e}");
         assert_eq!(ModelRef::recognise("resnet50").unwrap(), None);
@@ -658,11 +798,27 @@ mod tests {
     #[test]
     fn options_in_json_are_spelled_as_on_the_command_line() {
         let o: Options = serde_json::from_str(r#"{"optimizer":"adamw","precision":"amp-bf16","input":"3x224x224","validate":"no-grad","outputs":"dropped"}"#).unwrap();
-        assert_eq!((o.optimizer, o.precision, o.validate, o.outputs), (Optimizer::AdamW, Precision::AmpBf16, Validate::NoGrad, Some(Outputs::Dropped)));
+        assert_eq!(
+            (o.optimizer, o.precision, o.validate, o.outputs),
+            (
+                Optimizer::AdamW,
+                Precision::AmpBf16,
+                Validate::NoGrad,
+                Some(Outputs::Dropped)
+            )
+        );
         assert_eq!(o.input.unwrap().to_string(), "3x224x224");
-        assert_eq!(serde_json::from_str::<Options>(&serde_json::to_string(&o).unwrap()).unwrap(), o);
-        let e = serde_json::from_str::<Options>(r#"{"validate":"maybe"}"#).unwrap_err().to_string();
-        assert!(e.contains("unknown validation `maybe` (expected none, no-grad, grad)"), "{e}");
+        assert_eq!(
+            serde_json::from_str::<Options>(&serde_json::to_string(&o).unwrap()).unwrap(),
+            o
+        );
+        let e = serde_json::from_str::<Options>(r#"{"validate":"maybe"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("unknown validation `maybe` (expected none, no-grad, grad)"),
+            "{e}"
+        );
         assert!(serde_json::from_str::<Options>(r#"{"optimiser":"sgd"}"#).is_err());
         assert!(InputShape::parse("3x0x4").is_none() && InputShape::parse("3x4").is_none());
     }
@@ -670,48 +826,160 @@ mod tests {
     #[test]
     fn checks_and_native_options() {
         assert!(Options::default().check().is_ok() && Options::default().native_compatible());
-        let o = Options { grad_accum: 0, ..Options::default() };
-        assert_eq!(o.check().unwrap_err().to_string(), "--grad-accum must be at least 1");
-        assert!(!Options { checkpointing: Checkpointing::Full, ..Options::default() }.native_compatible());
+        let o = Options {
+            grad_accum: 0,
+            ..Options::default()
+        };
+        assert_eq!(
+            o.check().unwrap_err().to_string(),
+            "--grad-accum must be at least 1"
+        );
+        assert!(
+            !Options {
+                checkpointing: Checkpointing::Full,
+                ..Options::default()
+            }
+            .native_compatible()
+        );
         // Stored jobs from before selective checkpointing read as they were written.
-        for (stored, c) in [("false", Checkpointing::Off), ("true", Checkpointing::Full), ("\"selective\"", Checkpointing::Selective)] {
-            let o: Options = serde_json::from_str(&format!(r#"{{"checkpointing": {stored}}}"#)).unwrap();
+        for (stored, c) in [
+            ("false", Checkpointing::Off),
+            ("true", Checkpointing::Full),
+            ("\"selective\"", Checkpointing::Selective),
+        ] {
+            let o: Options =
+                serde_json::from_str(&format!(r#"{{"checkpointing": {stored}}}"#)).unwrap();
             assert_eq!(o.checkpointing, c);
-            assert_eq!(serde_json::to_value(&o).unwrap()["checkpointing"].to_string(), stored);
+            assert_eq!(
+                serde_json::to_value(&o).unwrap()["checkpointing"].to_string(),
+                stored
+            );
         }
-        assert!(serde_json::from_str::<Options>(r#"{"checkpointing": "half"}"#).unwrap_err().to_string().contains("half"));
-        let over = OptionOverrides { seq_len: Some(512), ..Default::default() }.over(&Options { grad_accum: 2, ..Options::default() });
+        assert!(
+            serde_json::from_str::<Options>(r#"{"checkpointing": "half"}"#)
+                .unwrap_err()
+                .to_string()
+                .contains("half")
+        );
+        let over = OptionOverrides {
+            seq_len: Some(512),
+            ..Default::default()
+        }
+        .over(&Options {
+            grad_accum: 2,
+            ..Options::default()
+        });
         assert_eq!((over.seq_len, over.grad_accum), (Some(512), 2));
     }
 
     #[test]
     fn lora_is_stated_as_peft_states_it() {
         let l = Lora::parse("r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05").unwrap();
-        assert_eq!((l.rank, l.alpha, l.targets.clone(), l.dropout), (16, 32.0, vec!["q_proj".to_string(), "v_proj".to_string()], 0.05));
-        assert_eq!(Lora::parse("targets=all-linear").unwrap(), Lora { rank: 8, alpha: 8.0, targets: vec!["all-linear".into()], dropout: 0.0, quant: None }, "PEFT's defaults");
+        assert_eq!(
+            (l.rank, l.alpha, l.targets.clone(), l.dropout),
+            (
+                16,
+                32.0,
+                vec!["q_proj".to_string(), "v_proj".to_string()],
+                0.05
+            )
+        );
+        assert_eq!(
+            Lora::parse("targets=all-linear").unwrap(),
+            Lora {
+                rank: 8,
+                alpha: 8.0,
+                targets: vec!["all-linear".into()],
+                dropout: 0.0,
+                quant: None
+            },
+            "PEFT's defaults"
+        );
         // QLoRA: 4-bit base weights, double-quantized unless turned off.
-        assert_eq!(Lora::parse("targets=all-linear,quant=nf4").unwrap().quant, Some(Quant4 { nf4: true, double_quant: true }));
-        assert_eq!(Lora::parse("targets=q,quant=fp4,double_quant=false").unwrap().quant, Some(Quant4 { nf4: false, double_quant: false }));
+        assert_eq!(
+            Lora::parse("targets=all-linear,quant=nf4").unwrap().quant,
+            Some(Quant4 {
+                nf4: true,
+                double_quant: true
+            })
+        );
+        assert_eq!(
+            Lora::parse("targets=q,quant=fp4,double_quant=false")
+                .unwrap()
+                .quant,
+            Some(Quant4 {
+                nf4: false,
+                double_quant: false
+            })
+        );
         let json = r#"{"peft_type": "LORA", "r": 16, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj"], "bias": "none"}"#;
-        assert_eq!(Lora::from_peft_json(json).unwrap(), Lora { dropout: 0.1, ..l });
-        for (bad, needle) in [("r=0,targets=q", "at least 1"), ("r=16", "give targets"), ("r=16,q_proj", "not key=value"), ("alpha=nan,targets=q", "not a number"), ("rank=4,colour=1", "unknown key"), ("dropout=1,targets=q", "not in [0, 1)"), ("targets=q,quant=int3", "quant `int3` is not nf4 or fp4"), ("targets=q,double_quant=true", "double_quant needs quant=nf4"), ("targets=q,quant=nf4,double_quant=2", "not true or false")] {
+        assert_eq!(
+            Lora::from_peft_json(json).unwrap(),
+            Lora { dropout: 0.1, ..l }
+        );
+        for (bad, needle) in [
+            ("r=0,targets=q", "at least 1"),
+            ("r=16", "give targets"),
+            ("r=16,q_proj", "not key=value"),
+            ("alpha=nan,targets=q", "not a number"),
+            ("rank=4,colour=1", "unknown key"),
+            ("dropout=1,targets=q", "not in [0, 1)"),
+            ("targets=q,quant=int3", "quant `int3` is not nf4 or fp4"),
+            (
+                "targets=q,double_quant=true",
+                "double_quant needs quant=nf4",
+            ),
+            ("targets=q,quant=nf4,double_quant=2", "not true or false"),
+        ] {
             assert!(Lora::parse(bad).unwrap_err().contains(needle), "{bad}");
         }
-        assert!(Lora::from_peft_json(r#"{"peft_type": "IA3", "target_modules": ["k"]}"#).unwrap_err().contains("IA3"));
-        assert!(!Options { lora: Some(Lora::parse("targets=q").unwrap()), ..Options::default() }.native_compatible());
+        assert!(
+            Lora::from_peft_json(r#"{"peft_type": "IA3", "target_modules": ["k"]}"#)
+                .unwrap_err()
+                .contains("IA3")
+        );
+        assert!(
+            !Options {
+                lora: Some(Lora::parse("targets=q").unwrap()),
+                ..Options::default()
+            }
+            .native_compatible()
+        );
     }
 
     #[test]
     fn a_strategy_is_checked_and_stated_as_json() {
-        let ddp = |world_size, data_parallel| Options { strategy: Some(Strategy::Ddp { world_size, bucket_cap_mb: 25, bucket_view: false }), data_parallel, ..Options::default() };
+        let ddp = |world_size, data_parallel| Options {
+            strategy: Some(Strategy::Ddp {
+                world_size,
+                bucket_cap_mb: 25,
+                bucket_view: false,
+            }),
+            data_parallel,
+            ..Options::default()
+        };
         assert_eq!(ddp(8, 1).check(), Ok(()));
         assert_eq!(ddp(1, 1).check(), Err(OptionError::WorldSize(1)));
         assert_eq!(ddp(8, 2).check(), Err(OptionError::TwoWrappers));
         let json = serde_json::to_string(&ddp(8, 1)).unwrap();
-        assert!(json.contains(r#""strategy":{"kind":"ddp","world_size":8,"bucket_cap_mb":25,"bucket_view":false}"#), "{json}");
+        assert!(
+            json.contains(
+                r#""strategy":{"kind":"ddp","world_size":8,"bucket_cap_mb":25,"bucket_view":false}"#
+            ),
+            "{json}"
+        );
         assert_eq!(serde_json::from_str::<Options>(&json).unwrap(), ddp(8, 1));
         assert!(!ddp(8, 1).native_compatible());
-        let fsdp = Options { strategy: Some(Strategy::Fsdp { world_size: 1, reshard_after_forward: true, param_dtype: None, replicas: 1, cpu_offload: false }), ..Options::default() };
+        let fsdp = Options {
+            strategy: Some(Strategy::Fsdp {
+                world_size: 1,
+                reshard_after_forward: true,
+                param_dtype: None,
+                replicas: 1,
+                cpu_offload: false,
+            }),
+            ..Options::default()
+        };
         assert_eq!(fsdp.check(), Err(OptionError::WorldSize(1)));
     }
 }

@@ -43,8 +43,15 @@ impl ConvWorkspace {
 
 /// Adds `newer` entries to `table`, a configuration at a batch measured again taking the new
 /// figures; the table stays ordered by (configuration, batch). Returns (added, replaced).
-pub fn merge(table: &mut Vec<ConvWorkspace>, newer: impl IntoIterator<Item = ConvWorkspace>) -> (usize, usize) {
-    let mut by_key: std::collections::BTreeMap<(String, u64), ConvWorkspace> = std::mem::take(table).into_iter().map(|e| ((e.config.clone(), e.n), e)).collect();
+pub fn merge(
+    table: &mut Vec<ConvWorkspace>,
+    newer: impl IntoIterator<Item = ConvWorkspace>,
+) -> (usize, usize) {
+    let mut by_key: std::collections::BTreeMap<(String, u64), ConvWorkspace> =
+        std::mem::take(table)
+            .into_iter()
+            .map(|e| ((e.config.clone(), e.n), e))
+            .collect();
     let (mut added, mut replaced) = (0, 0);
     for e in newer {
         if by_key.insert((e.config.clone(), e.n), e).is_some() {
@@ -114,8 +121,14 @@ impl WorkspacePolicy {
         if !shape.transposed_by_cudnn || shape.in_channels < self.min_in_channels {
             return Vec::new();
         }
-        let extra = if pass == ConvPass::BackwardFilter { self.bwd_filter_extra_mib * crate::units::MIB as f64 } else { 0.0 };
-        let bytes = ((shape.in_per_sample + shape.out_per_sample) * n as f64 + shape.weight) * self.layout_transform + extra;
+        let extra = if pass == ConvPass::BackwardFilter {
+            self.bwd_filter_extra_mib * crate::units::MIB as f64
+        } else {
+            0.0
+        };
+        let bytes = ((shape.in_per_sample + shape.out_per_sample) * n as f64 + shape.weight)
+            * self.layout_transform
+            + extra;
         vec![bytes.ceil().min(MAX_ALLOC_BYTES as f64) as u64]
     }
 }
@@ -139,8 +152,13 @@ impl Shape {
     /// Parses the tracer's key (`in=C×H×W;w=K×C/g×R×S;stride=..;pad=..;dil=..;groups=g;
     /// dtype=..;layout=..[;transposed=1;opad=..]`); None if it is not one.
     fn parse(config: &str) -> Option<Shape> {
-        let kv: HashMap<&str, &str> = config.split(';').filter_map(|p| p.split_once('=')).collect();
-        let dims = |k: &str| -> Option<Vec<u64>> { kv.get(k)?.split('x').map(|d| d.parse().ok()).collect() };
+        let kv: HashMap<&str, &str> = config
+            .split(';')
+            .filter_map(|p| p.split_once('='))
+            .collect();
+        let dims = |k: &str| -> Option<Vec<u64>> {
+            kv.get(k)?.split('x').map(|d| d.parse().ok()).collect()
+        };
         let (input, weight) = (dims("in")?, dims("w")?);
         let (stride, pad, dil) = (dims("stride")?, dims("pad")?, dims("dil")?);
         let groups: u64 = kv.get("groups")?.parse().ok()?;
@@ -150,17 +168,27 @@ impl Shape {
             _ => 2.0,
         };
         let spatial = input.len().checked_sub(1)?;
-        if weight.len() != spatial + 2 || stride.len() != spatial || pad.len() != spatial || dil.len() != spatial {
+        if weight.len() != spatial + 2
+            || stride.len() != spatial
+            || pad.len() != spatial
+            || dil.len() != spatial
+        {
             return None;
         }
         let transposed = kv.get("transposed") == Some(&"1");
-        let mut out = if transposed { weight[1] * groups } else { weight[0] } as f64;
+        let mut out = if transposed {
+            weight[1] * groups
+        } else {
+            weight[0]
+        } as f64;
         for i in 0..spatial {
             let (h, k) = (input[i + 1] as f64, weight[i + 2] as f64);
             let o = if transposed {
                 (h - 1.0) * stride[i] as f64 - 2.0 * pad[i] as f64 + dil[i] as f64 * (k - 1.0) + 1.0
             } else {
-                ((h + 2.0 * pad[i] as f64 - dil[i] as f64 * (k - 1.0) - 1.0) / stride[i] as f64).floor() + 1.0
+                ((h + 2.0 * pad[i] as f64 - dil[i] as f64 * (k - 1.0) - 1.0) / stride[i] as f64)
+                    .floor()
+                    + 1.0
             };
             out *= o.max(1.0);
         }
@@ -204,7 +232,12 @@ pub struct WorkspaceTable<'a> {
 
 impl<'a> WorkspaceTable<'a> {
     pub fn new(entries: &'a [ConvWorkspace], policy: Option<WorkspacePolicy>) -> Self {
-        let mut t = WorkspaceTable { exact: HashMap::new(), by_config: HashMap::new(), by_kind: HashMap::new(), policy };
+        let mut t = WorkspaceTable {
+            exact: HashMap::new(),
+            by_config: HashMap::new(),
+            by_kind: HashMap::new(),
+            policy,
+        };
         for e in entries {
             t.exact.insert((e.config.as_str(), e.n), e);
             t.by_config.entry(e.config.as_str()).or_default().push(e);
@@ -222,7 +255,9 @@ impl<'a> WorkspaceTable<'a> {
         for ev in trace.events() {
             if let Event::Workspace { conv, n, .. } = *ev {
                 let config = trace.op_name(conv);
-                if !self.exact.contains_key(&(config, n)) && !out.iter().any(|(c, m)| c == config && *m == n) {
+                if !self.exact.contains_key(&(config, n))
+                    && !out.iter().any(|(c, m)| c == config && *m == n)
+                {
                     out.push((config.to_string(), n));
                 }
             }
@@ -243,7 +278,12 @@ impl<'a> WorkspaceTable<'a> {
     }
 
     /// Probed, or fitted from what was probed; None when the table has nothing to go by.
-    fn from_table(&self, config: &str, n: u64, pass: ConvPass) -> Option<(Vec<u64>, WorkspaceSource)> {
+    fn from_table(
+        &self,
+        config: &str,
+        n: u64,
+        pass: ConvPass,
+    ) -> Option<(Vec<u64>, WorkspaceSource)> {
         if let Some(e) = self.exact.get(&(config, n)) {
             return Some((e.sizes(pass).to_vec(), WorkspaceSource::Probed));
         }
@@ -251,12 +291,23 @@ impl<'a> WorkspaceTable<'a> {
             return None;
         }
         // Scaled sizes stay within what one allocation may be (a profile's n is at least 1).
-        let scale = |sizes: &[u64], f: f64| sizes.iter().map(|&b| (b as f64 * f).ceil().min(MAX_ALLOC_BYTES as f64) as u64).collect::<Vec<_>>();
+        let scale = |sizes: &[u64], f: f64| {
+            sizes
+                .iter()
+                .map(|&b| (b as f64 * f).ceil().min(MAX_ALLOC_BYTES as f64) as u64)
+                .collect::<Vec<_>>()
+        };
         // The same configuration at another batch: the nearest probed batch, scaled (cuDNN's
         // workspaces grow with the tensors; the engine may differ, which the bound covers).
         if let Some(same) = self.by_config.get(config) {
-            let e = same.iter().min_by_key(|e| e.n.abs_diff(n)).expect("non-empty by construction");
-            return Some((scale(e.sizes(pass), n as f64 / e.n as f64), WorkspaceSource::Fitted));
+            let e = same
+                .iter()
+                .min_by_key(|e| e.n.abs_diff(n))
+                .expect("non-empty by construction");
+            return Some((
+                scale(e.sizes(pass), n as f64 / e.n as f64),
+                WorkspaceSource::Fitted,
+            ));
         }
         // The nearest configuration of the same kind, by the bytes its tensors hold, scaled by
         // the ratio of those bytes.
@@ -265,12 +316,22 @@ impl<'a> WorkspaceTable<'a> {
         let bytes = |s: &Shape, n: u64| (s.in_per_sample + s.out_per_sample) * n as f64;
         let want = bytes(&shape, n);
         let distance = |s: &Shape, m: u64| {
-            ((s.in_per_sample * m as f64) / (shape.in_per_sample * n as f64)).ln().abs()
-                + ((s.out_per_sample * m as f64) / (shape.out_per_sample * n as f64)).ln().abs()
+            ((s.in_per_sample * m as f64) / (shape.in_per_sample * n as f64))
+                .ln()
+                .abs()
+                + ((s.out_per_sample * m as f64) / (shape.out_per_sample * n as f64))
+                    .ln()
+                    .abs()
         };
-        let (s, e) = kin.iter().min_by(|a, b| distance(&a.0, a.1.n).total_cmp(&distance(&b.0, b.1.n))).expect("non-empty by construction");
+        let (s, e) = kin
+            .iter()
+            .min_by(|a, b| distance(&a.0, a.1.n).total_cmp(&distance(&b.0, b.1.n)))
+            .expect("non-empty by construction");
         let ratio = want / bytes(s, e.n);
-        Some((scale(e.sizes(pass), if ratio.is_finite() { ratio } else { 0.0 }), WorkspaceSource::Fitted))
+        Some((
+            scale(e.sizes(pass), if ratio.is_finite() { ratio } else { 0.0 }),
+            WorkspaceSource::Fitted,
+        ))
     }
 }
 
@@ -281,31 +342,61 @@ mod tests {
     const C: &str = "in=64x56x56;w=64x64x3x3;stride=1x1;pad=1x1;dil=1x1;groups=1;dtype=float32;layout=contiguous";
 
     fn entry(config: &str, n: u64, fwd: u64) -> ConvWorkspace {
-        ConvWorkspace { config: config.into(), n, fwd: vec![fwd], bwd_data: vec![], bwd_filter: vec![7] }
+        ConvWorkspace {
+            config: config.into(),
+            n,
+            fwd: vec![fwd],
+            bwd_data: vec![],
+            bwd_filter: vec![7],
+        }
     }
 
     #[test]
     fn exact_then_same_configuration_then_nearest_of_its_kind() {
-        let other = C.replace("in=64x56x56", "in=64x28x28").replace("w=64x64", "w=64x64");
+        let other = C
+            .replace("in=64x56x56", "in=64x28x28")
+            .replace("w=64x64", "w=64x64");
         let entries = [entry(C, 32, 1000), entry(&other, 32, 400)];
         let t = WorkspaceTable::new(&entries, None);
-        assert_eq!(t.lookup(C, 32, ConvPass::Forward), (vec![1000], WorkspaceSource::Probed));
-        assert_eq!(t.lookup(C, 32, ConvPass::BackwardData), (vec![], WorkspaceSource::Probed), "probed as none");
-        assert_eq!(t.lookup(C, 64, ConvPass::Forward), (vec![2000], WorkspaceSource::Fitted));
+        assert_eq!(
+            t.lookup(C, 32, ConvPass::Forward),
+            (vec![1000], WorkspaceSource::Probed)
+        );
+        assert_eq!(
+            t.lookup(C, 32, ConvPass::BackwardData),
+            (vec![], WorkspaceSource::Probed),
+            "probed as none"
+        );
+        assert_eq!(
+            t.lookup(C, 64, ConvPass::Forward),
+            (vec![2000], WorkspaceSource::Fitted)
+        );
         // 64×42×42 sits between the two probed ones; its nearest (by bytes) is 28×28 at 32.
         let unseen = C.replace("in=64x56x56", "in=64x36x36");
         let (sizes, source) = t.lookup(&unseen, 32, ConvPass::Forward);
         assert_eq!(source, WorkspaceSource::Fitted);
         assert!(sizes[0] > 400 && sizes[0] < 1000, "{sizes:?}");
         // A kind never probed (a 5×5 kernel): nothing to fit from.
-        let kind = C.replace("w=64x64x3x3", "w=64x64x5x5").replace("pad=1x1", "pad=2x2");
-        assert_eq!(t.lookup(&kind, 32, ConvPass::Forward), (vec![], WorkspaceSource::Default));
-        assert_eq!(WorkspaceTable::new(&[], None).lookup(C, 32, ConvPass::Forward), (vec![], WorkspaceSource::Default));
+        let kind = C
+            .replace("w=64x64x3x3", "w=64x64x5x5")
+            .replace("pad=1x1", "pad=2x2");
+        assert_eq!(
+            t.lookup(&kind, 32, ConvPass::Forward),
+            (vec![], WorkspaceSource::Default)
+        );
+        assert_eq!(
+            WorkspaceTable::new(&[], None).lookup(C, 32, ConvPass::Forward),
+            (vec![], WorkspaceSource::Default)
+        );
     }
 
     #[test]
     fn the_policy_sizes_what_the_table_cannot() {
-        let policy = WorkspacePolicy { layout_transform: 1.0, min_in_channels: 8, bwd_filter_extra_mib: 0.0 };
+        let policy = WorkspacePolicy {
+            layout_transform: 1.0,
+            min_in_channels: 8,
+            bwd_filter_extra_mib: 0.0,
+        };
         let t = WorkspaceTable::new(&[], Some(policy));
         // 3×3: input + output (64×56×56 fp32 each, batch 2) + weight (64×64×3×3).
         let want = 2 * 2 * 64 * 56 * 56 * 4 + 64 * 64 * 9 * 4;
@@ -313,26 +404,55 @@ mod tests {
             assert_eq!(t.lookup(C, 2, pass), (vec![want], WorkspaceSource::Policy));
         }
         // What cuDNN runs without transposing: 1×1 stride 1, channels_last, depthwise, stems.
-        let pointwise = C.replace("w=64x64x3x3", "w=64x64x1x1").replace("pad=1x1", "pad=0x0");
+        let pointwise = C
+            .replace("w=64x64x3x3", "w=64x64x1x1")
+            .replace("pad=1x1", "pad=0x0");
         let last = C.replace("contiguous", "channels_last");
-        let depthwise = C.replace("w=64x64x3x3", "w=64x1x3x3").replace("groups=1", "groups=64");
-        let stem = C.replace("in=64x56x56", "in=3x56x56").replace("w=64x64", "w=64x3");
+        let depthwise = C
+            .replace("w=64x64x3x3", "w=64x1x3x3")
+            .replace("groups=1", "groups=64");
+        let stem = C
+            .replace("in=64x56x56", "in=3x56x56")
+            .replace("w=64x64", "w=64x3");
         for config in [pointwise, last, depthwise, stem] {
-            assert_eq!(t.lookup(&config, 2, ConvPass::Forward), (vec![], WorkspaceSource::Policy), "{config}");
+            assert_eq!(
+                t.lookup(&config, 2, ConvPass::Forward),
+                (vec![], WorkspaceSource::Policy),
+                "{config}"
+            );
         }
         // A probed table wins; the policy only fills in.
         let entries = [entry(C, 32, 1000)];
         let t = WorkspaceTable::new(&entries, Some(policy));
-        assert_eq!(t.lookup(C, 32, ConvPass::Forward), (vec![1000], WorkspaceSource::Probed));
-        let kind = C.replace("w=64x64x3x3", "w=64x64x5x5").replace("pad=1x1", "pad=2x2");
-        assert_eq!(t.lookup(&kind, 32, ConvPass::Forward).1, WorkspaceSource::Policy);
-        assert!(WorkspacePolicy { layout_transform: f64::NAN, min_in_channels: 8, bwd_filter_extra_mib: 0.0 }.validate().is_err());
+        assert_eq!(
+            t.lookup(C, 32, ConvPass::Forward),
+            (vec![1000], WorkspaceSource::Probed)
+        );
+        let kind = C
+            .replace("w=64x64x3x3", "w=64x64x5x5")
+            .replace("pad=1x1", "pad=2x2");
+        assert_eq!(
+            t.lookup(&kind, 32, ConvPass::Forward).1,
+            WorkspaceSource::Policy
+        );
+        assert!(
+            WorkspacePolicy {
+                layout_transform: f64::NAN,
+                min_in_channels: 8,
+                bwd_filter_extra_mib: 0.0
+            }
+            .validate()
+            .is_err()
+        );
     }
 
     #[test]
     fn the_key_parses_into_bytes_moved() {
         let s = Shape::parse(C).unwrap();
-        assert_eq!((s.in_per_sample, s.out_per_sample), (64.0 * 56.0 * 56.0 * 4.0, 64.0 * 56.0 * 56.0 * 4.0));
+        assert_eq!(
+            (s.in_per_sample, s.out_per_sample),
+            (64.0 * 56.0 * 56.0 * 4.0, 64.0 * 56.0 * 56.0 * 4.0)
+        );
         let strided = Shape::parse(&C.replace("stride=1x1", "stride=2x2")).unwrap();
         assert_eq!(strided.out_per_sample, 64.0 * 28.0 * 28.0 * 4.0);
         assert!(Shape::parse("in=3x3;w=1").is_none());

@@ -48,17 +48,28 @@ fn check(a: &CachingAllocator, live: &[(BlockId, u64)]) {
     let snap = a.snapshot();
     let live_sum: u64 = live.iter().map(|&(b, _)| a.block_size(b)).sum();
     assert_eq!(st.allocated, live_sum, "allocated counts the live blocks");
-    assert_eq!(st.reserved, snap.iter().map(|s| s.size).sum::<u64>(), "reserved = segment sizes");
+    assert_eq!(
+        st.reserved,
+        snap.iter().map(|s| s.size).sum::<u64>(),
+        "reserved = segment sizes"
+    );
     assert!(st.allocated <= st.reserved && st.reserved <= st.peak_reserved);
     for s in &snap {
-        assert_eq!(s.blocks.iter().map(|b| b.0).sum::<u64>(), s.size, "blocks tile their segment");
+        assert_eq!(
+            s.blocks.iter().map(|b| b.0).sum::<u64>(),
+            s.size,
+            "blocks tile their segment"
+        );
         for w in s.blocks.windows(2) {
             assert!(w[0].1 || w[1].1, "two free neighbours were not coalesced");
         }
     }
     for &(b, request) in live {
         let size = a.block_size(b);
-        assert!(size >= request && size.is_multiple_of(512), "block {size} for request {request}");
+        assert!(
+            size >= request && size.is_multiple_of(512),
+            "block {size} for request {request}"
+        );
     }
 }
 

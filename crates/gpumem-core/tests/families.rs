@@ -28,7 +28,13 @@ fn trace(spec: &str, batch: u64, opt: Optimizer, prec: Precision) -> Trace {
 fn every_family_optimizer_and_precision_traces_and_round_trips() {
     let p = builtin("a100-40gb").unwrap();
     for spec in MODELS {
-        for opt in [Optimizer::Adam, Optimizer::AdamW, Optimizer::Sgd, Optimizer::SgdMomentum, Optimizer::AdamW8bit] {
+        for opt in [
+            Optimizer::Adam,
+            Optimizer::AdamW,
+            Optimizer::Sgd,
+            Optimizer::SgdMomentum,
+            Optimizer::AdamW8bit,
+        ] {
             for prec in [Precision::Fp32, Precision::AmpFp16, Precision::AmpBf16] {
                 let t = trace(spec, 8, opt, prec);
                 assert!(t.header.iterations >= 3, "{spec}");
@@ -37,7 +43,10 @@ fn every_family_optimizer_and_precision_traces_and_round_trips() {
                 assert_eq!(Trace::read(bytes.as_slice()).unwrap(), t);
                 let r = Replay::default().estimate(&t, &p).unwrap();
                 let l = LiveTensors.estimate(&t, &p).unwrap();
-                assert!(r.peak_bytes > l.peak_bytes, "{spec}: the replay adds context and caching");
+                assert!(
+                    r.peak_bytes > l.peak_bytes,
+                    "{spec}: the replay adds context and caching"
+                );
                 assert!(r.fits);
             }
         }
@@ -45,37 +54,90 @@ fn every_family_optimizer_and_precision_traces_and_round_trips() {
 }
 
 fn category_bytes(t: &Trace, c: Category) -> u64 {
-    t.events().iter().map(|e| match *e {
-        Event::Alloc { bytes, category, .. } if category == c => bytes,
-        _ => 0,
-    }).sum()
+    t.events()
+        .iter()
+        .map(|e| match *e {
+            Event::Alloc {
+                bytes, category, ..
+            } if category == c => bytes,
+            _ => 0,
+        })
+        .sum()
 }
 
 #[test]
 fn optimizer_state_matches_the_optimizer() {
     let spec = MODELS[0];
-    let params: u64 = ModelSpec::parse(spec).unwrap().graph(8, Precision::Fp32).parameter_count();
-    assert_eq!(category_bytes(&trace(spec, 8, Optimizer::Adam, Precision::Fp32), Category::OptimizerState), 2 * 4 * params);
-    assert_eq!(category_bytes(&trace(spec, 8, Optimizer::SgdMomentum, Precision::Fp32), Category::OptimizerState), 4 * params);
-    assert_eq!(category_bytes(&trace(spec, 8, Optimizer::Sgd, Precision::Fp32), Category::OptimizerState), 0);
+    let params: u64 = ModelSpec::parse(spec)
+        .unwrap()
+        .graph(8, Precision::Fp32)
+        .parameter_count();
+    assert_eq!(
+        category_bytes(
+            &trace(spec, 8, Optimizer::Adam, Precision::Fp32),
+            Category::OptimizerState
+        ),
+        2 * 4 * params
+    );
+    assert_eq!(
+        category_bytes(
+            &trace(spec, 8, Optimizer::SgdMomentum, Precision::Fp32),
+            Category::OptimizerState
+        ),
+        4 * params
+    );
+    assert_eq!(
+        category_bytes(
+            &trace(spec, 8, Optimizer::Sgd, Precision::Fp32),
+            Category::OptimizerState
+        ),
+        0
+    );
     // bitsandbytes' 8-bit AdamW: a byte per element and an fp32 scale per 256 (fp32 state below
     // 4096 elements), plus its two 256-entry maps.
     let g = ModelSpec::parse(spec).unwrap().graph(8, Precision::Fp32);
-    let bnb: u64 = 2 * gpumem_core::step::BNB_QMAP_BYTES + g.params.iter().flat_map(|&t| gpumem_core::step::bnb_8bit_state(g.t(t).numel)).map(|(b, _)| b).sum::<u64>();
+    let bnb: u64 = 2 * gpumem_core::step::BNB_QMAP_BYTES
+        + g.params
+            .iter()
+            .flat_map(|&t| gpumem_core::step::bnb_8bit_state(g.t(t).numel))
+            .map(|(b, _)| b)
+            .sum::<u64>();
     for opt in [Optimizer::AdamW8bit, Optimizer::PagedAdamW8bit] {
-        assert_eq!(category_bytes(&trace(spec, 8, opt, Precision::Fp32), Category::OptimizerState), bnb);
+        assert_eq!(
+            category_bytes(
+                &trace(spec, 8, opt, Precision::Fp32),
+                Category::OptimizerState
+            ),
+            bnb
+        );
     }
     assert!(bnb < 2 * 4 * params / 3, "about a quarter of Adam's");
-    assert_eq!(gpumem_core::step::bnb_8bit_state(4095), vec![(4 * 4095, "state1"), (4 * 4095, "state2")]);
-    assert_eq!(gpumem_core::step::bnb_8bit_state(4097), vec![(4097, "state1"), (4097, "state2"), (4 * 17, "absmax1"), (4 * 17, "absmax2")]);
+    assert_eq!(
+        gpumem_core::step::bnb_8bit_state(4095),
+        vec![(4 * 4095, "state1"), (4 * 4095, "state2")]
+    );
+    assert_eq!(
+        gpumem_core::step::bnb_8bit_state(4097),
+        vec![
+            (4097, "state1"),
+            (4097, "state2"),
+            (4 * 17, "absmax1"),
+            (4 * 17, "absmax2")
+        ]
+    );
 }
 
 fn op_bytes(t: &Trace, name: &str) -> u64 {
-    let Some(op) = t.op_names().iter().position(|o| o == name) else { return 0 };
-    t.events().iter().map(|e| match *e {
-        Event::Alloc { bytes, op: o, .. } if o as usize == op => bytes,
-        _ => 0,
-    }).sum()
+    let Some(op) = t.op_names().iter().position(|o| o == name) else {
+        return 0;
+    };
+    t.events()
+        .iter()
+        .map(|e| match *e {
+            Event::Alloc { bytes, op: o, .. } if o as usize == op => bytes,
+            _ => 0,
+        })
+        .sum()
 }
 
 #[test]
@@ -86,28 +148,58 @@ fn autocast_halves_matmul_outputs_and_adds_weight_copies() {
     // Forward outputs halve; backward gradients of the low-precision tensors halve too.
     assert_eq!(2 * op_bytes(&amp, "addmm"), op_bytes(&fp32, "addmm"));
     assert_eq!(op_bytes(&fp32, "to_copy"), 0);
-    let params = ModelSpec::parse(spec).unwrap().graph(512, Precision::Fp32).parameter_count();
+    let params = ModelSpec::parse(spec)
+        .unwrap()
+        .graph(512, Precision::Fp32)
+        .parameter_count();
     let iters = amp.header.iterations as u64;
     // Per iteration: a bf16 copy of every weight and bias (forward), an fp32 gradient of each
     // (the cast's backward), the bf16 copy of the input batch for the first layer, and the fp32
     // copy of the bf16 logits that softmax makes (plus its bf16 gradient).
-    assert_eq!(op_bytes(&amp, "to_copy"), iters * (2 * params + 4 * params + 2 * 512 * 2048 + (4 + 2) * 512 * 10));
+    assert_eq!(
+        op_bytes(&amp, "to_copy"),
+        iters * (2 * params + 4 * params + 2 * 512 * 2048 + (4 + 2) * 512 * 10)
+    );
 }
 
 #[test]
 fn gradients_are_freed_by_zero_grad_and_recreated() {
     let t = trace(MODELS[0], 16, Optimizer::Adam, Precision::Fp32);
-    let params = ModelSpec::parse(MODELS[0]).unwrap().graph(16, Precision::Fp32).params.len() as u64;
-    let grads = t.events().iter().filter(|e| matches!(e, Event::Alloc { category: Category::Gradient, .. })).count() as u64;
-    assert_eq!(grads, params * t.header.iterations as u64, "one gradient per parameter per iteration");
+    let params = ModelSpec::parse(MODELS[0])
+        .unwrap()
+        .graph(16, Precision::Fp32)
+        .params
+        .len() as u64;
+    let grads = t
+        .events()
+        .iter()
+        .filter(|e| {
+            matches!(
+                e,
+                Event::Alloc {
+                    category: Category::Gradient,
+                    ..
+                }
+            )
+        })
+        .count() as u64;
+    assert_eq!(
+        grads,
+        params * t.header.iterations as u64,
+        "one gradient per parameter per iteration"
+    );
 }
 
 #[test]
 fn peak_grows_with_batch() {
     let p = builtin("a100-40gb").unwrap();
     for spec in MODELS {
-        let small = Replay::default().estimate(&trace(spec, 4, Optimizer::Adam, Precision::Fp32), &p).unwrap();
-        let large = Replay::default().estimate(&trace(spec, 256, Optimizer::Adam, Precision::Fp32), &p).unwrap();
+        let small = Replay::default()
+            .estimate(&trace(spec, 4, Optimizer::Adam, Precision::Fp32), &p)
+            .unwrap();
+        let large = Replay::default()
+            .estimate(&trace(spec, 256, Optimizer::Adam, Precision::Fp32), &p)
+            .unwrap();
         assert!(large.peak_bytes >= small.peak_bytes, "{spec}");
     }
 }
@@ -115,8 +207,12 @@ fn peak_grows_with_batch() {
 #[test]
 fn hopper_profiles_use_the_larger_cublas_workspace() {
     let t = trace(MODELS[0], 8, Optimizer::Adam, Precision::Fp32);
-    let a100 = Replay::default().estimate(&t, &builtin("a100-80gb").unwrap()).unwrap();
-    let h100 = Replay::default().estimate(&t, &builtin("h100-80gb-sxm").unwrap()).unwrap();
+    let a100 = Replay::default()
+        .estimate(&t, &builtin("a100-80gb").unwrap())
+        .unwrap();
+    let h100 = Replay::default()
+        .estimate(&t, &builtin("h100-80gb-sxm").unwrap())
+        .unwrap();
     assert_eq!(a100.breakdown.workspace, 2 * CUBLAS_WORKSPACE_BYTES);
     assert_eq!(h100.breakdown.workspace, 2 * CUBLAS_WORKSPACE_HOPPER_BYTES);
 }

@@ -26,7 +26,10 @@ pub enum RunnerError {
     #[error(transparent)]
     Bridge(#[from] BridgeError),
     #[error("cannot start the runner with `{python}`: {source} (set GPUMEM_PYTHON)")]
-    Spawn { python: String, source: std::io::Error },
+    Spawn {
+        python: String,
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Spec(#[from] SpecError),
     #[error(transparent)]
@@ -47,11 +50,18 @@ pub enum CollectError {
     #[error("{file}: {source}")]
     Csv { file: String, source: csv::Error },
     #[error("{file}: line {line}: {source}")]
-    CsvLine { file: String, line: usize, source: csv::Error },
+    CsvLine {
+        file: String,
+        line: usize,
+        source: csv::Error,
+    },
     #[error("{file}: exists with other columns; not appending to it (choose another --out)")]
     OtherColumns { file: String },
     #[error("{file}: {source}")]
-    Io { file: String, source: std::io::Error },
+    Io {
+        file: String,
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Spec(#[from] SpecError),
     #[error(transparent)]
@@ -116,15 +126,30 @@ impl Running for PythonJob {
                     let _ = o.read_to_string(&mut out);
                 }
                 if let Some(e) = self.child.stderr.take() {
-                    err = BufReader::new(e).lines().map_while(Result::ok).last().unwrap_or_default();
+                    err = BufReader::new(e)
+                        .lines()
+                        .map_while(Result::ok)
+                        .last()
+                        .unwrap_or_default();
                 }
-                Some(out.lines().rev().find_map(|l| serde_json::from_str::<RunReport>(l).ok()).unwrap_or_else(|| RunReport {
-                    status: "error".into(),
-                    error: Some(format!("runner exited with {status} without a report: {err}")),
-                    ..RunReport::default()
-                }))
+                Some(
+                    out.lines()
+                        .rev()
+                        .find_map(|l| serde_json::from_str::<RunReport>(l).ok())
+                        .unwrap_or_else(|| RunReport {
+                            status: "error".into(),
+                            error: Some(format!(
+                                "runner exited with {status} without a report: {err}"
+                            )),
+                            ..RunReport::default()
+                        }),
+                )
             }
-            Err(e) => Some(RunReport { status: "error".into(), error: Some(e.to_string()), ..RunReport::default() }),
+            Err(e) => Some(RunReport {
+                status: "error".into(),
+                error: Some(e.to_string()),
+                ..RunReport::default()
+            }),
         }
     }
 
@@ -138,12 +163,22 @@ impl Runner for PythonRunner {
     fn start(&mut self, job: &SyntheticJob, gpu: u32) -> Result<Box<dyn Running>, RunnerError> {
         let mut cmd = self.tracer.module_command("gpumem_trace.run")?;
         cmd.arg(&job.model)
-            .args(["--batch", &job.batch.to_string(), "--seconds", &self.seconds.to_string(), "--device", &self.device])
+            .args([
+                "--batch",
+                &job.batch.to_string(),
+                "--seconds",
+                &self.seconds.to_string(),
+                "--device",
+                &self.device,
+            ])
             .env("CUDA_VISIBLE_DEVICES", gpu.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        let child = cmd.spawn().map_err(|source| RunnerError::Spawn { python: self.tracer.python.clone(), source })?;
+        let child = cmd.spawn().map_err(|source| RunnerError::Spawn {
+            python: self.tracer.python.clone(),
+            source,
+        })?;
         Ok(Box::new(PythonJob { child }))
     }
 
@@ -195,9 +230,18 @@ impl Runner for SimulatedRunner {
         let est = Replay::default().estimate(&trace, &self.profile)?;
         let u = physical(&trace, &self.profile, &HostModel::default());
         // Noise depends on the seed and the job, not on the order jobs run in (resuming keeps it).
-        let mut rng = SplitMix64(self.seed ^ SplitMix64(job.id.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)))).next_u64());
+        let mut rng = SplitMix64(
+            self.seed
+                ^ SplitMix64(
+                    job.id
+                        .bytes()
+                        .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b))),
+                )
+                .next_u64(),
+        );
         let mut noisy = |x: f64, amp: f64| x + amp * (2.0 * rng.unit() - 1.0);
-        let memory = (noisy(est.peak_bytes as f64, est.peak_bytes as f64 * 0.01).max(0.0) as u64).min(self.profile.capacity_bytes());
+        let memory = (noisy(est.peak_bytes as f64, est.peak_bytes as f64 * 0.01).max(0.0) as u64)
+            .min(self.profile.capacity_bytes());
         let dcgm = Dcgm {
             gract: noisy(u.gract, 0.02).clamp(0.0, 1.0),
             smact: noisy(u.smact, 0.02).clamp(0.0, 1.0),
@@ -221,7 +265,12 @@ impl Runner for SimulatedRunner {
             torch: format!("simulated ({})", self.profile.torch),
             error: (!est.fits).then(|| "gpumem's replay runs out of memory".to_string()),
         };
-        Ok(Box::new(SimulatedJob { gpus: self.gpus.clone(), gpu: gpu as usize, until: Instant::now() + Duration::from_secs_f64(self.seconds), report }))
+        Ok(Box::new(SimulatedJob {
+            gpus: self.gpus.clone(),
+            gpu: gpu as usize,
+            until: Instant::now() + Duration::from_secs_f64(self.seconds),
+            report,
+        }))
     }
 
     fn synthetic(&self) -> bool {
@@ -279,29 +328,63 @@ fn done_ids(path: &Path) -> Result<HashSet<String>, CollectError> {
         return Ok(HashSet::new());
     }
     let file = || path.display().to_string();
-    let mut r = csv::Reader::from_path(path).map_err(|source| CollectError::Csv { file: file(), source })?;
-    let headers = r.headers().map_err(|source| CollectError::Csv { file: file(), source })?.clone();
+    let mut r = csv::Reader::from_path(path).map_err(|source| CollectError::Csv {
+        file: file(),
+        source,
+    })?;
+    let headers = r
+        .headers()
+        .map_err(|source| CollectError::Csv {
+            file: file(),
+            source,
+        })?
+        .clone();
     if headers.iter().collect::<Vec<_>>() != COLUMNS {
         return Err(CollectError::OtherColumns { file: file() });
     }
-    let id = COLUMNS.iter().position(|c| *c == "job_id").expect("job_id column");
+    let id = COLUMNS
+        .iter()
+        .position(|c| *c == "job_id")
+        .expect("job_id column");
     r.records()
         .enumerate()
-        .map(|(i, rec)| rec.map(|r| r[id].to_string()).map_err(|source| CollectError::CsvLine { file: file(), line: i + 2, source }))
+        .map(|(i, rec)| {
+            rec.map(|r| r[id].to_string())
+                .map_err(|source| CollectError::CsvLine {
+                    file: file(),
+                    line: i + 2,
+                    source,
+                })
+        })
         .collect()
 }
 
 /// The seed's per-layer list: (kind, output features per sample, parameters).
 fn layers(spec: &ModelSpec, batch: u64) -> String {
     let g = spec.graph(batch, Precision::Fp32);
-    let kinds = [("addmm", "linear"), ("mm", "linear"), ("conv2d", "conv2d"), ("batch_norm", "batch_normalization"), ("layer_norm", "layer_norm"), ("native_dropout", "dropout")];
+    let kinds = [
+        ("addmm", "linear"),
+        ("mm", "linear"),
+        ("conv2d", "conv2d"),
+        ("batch_norm", "batch_normalization"),
+        ("layer_norm", "layer_norm"),
+        ("native_dropout", "dropout"),
+    ];
     let items: Vec<String> = g
         .nodes
         .iter()
         .filter_map(|n| {
             let kind = kinds.iter().find(|(op, _)| *op == n.name)?.1;
-            let out = n.outputs.first().map_or(0, |&t| g.t(t).numel / batch.max(1));
-            let params: u64 = n.inputs.iter().filter(|i| g.params.contains(i)).map(|&i| g.t(i).numel).sum();
+            let out = n
+                .outputs
+                .first()
+                .map_or(0, |&t| g.t(t).numel / batch.max(1));
+            let params: u64 = n
+                .inputs
+                .iter()
+                .filter(|i| g.params.contains(i))
+                .map(|&i| g.t(i).numel)
+                .sum();
             Some(format!("('{kind}', {out}, {params})"))
         })
         .collect();
@@ -318,24 +401,51 @@ pub struct Summary {
 
 /// Runs every job not yet in `cfg.out`, appending a row per job; `progress(done, total, id,
 /// status)` after each.
-pub fn collect(jobs: &[SyntheticJob], runner: &mut dyn Runner, monitor: &mut dyn Monitor, cfg: &CollectConfig, mut progress: impl FnMut(usize, usize, &str, &str)) -> Result<Summary, CollectError> {
+pub fn collect(
+    jobs: &[SyntheticJob],
+    runner: &mut dyn Runner,
+    monitor: &mut dyn Monitor,
+    cfg: &CollectConfig,
+    mut progress: impl FnMut(usize, usize, &str, &str),
+) -> Result<Summary, CollectError> {
     if cfg.gpu as usize >= monitor.gpu_count() {
-        return Err(CollectError::NoGpu { gpu: cfg.gpu, count: monitor.gpu_count() });
+        return Err(CollectError::NoGpu {
+            gpu: cfg.gpu,
+            count: monitor.gpu_count(),
+        });
     }
     let done = done_ids(&cfg.out)?;
     let fresh = !cfg.out.exists();
     let out = || cfg.out.display().to_string();
-    let file = std::fs::OpenOptions::new().create(true).append(true).open(&cfg.out).map_err(|source| CollectError::Io { file: out(), source })?;
-    let mut w = csv::WriterBuilder::new().has_headers(false).from_writer(file);
-    let csv_error = |source| CollectError::Csv { file: out(), source };
-    let io = |source| CollectError::Io { file: out(), source };
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&cfg.out)
+        .map_err(|source| CollectError::Io {
+            file: out(),
+            source,
+        })?;
+    let mut w = csv::WriterBuilder::new()
+        .has_headers(false)
+        .from_writer(file);
+    let csv_error = |source| CollectError::Csv {
+        file: out(),
+        source,
+    };
+    let io = |source| CollectError::Io {
+        file: out(),
+        source,
+    };
     if fresh {
         w.write_record(COLUMNS).map_err(csv_error)?;
         w.flush().map_err(io)?;
     }
     let system = monitor.system();
     let period = Duration::from_secs_f64(1.0 / cfg.sample_hz.max(10.0));
-    let mut summary = Summary { skipped: jobs.iter().filter(|j| done.contains(&j.id)).count(), ..Summary::default() };
+    let mut summary = Summary {
+        skipped: jobs.iter().filter(|j| done.contains(&j.id)).count(),
+        ..Summary::default()
+    };
     for job in jobs.iter().filter(|j| !done.contains(&j.id)) {
         let spec = ModelSpec::parse(&job.model)?;
         let baseline = monitor.read(cfg.gpu)?.used_bytes;
@@ -350,7 +460,13 @@ pub fn collect(jobs: &[SyntheticJob], runner: &mut dyn Runner, monitor: &mut dyn
                 samples += 1;
                 name = r.name;
                 if let Some(d) = r.dcgm {
-                    dcgm = Dcgm { gract: dcgm.gract + d.gract, smact: dcgm.smact + d.smact, smocc: dcgm.smocc + d.smocc, dram: dcgm.dram + d.dram, fp32: dcgm.fp32 + d.fp32 };
+                    dcgm = Dcgm {
+                        gract: dcgm.gract + d.gract,
+                        smact: dcgm.smact + d.smact,
+                        smocc: dcgm.smocc + d.smocc,
+                        dram: dcgm.dram + d.dram,
+                        fp32: dcgm.fp32 + d.fp32,
+                    };
                     dcgm_n += 1;
                 }
             }
@@ -359,12 +475,22 @@ pub fn collect(jobs: &[SyntheticJob], runner: &mut dyn Runner, monitor: &mut dyn
             }
             if started.elapsed().as_secs_f64() > cfg.timeout_s {
                 running.kill();
-                break RunReport { status: "timeout".into(), error: Some(format!("killed after {} s", cfg.timeout_s)), ..RunReport::default() };
+                break RunReport {
+                    status: "timeout".into(),
+                    error: Some(format!("killed after {} s", cfg.timeout_s)),
+                    ..RunReport::default()
+                };
             }
             std::thread::sleep(period);
         };
         let facts = spec.facts(job.batch);
-        let avg = |x: f64, n: u64| if n > 0 { format!("{:.6}", x / n as f64) } else { String::new() };
+        let avg = |x: f64, n: u64| {
+            if n > 0 {
+                format!("{:.6}", x / n as f64)
+            } else {
+                String::new()
+            }
+        };
         let mib = |b: u64| format!("{:.1}", bytes_to_mib(b));
         let row: Vec<String> = vec![
             format!("{}.out", job.id),
@@ -402,7 +528,12 @@ pub fn collect(jobs: &[SyntheticJob], runner: &mut dyn Runner, monitor: &mut dyn
         w.flush().map_err(io)?;
         summary.ran += 1;
         summary.ok += usize::from(report.status == "ok");
-        progress(summary.ran + summary.skipped, jobs.len(), &job.id, &report.status);
+        progress(
+            summary.ran + summary.skipped,
+            jobs.len(),
+            &job.id,
+            &report.status,
+        );
     }
     Ok(summary)
 }

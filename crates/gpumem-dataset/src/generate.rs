@@ -17,7 +17,11 @@ pub enum RangesError {
     #[error("{}", .0.to_string().replace('\n', " "))]
     Toml(#[from] toml::de::Error),
     #[error("{name}: [{lo}, {hi}] is not a range of positive numbers")]
-    NotRange { name: &'static str, lo: u64, hi: u64 },
+    NotRange {
+        name: &'static str,
+        lo: u64,
+        hi: u64,
+    },
     #[error("{name} is empty")]
     Empty { name: &'static str },
     /// The ranges drew a model the family does not accept.
@@ -45,7 +49,9 @@ impl Default for MlpRanges {
             batch: [4, 1024],
             depth: [1, 10],
             dropout: [0.1, 0.5],
-            archs: ["pyramid", "uniform", "bottleneck", "gradual"].map(String::from).to_vec(),
+            archs: ["pyramid", "uniform", "bottleneck", "gradual"]
+                .map(String::from)
+                .to_vec(),
             acts: Activation::NAMES.map(String::from).to_vec(),
         }
     }
@@ -78,8 +84,23 @@ impl Default for CnnRanges {
             input: [16, 224],
             channels: vec![3, 1],
             dropout: [0.1, 0.5],
-            archs: ["pyramid", "reverse_pyramid", "uniform", "bottleneck", "gradual", "hourglass", "residual", "dense"].map(String::from).to_vec(),
-            acts: Activation::NAMES.iter().filter(|a| **a != "identity").map(|a| a.to_string()).collect(),
+            archs: [
+                "pyramid",
+                "reverse_pyramid",
+                "uniform",
+                "bottleneck",
+                "gradual",
+                "hourglass",
+                "residual",
+                "dense",
+            ]
+            .map(String::from)
+            .to_vec(),
+            acts: Activation::NAMES
+                .iter()
+                .filter(|a| **a != "identity")
+                .map(|a| a.to_string())
+                .collect(),
         }
     }
 }
@@ -115,7 +136,9 @@ impl Default for TransformerRanges {
             classes: [2, 1000],
             batch: [2, 64],
             dropout: [0.0, 0.3],
-            archs: ["standard", "decoder_only", "hybrid"].map(String::from).to_vec(),
+            archs: ["standard", "decoder_only", "hybrid"]
+                .map(String::from)
+                .to_vec(),
         }
     }
 }
@@ -226,7 +249,12 @@ impl Draw {
 }
 
 /// `count` jobs of `family`, ids `FAMILY-000001`…; each spec parses as a native model.
-pub fn generate(family: Family, count: usize, seed: u64, ranges: &Ranges) -> Result<Vec<SyntheticJob>, RangesError> {
+pub fn generate(
+    family: Family,
+    count: usize,
+    seed: u64,
+    ranges: &Ranges,
+) -> Result<Vec<SyntheticJob>, RangesError> {
     ranges.check()?;
     let mut d = Draw(SplitMix64(seed ^ (family as u64).wrapping_mul(0x9E37_79B9)));
     (0..count)
@@ -236,8 +264,16 @@ pub fn generate(family: Family, count: usize, seed: u64, ranges: &Ranges) -> Res
                 Family::Cnn => cnn(&mut d, &ranges.cnn),
                 Family::Transformer => transformer(&mut d, &ranges.transformer),
             };
-            let spec = ModelSpec::parse(&model).map_err(|source| RangesError::InvalidSpec { model: model.clone(), source })?;
-            Ok(SyntheticJob { id: format!("{}-{:06}", family.name(), i + 1), family: family.name().into(), model: spec.to_spec_string(), batch })
+            let spec = ModelSpec::parse(&model).map_err(|source| RangesError::InvalidSpec {
+                model: model.clone(),
+                source,
+            })?;
+            Ok(SyntheticJob {
+                id: format!("{}-{:06}", family.name(), i + 1),
+                family: family.name().into(),
+                model: spec.to_spec_string(),
+                batch,
+            })
         })
         .collect()
 }
@@ -247,7 +283,11 @@ fn mlp(d: &mut Draw, r: &MlpRanges) -> (String, u64) {
     let output = d.int([1, (input / 4).max(2)]);
     let depth = d.int(r.depth);
     let dropout = if d.coin() { d.float(r.dropout) } else { 0.0 };
-    let head = if output == 1 && d.coin() { "sigmoid" } else { "identity" };
+    let head = if output == 1 && d.coin() {
+        "sigmoid"
+    } else {
+        "identity"
+    };
     let spec = format!(
         "mlp:input={input},output={output},depth={depth},arch={},act={},dropout={dropout},batchnorm={},head={head},samples=4096,summary=true",
         d.pick(&r.archs),
@@ -278,11 +318,24 @@ fn cnn(d: &mut Draw, r: &CnnRanges) -> (String, u64) {
 fn transformer(d: &mut Draw, r: &TransformerRanges) -> (String, u64) {
     let heads = *d.pick(&r.heads);
     let embed = d.multiple(r.embed, heads);
-    let (vocab, layers, ff, seq, classes, dropout) = (d.int(r.vocab), d.int(r.layers), embed * d.int(r.ff_multiple), d.int(r.seq), d.int(r.classes), d.float(r.dropout));
+    let (vocab, layers, ff, seq, classes, dropout) = (
+        d.int(r.vocab),
+        d.int(r.layers),
+        embed * d.int(r.ff_multiple),
+        d.int(r.seq),
+        d.int(r.classes),
+        d.float(r.dropout),
+    );
     let arch = d.pick(&r.archs);
     // hybrid splits its layers between an encoder and a decoder: at least one each.
-    let layers = if arch == "hybrid" { layers.max(2) } else { layers };
-    let spec = format!("transformer:vocab={vocab},embed={embed},layers={layers},heads={heads},ff={ff},seq={seq},classes={classes},dropout={dropout},arch={arch}");
+    let layers = if arch == "hybrid" {
+        layers.max(2)
+    } else {
+        layers
+    };
+    let spec = format!(
+        "transformer:vocab={vocab},embed={embed},layers={layers},heads={heads},ff={ff},seq={seq},classes={classes},dropout={dropout},arch={arch}"
+    );
     (spec, d.int(r.batch))
 }
 
@@ -313,13 +366,41 @@ mod tests {
     #[test]
     fn ranges_override_and_validate() {
         let r = Ranges::from_toml("[mlp]\nbatch = [8, 8]\ninput = [16, 16]\n").unwrap();
-        assert!(generate(Family::Mlp, 20, 1, &r).unwrap().iter().all(|j| j.batch == 8 && j.model.contains("input=16,")));
-        assert_eq!(r.cnn, CnnRanges::default(), "untouched families keep the seed's ranges");
-        assert_eq!(Ranges::from_toml("[mlp]\nbatch = [8, 4]\n").unwrap_err().to_string(), "mlp.batch: [8, 4] is not a range of positive numbers");
-        let e = Ranges::from_toml("[mlp]\nwidth = [1, 2]\n").unwrap_err().to_string();
+        assert!(
+            generate(Family::Mlp, 20, 1, &r)
+                .unwrap()
+                .iter()
+                .all(|j| j.batch == 8 && j.model.contains("input=16,"))
+        );
+        assert_eq!(
+            r.cnn,
+            CnnRanges::default(),
+            "untouched families keep the seed's ranges"
+        );
+        assert_eq!(
+            Ranges::from_toml("[mlp]\nbatch = [8, 4]\n")
+                .unwrap_err()
+                .to_string(),
+            "mlp.batch: [8, 4] is not a range of positive numbers"
+        );
+        let e = Ranges::from_toml("[mlp]\nwidth = [1, 2]\n")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("width") && !e.contains('\n'), "{e}");
-        assert_eq!(Ranges::from_toml("[cnn]\nacts = []\n").unwrap_err().to_string(), "cnn.acts is empty");
-        let e = generate(Family::Mlp, 5, 1, &Ranges::from_toml("[mlp]\nacts = [\"swoosh\"]\n").unwrap()).unwrap_err().to_string();
+        assert_eq!(
+            Ranges::from_toml("[cnn]\nacts = []\n")
+                .unwrap_err()
+                .to_string(),
+            "cnn.acts is empty"
+        );
+        let e = generate(
+            Family::Mlp,
+            5,
+            1,
+            &Ranges::from_toml("[mlp]\nacts = [\"swoosh\"]\n").unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.starts_with("generated an invalid spec `mlp:") && e.ends_with("unknown activation `swoosh` (expected one of relu, leaky_relu, prelu, elu, selu, tanh, softplus, swish, mish, gelu, identity) (check --ranges)"), "{e}");
     }
 }

@@ -33,37 +33,75 @@ pub struct SyntheticJob {
 #[derive(Debug, thiserror::Error)]
 pub enum JobsError {
     #[error("{file}: {source}")]
-    Io { file: String, source: std::io::Error },
+    Io {
+        file: String,
+        source: std::io::Error,
+    },
     #[error("{file}: line {line}: {source}")]
-    ReadLine { file: String, line: usize, source: std::io::Error },
+    ReadLine {
+        file: String,
+        line: usize,
+        source: std::io::Error,
+    },
     #[error("{file}: line {line}: {source}")]
-    Json { file: String, line: usize, source: serde_json::Error },
+    Json {
+        file: String,
+        line: usize,
+        source: serde_json::Error,
+    },
     #[error("{file}: line {line}: {source}")]
-    Spec { file: String, line: usize, source: Box<SpecError> },
+    Spec {
+        file: String,
+        line: usize,
+        source: Box<SpecError>,
+    },
     #[error("{file}: line {line}: batch must be at least 1")]
     ZeroBatch { file: String, line: usize },
     #[error("{file}: line {line}: job id `{id}` repeats")]
-    RepeatedId { file: String, line: usize, id: String },
+    RepeatedId {
+        file: String,
+        line: usize,
+        id: String,
+    },
 }
 
 /// Reads a job list (one JSON object per line; blank lines ignored).
 pub fn read_jobs(path: &Path) -> Result<Vec<SyntheticJob>, JobsError> {
     let file = || path.display().to_string();
-    let f = std::fs::File::open(path).map_err(|source| JobsError::Io { file: file(), source })?;
+    let f = std::fs::File::open(path).map_err(|source| JobsError::Io {
+        file: file(),
+        source,
+    })?;
     let mut jobs = Vec::new();
     for (i, text) in BufReader::new(f).lines().enumerate() {
         let line = i + 1;
-        let text = text.map_err(|source| JobsError::ReadLine { file: file(), line, source })?;
+        let text = text.map_err(|source| JobsError::ReadLine {
+            file: file(),
+            line,
+            source,
+        })?;
         if text.trim().is_empty() {
             continue;
         }
-        let job: SyntheticJob = serde_json::from_str(&text).map_err(|source| JobsError::Json { file: file(), line, source })?;
-        gpumem_core::families::ModelSpec::parse(&job.model).map_err(|e| JobsError::Spec { file: file(), line, source: Box::new(e) })?;
+        let job: SyntheticJob = serde_json::from_str(&text).map_err(|source| JobsError::Json {
+            file: file(),
+            line,
+            source,
+        })?;
+        gpumem_core::families::ModelSpec::parse(&job.model).map_err(|e| JobsError::Spec {
+            file: file(),
+            line,
+            source: Box::new(e),
+        })?;
         if job.batch == 0 {
             return Err(JobsError::ZeroBatch { file: file(), line });
         }
         if jobs.iter().any(|j: &SyntheticJob| j.id == job.id) {
-            return Err(JobsError::RepeatedId { file: file(), line, id: job.id });
+            return Err(JobsError::RepeatedId {
+                file: file(),
+                line,
+                id: job.id,
+            });
         }
         jobs.push(job);
     }
@@ -72,10 +110,18 @@ pub fn read_jobs(path: &Path) -> Result<Vec<SyntheticJob>, JobsError> {
 
 /// Writes a job list.
 pub fn write_jobs(path: &Path, jobs: &[SyntheticJob]) -> Result<(), JobsError> {
-    let io = |source| JobsError::Io { file: path.display().to_string(), source };
+    let io = |source| JobsError::Io {
+        file: path.display().to_string(),
+        source,
+    };
     let mut f = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
     for j in jobs {
-        writeln!(f, "{}", serde_json::to_string(j).expect("a job is strings and a number")).map_err(io)?;
+        writeln!(
+            f,
+            "{}",
+            serde_json::to_string(j).expect("a job is strings and a number")
+        )
+        .map_err(io)?;
     }
     f.flush().map_err(io)
 }

@@ -51,7 +51,9 @@ impl Sharing {
             "hami" => Ok(Sharing::Hami),
             "volcano" => Ok(Sharing::Volcano),
             "kai" => Ok(Sharing::Kai),
-            other => Err(format!("unknown sharing system `{other}`; known: hami, volcano, kai")),
+            other => Err(format!(
+                "unknown sharing system `{other}`; known: hami, volcano, kai"
+            )),
         }
     }
 
@@ -91,25 +93,39 @@ impl Webhook {
     /// `default_gpu` (a built-in profile).
     pub fn new(sharing: Sharing, default_gpu: &str) -> Result<Webhook, String> {
         profile::builtin(default_gpu).map_err(|e| e.to_string())?;
-        Ok(Webhook { sharing, default_gpu: default_gpu.to_string(), cache: Mutex::new(HashMap::new()) })
+        Ok(Webhook {
+            sharing,
+            default_gpu: default_gpu.to_string(),
+            cache: Mutex::new(HashMap::new()),
+        })
     }
 
     /// The routes: `POST /mutate` (AdmissionReview v1 in and out), `GET /healthz`.
     pub fn router(self: Arc<Self>) -> Router {
-        Router::new().route("/mutate", post(mutate)).route("/healthz", get(|| async { "ok" })).with_state(self)
+        Router::new()
+            .route("/mutate", post(mutate))
+            .route("/healthz", get(|| async { "ok" }))
+            .with_state(self)
     }
 
     /// Answers one AdmissionReview (JSON): always allowed, with a patch where the pod's
     /// annotations could be sized, a warning where they could not.
     pub fn review(&self, body: &[u8]) -> Result<Value, String> {
-        let review: AdmissionReview<Pod> = serde_json::from_slice(body).map_err(|e| format!("not an AdmissionReview of a pod: {e}"))?;
+        let review: AdmissionReview<Pod> = serde_json::from_slice(body)
+            .map_err(|e| format!("not an AdmissionReview of a pod: {e}"))?;
         let request: AdmissionRequest<Pod> = review.try_into().map_err(|e| format!("{e}"))?;
         let mut response = AdmissionResponse::from(&request);
         if let Some(pod) = &request.object {
             match self.patch(pod) {
-                Ok(Some(patch)) => response = response.with_patch(patch).map_err(|e| e.to_string())?,
+                Ok(Some(patch)) => {
+                    response = response.with_patch(patch).map_err(|e| e.to_string())?
+                }
                 Ok(None) => {}
-                Err(warning) => response.warnings = Some(vec![format!("gpumem: {warning}; the pod is admitted unchanged")]),
+                Err(warning) => {
+                    response.warnings = Some(vec![format!(
+                        "gpumem: {warning}; the pod is admitted unchanged"
+                    )])
+                }
             }
         }
         serde_json::to_value(response.into_review()).map_err(|e| e.to_string())
@@ -119,22 +135,47 @@ impl Webhook {
     /// annotations cannot be sized.
     fn patch(&self, pod: &Pod) -> Result<Option<Patch>, String> {
         let notes = pod.metadata.annotations.clone().unwrap_or_default();
-        let Some(model) = notes.get(MODEL) else { return Ok(None) };
-        let batch = notes.get(BATCH).ok_or_else(|| format!("{MODEL} needs {BATCH}"))?;
+        let Some(model) = notes.get(MODEL) else {
+            return Ok(None);
+        };
+        let batch = notes
+            .get(BATCH)
+            .ok_or_else(|| format!("{MODEL} needs {BATCH}"))?;
         let job = Job {
-            stated: StatedJob { model: model.clone(), batch: batch.clone(), precision: notes.get(PRECISION).cloned(), optimizer: notes.get(OPTIMIZER).cloned() },
-            gpu: notes.get(GPU).cloned().unwrap_or_else(|| self.default_gpu.clone()),
+            stated: StatedJob {
+                model: model.clone(),
+                batch: batch.clone(),
+                precision: notes.get(PRECISION).cloned(),
+                optimizer: notes.get(OPTIMIZER).cloned(),
+            },
+            gpu: notes
+                .get(GPU)
+                .cloned()
+                .unwrap_or_else(|| self.default_gpu.clone()),
         };
         let sized = self.sized(&job)?;
-        let containers = pod.spec.as_ref().map(|s| s.containers.as_slice()).unwrap_or_default();
+        let containers = pod
+            .spec
+            .as_ref()
+            .map(|s| s.containers.as_slice())
+            .unwrap_or_default();
         let index = match notes.get(CONTAINER) {
-            Some(name) => containers.iter().position(|c| &c.name == name).ok_or_else(|| format!("{CONTAINER}: the pod has no container `{name}`"))?,
+            Some(name) => containers
+                .iter()
+                .position(|c| &c.name == name)
+                .ok_or_else(|| format!("{CONTAINER}: the pod has no container `{name}`"))?,
             None if containers.is_empty() => return Err("the pod has no container".into()),
             None => 0,
         };
         let mut ops = Vec::new();
         let mib = sized.bound_mib.to_string();
-        let mut annotations = vec![("gpumem.io/estimate-mib".to_string(), format!("{:.0}", sized.estimate_mib)), ("gpumem.io/upper-bound-mib".to_string(), mib.clone())];
+        let mut annotations = vec![
+            (
+                "gpumem.io/estimate-mib".to_string(),
+                format!("{:.0}", sized.estimate_mib),
+            ),
+            ("gpumem.io/upper-bound-mib".to_string(), mib.clone()),
+        ];
         match self.sharing.limits() {
             Some((count, memory)) => {
                 let resources = containers[index].resources.as_ref();
@@ -147,23 +188,41 @@ impl Webhook {
                 wanted.insert(memory.to_string(), json!(mib));
                 match (resources, limits) {
                     (None, _) => ops.push(add(&base, json!({ "limits": wanted }))),
-                    (Some(_), None) => ops.push(add(&format!("{base}/limits"), Value::Object(wanted))),
-                    (Some(_), Some(_)) => ops.extend(wanted.into_iter().map(|(k, v)| add(&format!("{base}/limits/{}", escape(&k)), v))),
+                    (Some(_), None) => {
+                        ops.push(add(&format!("{base}/limits"), Value::Object(wanted)))
+                    }
+                    (Some(_), Some(_)) => ops.extend(
+                        wanted
+                            .into_iter()
+                            .map(|(k, v)| add(&format!("{base}/limits/{}", escape(&k)), v)),
+                    ),
                 }
             }
             None => annotations.push(("gpu-memory".to_string(), mib)),
         }
-        ops.extend(annotations.into_iter().map(|(k, v)| add(&format!("/metadata/annotations/{}", escape(&k)), json!(v))));
+        ops.extend(
+            annotations
+                .into_iter()
+                .map(|(k, v)| add(&format!("/metadata/annotations/{}", escape(&k)), json!(v))),
+        );
         Ok(Some(Patch(ops)))
     }
 
     /// The job's size, estimated once.
     fn sized(&self, job: &Job) -> Result<Sized, String> {
-        if let Some(known) = self.cache.lock().unwrap_or_else(|p| p.into_inner()).get(job) {
+        if let Some(known) = self
+            .cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(job)
+        {
             return known.clone();
         }
         let sized = estimate(job);
-        self.cache.lock().unwrap_or_else(|p| p.into_inner()).insert(job.clone(), sized.clone());
+        self.cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(job.clone(), sized.clone());
         sized
     }
 }
@@ -178,13 +237,22 @@ fn estimate(job: &Job) -> Result<Sized, String> {
     let (peak, bound) = (est.peak_bytes, est.upper_bound_bytes);
     let bound_mib = whole_mib(bound);
     if bound > profile.capacity_bytes() {
-        return Err(format!("its upper bound, {bound_mib} MiB, exceeds one {} ({} MiB)", profile.name, profile.capacity_mib));
+        return Err(format!(
+            "its upper bound, {bound_mib} MiB, exceeds one {} ({} MiB)",
+            profile.name, profile.capacity_mib
+        ));
     }
-    Ok(Sized { estimate_mib: bytes_to_mib(peak), bound_mib })
+    Ok(Sized {
+        estimate_mib: bytes_to_mib(peak),
+        bound_mib,
+    })
 }
 
 fn add(path: &str, value: Value) -> PatchOperation {
-    PatchOperation::Add(AddOperation { path: PointerBuf::parse(path).expect("a valid JSON pointer"), value })
+    PatchOperation::Add(AddOperation {
+        path: PointerBuf::parse(path).expect("a valid JSON pointer"),
+        value,
+    })
 }
 
 /// A key as one JSON-pointer segment (`/` and `~` escaped).
@@ -192,9 +260,14 @@ fn escape(key: &str) -> String {
     key.replace('~', "~0").replace('/', "~1")
 }
 
-async fn mutate(axum::extract::State(hook): axum::extract::State<Arc<Webhook>>, body: Bytes) -> Response {
+async fn mutate(
+    axum::extract::State(hook): axum::extract::State<Arc<Webhook>>,
+    body: Bytes,
+) -> Response {
     // Sizing may trace a PyTorch model: off the async threads.
-    let answer = tokio::task::spawn_blocking(move || hook.review(&body)).await.unwrap_or_else(|e| Err(e.to_string()));
+    let answer = tokio::task::spawn_blocking(move || hook.review(&body))
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()));
     match answer {
         Ok(v) => ([(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response(),
         Err(e) => (StatusCode::BAD_REQUEST, axum::Json(json!({ "error": e }))).into_response(),
@@ -208,26 +281,45 @@ pub enum ServeError {
     #[error("{file}: {message}")]
     Tls { file: String, message: String },
     #[error("{addr}: {source}")]
-    Bind { addr: String, source: std::io::Error },
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
     #[error("{0}")]
     Runtime(std::io::Error),
 }
 
 /// Serves the webhook over HTTPS (what the API server calls) on `addr` until SIGINT or SIGTERM,
 /// with the PEM certificate chain and private key given.
-pub fn serve_tls(hook: Arc<Webhook>, addr: std::net::SocketAddr, cert: &std::path::Path, key: &std::path::Path) -> Result<(), ServeError> {
+pub fn serve_tls(
+    hook: Arc<Webhook>,
+    addr: std::net::SocketAddr,
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> Result<(), ServeError> {
     use tokio_rustls::rustls::{self, pki_types::pem::PemObject};
-    let tls = |file: &std::path::Path, e: &dyn std::fmt::Display| ServeError::Tls { file: file.display().to_string(), message: e.to_string() };
-    let chain: Vec<_> = rustls::pki_types::CertificateDer::pem_file_iter(cert).map_err(|e| tls(cert, &e))?.collect::<Result<_, _>>().map_err(|e| tls(cert, &e))?;
-    let private = rustls::pki_types::PrivateKeyDer::from_pem_file(key).map_err(|e| tls(key, &e))?;
-    let config = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
+    let tls = |file: &std::path::Path, e: &dyn std::fmt::Display| ServeError::Tls {
+        file: file.display().to_string(),
+        message: e.to_string(),
+    };
+    let chain: Vec<_> = rustls::pki_types::CertificateDer::pem_file_iter(cert)
         .map_err(|e| tls(cert, &e))?
-        .with_no_client_auth()
-        .with_single_cert(chain, private)
-        .map_err(|e| tls(key, &e))?;
+        .collect::<Result<_, _>>()
+        .map_err(|e| tls(cert, &e))?;
+    let private = rustls::pki_types::PrivateKeyDer::from_pem_file(key).map_err(|e| tls(key, &e))?;
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| tls(cert, &e))?
+    .with_no_client_auth()
+    .with_single_cert(chain, private)
+    .map_err(|e| tls(key, &e))?;
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(ServeError::Runtime)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(ServeError::Runtime)?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr: addr.to_string(), source })?;
         eprintln!("gpumem k8s webhook: listening on https://{}", listener.local_addr().map_err(ServeError::Runtime)?);

@@ -12,17 +12,29 @@ use serde_json::{Value, json};
 use tower::ServiceExt;
 
 fn fixture(name: &str) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(format!("{}/tests/data/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()).unwrap()
+    serde_json::from_str(
+        &std::fs::read_to_string(format!("{}/tests/data/{name}", env!("CARGO_MANIFEST_DIR")))
+            .unwrap(),
+    )
+    .unwrap()
 }
 
 /// POSTs `review` to /mutate; the answer's status and body.
 fn post(hook: &Arc<Webhook>, review: &Value) -> (StatusCode, Value) {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async {
-        let req = Request::post("/mutate").header("content-type", "application/json").body(Body::from(review.to_string())).unwrap();
+        let req = Request::post("/mutate")
+            .header("content-type", "application/json")
+            .body(Body::from(review.to_string()))
+            .unwrap();
         let res = hook.clone().router().oneshot(req).await.unwrap();
         let status = res.status();
-        let bytes = axum::body::to_bytes(res.into_body(), 1 << 20).await.unwrap();
+        let bytes = axum::body::to_bytes(res.into_body(), 1 << 20)
+            .await
+            .unwrap();
         (status, serde_json::from_slice(&bytes).unwrap())
     })
 }
@@ -37,7 +49,11 @@ fn admitted(hook: &Arc<Webhook>, review: &Value) -> (Value, Vec<String>) {
     let mut pod = review["request"]["object"].clone();
     // kube-core writes the patch's bytes as a JSON array (Go's decoder takes that or base64).
     let bytes: Option<Vec<u8>> = match &response["patch"] {
-        Value::String(b64) => Some(base64::engine::general_purpose::STANDARD.decode(b64).unwrap()),
+        Value::String(b64) => Some(
+            base64::engine::general_purpose::STANDARD
+                .decode(b64)
+                .unwrap(),
+        ),
         Value::Array(a) => Some(a.iter().map(|b| b.as_u64().unwrap() as u8).collect()),
         _ => None,
     };
@@ -46,7 +62,10 @@ fn admitted(hook: &Arc<Webhook>, review: &Value) -> (Value, Vec<String>) {
         let ops: json_patch::Patch = serde_json::from_slice(&bytes).unwrap();
         json_patch::patch(&mut pod, &ops).unwrap();
     }
-    let warnings = response["warnings"].as_array().map(|w| w.iter().map(|s| s.as_str().unwrap().to_string()).collect()).unwrap_or_default();
+    let warnings = response["warnings"]
+        .as_array()
+        .map(|w| w.iter().map(|s| s.as_str().unwrap().to_string()).collect())
+        .unwrap_or_default();
     (pod, warnings)
 }
 
@@ -57,9 +76,20 @@ fn hook(sharing: Sharing) -> Arc<Webhook> {
 /// gpumem's upper bound of an MLP job, MiB, as `gpumem estimate` computes it.
 fn upper_bound_mib(model: &str, batch: u64, optimizer: &str, gpu: &str) -> u64 {
     let profile = gpumem_core::profile::builtin(gpu).unwrap();
-    let options = gpumem_core::workload::Options { optimizer: gpumem_core::step::Optimizer::parse(optimizer).unwrap(), ..Default::default() };
-    let trace = gpumem_workload::Workload::parse(model, batch, options).unwrap().trace(&profile).unwrap();
-    gpumem_core::estimate::by_name("replay").unwrap().estimate(&trace, &profile).unwrap().upper_bound_bytes.div_ceil(1 << 20)
+    let options = gpumem_core::workload::Options {
+        optimizer: gpumem_core::step::Optimizer::parse(optimizer).unwrap(),
+        ..Default::default()
+    };
+    let trace = gpumem_workload::Workload::parse(model, batch, options)
+        .unwrap()
+        .trace(&profile)
+        .unwrap();
+    gpumem_core::estimate::by_name("replay")
+        .unwrap()
+        .estimate(&trace, &profile)
+        .unwrap()
+        .upper_bound_bytes
+        .div_ceil(1 << 20)
 }
 
 #[test]
@@ -69,13 +99,41 @@ fn hami_gets_gpu_and_gpumem_limits_on_the_first_container() {
     assert!(warnings.is_empty(), "{warnings:?}");
     let limits = &pod["spec"]["containers"][0]["resources"]["limits"];
     assert_eq!(limits["nvidia.com/gpu"], "1");
-    let mib: u64 = limits["nvidia.com/gpumem"].as_str().unwrap().parse().unwrap();
+    let mib: u64 = limits["nvidia.com/gpumem"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     let notes = &pod["metadata"]["annotations"];
-    assert_eq!(notes["gpumem.io/upper-bound-mib"].as_str().unwrap(), mib.to_string());
-    assert!(notes["gpumem.io/estimate-mib"].as_str().unwrap().parse::<f64>().unwrap() < mib as f64);
-    assert_eq!(mib, upper_bound_mib("mlp:input=4096,output=10,depth=4", 256, "adamw", "a100-80gb"));
-    assert_eq!(pod["spec"]["containers"][0]["resources"]["requests"]["cpu"], "4", "what was there stays");
-    assert!(pod["spec"]["containers"][1].get("resources").is_none(), "only the first container");
+    assert_eq!(
+        notes["gpumem.io/upper-bound-mib"].as_str().unwrap(),
+        mib.to_string()
+    );
+    assert!(
+        notes["gpumem.io/estimate-mib"]
+            .as_str()
+            .unwrap()
+            .parse::<f64>()
+            .unwrap()
+            < mib as f64
+    );
+    assert_eq!(
+        mib,
+        upper_bound_mib(
+            "mlp:input=4096,output=10,depth=4",
+            256,
+            "adamw",
+            "a100-80gb"
+        )
+    );
+    assert_eq!(
+        pod["spec"]["containers"][0]["resources"]["requests"]["cpu"], "4",
+        "what was there stays"
+    );
+    assert!(
+        pod["spec"]["containers"][1].get("resources").is_none(),
+        "only the first container"
+    );
 }
 
 #[test]
@@ -85,7 +143,14 @@ fn volcano_gets_vgpu_limits_on_the_named_container_keeping_its_gpu_count() {
     assert!(warnings.is_empty(), "{warnings:?}");
     let worker = &pod["spec"]["containers"][1]["resources"]["limits"];
     assert_eq!(worker["volcano.sh/vgpu-number"], "1");
-    assert!(worker["volcano.sh/vgpu-memory"].as_str().unwrap().parse::<u64>().unwrap() > 1000);
+    assert!(
+        worker["volcano.sh/vgpu-memory"]
+            .as_str()
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            > 1000
+    );
     assert_eq!(worker["cpu"], "8");
     assert!(pod["spec"]["containers"][0].get("resources").is_none());
     // HAMi keeps the GPU count the pod asked for and adds only the memory.
@@ -101,7 +166,12 @@ fn kai_gets_the_gpu_memory_annotation() {
     assert!(warnings.is_empty());
     let notes = &pod["metadata"]["annotations"];
     assert_eq!(notes["gpu-memory"], notes["gpumem.io/upper-bound-mib"]);
-    assert!(pod["spec"]["containers"][0]["resources"].get("limits").is_none(), "KAI reads the annotation, not limits");
+    assert!(
+        pod["spec"]["containers"][0]["resources"]
+            .get("limits")
+            .is_none(),
+        "KAI reads the annotation, not limits"
+    );
 }
 
 #[test]
@@ -114,16 +184,33 @@ fn bad_annotations_never_block_a_pod() {
         r
     };
     for (review, needle) in [
-        (with("gpumem.io/batch", json!("lots")), "gpumem.io/batch: `lots` is not a whole number"),
-        (with("gpumem.io/model", json!("mlp:depth=x")), "gpumem.io/model"),
+        (
+            with("gpumem.io/batch", json!("lots")),
+            "gpumem.io/batch: `lots` is not a whole number",
+        ),
+        (
+            with("gpumem.io/model", json!("mlp:depth=x")),
+            "gpumem.io/model",
+        ),
         (with("gpumem.io/gpu", json!("b300")), "unknown GPU `b300`"),
-        (with("gpumem.io/precision", json!("fp7")), "gpumem.io/precision"),
-        (with("gpumem.io/container", json!("nope")), "no container `nope`"),
+        (
+            with("gpumem.io/precision", json!("fp7")),
+            "gpumem.io/precision",
+        ),
+        (
+            with("gpumem.io/container", json!("nope")),
+            "no container `nope`",
+        ),
         (with("gpumem.io/batch", json!("4000000")), "exceeds one"),
     ] {
         let (pod, warnings) = admitted(&hook, &review);
         assert_eq!(pod, review["request"]["object"], "unchanged");
-        assert!(warnings.len() == 1 && warnings[0].contains(needle) && warnings[0].ends_with("the pod is admitted unchanged"), "{needle}: {warnings:?}");
+        assert!(
+            warnings.len() == 1
+                && warnings[0].contains(needle)
+                && warnings[0].ends_with("the pod is admitted unchanged"),
+            "{needle}: {warnings:?}"
+        );
     }
     // No gpumem annotation: untouched, no warning.
     let mut plain = base.clone();
@@ -133,5 +220,8 @@ fn bad_annotations_never_block_a_pod() {
     // Not an AdmissionReview at all: a 400 with a one-line error.
     let (status, answer) = post(&hook, &json!({"kind": "Pod"}));
     assert_eq!(status, StatusCode::BAD_REQUEST);
-    assert!(answer["error"].as_str().is_some_and(|e| !e.contains('\n')), "{answer}");
+    assert!(
+        answer["error"].as_str().is_some_and(|e| !e.contains('\n')),
+        "{answer}"
+    );
 }

@@ -20,7 +20,13 @@ fn sample(spec: &str, batch: u64) -> Sample {
     let profile = builtin("a100-40gb").unwrap();
     let m = ModelSpec::parse(spec).unwrap();
     let trace = m.trace(&JobOptions::new(batch)).unwrap();
-    Sample::new(0, spec.into(), spec.into(), m.facts(batch), trace_summary(&trace, &profile).unwrap())
+    Sample::new(
+        0,
+        spec.into(),
+        spec.into(),
+        m.facts(batch),
+        trace_summary(&trace, &profile).unwrap(),
+    )
 }
 
 fn samples() -> Vec<Sample> {
@@ -30,7 +36,10 @@ fn samples() -> Vec<Sample> {
             let input = 16 + (rng.unit() * 4000.0) as u64;
             let depth = 1 + (rng.unit() * 8.0) as u64;
             let batch = 8 + (rng.unit() * 1000.0) as u64;
-            let mut s = sample(&format!("mlp:input={input},output=10,depth={depth},act=relu"), batch);
+            let mut s = sample(
+                &format!("mlp:input={input},output=10,depth={depth},act=relu"),
+                batch,
+            );
             let noisy = |x: f64, r: &mut SplitMix64| x * (0.98 + 0.04 * r.unit());
             let peak = s.physical(Target::Memory);
             let smact = s.physical(Target::Smact);
@@ -57,12 +66,18 @@ fn predict_one(bencher: divan::Bencher, which: &str) {
         "hybrid-gbt" => model(Target::Memory, Kind::Gbt),
         _ => model(Target::Smact, Kind::Gbt),
     };
-    let s = sample("mlp:input=2346,output=197,depth=2,act=relu,dropout=0.3,batchnorm=true", 996);
+    let s = sample(
+        "mlp:input=2346,output=197,depth=2,act=relu,dropout=0.3,batchnorm=true",
+        996,
+    );
     bencher.bench(|| m.predict(&[divan::black_box(&s)]).unwrap());
 }
 
 /// Features of a job from scratch: native trace, replay, physical utilization.
 #[divan::bench]
 fn features_from_spec() -> Sample {
-    sample(divan::black_box("mlp:input=2346,output=197,depth=2,act=relu,dropout=0.3,batchnorm=true"), 996)
+    sample(
+        divan::black_box("mlp:input=2346,output=197,depth=2,act=relu,dropout=0.3,batchnorm=true"),
+        996,
+    )
 }

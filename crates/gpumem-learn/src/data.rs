@@ -10,10 +10,10 @@ use gpumem_core::UnknownName;
 use gpumem_core::dataset::{CsvError, read_measurements};
 use gpumem_core::estimate::EstimateError;
 use gpumem_core::families::{JobError, JobOptions};
-use gpumem_core::workload::ModelRef;
 use gpumem_core::graph::Activation;
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::units::bytes_to_mib;
+use gpumem_core::workload::ModelRef;
 use serde::{Deserialize, Serialize};
 
 use crate::features::{FeatureSet, TraceSummary, seed_features, trace_summary};
@@ -23,20 +23,38 @@ use gpumem_core::families::ModelFacts;
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     #[error("{file}: {source}")]
-    Open { file: String, source: std::io::Error },
+    Open {
+        file: String,
+        source: std::io::Error,
+    },
     #[error("{file}: {source}")]
     Csv { file: String, source: csv::Error },
     /// The rows as `calibrate` and `eval` read them.
     #[error(transparent)]
     Measurements(#[from] CsvError),
-    #[error("{file} line {line}: learned features need a native model spec (mlp:, cnn:, transformer:) or the seed's schema")]
+    #[error(
+        "{file} line {line}: learned features need a native model spec (mlp:, cnn:, transformer:) or the seed's schema"
+    )]
     NotNative { file: String, line: usize },
     #[error("{file} line {line}: {source}")]
-    Job { file: String, line: usize, source: JobError },
+    Job {
+        file: String,
+        line: usize,
+        source: JobError,
+    },
     #[error("{file} line {line}: {source}")]
-    Estimate { file: String, line: usize, source: EstimateError },
+    Estimate {
+        file: String,
+        line: usize,
+        source: EstimateError,
+    },
     #[error("{file} line {line}: column {column}: {problem}")]
-    Cell { file: String, line: usize, column: &'static str, problem: CellProblem },
+    Cell {
+        file: String,
+        line: usize,
+        column: &'static str,
+        problem: CellProblem,
+    },
 }
 
 /// What is wrong with a cell that features or targets are read from.
@@ -66,13 +84,22 @@ pub enum Target {
 }
 
 impl Target {
-    pub const ALL: [Target; 6] = [Target::Memory, Target::Smact, Target::Smocc, Target::Gract, Target::Dram, Target::Fp32];
+    pub const ALL: [Target; 6] = [
+        Target::Memory,
+        Target::Smact,
+        Target::Smocc,
+        Target::Gract,
+        Target::Dram,
+        Target::Fp32,
+    ];
 
     pub fn parse(s: &str) -> Result<Target, UnknownName> {
         Target::ALL
             .into_iter()
             .find(|t| t.name() == s)
-            .ok_or_else(|| UnknownName::new("target", s, "memory, smact, smocc, gract, dram or fp32"))
+            .ok_or_else(|| {
+                UnknownName::new("target", s, "memory, smact, smocc, gract, dram or fp32")
+            })
     }
 
     pub fn name(self) -> &'static str {
@@ -113,8 +140,21 @@ pub struct Sample {
 }
 
 impl Sample {
-    pub fn new(line: usize, label: String, group: String, facts: ModelFacts, summary: TraceSummary) -> Sample {
-        Sample { line, label, group, facts, summary, targets: HashMap::new() }
+    pub fn new(
+        line: usize,
+        label: String,
+        group: String,
+        facts: ModelFacts,
+        summary: TraceSummary,
+    ) -> Sample {
+        Sample {
+            line,
+            label,
+            group,
+            facts,
+            summary,
+            targets: HashMap::new(),
+        }
     }
 
     pub fn features(&self, set: FeatureSet) -> Vec<f64> {
@@ -154,21 +194,42 @@ fn column(headers: &csv::StringRecord, name: &str) -> Option<usize> {
 /// Seed-schema facts from a row's own columns (what GPUMemNet was trained on): the MLP
 /// dataset's layer list and counts, or the CNN dataset's per-kind counts; an error names the
 /// column.
-fn seed_row_facts(rec: &csv::StringRecord, headers: &csv::StringRecord, batch: u64, rebuilt: Activation) -> Option<Result<ModelFacts, (&'static str, CellProblem)>> {
-    let get = |name: &str| column(headers, name).and_then(|i| rec.get(i)).map(str::trim);
+fn seed_row_facts(
+    rec: &csv::StringRecord,
+    headers: &csv::StringRecord,
+    batch: u64,
+    rebuilt: Activation,
+) -> Option<Result<ModelFacts, (&'static str, CellProblem)>> {
+    let get = |name: &str| {
+        column(headers, name)
+            .and_then(|i| rec.get(i))
+            .map(str::trim)
+    };
     let depth = get("Depth")?;
     let num = |name: &'static str| {
         let v = get(name).unwrap_or("");
-        v.parse::<f64>().ok().filter(|x| *x >= 0.0 && x.is_finite()).map(|x| x as u64).ok_or_else(|| (name, CellProblem::NotCount(v.into())))
+        v.parse::<f64>()
+            .ok()
+            .filter(|x| *x >= 0.0 && x.is_finite())
+            .map(|x| x as u64)
+            .ok_or_else(|| (name, CellProblem::NotCount(v.into())))
     };
     Some((|| {
         let layers = get("Activations-Params").unwrap_or("");
         let kinds = |k: &str| layers.matches(&format!("('{k}")).count() as u64;
         let act = get("Activation Function").unwrap_or("relu");
         // The CNN dataset counts each kind in a column of its own.
-        let count = |column: &'static str, or: Result<u64, (&'static str, CellProblem)>| if get(column).is_some() { num(column) } else { or };
+        let count = |column: &'static str, or: Result<u64, (&'static str, CellProblem)>| {
+            if get(column).is_some() {
+                num(column)
+            } else {
+                or
+            }
+        };
         Ok(ModelFacts {
-            depth: depth.parse().map_err(|_| ("Depth", CellProblem::NotCount(depth.into())))?,
+            depth: depth
+                .parse()
+                .map_err(|_| ("Depth", CellProblem::NotCount(depth.into())))?,
             activations_per_sample: num("Total Activations")?,
             parameters: num("Total Parameters")?,
             batch,
@@ -191,19 +252,37 @@ fn seed_row_facts(rec: &csv::StringRecord, headers: &csv::StringRecord, batch: u
 
 /// Reads a dataset and computes every row's features on `profile`. `progress(done, total)` is
 /// called as rows are processed. Errors name the file, line and column.
-pub fn load(path: &Path, profile: &GpuProfile, mut progress: impl FnMut(usize, usize)) -> Result<Vec<Sample>, DataError> {
+pub fn load(
+    path: &Path,
+    profile: &GpuProfile,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<Vec<Sample>, DataError> {
     let name = path.display().to_string();
-    let open = || File::open(path).map_err(|source| DataError::Open { file: name.clone(), source });
+    let open = || {
+        File::open(path).map_err(|source| DataError::Open {
+            file: name.clone(),
+            source,
+        })
+    };
     let rows = read_measurements(&name, BufReader::new(open()?))?;
     let mut rdr = csv::Reader::from_reader(BufReader::new(open()?));
-    let csv_error = |source| DataError::Csv { file: name.clone(), source };
+    let csv_error = |source| DataError::Csv {
+        file: name.clone(),
+        source,
+    };
     let headers = rdr.headers().map_err(csv_error)?.clone();
-    let records: Vec<csv::StringRecord> = rdr.records().collect::<Result<_, _>>().map_err(csv_error)?;
+    let records: Vec<csv::StringRecord> =
+        rdr.records().collect::<Result<_, _>>().map_err(csv_error)?;
     let mut out = Vec::with_capacity(rows.len());
     for (k, m) in rows.iter().enumerate() {
         let line = m.line;
         let file = || name.clone();
-        let cell = |(column, problem)| DataError::Cell { file: file(), line, column, problem };
+        let cell = |(column, problem)| DataError::Cell {
+            file: file(),
+            line,
+            column,
+            problem,
+        };
         let rec = &records[m.line - 2];
         let Some(ModelRef::Native(spec)) = &m.model else {
             return Err(DataError::NotNative { file: file(), line });
@@ -211,19 +290,34 @@ pub fn load(path: &Path, profile: &GpuProfile, mut progress: impl FnMut(usize, u
         let mut job = JobOptions::on(profile, m.batch);
         job.optimizer = m.options.optimizer.unwrap_or(job.optimizer);
         job.precision = m.options.precision.unwrap_or(job.precision);
-        let trace = spec.trace(&job).map_err(|source| DataError::Job { file: file(), line, source })?;
-        let summary = trace_summary(&trace, profile).map_err(|source| DataError::Estimate { file: file(), line, source })?;
+        let trace = spec.trace(&job).map_err(|source| DataError::Job {
+            file: file(),
+            line,
+            source,
+        })?;
+        let summary = trace_summary(&trace, profile).map_err(|source| DataError::Estimate {
+            file: file(),
+            line,
+            source,
+        })?;
         let facts = match seed_row_facts(rec, &headers, m.batch, spec.facts(m.batch).activation) {
             Some(f) => f.map_err(cell)?,
             None => spec.facts(m.batch),
         };
-        let group = m.label.split("_batch:").next().unwrap_or(&m.label).to_string();
+        let group = m
+            .label
+            .split("_batch:")
+            .next()
+            .unwrap_or(&m.label)
+            .to_string();
         let mut sample = Sample::new(m.line, m.label.clone(), group, facts, summary);
         sample.set_target(Target::Memory, bytes_to_mib(m.measured_bytes));
         for t in &Target::ALL[1..] {
             if let Some(i) = column(&headers, t.column()) {
                 let v = rec.get(i).unwrap_or("").trim();
-                let x: f64 = v.parse().map_err(|_| cell((t.column(), CellProblem::NotNumber(v.into()))))?;
+                let x: f64 = v
+                    .parse()
+                    .map_err(|_| cell((t.column(), CellProblem::NotNumber(v.into()))))?;
                 if x == -1.0 {
                     continue; // the seed's mark for a run whose DCGM fields were not collected
                 }

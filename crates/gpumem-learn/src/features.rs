@@ -29,7 +29,10 @@ pub const SEED_FEATURES: [&str; 12] = [
 /// function, so similar encodings are neighbours rather than one-hot strangers).
 pub fn seed_features(f: &ModelFacts) -> Vec<f64> {
     let names = Activation::NAMES;
-    let k = names.iter().position(|n| *n == f.activation.name()).unwrap_or(names.len() - 1);
+    let k = names
+        .iter()
+        .position(|n| *n == f.activation.name())
+        .unwrap_or(names.len() - 1);
     let angle = std::f64::consts::PI * k as f64 / (names.len() - 1) as f64;
     vec![
         f.depth as f64,
@@ -97,9 +100,18 @@ pub fn trace_summary(trace: &Trace, profile: &GpuProfile) -> Result<TraceSummary
         u.dram,
         u.fp32,
         u.step_s * 1e3,
-        if u.step_s > 0.0 { 1.0 - gpu_s / u.step_s } else { 0.0 },
+        if u.step_s > 0.0 {
+            1.0 - gpu_s / u.step_s
+        } else {
+            0.0
+        },
     ];
-    Ok(TraceSummary { replay_peak_bytes: est.peak_bytes, replay_bound_bytes: est.upper_bound_bytes, utilization: u, features })
+    Ok(TraceSummary {
+        replay_peak_bytes: est.peak_bytes,
+        replay_bound_bytes: est.upper_bound_bytes,
+        utilization: u,
+        features,
+    })
 }
 
 /// Which features a model reads.
@@ -117,7 +129,9 @@ impl FeatureSet {
         let seed = SEED_FEATURES.iter().map(|s| s.to_string());
         match self {
             FeatureSet::Seed => seed.collect(),
-            FeatureSet::Full => seed.chain(TRACE_FEATURES.iter().map(|s| s.to_string())).collect(),
+            FeatureSet::Full => seed
+                .chain(TRACE_FEATURES.iter().map(|s| s.to_string()))
+                .collect(),
         }
     }
 }

@@ -17,7 +17,12 @@ pub struct GbtConfig {
 
 impl Default for GbtConfig {
     fn default() -> Self {
-        GbtConfig { trees: 300, max_depth: 5, learning_rate: 0.05, min_leaf: 5 }
+        GbtConfig {
+            trees: 300,
+            max_depth: 5,
+            learning_rate: 0.05,
+            min_leaf: 5,
+        }
     }
 }
 

@@ -16,7 +16,10 @@ use crate::{Sample, Target};
 
 /// The estimators by name, as every command spells them: the computed ones, and `learned` (the
 /// hybrid), which needs its memory model's file.
-pub fn estimator(name: &str, learned_model: Option<&Path>) -> Result<Box<dyn Estimator>, LearnError> {
+pub fn estimator(
+    name: &str,
+    learned_model: Option<&Path>,
+) -> Result<Box<dyn Estimator>, LearnError> {
     match (name, learned_model) {
         ("learned", Some(path)) => Ok(Box::new(Hybrid::read(path)?)),
         ("learned", None) => Err(LearnError::NotHybrid { file: None }),
@@ -39,11 +42,16 @@ impl Hybrid {
 
     /// Whether `model` is a memory correction with a conformal bound.
     pub fn accepts(model: &LearnedModel) -> bool {
-        matches!((&model.target, &model.head), (Target::Memory, Head::Correction { bound: Some(_), .. }))
+        matches!(
+            (&model.target, &model.head),
+            (Target::Memory, Head::Correction { bound: Some(_), .. })
+        )
     }
 
     pub fn read(path: &Path) -> Result<Hybrid, LearnError> {
-        Hybrid::new(LearnedModel::read(path)?).ok_or_else(|| LearnError::NotHybrid { file: Some(path.display().to_string()) })
+        Hybrid::new(LearnedModel::read(path)?).ok_or_else(|| LearnError::NotHybrid {
+            file: Some(path.display().to_string()),
+        })
     }
 }
 
@@ -54,9 +62,16 @@ impl Estimator for Hybrid {
 
     fn estimate(&self, trace: &Trace, profile: &GpuProfile) -> Result<Estimate, EstimateError> {
         let learned = |e: LearnError| EstimateError::Learned(e.to_string());
-        let spec = ModelSpec::parse(&trace.header.model).map_err(|_| learned(LearnError::NotNative))?;
+        let spec =
+            ModelSpec::parse(&trace.header.model).map_err(|_| learned(LearnError::NotNative))?;
         let mut est = Replay::default().estimate(trace, profile)?;
-        let sample = Sample::new(0, trace.header.model.clone(), String::new(), spec.facts(trace.header.batch_size), trace_summary(trace, profile)?);
+        let sample = Sample::new(
+            0,
+            trace.header.model.clone(),
+            String::new(),
+            spec.facts(trace.header.batch_size),
+            trace_summary(trace, profile)?,
+        );
         let predictions = self.model.predict(&[&sample]).map_err(learned)?;
         let p = &predictions[0];
         est.estimator = self.name();

@@ -16,7 +16,11 @@ pub enum Arch {
     Mlp { hidden: Vec<usize> },
     /// Each feature is a token (a learned per-feature embedding of its value); pre-norm encoder
     /// layers; mean pooling; a linear head.
-    Transformer { d_model: usize, heads: usize, layers: usize },
+    Transformer {
+        d_model: usize,
+        heads: usize,
+        layers: usize,
+    },
 }
 
 /// Training knobs.
@@ -32,7 +36,14 @@ pub struct TrainConfig {
 
 impl Default for TrainConfig {
     fn default() -> Self {
-        TrainConfig { epochs: 150, batch_size: 64, lr: 2e-3, weight_decay: 1e-4, dropout: 0.1, seed: 1 }
+        TrainConfig {
+            epochs: 150,
+            batch_size: 64,
+            lr: 2e-3,
+            weight_decay: 1e-4,
+            dropout: 0.1,
+            seed: 1,
+        }
     }
 }
 
@@ -72,7 +83,12 @@ pub enum NetError {
     #[error("model weights: expected {expected} tensors, found {found}")]
     TensorCount { expected: usize, found: usize },
     #[error("model weights: tensor `{stored}` {shape:?} does not fit `{name}` {dims:?}")]
-    TensorShape { stored: String, shape: Vec<usize>, name: String, dims: Vec<usize> },
+    TensorShape {
+        stored: String,
+        shape: Vec<usize>,
+        name: String,
+        dims: Vec<usize>,
+    },
     #[error("no training rows")]
     NoRows,
     #[error("a row has {found} features; the network takes {width}")]
@@ -88,10 +104,18 @@ struct Init {
 }
 
 impl Init {
-    fn tensor(&mut self, name: &str, shape: &[usize], fan_in: usize, fill: Option<f32>) -> Result<()> {
+    fn tensor(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        fan_in: usize,
+        fill: Option<f32>,
+    ) -> Result<()> {
         let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
         let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n).map(|_| fill.unwrap_or(((self.rng.unit() * 2.0 - 1.0) * bound) as f32)).collect();
+        let v: Vec<f32> = (0..n)
+            .map(|_| fill.unwrap_or(((self.rng.unit() * 2.0 - 1.0) * bound) as f32))
+            .collect();
         let t = Tensor::from_vec(v, shape, &Device::Cpu)?;
         self.params.push((name.to_string(), Var::from_tensor(&t)?));
         Ok(())
@@ -111,7 +135,10 @@ impl Init {
 impl Net {
     /// A freshly initialised network (uniform ±1/√fan_in, LayerNorm gains 1).
     pub fn new(arch: Arch, inputs: usize, outputs: usize, seed: u64) -> Result<Net> {
-        let mut init = Init { rng: SplitMix64(seed), params: Vec::new() };
+        let mut init = Init {
+            rng: SplitMix64(seed),
+            params: Vec::new(),
+        };
         match &arch {
             Arch::Mlp { hidden } => {
                 let mut width = inputs;
@@ -121,9 +148,16 @@ impl Net {
                 }
                 init.linear("out", width, outputs)?;
             }
-            Arch::Transformer { d_model, heads, layers } => {
+            Arch::Transformer {
+                d_model,
+                heads,
+                layers,
+            } => {
                 if *heads == 0 || d_model % heads != 0 {
-                    return Err(NetError::Heads { d_model: *d_model, heads: *heads });
+                    return Err(NetError::Heads {
+                        d_model: *d_model,
+                        heads: *heads,
+                    });
                 }
                 let d = *d_model;
                 init.tensor("emb.w", &[inputs, d], 1, None)?;
@@ -142,19 +176,39 @@ impl Net {
                 init.linear("out", d, outputs)?;
             }
         }
-        Ok(Net { arch, inputs, outputs, params: init.params })
+        Ok(Net {
+            arch,
+            inputs,
+            outputs,
+            params: init.params,
+        })
     }
 
     pub fn from_weights(w: &NetWeights) -> Result<Net> {
         let mut net = Net::new(w.arch.clone(), w.inputs, w.outputs, 0)?;
         if net.params.len() != w.tensors.len() {
-            return Err(NetError::TensorCount { expected: net.params.len(), found: w.tensors.len() });
+            return Err(NetError::TensorCount {
+                expected: net.params.len(),
+                found: w.tensors.len(),
+            });
         }
         for ((name, var), (wn, shape, values)) in net.params.iter_mut().zip(&w.tensors) {
-            if name != wn || var.dims() != shape.as_slice() || values.len() != shape.iter().product::<usize>() {
-                return Err(NetError::TensorShape { stored: wn.clone(), shape: shape.clone(), name: name.clone(), dims: var.dims().to_vec() });
+            if name != wn
+                || var.dims() != shape.as_slice()
+                || values.len() != shape.iter().product::<usize>()
+            {
+                return Err(NetError::TensorShape {
+                    stored: wn.clone(),
+                    shape: shape.clone(),
+                    name: name.clone(),
+                    dims: var.dims().to_vec(),
+                });
             }
-            *var = Var::from_tensor(&Tensor::from_vec(values.clone(), shape.as_slice(), &Device::Cpu)?)?;
+            *var = Var::from_tensor(&Tensor::from_vec(
+                values.clone(),
+                shape.as_slice(),
+                &Device::Cpu,
+            )?)?;
         }
         Ok(net)
     }
@@ -163,30 +217,65 @@ impl Net {
         let tensors = self
             .params
             .iter()
-            .map(|(n, v)| Ok((n.clone(), v.dims().to_vec(), v.as_tensor().flatten_all().and_then(|t| t.to_vec1::<f32>())?)))
+            .map(|(n, v)| {
+                Ok((
+                    n.clone(),
+                    v.dims().to_vec(),
+                    v.as_tensor()
+                        .flatten_all()
+                        .and_then(|t| t.to_vec1::<f32>())?,
+                ))
+            })
             .collect::<Result<_>>()?;
-        Ok(NetWeights { arch: self.arch.clone(), inputs: self.inputs, outputs: self.outputs, tensors })
+        Ok(NetWeights {
+            arch: self.arch.clone(),
+            inputs: self.inputs,
+            outputs: self.outputs,
+            tensors,
+        })
     }
 
     fn p(&self, name: &str) -> &Tensor {
-        self.params.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_tensor()).expect("parameter exists by construction")
+        self.params
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_tensor())
+            .expect("parameter exists by construction")
     }
 
     fn linear(&self, x: &Tensor, name: &str) -> candle_core::Result<Tensor> {
-        x.broadcast_matmul(&self.p(&format!("{name}.w")).t()?)?.broadcast_add(self.p(&format!("{name}.b")))
+        x.broadcast_matmul(&self.p(&format!("{name}.w")).t()?)?
+            .broadcast_add(self.p(&format!("{name}.b")))
     }
 
     fn layer_norm(&self, x: &Tensor, name: &str) -> candle_core::Result<Tensor> {
-        candle_nn::ops::layer_norm(x, self.p(&format!("{name}.g")), self.p(&format!("{name}.b")), 1e-5)
+        candle_nn::ops::layer_norm(
+            x,
+            self.p(&format!("{name}.g")),
+            self.p(&format!("{name}.b")),
+            1e-5,
+        )
     }
 
     /// Outputs for `x` [batch, inputs]; `dropout` = (rate, generator) while training.
-    fn forward(&self, x: &Tensor, mut dropout: Option<(f64, &mut SplitMix64)>) -> candle_core::Result<Tensor> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        mut dropout: Option<(f64, &mut SplitMix64)>,
+    ) -> candle_core::Result<Tensor> {
         let mut drop = |h: Tensor| -> candle_core::Result<Tensor> {
             match dropout.as_mut() {
                 Some((p, rng)) if *p > 0.0 => {
                     let keep = 1.0 - *p;
-                    let mask: Vec<f32> = (0..h.elem_count()).map(|_| if rng.unit() < keep { (1.0 / keep) as f32 } else { 0.0 }).collect();
+                    let mask: Vec<f32> = (0..h.elem_count())
+                        .map(|_| {
+                            if rng.unit() < keep {
+                                (1.0 / keep) as f32
+                            } else {
+                                0.0
+                            }
+                        })
+                        .collect();
                     h.mul(&Tensor::from_vec(mask, h.shape(), h.device())?)
                 }
                 _ => Ok(h),
@@ -200,22 +289,35 @@ impl Net {
                 }
                 self.linear(&h, "out")
             }
-            Arch::Transformer { d_model, heads, layers } => {
+            Arch::Transformer {
+                d_model,
+                heads,
+                layers,
+            } => {
                 let (b, f) = x.dims2()?;
                 let (d, nh) = (*d_model, *heads);
                 let dh = d / nh;
-                let mut h = x.unsqueeze(2)?.broadcast_mul(self.p("emb.w"))?.broadcast_add(self.p("emb.b"))?;
+                let mut h = x
+                    .unsqueeze(2)?
+                    .broadcast_mul(self.p("emb.w"))?
+                    .broadcast_add(self.p("emb.b"))?;
                 for l in 0..*layers {
                     let n = self.layer_norm(&h, &format!("b{l}.ln1"))?;
-                    let split = |t: Tensor| t.reshape((b, f, nh, dh))?.transpose(1, 2)?.contiguous();
+                    let split =
+                        |t: Tensor| t.reshape((b, f, nh, dh))?.transpose(1, 2)?.contiguous();
                     let q = split(self.linear(&n, &format!("b{l}.q"))?)?;
                     let k = split(self.linear(&n, &format!("b{l}.k"))?)?;
                     let v = split(self.linear(&n, &format!("b{l}.v"))?)?;
-                    let att = candle_nn::ops::softmax_last_dim(&(q.matmul(&k.t()?)? / (dh as f64).sqrt())?)?;
+                    let att = candle_nn::ops::softmax_last_dim(
+                        &(q.matmul(&k.t()?)? / (dh as f64).sqrt())?,
+                    )?;
                     let o = att.matmul(&v)?.transpose(1, 2)?.reshape((b, f, d))?;
                     h = (h + drop(self.linear(&o, &format!("b{l}.o"))?)?)?;
                     let n = self.layer_norm(&h, &format!("b{l}.ln2"))?;
-                    let ff = self.linear(&self.linear(&n, &format!("b{l}.ff1"))?.gelu()?, &format!("b{l}.ff2"))?;
+                    let ff = self.linear(
+                        &self.linear(&n, &format!("b{l}.ff1"))?.gelu()?,
+                        &format!("b{l}.ff2"),
+                    )?;
                     h = (h + drop(ff)?)?;
                 }
                 let pooled = self.layer_norm(&h.mean(1)?, "lnf")?;
@@ -234,28 +336,52 @@ impl Net {
     }
 
     /// Trains in place with AdamW; `progress(epoch, mean loss)` after each epoch.
-    pub fn train(&mut self, rows: &[Vec<f32>], labels: &Labels, cfg: &TrainConfig, progress: &mut dyn FnMut(usize, f64)) -> Result<()> {
+    pub fn train(
+        &mut self,
+        rows: &[Vec<f32>],
+        labels: &Labels,
+        cfg: &TrainConfig,
+        progress: &mut dyn FnMut(usize, f64),
+    ) -> Result<()> {
         let n = rows.len();
         if n == 0 {
             return Err(NetError::NoRows);
         }
         let vars: Vec<Var> = self.params.iter().map(|(_, v)| v.clone()).collect();
-        let mut opt = AdamW::new(vars, ParamsAdamW { lr: cfg.lr, weight_decay: cfg.weight_decay, ..Default::default() })?;
+        let mut opt = AdamW::new(
+            vars,
+            ParamsAdamW {
+                lr: cfg.lr,
+                weight_decay: cfg.weight_decay,
+                ..Default::default()
+            },
+        )?;
         let mut rng = SplitMix64(cfg.seed ^ 0xD1CE);
         let mut order: Vec<usize> = (0..n).collect();
         for epoch in 0..cfg.epochs {
             rng.shuffle(&mut order);
             let (mut total, mut batches) = (0.0, 0);
             for chunk in order.chunks(cfg.batch_size.max(1)) {
-                let x = matrix(&chunk.iter().map(|&i| rows[i].clone()).collect::<Vec<_>>(), self.inputs)?;
+                let x = matrix(
+                    &chunk.iter().map(|&i| rows[i].clone()).collect::<Vec<_>>(),
+                    self.inputs,
+                )?;
                 let out = self.forward(&x, Some((cfg.dropout, &mut rng)))?;
                 let loss = match labels {
                     Labels::Classes(y, _) => {
-                        let t = Tensor::from_vec(chunk.iter().map(|&i| y[i]).collect::<Vec<u32>>(), chunk.len(), &Device::Cpu)?;
+                        let t = Tensor::from_vec(
+                            chunk.iter().map(|&i| y[i]).collect::<Vec<u32>>(),
+                            chunk.len(),
+                            &Device::Cpu,
+                        )?;
                         candle_nn::loss::cross_entropy(&out, &t)
                     }
                     Labels::Values(y) => {
-                        let t = Tensor::from_vec(chunk.iter().map(|&i| y[i]).collect::<Vec<f32>>(), (chunk.len(), 1), &Device::Cpu)?;
+                        let t = Tensor::from_vec(
+                            chunk.iter().map(|&i| y[i]).collect::<Vec<f32>>(),
+                            (chunk.len(), 1),
+                            &Device::Cpu,
+                        )?;
                         candle_nn::loss::mse(&out, &t)
                     }
                 }?;
@@ -271,9 +397,16 @@ impl Net {
 
 fn matrix(rows: &[Vec<f32>], width: usize) -> Result<Tensor> {
     if let Some(r) = rows.iter().find(|r| r.len() != width) {
-        return Err(NetError::RowWidth { found: r.len(), width });
+        return Err(NetError::RowWidth {
+            found: r.len(),
+            width,
+        });
     }
-    Ok(Tensor::from_vec(rows.concat(), (rows.len(), width), &Device::Cpu)?)
+    Ok(Tensor::from_vec(
+        rows.concat(),
+        (rows.len(), width),
+        &Device::Cpu,
+    )?)
 }
 
 /// Row-wise softmax of logits.

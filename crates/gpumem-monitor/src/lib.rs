@@ -74,7 +74,11 @@ impl NvmlMonitor {
         let nvml = nvml_wrapper::Nvml::init().map_err(|e| MonitorError::Nvml(e.to_string()))?;
         let all: Vec<u32> = (0..nvml.device_count().unwrap_or(0)).collect();
         let watch = gpus.unwrap_or(&all);
-        let dcgm = if watch.is_empty() { None } else { DcgmiStream::start(watch, period_ms) };
+        let dcgm = if watch.is_empty() {
+            None
+        } else {
+            DcgmiStream::start(watch, period_ms)
+        };
         Ok(NvmlMonitor { nvml, dcgm })
     }
 }
@@ -91,7 +95,10 @@ impl Monitor for NvmlMonitor {
         }
         let d = self.nvml.device_by_index(gpu).map_err(nv)?;
         let mem = d.memory_info().map_err(nv)?;
-        let util = d.utilization_rates().map(|u| f64::from(u.gpu) / 100.0).unwrap_or(0.0);
+        let util = d
+            .utilization_rates()
+            .map(|u| f64::from(u.gpu) / 100.0)
+            .unwrap_or(0.0);
         let processes = d
             .running_compute_processes()
             .unwrap_or_default()
@@ -116,8 +123,15 @@ impl Monitor for NvmlMonitor {
     }
 
     fn system(&self) -> SystemInfo {
-        let cuda = self.nvml.sys_cuda_driver_version().map(|v| format!("{}.{}", v / 1000, (v % 1000) / 10)).unwrap_or_default();
-        SystemInfo { driver: self.nvml.sys_driver_version().unwrap_or_default(), cuda }
+        let cuda = self
+            .nvml
+            .sys_cuda_driver_version()
+            .map(|v| format!("{}.{}", v / 1000, (v % 1000) / 10))
+            .unwrap_or_default();
+        SystemInfo {
+            driver: self.nvml.sys_driver_version().unwrap_or_default(),
+            cuda,
+        }
     }
 }
 
@@ -135,13 +149,26 @@ impl DcgmiStream {
     pub fn start(gpus: &[u32], period_ms: u32) -> Option<DcgmiStream> {
         let ids: Vec<String> = gpus.iter().map(u32::to_string).collect();
         let mut child = Command::new("dcgmi")
-            .args(["dmon", "-i", &ids.join(","), "-e", DCGM_FIELDS, "-d", &period_ms.max(100).to_string()])
+            .args([
+                "dmon",
+                "-i",
+                &ids.join(","),
+                "-e",
+                DCGM_FIELDS,
+                "-d",
+                &period_ms.max(100).to_string(),
+            ])
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
             .ok()?;
         let out = child.stdout.take()?;
-        let latest = Arc::new(Mutex::new(vec![None; gpus.iter().max().map_or(0, |m| *m as usize + 1)]));
+        let latest = Arc::new(Mutex::new(vec![
+            None;
+            gpus.iter()
+                .max()
+                .map_or(0, |m| *m as usize + 1)
+        ]));
         let sink = latest.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
@@ -157,7 +184,12 @@ impl DcgmiStream {
     }
 
     pub fn latest(&self, gpu: u32) -> Option<Dcgm> {
-        self.latest.lock().ok()?.get(gpu as usize).copied().flatten()
+        self.latest
+            .lock()
+            .ok()?
+            .get(gpu as usize)
+            .copied()
+            .flatten()
     }
 }
 
@@ -176,9 +208,22 @@ pub fn parse_dmon_line(line: &str) -> Option<(u32, Dcgm)> {
         return None;
     }
     let gpu: u32 = words.next()?.parse().ok()?;
-    let v: Vec<f64> = words.map(|w| w.parse::<f64>().ok()).collect::<Option<Vec<_>>>()?;
-    let [gract, smact, smocc, dram, fp32] = v[..] else { return None };
-    Some((gpu, Dcgm { gract, smact, smocc, dram, fp32 }))
+    let v: Vec<f64> = words
+        .map(|w| w.parse::<f64>().ok())
+        .collect::<Option<Vec<_>>>()?;
+    let [gract, smact, smocc, dram, fp32] = v[..] else {
+        return None;
+    };
+    Some((
+        gpu,
+        Dcgm {
+            gract,
+            smact,
+            smocc,
+            dram,
+            fp32,
+        },
+    ))
 }
 
 /// What a fake GPU is doing; set through [`FakeGpus`].
@@ -204,8 +249,16 @@ pub struct FakeMonitor {
 impl FakeMonitor {
     /// `count` GPUs called `name` with `total_bytes` each.
     pub fn new(count: usize, name: &str, total_bytes: u64) -> FakeMonitor {
-        let gpu = FakeGpu { name: name.into(), total_bytes, base_bytes: 0, processes: Vec::new(), dcgm: Dcgm::default() };
-        FakeMonitor { gpus: Arc::new(Mutex::new(vec![gpu; count])) }
+        let gpu = FakeGpu {
+            name: name.into(),
+            total_bytes,
+            base_bytes: 0,
+            processes: Vec::new(),
+            dcgm: Dcgm::default(),
+        };
+        FakeMonitor {
+            gpus: Arc::new(Mutex::new(vec![gpu; count])),
+        }
     }
 }
 
@@ -215,8 +268,13 @@ impl Monitor for FakeMonitor {
     }
 
     fn read(&mut self, gpu: u32) -> Result<GpuReading, MonitorError> {
-        let gpus = self.gpus.lock().map_err(|_| MonitorError::Nvml("fake monitor poisoned".into()))?;
-        let g = gpus.get(gpu as usize).ok_or(MonitorError::NoSuchGpu(gpu, gpus.len()))?;
+        let gpus = self
+            .gpus
+            .lock()
+            .map_err(|_| MonitorError::Nvml("fake monitor poisoned".into()))?;
+        let g = gpus
+            .get(gpu as usize)
+            .ok_or(MonitorError::NoSuchGpu(gpu, gpus.len()))?;
         let used = g.base_bytes + g.processes.iter().map(|p| p.1).sum::<u64>();
         Ok(GpuReading {
             index: gpu,
@@ -230,7 +288,10 @@ impl Monitor for FakeMonitor {
     }
 
     fn system(&self) -> SystemInfo {
-        SystemInfo { driver: "fake".into(), cuda: "fake".into() }
+        SystemInfo {
+            driver: "fake".into(),
+            cuda: "fake".into(),
+        }
     }
 }
 
@@ -242,11 +303,26 @@ mod tests {
     fn dmon_lines() {
         assert_eq!(
             parse_dmon_line("GPU 1     0.512  0.433  0.201  0.100  0.050"),
-            Some((1, Dcgm { gract: 0.512, smact: 0.433, smocc: 0.201, dram: 0.1, fp32: 0.05 }))
+            Some((
+                1,
+                Dcgm {
+                    gract: 0.512,
+                    smact: 0.433,
+                    smocc: 0.201,
+                    dram: 0.1,
+                    fp32: 0.05
+                }
+            ))
         );
-        assert_eq!(parse_dmon_line("#Entity   GRACT  SMACT  SMOCC  DRAMA  FP32A"), None);
+        assert_eq!(
+            parse_dmon_line("#Entity   GRACT  SMACT  SMOCC  DRAMA  FP32A"),
+            None
+        );
         assert_eq!(parse_dmon_line("ID"), None);
-        assert_eq!(parse_dmon_line("GPU 0     N/A    N/A    N/A    N/A    N/A"), None);
+        assert_eq!(
+            parse_dmon_line("GPU 0     N/A    N/A    N/A    N/A    N/A"),
+            None
+        );
         assert_eq!(parse_dmon_line("GPU 0     0.1 0.2"), None, "too few fields");
     }
 
@@ -255,7 +331,10 @@ mod tests {
         let mut m = FakeMonitor::new(2, "A100", 40 << 30);
         m.gpus.lock().unwrap()[1].processes.push((42, 3 << 30));
         let r = m.read(1).unwrap();
-        assert_eq!((r.used_bytes, r.total_bytes, r.processes.clone()), (3 << 30, 40 << 30, vec![(42, 3 << 30)]));
+        assert_eq!(
+            (r.used_bytes, r.total_bytes, r.processes.clone()),
+            (3 << 30, 40 << 30, vec![(42, 3 << 30)])
+        );
         assert_eq!(m.read(0).unwrap().used_bytes, 0);
         assert_eq!(m.read(2).unwrap_err(), MonitorError::NoSuchGpu(2, 2));
     }

@@ -36,7 +36,11 @@ pub struct Load {
 
 impl Load {
     pub fn plus(self, o: Load) -> Load {
-        Load { smact: self.smact + o.smact, smocc: self.smocc + o.smocc, dram: self.dram + o.dram }
+        Load {
+            smact: self.smact + o.smact,
+            smocc: self.smocc + o.smocc,
+            dram: self.dram + o.dram,
+        }
     }
     /// How oversubscribed a GPU with this summed load is: above 1, jobs slow each other down.
     pub fn pressure(self) -> f64 {
@@ -44,7 +48,11 @@ impl Load {
     }
     /// What a monitor would read on a GPU with this summed load.
     pub fn observed(self) -> Load {
-        Load { smact: self.smact.min(1.0), smocc: self.smocc.min(1.0), dram: self.dram.min(1.0) }
+        Load {
+            smact: self.smact.min(1.0),
+            smocc: self.smocc.min(1.0),
+            dram: self.dram.min(1.0),
+        }
     }
 }
 
@@ -58,7 +66,10 @@ pub struct MemoryDemand {
 
 impl MemoryDemand {
     pub fn point(bytes: u64) -> Self {
-        MemoryDemand { estimate_bytes: bytes, upper_bound_bytes: bytes }
+        MemoryDemand {
+            estimate_bytes: bytes,
+            upper_bound_bytes: bytes,
+        }
     }
 }
 
@@ -101,7 +112,11 @@ pub struct Gpu {
 
 impl Gpu {
     pub fn new(capacity_bytes: u64) -> Self {
-        Gpu { capacity_bytes, residents: Vec::new(), warm_until_s: f64::NEG_INFINITY }
+        Gpu {
+            capacity_bytes,
+            residents: Vec::new(),
+            warm_until_s: f64::NEG_INFINITY,
+        }
     }
     pub fn used_bytes(&self) -> u64 {
         self.residents.iter().map(|r| r.used_bytes).sum()
@@ -112,12 +127,23 @@ impl Gpu {
     }
     /// Free memory when residents still warming up may grow to their upper bounds.
     pub fn free_bound_bytes(&self, now_s: f64) -> u64 {
-        let held: u64 =
-            self.residents.iter().map(|r| if now_s >= r.warm_at_s { r.used_bytes } else { r.used_bytes.max(r.bound_bytes) }).sum();
+        let held: u64 = self
+            .residents
+            .iter()
+            .map(|r| {
+                if now_s >= r.warm_at_s {
+                    r.used_bytes
+                } else {
+                    r.used_bytes.max(r.bound_bytes)
+                }
+            })
+            .sum();
         self.capacity_bytes.saturating_sub(held)
     }
     pub fn load(&self) -> Load {
-        self.residents.iter().fold(Load::default(), |a, r| a.plus(r.load))
+        self.residents
+            .iter()
+            .fold(Load::default(), |a, r| a.plus(r.load))
     }
     fn held_exclusively(&self) -> bool {
         self.residents.iter().any(|r| r.exclusive)
@@ -133,7 +159,10 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn new(capacities: impl IntoIterator<Item = u64>) -> Self {
-        Cluster { gpus: capacities.into_iter().map(Gpu::new).collect(), next_round_robin: 0 }
+        Cluster {
+            gpus: capacities.into_iter().map(Gpu::new).collect(),
+            next_round_robin: 0,
+        }
     }
 
     /// Puts `job` on `gpus` (as [`Policy::place`] chose) at time `now_s`; `alone` keeps others
@@ -184,8 +213,15 @@ pub enum Rule {
 }
 
 impl Rule {
-    pub const ALL: [Rule; 7] =
-        [Rule::Exclusive, Rule::RoundRobin, Rule::FirstFit, Rule::BestFit, Rule::MostFreeMemory, Rule::LeastUtilized, Rule::SafePack];
+    pub const ALL: [Rule; 7] = [
+        Rule::Exclusive,
+        Rule::RoundRobin,
+        Rule::FirstFit,
+        Rule::BestFit,
+        Rule::MostFreeMemory,
+        Rule::LeastUtilized,
+        Rule::SafePack,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -238,7 +274,13 @@ pub struct Policy {
 
 impl Policy {
     pub fn new(rule: Rule, memory: MemoryView) -> Self {
-        Policy { rule, memory, carma_filter: false, safe_headroom_bytes: 512 * MIB, max_pressure: 2.0 }
+        Policy {
+            rule,
+            memory,
+            carma_filter: false,
+            safe_headroom_bytes: 512 * MIB,
+            max_pressure: 2.0,
+        }
     }
 
     /// Parses `RULE` or `RULE+carma` (the utilization filter).
@@ -247,14 +289,22 @@ impl Policy {
             Some(r) => (r, true),
             None => (name, false),
         };
-        let rule = Rule::ALL.into_iter().find(|r| r.name() == rule_name).ok_or_else(|| UnknownPolicy(name.to_string()))?;
-        Ok(Policy { carma_filter: carma, ..Policy::new(rule, memory) })
+        let rule = Rule::ALL
+            .into_iter()
+            .find(|r| r.name() == rule_name)
+            .ok_or_else(|| UnknownPolicy(name.to_string()))?;
+        Ok(Policy {
+            carma_filter: carma,
+            ..Policy::new(rule, memory)
+        })
     }
 
     /// Whether `job` must have its GPUs to itself: recovery, the exclusive rule, and safe-pack
     /// for jobs without an estimate.
     pub fn runs_alone(&self, job: &Job) -> bool {
-        job.exclusive || self.rule == Rule::Exclusive || (self.rule == Rule::SafePack && job.memory.is_none())
+        job.exclusive
+            || self.rule == Rule::Exclusive
+            || (self.rule == Rule::SafePack && job.memory.is_none())
     }
 
     /// The GPUs `job` should start on now, or `None` if it must wait.
@@ -348,7 +398,12 @@ impl Policy {
 
 impl fmt::Display for Policy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}{}", self.rule.name(), if self.carma_filter { "+carma" } else { "" })
+        write!(
+            f,
+            "{}{}",
+            self.rule.name(),
+            if self.carma_filter { "+carma" } else { "" }
+        )
     }
 }
 

@@ -40,7 +40,12 @@ pub struct SchedOptions {
 
 impl SchedOptions {
     pub fn new(policy: Policy) -> Self {
-        SchedOptions { policy, backfill: false, max_retries: 3, warmup_s: 30.0 }
+        SchedOptions {
+            policy,
+            backfill: false,
+            max_retries: 3,
+            warmup_s: 30.0,
+        }
     }
 }
 
@@ -75,7 +80,11 @@ pub trait Forecast {
     /// Whether jobs with these solo loads, together on one GPU, run slower than alone. By
     /// default: when their summed pressure exceeds 1.
     fn slows(&self, loads: &[Load]) -> bool {
-        loads.iter().fold(Load::default(), |a, &l| a.plus(l)).pressure() > 1.0
+        loads
+            .iter()
+            .fold(Load::default(), |a, &l| a.plus(l))
+            .pressure()
+            > 1.0
     }
     /// Called as each decision is made, after the job is assigned on `cluster` and before the
     /// next decision: a caller whose forecasts depend on what runs where (the simulator's
@@ -113,7 +122,12 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(opts: SchedOptions) -> Self {
-        Scheduler { opts, waiting: BTreeMap::new(), keys: HashMap::new(), crashes_queued: 0 }
+        Scheduler {
+            opts,
+            waiting: BTreeMap::new(),
+            keys: HashMap::new(),
+            crashes_queued: 0,
+        }
     }
 
     pub fn options(&self) -> &SchedOptions {
@@ -123,7 +137,9 @@ impl Scheduler {
     /// Whether `job`, having run out of memory `crashes` times, must have its GPUs to itself:
     /// after a crash always (CARMA's recovery rule), otherwise as the policy says.
     pub fn alone(&self, job: &Job, crashes: u32) -> bool {
-        self.opts.policy.runs_alone(&recovering(job.clone(), crashes))
+        self.opts
+            .policy
+            .runs_alone(&recovering(job.clone(), crashes))
     }
 
     /// Queues `job`. `submitted` orders jobs of equal priority (lower first: a submission
@@ -138,9 +154,15 @@ impl Scheduler {
         }
         let (key, queued) = if crashes > 0 {
             self.crashes_queued += 1;
-            ((false, Reverse(priority), self.crashes_queued, job.id), Queued::Recovering)
+            (
+                (false, Reverse(priority), self.crashes_queued, job.id),
+                Queued::Recovering,
+            )
         } else {
-            ((true, Reverse(priority), submitted, job.id), Queued::Waiting)
+            (
+                (true, Reverse(priority), submitted, job.id),
+                Queued::Waiting,
+            )
         };
         self.keys.insert(job.id, key);
         self.waiting.insert(key, recovering(job, crashes));
@@ -173,7 +195,12 @@ impl Scheduler {
     /// Starts waiting jobs at `now_s`: in order until one must wait, then (with backfill) later
     /// ones that do not delay it. Each job started is assigned on `cluster` (so the next
     /// decision sees it) and handed to `forecast.placed`; the decisions are returned in order.
-    pub fn schedule(&mut self, cluster: &mut Cluster, now_s: f64, forecast: &mut dyn Forecast) -> Vec<Decision> {
+    pub fn schedule(
+        &mut self,
+        cluster: &mut Cluster,
+        now_s: f64,
+        forecast: &mut dyn Forecast,
+    ) -> Vec<Decision> {
         let mut out = Vec::new();
         while let Some((&key, job)) = self.waiting.first_key_value() {
             match self.opts.policy.place(cluster, job, now_s) {
@@ -190,12 +217,26 @@ impl Scheduler {
     }
 
     /// EASY backfilling behind the head `head` (see the module docs).
-    fn backfill(&mut self, head: Key, cluster: &mut Cluster, now_s: f64, forecast: &mut dyn Forecast, out: &mut Vec<Decision>) {
+    fn backfill(
+        &mut self,
+        head: Key,
+        cluster: &mut Cluster,
+        now_s: f64,
+        forecast: &mut dyn Forecast,
+        out: &mut Vec<Decision>,
+    ) {
         let head_job = &self.waiting[&head];
-        let mut running: Vec<u64> = cluster.gpus.iter().flat_map(|g| g.residents.iter().map(|r| r.job)).collect();
+        let mut running: Vec<u64> = cluster
+            .gpus
+            .iter()
+            .flat_map(|g| g.residents.iter().map(|r| r.job))
+            .collect();
         running.sort_unstable();
         running.dedup();
-        let mut ending: Vec<(f64, u64)> = running.into_iter().map(|j| (forecast.end_s(j), j)).collect();
+        let mut ending: Vec<(f64, u64)> = running
+            .into_iter()
+            .map(|j| (forecast.end_s(j), j))
+            .collect();
         ending.sort_by(|a, b| a.0.total_cmp(&b.0));
         let mut future = cluster.clone();
         let mut reservation = None;
@@ -206,11 +247,20 @@ impl Scheduler {
                 break;
             }
         }
-        let Some((shadow, reserved)) = reservation else { return };
-        let later: Vec<Key> = self.waiting.keys().copied().filter(|&k| k != head).collect();
+        let Some((shadow, reserved)) = reservation else {
+            return;
+        };
+        let later: Vec<Key> = self
+            .waiting
+            .keys()
+            .copied()
+            .filter(|&k| k != head)
+            .collect();
         for key in later {
             let job = &self.waiting[&key];
-            let Some(gpus) = self.opts.policy.place(cluster, job, now_s) else { continue };
+            let Some(gpus) = self.opts.policy.place(cluster, job, now_s) else {
+                continue;
+            };
             let clear = gpus.iter().all(|g| !reserved.contains(g));
             if clear || self.done_before(job, &gpus, cluster, now_s, shadow, forecast) {
                 self.start(key, gpus, true, cluster, now_s, forecast, out);
@@ -220,24 +270,49 @@ impl Scheduler {
 
     /// A backfilled job may use reserved GPUs if, at full speed and slowing nobody, it ends
     /// before the head's reserved start.
-    fn done_before(&self, job: &Job, gpus: &[usize], cluster: &Cluster, now_s: f64, shadow: f64, forecast: &dyn Forecast) -> bool {
-        let Some(run_s) = forecast.run_s(job.id) else { return false };
+    fn done_before(
+        &self,
+        job: &Job,
+        gpus: &[usize],
+        cluster: &Cluster,
+        now_s: f64,
+        shadow: f64,
+        forecast: &dyn Forecast,
+    ) -> bool {
+        let Some(run_s) = forecast.run_s(job.id) else {
+            return false;
+        };
         shadow.is_finite()
             && now_s + run_s <= shadow
             && gpus.iter().all(|&g| {
-                let mut loads: Vec<Load> = cluster.gpus[g].residents.iter().map(|r| r.load).collect();
+                let mut loads: Vec<Load> =
+                    cluster.gpus[g].residents.iter().map(|r| r.load).collect();
                 loads.push(job.load);
                 !forecast.slows(&loads)
             })
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn start(&mut self, key: Key, gpus: Vec<usize>, backfilled: bool, cluster: &mut Cluster, now_s: f64, forecast: &mut dyn Forecast, out: &mut Vec<Decision>) {
+    fn start(
+        &mut self,
+        key: Key,
+        gpus: Vec<usize>,
+        backfilled: bool,
+        cluster: &mut Cluster,
+        now_s: f64,
+        forecast: &mut dyn Forecast,
+        out: &mut Vec<Decision>,
+    ) {
         let job = self.waiting.remove(&key).expect("a waiting job");
         self.keys.remove(&job.id);
         let alone = self.opts.policy.runs_alone(&job);
         cluster.assign(&job, &gpus, alone, now_s, self.opts.warmup_s);
-        let decision = Decision { job: job.id, gpus, alone, backfilled };
+        let decision = Decision {
+            job: job.id,
+            gpus,
+            alone,
+            backfilled,
+        };
         forecast.placed(&decision, cluster, now_s);
         out.push(decision);
     }
@@ -245,5 +320,8 @@ impl Scheduler {
 
 /// CARMA's recovery rule: a job that has run out of memory runs alone from then on.
 fn recovering(job: Job, crashes: u32) -> Job {
-    Job { exclusive: job.exclusive || crashes > 0, ..job }
+    Job {
+        exclusive: job.exclusive || crashes > 0,
+        ..job
+    }
 }

@@ -6,9 +6,16 @@ fn job(id: u64, gpus: u32, estimate_gib: u64, true_gib: u64, smact: f64) -> Job 
     Job {
         id,
         gpus,
-        memory: Some(MemoryDemand { estimate_bytes: estimate_gib * GIB, upper_bound_bytes: estimate_gib * GIB + GIB }),
+        memory: Some(MemoryDemand {
+            estimate_bytes: estimate_gib * GIB,
+            upper_bound_bytes: estimate_gib * GIB + GIB,
+        }),
         true_bytes: Some(true_gib * GIB),
-        load: Load { smact, smocc: smact / 2.0, dram: smact / 2.0 },
+        load: Load {
+            smact,
+            smocc: smact / 2.0,
+            dram: smact / 2.0,
+        },
         exclusive: false,
     }
 }
@@ -26,7 +33,9 @@ fn cluster(used: [u64; 4]) -> Cluster {
 }
 
 fn estimate() -> MemoryView {
-    MemoryView::Estimate { headroom_bytes: 2 * GIB }
+    MemoryView::Estimate {
+        headroom_bytes: 2 * GIB,
+    }
 }
 
 fn place(rule: &str, view: MemoryView, c: &Cluster, j: &Job) -> Option<Vec<usize>> {
@@ -36,38 +45,74 @@ fn place(rule: &str, view: MemoryView, c: &Cluster, j: &Job) -> Option<Vec<usize
 #[test]
 fn exclusive_takes_only_empty_gpus() {
     let c = cluster([1, 0, 5, 0]);
-    assert_eq!(place("exclusive", MemoryView::Blind, &c, &job(1, 1, 1, 1, 0.1)), Some(vec![1]));
-    assert_eq!(place("exclusive", MemoryView::Blind, &c, &job(1, 2, 1, 1, 0.1)), Some(vec![1, 3]));
-    assert_eq!(place("exclusive", MemoryView::Blind, &c, &job(1, 3, 1, 1, 0.1)), None);
+    assert_eq!(
+        place("exclusive", MemoryView::Blind, &c, &job(1, 1, 1, 1, 0.1)),
+        Some(vec![1])
+    );
+    assert_eq!(
+        place("exclusive", MemoryView::Blind, &c, &job(1, 2, 1, 1, 0.1)),
+        Some(vec![1, 3])
+    );
+    assert_eq!(
+        place("exclusive", MemoryView::Blind, &c, &job(1, 3, 1, 1, 0.1)),
+        None
+    );
 }
 
 #[test]
 fn first_fit_takes_the_lowest_index_that_fits() {
     let c = cluster([30, 20, 10, 0]);
     // 15 + 2 headroom fits on GPUs 1 (20 free), 2 and 3; the first is 1.
-    assert_eq!(place("first-fit", estimate(), &c, &job(1, 1, 15, 15, 0.1)), Some(vec![1]));
+    assert_eq!(
+        place("first-fit", estimate(), &c, &job(1, 1, 15, 15, 0.1)),
+        Some(vec![1])
+    );
     // Oracle: true 9 GiB fits on GPU 0 (10 free).
-    assert_eq!(place("first-fit", MemoryView::Oracle, &c, &job(1, 1, 15, 9, 0.1)), Some(vec![0]));
+    assert_eq!(
+        place("first-fit", MemoryView::Oracle, &c, &job(1, 1, 15, 9, 0.1)),
+        Some(vec![0])
+    );
     // A two-GPU job: the two lowest that fit (5 + 2 ≤ 10 free on GPU 0).
-    assert_eq!(place("first-fit", estimate(), &c, &job(1, 2, 5, 5, 0.1)), Some(vec![0, 1]));
-    assert_eq!(place("first-fit", estimate(), &c, &job(1, 2, 9, 9, 0.1)), Some(vec![1, 2]));
+    assert_eq!(
+        place("first-fit", estimate(), &c, &job(1, 2, 5, 5, 0.1)),
+        Some(vec![0, 1])
+    );
+    assert_eq!(
+        place("first-fit", estimate(), &c, &job(1, 2, 9, 9, 0.1)),
+        Some(vec![1, 2])
+    );
 }
 
 #[test]
 fn best_fit_leaves_the_smallest_hole() {
     let c = cluster([30, 20, 10, 0]);
-    assert_eq!(place("best-fit", estimate(), &c, &job(1, 1, 7, 7, 0.1)), Some(vec![0]));
-    assert_eq!(place("best-fit", estimate(), &c, &job(1, 1, 15, 15, 0.1)), Some(vec![1]));
+    assert_eq!(
+        place("best-fit", estimate(), &c, &job(1, 1, 7, 7, 0.1)),
+        Some(vec![0])
+    );
+    assert_eq!(
+        place("best-fit", estimate(), &c, &job(1, 1, 15, 15, 0.1)),
+        Some(vec![1])
+    );
     // Equal holes: the lower index wins.
     let tie = cluster([10, 10, 0, 0]);
-    assert_eq!(place("best-fit", estimate(), &tie, &job(1, 1, 5, 5, 0.1)), Some(vec![0]));
+    assert_eq!(
+        place("best-fit", estimate(), &tie, &job(1, 1, 5, 5, 0.1)),
+        Some(vec![0])
+    );
 }
 
 #[test]
 fn most_free_memory_spreads() {
     let c = cluster([30, 20, 10, 0]);
-    assert_eq!(place("most-free-memory", estimate(), &c, &job(1, 1, 1, 1, 0.1)), Some(vec![3]));
-    assert_eq!(place("most-free-memory", estimate(), &c, &job(1, 2, 1, 1, 0.1)), Some(vec![2, 3]));
+    assert_eq!(
+        place("most-free-memory", estimate(), &c, &job(1, 1, 1, 1, 0.1)),
+        Some(vec![3])
+    );
+    assert_eq!(
+        place("most-free-memory", estimate(), &c, &job(1, 2, 1, 1, 0.1)),
+        Some(vec![2, 3])
+    );
 }
 
 #[test]
@@ -76,8 +121,14 @@ fn least_utilized_follows_smact() {
     for (g, s) in [(0, 0.6), (1, 0.2), (2, 0.9), (3, 0.4)] {
         c.assign(&job(10 + g as u64, 1, 1, 1, s), &[g], false, -100.0, 0.0);
     }
-    assert_eq!(place("least-utilized", estimate(), &c, &job(1, 1, 1, 1, 0.1)), Some(vec![1]));
-    assert_eq!(place("least-utilized", estimate(), &c, &job(1, 2, 1, 1, 0.1)), Some(vec![1, 3]));
+    assert_eq!(
+        place("least-utilized", estimate(), &c, &job(1, 1, 1, 1, 0.1)),
+        Some(vec![1])
+    );
+    assert_eq!(
+        place("least-utilized", estimate(), &c, &job(1, 2, 1, 1, 0.1)),
+        Some(vec![1, 3])
+    );
 }
 
 #[test]
@@ -99,26 +150,61 @@ fn round_robin_cycles_and_ignores_memory() {
 fn estimate_form_needs_headroom_and_failed_estimates_need_an_empty_gpu() {
     let c = cluster([25, 25, 25, 25]);
     // 15 GiB free: 14 + 2 does not fit, 13 + 2 does.
-    assert_eq!(place("first-fit", estimate(), &c, &job(1, 1, 14, 1, 0.1)), None);
-    assert_eq!(place("first-fit", estimate(), &c, &job(1, 1, 13, 1, 0.1)), Some(vec![0]));
+    assert_eq!(
+        place("first-fit", estimate(), &c, &job(1, 1, 14, 1, 0.1)),
+        None
+    );
+    assert_eq!(
+        place("first-fit", estimate(), &c, &job(1, 1, 13, 1, 0.1)),
+        Some(vec![0])
+    );
     let mut failed = job(1, 1, 1, 1, 0.1);
     failed.memory = None;
     assert_eq!(place("first-fit", estimate(), &c, &failed), None);
-    assert_eq!(place("first-fit", estimate(), &cluster([25, 0, 25, 25]), &failed), Some(vec![1]));
+    assert_eq!(
+        place("first-fit", estimate(), &cluster([25, 0, 25, 25]), &failed),
+        Some(vec![1])
+    );
     // An estimate above the GPU's size still gets an empty GPU (it can get nothing better).
-    assert_eq!(place("best-fit", estimate(), &cluster([1, 0, 1, 1]), &job(1, 1, 45, 1, 0.1)), Some(vec![1]));
+    assert_eq!(
+        place(
+            "best-fit",
+            estimate(),
+            &cluster([1, 0, 1, 1]),
+            &job(1, 1, 45, 1, 0.1)
+        ),
+        Some(vec![1])
+    );
 }
 
 #[test]
 fn carma_filter_skips_busy_gpus() {
     let mut c = cluster([0, 0, 0, 0]);
-    let busy = Job { load: Load { smact: 0.85, smocc: 0.5, dram: 0.1 }, ..job(10, 1, 1, 1, 0.0) };
-    let compute_only = Job { load: Load { smact: 0.85, smocc: 0.2, dram: 0.1 }, ..job(11, 1, 1, 1, 0.0) };
+    let busy = Job {
+        load: Load {
+            smact: 0.85,
+            smocc: 0.5,
+            dram: 0.1,
+        },
+        ..job(10, 1, 1, 1, 0.0)
+    };
+    let compute_only = Job {
+        load: Load {
+            smact: 0.85,
+            smocc: 0.2,
+            dram: 0.1,
+        },
+        ..job(11, 1, 1, 1, 0.0)
+    };
     c.assign(&busy, &[0], false, -100.0, 0.0);
     c.assign(&compute_only, &[1], false, -100.0, 0.0);
     let j = job(1, 1, 1, 1, 0.1);
     assert_eq!(place("first-fit", estimate(), &c, &j), Some(vec![0]));
-    assert_eq!(place("first-fit+carma", estimate(), &c, &j), Some(vec![1]), "SMOCC below 0.45 and DRAMA below 0.4 pass");
+    assert_eq!(
+        place("first-fit+carma", estimate(), &c, &j),
+        Some(vec![1]),
+        "SMOCC below 0.45 and DRAMA below 0.4 pass"
+    );
 }
 
 #[test]
@@ -134,9 +220,19 @@ fn warming_gpus_are_not_offered() {
 #[test]
 fn multi_gpu_jobs_get_all_their_gpus_or_wait() {
     let c = cluster([35, 35, 35, 0]);
-    assert_eq!(place("first-fit", estimate(), &c, &job(1, 2, 5, 5, 0.1)), None);
-    assert_eq!(place("first-fit", estimate(), &c, &job(1, 1, 5, 5, 0.1)), Some(vec![3]));
-    assert_eq!(place("first-fit", estimate(), &c, &job(1, 5, 1, 1, 0.1)), None, "more GPUs than exist");
+    assert_eq!(
+        place("first-fit", estimate(), &c, &job(1, 2, 5, 5, 0.1)),
+        None
+    );
+    assert_eq!(
+        place("first-fit", estimate(), &c, &job(1, 1, 5, 5, 0.1)),
+        Some(vec![3])
+    );
+    assert_eq!(
+        place("first-fit", estimate(), &c, &job(1, 5, 1, 1, 0.1)),
+        None,
+        "more GPUs than exist"
+    );
 }
 
 #[test]
@@ -158,7 +254,10 @@ fn safe_pack_admits_by_upper_bound_against_residents_bounds() {
     let mut c = cluster([0, 0, 0, 0]);
     // A resident that shows 10 GiB so far but may grow to 20 GiB while it warms up (until t = 30).
     let mut r = job(10, 1, 19, 10, 0.2);
-    r.memory = Some(MemoryDemand { estimate_bytes: 19 * GIB, upper_bound_bytes: 20 * GIB });
+    r.memory = Some(MemoryDemand {
+        estimate_bytes: 19 * GIB,
+        upper_bound_bytes: 20 * GIB,
+    });
     c.assign(&r, &[0], false, 0.0, 30.0);
     // A daemon may offer the GPU as soon as the job's memory shows up.
     c.gpus[0].warm_until_s = 0.0;
@@ -203,9 +302,18 @@ fn safe_pack_runs_jobs_it_cannot_model_alone() {
 
 #[test]
 fn unknown_policy_is_a_one_line_error() {
-    let e = Policy::parse("fastest", MemoryView::Blind).unwrap_err().to_string();
-    assert!(e.contains("unknown policy `fastest`") && e.contains("safe-pack") && !e.contains('\n'), "{e}");
-    assert!(Policy::parse("best-fit+carma", MemoryView::Blind).unwrap().carma_filter);
+    let e = Policy::parse("fastest", MemoryView::Blind)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("unknown policy `fastest`") && e.contains("safe-pack") && !e.contains('\n'),
+        "{e}"
+    );
+    assert!(
+        Policy::parse("best-fit+carma", MemoryView::Blind)
+            .unwrap()
+            .carma_filter
+    );
 }
 
 #[test]
@@ -225,7 +333,11 @@ mod sched {
 
     fn scheduler(rule: &str, backfill: bool) -> Scheduler {
         let policy = Policy::parse(rule, estimate()).unwrap();
-        Scheduler::new(SchedOptions { backfill, warmup_s: 0.0, ..SchedOptions::new(policy) })
+        Scheduler::new(SchedOptions {
+            backfill,
+            warmup_s: 0.0,
+            ..SchedOptions::new(policy)
+        })
     }
 
     fn started(d: &[Decision]) -> Vec<(u64, Vec<usize>)> {
@@ -253,12 +365,21 @@ mod sched {
         let mut s = scheduler("exclusive", false);
         let mut c = Cluster::new([40 * GIB; 1]);
         for (id, priority, submitted) in [(1, 0, 1), (2, 5, 2), (3, 0, 0), (4, 5, 3)] {
-            assert_eq!(s.enqueue(job(id, 1, 1, 1, 0.1), priority, submitted, 0), Queued::Waiting);
+            assert_eq!(
+                s.enqueue(job(id, 1, 1, 1, 0.1), priority, submitted, 0),
+                Queued::Waiting
+            );
         }
         assert_eq!(s.waiting().map(|j| j.id).collect::<Vec<_>>(), [2, 4, 3, 1]);
-        assert_eq!(started(&s.schedule(&mut c, 0.0, &mut NoForecast)), [(2, vec![0])]);
+        assert_eq!(
+            started(&s.schedule(&mut c, 0.0, &mut NoForecast)),
+            [(2, vec![0])]
+        );
         c.release(2);
-        assert_eq!(started(&s.schedule(&mut c, 1.0, &mut NoForecast)), [(4, vec![0])]);
+        assert_eq!(
+            started(&s.schedule(&mut c, 1.0, &mut NoForecast)),
+            [(4, vec![0])]
+        );
     }
 
     #[test]
@@ -272,7 +393,10 @@ mod sched {
         assert_eq!(s.len(), 2);
         // Once the head is cancelled, the small job starts.
         assert!(s.remove(1).is_some() && !s.contains(1));
-        assert_eq!(started(&s.schedule(&mut c, 0.0, &mut NoForecast)), [(2, vec![0])]);
+        assert_eq!(
+            started(&s.schedule(&mut c, 0.0, &mut NoForecast)),
+            [(2, vec![0])]
+        );
         assert!(s.is_empty());
     }
 
@@ -282,7 +406,11 @@ mod sched {
         let mut c = cluster([5, 0, 0, 0]);
         s.enqueue(job(1, 1, 1, 1, 0.1), 9, 0, 0);
         assert_eq!(s.enqueue(job(2, 1, 1, 1, 0.1), 0, 1, 1), Queued::Recovering);
-        assert_eq!(s.enqueue(job(3, 1, 1, 1, 0.1), 0, 2, 4), Queued::Failed, "1 try + 3 retries");
+        assert_eq!(
+            s.enqueue(job(3, 1, 1, 1, 0.1), 0, 2, 4),
+            Queued::Failed,
+            "1 try + 3 retries"
+        );
         assert!(!s.contains(3));
         // Recovery before priority; the recovering job runs alone (an empty GPU), the other
         // joins GPU 0.
@@ -312,7 +440,10 @@ mod sched {
         };
         let mut fifo = scheduler("exclusive", false);
         queue(&mut fifo);
-        assert!(fifo.schedule(&mut c.clone(), 2.0, &mut t).is_empty(), "without backfill all wait");
+        assert!(
+            fifo.schedule(&mut c.clone(), 2.0, &mut t).is_empty(),
+            "without backfill all wait"
+        );
         let mut easy = scheduler("exclusive", true);
         queue(&mut easy);
         let d = easy.schedule(&mut c.clone(), 2.0, &mut t);
@@ -322,7 +453,11 @@ mod sched {
         // Without predictions only GPUs the head does not need are used: none here.
         let mut blind = scheduler("exclusive", true);
         queue(&mut blind);
-        assert!(blind.schedule(&mut c.clone(), 2.0, &mut NoForecast).is_empty());
+        assert!(
+            blind
+                .schedule(&mut c.clone(), 2.0, &mut NoForecast)
+                .is_empty()
+        );
     }
 
     #[test]
@@ -342,7 +477,10 @@ mod sched {
         assert!(s.schedule(&mut c.clone(), 0.0, &mut t).is_empty());
         // Ending by t = 50 it may use GPU 0.
         t.runs.insert(2, 50.0);
-        assert_eq!(started(&s.schedule(&mut c.clone(), 0.0, &mut t)), [(2, vec![0])]);
+        assert_eq!(
+            started(&s.schedule(&mut c.clone(), 0.0, &mut t)),
+            [(2, vec![0])]
+        );
     }
 
     #[test]
@@ -351,7 +489,13 @@ mod sched {
         // (11 with headroom) fits nowhere now; it is promised GPU 0 at an unknown time.
         let mut c = Cluster::new([40 * GIB; 3]);
         for (g, used) in [(0, 38), (1, 35), (2, 35)] {
-            c.assign(&job(10 + g as u64, 1, used, used, 0.3), &[g], false, 0.0, 0.0);
+            c.assign(
+                &job(10 + g as u64, 1, used, used, 0.3),
+                &[g],
+                false,
+                0.0,
+                0.0,
+            );
         }
         let mut s = scheduler("first-fit", true);
         s.enqueue(job(1, 1, 9, 9, 0.3), 0, 0, 0);

@@ -26,19 +26,30 @@ use crate::wire::{ApiError, JobRequest, JobState};
 pub const MAX_BODY: usize = 64 * 1024;
 
 fn error(status: StatusCode, msg: impl std::fmt::Display) -> Response {
-    (status, axum::Json(ApiError { error: msg.to_string().replace('\n', " ") })).into_response()
+    (
+        status,
+        axum::Json(ApiError {
+            error: msg.to_string().replace('\n', " "),
+        }),
+    )
+        .into_response()
 }
 
 /// Why the daemon could not serve.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
-    #[error("refusing to listen on {addr} without a token: anyone who can reach it could run commands (--token-file FILE or GPUMEM_TOKEN)")]
+    #[error(
+        "refusing to listen on {addr} without a token: anyone who can reach it could run commands (--token-file FILE or GPUMEM_TOKEN)"
+    )]
     NoToken { addr: SocketAddr },
     /// The async runtime could not be built.
     #[error("{0}")]
     Runtime(std::io::Error),
     #[error("{addr}: {source}")]
-    Bind { addr: String, source: std::io::Error },
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
     /// Another daemon answers on the socket.
     #[error("{0} is in use by another gpumem serve")]
     SocketInUse(String),
@@ -56,7 +67,10 @@ pub struct Token(String);
 #[derive(Debug, thiserror::Error)]
 pub enum TokenError {
     #[error("{file}: {source}")]
-    Read { file: String, source: std::io::Error },
+    Read {
+        file: String,
+        source: std::io::Error,
+    },
     /// `source_name`: the file or GPUMEM_TOKEN.
     #[error("{source_name}: a token must be at least 16 printable characters without spaces")]
     Weak { source_name: String },
@@ -71,7 +85,9 @@ impl Token {
         let t = text.strip_suffix('\n').unwrap_or(text);
         let t = t.strip_suffix('\r').unwrap_or(t);
         if t.len() < Self::MIN_BYTES || !t.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(TokenError::Weak { source_name: source_name.to_string() });
+            return Err(TokenError::Weak {
+                source_name: source_name.to_string(),
+            });
         }
         Ok(Token(t.to_string()))
     }
@@ -80,10 +96,16 @@ impl Token {
     pub fn from_file_or_env(file: Option<&FsPath>) -> Result<Option<Token>, TokenError> {
         match file {
             Some(f) => {
-                let text = std::fs::read_to_string(f).map_err(|source| TokenError::Read { file: f.display().to_string(), source })?;
+                let text = std::fs::read_to_string(f).map_err(|source| TokenError::Read {
+                    file: f.display().to_string(),
+                    source,
+                })?;
                 Token::new(&text, &f.display().to_string()).map(Some)
             }
-            None => std::env::var("GPUMEM_TOKEN").ok().map(|t| Token::new(&t, "GPUMEM_TOKEN")).transpose(),
+            None => std::env::var("GPUMEM_TOKEN")
+                .ok()
+                .map(|t| Token::new(&t, "GPUMEM_TOKEN"))
+                .transpose(),
         }
     }
 
@@ -134,7 +156,11 @@ struct App {
 /// The routes.
 pub fn router(daemon: Arc<Daemon>, token: Option<Token>) -> Router {
     let traces = tokio::sync::Semaphore::new(daemon.config.max_traces as usize);
-    let app = Arc::new(App { daemon, token, traces });
+    let app = Arc::new(App {
+        daemon,
+        token,
+        traces,
+    });
     Router::new()
         .route("/jobs", post(submit).get(list))
         .route("/jobs/{id}", get(one))
@@ -155,22 +181,40 @@ pub fn router(daemon: Arc<Daemon>, token: Option<Token>) -> Router {
 async fn json_errors(req: Request, next: Next) -> Response {
     let res = next.run(req).await;
     let status = res.status();
-    let json = res.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    let json = res
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
     if json || !(status.is_client_error() || status.is_server_error()) {
         return res;
     }
-    let body = axum::body::to_bytes(res.into_body(), 4096).await.unwrap_or_default();
+    let body = axum::body::to_bytes(res.into_body(), 4096)
+        .await
+        .unwrap_or_default();
     let text = String::from_utf8_lossy(&body).trim().to_string();
-    let reason = status.canonical_reason().unwrap_or("error").to_ascii_lowercase();
+    let reason = status
+        .canonical_reason()
+        .unwrap_or("error")
+        .to_ascii_lowercase();
     error(status, if text.is_empty() { reason } else { text })
 }
 
 async fn auth(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
     if let Some(token) = &app.token {
-        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
         // Constant-time comparison: the token must not leak through timing.
         let token = token.as_str();
-        let ok = given.is_some_and(|g| g.len() == token.len() && g.bytes().zip(token.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0);
+        let ok = given.is_some_and(|g| {
+            g.len() == token.len()
+                && g.bytes()
+                    .zip(token.bytes())
+                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                    == 0
+        });
         if !ok {
             return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
         }
@@ -182,7 +226,11 @@ async fn auth(State(app): State<Arc<App>>, req: Request, next: Next) -> Response
 #[derive(Clone, Copy)]
 struct Caller(User);
 
-async fn submit(State(app): State<Arc<App>>, Extension(Caller(caller)): Extension<Caller>, body: Bytes) -> Response {
+async fn submit(
+    State(app): State<Arc<App>>,
+    Extension(Caller(caller)): Extension<Caller>,
+    body: Bytes,
+) -> Response {
     let req: JobRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("bad job: {e}")),
@@ -203,16 +251,22 @@ async fn submit(State(app): State<Arc<App>>, Extension(Caller(caller)): Extensio
         (_, _, Some(mib)) => Size::Stated(Some((mib * gpumem_place::MIB, mib * gpumem_place::MIB))),
         (Some(model), Some(batch), None) => {
             if model.trim_start().starts_with("py:") && !d.config.allow_py_models {
-                return error(StatusCode::BAD_REQUEST, "model: py: models run their file's code inside the daemon; this daemon does not accept them (allow_py_models)");
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "model: py: models run their file's code inside the daemon; this daemon does not accept them (allow_py_models)",
+                );
             }
             let workload = match Workload::parse(model, batch, req.options.clone()) {
                 Ok(w) => w,
                 Err(e) => return error(StatusCode::BAD_REQUEST, format!("model: {e}")),
             };
             // Tracing runs Python: a few at a time, the rest wait their turn.
-            let Ok(_turn) = app.traces.acquire().await else { return error(StatusCode::SERVICE_UNAVAILABLE, "shutting down") };
+            let Ok(_turn) = app.traces.acquire().await else {
+                return error(StatusCode::SERVICE_UNAVAILABLE, "shutting down");
+            };
             let (config, profile) = (d.config.clone(), d.profile());
-            match tokio::task::spawn_blocking(move || estimate(&config, &profile, &workload)).await {
+            match tokio::task::spawn_blocking(move || estimate(&config, &profile, &workload)).await
+            {
                 Ok(Ok(sized)) => Size::Estimated(sized),
                 Ok(Err(e)) => return error(StatusCode::BAD_REQUEST, format!("model: {e}")),
                 Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
@@ -236,7 +290,11 @@ struct ListQuery {
     state: Option<String>,
 }
 
-async fn list(State(app): State<Arc<App>>, Extension(Caller(caller)): Extension<Caller>, Query(q): Query<ListQuery>) -> Response {
+async fn list(
+    State(app): State<Arc<App>>,
+    Extension(Caller(caller)): Extension<Caller>,
+    Query(q): Query<ListQuery>,
+) -> Response {
     let state = match q.state.as_deref().map(|s| JobState::parse(s).ok_or(s)) {
         None => None,
         Some(Ok(s)) => Some(s),
@@ -249,16 +307,28 @@ fn bad_id(id: &str) -> Response {
     error(StatusCode::BAD_REQUEST, format!("`{id}` is not a job id"))
 }
 
-async fn one(State(app): State<Arc<App>>, Extension(Caller(caller)): Extension<Caller>, Path(id): Path<String>) -> Response {
-    let Ok(id) = id.parse::<u64>() else { return bad_id(&id) };
+async fn one(
+    State(app): State<Arc<App>>,
+    Extension(Caller(caller)): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Response {
+    let Ok(id) = id.parse::<u64>() else {
+        return bad_id(&id);
+    };
     match app.daemon.job(caller, id) {
         Some(j) => axum::Json(j).into_response(),
         None => error(StatusCode::NOT_FOUND, format!("no job {id}")),
     }
 }
 
-async fn cancel(State(app): State<Arc<App>>, Extension(Caller(caller)): Extension<Caller>, Path(id): Path<String>) -> Response {
-    let Ok(id) = id.parse::<u64>() else { return bad_id(&id) };
+async fn cancel(
+    State(app): State<Arc<App>>,
+    Extension(Caller(caller)): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Response {
+    let Ok(id) = id.parse::<u64>() else {
+        return bad_id(&id);
+    };
     match app.daemon.cancel(caller, id) {
         Ok(j) => axum::Json(j).into_response(),
         Err(e) => error(cancel_status(&e), e),
@@ -270,9 +340,19 @@ struct LogQuery {
     bytes: Option<u64>,
 }
 
-async fn log(State(app): State<Arc<App>>, Extension(Caller(caller)): Extension<Caller>, Path(id): Path<String>, Query(q): Query<LogQuery>) -> Response {
-    let Ok(id) = id.parse::<u64>() else { return bad_id(&id) };
-    match app.daemon.log_tail(caller, id, q.bytes.unwrap_or(16 * 1024).min(1 << 20)) {
+async fn log(
+    State(app): State<Arc<App>>,
+    Extension(Caller(caller)): Extension<Caller>,
+    Path(id): Path<String>,
+    Query(q): Query<LogQuery>,
+) -> Response {
+    let Ok(id) = id.parse::<u64>() else {
+        return bad_id(&id);
+    };
+    match app
+        .daemon
+        .log_tail(caller, id, q.bytes.unwrap_or(16 * 1024).min(1 << 20))
+    {
         Some(text) => ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response(),
         None => error(StatusCode::NOT_FOUND, format!("no job {id}")),
     }
@@ -283,7 +363,11 @@ async fn gpus(State(app): State<Arc<App>>) -> Response {
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.daemon.metrics()).into_response()
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        app.daemon.metrics(),
+    )
+        .into_response()
 }
 
 /// The bound listener.
@@ -297,10 +381,16 @@ enum Listener {
 /// file no daemon answers on is a stale one and replaced; one a daemon answers on is refused.
 fn bind_unix(path: &FsPath) -> Result<tokio::net::UnixListener, ServeError> {
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-    let bind = |source| ServeError::Bind { addr: path.display().to_string(), source };
+    let bind = |source| ServeError::Bind {
+        addr: path.display().to_string(),
+        source,
+    };
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if !meta.file_type().is_socket() {
-            return Err(bind(std::io::Error::new(std::io::ErrorKind::AlreadyExists, "exists and is not a socket")));
+            return Err(bind(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "exists and is not a socket",
+            )));
         }
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             return Err(ServeError::SocketInUse(path.display().to_string()));
@@ -314,7 +404,10 @@ fn bind_unix(path: &FsPath) -> Result<tokio::net::UnixListener, ServeError> {
 
 /// Serves until SIGINT or SIGTERM, scheduling every `tick`.
 pub fn serve(daemon: Arc<Daemon>, listen: Listen) -> Result<(), ServeError> {
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(ServeError::Runtime)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(ServeError::Runtime)?;
     rt.block_on(async move {
         let (listener, token) = match listen {
             Listen::Unix(path) => {
@@ -323,8 +416,16 @@ pub fn serve(daemon: Arc<Daemon>, listen: Listen) -> Result<(), ServeError> {
                 (Listener::Unix(l, path), None)
             }
             Listen::Tcp { addr, token } => {
-                let l = tokio::net::TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr: addr.to_string(), source })?;
-                eprintln!("gpumem serve: listening on http://{}", l.local_addr().map_err(ServeError::LocalAddr)?);
+                let l = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| ServeError::Bind {
+                        addr: addr.to_string(),
+                        source,
+                    })?;
+                eprintln!(
+                    "gpumem serve: listening on http://{}",
+                    l.local_addr().map_err(ServeError::LocalAddr)?
+                );
                 (Listener::Tcp(l, User::current()), Some(token))
             }
         };
@@ -340,7 +441,9 @@ pub fn serve(daemon: Arc<Daemon>, listen: Listen) -> Result<(), ServeError> {
             }
         });
         let shutdown = async {
-            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("signal handler");
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {}
                 _ = term.recv() => {}
@@ -400,7 +503,10 @@ async fn accept(listener: Listener, app: Router, shutdown: impl std::future::Fut
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
         }
     }
-    let _ = tokio::time::timeout(Duration::from_secs(2), async { while connections.join_next().await.is_some() {} }).await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
 }
 
 enum Either {
@@ -411,14 +517,23 @@ enum Either {
 async fn serve_connection<S, T>(stream: S, service: T)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-    T: tower::Service<Request<hyper::body::Incoming>, Response = Response, Error = std::convert::Infallible> + Clone + Send + 'static,
+    T: tower::Service<
+            Request<hyper::body::Incoming>,
+            Response = Response,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + 'static,
     T::Future: Send + 'static,
 {
     use hyper_util::rt::{TokioIo, TokioTimer};
     let _ = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT)
-        .serve_connection(TokioIo::new(stream), hyper_util::service::TowerToHyperService::new(service))
+        .serve_connection(
+            TokioIo::new(stream),
+            hyper_util::service::TowerToHyperService::new(service),
+        )
         .await;
 }
 
@@ -429,16 +544,38 @@ mod tests {
     #[test]
     fn each_refusal_has_its_status() {
         assert_eq!(cancel_status(&CancelError::NoJob(7)), StatusCode::NOT_FOUND);
-        assert_eq!(cancel_status(&CancelError::Ended { id: 7, state: JobState::Finished }), StatusCode::CONFLICT);
-        let store = CancelError::Store(crate::store::StoreError::Sql(rusqlite::Error::QueryReturnedNoRows));
+        assert_eq!(
+            cancel_status(&CancelError::Ended {
+                id: 7,
+                state: JobState::Finished
+            }),
+            StatusCode::CONFLICT
+        );
+        let store = CancelError::Store(crate::store::StoreError::Sql(
+            rusqlite::Error::QueryReturnedNoRows,
+        ));
         assert_eq!(cancel_status(&store), StatusCode::INTERNAL_SERVER_ERROR);
     }
 
     #[test]
     fn a_token_is_long_and_printable() {
-        assert_eq!(Token::new("0123456789abcdef\n", "f").unwrap().as_str(), "0123456789abcdef");
-        for bad in ["", " ", "                ", "short", "0123456789abcde f", "0123456789abcdef\n\n"] {
-            assert_eq!(Token::new(bad, "GPUMEM_TOKEN").err().unwrap().to_string(), "GPUMEM_TOKEN: a token must be at least 16 printable characters without spaces", "{bad:?}");
+        assert_eq!(
+            Token::new("0123456789abcdef\n", "f").unwrap().as_str(),
+            "0123456789abcdef"
+        );
+        for bad in [
+            "",
+            " ",
+            "                ",
+            "short",
+            "0123456789abcde f",
+            "0123456789abcdef\n\n",
+        ] {
+            assert_eq!(
+                Token::new(bad, "GPUMEM_TOKEN").err().unwrap().to_string(),
+                "GPUMEM_TOKEN: a token must be at least 16 printable characters without spaces",
+                "{bad:?}"
+            );
         }
     }
 }

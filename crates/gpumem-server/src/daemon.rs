@@ -9,11 +9,11 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::trace::Trace;
-use gpumem_torch::probe::ProbeReport;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_monitor::{FakeGpus, Monitor};
-use gpumem_workload::Workload;
 use gpumem_place::{Cluster, Load, MIB, MemoryDemand, MemoryView, Policy, Resident, UnknownPolicy};
+use gpumem_torch::probe::ProbeReport;
+use gpumem_workload::Workload;
 use serde::Deserialize;
 
 use gpumem_monitor::GpuReading;
@@ -112,7 +112,11 @@ pub enum ConfigError {
     NoGroup(String),
     /// A number out of its range (`value` as written back).
     #[error("{key} = {value} is out of range ({range})")]
-    Range { key: &'static str, value: String, range: &'static str },
+    Range {
+        key: &'static str,
+        value: String,
+        range: &'static str,
+    },
 }
 
 impl Config {
@@ -120,23 +124,51 @@ impl Config {
         let c: Config = toml::from_str(text)?;
         // Every number bounded: a daemon that sleeps for ever between ticks or waits an
         // infinite grace cannot be stopped but by SIGKILL; a headroom beyond bytes wraps.
-        let seconds = |key, v: f64| (v.is_finite() && (0.0..=86_400.0).contains(&v)).then_some(()).ok_or(ConfigError::Range { key, value: v.to_string(), range: "0..=86400 seconds" });
+        let seconds = |key, v: f64| {
+            (v.is_finite() && (0.0..=86_400.0).contains(&v))
+                .then_some(())
+                .ok_or(ConfigError::Range {
+                    key,
+                    value: v.to_string(),
+                    range: "0..=86400 seconds",
+                })
+        };
         seconds("warmup_s", c.warmup_s)?;
         seconds("grace_s", c.grace_s)?;
         if !(10..=60_000).contains(&c.tick_ms) {
-            return Err(ConfigError::Range { key: "tick_ms", value: c.tick_ms.to_string(), range: "10..=60000" });
+            return Err(ConfigError::Range {
+                key: "tick_ms",
+                value: c.tick_ms.to_string(),
+                range: "10..=60000",
+            });
         }
         if c.headroom_mib > MAX_MEM_MIB {
-            return Err(ConfigError::Range { key: "headroom_mib", value: c.headroom_mib.to_string(), range: "0..=16777216" });
+            return Err(ConfigError::Range {
+                key: "headroom_mib",
+                value: c.headroom_mib.to_string(),
+                range: "0..=16777216",
+            });
         }
         if !(1..=64).contains(&c.max_traces) {
-            return Err(ConfigError::Range { key: "max_traces", value: c.max_traces.to_string(), range: "1..=64" });
+            return Err(ConfigError::Range {
+                key: "max_traces",
+                value: c.max_traces.to_string(),
+                range: "1..=64",
+            });
         }
         if c.probe_s > 3600 {
-            return Err(ConfigError::Range { key: "probe_s", value: c.probe_s.to_string(), range: "0..=3600 seconds" });
+            return Err(ConfigError::Range {
+                key: "probe_s",
+                value: c.probe_s.to_string(),
+                range: "0..=3600 seconds",
+            });
         }
         if c.max_retries > 100 {
-            return Err(ConfigError::Range { key: "max_retries", value: c.max_retries.to_string(), range: "0..=100" });
+            return Err(ConfigError::Range {
+                key: "max_retries",
+                value: c.max_retries.to_string(),
+                range: "0..=100",
+            });
         }
         if let Some(g) = &c.admin_group
             && crate::identity::group_id(g).is_none()
@@ -150,12 +182,22 @@ impl Config {
     }
 
     pub fn policy(&self) -> Result<Policy, UnknownPolicy> {
-        Policy::parse(&self.policy, MemoryView::Estimate { headroom_bytes: self.headroom_mib * MIB })
+        Policy::parse(
+            &self.policy,
+            MemoryView::Estimate {
+                headroom_bytes: self.headroom_mib * MIB,
+            },
+        )
     }
 
     /// gpumem-place's scheduler with these settings.
     pub fn sched(&self) -> Result<SchedOptions, UnknownPolicy> {
-        Ok(SchedOptions { policy: self.policy()?, backfill: self.backfill, max_retries: self.max_retries, warmup_s: self.warmup_s })
+        Ok(SchedOptions {
+            policy: self.policy()?,
+            backfill: self.backfill,
+            max_retries: self.max_retries,
+            warmup_s: self.warmup_s,
+        })
     }
 }
 
@@ -166,14 +208,22 @@ fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
     f.write_all(bytes)?;
     f.sync_all()?;
     std::fs::rename(&tmp, path)
 }
 
 pub fn now() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 /// Why a job's workload could not be sized.
@@ -200,11 +250,20 @@ pub struct Sized {
 
 /// Sizes `workload` on `profile` with the configured estimator (an ambiguous spec by its largest
 /// reading).
-pub fn estimate(config: &Config, profile: &GpuProfile, workload: &Workload) -> Result<Sized, SizeError> {
+pub fn estimate(
+    config: &Config,
+    profile: &GpuProfile,
+    workload: &Workload,
+) -> Result<Sized, SizeError> {
     let estimator = gpumem_learn::estimator(&config.estimator, config.learned_model.as_deref())?;
     let sizing = workload.size(profile, estimator.as_ref(), Workload::trace)?;
     let unprobed = profile.workspaces().unprobed(&sizing.trace);
-    Ok(Sized { peak: sizing.estimate.peak_bytes, bound: sizing.estimate.upper_bound_bytes, trace: sizing.trace, unprobed })
+    Ok(Sized {
+        peak: sizing.estimate.peak_bytes,
+        bound: sizing.estimate.upper_bound_bytes,
+        trace: sizing.trace,
+        unprobed,
+    })
 }
 
 fn size(config: &Config, profile: &GpuProfile, trace: &Trace) -> Result<(u64, u64), SizeError> {
@@ -267,7 +326,9 @@ pub enum DaemonError {
     #[error("{dir}/profile.toml: {message}")]
     ProbedProfile { dir: String, message: String },
     /// The store holds no job but job directories exist: it was emptied, deleted or damaged.
-    #[error("{dir}/jobs.db holds no jobs but {dir}/jobs has {job_dirs} job directories: the job store was lost or damaged; start with --recover to set them aside and begin a new store")]
+    #[error(
+        "{dir}/jobs.db holds no jobs but {dir}/jobs has {job_dirs} job directories: the job store was lost or damaged; start with --recover to set them aside and begin a new store"
+    )]
     StoreLost { dir: String, job_dirs: usize },
     /// Another daemon holds the state directory (a second one would run its jobs again).
     #[error("{dir} is in use by another gpumem serve{}", .pid.map(|p| format!(" (pid {p})")).unwrap_or_default())]
@@ -285,33 +346,66 @@ pub enum DaemonError {
 fn lock_state_dir(dir: &Path) -> Result<std::fs::File, DaemonError> {
     use std::io::{Read, Seek, Write};
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-    let io = |source| DaemonError::StateDir { dir: dir.display().to_string(), source };
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir.join("jobs")).map_err(io)?;
+    let io = |source| DaemonError::StateDir {
+        dir: dir.display().to_string(),
+        source,
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir.join("jobs"))
+        .map_err(io)?;
     for d in [dir.to_path_buf(), dir.join("jobs")] {
         std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
     }
-    let mut f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600).open(dir.join("lock")).map_err(io)?;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(dir.join("lock"))
+        .map_err(io)?;
     // SAFETY: flock on a file descriptor this function owns.
-    if unsafe { libc::flock(std::os::unix::io::AsRawFd::as_raw_fd(&f), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+    if unsafe {
+        libc::flock(
+            std::os::unix::io::AsRawFd::as_raw_fd(&f),
+            libc::LOCK_EX | libc::LOCK_NB,
+        )
+    } != 0
+    {
         let err = std::io::Error::last_os_error();
         if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
             return Err(io(err));
         }
         let mut holder = String::new();
         let _ = f.read_to_string(&mut holder);
-        return Err(DaemonError::InUse { dir: dir.display().to_string(), pid: holder.trim().parse().ok() });
+        return Err(DaemonError::InUse {
+            dir: dir.display().to_string(),
+            pid: holder.trim().parse().ok(),
+        });
     }
-    f.set_len(0).and_then(|_| f.rewind()).and_then(|_| write!(f, "{}", std::process::id())).and_then(|_| f.flush()).map_err(io)?;
+    f.set_len(0)
+        .and_then(|_| f.rewind())
+        .and_then(|_| write!(f, "{}", std::process::id()))
+        .and_then(|_| f.flush())
+        .map_err(io)?;
     Ok(f)
 }
 
 /// The highest job id any directory under STATE/jobs or a set-aside STATE/jobs.lost-* has: a
 /// new job's id is above it, so no job ever gets another's directory or log.
 fn highest_job_dir(state_dir: &Path) -> u64 {
-    let Ok(entries) = std::fs::read_dir(state_dir) else { return 0 };
+    let Ok(entries) = std::fs::read_dir(state_dir) else {
+        return 0;
+    };
     entries
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_str().is_some_and(|n| n == "jobs" || n.starts_with("jobs.lost-")))
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n == "jobs" || n.starts_with("jobs.lost-"))
+        })
         .filter_map(|e| std::fs::read_dir(e.path()).ok())
         .flat_map(|dir| dir.filter_map(|j| j.ok()?.file_name().to_str()?.parse::<u64>().ok()))
         .max()
@@ -351,7 +445,9 @@ pub struct Daemon {
 
 /// A submission from a user a non-root daemon cannot run jobs as.
 #[derive(Debug, thiserror::Error)]
-#[error("this daemon runs as {daemon} and can run jobs only as {daemon}, not as {user} (a daemon started by root runs each job as its submitter)")]
+#[error(
+    "this daemon runs as {daemon} and can run jobs only as {daemon}, not as {user} (a daemon started by root runs each job as its submitter)"
+)]
 pub struct ForeignUser {
     pub user: String,
     pub daemon: String,
@@ -362,20 +458,42 @@ impl Daemon {
     /// no job beside job directories was lost or damaged: refused, unless `recover`, which sets
     /// the directories aside (`jobs.lost-SECONDS`) and begins a new store, so no new job reuses
     /// an old one's id and files.
-    pub fn open(state_dir: &Path, monitor: Box<dyn Monitor>, fake: Option<FakeGpus>, profile: GpuProfile, config: Config, supervisor: PathBuf, recover: bool) -> Result<Daemon, DaemonError> {
+    pub fn open(
+        state_dir: &Path,
+        monitor: Box<dyn Monitor>,
+        fake: Option<FakeGpus>,
+        profile: GpuProfile,
+        config: Config,
+        supervisor: PathBuf,
+        recover: bool,
+    ) -> Result<Daemon, DaemonError> {
         let lock = lock_state_dir(state_dir)?;
-        let io = |source| DaemonError::StateDir { dir: state_dir.display().to_string(), source };
+        let io = |source| DaemonError::StateDir {
+            dir: state_dir.display().to_string(),
+            source,
+        };
         // Job directories a lost or damaged store named are set aside, never reused.
         let set_aside_jobs = |stamp: u64| -> Result<(), DaemonError> {
-            std::fs::rename(state_dir.join("jobs"), state_dir.join(format!("jobs.lost-{stamp}"))).map_err(io)?;
-            std::fs::DirBuilder::new().mode(0o700).create(state_dir.join("jobs")).map_err(io)
+            std::fs::rename(
+                state_dir.join("jobs"),
+                state_dir.join(format!("jobs.lost-{stamp}")),
+            )
+            .map_err(io)?;
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(state_dir.join("jobs"))
+                .map_err(io)
         };
         let store = match Store::open(&state_dir.join("jobs.db")) {
             // A damaged store is set aside whole, with the job directories it named.
             Err(StoreError::Damaged { .. }) if recover => {
                 let stamp = now() as u64;
-                for from in crate::store::files(&state_dir.join("jobs.db")).into_iter().filter(|f| f.exists()) {
-                    std::fs::rename(&from, format!("{}.damaged-{stamp}", from.display())).map_err(io)?;
+                for from in crate::store::files(&state_dir.join("jobs.db"))
+                    .into_iter()
+                    .filter(|f| f.exists())
+                {
+                    std::fs::rename(&from, format!("{}.damaged-{stamp}", from.display()))
+                        .map_err(io)?;
                 }
                 set_aside_jobs(stamp)?;
                 Store::open(&state_dir.join("jobs.db"))?
@@ -383,10 +501,18 @@ impl Daemon {
             other => other?,
         };
         let jobs: BTreeMap<u64, JobRecord> = store.load()?.into_iter().map(|j| (j.id, j)).collect();
-        let job_dirs = std::fs::read_dir(state_dir.join("jobs")).map_err(|source| DaemonError::StateDir { dir: state_dir.display().to_string(), source })?.count();
+        let job_dirs = std::fs::read_dir(state_dir.join("jobs"))
+            .map_err(|source| DaemonError::StateDir {
+                dir: state_dir.display().to_string(),
+                source,
+            })?
+            .count();
         if jobs.is_empty() && job_dirs > 0 {
             if !recover {
-                return Err(DaemonError::StoreLost { dir: state_dir.display().to_string(), job_dirs });
+                return Err(DaemonError::StoreLost {
+                    dir: state_dir.display().to_string(),
+                    job_dirs,
+                });
             }
             set_aside_jobs(now() as u64)?;
         }
@@ -410,7 +536,12 @@ impl Daemon {
             checkpointed: 0.0,
         };
         let t = now();
-        let waiting: Vec<u64> = inner.jobs.values().filter(|j| j.state.is_waiting()).map(|j| j.id).collect();
+        let waiting: Vec<u64> = inner
+            .jobs
+            .values()
+            .filter(|j| j.state.is_waiting())
+            .map(|j| j.id)
+            .collect();
         for id in waiting {
             let before = inner.jobs[&id].state;
             queue(&mut inner, id, t);
@@ -422,15 +553,35 @@ impl Daemon {
         let mut profile = profile;
         if let Ok(text) = std::fs::read_to_string(state_dir.join(PROBED_PROFILE)) {
             // What earlier probes measured on this machine, over the configured table.
-            let stored = GpuProfile::from_toml(&text).map_err(|e| DaemonError::ProbedProfile { dir: state_dir.display().to_string(), message: e.to_string() })?;
+            let stored = GpuProfile::from_toml(&text).map_err(|e| DaemonError::ProbedProfile {
+                dir: state_dir.display().to_string(),
+                message: e.to_string(),
+            })?;
             // Only for the same GPU and stack: a table measured under another cuDNN does not hold.
             if stored.name == profile.name && stored.stack == profile.stack {
                 gpumem_core::workspace::merge(&mut profile.conv_workspace, stored.conv_workspace);
             }
         }
         let user = User::current();
-        let admins = Admins { daemon: user, group: config.admin_group.as_deref().and_then(crate::identity::group_id) };
-        Ok(Daemon { inner: Mutex::new(inner), _lock: lock, state_dir: state_dir.to_path_buf(), supervisor, fake, profile: RwLock::new(profile), prober: None, config, user, admins })
+        let admins = Admins {
+            daemon: user,
+            group: config
+                .admin_group
+                .as_deref()
+                .and_then(crate::identity::group_id),
+        };
+        Ok(Daemon {
+            inner: Mutex::new(inner),
+            _lock: lock,
+            state_dir: state_dir.to_path_buf(),
+            supervisor,
+            fake,
+            profile: RwLock::new(profile),
+            prober: None,
+            config,
+            user,
+            admins,
+        })
     }
 
     /// Probes the convolutions of jobs the profile has not seen (with `probe_s` > 0).
@@ -441,13 +592,21 @@ impl Daemon {
 
     /// The GPU profile jobs are sized on now.
     pub fn profile(&self) -> GpuProfile {
-        self.profile.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.profile
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Stores a submission gpumem sized. One whose convolutions the profile lacks, where the
     /// daemon probes (`probe_s`), waits sized by its upper bound until a probe of them answers
     /// or `probe_s` passes, then joins the queue; any other is queued at once.
-    pub fn submit_sized(&self, owner: User, request: JobRequest, sized: Sized) -> Result<Submitted, StoreError> {
+    pub fn submit_sized(
+        &self,
+        owner: User,
+        request: JobRequest,
+        sized: Sized,
+    ) -> Result<Submitted, StoreError> {
         if self.prober.is_none() || self.config.probe_s == 0 || sized.unprobed.is_empty() {
             return self.submit(owner, request, Some((sized.peak, sized.bound)));
         }
@@ -455,9 +614,16 @@ impl Daemon {
         let t = now();
         let mut job = JobRecord::queued(owner, request, Some((sized.bound, sized.bound)), t);
         job.id = inner.store.insert(&job)?;
-        job.error = Some("waiting for a probe of its convolutions; sized by its upper bound meanwhile".into());
+        job.error = Some(
+            "waiting for a probe of its convolutions; sized by its upper bound meanwhile".into(),
+        );
         let out = submitted(&job);
-        inner.probe_wait.push(ProbeWait { job: job.id, trace: sized.trace, configs: sized.unprobed, until: t + self.config.probe_s as f64 });
+        inner.probe_wait.push(ProbeWait {
+            job: job.id,
+            trace: sized.trace,
+            configs: sized.unprobed,
+            until: t + self.config.probe_s as f64,
+        });
         inner.jobs.insert(job.id, job);
         Ok(out)
     }
@@ -476,12 +642,20 @@ impl Daemon {
         if self.user.is_root() || u.uid == self.user.uid {
             return Ok(());
         }
-        Err(ForeignUser { user: u.name(), daemon: self.user.name() })
+        Err(ForeignUser {
+            user: u.name(),
+            daemon: self.user.name(),
+        })
     }
 
     /// Stores a validated submission of `owner` (one [`Daemon::can_run_as`] allows); `estimate`
     /// is (peak, bound) bytes per GPU.
-    pub fn submit(&self, owner: User, request: JobRequest, estimate: Option<(u64, u64)>) -> Result<Submitted, StoreError> {
+    pub fn submit(
+        &self,
+        owner: User,
+        request: JobRequest,
+        estimate: Option<(u64, u64)>,
+    ) -> Result<Submitted, StoreError> {
         let mut inner = self.lock();
         let mut job = JobRecord::queued(owner, request, estimate, now());
         job.id = inner.store.insert(&job)?;
@@ -499,15 +673,28 @@ impl Daemon {
 
     /// The jobs `caller` may see.
     pub fn jobs(&self, caller: User, state: Option<JobState>) -> Vec<JobView> {
-        self.lock().jobs.values().filter(|j| state.is_none_or(|s| j.state == s) && self.visible(caller, j)).map(view).collect()
+        self.lock()
+            .jobs
+            .values()
+            .filter(|j| state.is_none_or(|s| j.state == s) && self.visible(caller, j))
+            .map(view)
+            .collect()
     }
 
     pub fn job(&self, caller: User, id: u64) -> Option<JobView> {
-        self.lock().jobs.get(&id).filter(|j| self.visible(caller, j)).map(view)
+        self.lock()
+            .jobs
+            .get(&id)
+            .filter(|j| self.visible(caller, j))
+            .map(view)
     }
 
     pub fn log_tail(&self, caller: User, id: u64, bytes: u64) -> Option<String> {
-        self.lock().jobs.get(&id).filter(|j| self.visible(caller, j)).map(|_| JobDir::new(&self.state_dir, id).log_tail(bytes))
+        self.lock()
+            .jobs
+            .get(&id)
+            .filter(|j| self.visible(caller, j))
+            .map(|_| JobDir::new(&self.state_dir, id).log_tail(bytes))
     }
 
     pub fn gpus(&self) -> Vec<GpuView> {
@@ -516,7 +703,12 @@ impl Daemon {
             .gpus
             .iter()
             .map(|r| {
-                let jobs = inner.jobs.values().filter(|j| j.state == JobState::Running && j.assigned.contains(&r.index)).map(|j| j.id).collect();
+                let jobs = inner
+                    .jobs
+                    .values()
+                    .filter(|j| j.state == JobState::Running && j.assigned.contains(&r.index))
+                    .map(|j| j.id)
+                    .collect();
                 GpuView::new(r, jobs)
             })
             .collect()
@@ -527,16 +719,25 @@ impl Daemon {
     pub fn cancel(&self, caller: User, id: u64) -> Result<JobView, CancelError> {
         let mut guard = self.lock();
         let inner = &mut *guard;
-        let job = inner.jobs.get_mut(&id).filter(|j| self.visible(caller, j)).ok_or(CancelError::NoJob(id))?;
+        let job = inner
+            .jobs
+            .get_mut(&id)
+            .filter(|j| self.visible(caller, j))
+            .ok_or(CancelError::NoJob(id))?;
         if job.state.is_final() {
-            return Err(CancelError::Ended { id, state: job.state });
+            return Err(CancelError::Ended {
+                id,
+                state: job.state,
+            });
         }
         let t = now();
         if job.state.is_waiting() {
             inner.sched.remove(id);
             job.state = JobState::Cancelled;
             job.finished_at = Some(t);
-            inner.store.transition(job, t, Some("cancelled while waiting"))?;
+            inner
+                .store
+                .transition(job, t, Some("cancelled while waiting"))?;
         } else {
             job.cancel_requested = true;
             inner.store.transition(job, t, Some("cancel requested"))?;
@@ -570,7 +771,9 @@ impl Daemon {
     /// (and those that waited long enough), and starts a probe of what is still wanted on an
     /// idle GPU.
     fn probe(&self, inner: &mut Inner, t: f64) -> Result<(), StoreError> {
-        let Some(prober) = self.prober.clone() else { return Ok(()) };
+        let Some(prober) = self.prober.clone() else {
+            return Ok(());
+        };
         if inner.probing.is_none() && inner.probe_wait.is_empty() {
             return Ok(());
         }
@@ -584,7 +787,10 @@ impl Daemon {
                     let mut profile = self.profile.write().unwrap_or_else(|p| p.into_inner());
                     report.apply_workspaces(&mut profile);
                     // Kept for the next start; a failed write only loses the cache.
-                    let _ = write_private(&self.state_dir.join(PROBED_PROFILE), profile.to_toml().as_bytes());
+                    let _ = write_private(
+                        &self.state_dir.join(PROBED_PROFILE),
+                        profile.to_toml().as_bytes(),
+                    );
                     inner.probing = None;
                 }
                 Ok(Err(e)) => {
@@ -616,7 +822,13 @@ impl Daemon {
         }
         // Every ready job is queued even if the store refuses one (the first error is returned).
         let mut result = Ok(());
-        for ProbeWait { job: id, trace, configs, .. } in ready {
+        for ProbeWait {
+            job: id,
+            trace,
+            configs,
+            ..
+        } in ready
+        {
             let probed = configs.is_empty();
             let job = inner.jobs.get_mut(&id).expect("a waiting job exists");
             if probed {
@@ -627,25 +839,52 @@ impl Daemon {
             } else {
                 job.error = Some(note.clone().unwrap_or_else(|| format!("its convolutions could not all be probed within {} s; placed by its upper bound", self.config.probe_s)));
             }
-            let why = if probed { "sized after probing its convolutions" } else { "placed by its upper bound" };
+            let why = if probed {
+                "sized after probing its convolutions"
+            } else {
+                "placed by its upper bound"
+            };
             queue(inner, id, t);
             let stored = inner.store.transition(&inner.jobs[&id], t, Some(why));
             result = result.and(stored);
         }
         if inner.probing.is_none() && !inner.probe_wait.is_empty() {
-            let busy: Vec<u32> = inner.jobs.values().filter(|j| matches!(j.state, JobState::Starting | JobState::Running)).flat_map(|j| j.assigned.clone()).collect();
-            let idle = inner.gpus.iter().map(|r| r.index).find(|g| !busy.contains(g) && !inner.warm.contains_key(g));
+            let busy: Vec<u32> = inner
+                .jobs
+                .values()
+                .filter(|j| matches!(j.state, JobState::Starting | JobState::Running))
+                .flat_map(|j| j.assigned.clone())
+                .collect();
+            let idle = inner
+                .gpus
+                .iter()
+                .map(|r| r.index)
+                .find(|g| !busy.contains(g) && !inner.warm.contains_key(g));
             if let Some(gpu) = idle {
-                let mut configs: Vec<(String, u64)> = inner.probe_wait.iter().flat_map(|w| w.configs.clone()).filter(|c| !inner.probe_tried.contains(c)).collect();
+                let mut configs: Vec<(String, u64)> = inner
+                    .probe_wait
+                    .iter()
+                    .flat_map(|w| w.configs.clone())
+                    .filter(|c| !inner.probe_tried.contains(c))
+                    .collect();
                 configs.sort();
                 configs.dedup();
-                let seconds = inner.probe_wait.iter().map(|w| (w.until - t).max(1.0)).fold(f64::INFINITY, f64::min).ceil() as u64;
+                let seconds = inner
+                    .probe_wait
+                    .iter()
+                    .map(|w| (w.until - t).max(1.0))
+                    .fold(f64::INFINITY, f64::min)
+                    .ceil() as u64;
                 let (tx, rx) = mpsc::channel();
                 let asked = configs.clone();
                 std::thread::spawn(move || {
                     let _ = tx.send(prober.probe(gpu, &asked, seconds));
                 });
-                inner.probing = Some(Probing { gpu, configs, result: rx });
+                inner.probing = Some(Probing {
+                    gpu,
+                    configs,
+                    result: rx,
+                });
             }
         }
         result
@@ -656,7 +895,12 @@ impl Daemon {
     /// leftovers killed once its leader ends, and finished when none is left. Never run again
     /// once its program may have started.
     fn reap(&self, inner: &mut Inner, t: f64) -> Result<(), StoreError> {
-        let active: Vec<u64> = inner.jobs.values().filter(|j| matches!(j.state, JobState::Starting | JobState::Running)).map(|j| j.id).collect();
+        let active: Vec<u64> = inner
+            .jobs
+            .values()
+            .filter(|j| matches!(j.state, JobState::Starting | JobState::Running))
+            .map(|j| j.id)
+            .collect();
         for id in active {
             let dir = JobDir::new(&self.state_dir, id);
             // Our supervisor's end reaped (no zombie); what it means is read from the run's files.
@@ -678,8 +922,12 @@ impl Daemon {
                 continue;
             }
             let job = &inner.jobs[&id];
-            let kill_due = inner.kill_at.get(&id).is_some_and(|&deadline| t >= deadline);
-            let supervised = inner.children.contains_key(&id) || job.pid.is_some_and(|pid| dir.supervised_by(pid));
+            let kill_due = inner
+                .kill_at
+                .get(&id)
+                .is_some_and(|&deadline| t >= deadline);
+            let supervised = inner.children.contains_key(&id)
+                || job.pid.is_some_and(|pid| dir.supervised_by(pid));
             if supervised {
                 if kill_due && let Some(p) = dir.procs() {
                     p.signal(libc::SIGKILL);
@@ -735,7 +983,14 @@ impl Daemon {
 
     /// Records the end of a run whose processes are all gone; `exit` is `None` where its
     /// supervisor was killed before it could record one.
-    fn finish(&self, inner: &mut Inner, id: u64, exit: Option<Exit>, dir: &JobDir, t: f64) -> Result<(), StoreError> {
+    fn finish(
+        &self,
+        inner: &mut Inner,
+        id: u64,
+        exit: Option<Exit>,
+        dir: &JobDir,
+        t: f64,
+    ) -> Result<(), StoreError> {
         inner.kill_at.remove(&id);
         inner.observed.remove(&id);
         let job = inner.jobs.get_mut(&id).expect("job exists");
@@ -759,14 +1014,23 @@ impl Daemon {
             Some(_) if dir.ran_out_of_memory() || inner.at_limit.contains(&id) => {
                 inner.oom_crashes += 1;
                 job.retries += 1;
-                job.error = Some(format!("out of GPU memory on {:?}; re-running alone", job.assigned));
+                job.error = Some(format!(
+                    "out of GPU memory on {:?}; re-running alone",
+                    job.assigned
+                ));
                 // The scheduler decides: recovery (alone) or, past the retry limit, failure.
                 queue(inner, id, t);
                 "out of memory"
             }
             Some(e) => {
                 job.state = JobState::Failed;
-                let last = dir.log_tail(4096).lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").to_string();
+                let last = dir
+                    .log_tail(4096)
+                    .lines()
+                    .rev()
+                    .find(|l| !l.trim().is_empty())
+                    .unwrap_or("")
+                    .to_string();
                 job.error = Some(format!("exit code {}: {last}", e.code()));
                 "failed"
             }
@@ -780,7 +1044,11 @@ impl Daemon {
 
     /// Reads the GPUs (fake GPUs first learn what their jobs report) and each job's memory.
     fn observe(&self, inner: &mut Inner, t: f64) {
-        let running: Vec<&JobRecord> = inner.jobs.values().filter(|j| j.state == JobState::Running).collect();
+        let running: Vec<&JobRecord> = inner
+            .jobs
+            .values()
+            .filter(|j| j.state == JobState::Running)
+            .collect();
         let mut observed: HashMap<u64, u64> = HashMap::new();
         if let Some(fake) = &self.fake
             && let Ok(mut gpus) = fake.lock()
@@ -789,7 +1057,11 @@ impl Daemon {
                 g.processes.clear();
             }
             for j in &running {
-                let bytes: u64 = std::fs::read_to_string(JobDir::new(&self.state_dir, j.id).fake_memory()).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0);
+                let bytes: u64 =
+                    std::fs::read_to_string(JobDir::new(&self.state_dir, j.id).fake_memory())
+                        .ok()
+                        .and_then(|s| s.trim().parse().ok())
+                        .unwrap_or(0);
                 observed.insert(j.id, bytes);
                 for &g in &j.assigned {
                     if let Some(gpu) = gpus.get_mut(g as usize) {
@@ -802,16 +1074,34 @@ impl Daemon {
         // scan of /proc) whatever the number of its GPUs.
         let run_pids: HashMap<u64, Vec<u32>> = match self.fake {
             Some(_) => HashMap::new(),
-            None => running.iter().map(|j| (j.id, JobDir::new(&self.state_dir, j.id).procs().map(|p| p.pids()).unwrap_or_default())).collect(),
+            None => running
+                .iter()
+                .map(|j| {
+                    (
+                        j.id,
+                        JobDir::new(&self.state_dir, j.id)
+                            .procs()
+                            .map(|p| p.pids())
+                            .unwrap_or_default(),
+                    )
+                })
+                .collect(),
         };
         let mut readings = Vec::new();
         for g in 0..inner.monitor.gpu_count() as u32 {
-            let Ok(r) = inner.monitor.read(g) else { continue };
+            let Ok(r) = inner.monitor.read(g) else {
+                continue;
+            };
             if self.fake.is_none() {
                 for j in &running {
                     if j.assigned.contains(&g) {
                         let pids = &run_pids[&j.id];
-                        let mine: u64 = r.processes.iter().filter(|(pid, _)| pids.contains(pid)).map(|p| p.1).sum();
+                        let mine: u64 = r
+                            .processes
+                            .iter()
+                            .filter(|(pid, _)| pids.contains(pid))
+                            .map(|p| p.1)
+                            .sum();
                         let e = observed.entry(j.id).or_default();
                         *e = (*e).max(mine);
                     }
@@ -819,14 +1109,24 @@ impl Daemon {
             }
             readings.push(r);
         }
-        let full: Vec<u32> = readings.iter().filter(|r| at_memory_limit(r.used_bytes, r.total_bytes)).map(|r| r.index).collect();
-        let at_limit = running.iter().filter(|j| j.assigned.iter().any(|g| full.contains(g))).map(|j| j.id).collect();
+        let full: Vec<u32> = readings
+            .iter()
+            .filter(|r| at_memory_limit(r.used_bytes, r.total_bytes))
+            .map(|r| r.index)
+            .collect();
+        let at_limit = running
+            .iter()
+            .filter(|j| j.assigned.iter().any(|g| full.contains(g)))
+            .map(|j| j.id)
+            .collect();
         for (id, bytes) in &observed {
             if let Some(j) = inner.jobs.get_mut(id) {
                 j.peak_bytes = Some(j.peak_bytes.unwrap_or(0).max(*bytes));
             }
         }
-        inner.warm.retain(|_, (job, until)| t < *until && observed.get(job).copied().unwrap_or(0) == 0);
+        inner
+            .warm
+            .retain(|_, (job, until)| t < *until && observed.get(job).copied().unwrap_or(0) == 0);
         inner.at_limit = at_limit;
         inner.observed = observed;
         inner.gpus = readings;
@@ -835,7 +1135,9 @@ impl Daemon {
     /// Starts what the scheduler decides on the GPUs as read now.
     fn place(&self, inner: &mut Inner, t: f64) -> Result<(), StoreError> {
         let mut cluster = self.cluster(inner, t);
-        let decisions = inner.sched.schedule(&mut cluster, t, &mut Stated(&inner.jobs));
+        let decisions = inner
+            .sched
+            .schedule(&mut cluster, t, &mut Stated(&inner.jobs));
         let mut result = Ok(());
         for d in decisions {
             if result.is_ok() {
@@ -857,9 +1159,20 @@ impl Daemon {
         let mut cluster = Cluster::new(inner.gpus.iter().map(|r| r.total_bytes));
         for (k, r) in inner.gpus.iter().enumerate() {
             let gpu = &mut cluster.gpus[k];
-            let mine: Vec<&JobRecord> = inner.jobs.values().filter(|j| matches!(j.state, JobState::Starting | JobState::Running) && j.assigned.contains(&r.index)).collect();
+            let mine: Vec<&JobRecord> = inner
+                .jobs
+                .values()
+                .filter(|j| {
+                    matches!(j.state, JobState::Starting | JobState::Running)
+                        && j.assigned.contains(&r.index)
+                })
+                .collect();
             let n = mine.len().max(1) as f64;
-            let load = Load { smact: r.dcgm.map_or(r.util, |d| d.smact) / n, smocc: r.dcgm.map_or(0.0, |d| d.smocc) / n, dram: r.dcgm.map_or(0.0, |d| d.dram) / n };
+            let load = Load {
+                smact: r.dcgm.map_or(r.util, |d| d.smact) / n,
+                smocc: r.dcgm.map_or(0.0, |d| d.smocc) / n,
+                dram: r.dcgm.map_or(0.0, |d| d.dram) / n,
+            };
             let mut ours = 0;
             for j in &mine {
                 let used = inner.observed.get(&j.id).copied().unwrap_or(0);
@@ -868,7 +1181,11 @@ impl Daemon {
                     job: j.id,
                     used_bytes: used,
                     bound_bytes: j.bound_bytes.or(j.estimate_bytes).unwrap_or(0),
-                    warm_at_s: if used > 0 { f64::NEG_INFINITY } else { j.started_at.unwrap_or(t) + self.config.warmup_s },
+                    warm_at_s: if used > 0 {
+                        f64::NEG_INFINITY
+                    } else {
+                        j.started_at.unwrap_or(t) + self.config.warmup_s
+                    },
                     load,
                     exclusive: inner.sched.alone(&placement_view(j), j.retries),
                 });
@@ -876,14 +1193,28 @@ impl Daemon {
             // Memory of processes that are not the daemon's jobs (other users, the driver).
             let other = r.used_bytes.saturating_sub(ours);
             if other > 0 {
-                gpu.residents.push(Resident { job: u64::MAX - k as u64, used_bytes: other, bound_bytes: 0, warm_at_s: f64::NEG_INFINITY, load: Load::default(), exclusive: false });
+                gpu.residents.push(Resident {
+                    job: u64::MAX - k as u64,
+                    used_bytes: other,
+                    bound_bytes: 0,
+                    warm_at_s: f64::NEG_INFINITY,
+                    load: Load::default(),
+                    exclusive: false,
+                });
             }
             if let Some(&(_, until)) = inner.warm.get(&r.index) {
                 gpu.warm_until_s = until;
             }
             if inner.probing.as_ref().is_some_and(|p| p.gpu == r.index) {
                 // The probe has it to itself: its measurements need a quiet GPU.
-                gpu.residents.push(Resident { job: u64::MAX - 1024 - k as u64, used_bytes: r.total_bytes, bound_bytes: 0, warm_at_s: f64::NEG_INFINITY, load: Load::default(), exclusive: true });
+                gpu.residents.push(Resident {
+                    job: u64::MAX - 1024 - k as u64,
+                    used_bytes: r.total_bytes,
+                    bound_bytes: 0,
+                    warm_at_s: f64::NEG_INFINITY,
+                    load: Load::default(),
+                    exclusive: true,
+                });
             }
         }
         cluster
@@ -899,10 +1230,24 @@ impl Daemon {
         placed.pid = None;
         // Recorded before the process exists: after a crash of the daemon here, the job is
         // requeued (no pid file appears), never run twice.
-        inner.store.transition(&placed, t, Some(&format!("placed on GPUs {gpus:?}")))?;
+        inner
+            .store
+            .transition(&placed, t, Some(&format!("placed on GPUs {gpus:?}")))?;
         *job = placed;
-        let how = Supervision { cgroup: self.config.cgroups, run_as: self.user.is_root().then_some(job.owner), cwd: job.request.cwd.as_ref().map(PathBuf::from) };
-        let launch_spec = Launch { request: &job.request, dir: &dir, gpus, job_id: id, attempt: job.retries + 1, fake: self.fake.is_some(), how };
+        let how = Supervision {
+            cgroup: self.config.cgroups,
+            run_as: self.user.is_root().then_some(job.owner),
+            cwd: job.request.cwd.as_ref().map(PathBuf::from),
+        };
+        let launch_spec = Launch {
+            request: &job.request,
+            dir: &dir,
+            gpus,
+            job_id: id,
+            attempt: job.retries + 1,
+            fake: self.fake.is_some(),
+            how,
+        };
         match launch(&self.supervisor, &launch_spec) {
             Ok(child) => {
                 job.pid = Some(child.id());
@@ -937,22 +1282,85 @@ impl Daemon {
             }
         };
         let waiting = inner.jobs.values().filter(|j| j.state.is_waiting()).count();
-        let running = inner.jobs.values().filter(|j| j.state == JobState::Running).count();
-        gauge("gpumem_queue_length", "Jobs waiting for GPUs.", vec![(String::new(), waiting as f64)]);
-        gauge("gpumem_running_jobs", "Jobs running.", vec![(String::new(), running as f64)]);
-        gauge("gpumem_jobs", "Jobs by state.", by_state.iter().map(|(s, n)| (format!("{{state=\"{s}\"}}"), *n as f64)).collect());
-        gauge("gpumem_gpu_memory_used_bytes", "GPU memory in use.", inner.gpus.iter().map(|g| (format!("{{gpu=\"{}\"}}", g.index), g.used_bytes as f64)).collect());
-        gauge("gpumem_gpu_memory_total_bytes", "GPU memory.", inner.gpus.iter().map(|g| (format!("{{gpu=\"{}\"}}", g.index), g.total_bytes as f64)).collect());
-        gauge("gpumem_gpu_utilization", "NVML GPU utilization (0-1).", inner.gpus.iter().map(|g| (format!("{{gpu=\"{}\"}}", g.index), g.util)).collect());
-        gauge("gpumem_gpu_smact", "DCGM SM activity (0-1).", inner.gpus.iter().filter_map(|g| Some((format!("{{gpu=\"{}\"}}", g.index), g.dcgm?.smact))).collect());
-        out += &format!("# HELP gpumem_oom_crashes_total Out-of-memory crashes seen.\n# TYPE gpumem_oom_crashes_total counter\ngpumem_oom_crashes_total {}\n", inner.oom_crashes);
+        let running = inner
+            .jobs
+            .values()
+            .filter(|j| j.state == JobState::Running)
+            .count();
+        gauge(
+            "gpumem_queue_length",
+            "Jobs waiting for GPUs.",
+            vec![(String::new(), waiting as f64)],
+        );
+        gauge(
+            "gpumem_running_jobs",
+            "Jobs running.",
+            vec![(String::new(), running as f64)],
+        );
+        gauge(
+            "gpumem_jobs",
+            "Jobs by state.",
+            by_state
+                .iter()
+                .map(|(s, n)| (format!("{{state=\"{s}\"}}"), *n as f64))
+                .collect(),
+        );
+        gauge(
+            "gpumem_gpu_memory_used_bytes",
+            "GPU memory in use.",
+            inner
+                .gpus
+                .iter()
+                .map(|g| (format!("{{gpu=\"{}\"}}", g.index), g.used_bytes as f64))
+                .collect(),
+        );
+        gauge(
+            "gpumem_gpu_memory_total_bytes",
+            "GPU memory.",
+            inner
+                .gpus
+                .iter()
+                .map(|g| (format!("{{gpu=\"{}\"}}", g.index), g.total_bytes as f64))
+                .collect(),
+        );
+        gauge(
+            "gpumem_gpu_utilization",
+            "NVML GPU utilization (0-1).",
+            inner
+                .gpus
+                .iter()
+                .map(|g| (format!("{{gpu=\"{}\"}}", g.index), g.util))
+                .collect(),
+        );
+        gauge(
+            "gpumem_gpu_smact",
+            "DCGM SM activity (0-1).",
+            inner
+                .gpus
+                .iter()
+                .filter_map(|g| Some((format!("{{gpu=\"{}\"}}", g.index), g.dcgm?.smact)))
+                .collect(),
+        );
+        out += &format!(
+            "# HELP gpumem_oom_crashes_total Out-of-memory crashes seen.\n# TYPE gpumem_oom_crashes_total counter\ngpumem_oom_crashes_total {}\n",
+            inner.oom_crashes
+        );
         let errors: Vec<f64> = inner
             .jobs
             .values()
             .filter(|j| j.state == JobState::Finished)
-            .filter_map(|j| Some((j.estimate_bytes? as f64 - j.peak_bytes? as f64) / (j.peak_bytes? as f64).max(1.0)))
+            .filter_map(|j| {
+                Some(
+                    (j.estimate_bytes? as f64 - j.peak_bytes? as f64)
+                        / (j.peak_bytes? as f64).max(1.0),
+                )
+            })
             .collect();
-        let mean = if errors.is_empty() { 0.0 } else { errors.iter().map(|e| e.abs()).sum::<f64>() / errors.len() as f64 };
+        let mean = if errors.is_empty() {
+            0.0
+        } else {
+            errors.iter().map(|e| e.abs()).sum::<f64>() / errors.len() as f64
+        };
         out += &format!(
             "# HELP gpumem_estimate_error_ratio Mean |estimate - peak| / peak of finished jobs.\n# TYPE gpumem_estimate_error_ratio gauge\ngpumem_estimate_error_ratio {mean}\n# HELP gpumem_estimated_finished_jobs Finished jobs with an estimate and a measured peak.\n# TYPE gpumem_estimated_finished_jobs gauge\ngpumem_estimated_finished_jobs {}\n",
             errors.len()
@@ -971,7 +1379,12 @@ fn at_memory_limit(used: u64, total: u64) -> bool {
 /// its state follows the answer: queued, recovering, or failed past the retry limit.
 fn queue(inner: &mut Inner, id: u64, t: f64) {
     let job = inner.jobs.get_mut(&id).expect("job exists");
-    match inner.sched.enqueue(placement_view(job), job.request.priority, job.id, job.retries) {
+    match inner.sched.enqueue(
+        placement_view(job),
+        job.request.priority,
+        job.id,
+        job.retries,
+    ) {
         Queued::Waiting => job.state = JobState::Queued,
         Queued::Recovering => job.state = JobState::OomRecovering,
         Queued::Failed => {
@@ -985,10 +1398,20 @@ fn queue(inner: &mut Inner, id: u64, t: f64) {
 /// What the scheduler sees of a job (it marks one that ran out of memory to run alone).
 fn placement_view(j: &JobRecord) -> gpumem_place::Job {
     let memory = match (j.estimate_bytes, j.bound_bytes) {
-        (Some(e), b) => Some(MemoryDemand { estimate_bytes: e, upper_bound_bytes: b.unwrap_or(e).max(e) }),
+        (Some(e), b) => Some(MemoryDemand {
+            estimate_bytes: e,
+            upper_bound_bytes: b.unwrap_or(e).max(e),
+        }),
         _ => None,
     };
-    gpumem_place::Job { id: j.id, gpus: j.request.gpus, memory, true_bytes: None, load: Load::default(), exclusive: false }
+    gpumem_place::Job {
+        id: j.id,
+        gpus: j.request.gpus,
+        memory,
+        true_bytes: None,
+        load: Load::default(),
+        exclusive: false,
+    }
 }
 
 /// Run times as submitters state them (`expected_s`): what backfilling goes by.
@@ -996,7 +1419,10 @@ struct Stated<'a>(&'a BTreeMap<u64, JobRecord>);
 
 impl Forecast for Stated<'_> {
     fn end_s(&self, job: u64) -> f64 {
-        self.0.get(&job).and_then(|j| Some(j.started_at? + j.request.expected_s?)).unwrap_or(f64::INFINITY)
+        self.0
+            .get(&job)
+            .and_then(|j| Some(j.started_at? + j.request.expected_s?))
+            .unwrap_or(f64::INFINITY)
     }
     fn run_s(&self, job: u64) -> Option<f64> {
         self.0.get(&job)?.request.expected_s
@@ -1005,7 +1431,12 @@ impl Forecast for Stated<'_> {
 
 /// The answer to a submission.
 fn submitted(j: &JobRecord) -> Submitted {
-    Submitted { id: j.id, state: j.state, estimate_mib: j.estimate_bytes.map(bytes_to_mib), bound_mib: j.bound_bytes.map(bytes_to_mib) }
+    Submitted {
+        id: j.id,
+        state: j.state,
+        estimate_mib: j.estimate_bytes.map(bytes_to_mib),
+        bound_mib: j.bound_bytes.map(bytes_to_mib),
+    }
 }
 
 fn view(j: &JobRecord) -> JobView {
@@ -1035,31 +1466,70 @@ mod tests {
     #[test]
     fn config_errors_are_one_line() {
         for (text, message) in [
-            ("tick_ms = 18446744073709551615", "tick_ms = 18446744073709551615 is out of range (10..=60000)"),
-            ("headroom_mib = 18446744073709551615", "headroom_mib = 18446744073709551615 is out of range (0..=16777216)"),
-            ("warmup_s = inf", "warmup_s = inf is out of range (0..=86400 seconds)"),
-            ("grace_s = 1e308", &format!("grace_s = {} is out of range (0..=86400 seconds)", 1e308f64)),
-            ("grace_s = -1", "grace_s = -1 is out of range (0..=86400 seconds)"),
-            ("max_retries = 4000000000", "max_retries = 4000000000 is out of range (0..=100)"),
+            (
+                "tick_ms = 18446744073709551615",
+                "tick_ms = 18446744073709551615 is out of range (10..=60000)",
+            ),
+            (
+                "headroom_mib = 18446744073709551615",
+                "headroom_mib = 18446744073709551615 is out of range (0..=16777216)",
+            ),
+            (
+                "warmup_s = inf",
+                "warmup_s = inf is out of range (0..=86400 seconds)",
+            ),
+            (
+                "grace_s = 1e308",
+                &format!("grace_s = {} is out of range (0..=86400 seconds)", 1e308f64),
+            ),
+            (
+                "grace_s = -1",
+                "grace_s = -1 is out of range (0..=86400 seconds)",
+            ),
+            (
+                "max_retries = 4000000000",
+                "max_retries = 4000000000 is out of range (0..=100)",
+            ),
             ("max_traces = 0", "max_traces = 0 is out of range (1..=64)"),
-            ("probe_s = 3601", "probe_s = 3601 is out of range (0..=3600 seconds)"),
+            (
+                "probe_s = 3601",
+                "probe_s = 3601 is out of range (0..=3600 seconds)",
+            ),
         ] {
-            assert_eq!(Config::from_toml(text).unwrap_err().to_string(), message, "{text}");
+            assert_eq!(
+                Config::from_toml(text).unwrap_err().to_string(),
+                message,
+                "{text}"
+            );
         }
         let e = Config::from_toml("tick_ms = 5").unwrap_err();
         assert!(matches!(e, ConfigError::Range { key: "tick_ms", .. }));
         assert_eq!(e.to_string(), "tick_ms = 5 is out of range (10..=60000)");
         let e = Config::from_toml("policy = \"tetris\"").unwrap_err();
-        assert!(matches!(e, ConfigError::Policy(_)) && e.to_string().starts_with("unknown policy `tetris`"), "{e}");
+        assert!(
+            matches!(e, ConfigError::Policy(_))
+                && e.to_string().starts_with("unknown policy `tetris`"),
+            "{e}"
+        );
         let e = Config::from_toml("surprise = 1").unwrap_err();
-        assert!(matches!(e, ConfigError::Toml(_)) && e.to_string().contains("surprise") && !e.to_string().contains('\n'), "{e}");
-        assert!(matches!(Config::from_toml("estimator = \"learned\"").unwrap_err(), ConfigError::Estimator(_)));
+        assert!(
+            matches!(e, ConfigError::Toml(_))
+                && e.to_string().contains("surprise")
+                && !e.to_string().contains('\n'),
+            "{e}"
+        );
+        assert!(matches!(
+            Config::from_toml("estimator = \"learned\"").unwrap_err(),
+            ConfigError::Estimator(_)
+        ));
     }
 
     #[test]
     fn the_memory_limit_leaves_one_percent() {
         let gib = 1 << 30;
-        assert!(at_memory_limit(80 * gib - 800 * MIB, 80 * gib) && !at_memory_limit(79 * gib, 80 * gib));
+        assert!(
+            at_memory_limit(80 * gib - 800 * MIB, 80 * gib) && !at_memory_limit(79 * gib, 80 * gib)
+        );
         // At least 256 MiB on a small GPU; never an overflow.
         assert!(at_memory_limit(gib - 200 * MIB, gib) && !at_memory_limit(gib - 300 * MIB, gib));
         assert!(at_memory_limit(u64::MAX, u64::MAX));
@@ -1074,8 +1544,25 @@ mod tests {
         std::fs::create_dir_all(dir.join("jobs.lost-100/12")).unwrap();
         let monitor = FakeMonitor::new(1, "fake", 40 << 30);
         let profile = gpumem_core::profile::builtin("a100-40gb").unwrap();
-        let d = Daemon::open(&dir, Box::new(monitor), None, profile, Config::default(), "/nonexistent".into(), true).unwrap();
-        let submit = || d.submit(User::current(), serde_json::from_str(r#"{"command": ["true"]}"#).unwrap(), None).unwrap().id;
+        let d = Daemon::open(
+            &dir,
+            Box::new(monitor),
+            None,
+            profile,
+            Config::default(),
+            "/nonexistent".into(),
+            true,
+        )
+        .unwrap();
+        let submit = || {
+            d.submit(
+                User::current(),
+                serde_json::from_str(r#"{"command": ["true"]}"#).unwrap(),
+                None,
+            )
+            .unwrap()
+            .id
+        };
         assert_eq!((submit(), submit()), (13, 14));
         std::fs::remove_dir_all(&dir).ok();
     }
@@ -1086,18 +1573,50 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let monitor = FakeMonitor::new(1, "fake", 40 << 30);
         let profile = gpumem_core::profile::builtin("a100-40gb").unwrap();
-        let d = Daemon::open(&dir, Box::new(monitor), None, profile, Config::default(), "/nonexistent".into(), false).unwrap();
+        let d = Daemon::open(
+            &dir,
+            Box::new(monitor),
+            None,
+            profile,
+            Config::default(),
+            "/nonexistent".into(),
+            false,
+        )
+        .unwrap();
         let me = User::current();
-        let id = d.submit(me, serde_json::from_str(r#"{"command": ["true"]}"#).unwrap(), None).unwrap().id;
+        let id = d
+            .submit(
+                me,
+                serde_json::from_str(r#"{"command": ["true"]}"#).unwrap(),
+                None,
+            )
+            .unwrap()
+            .id;
         // Another user neither sees nor cancels it (root and the daemon's own user see all).
-        let other = User { uid: me.uid + 4242, gid: me.gid + 4242 };
-        assert!(d.job(other, id).is_none() && d.jobs(other, None).is_empty() && d.log_tail(other, id, 10).is_none());
+        let other = User {
+            uid: me.uid + 4242,
+            gid: me.gid + 4242,
+        };
+        assert!(
+            d.job(other, id).is_none()
+                && d.jobs(other, None).is_empty()
+                && d.log_tail(other, id, 10).is_none()
+        );
         assert!(matches!(d.cancel(other, id), Err(CancelError::NoJob(_))));
         assert_eq!(d.job(me, id).unwrap().owner, me.uid);
         assert_eq!(d.cancel(me, id).unwrap().state, JobState::Cancelled);
         let e = d.cancel(me, id).unwrap_err();
-        assert!(matches!(e, CancelError::Ended { state: JobState::Cancelled, .. }));
-        assert_eq!(e.to_string(), format!("job {id} has already ended (cancelled)"));
+        assert!(matches!(
+            e,
+            CancelError::Ended {
+                state: JobState::Cancelled,
+                ..
+            }
+        ));
+        assert_eq!(
+            e.to_string(),
+            format!("job {id} has already ended (cancelled)")
+        );
         let e = d.cancel(me, 99).unwrap_err();
         assert!(matches!(e, CancelError::NoJob(99)));
         assert_eq!(e.to_string(), "no job 99");

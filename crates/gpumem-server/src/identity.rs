@@ -16,7 +16,10 @@ pub struct User {
 impl User {
     /// The user this process runs as.
     pub fn current() -> User {
-        User { uid: Uid::current().as_raw(), gid: Gid::current().as_raw() }
+        User {
+            uid: Uid::current().as_raw(),
+            gid: Gid::current().as_raw(),
+        }
     }
 
     pub fn is_root(self) -> bool {
@@ -25,13 +28,22 @@ impl User {
 
     /// The login name (the uid in decimal where the user database has none).
     pub fn name(self) -> String {
-        Passwd::from_uid(Uid::from_raw(self.uid)).ok().flatten().map_or_else(|| self.uid.to_string(), |u| u.name)
+        Passwd::from_uid(Uid::from_raw(self.uid))
+            .ok()
+            .flatten()
+            .map_or_else(|| self.uid.to_string(), |u| u.name)
     }
 
     /// HOME, USER and LOGNAME as a login would set them (what the user database has).
     pub fn login_env(self) -> Vec<(&'static str, String)> {
-        let Some(u) = Passwd::from_uid(Uid::from_raw(self.uid)).ok().flatten() else { return Vec::new() };
-        vec![("HOME", u.dir.display().to_string()), ("USER", u.name.clone()), ("LOGNAME", u.name)]
+        let Some(u) = Passwd::from_uid(Uid::from_raw(self.uid)).ok().flatten() else {
+            return Vec::new();
+        };
+        vec![
+            ("HOME", u.dir.display().to_string()),
+            ("USER", u.name.clone()),
+            ("LOGNAME", u.name),
+        ]
     }
 
     /// The user's groups: its primary one and every group the user database lists it in.
@@ -59,11 +71,16 @@ pub struct Admins {
 
 impl Admins {
     pub fn contain(&self, u: User) -> bool {
-        u.is_root() || u.uid == self.daemon.uid || self.group.is_some_and(|g| u.groups().contains(&g))
+        u.is_root()
+            || u.uid == self.daemon.uid
+            || self.group.is_some_and(|g| u.groups().contains(&g))
     }
 }
 
 /// The gid of the group named `name`, if the group database has it.
 pub fn group_id(name: &str) -> Option<u32> {
-    Group::from_name(name).ok().flatten().map(|g| g.gid.as_raw())
+    Group::from_name(name)
+        .ok()
+        .flatten()
+        .map(|g| g.gid.as_raw())
 }

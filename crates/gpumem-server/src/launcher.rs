@@ -92,7 +92,11 @@ impl JobDir {
 
     /// The supervisor's pid, once it has written it.
     pub fn pid(&self) -> Option<u32> {
-        fs::read_to_string(self.pid_file()).ok()?.trim().parse().ok()
+        fs::read_to_string(self.pid_file())
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
     }
 
     /// Whether `pid` is still this run's supervisor (zombies included; reap children before
@@ -107,7 +111,8 @@ impl JobDir {
         match fs::read(format!("/proc/{pid}/cmdline")) {
             Ok(cmd) => {
                 let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
-                args.windows(2).any(|w| w[0] == b"_supervise" && w[1] == self.0.as_os_str().as_encoded_bytes())
+                args.windows(2)
+                    .any(|w| w[0] == b"_supervise" && w[1] == self.0.as_os_str().as_encoded_bytes())
             }
             Err(_) => !Path::new("/proc/self").exists(),
         }
@@ -132,7 +137,9 @@ impl JobDir {
 
     /// The last `bytes` of the log.
     pub fn log_tail(&self, bytes: u64) -> String {
-        let Ok(mut f) = fs::File::open(self.log()) else { return String::new() };
+        let Ok(mut f) = fs::File::open(self.log()) else {
+            return String::new();
+        };
         let len = f.metadata().map(|m| m.len()).unwrap_or(0);
         let _ = f.seek(SeekFrom::Start(len.saturating_sub(bytes)));
         let mut buf = Vec::new();
@@ -142,7 +149,10 @@ impl JobDir {
 
     /// Whether the last attempt's output (its last 64 KiB) says it ran out of GPU memory.
     pub fn ran_out_of_memory(&self) -> bool {
-        let start: u64 = fs::read_to_string(self.attempt_start_file()).ok().and_then(|t| t.trim().parse().ok()).unwrap_or(0);
+        let start: u64 = fs::read_to_string(self.attempt_start_file())
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0);
         let len = fs::metadata(self.log()).map(|m| m.len()).unwrap_or(0);
         let tail = self.log_tail(len.saturating_sub(start).min(64 * 1024));
         OOM_PATTERNS.iter().any(|p| tail.contains(p))
@@ -181,7 +191,12 @@ impl Supervision {
             a.push("--no-cgroup".into());
         }
         if let Some(u) = self.run_as {
-            a.extend(["--uid".into(), u.uid.to_string().into(), "--gid".into(), u.gid.to_string().into()]);
+            a.extend([
+                "--uid".into(),
+                u.uid.to_string().into(),
+                "--gid".into(),
+                u.gid.to_string().into(),
+            ]);
         }
         if let Some(cwd) = &self.cwd {
             a.extend(["--cwd".into(), cwd.clone().into_os_string()]);
@@ -197,19 +212,38 @@ pub enum LaunchError {
     #[error("{dir}: {source}")]
     JobDir { dir: String, source: std::io::Error },
     #[error("cannot start the supervisor {supervisor}: {source}")]
-    Supervisor { supervisor: String, source: std::io::Error },
+    Supervisor {
+        supervisor: String,
+        source: std::io::Error,
+    },
 }
 
 /// Starts a run under a supervisor in its own process group. Clears the previous run's pid and
 /// exit files first.
 pub fn launch(supervisor: &Path, l: &Launch) -> Result<Child, LaunchError> {
-    fs::create_dir_all(&l.dir.0).map_err(|source| LaunchError::JobDir { dir: l.dir.0.display().to_string(), source })?;
-    for f in [l.dir.pid_file(), l.dir.procs_file(), l.dir.exit_file(), l.dir.fake_memory()] {
+    fs::create_dir_all(&l.dir.0).map_err(|source| LaunchError::JobDir {
+        dir: l.dir.0.display().to_string(),
+        source,
+    })?;
+    for f in [
+        l.dir.pid_file(),
+        l.dir.procs_file(),
+        l.dir.exit_file(),
+        l.dir.fake_memory(),
+    ] {
         let _ = fs::remove_file(f);
     }
-    let argv: Vec<String> = if l.request.shell { vec!["/bin/sh".into(), "-c".into(), l.request.command[0].clone()] } else { l.request.command.clone() };
+    let argv: Vec<String> = if l.request.shell {
+        vec!["/bin/sh".into(), "-c".into(), l.request.command[0].clone()]
+    } else {
+        l.request.command.clone()
+    };
     let mut cmd = Command::new(supervisor);
-    cmd.arg("_supervise").arg(&l.dir.0).args(l.how.args()).arg("--").args(&argv);
+    cmd.arg("_supervise")
+        .arg(&l.dir.0)
+        .args(l.how.args())
+        .arg("--")
+        .args(&argv);
     let visible: Vec<String> = l.gpus.iter().map(u32::to_string).collect();
     let mut env: BTreeMap<String, String> = l.request.env.clone();
     if let Some(u) = l.how.run_as {
@@ -222,11 +256,20 @@ pub fn launch(supervisor: &Path, l: &Launch) -> Result<Child, LaunchError> {
     env.insert("GPUMEM_JOB_ID".into(), l.job_id.to_string());
     env.insert("GPUMEM_JOB_ATTEMPT".into(), l.attempt.to_string());
     if l.fake {
-        env.insert("GPUMEM_FAKE_MEMORY_FILE".into(), l.dir.fake_memory().display().to_string());
+        env.insert(
+            "GPUMEM_FAKE_MEMORY_FILE".into(),
+            l.dir.fake_memory().display().to_string(),
+        );
     }
     cmd.envs(env);
-    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).process_group(0);
-    cmd.spawn().map_err(|source| LaunchError::Supervisor { supervisor: supervisor.display().to_string(), source })
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0);
+    cmd.spawn().map_err(|source| LaunchError::Supervisor {
+        supervisor: supervisor.display().to_string(),
+        source,
+    })
 }
 
 /// The supervisor's body: run `argv`, log its output, kill what it leaves behind, record its
@@ -253,20 +296,41 @@ pub fn supervise(dir: &Path, argv: &[String], how: &Supervision) -> i32 {
     if write_private(&dir.attempt_start_file(), &start.to_string()).is_err() {
         return 125;
     }
-    let Some((program, args)) = argv.split_first() else { return 125 };
+    let Some((program, args)) = argv.split_first() else {
+        return 125;
+    };
     // What the program's process needs after the fork, prepared before it.
     let groups: Vec<libc::gid_t> = how.run_as.map(|u| u.groups()).unwrap_or_default();
-    let Ok(cwd) = how.cwd.as_ref().map(|c| std::ffi::CString::new(c.as_os_str().as_encoded_bytes())).transpose() else { return 125 };
+    let Ok(cwd) = how
+        .cwd
+        .as_ref()
+        .map(|c| std::ffi::CString::new(c.as_os_str().as_encoded_bytes()))
+        .transpose()
+    else {
+        return 125;
+    };
     let run_as = how.run_as;
-    let mut procs = JobProcs { cgroup: how.cgroup.then(new_cgroup).flatten(), ..JobProcs::default() };
+    let mut procs = JobProcs {
+        cgroup: how.cgroup.then(new_cgroup).flatten(),
+        ..JobProcs::default()
+    };
     // Recorded before the program can run: from here on the run may have started.
     if write_private(&dir.procs_file(), &procs.to_toml()).is_err() {
         return 125;
     }
-    let join = procs.cgroup.as_ref().and_then(|c| fs::OpenOptions::new().write(true).open(c.join("cgroup.procs")).ok());
+    let join = procs.cgroup.as_ref().and_then(|c| {
+        fs::OpenOptions::new()
+            .write(true)
+            .open(c.join("cgroup.procs"))
+            .ok()
+    });
     let join_fd = join.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
     let mut cmd = Command::new(program);
-    cmd.args(args).stdin(Stdio::null()).stdout(log.try_clone().map(Stdio::from).unwrap_or(Stdio::null())).stderr(Stdio::from(log)).process_group(0);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().map(Stdio::from).unwrap_or(Stdio::null()))
+        .stderr(Stdio::from(log))
+        .process_group(0);
     // SAFETY: between fork and exec only async-signal-safe calls (signal, write, setgroups,
     // setgid, setuid, chdir) on values prepared before the fork.
     unsafe {
@@ -281,7 +345,13 @@ pub fn supervise(dir: &Path, argv: &[String], how: &Supervision) -> i32 {
             }
             if let Some(u) = run_as {
                 // Groups, then group, then user: each step needs the privilege the next drops.
-                let check = |rc: libc::c_int| if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) };
+                let check = |rc: libc::c_int| {
+                    if rc == 0 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
+                };
                 check(libc::setgroups(groups.len(), groups.as_ptr()))?;
                 check(libc::setgid(u.gid))?;
                 check(libc::setuid(u.uid))?;
@@ -310,10 +380,13 @@ pub fn supervise(dir: &Path, argv: &[String], how: &Supervision) -> i32 {
             }
         }
         Err(e) => {
-            let _ = fs::OpenOptions::new().append(true).open(dir.log()).map(|mut f| {
-                use std::io::Write;
-                let _ = writeln!(f, "gpumem: cannot start `{program}`: {e}");
-            });
+            let _ = fs::OpenOptions::new()
+                .append(true)
+                .open(dir.log())
+                .map(|mut f| {
+                    use std::io::Write;
+                    let _ = writeln!(f, "gpumem: cannot start `{program}`: {e}");
+                });
             ("code 127".into(), 127)
         }
     };
@@ -333,7 +406,11 @@ fn private_file() -> fs::OpenOptions {
 /// Written then renamed: a reader never sees half a file.
 fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp");
-    private_file().write(true).truncate(true).open(&tmp).and_then(|mut f| std::io::Write::write_all(&mut f, text.as_bytes()))?;
+    private_file()
+        .write(true)
+        .truncate(true)
+        .open(&tmp)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, text.as_bytes()))?;
     fs::rename(&tmp, path)
 }
 
@@ -369,15 +446,26 @@ impl JobProcs {
 
     /// Whether the leader still runs (not a zombie).
     pub fn leader_running(&self) -> bool {
-        self.leader.and_then(proc_stat).is_some_and(|s| Some(s.start) == self.leader_start && s.state != 'Z')
+        self.leader
+            .and_then(proc_stat)
+            .is_some_and(|s| Some(s.start) == self.leader_start && s.state != 'Z')
     }
 
     /// Every live process of the run (zombies are over): the cgroup's and the group's.
     pub fn pids(&self) -> Vec<u32> {
         let stats = all_proc_stats();
-        let in_cgroup: Vec<u32> = self.cgroup.as_ref().and_then(|c| fs::read_to_string(c.join("cgroup.procs")).ok()).map(|t| t.lines().filter_map(|l| l.trim().parse().ok()).collect()).unwrap_or_default();
+        let in_cgroup: Vec<u32> = self
+            .cgroup
+            .as_ref()
+            .and_then(|c| fs::read_to_string(c.join("cgroup.procs")).ok())
+            .map(|t| t.lines().filter_map(|l| l.trim().parse().ok()).collect())
+            .unwrap_or_default();
         let group = self.group();
-        stats.iter().filter(|(pid, s)| s.state != 'Z' && (group == Some(s.pgrp) || in_cgroup.contains(pid))).map(|(pid, _)| *pid).collect()
+        stats
+            .iter()
+            .filter(|(pid, s)| s.state != 'Z' && (group == Some(s.pgrp) || in_cgroup.contains(pid)))
+            .map(|(pid, _)| *pid)
+            .collect()
     }
 
     /// Whether any process of the run is left.
@@ -446,12 +534,22 @@ fn proc_stat(pid: u32) -> Option<ProcStat> {
     // After the parenthesised command name: state ppid pgrp session tty tpgid flags minflt
     // cminflt majflt cmajflt utime stime cutime cstime priority nice threads itreal starttime.
     let f: Vec<&str> = text.rsplit_once(')')?.1.split_whitespace().collect();
-    Some(ProcStat { state: f.first()?.chars().next()?, ppid: f.get(1)?.parse().ok()?, pgrp: f.get(2)?.parse().ok()?, start: f.get(19)?.parse().ok()? })
+    Some(ProcStat {
+        state: f.first()?.chars().next()?,
+        ppid: f.get(1)?.parse().ok()?,
+        pgrp: f.get(2)?.parse().ok()?,
+        start: f.get(19)?.parse().ok()?,
+    })
 }
 
 fn all_proc_stats() -> Vec<(u32, ProcStat)> {
-    let Ok(entries) = fs::read_dir("/proc") else { return Vec::new() };
-    entries.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok()).filter_map(|pid| Some((pid, proc_stat(pid)?))).collect()
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| Some((pid, proc_stat(pid)?)))
+        .collect()
 }
 
 /// The live descendants of `root`.
@@ -461,11 +559,19 @@ fn descendants(root: u32) -> Vec<u32> {
     let mut i = 0;
     while i < found.len() {
         let parent = found[i];
-        let children: Vec<u32> = stats.iter().filter(|(pid, s)| s.ppid == parent && !found.contains(pid)).map(|(pid, _)| *pid).collect();
+        let children: Vec<u32> = stats
+            .iter()
+            .filter(|(pid, s)| s.ppid == parent && !found.contains(pid))
+            .map(|(pid, _)| *pid)
+            .collect();
         found.extend(children);
         i += 1;
     }
-    stats.iter().filter(|(pid, s)| *pid != root && s.state != 'Z' && found.contains(pid)).map(|(pid, _)| *pid).collect()
+    stats
+        .iter()
+        .filter(|(pid, s)| *pid != root && s.state != 'Z' && found.contains(pid))
+        .map(|(pid, _)| *pid)
+        .collect()
 }
 
 /// A new cgroup v2 directory for a run, under the calling process's own cgroup, where the
@@ -481,12 +587,19 @@ fn new_cgroup() -> Option<PathBuf> {
         }
         left.split_whitespace().nth(4).map(PathBuf::from)
     })?;
-    let own = fs::read_to_string("/proc/self/cgroup").ok()?.lines().find_map(|l| l.strip_prefix("0::").map(|p| p.trim_start_matches('/').to_string()))?;
-    let dir = mount.join(own).join(format!("gpumem-run-{}", std::process::id()));
+    let own = fs::read_to_string("/proc/self/cgroup")
+        .ok()?
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("0::")
+                .map(|p| p.trim_start_matches('/').to_string())
+        })?;
+    let dir = mount
+        .join(own)
+        .join(format!("gpumem-run-{}", std::process::id()));
     fs::create_dir(&dir).ok()?;
     Some(dir)
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -498,7 +611,10 @@ mod tests {
     #[test]
     fn only_the_runs_supervisor_counts() {
         let dir = JobDir(PathBuf::from("/nonexistent/jobs/1"));
-        assert!(!dir.supervised_by(std::process::id()), "the test runner is not a supervisor");
+        assert!(
+            !dir.supervised_by(std::process::id()),
+            "the test runner is not a supervisor"
+        );
         assert!(!dir.supervised_by(u32::MAX / 2), "no such process");
     }
 
@@ -506,9 +622,16 @@ mod tests {
     fn a_reused_leader_pid_is_not_the_run() {
         let me = std::process::id();
         let start = proc_stat(me).unwrap().start;
-        let mine = JobProcs { leader: Some(me), leader_start: Some(start), cgroup: None };
+        let mine = JobProcs {
+            leader: Some(me),
+            leader_start: Some(start),
+            cgroup: None,
+        };
         assert!(mine.leader_running());
-        let other = JobProcs { leader_start: Some(start + 1), ..mine };
+        let other = JobProcs {
+            leader_start: Some(start + 1),
+            ..mine
+        };
         assert!(!other.leader_running() && other.group().is_none() && other.pids().is_empty());
     }
 }

@@ -11,7 +11,12 @@ use gpumem_torch::probe::{ProbeReport, ProbeRequest};
 
 /// Measures convolution workspaces on one GPU.
 pub trait Prober: Send + Sync {
-    fn probe(&self, gpu: u32, configs: &[(String, u64)], seconds: u64) -> Result<ProbeReport, String>;
+    fn probe(
+        &self,
+        gpu: u32,
+        configs: &[(String, u64)],
+        seconds: u64,
+    ) -> Result<ProbeReport, String>;
 }
 
 /// The real prober: `python -m gpumem_trace.probe --configs ...` on the GPU (cuDNN's heuristic
@@ -23,11 +28,29 @@ pub struct TorchProber {
 }
 
 impl Prober for TorchProber {
-    fn probe(&self, gpu: u32, configs: &[(String, u64)], seconds: u64) -> Result<ProbeReport, String> {
+    fn probe(
+        &self,
+        gpu: u32,
+        configs: &[(String, u64)],
+        seconds: u64,
+    ) -> Result<ProbeReport, String> {
         use std::os::unix::fs::DirBuilderExt;
-        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&self.dir).map_err(|e| format!("{}: {e}", self.dir.display()))?;
-        let req = ProbeRequest { gpu, configs: configs.to_vec(), benchmark: "off".into(), seconds, no_sdpa: true, ..Default::default() };
-        self.tracer.probe(&req, &self.dir.join(format!("gpu{gpu}.json"))).map_err(|e| e.to_string())
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.dir)
+            .map_err(|e| format!("{}: {e}", self.dir.display()))?;
+        let req = ProbeRequest {
+            gpu,
+            configs: configs.to_vec(),
+            benchmark: "off".into(),
+            seconds,
+            no_sdpa: true,
+            ..Default::default()
+        };
+        self.tracer
+            .probe(&req, &self.dir.join(format!("gpu{gpu}.json")))
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -38,7 +61,12 @@ pub struct FakeProber {
 }
 
 impl Prober for FakeProber {
-    fn probe(&self, _gpu: u32, configs: &[(String, u64)], _seconds: u64) -> Result<ProbeReport, String> {
+    fn probe(
+        &self,
+        _gpu: u32,
+        configs: &[(String, u64)],
+        _seconds: u64,
+    ) -> Result<ProbeReport, String> {
         let b = self.bytes;
         let convs: Vec<serde_json::Value> = configs.iter().map(|(c, n)| serde_json::json!({"config": c, "n": n, "fwd": [b], "bwd_data": [b], "bwd_filter": [b]})).collect();
         let report = serde_json::json!({"stack": {"gpu": "fake", "cuda": "", "torch": "", "cudnn": 0}, "conv": {"heuristic": convs}});

@@ -51,7 +51,10 @@ impl JobState {
     }
 
     pub fn is_final(self) -> bool {
-        matches!(self, JobState::Finished | JobState::Failed | JobState::Cancelled)
+        matches!(
+            self,
+            JobState::Finished | JobState::Failed | JobState::Cancelled
+        )
     }
 
     /// Waiting for GPUs.
@@ -153,16 +156,30 @@ impl JobRequest {
             return Err(RequestError::NoProgram);
         }
         if self.shell && self.command.len() != 1 {
-            return Err(RequestError::ShellArgs { args: self.command.len() });
+            return Err(RequestError::ShellArgs {
+                args: self.command.len(),
+            });
         }
-        if self.command.len() > MAX_ARGS || self.command.iter().any(|a| a.len() > MAX_ARG_BYTES || a.contains('\0')) {
+        if self.command.len() > MAX_ARGS
+            || self
+                .command
+                .iter()
+                .any(|a| a.len() > MAX_ARG_BYTES || a.contains('\0'))
+        {
             return Err(RequestError::Command);
         }
-        if self.env.len() > MAX_ENV || self.env.iter().any(|(k, v)| k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0')) {
+        if self.env.len() > MAX_ENV
+            || self.env.iter().any(|(k, v)| {
+                k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0')
+            })
+        {
             return Err(RequestError::Env);
         }
         if self.gpus == 0 || self.gpus as usize > max_gpus {
-            return Err(RequestError::Gpus { gpus: self.gpus, max: max_gpus });
+            return Err(RequestError::Gpus {
+                gpus: self.gpus,
+                max: max_gpus,
+            });
         }
         if self.model.is_some() != self.batch.is_some() {
             return Err(RequestError::ModelWithoutBatch);
@@ -185,7 +202,12 @@ impl JobRequest {
             return Err(RequestError::Name { bytes: n.len() });
         }
         if let Some(cwd) = &self.cwd {
-            let bad = |why| Err(RequestError::Cwd { cwd: cwd.chars().take(200).collect(), why });
+            let bad = |why| {
+                Err(RequestError::Cwd {
+                    cwd: cwd.chars().take(200).collect(),
+                    why,
+                })
+            };
             if cwd.contains('\0') || cwd.len() > MAX_ARG_BYTES {
                 return bad("a path without NUL bytes, at most 4096 bytes");
             }
@@ -281,28 +303,81 @@ mod tests {
     fn refusals_name_what_is_wrong() {
         let cases = [
             (r#"{"command": []}"#, "command must name a program"),
-            (r#"{"command": ["a", "b"], "shell": true}"#, "a shell job's command is one string"),
-            (r#"{"command": ["a\u0000"]}"#, "command: at most 256 arguments of 4096 bytes, no NUL bytes"),
-            (r#"{"command": ["a"], "env": {"A=B": "1"}}"#, "env: at most 128 variables; names without `=` or NUL"),
-            (r#"{"command": ["a"], "gpus": 3}"#, "gpus must be between 1 and 2"),
-            (r#"{"command": ["a"], "model": "mlp"}"#, "model and batch go together"),
-            (r#"{"command": ["a"], "mem_mib": 0}"#, "batch and mem_mib must be positive"),
-            (r#"{"command": ["a"], "mem_mib": 17592186044416}"#, "mem_mib 17592186044416 is out of range (1..=16777216)"),
-            (r#"{"command": ["a"], "expected_s": -1}"#, "expected_s must be a positive number of seconds"),
-            (r#"{"command": ["a"], "cwd": "/tmp\u0000x"}"#, "cwd `/tmp\\0x`: a path without NUL bytes, at most 4096 bytes"),
-            (r#"{"command": ["a"], "cwd": "relative"}"#, "cwd `relative`: not an absolute path"),
-            (r#"{"command": ["a"], "cwd": "/nonexistent-gpumem-dir"}"#, "cwd `/nonexistent-gpumem-dir`: no such directory"),
+            (
+                r#"{"command": ["a", "b"], "shell": true}"#,
+                "a shell job's command is one string",
+            ),
+            (
+                r#"{"command": ["a\u0000"]}"#,
+                "command: at most 256 arguments of 4096 bytes, no NUL bytes",
+            ),
+            (
+                r#"{"command": ["a"], "env": {"A=B": "1"}}"#,
+                "env: at most 128 variables; names without `=` or NUL",
+            ),
+            (
+                r#"{"command": ["a"], "gpus": 3}"#,
+                "gpus must be between 1 and 2",
+            ),
+            (
+                r#"{"command": ["a"], "model": "mlp"}"#,
+                "model and batch go together",
+            ),
+            (
+                r#"{"command": ["a"], "mem_mib": 0}"#,
+                "batch and mem_mib must be positive",
+            ),
+            (
+                r#"{"command": ["a"], "mem_mib": 17592186044416}"#,
+                "mem_mib 17592186044416 is out of range (1..=16777216)",
+            ),
+            (
+                r#"{"command": ["a"], "expected_s": -1}"#,
+                "expected_s must be a positive number of seconds",
+            ),
+            (
+                r#"{"command": ["a"], "cwd": "/tmp\u0000x"}"#,
+                "cwd `/tmp\\0x`: a path without NUL bytes, at most 4096 bytes",
+            ),
+            (
+                r#"{"command": ["a"], "cwd": "relative"}"#,
+                "cwd `relative`: not an absolute path",
+            ),
+            (
+                r#"{"command": ["a"], "cwd": "/nonexistent-gpumem-dir"}"#,
+                "cwd `/nonexistent-gpumem-dir`: no such directory",
+            ),
         ];
         for (json, message) in cases {
-            assert_eq!(request(json).validate(2).unwrap_err().to_string(), message, "{json}");
+            assert_eq!(
+                request(json).validate(2).unwrap_err().to_string(),
+                message,
+                "{json}"
+            );
         }
-        let long = request(&format!(r#"{{"command": ["a"], "name": "{}"}}"#, "n".repeat(201)));
+        let long = request(&format!(
+            r#"{{"command": ["a"], "name": "{}"}}"#,
+            "n".repeat(201)
+        ));
         assert_eq!(long.validate(2), Err(RequestError::Name { bytes: 201 }));
-        assert_eq!(long.validate(2).unwrap_err().to_string(), "name: at most 200 bytes");
-        assert_eq!(request(r#"{"command": ["a"], "gpus": 2, "cwd": "/"}"#).validate(2), Ok(()));
+        assert_eq!(
+            long.validate(2).unwrap_err().to_string(),
+            "name: at most 200 bytes"
+        );
+        assert_eq!(
+            request(r#"{"command": ["a"], "gpus": 2, "cwd": "/"}"#).validate(2),
+            Ok(())
+        );
         // A DDP job's ranks are its GPUs: all placed at once, each with the rank's estimate.
-        let ddp = |gpus| request(&format!(r#"{{"command": ["torchrun", "train.py"], "gpus": {gpus}, "model": "hf:gpt2", "batch": 8, "options": {{"strategy": {{"kind": "ddp", "world_size": 2, "bucket_cap_mb": 25, "bucket_view": false}}}}}}"#));
+        let ddp = |gpus| {
+            request(&format!(
+                r#"{{"command": ["torchrun", "train.py"], "gpus": {gpus}, "model": "hf:gpt2", "batch": 8, "options": {{"strategy": {{"kind": "ddp", "world_size": 2, "bucket_cap_mb": 25, "bucket_view": false}}}}}}"#
+            ))
+        };
         assert_eq!(ddp(2).validate(2), Ok(()));
-        assert_eq!(ddp(1).validate(2).unwrap_err().to_string(), "options.strategy has world_size 2, and a job's ranks are its GPUs: gpus must be 2, not 1");
+        assert_eq!(
+            ddp(1).validate(2).unwrap_err().to_string(),
+            "options.strategy has world_size 2, and a job's ranks are its GPUs: gpus must be 2, not 1"
+        );
     }
 }

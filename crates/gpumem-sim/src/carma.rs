@@ -61,21 +61,46 @@ pub enum CarmaError {
     Open { file: String, source: csv::Error },
     /// A row does not have the columns' types.
     #[error("{file}: line {line}: {source}")]
-    Row { file: String, line: usize, source: csv::Error },
+    Row {
+        file: String,
+        line: usize,
+        source: csv::Error,
+    },
     #[error("{file}: line {line}: no mapping for task `{task}` (see carma-tasks.toml)")]
-    NoMapping { file: String, line: usize, task: String },
+    NoMapping {
+        file: String,
+        line: usize,
+        task: String,
+    },
     /// The task's run time cannot be derived.
     #[error("{file}: line {line}: {problem}")]
-    RunTime { file: String, line: usize, problem: RunTimeProblem },
+    RunTime {
+        file: String,
+        line: usize,
+        problem: RunTimeProblem,
+    },
     #[error("{file}: line {line}: measured_mib and gpus must be positive")]
     NotPositive { file: String, line: usize },
     /// The mapping entry `prefix` describes a training loop gpumem cannot take.
     #[error("{file}: line {line}: task `{prefix}`: {problem}")]
-    Options { file: String, line: usize, prefix: String, problem: OptionsProblem },
+    Options {
+        file: String,
+        line: usize,
+        prefix: String,
+        problem: OptionsProblem,
+    },
     #[error("{file}: line {line}: arrival_s must be a non-negative number")]
-    Arrival { file: String, line: usize, arrival_s: f64 },
+    Arrival {
+        file: String,
+        line: usize,
+        arrival_s: f64,
+    },
     #[error("{file}: line {line}: unknown task `{task}`")]
-    UnknownTask { file: String, line: usize, task: String },
+    UnknownTask {
+        file: String,
+        line: usize,
+        task: String,
+    },
 }
 
 /// Why a task's exclusive run time cannot be derived.
@@ -107,11 +132,17 @@ fn entry_options(entry: &Entry, gpus: u32) -> Result<Options, OptionsProblem> {
         None => None,
     };
     Ok(Options {
-        optimizer: entry.optimizer.as_deref().map_or(Ok(Optimizer::Adam), Optimizer::parse)?,
+        optimizer: entry
+            .optimizer
+            .as_deref()
+            .map_or(Ok(Optimizer::Adam), Optimizer::parse)?,
         input,
         seq_len: entry.seq_len,
         data_parallel: gpus,
-        validate: entry.validate.as_deref().map_or(Ok(Validate::None), Validate::parse)?,
+        validate: entry
+            .validate
+            .as_deref()
+            .map_or(Ok(Validate::None), Validate::parse)?,
         outputs: entry.outputs.as_deref().map(Outputs::parse).transpose()?,
         ..Options::default()
     })
@@ -185,10 +216,19 @@ fn published_bytes(mib: f64) -> Option<u64> {
 
 fn read_csv<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<Vec<T>, CarmaError> {
     let file = || path.display().to_string();
-    let mut r = csv::Reader::from_path(path).map_err(|source| CarmaError::Open { file: file(), source })?;
+    let mut r = csv::Reader::from_path(path).map_err(|source| CarmaError::Open {
+        file: file(),
+        source,
+    })?;
     r.deserialize()
         .enumerate()
-        .map(|(i, row)| row.map_err(|source| CarmaError::Row { file: file(), line: i + 2, source }))
+        .map(|(i, row)| {
+            row.map_err(|source| CarmaError::Row {
+                file: file(),
+                line: i + 2,
+                source,
+            })
+        })
         .collect()
 }
 
@@ -216,18 +256,39 @@ pub fn load_tasks(tasks_csv: &Path, readme_csv: &Path) -> Result<Vec<Task>, Carm
             .task
             .iter()
             .find(|e| row.task.starts_with(&e.prefix))
-            .ok_or_else(|| CarmaError::NoMapping { file: file(), line, task: row.task.clone() })?;
-        let (work_min, epochs, work_rule) = run_minutes(entry, &row, &readme).map_err(|problem| CarmaError::RunTime { file: file(), line, problem })?;
+            .ok_or_else(|| CarmaError::NoMapping {
+                file: file(),
+                line,
+                task: row.task.clone(),
+            })?;
+        let (work_min, epochs, work_rule) =
+            run_minutes(entry, &row, &readme).map_err(|problem| CarmaError::RunTime {
+                file: file(),
+                line,
+                problem,
+            })?;
         if row.measured_mib.is_nan() || row.measured_mib <= 0.0 || row.gpus == 0 {
             return Err(CarmaError::NotPositive { file: file(), line });
         }
         // Every multi-GPU CARMA task wraps its model in torch.nn.DataParallel.
         let batch = entry.batch.unwrap_or(row.batch_size);
         let model = match &entry.model {
-            Some(m) => Some(TaskModel { reference: m.clone(), batch, options: entry_options(entry, row.gpus).map_err(|problem| CarmaError::Options { file: file(), line, prefix: entry.prefix.clone(), problem })? }),
+            Some(m) => Some(TaskModel {
+                reference: m.clone(),
+                batch,
+                options: entry_options(entry, row.gpus).map_err(|problem| CarmaError::Options {
+                    file: file(),
+                    line,
+                    prefix: entry.prefix.clone(),
+                    problem,
+                })?,
+            }),
             None => None,
         };
-        let train_steps = entry.train_samples.zip(epochs).map(|(n, e)| n.div_ceil(batch.max(1)) * u64::from(e));
+        let train_steps = entry
+            .train_samples
+            .zip(epochs)
+            .map(|(n, e)| n.div_ceil(batch.max(1)) * u64::from(e));
         tasks.push(Task {
             name: row.task,
             command: row.command,
@@ -249,24 +310,52 @@ pub fn load_tasks(tasks_csv: &Path, readme_csv: &Path) -> Result<Vec<Task>, Carm
 }
 
 /// Minutes alone on the GPU, the epochs they cover (where known), and the rule that gave them.
-fn run_minutes(entry: &Entry, row: &TaskRow, readme: &[ReadmeRow]) -> Result<(f64, Option<u32>, String), RunTimeProblem> {
+fn run_minutes(
+    entry: &Entry,
+    row: &TaskRow,
+    readme: &[ReadmeRow],
+) -> Result<(f64, Option<u32>, String), RunTimeProblem> {
     if let Some(m) = entry.minutes {
         return Ok((m, None, "stated in carma-tasks.toml".into()));
     }
-    let workload = entry.workload.as_deref().ok_or(RunTimeProblem::NoWorkload)?;
+    let workload = entry
+        .workload
+        .as_deref()
+        .ok_or(RunTimeProblem::NoWorkload)?;
     let candidates: Vec<&ReadmeRow> = readme.iter().filter(|r| r.model == workload).collect();
     let r = match candidates.iter().find(|r| r.batch_size == row.batch_size) {
         Some(r) => *r,
         None if candidates.len() == 1 => candidates[0],
-        None => return Err(RunTimeProblem::NoReadmeRow { workload: workload.to_string(), batch: row.batch_size }),
+        None => {
+            return Err(RunTimeProblem::NoReadmeRow {
+                workload: workload.to_string(),
+                batch: row.batch_size,
+            });
+        }
     };
     if r.epochs == "20/50" {
-        let epochs = epochs_in(&row.command).ok_or_else(|| RunTimeProblem::NoEpochs(row.command.clone()))?;
-        Ok((r.exclusive_time_min * f64::from(epochs), Some(epochs), format!("{workload} b{}: {} min/epoch x {epochs}", r.batch_size, r.exclusive_time_min)))
+        let epochs =
+            epochs_in(&row.command).ok_or_else(|| RunTimeProblem::NoEpochs(row.command.clone()))?;
+        Ok((
+            r.exclusive_time_min * f64::from(epochs),
+            Some(epochs),
+            format!(
+                "{workload} b{}: {} min/epoch x {epochs}",
+                r.batch_size, r.exclusive_time_min
+            ),
+        ))
     } else if let Some(epochs) = entry.per_epoch_of {
-        Ok((r.exclusive_time_min * f64::from(epochs), Some(epochs), format!("{workload}: {} min/epoch x {epochs}", r.exclusive_time_min)))
+        Ok((
+            r.exclusive_time_min * f64::from(epochs),
+            Some(epochs),
+            format!("{workload}: {} min/epoch x {epochs}", r.exclusive_time_min),
+        ))
     } else {
-        Ok((r.exclusive_time_min, r.epochs.parse().ok(), format!("{workload} b{}: {} min", r.batch_size, r.exclusive_time_min)))
+        Ok((
+            r.exclusive_time_min,
+            r.epochs.parse().ok(),
+            format!("{workload} b{}: {} min", r.batch_size, r.exclusive_time_min),
+        ))
     }
 }
 
@@ -277,7 +366,11 @@ pub fn load_arrivals(trace_csv: &Path, tasks: &[Task]) -> Result<Vec<(f64, usize
         arrival_s: f64,
         task: String,
     }
-    let index: HashMap<&str, usize> = tasks.iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
+    let index: HashMap<&str, usize> = tasks
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.name.as_str(), i))
+        .collect();
     let rows: Vec<Row> = read_csv(trace_csv)?;
     rows.into_iter()
         .enumerate()
@@ -285,9 +378,19 @@ pub fn load_arrivals(trace_csv: &Path, tasks: &[Task]) -> Result<Vec<(f64, usize
             let file = || trace_csv.display().to_string();
             let line = i + 2;
             if !(r.arrival_s.is_finite() && r.arrival_s >= 0.0) {
-                return Err(CarmaError::Arrival { file: file(), line, arrival_s: r.arrival_s });
+                return Err(CarmaError::Arrival {
+                    file: file(),
+                    line,
+                    arrival_s: r.arrival_s,
+                });
             }
-            let t = index.get(r.task.as_str()).ok_or_else(|| CarmaError::UnknownTask { file: file(), line, task: r.task.clone() })?;
+            let t = index
+                .get(r.task.as_str())
+                .ok_or_else(|| CarmaError::UnknownTask {
+                    file: file(),
+                    line,
+                    task: r.task.clone(),
+                })?;
             Ok((r.arrival_s, *t))
         })
         .collect()
@@ -307,7 +410,11 @@ mod tests {
         if !d.exists() {
             return;
         }
-        let tasks = load_tasks(&d.join("carma_tasks.csv"), &d.join("carma_workloads_readme.csv")).unwrap();
+        let tasks = load_tasks(
+            &d.join("carma_tasks.csv"),
+            &d.join("carma_workloads_readme.csv"),
+        )
+        .unwrap();
         assert_eq!(tasks.len(), 51);
         let by = |n: &str| tasks.iter().find(|t| t.name == n).unwrap();
         assert_eq!(by("resnet2").work_s, 32.58 * 60.0);
@@ -315,7 +422,11 @@ mod tests {
         // The `_50e_3` task's command says 20 epochs; the command wins.
         assert!((by("resnet18_cifar100_50e_3").work_s - 0.17 * 20.0 * 60.0).abs() < 1e-9);
         assert_eq!(by("xlnet_large_cased_2").gpus, 2);
-        assert_eq!(by("BERT_base").faketensor_bytes, None, "40000 means the estimator failed");
+        assert_eq!(
+            by("BERT_base").faketensor_bytes,
+            None,
+            "40000 means the estimator failed"
+        );
         assert_eq!(by("vgg").horus_bytes.map(|b| b / MIB), Some(21525));
         assert!(by("maskrcnn").unmodelled.is_some() && by("vgg3").model.is_some());
         // Two-GPU tasks are DataParallel; Trainer's per-device batch 8 feeds 16 per step.
@@ -325,17 +436,39 @@ mod tests {
         // Steps: ImageNet at batch 64 for one epoch; CIFAR-100 at batch 32 for 20 epochs; the
         // U-Net at its script's batch 8 for 90 epochs of VOC.
         assert_eq!(by("resnet2").train_steps, Some(1_281_167u64.div_ceil(64)));
-        assert_eq!(by("resnet18_cifar100_20e_1").train_steps, Some(50_000u64.div_ceil(32) * 20));
+        assert_eq!(
+            by("resnet18_cifar100_20e_1").train_steps,
+            Some(50_000u64.div_ceil(32) * 20)
+        );
         assert_eq!(by("UNet").train_steps, Some(1_464u64.div_ceil(8) * 90));
-        assert_eq!(by("UNet").model.as_ref().unwrap().options.validate, Validate::Grad);
+        assert_eq!(
+            by("UNet").model.as_ref().unwrap().options.validate,
+            Validate::Grad
+        );
         assert_eq!(by("BERT_base").train_steps, None);
         for t in &tasks {
             assert!(t.work_s > 0.0, "{}", t.name);
-            assert!(t.model.is_some() != t.unmodelled.is_some(), "{}: a model or a reason", t.name);
-            assert!(t.model.is_some() || t.fallback_load.is_some(), "{}: unmodelled tasks state a load", t.name);
+            assert!(
+                t.model.is_some() != t.unmodelled.is_some(),
+                "{}: a model or a reason",
+                t.name
+            );
+            assert!(
+                t.model.is_some() || t.fallback_load.is_some(),
+                "{}: unmodelled tasks state a load",
+                t.name
+            );
         }
-        for trace in ["philly_trace-t1.csv", "philly_trace-t2.csv", "philly_heavy-60-tasks.csv", "philly_mix-90-tasks.csv"] {
-            assert!(load_arrivals(&d.join(trace), &tasks).unwrap().len() >= 60, "{trace}");
+        for trace in [
+            "philly_trace-t1.csv",
+            "philly_trace-t2.csv",
+            "philly_heavy-60-tasks.csv",
+            "philly_mix-90-tasks.csv",
+        ] {
+            assert!(
+                load_arrivals(&d.join(trace), &tasks).unwrap().len() >= 60,
+                "{trace}"
+            );
         }
     }
 
@@ -349,18 +482,38 @@ mod tests {
         let head = "task,command,summary,dataset,batch_size,gpus,measured_mib,horus_mib,faketensor_mib,gpumemnet_mib\n";
         std::fs::write(&tasks, format!("{head}vgg,python vgg.py,s,d,32,1,6684,1,1,8000\nzebra,python z.py,s,d,32,1,1,1,1,1\n")).unwrap();
         let e = load_tasks(&tasks, &readme).unwrap_err().to_string();
-        assert!(e.ends_with("line 3: no mapping for task `zebra` (see carma-tasks.toml)") && !e.contains('\n'), "{e}");
-        std::fs::write(&tasks, format!("{head}vgg2,python vgg.py,s,d,64,1,11760,1,1,8000\n")).unwrap();
+        assert!(
+            e.ends_with("line 3: no mapping for task `zebra` (see carma-tasks.toml)")
+                && !e.contains('\n'),
+            "{e}"
+        );
+        std::fs::write(
+            &tasks,
+            format!("{head}vgg2,python vgg.py,s,d,64,1,11760,1,1,8000\n"),
+        )
+        .unwrap();
         let e = load_tasks(&tasks, &readme).unwrap_err().to_string();
-        assert!(e.contains("line 2: the readme has no `vgg16` row at batch 64"), "{e}");
-        std::fs::write(&tasks, format!("{head}vgg,python vgg.py,s,d,32,1,6684,1,1,8000\n")).unwrap();
+        assert!(
+            e.contains("line 2: the readme has no `vgg16` row at batch 64"),
+            "{e}"
+        );
+        std::fs::write(
+            &tasks,
+            format!("{head}vgg,python vgg.py,s,d,32,1,6684,1,1,8000\n"),
+        )
+        .unwrap();
         let ok = load_tasks(&tasks, &readme).unwrap();
         let trace = dir.join("trace.csv");
         std::fs::write(&trace, "arrival_s,task\n0,vgg\n5,vgg9\n").unwrap();
         let e = load_arrivals(&trace, &ok).unwrap_err().to_string();
         assert!(e.ends_with("line 3: unknown task `vgg9`"), "{e}");
         std::fs::write(&trace, "arrival_s,task\n-1,vgg\n").unwrap();
-        assert!(load_arrivals(&trace, &ok).unwrap_err().to_string().contains("non-negative"));
+        assert!(
+            load_arrivals(&trace, &ok)
+                .unwrap_err()
+                .to_string()
+                .contains("non-negative")
+        );
         std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -55,12 +55,19 @@ mod tests {
     use super::*;
 
     fn l(smact: f64, dram: f64) -> Load {
-        Load { smact, smocc: 0.0, dram }
+        Load {
+            smact,
+            smocc: 0.0,
+            dram,
+        }
     }
 
     #[test]
     fn below_saturation_nobody_slows_down() {
-        assert_eq!(ProportionalSharing::default().rates(&[l(0.4, 0.2), l(0.5, 0.3)]), vec![1.0, 1.0]);
+        assert_eq!(
+            ProportionalSharing::default().rates(&[l(0.4, 0.2), l(0.5, 0.3)]),
+            vec![1.0, 1.0]
+        );
     }
 
     #[test]
@@ -75,6 +82,11 @@ mod tests {
     #[test]
     fn the_floor_holds() {
         let many = vec![l(0.9, 0.0); 20];
-        assert!(ProportionalSharing { floor: 0.1 }.rates(&many).iter().all(|&r| r == 0.1));
+        assert!(
+            ProportionalSharing { floor: 0.1 }
+                .rates(&many)
+                .iter()
+                .all(|&r| r == 0.1)
+        );
     }
 }

@@ -62,7 +62,9 @@ pub struct JobSpec {
 impl JobSpec {
     /// The GPUs the job runs on: all its ranks at once.
     pub fn gpus(&self) -> u32 {
-        self.gpus.or(self.options.strategy.map(|s| s.world_size())).unwrap_or(1)
+        self.gpus
+            .or(self.options.strategy.map(|s| s.world_size()))
+            .unwrap_or(1)
     }
 
     /// The model gpumem estimates for it, with its batch; `None` where the job states its
@@ -92,7 +94,10 @@ impl JobSpec {
         if self.batch == Some(0) {
             return Err(JobProblem::ZeroBatch);
         }
-        for (what, mib) in [("mem_mib", self.mem_mib), ("measured_mib", self.measured_mib)] {
+        for (what, mib) in [
+            ("mem_mib", self.mem_mib),
+            ("measured_mib", self.measured_mib),
+        ] {
             if let Some(m) = mib.filter(|&m| m == 0 || m > MAX_MIB) {
                 return Err(JobProblem::Mib { what, mib: m });
             }
@@ -100,7 +105,9 @@ impl JobSpec {
         if let Some(gpus) = self.gpus {
             self.options.check_gpus(gpus)?;
         }
-        self.options.check().map_err(|e| JobProblem::Options(e.to_string()))
+        self.options
+            .check()
+            .map_err(|e| JobProblem::Options(e.to_string()))
     }
 }
 
@@ -115,14 +122,22 @@ struct JobFile {
 #[derive(Debug, thiserror::Error)]
 pub enum JobsError {
     #[error("{file}: {source}")]
-    Read { file: String, source: std::io::Error },
+    Read {
+        file: String,
+        source: std::io::Error,
+    },
     /// Not TOML of a job file's shape (toml's message names the line).
     #[error("{file}: {message}")]
     Toml { file: String, message: String },
     #[error("{file}: no [[job]] tables")]
     Empty { file: String },
     #[error("{file}: job {index} (`{name}`): {problem}")]
-    Job { file: String, index: usize, name: String, problem: JobProblem },
+    Job {
+        file: String,
+        index: usize,
+        name: String,
+        problem: JobProblem,
+    },
 }
 
 /// What is wrong with one job.
@@ -130,7 +145,9 @@ pub enum JobsError {
 pub enum JobProblem {
     #[error("model and batch go together")]
     ModelWithoutBatch,
-    #[error("nothing says how much memory it takes: give a model and batch, mem_mib or measured_mib")]
+    #[error(
+        "nothing says how much memory it takes: give a model and batch, mem_mib or measured_mib"
+    )]
     NoMemory,
     #[error("batch must be positive")]
     ZeroBatch,
@@ -145,16 +162,24 @@ pub enum JobProblem {
 /// Reads and checks a job file; the jobs in file order, each named.
 pub fn load_jobs(path: &Path) -> Result<Vec<JobSpec>, JobsError> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| JobsError::Read { file: file.clone(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| JobsError::Read {
+        file: file.clone(),
+        source,
+    })?;
     parse_jobs(&text, &file)
 }
 
 /// [`load_jobs`] of a file's text; `file` names it in errors.
 pub fn parse_jobs(text: &str, file: &str) -> Result<Vec<JobSpec>, JobsError> {
     let parsed: JobFile = toml::from_str(text).map_err(|e| {
-        let line = e.span().map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+        let line = e
+            .span()
+            .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
         let message = e.message().trim_end().replace('\n', " ");
-        JobsError::Toml { file: file.into(), message: line.map_or(message.clone(), |l| format!("line {l}: {message}")) }
+        JobsError::Toml {
+            file: file.into(),
+            message: line.map_or(message.clone(), |l| format!("line {l}: {message}")),
+        }
     })?;
     if parsed.job.is_empty() {
         return Err(JobsError::Empty { file: file.into() });
@@ -164,8 +189,16 @@ pub fn parse_jobs(text: &str, file: &str) -> Result<Vec<JobSpec>, JobsError> {
         .into_iter()
         .enumerate()
         .map(|(i, mut job)| {
-            let name = job.name.get_or_insert_with(|| format!("job {}", i + 1)).clone();
-            job.check().map_err(|problem| JobsError::Job { file: file.into(), index: i + 1, name, problem })?;
+            let name = job
+                .name
+                .get_or_insert_with(|| format!("job {}", i + 1))
+                .clone();
+            job.check().map_err(|problem| JobsError::Job {
+                file: file.into(),
+                index: i + 1,
+                name,
+                problem,
+            })?;
             Ok(job)
         })
         .collect()
@@ -205,22 +238,43 @@ batch = 8
         assert_eq!(jobs[0].name.as_deref(), Some("job 1"));
         assert_eq!(jobs[0].gpus(), 4, "a strategy's ranks are its GPUs");
         assert_eq!(jobs[0].options.precision, Precision::Bf16);
-        assert_eq!(jobs[0].options.strategy, Some(Strategy::Zero { stage: 3, world_size: 4, zero: Zero::default() }), "DeepSpeed's defaults where the table is silent");
+        assert_eq!(
+            jobs[0].options.strategy,
+            Some(Strategy::Zero {
+                stage: 3,
+                world_size: 4,
+                zero: Zero::default()
+            }),
+            "DeepSpeed's defaults where the table is silent"
+        );
         assert_eq!(jobs[0].model(), Some(("hf:gpt2", 4)));
         assert_eq!(jobs[0].measured_bytes(), Some(30500 * MIB));
-        assert_eq!((jobs[1].gpus(), jobs[1].model(), jobs[1].stated_bytes()), (2, None, Some(2048 * MIB)), "a stated request wins over the model");
+        assert_eq!(
+            (jobs[1].gpus(), jobs[1].model(), jobs[1].stated_bytes()),
+            (2, None, Some(2048 * MIB)),
+            "a stated request wins over the model"
+        );
     }
 
     #[test]
     fn bad_jobs_are_named_with_what_is_wrong() {
         let err = |text: &str| parse_jobs(text, "j.toml").unwrap_err().to_string();
         let job = |extra: &str| format!("[[job]]\narrival_s = 0\nwork_s = 1\n{extra}\n");
-        assert_eq!(err(&job("model = \"hf:gpt2\"")), "j.toml: job 1 (`job 1`): model and batch go together");
+        assert_eq!(
+            err(&job("model = \"hf:gpt2\"")),
+            "j.toml: job 1 (`job 1`): model and batch go together"
+        );
         assert!(err(&job("")).contains("nothing says how much memory"));
         assert!(err(&job("name = \"x\"\ngpus = 2\nmem_mib = 1\n[job.options]\nstrategy = { kind = \"ddp\", world_size = 4 }")).ends_with("job 1 (`x`): options.strategy has world_size 4, and a job's ranks are its GPUs: gpus must be 4, not 2"));
         assert!(err(&job("mem_mib = 0")).contains("mem_mib 0 is out of range"));
-        assert!(err(&job("mem_mib = 1\n[job.options]\ngrad_accum = 0")).contains("options: --grad-accum must be at least 1"));
-        assert!(err(&job("mem_mib = 1\ncolour = 3")).starts_with("j.toml: line 5: unknown field `colour`, expected one of `name`"));
+        assert!(
+            err(&job("mem_mib = 1\n[job.options]\ngrad_accum = 0"))
+                .contains("options: --grad-accum must be at least 1")
+        );
+        assert!(
+            err(&job("mem_mib = 1\ncolour = 3"))
+                .starts_with("j.toml: line 5: unknown field `colour`, expected one of `name`")
+        );
         assert_eq!(err(""), "j.toml: line 1: missing field `job`");
         assert_eq!(err("job = []"), "j.toml: no [[job]] tables");
     }

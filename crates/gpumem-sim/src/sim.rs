@@ -3,7 +3,9 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use gpumem_place::{Cluster, Decision, Forecast, Job, Load, MemoryDemand, Policy, Queued, SchedOptions, Scheduler};
+use gpumem_place::{
+    Cluster, Decision, Forecast, Job, Load, MemoryDemand, Policy, Queued, SchedOptions, Scheduler,
+};
 use serde::Serialize;
 
 use crate::interference::Interference;
@@ -51,12 +53,24 @@ pub struct SimConfig {
 impl SimConfig {
     pub fn new(gpus: Vec<GpuSpec>, policy: Policy) -> Self {
         let o = SchedOptions::new(policy);
-        SimConfig { gpus, policy, crash_after_s: 60.0, max_retries: o.max_retries, warmup_s: o.warmup_s, backfill: o.backfill }
+        SimConfig {
+            gpus,
+            policy,
+            crash_after_s: 60.0,
+            max_retries: o.max_retries,
+            warmup_s: o.warmup_s,
+            backfill: o.backfill,
+        }
     }
 
     /// gpumem-place's scheduler with these knobs.
     pub fn sched(&self) -> SchedOptions {
-        SchedOptions { policy: self.policy, backfill: self.backfill, max_retries: self.max_retries, warmup_s: self.warmup_s }
+        SchedOptions {
+            policy: self.policy,
+            backfill: self.backfill,
+            max_retries: self.max_retries,
+            warmup_s: self.warmup_s,
+        }
     }
 }
 
@@ -105,9 +119,18 @@ pub struct Report {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SimError {
     #[error("job {index} (`{name}`) needs {gpus} GPUs; the cluster has {have}")]
-    TooManyGpus { index: usize, name: String, gpus: u32, have: usize },
+    TooManyGpus {
+        index: usize,
+        name: String,
+        gpus: u32,
+        have: usize,
+    },
     #[error("job {index} (`{name}`): {what} must be a finite non-negative number")]
-    BadNumber { index: usize, name: String, what: &'static str },
+    BadNumber {
+        index: usize,
+        name: String,
+        what: &'static str,
+    },
     #[error("the cluster has no GPUs")]
     NoGpus,
     #[error("{0} jobs could never be placed (the policy refuses even an empty GPU)")]
@@ -192,12 +215,20 @@ struct Engine<'a> {
 }
 
 /// Runs `jobs` on the cluster of `cfg`. Deterministic: same inputs, same report.
-pub fn simulate(jobs: &[SimJob], cfg: &SimConfig, interference: &dyn Interference) -> Result<Report, SimError> {
+pub fn simulate(
+    jobs: &[SimJob],
+    cfg: &SimConfig,
+    interference: &dyn Interference,
+) -> Result<Report, SimError> {
     if cfg.gpus.is_empty() {
         return Err(SimError::NoGpus);
     }
     for (index, j) in jobs.iter().enumerate() {
-        let bad = |what| SimError::BadNumber { index, name: j.name.clone(), what };
+        let bad = |what| SimError::BadNumber {
+            index,
+            name: j.name.clone(),
+            what,
+        };
         if !(j.arrival_s.is_finite() && j.arrival_s >= 0.0) {
             return Err(bad("arrival time"));
         }
@@ -205,7 +236,12 @@ pub fn simulate(jobs: &[SimJob], cfg: &SimConfig, interference: &dyn Interferenc
             return Err(bad("run time"));
         }
         if j.gpus == 0 || j.gpus as usize > cfg.gpus.len() {
-            return Err(SimError::TooManyGpus { index, name: j.name.clone(), gpus: j.gpus, have: cfg.gpus.len() });
+            return Err(SimError::TooManyGpus {
+                index,
+                name: j.name.clone(),
+                gpus: j.gpus,
+                have: cfg.gpus.len(),
+            });
         }
     }
     let mut cluster = Cluster::new(cfg.gpus.iter().map(|g| g.capacity_bytes));
@@ -244,7 +280,11 @@ pub fn simulate(jobs: &[SimJob], cfg: &SimConfig, interference: &dyn Interferenc
                 e.crashes += 1;
                 e.state[j].retries += 1;
                 let queued = sched.enqueue(e.view(j), jobs[j].priority, 0, e.state[j].retries);
-                let outcome = if queued == Queued::Failed { Outcome::Failed } else { Outcome::Crashed };
+                let outcome = if queued == Queued::Failed {
+                    Outcome::Failed
+                } else {
+                    Outcome::Crashed
+                };
                 let gpus = e.stop(j, now, outcome, &mut cluster);
                 e.wasted_gpu_s += (now - e.state[j].start) * gpus as f64;
                 if outcome == Outcome::Failed {
@@ -256,7 +296,10 @@ pub fn simulate(jobs: &[SimJob], cfg: &SimConfig, interference: &dyn Interferenc
         // The scheduler runs after each event, but jobs that arrive at the same instant are all
         // queued first, so they start in priority order (as the daemon orders the submissions of
         // one tick).
-        let more_arrive_now = matches!(ev.kind, Kind::Arrive(_)) && e.events.peek().is_some_and(|Reverse(next)| next.at == now && matches!(next.kind, Kind::Arrive(_)));
+        let more_arrive_now = matches!(ev.kind, Kind::Arrive(_))
+            && e.events.peek().is_some_and(|Reverse(next)| {
+                next.at == now && matches!(next.kind, Kind::Arrive(_))
+            });
         if !more_arrive_now {
             sched.schedule(&mut cluster, now, &mut e);
         }
@@ -269,7 +312,10 @@ pub fn simulate(jobs: &[SimJob], cfg: &SimConfig, interference: &dyn Interferenc
 
 impl Forecast for Engine<'_> {
     fn end_s(&self, job: u64) -> f64 {
-        self.state[job as usize].running.as_ref().map_or(f64::INFINITY, |r| r.since + r.remaining / r.rate.max(1e-9))
+        self.state[job as usize]
+            .running
+            .as_ref()
+            .map_or(f64::INFINITY, |r| r.since + r.remaining / r.rate.max(1e-9))
     }
 
     fn run_s(&self, job: u64) -> Option<f64> {
@@ -288,19 +334,32 @@ impl Forecast for Engine<'_> {
 impl Engine<'_> {
     fn push(&mut self, at: f64, kind: Kind) {
         self.seq += 1;
-        self.events.push(Reverse(Event { at, seq: self.seq, kind }));
+        self.events.push(Reverse(Event {
+            at,
+            seq: self.seq,
+            kind,
+        }));
     }
 
     /// What the scheduler sees of job `j` (it marks a crashed job to run alone).
     fn view(&self, j: usize) -> Job {
         let s = &self.jobs[j];
-        Job { id: j as u64, gpus: s.gpus, memory: s.memory, true_bytes: Some(s.true_bytes), load: s.load, exclusive: false }
+        Job {
+            id: j as u64,
+            gpus: s.gpus,
+            memory: s.memory,
+            true_bytes: Some(s.true_bytes),
+            load: s.load,
+            exclusive: false,
+        }
     }
 
     /// Starts the run of `j` that the scheduler has just assigned on `gpus`; the job that
     /// pushed a GPU over capacity crashes.
     fn start(&mut self, j: usize, gpus: &[usize], now: f64, cluster: &Cluster) {
-        let over = gpus.iter().any(|&g| cluster.gpus[g].used_bytes() > cluster.gpus[g].capacity_bytes);
+        let over = gpus
+            .iter()
+            .any(|&g| cluster.gpus[g].used_bytes() > cluster.gpus[g].capacity_bytes);
         self.state[j].start = now;
         self.state[j].running = Some(Running {
             gpus: gpus.to_vec(),
@@ -329,7 +388,13 @@ impl Engine<'_> {
         }
         let n = run.gpus.len();
         self.changed(&run.gpus, now, cluster);
-        self.runs.push(Run { job: j, gpus: run.gpus, start_s: run.start, end_s: now, outcome });
+        self.runs.push(Run {
+            job: j,
+            gpus: run.gpus,
+            start_s: run.start,
+            end_s: now,
+            outcome,
+        });
         n
     }
 
@@ -344,7 +409,9 @@ impl Engine<'_> {
         affected.dedup();
         for j in affected {
             let rate = self.rate_of(j, cluster);
-            let Some(r) = self.state[j].running.as_mut() else { continue };
+            let Some(r) = self.state[j].running.as_mut() else {
+                continue;
+            };
             r.remaining = (r.remaining - (now - r.since) * r.rate).max(0.0);
             r.since = now;
             r.rate = rate;
@@ -372,22 +439,43 @@ impl Engine<'_> {
 
     /// A job runs at the pace of its slowest GPU.
     fn rate_of(&self, j: usize, cluster: &Cluster) -> f64 {
-        let Some(r) = &self.state[j].running else { return 1.0 };
+        let Some(r) = &self.state[j].running else {
+            return 1.0;
+        };
         r.gpus
             .iter()
             .map(|&g| {
                 let residents = &cluster.gpus[g].residents;
                 let loads: Vec<Load> = residents.iter().map(|x| x.load).collect();
-                let at = residents.iter().position(|x| x.job == j as u64).unwrap_or(0);
-                self.interference.rates(&loads).get(at).copied().unwrap_or(1.0)
+                let at = residents
+                    .iter()
+                    .position(|x| x.job == j as u64)
+                    .unwrap_or(0);
+                self.interference
+                    .rates(&loads)
+                    .get(at)
+                    .copied()
+                    .unwrap_or(1.0)
             })
             .fold(1.0, f64::min)
     }
 
     fn report(mut self, cluster: &Cluster) -> Report {
-        let first = self.jobs.iter().map(|j| j.arrival_s).fold(f64::INFINITY, f64::min);
-        let last = self.state.iter().filter_map(|s| s.end).fold(first, f64::max);
-        let makespan = if self.jobs.is_empty() { 0.0 } else { last - first };
+        let first = self
+            .jobs
+            .iter()
+            .map(|j| j.arrival_s)
+            .fold(f64::INFINITY, f64::min);
+        let last = self
+            .state
+            .iter()
+            .filter_map(|s| s.end)
+            .fold(first, f64::max);
+        let makespan = if self.jobs.is_empty() {
+            0.0
+        } else {
+            last - first
+        };
         for g in 0..self.meters.len() {
             self.meter(g, last, cluster);
         }

@@ -31,8 +31,15 @@ pub fn workload(count: usize, span_s: f64, capacity_bytes: u64, seed: u64) -> Ve
                 gpus,
                 work_s: 60.0 * (240.0f64).powf(rng.unit()),
                 true_bytes,
-                memory: Some(MemoryDemand { estimate_bytes: estimate, upper_bound_bytes: estimate + estimate / 10 + 64 * MIB }),
-                load: Load { smact, smocc: smact * 0.4, dram: 0.5 * rng.unit() },
+                memory: Some(MemoryDemand {
+                    estimate_bytes: estimate,
+                    upper_bound_bytes: estimate + estimate / 10 + 64 * MIB,
+                }),
+                load: Load {
+                    smact,
+                    smocc: smact * 0.4,
+                    dram: 0.5 * rng.unit(),
+                },
                 priority: 0,
             }
         })

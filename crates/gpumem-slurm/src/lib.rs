@@ -92,15 +92,28 @@ pub struct Directives {
 fn pairs(text: &str, whence: &str, allowed: &[&str]) -> Result<Vec<(String, String)>, SlurmError> {
     let mut out: Vec<(String, String)> = Vec::new();
     for token in text.split_whitespace() {
-        let Some((key, value)) = token.split_once('=').filter(|(k, v)| !k.is_empty() && !v.is_empty()) else {
-            return Err(SlurmError::Directive(format!("{whence}: `{token}` is not key=value")));
+        let Some((key, value)) = token
+            .split_once('=')
+            .filter(|(k, v)| !k.is_empty() && !v.is_empty())
+        else {
+            return Err(SlurmError::Directive(format!(
+                "{whence}: `{token}` is not key=value"
+            )));
         };
         if !allowed.contains(&key) {
-            let hint = if SIZED_KEYS.contains(&key) { " (gpumem writes it, into the comment)".to_string() } else { format!(" (known: {})", JOB_KEYS.join(", ")) };
-            return Err(SlurmError::Directive(format!("{whence}: unknown key `{key}`{hint}")));
+            let hint = if SIZED_KEYS.contains(&key) {
+                " (gpumem writes it, into the comment)".to_string()
+            } else {
+                format!(" (known: {})", JOB_KEYS.join(", "))
+            };
+            return Err(SlurmError::Directive(format!(
+                "{whence}: unknown key `{key}`{hint}"
+            )));
         }
         if out.iter().any(|(k, _)| k == key) {
-            return Err(SlurmError::Directive(format!("{whence}: `{key}` is given twice")));
+            return Err(SlurmError::Directive(format!(
+                "{whence}: `{key}` is given twice"
+            )));
         }
         out.push((key.to_string(), value.to_string()));
     }
@@ -116,13 +129,18 @@ fn script_pairs(script: &str) -> Result<Vec<(String, String)>, SlurmError> {
         if !trimmed.is_empty() && !trimmed.starts_with('#') {
             break;
         }
-        let Some(rest) = line.strip_prefix(DIRECTIVE) else { continue };
+        let Some(rest) = line.strip_prefix(DIRECTIVE) else {
+            continue;
+        };
         if !rest.is_empty() && !rest.starts_with(char::is_whitespace) {
             continue; // `#GPUMEMORY…` is someone else's comment
         }
         for (key, value) in pairs(rest, &format!("{DIRECTIVE} line {}", n + 1), &JOB_KEYS)? {
             if out.iter().any(|(k, _)| *k == key) {
-                return Err(SlurmError::Directive(format!("{DIRECTIVE} line {}: `{key}` is given twice", n + 1)));
+                return Err(SlurmError::Directive(format!(
+                    "{DIRECTIVE} line {}: `{key}` is given twice",
+                    n + 1
+                )));
             }
             out.push((key, value));
         }
@@ -131,56 +149,114 @@ fn script_pairs(script: &str) -> Result<Vec<(String, String)>, SlurmError> {
 }
 
 fn get<'a>(pairs: &'a [(String, String)], key: &str) -> Option<&'a str> {
-    pairs.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+    pairs
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
 }
 
 impl Directives {
     /// The directives of a submission: `None` where neither the script nor the comment has any.
-    pub fn read(script: Option<&str>, comment: Option<&str>) -> Result<Option<Directives>, SlurmError> {
+    pub fn read(
+        script: Option<&str>,
+        comment: Option<&str>,
+    ) -> Result<Option<Directives>, SlurmError> {
         let from_script = script.map(script_pairs).transpose()?.unwrap_or_default();
-        let (comment_prefix, from_comment) = match comment.and_then(|c| c.find(COMMENT_TAG).map(|i| (c, i))) {
-            Some((c, i)) => {
-                let all: Vec<&str> = JOB_KEYS.iter().chain(&SIZED_KEYS).copied().collect();
-                (c[..i].to_string(), pairs(&c[i + COMMENT_TAG.len()..], "the comment", &all)?)
-            }
-            None => (comment.unwrap_or_default().to_string(), Vec::new()),
-        };
+        let (comment_prefix, from_comment) =
+            match comment.and_then(|c| c.find(COMMENT_TAG).map(|i| (c, i))) {
+                Some((c, i)) => {
+                    let all: Vec<&str> = JOB_KEYS.iter().chain(&SIZED_KEYS).copied().collect();
+                    (
+                        c[..i].to_string(),
+                        pairs(&c[i + COMMENT_TAG.len()..], "the comment", &all)?,
+                    )
+                }
+                None => (comment.unwrap_or_default().to_string(), Vec::new()),
+            };
         if from_script.is_empty() && from_comment.is_empty() {
             return Ok(None);
         }
         // The comment is the command line's: it overrides the script key by key.
-        let value = |key: &str| get(&from_comment, key).or_else(|| get(&from_script, key)).map(str::to_string);
-        let model = value("model").ok_or_else(|| SlurmError::Directive(format!("{DIRECTIVE}: `model` is missing (give model=… batch=…)")))?;
-        let batch = value("batch").ok_or_else(|| SlurmError::Directive(format!("{DIRECTIVE}: `batch` is missing (give model=… batch=…)")))?;
-        let job = Job { stated: StatedJob { model, batch, precision: value("precision"), optimizer: value("optimizer") }, gpu: value("gpu") };
+        let value = |key: &str| {
+            get(&from_comment, key)
+                .or_else(|| get(&from_script, key))
+                .map(str::to_string)
+        };
+        let model = value("model").ok_or_else(|| {
+            SlurmError::Directive(format!(
+                "{DIRECTIVE}: `model` is missing (give model=… batch=…)"
+            ))
+        })?;
+        let batch = value("batch").ok_or_else(|| {
+            SlurmError::Directive(format!(
+                "{DIRECTIVE}: `batch` is missing (give model=… batch=…)"
+            ))
+        })?;
+        let job = Job {
+            stated: StatedJob {
+                model,
+                batch,
+                precision: value("precision"),
+                optimizer: value("optimizer"),
+            },
+            gpu: value("gpu"),
+        };
         let stated_size = Self::stated_size(&from_comment, &from_script)?;
         let comment_keys = from_comment.into_iter().map(|(k, _)| k).collect();
-        Ok(Some(Directives { job, stated_size, comment_prefix, comment_keys }))
+        Ok(Some(Directives {
+            job,
+            stated_size,
+            comment_prefix,
+            comment_keys,
+        }))
     }
 
     /// Where `key`'s value comes from, for errors.
     pub fn whence(&self, key: &str) -> String {
-        if self.comment_keys.iter().any(|k| k == key) { format!("the comment's {key}") } else { format!("{DIRECTIVE} {key}") }
+        if self.comment_keys.iter().any(|k| k == key) {
+            format!("the comment's {key}")
+        } else {
+            format!("{DIRECTIVE} {key}")
+        }
     }
 
     /// The estimate the comment carries, if it is for the job the comment states: every key the
     /// script states must be in the comment too (else the script changed the job after sizing).
-    fn stated_size(comment: &[(String, String)], script: &[(String, String)]) -> Result<Option<StatedSize>, SlurmError> {
-        let given: Vec<&str> = SIZED_KEYS.iter().copied().filter(|k| get(comment, k).is_some()).collect();
+    fn stated_size(
+        comment: &[(String, String)],
+        script: &[(String, String)],
+    ) -> Result<Option<StatedSize>, SlurmError> {
+        let given: Vec<&str> = SIZED_KEYS
+            .iter()
+            .copied()
+            .filter(|k| get(comment, k).is_some())
+            .collect();
         if given.is_empty() {
             return Ok(None);
         }
         if given.len() != SIZED_KEYS.len() {
-            return Err(SlurmError::Directive(format!("the comment: an estimate needs all of {} (it has {})", SIZED_KEYS.join(", "), given.join(", "))));
+            return Err(SlurmError::Directive(format!(
+                "the comment: an estimate needs all of {} (it has {})",
+                SIZED_KEYS.join(", "),
+                given.join(", ")
+            )));
         }
         let mib = |key: &str| {
             let v = get(comment, key).unwrap_or_default();
-            v.parse::<u64>().map_err(|_| SlurmError::Directive(format!("the comment: {key} `{v}` is not a whole number")))
+            v.parse::<u64>().map_err(|_| {
+                SlurmError::Directive(format!("the comment: {key} `{v}` is not a whole number"))
+            })
         };
-        let sized = Sized { estimate_mib: mib("estimate_mib")?, bound_mib: mib("bound_mib")? };
+        let sized = Sized {
+            estimate_mib: mib("estimate_mib")?,
+            bound_mib: mib("bound_mib")?,
+        };
         mib("shards")?;
         let same_job = script.iter().all(|(k, _)| get(comment, k).is_some());
-        Ok(same_job.then(|| StatedSize { sized_on: get(comment, "sized_on").unwrap_or_default().to_string(), sized }))
+        Ok(same_job.then(|| StatedSize {
+            sized_on: get(comment, "sized_on").unwrap_or_default().to_string(),
+            sized,
+        }))
     }
 }
 
@@ -202,7 +278,11 @@ impl GpuType {
     /// Shards of one GPU that hold `bound_mib`; `None` above one GPU.
     pub fn shards_for(&self, bound_mib: u64) -> Option<u64> {
         let capacity = self.profile.capacity_mib;
-        (bound_mib <= capacity).then(|| (u128::from(bound_mib) * u128::from(self.shards)).div_ceil(u128::from(capacity)).max(1) as u64)
+        (bound_mib <= capacity).then(|| {
+            (u128::from(bound_mib) * u128::from(self.shards))
+                .div_ceil(u128::from(capacity))
+                .max(1) as u64
+        })
     }
 }
 
@@ -233,8 +313,10 @@ const MAX_SHARDS: u64 = 1 << 20;
 impl Cluster {
     /// Reads a cluster description; `profile_file` paths are relative to its directory.
     pub fn load(path: &Path) -> Result<Cluster, SlurmError> {
-        let text = std::fs::read_to_string(path).map_err(|e| SlurmError::Config(format!("{}: {e}", path.display())))?;
-        Cluster::parse(&text, path.parent().unwrap_or(Path::new("."))).map_err(|e| SlurmError::Config(format!("{}: {e}", path.display())))
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| SlurmError::Config(format!("{}: {e}", path.display())))?;
+        Cluster::parse(&text, path.parent().unwrap_or(Path::new(".")))
+            .map_err(|e| SlurmError::Config(format!("{}: {e}", path.display())))
     }
 
     /// Parses a cluster description (TOML: `[[gpu]]` tables of `profile` or `profile_file`,
@@ -248,31 +330,54 @@ impl Cluster {
         for (i, g) in file.gpu.into_iter().enumerate() {
             let whence = format!("[[gpu]] {}", i + 1);
             let profile = match (g.profile, g.profile_file) {
-                (Some(name), None) => profile::builtin(&name).map_err(|e| format!("{whence}: {e}"))?,
+                (Some(name), None) => {
+                    profile::builtin(&name).map_err(|e| format!("{whence}: {e}"))?
+                }
                 (None, Some(file)) => {
                     let path = dir.join(file);
-                    let text = std::fs::read_to_string(&path).map_err(|e| format!("{whence}: {}: {e}", path.display()))?;
-                    GpuProfile::from_toml(&text).map_err(|e| format!("{whence}: {}: {e}", path.display()))?
+                    let text = std::fs::read_to_string(&path)
+                        .map_err(|e| format!("{whence}: {}: {e}", path.display()))?;
+                    GpuProfile::from_toml(&text)
+                        .map_err(|e| format!("{whence}: {}: {e}", path.display()))?
                 }
-                _ => return Err(format!("{whence}: give `profile` (a built-in name) or `profile_file`, one of them")),
+                _ => {
+                    return Err(format!(
+                        "{whence}: give `profile` (a built-in name) or `profile_file`, one of them"
+                    ));
+                }
             };
             if !(1..=MAX_SHARDS).contains(&g.shards) {
-                return Err(format!("{whence}: shards {} is out of range (1..={MAX_SHARDS})", g.shards));
+                return Err(format!(
+                    "{whence}: shards {} is out of range (1..={MAX_SHARDS})",
+                    g.shards
+                ));
             }
             if let Some(f) = &g.feature
-                && (f.is_empty() || !f.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)))
+                && (f.is_empty()
+                    || !f
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)))
             {
-                return Err(format!("{whence}: feature `{f}` is not a Slurm feature name"));
+                return Err(format!(
+                    "{whence}: feature `{f}` is not a Slurm feature name"
+                ));
             }
             if gpus.iter().any(|t| t.profile.name == profile.name) {
                 return Err(format!("{whence}: {} is described twice", profile.name));
             }
-            gpus.push(GpuType { profile, shards: g.shards, feature: g.feature });
+            gpus.push(GpuType {
+                profile,
+                shards: g.shards,
+                feature: g.feature,
+            });
         }
         if gpus.len() > 1
             && let Some(g) = gpus.iter().find(|g| g.feature.is_none())
         {
-            return Err(format!("{} needs a `feature`: with several GPU types, a job is steered to the one it is sized for by its node feature", g.name()));
+            return Err(format!(
+                "{} needs a `feature`: with several GPU types, a job is steered to the one it is sized for by its node feature",
+                g.name()
+            ));
         }
         Ok(Cluster { gpus })
     }
@@ -318,14 +423,29 @@ impl Request {
 /// Decides a submission's request on `cluster`: `None` for a job without directives (left as
 /// submitted). Without `may_trace` (the controller side), a PyTorch model is sized only by the
 /// estimate its comment carries.
-pub fn decide(sub: &Submission, cluster: &Cluster, may_trace: bool) -> Result<Option<Request>, SlurmError> {
-    let Some(d) = Directives::read(sub.script, sub.comment)? else { return Ok(None) };
+pub fn decide(
+    sub: &Submission,
+    cluster: &Cluster,
+    may_trace: bool,
+) -> Result<Option<Request>, SlurmError> {
+    let Some(d) = Directives::read(sub.script, sub.comment)? else {
+        return Ok(None);
+    };
     let job = &d.job;
     let types: Vec<&GpuType> = match &job.gpu {
-        Some(name) => vec![cluster.gpus.iter().find(|g| g.name() == name).ok_or_else(|| {
-            let known: Vec<&str> = cluster.gpus.iter().map(GpuType::name).collect();
-            SlurmError::Directive(format!("gpu={name} is not a GPU type of this cluster ({})", known.join(", ")))
-        })?],
+        Some(name) => vec![
+            cluster
+                .gpus
+                .iter()
+                .find(|g| g.name() == name)
+                .ok_or_else(|| {
+                    let known: Vec<&str> = cluster.gpus.iter().map(GpuType::name).collect();
+                    SlurmError::Directive(format!(
+                        "gpu={name} is not a GPU type of this cluster ({})",
+                        known.join(", ")
+                    ))
+                })?,
+        ],
         None => cluster.gpus.iter().collect(),
     };
     let other_gres = other_gres(sub.gres)?;
@@ -333,13 +453,24 @@ pub fn decide(sub: &Submission, cluster: &Cluster, may_trace: bool) -> Result<Op
     let mut sized: Vec<(&GpuType, Sized)> = Vec::new();
     for g in types {
         match job.stated.size(&g.profile, may_trace) {
-            Ok(est) => sized.push((g, Sized { estimate_mib: bytes_to_mib(est.peak_bytes).round() as u64, bound_mib: whole_mib(est.upper_bound_bytes) })),
+            Ok(est) => sized.push((
+                g,
+                Sized {
+                    estimate_mib: bytes_to_mib(est.peak_bytes).round() as u64,
+                    bound_mib: whole_mib(est.upper_bound_bytes),
+                },
+            )),
             Err(StatedError::NeedsTrace(_)) => {
                 if let Some(s) = d.stated_size.as_ref().filter(|s| s.sized_on == g.name()) {
                     sized.push((g, s.sized));
                 }
             }
-            Err(StatedError::Invalid { field, message }) => return Err(SlurmError::Directive(format!("{}: {message}", d.whence(field.key())))),
+            Err(StatedError::Invalid { field, message }) => {
+                return Err(SlurmError::Directive(format!(
+                    "{}: {message}",
+                    d.whence(field.key())
+                )));
+            }
             Err(e @ StatedError::Size(_)) => return Err(SlurmError::Trace(format!("{what}: {e}"))),
         }
     }
@@ -351,29 +482,70 @@ pub fn decide(sub: &Submission, cluster: &Cluster, may_trace: bool) -> Result<Op
     }
     // The smallest GPU that holds the bound (config order among equals) leaves the larger ones
     // for the jobs that need them.
-    let best = sized.iter().filter_map(|(g, s)| g.shards_for(s.bound_mib).map(|n| (*g, *s, n))).min_by_key(|(g, _, _)| g.profile.capacity_mib);
+    let best = sized
+        .iter()
+        .filter_map(|(g, s)| g.shards_for(s.bound_mib).map(|n| (*g, *s, n)))
+        .min_by_key(|(g, _, _)| g.profile.capacity_mib);
     let Some((gpu, size, shards)) = best else {
-        let needs: Vec<String> = sized.iter().map(|(g, s)| format!("{} MiB of a {} MiB {}", s.bound_mib, g.profile.capacity_mib, g.name())).collect();
-        return Err(SlurmError::Rejected(format!("{what} fits on no GPU of this cluster: its upper bound needs {}", needs.join(", "))));
+        let needs: Vec<String> = sized
+            .iter()
+            .map(|(g, s)| {
+                format!(
+                    "{} MiB of a {} MiB {}",
+                    s.bound_mib,
+                    g.profile.capacity_mib,
+                    g.name()
+                )
+            })
+            .collect();
+        return Err(SlurmError::Rejected(format!(
+            "{what} fits on no GPU of this cluster: its upper bound needs {}",
+            needs.join(", ")
+        )));
     };
-    let gres = other_gres.into_iter().chain([format!("shard:{shards}")]).collect::<Vec<_>>().join(",");
-    let constraint = match (&gpu.feature, sub.constraint.filter(|c| !c.trim().is_empty())) {
+    let gres = other_gres
+        .into_iter()
+        .chain([format!("shard:{shards}")])
+        .collect::<Vec<_>>()
+        .join(",");
+    let constraint = match (
+        &gpu.feature,
+        sub.constraint.filter(|c| !c.trim().is_empty()),
+    ) {
         (None, _) => None,
         (Some(f), None) => Some(f.clone()),
         (Some(f), Some(c)) if c.split('&').any(|t| t == f) => None,
-        (Some(f), Some(c)) if c.chars().all(|ch| ch.is_ascii_alphanumeric() || "_-.&".contains(ch)) => Some(format!("{c}&{f}")),
+        (Some(f), Some(c))
+            if c.chars()
+                .all(|ch| ch.is_ascii_alphanumeric() || "_-.&".contains(ch)) =>
+        {
+            Some(format!("{c}&{f}"))
+        }
         (Some(f), Some(c)) => {
-            return Err(SlurmError::Directive(format!("--constraint `{c}`: gpumem must add the feature `{f}` of the GPU type it sized the job for, and adds it only to features joined by &")));
+            return Err(SlurmError::Directive(format!(
+                "--constraint `{c}`: gpumem must add the feature `{f}` of the GPU type it sized the job for, and adds it only to features joined by &"
+            )));
         }
     };
-    let mut stated = vec![format!("model={}", job.stated.model.trim()), format!("batch={}", job.stated.batch.trim())];
-    for (key, value) in [("precision", &job.stated.precision), ("optimizer", &job.stated.optimizer), ("gpu", &job.gpu)] {
+    let mut stated = vec![
+        format!("model={}", job.stated.model.trim()),
+        format!("batch={}", job.stated.batch.trim()),
+    ];
+    for (key, value) in [
+        ("precision", &job.stated.precision),
+        ("optimizer", &job.stated.optimizer),
+        ("gpu", &job.gpu),
+    ] {
         if let Some(v) = value {
             stated.push(format!("{key}={v}"));
         }
     }
     let prefix = d.comment_prefix.replace(['\n', '\r'], " ");
-    let sep = if prefix.is_empty() || prefix.ends_with(' ') { "" } else { " " };
+    let sep = if prefix.is_empty() || prefix.ends_with(' ') {
+        ""
+    } else {
+        " "
+    };
     let comment = format!(
         "{prefix}{sep}{COMMENT_TAG} {} sized_on={} estimate_mib={} bound_mib={} shards={shards}",
         stated.join(" "),
@@ -381,7 +553,14 @@ pub fn decide(sub: &Submission, cluster: &Cluster, may_trace: bool) -> Result<Op
         size.estimate_mib,
         size.bound_mib
     );
-    Ok(Some(Request { gres, constraint, comment, gpu: gpu.name().to_string(), shards, sized: size }))
+    Ok(Some(Request {
+        gres,
+        constraint,
+        comment,
+        gpu: gpu.name().to_string(),
+        shards,
+        sized: size,
+    }))
 }
 
 /// The job's GRES other than GPUs and shards (gpumem sets those), without Slurm's `gres:`
@@ -389,14 +568,28 @@ pub fn decide(sub: &Submission, cluster: &Cluster, may_trace: bool) -> Result<Op
 /// per GPU here: refused rather than shrunk to one GPU's shards.
 fn other_gres(gres: Option<&str>) -> Result<Vec<String>, SlurmError> {
     let mut kept = Vec::new();
-    for item in gres.unwrap_or_default().split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let item = item.strip_prefix("gres:").or_else(|| item.strip_prefix("gres/")).unwrap_or(item);
+    for item in gres
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+    {
+        let item = item
+            .strip_prefix("gres:")
+            .or_else(|| item.strip_prefix("gres/"))
+            .unwrap_or(item);
         let name = item.split([':', '=']).next().unwrap_or_default();
         match name {
             "gpu" => {
-                let count = item.rsplit([':', '=']).next().and_then(|c| c.parse::<u64>().ok()).unwrap_or(1);
+                let count = item
+                    .rsplit([':', '='])
+                    .next()
+                    .and_then(|c| c.parse::<u64>().ok())
+                    .unwrap_or(1);
                 if item != "gpu" && count > 1 {
-                    return Err(SlurmError::Directive(format!("--gres {item}: a job with #GPUMEM is sized for one GPU, and this asks for {count}; drop one or the other")));
+                    return Err(SlurmError::Directive(format!(
+                        "--gres {item}: a job with #GPUMEM is sized for one GPU, and this asks for {count}; drop one or the other"
+                    )));
                 }
             }
             "shard" => {}
@@ -421,24 +614,62 @@ mod tests {
     fn directives_are_read_like_sbatch_lines() {
         let d = Directives::read(Some(MLP), None).unwrap().unwrap();
         assert_eq!(d.job.stated.model, "mlp:input=4096,output=10,depth=4");
-        assert_eq!((d.job.stated.batch.as_str(), d.job.stated.optimizer.as_deref()), ("256", Some("sgd")), "lines after the first command are not directives");
-        assert!(Directives::read(Some("#!/bin/sh\n#GPUMEMORY=1\necho\n"), Some("a note")).unwrap().is_none());
+        assert_eq!(
+            (
+                d.job.stated.batch.as_str(),
+                d.job.stated.optimizer.as_deref()
+            ),
+            ("256", Some("sgd")),
+            "lines after the first command are not directives"
+        );
+        assert!(
+            Directives::read(Some("#!/bin/sh\n#GPUMEMORY=1\necho\n"), Some("a note"))
+                .unwrap()
+                .is_none()
+        );
         // The comment overrides the script key by key; the user's own text is kept.
-        let d = Directives::read(Some(MLP), Some("run 7 gpumem: batch=128")).unwrap().unwrap();
-        assert_eq!((d.job.stated.batch.as_str(), d.comment_prefix.as_str()), ("128", "run 7 "));
+        let d = Directives::read(Some(MLP), Some("run 7 gpumem: batch=128"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (d.job.stated.batch.as_str(), d.comment_prefix.as_str()),
+            ("128", "run 7 ")
+        );
     }
 
     #[test]
     fn a_malformed_directive_is_one_line_naming_where() {
         for (script, comment, needle) in [
-            ("#GPUMEM model=mlp:depth=2 batch\n", None, "#GPUMEM line 1: `batch` is not key=value"),
-            ("#!/bin/sh\n#GPUMEM model=x batch=1 colour=red\n", None, "#GPUMEM line 2: unknown key `colour`"),
-            ("#GPUMEM model=x batch=1\n#GPUMEM batch=2\n", None, "#GPUMEM line 2: `batch` is given twice"),
+            (
+                "#GPUMEM model=mlp:depth=2 batch\n",
+                None,
+                "#GPUMEM line 1: `batch` is not key=value",
+            ),
+            (
+                "#!/bin/sh\n#GPUMEM model=x batch=1 colour=red\n",
+                None,
+                "#GPUMEM line 2: unknown key `colour`",
+            ),
+            (
+                "#GPUMEM model=x batch=1\n#GPUMEM batch=2\n",
+                None,
+                "#GPUMEM line 2: `batch` is given twice",
+            ),
             ("#GPUMEM batch=2\n", None, "`model` is missing"),
-            ("#GPUMEM model=x batch=1 bound_mib=5\n", None, "gpumem writes it"),
-            ("", Some("gpumem: model=x batch=1 bound_mib=5"), "an estimate needs all of"),
+            (
+                "#GPUMEM model=x batch=1 bound_mib=5\n",
+                None,
+                "gpumem writes it",
+            ),
+            (
+                "",
+                Some("gpumem: model=x batch=1 bound_mib=5"),
+                "an estimate needs all of",
+            ),
         ] {
-            let e = Directives::read(Some(script), comment).unwrap_err().to_string();
+            let e = Directives::read(Some(script), comment)
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(needle) && !e.contains('\n'), "{e}");
         }
     }
@@ -446,19 +677,54 @@ mod tests {
     #[test]
     fn a_job_gets_the_shards_of_the_smallest_gpu_that_holds_it() {
         let c = cluster(TWO);
-        let r = decide(&Submission { script: Some(MLP), ..Default::default() }, &c, false).unwrap().unwrap();
+        let r = decide(
+            &Submission {
+                script: Some(MLP),
+                ..Default::default()
+            },
+            &c,
+            false,
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!(r.gpu, "a100-40gb", "the smaller GPU holds it");
         assert_eq!(r.shards, c.gpus[1].shards_for(r.sized.bound_mib).unwrap());
         assert_eq!(r.gres, format!("shard:{}", r.shards));
         assert_eq!(r.constraint.as_deref(), Some("a100"));
         assert!(r.comment.starts_with("gpumem: model=mlp:input=4096,output=10,depth=4 batch=256 optimizer=sgd sized_on=a100-40gb estimate_mib="), "{}", r.comment);
         // Deciding again on what was decided changes nothing (the controller after the client).
-        let again = decide(&Submission { script: Some(MLP), comment: Some(&r.comment), gres: Some(&format!("gres:{}", r.gres)), constraint: r.constraint.as_deref() }, &c, false).unwrap().unwrap();
-        assert_eq!((again.gres, again.constraint, again.comment), (r.gres.clone(), None, r.comment.clone()));
+        let again = decide(
+            &Submission {
+                script: Some(MLP),
+                comment: Some(&r.comment),
+                gres: Some(&format!("gres:{}", r.gres)),
+                constraint: r.constraint.as_deref(),
+            },
+            &c,
+            false,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (again.gres, again.constraint, again.comment),
+            (r.gres.clone(), None, r.comment.clone())
+        );
         // gpu= picks the type; other GRES are kept, GPU and shard requests replaced.
-        let sub = Submission { script: Some(MLP), comment: Some("gpumem: gpu=h200"), gres: Some("gres:gpu:1,gres:nic:1"), constraint: Some("ib") };
+        let sub = Submission {
+            script: Some(MLP),
+            comment: Some("gpumem: gpu=h200"),
+            gres: Some("gres:gpu:1,gres:nic:1"),
+            constraint: Some("ib"),
+        };
         let r = decide(&sub, &c, false).unwrap().unwrap();
-        assert_eq!((r.gpu.as_str(), r.gres.as_str(), r.constraint.as_deref()), ("h200", format!("nic:1,shard:{}", r.shards).as_str(), Some("ib&h200")));
+        assert_eq!(
+            (r.gpu.as_str(), r.gres.as_str(), r.constraint.as_deref()),
+            (
+                "h200",
+                format!("nic:1,shard:{}", r.shards).as_str(),
+                Some("ib&h200")
+            )
+        );
     }
 
     #[test]
@@ -476,39 +742,135 @@ mod tests {
     fn what_cannot_be_placed_is_rejected_with_the_reason() {
         let c = cluster(TWO);
         let huge = "#GPUMEM model=mlp:input=65536,output=10,depth=8 batch=262144\n";
-        let e = decide(&Submission { script: Some(huge), ..Default::default() }, &c, false).unwrap_err();
-        assert!(matches!(e, SlurmError::Rejected(_)) && e.to_string().contains("fits on no GPU of this cluster"), "{e}");
+        let e = decide(
+            &Submission {
+                script: Some(huge),
+                ..Default::default()
+            },
+            &c,
+            false,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, SlurmError::Rejected(_))
+                && e.to_string().contains("fits on no GPU of this cluster"),
+            "{e}"
+        );
         // A PyTorch model on the controller without the client's estimate.
         let torch = "#GPUMEM model=torchvision:resnet50 batch=8\n";
-        let e = decide(&Submission { script: Some(torch), ..Default::default() }, &c, false).unwrap_err();
-        assert!(matches!(e, SlurmError::Rejected(_)) && e.to_string().contains("must be traced"), "{e}");
+        let e = decide(
+            &Submission {
+                script: Some(torch),
+                ..Default::default()
+            },
+            &c,
+            false,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, SlurmError::Rejected(_)) && e.to_string().contains("must be traced"),
+            "{e}"
+        );
         // ... with it, the stated estimate decides.
         let comment = "gpumem: model=torchvision:resnet50 batch=8 sized_on=h200 estimate_mib=5000 bound_mib=5200 shards=1";
-        let r = decide(&Submission { script: Some(torch), comment: Some(comment), ..Default::default() }, &c, false).unwrap().unwrap();
+        let r = decide(
+            &Submission {
+                script: Some(torch),
+                comment: Some(comment),
+                ..Default::default()
+            },
+            &c,
+            false,
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!((r.gpu.as_str(), r.sized.bound_mib), ("h200", 5200));
         // A script that states more than the comment's estimate knows: not that job's estimate.
-        let e = decide(&Submission { script: Some("#GPUMEM model=torchvision:resnet50 batch=8 precision=fp16\n"), comment: Some(comment), ..Default::default() }, &c, false).unwrap_err();
+        let e = decide(
+            &Submission {
+                script: Some("#GPUMEM model=torchvision:resnet50 batch=8 precision=fp16\n"),
+                comment: Some(comment),
+                ..Default::default()
+            },
+            &c,
+            false,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("must be traced"), "{e}");
-        let e = decide(&Submission { script: Some(MLP), gres: Some("gpu:4"), ..Default::default() }, &c, false).unwrap_err();
+        let e = decide(
+            &Submission {
+                script: Some(MLP),
+                gres: Some("gpu:4"),
+                ..Default::default()
+            },
+            &c,
+            false,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("asks for 4"), "{e}");
-        let e = decide(&Submission { script: Some(MLP), comment: Some("gpumem: gpu=t4"), ..Default::default() }, &c, false).unwrap_err();
-        assert!(e.to_string().contains("gpu=t4 is not a GPU type of this cluster (h200, a100-40gb)"), "{e}");
-        let e = decide(&Submission { script: Some("#GPUMEM model=mlp:input=8 batch=lots\n"), ..Default::default() }, &c, false).unwrap_err();
+        let e = decide(
+            &Submission {
+                script: Some(MLP),
+                comment: Some("gpumem: gpu=t4"),
+                ..Default::default()
+            },
+            &c,
+            false,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("gpu=t4 is not a GPU type of this cluster (h200, a100-40gb)"),
+            "{e}"
+        );
+        let e = decide(
+            &Submission {
+                script: Some("#GPUMEM model=mlp:input=8 batch=lots\n"),
+                ..Default::default()
+            },
+            &c,
+            false,
+        )
+        .unwrap_err();
         assert_eq!(e.to_string(), "#GPUMEM batch: `lots` is not a whole number");
-        let e = decide(&Submission { script: Some(MLP), comment: Some("gpumem: precision=fp7"), ..Default::default() }, &c, false).unwrap_err();
-        assert!(e.to_string().starts_with("the comment's precision: "), "{e}");
+        let e = decide(
+            &Submission {
+                script: Some(MLP),
+                comment: Some("gpumem: precision=fp7"),
+                ..Default::default()
+            },
+            &c,
+            false,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().starts_with("the comment's precision: "),
+            "{e}"
+        );
     }
 
     #[test]
     fn a_cluster_description_is_checked() {
         for (text, needle) in [
             ("", "missing field `gpu`"),
-            ("[[gpu]]\nprofile = \"h200\"\nshards = 0\n", "shards 0 is out of range"),
+            (
+                "[[gpu]]\nprofile = \"h200\"\nshards = 0\n",
+                "shards 0 is out of range",
+            ),
             ("[[gpu]]\nprofile = \"b300\"\nshards = 4\n", "b300"),
             ("[[gpu]]\nshards = 4\n", "give `profile`"),
-            ("[[gpu]]\nprofile = \"h200\"\nshards = 4\n[[gpu]]\nprofile = \"t4\"\nshards = 4\nfeature = \"t4\"\n", "h200 needs a `feature`"),
-            ("[[gpu]]\nprofile = \"h200\"\nshards = 4\nfeature = \"a|b\"\n", "not a Slurm feature name"),
-            ("[[gpu]]\nprofile = \"h200\"\nshards = 4\ncolour = 1\n", "unknown field `colour`"),
+            (
+                "[[gpu]]\nprofile = \"h200\"\nshards = 4\n[[gpu]]\nprofile = \"t4\"\nshards = 4\nfeature = \"t4\"\n",
+                "h200 needs a `feature`",
+            ),
+            (
+                "[[gpu]]\nprofile = \"h200\"\nshards = 4\nfeature = \"a|b\"\n",
+                "not a Slurm feature name",
+            ),
+            (
+                "[[gpu]]\nprofile = \"h200\"\nshards = 4\ncolour = 1\n",
+                "unknown field `colour`",
+            ),
         ] {
             let e = Cluster::parse(text, Path::new(".")).unwrap_err();
             assert!(e.contains(needle) && !e.contains('\n'), "{needle}: {e}");

@@ -20,23 +20,74 @@ use gpumem_core::workload::{AttentionMask, Checkpointing, Options, Validate};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
 const SOURCES: [(&str, &str); 17] = [
-    ("__init__.py", include_str!("../../../python/gpumem_trace/__init__.py")),
-    ("__main__.py", include_str!("../../../python/gpumem_trace/__main__.py")),
-    ("amp.py", include_str!("../../../python/gpumem_trace/amp.py")),
-    ("cuda.py", include_str!("../../../python/gpumem_trace/cuda.py")),
-    ("distributed.py", include_str!("../../../python/gpumem_trace/distributed.py")),
-    ("families.py", include_str!("../../../python/gpumem_trace/families.py")),
-    ("loop.py", include_str!("../../../python/gpumem_trace/loop.py")),
-    ("lora.py", include_str!("../../../python/gpumem_trace/lora.py")),
-    ("models.py", include_str!("../../../python/gpumem_trace/models.py")),
-    ("parallel.py", include_str!("../../../python/gpumem_trace/parallel.py")),
-    ("pool.py", include_str!("../../../python/gpumem_trace/pool.py")),
-    ("probe.py", include_str!("../../../python/gpumem_trace/probe.py")),
-    ("record.py", include_str!("../../../python/gpumem_trace/record.py")),
-    ("run.py", include_str!("../../../python/gpumem_trace/run.py")),
-    ("sdpa.py", include_str!("../../../python/gpumem_trace/sdpa.py")),
-    ("tracer.py", include_str!("../../../python/gpumem_trace/tracer.py")),
-    ("zero.py", include_str!("../../../python/gpumem_trace/zero.py")),
+    (
+        "__init__.py",
+        include_str!("../../../python/gpumem_trace/__init__.py"),
+    ),
+    (
+        "__main__.py",
+        include_str!("../../../python/gpumem_trace/__main__.py"),
+    ),
+    (
+        "amp.py",
+        include_str!("../../../python/gpumem_trace/amp.py"),
+    ),
+    (
+        "cuda.py",
+        include_str!("../../../python/gpumem_trace/cuda.py"),
+    ),
+    (
+        "distributed.py",
+        include_str!("../../../python/gpumem_trace/distributed.py"),
+    ),
+    (
+        "families.py",
+        include_str!("../../../python/gpumem_trace/families.py"),
+    ),
+    (
+        "loop.py",
+        include_str!("../../../python/gpumem_trace/loop.py"),
+    ),
+    (
+        "lora.py",
+        include_str!("../../../python/gpumem_trace/lora.py"),
+    ),
+    (
+        "models.py",
+        include_str!("../../../python/gpumem_trace/models.py"),
+    ),
+    (
+        "parallel.py",
+        include_str!("../../../python/gpumem_trace/parallel.py"),
+    ),
+    (
+        "pool.py",
+        include_str!("../../../python/gpumem_trace/pool.py"),
+    ),
+    (
+        "probe.py",
+        include_str!("../../../python/gpumem_trace/probe.py"),
+    ),
+    (
+        "record.py",
+        include_str!("../../../python/gpumem_trace/record.py"),
+    ),
+    (
+        "run.py",
+        include_str!("../../../python/gpumem_trace/run.py"),
+    ),
+    (
+        "sdpa.py",
+        include_str!("../../../python/gpumem_trace/sdpa.py"),
+    ),
+    (
+        "tracer.py",
+        include_str!("../../../python/gpumem_trace/tracer.py"),
+    ),
+    (
+        "zero.py",
+        include_str!("../../../python/gpumem_trace/zero.py"),
+    ),
 ];
 
 use gpumem_core::workload::Strategy;
@@ -64,12 +115,29 @@ pub struct TraceRequest {
 impl TraceRequest {
     /// A request with default options for an A100 (compute capability 8.0).
     pub fn new(model: impl Into<String>, batch: u64) -> Self {
-        TraceRequest { model: model.into(), batch, options: Options::default(), gpu_capability: "8.0".into(), sdpa: None, iterations: 3 }
+        TraceRequest {
+            model: model.into(),
+            batch,
+            options: Options::default(),
+            gpu_capability: "8.0".into(),
+            sdpa: None,
+            iterations: 3,
+        }
     }
 
     /// A request at `batch` for a job that will run on `profile`'s GPU (its attention kernel).
-    pub fn for_gpu(model: impl Into<String>, batch: u64, options: Options, profile: &gpumem_core::profile::GpuProfile) -> Self {
-        TraceRequest { options, gpu_capability: profile.compute_capability.clone(), sdpa: profile.sdpa.map(|b| b.name().to_string()), ..TraceRequest::new(model, batch) }
+    pub fn for_gpu(
+        model: impl Into<String>,
+        batch: u64,
+        options: Options,
+        profile: &gpumem_core::profile::GpuProfile,
+    ) -> Self {
+        TraceRequest {
+            options,
+            gpu_capability: profile.compute_capability.clone(),
+            sdpa: profile.sdpa.map(|b| b.name().to_string()),
+            ..TraceRequest::new(model, batch)
+        }
     }
 
     /// The tracer's arguments, except the batch sizes and output files.
@@ -119,14 +187,36 @@ impl TraceRequest {
             a.push("--channels-last".into());
         }
         match o.strategy {
-            Some(Strategy::Ddp { world_size, bucket_cap_mb, bucket_view }) => {
-                a.extend(["--strategy".into(), "ddp".into(), "--world-size".into(), world_size.to_string(), "--bucket-cap-mb".into(), bucket_cap_mb.to_string()]);
+            Some(Strategy::Ddp {
+                world_size,
+                bucket_cap_mb,
+                bucket_view,
+            }) => {
+                a.extend([
+                    "--strategy".into(),
+                    "ddp".into(),
+                    "--world-size".into(),
+                    world_size.to_string(),
+                    "--bucket-cap-mb".into(),
+                    bucket_cap_mb.to_string(),
+                ]);
                 if bucket_view {
                     a.push("--gradient-as-bucket-view".into());
                 }
             }
-            Some(Strategy::Fsdp { world_size, reshard_after_forward, param_dtype, replicas, cpu_offload }) => {
-                a.extend(["--strategy".into(), "fsdp".into(), "--world-size".into(), world_size.to_string()]);
+            Some(Strategy::Fsdp {
+                world_size,
+                reshard_after_forward,
+                param_dtype,
+                replicas,
+                cpu_offload,
+            }) => {
+                a.extend([
+                    "--strategy".into(),
+                    "fsdp".into(),
+                    "--world-size".into(),
+                    world_size.to_string(),
+                ]);
                 if cpu_offload {
                     a.push("--cpu-offload".into());
                 }
@@ -140,19 +230,40 @@ impl TraceRequest {
                     a.extend(["--fsdp-param-dtype".into(), d.name().into()]);
                 }
             }
-            Some(s @ Strategy::Zero { world_size, zero, .. }) => {
+            Some(
+                s @ Strategy::Zero {
+                    world_size, zero, ..
+                },
+            ) => {
                 let zero = serde_json::to_string(&zero).expect("plain numbers and flags serialise");
-                a.extend(["--strategy".into(), s.name().into(), "--world-size".into(), world_size.to_string(), "--zero".into(), zero]);
+                a.extend([
+                    "--strategy".into(),
+                    s.name().into(),
+                    "--world-size".into(),
+                    world_size.to_string(),
+                    "--zero".into(),
+                    zero,
+                ]);
             }
             None => {}
         }
         if let Some(l) = &o.lora {
-            a.extend(["--lora-rank".into(), l.rank.to_string(), "--lora-alpha".into(), l.alpha.to_string(), "--lora-targets".into(), l.targets.join(",")]);
+            a.extend([
+                "--lora-rank".into(),
+                l.rank.to_string(),
+                "--lora-alpha".into(),
+                l.alpha.to_string(),
+                "--lora-targets".into(),
+                l.targets.join(","),
+            ]);
             if l.dropout > 0.0 {
                 a.extend(["--lora-dropout".into(), l.dropout.to_string()]);
             }
             if let Some(q) = l.quant {
-                a.extend(["--lora-quant".into(), if q.nf4 { "nf4" } else { "fp4" }.into()]);
+                a.extend([
+                    "--lora-quant".into(),
+                    if q.nf4 { "nf4" } else { "fp4" }.into(),
+                ]);
                 if !q.double_quant {
                     a.push("--lora-single-quant".into());
                 }
@@ -191,7 +302,11 @@ pub struct TorchTracer {
 /// process (parallel tests, a daemon's requests) may write the same cache entry at once.
 fn temp_suffix() -> String {
     static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    format!("tmp{}-{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    format!(
+        "tmp{}-{}",
+        std::process::id(),
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    )
 }
 
 /// FNV-1a: a stable hash for cache keys (std's hasher may change between releases).
@@ -207,7 +322,14 @@ fn fnv(parts: &[&str]) -> u64 {
 }
 
 fn tail(text: &str, lines: usize) -> String {
-    let v: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty() && !l.contains("Failed to initialize NumPy") && !l.contains("_conversion_method_template")).collect();
+    let v: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            !l.trim().is_empty()
+                && !l.contains("Failed to initialize NumPy")
+                && !l.contains("_conversion_method_template")
+        })
+        .collect();
     v[v.len().saturating_sub(lines)..].join(" | ")
 }
 
@@ -215,14 +337,24 @@ impl TorchTracer {
     /// Interpreter from `GPUMEM_PYTHON` (else `python3`); cache under `GPUMEM_CACHE`, else
     /// `$XDG_CACHE_HOME/gpumem`, else `~/.cache/gpumem`.
     pub fn from_env() -> Self {
-        let python = std::env::var("GPUMEM_PYTHON").ok().filter(|s| !s.is_empty()).unwrap_or_else(|| "python3".into());
+        let python = std::env::var("GPUMEM_PYTHON")
+            .ok()
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "python3".into());
         let cache_dir = std::env::var_os("GPUMEM_CACHE")
             .map(PathBuf::from)
             .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("gpumem")))
             .or_else(|| std::env::var_os("HOME").map(|d| PathBuf::from(d).join(".cache/gpumem")))
             .unwrap_or_else(|| std::env::temp_dir().join("gpumem"));
-        let timeout_s = std::env::var("GPUMEM_TRACE_TIMEOUT").ok().and_then(|s| s.parse().ok()).unwrap_or(900);
-        TorchTracer { python, cache_dir, timeout_s }
+        let timeout_s = std::env::var("GPUMEM_TRACE_TIMEOUT")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(900);
+        TorchTracer {
+            python,
+            cache_dir,
+            timeout_s,
+        }
     }
 
     fn io(&self, what: &Path, e: std::io::Error) -> BridgeError {
@@ -231,11 +363,16 @@ impl TorchTracer {
 
     /// Unpacks the embedded tracer (once per version of its sources); returns its parent dir.
     fn package_dir(&self) -> Result<PathBuf, BridgeError> {
-        let digest = fnv(&SOURCES.iter().flat_map(|(n, s)| [*n, *s]).collect::<Vec<_>>());
+        let digest = fnv(&SOURCES
+            .iter()
+            .flat_map(|(n, s)| [*n, *s])
+            .collect::<Vec<_>>());
         let root = self.cache_dir.join(format!("tracer-{digest:016x}"));
         let pkg = root.join("gpumem_trace");
         if !pkg.join("tracer.py").exists() {
-            let tmp = self.cache_dir.join(format!("tracer-{digest:016x}.{}", temp_suffix()));
+            let tmp = self
+                .cache_dir
+                .join(format!("tracer-{digest:016x}.{}", temp_suffix()));
             let tpkg = tmp.join("gpumem_trace");
             fs::create_dir_all(&tpkg).map_err(|e| self.io(&tpkg, e))?;
             for (name, text) in SOURCES {
@@ -252,7 +389,9 @@ impl TorchTracer {
     /// The torch version of the interpreter, remembered per interpreter and re-checked only when
     /// torch's version file changes (so cache hits spawn no Python).
     pub fn torch_version(&self) -> Result<String, BridgeError> {
-        let memo = self.cache_dir.join(format!("python-{:016x}.txt", fnv(&[&self.python])));
+        let memo = self
+            .cache_dir
+            .join(format!("python-{:016x}.txt", fnv(&[&self.python])));
         if let Ok(text) = fs::read_to_string(&memo) {
             let mut it = text.lines();
             if let (Some(ver), Some(file), Some(stamp)) = (it.next(), it.next(), it.next())
@@ -286,18 +425,39 @@ impl TorchTracer {
 
     fn cache_key(&self, req: &TraceRequest, torch: &str) -> u64 {
         // A user's model file is part of the key: editing it must not serve a stale trace.
-        let user_file = req.model.strip_prefix("py:").and_then(|r| r.rsplit_once(':')).map(|(path, _)| mtime(Path::new(path)).unwrap_or(0).to_string()).unwrap_or_default();
-        fnv(&[&format!("{req:?}"), torch, env!("CARGO_PKG_VERSION"), &format!("{:x}", fnv(&SOURCES.map(|s| s.1))), &user_file])
+        let user_file = req
+            .model
+            .strip_prefix("py:")
+            .and_then(|r| r.rsplit_once(':'))
+            .map(|(path, _)| mtime(Path::new(path)).unwrap_or(0).to_string())
+            .unwrap_or_default();
+        fnv(&[
+            &format!("{req:?}"),
+            torch,
+            env!("CARGO_PKG_VERSION"),
+            &format!("{:x}", fnv(&SOURCES.map(|s| s.1))),
+            &user_file,
+        ])
     }
 
     fn cache_path(&self, req: &TraceRequest, torch: &str) -> PathBuf {
-        self.cache_dir.join("traces").join(format!("{:016x}.jsonl", self.cache_key(req, torch)))
+        self.cache_dir
+            .join("traces")
+            .join(format!("{:016x}.jsonl", self.cache_key(req, torch)))
     }
 
     /// Where the batch-symbolic trace of `req`'s model and options (any batch) is kept.
     fn symbolic_path(&self, req: &TraceRequest, torch: &str) -> PathBuf {
-        let key = self.cache_key(&TraceRequest { batch: 0, ..req.clone() }, torch);
-        self.cache_dir.join("traces").join(format!("{key:016x}.sym.json"))
+        let key = self.cache_key(
+            &TraceRequest {
+                batch: 0,
+                ..req.clone()
+            },
+            torch,
+        );
+        self.cache_dir
+            .join("traces")
+            .join(format!("{key:016x}.sym.json"))
     }
 
     fn cached_symbolic(&self, req: &TraceRequest, torch: &str) -> Option<SymbolicTrace> {
@@ -335,14 +495,21 @@ impl TorchTracer {
     fn trace_with(&self, req: &TraceRequest, fit: bool) -> Result<Trace, BridgeError> {
         let torch = self.torch_version()?;
         let symbolic_ok = req.batch % u64::from(req.options.data_parallel.max(1)) == 0;
-        if symbolic_ok && let Some(sym) = self.cached_symbolic(req, &torch) && let Ok(t) = sym.at(req.batch) {
+        if symbolic_ok
+            && let Some(sym) = self.cached_symbolic(req, &torch)
+            && let Ok(t) = sym.at(req.batch)
+        {
             return Ok(t);
         }
         let path = self.cache_path(req, &torch);
         if let Some(t) = read_trace(&path) {
             return Ok(t);
         }
-        let batches = if fit && symbolic_ok { Self::fit_batches(req, Some(req.batch)) } else { vec![req.batch] };
+        let batches = if fit && symbolic_ok {
+            Self::fit_batches(req, Some(req.batch))
+        } else {
+            vec![req.batch]
+        };
         let mut traces = self.run_and_cache(req, &torch, &batches)?;
         if traces.len() == SymbolicTrace::FIT_BATCHES.len() {
             let _ = self.cache_symbolic(req, &torch, &traces);
@@ -357,13 +524,24 @@ impl TorchTracer {
     /// one batch size only; at the others it is traced cut to the shallowest depth, and
     /// [`SymbolicTrace::transfer`] carries what the batch does to those cut traces' events over
     /// to that whole trace. Where either does not hold, it is traced whole after all.
-    fn run_and_cache(&self, req: &TraceRequest, torch: &str, batches: &[u64]) -> Result<Vec<Trace>, BridgeError> {
+    fn run_and_cache(
+        &self,
+        req: &TraceRequest,
+        torch: &str,
+        batches: &[u64],
+    ) -> Result<Vec<Trace>, BridgeError> {
         let dir = self.cache_dir.join("traces");
         fs::create_dir_all(&dir).map_err(|e| self.io(&dir, e))?;
         let jobs: Vec<(PathBuf, PathBuf)> = batches
             .iter()
             .map(|&b| {
-                let path = self.cache_path(&TraceRequest { batch: b, ..req.clone() }, torch);
+                let path = self.cache_path(
+                    &TraceRequest {
+                        batch: b,
+                        ..req.clone()
+                    },
+                    torch,
+                );
                 let tmp = path.with_extension(temp_suffix());
                 (path, tmp)
             })
@@ -374,16 +552,36 @@ impl TorchTracer {
         // one another (the model's sizes are mostly powers of two; at 4, a 2048-token batch's
         // activation may weigh what a 4096-wide weight does), which SymbolicTrace::transfer
         // cannot tell apart.
-        let lead = (0..batches.len()).max_by_key(|&i| (batches[i] >> batches[i].trailing_zeros(), std::cmp::Reverse(i))).unwrap_or(0);
-        let order: Vec<usize> = std::iter::once(lead).chain((0..batches.len()).filter(|&i| i != lead)).collect();
-        self.run(req, &order.iter().map(|&i| batches[i]).collect::<Vec<_>>(), &order.iter().map(|&i| tmps[i]).collect::<Vec<_>>(), true)?;
+        let lead = (0..batches.len())
+            .max_by_key(|&i| {
+                (
+                    batches[i] >> batches[i].trailing_zeros(),
+                    std::cmp::Reverse(i),
+                )
+            })
+            .unwrap_or(0);
+        let order: Vec<usize> = std::iter::once(lead)
+            .chain((0..batches.len()).filter(|&i| i != lead))
+            .collect();
+        self.run(
+            req,
+            &order.iter().map(|&i| batches[i]).collect::<Vec<_>>(),
+            &order.iter().map(|&i| tmps[i]).collect::<Vec<_>>(),
+            true,
+        )?;
         // Cut to the shallowest depth at every batch size: what the batch does to each event.
         let shallowest = |out: &Path| depth_path(out, depth::DEPTHS[0]);
-        let cut: Option<Vec<Trace>> = if carries_batch(batches) && tmps.iter().all(|t| shallowest(t).exists()) {
-            Some(tmps.iter().zip(batches).map(|(t, &b)| self.read_tracer_output(req, &shallowest(t), b)).collect::<Result<_, _>>()?)
-        } else {
-            None
-        };
+        let cut: Option<Vec<Trace>> =
+            if carries_batch(batches) && tmps.iter().all(|t| shallowest(t).exists()) {
+                Some(
+                    tmps.iter()
+                        .zip(batches)
+                        .map(|(t, &b)| self.read_tracer_output(req, &shallowest(t), b))
+                        .collect::<Result<_, _>>()?,
+                )
+            } else {
+                None
+            };
         let mut traces: Vec<Option<Trace>> = vec![None; batches.len()];
         for (i, (&tmp, &b)) in tmps.iter().zip(batches).enumerate() {
             if tmp.exists() {
@@ -404,10 +602,17 @@ impl TorchTracer {
         for tmp in &tmps {
             let _ = fs::remove_file(shallowest(tmp));
         }
-        let whole: Vec<usize> = (0..batches.len()).filter(|&i| traces[i].is_none()).collect();
+        let whole: Vec<usize> = (0..batches.len())
+            .filter(|&i| traces[i].is_none())
+            .collect();
         if !whole.is_empty() {
             let again: Vec<&Path> = whole.iter().map(|&i| tmps[i]).collect();
-            self.run(req, &whole.iter().map(|&i| batches[i]).collect::<Vec<_>>(), &again, false)?;
+            self.run(
+                req,
+                &whole.iter().map(|&i| batches[i]).collect::<Vec<_>>(),
+                &again,
+                false,
+            )?;
             for &i in &whole {
                 traces[i] = Some(self.read_tracer_output(req, tmps[i], batches[i])?);
             }
@@ -417,8 +622,11 @@ impl TorchTracer {
             let t = t.expect("every batch traced, cut or whole");
             if !tmp.exists() {
                 // Rebuilt from cut traces: cached as the tracer's own would be.
-                let mut w = std::io::BufWriter::new(fs::File::create(tmp).map_err(|e| self.io(tmp, e))?);
-                t.write(&mut w).and_then(|()| w.flush()).map_err(|e| self.io(tmp, e))?;
+                let mut w =
+                    std::io::BufWriter::new(fs::File::create(tmp).map_err(|e| self.io(tmp, e))?);
+                t.write(&mut w)
+                    .and_then(|()| w.flush())
+                    .map_err(|e| self.io(tmp, e))?;
             }
             fs::rename(tmp, path).map_err(|e| self.io(path, e))?;
             out.push(t);
@@ -426,27 +634,55 @@ impl TorchTracer {
         Ok(out)
     }
 
-    fn read_tracer_output(&self, req: &TraceRequest, path: &Path, batch: u64) -> Result<Trace, BridgeError> {
+    fn read_tracer_output(
+        &self,
+        req: &TraceRequest,
+        path: &Path,
+        batch: u64,
+    ) -> Result<Trace, BridgeError> {
         let f = fs::File::open(path).map_err(|e| self.io(path, e))?;
-        Trace::read(BufReader::new(f)).map_err(|e| BridgeError::Model(format!("the tracer wrote a bad trace for {} at batch {batch}: {e}", req.model)))
+        Trace::read(BufReader::new(f)).map_err(|e| {
+            BridgeError::Model(format!(
+                "the tracer wrote a bad trace for {} at batch {batch}: {e}",
+                req.model
+            ))
+        })
     }
 
     /// The whole model's trace from the cut ones the tracer wrote next to `out` (removed);
     /// `None` where the events one block adds do not repeat.
-    fn rebuild_depth(&self, req: &TraceRequest, out: &Path, batch: u64) -> Result<Option<Trace>, BridgeError> {
+    fn rebuild_depth(
+        &self,
+        req: &TraceRequest,
+        out: &Path,
+        batch: u64,
+    ) -> Result<Option<Trace>, BridgeError> {
         let paths = depth::DEPTHS.map(|d| depth_path(out, d));
-        let read: Result<Vec<Trace>, BridgeError> = paths.iter().map(|p| self.read_tracer_output(req, p, batch)).collect();
+        let read: Result<Vec<Trace>, BridgeError> = paths
+            .iter()
+            .map(|p| self.read_tracer_output(req, p, batch))
+            .collect();
         for p in &paths {
             let _ = fs::remove_file(p);
         }
-        let cut: [Trace; 3] = read?.try_into().map_err(|_| BridgeError::Model(format!("the tracer wrote no trace for {} at batch {batch}", req.model)))?;
+        let cut: [Trace; 3] = read?.try_into().map_err(|_| {
+            BridgeError::Model(format!(
+                "the tracer wrote no trace for {} at batch {batch}",
+                req.model
+            ))
+        })?;
         let blocks = cut[0].header.blocks.unwrap_or(0);
         Ok(depth::extrapolate(&cut, blocks).ok())
     }
 
     /// Fits and stores the symbolic trace; a model whose traces do not align (batch-dependent
     /// control flow) has none, and is traced per batch size.
-    fn cache_symbolic(&self, req: &TraceRequest, torch: &str, traces: &[Trace]) -> Result<SymbolicTrace, SymbolicError> {
+    fn cache_symbolic(
+        &self,
+        req: &TraceRequest,
+        torch: &str,
+        traces: &[Trace],
+    ) -> Result<SymbolicTrace, SymbolicError> {
         let sym = SymbolicTrace::fit(traces)?;
         let path = self.symbolic_path(req, torch);
         let tmp = path.with_extension(temp_suffix());
@@ -473,13 +709,22 @@ impl TorchTracer {
             pythonpath.push(old);
         }
         let mut cmd = Command::new(&self.python);
-        cmd.arg("-m").arg(module).env("PYTHONPATH", pythonpath).env("PYTHONDONTWRITEBYTECODE", "1");
+        cmd.arg("-m")
+            .arg(module)
+            .env("PYTHONPATH", pythonpath)
+            .env("PYTHONDONTWRITEBYTECODE", "1");
         Ok(cmd)
     }
 
     /// `cut`: with `--depths` (see [`TorchTracer::run_and_cache`]). In a fork of this process's
     /// tracer pool where it runs (see the `pool` module), else as a process of its own.
-    fn run(&self, req: &TraceRequest, batches: &[u64], outs: &[&Path], cut: bool) -> Result<(), BridgeError> {
+    fn run(
+        &self,
+        req: &TraceRequest,
+        batches: &[u64],
+        outs: &[&Path],
+        cut: bool,
+    ) -> Result<(), BridgeError> {
         let mut argv = req.args();
         argv.push("--batch".into());
         argv.extend(batches.iter().map(u64::to_string));
@@ -493,8 +738,15 @@ impl TorchTracer {
                 argv.push("--slopes".into());
             }
         }
-        let pool = outs.iter().all(|o| o.to_str().is_some()).then(|| self.pool()).flatten();
-        let log = self.cache_dir.join("traces").join(format!("tracer.{}.log", temp_suffix()));
+        let pool = outs
+            .iter()
+            .all(|o| o.to_str().is_some())
+            .then(|| self.pool())
+            .flatten();
+        let log = self
+            .cache_dir
+            .join("traces")
+            .join(format!("tracer.{}.log", temp_suffix()));
         let pooled = pool.and_then(|p| p.run(&argv, &log).ok()).map(|code| {
             let stderr = fs::read_to_string(&log).unwrap_or_default();
             let _ = fs::remove_file(&log);
@@ -504,8 +756,16 @@ impl TorchTracer {
             Some(done) => done,
             None => {
                 let mut cmd = self.module_command("gpumem_trace")?;
-                let res = cmd.args(&argv).output().map_err(|e| BridgeError::Python(format!("cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)", self.python)))?;
-                (res.status.code(), String::from_utf8_lossy(&res.stderr).into_owned())
+                let res = cmd.args(&argv).output().map_err(|e| {
+                    BridgeError::Python(format!(
+                        "cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)",
+                        self.python
+                    ))
+                })?;
+                (
+                    res.status.code(),
+                    String::from_utf8_lossy(&res.stderr).into_owned(),
+                )
             }
         };
         if code == Some(0) {
@@ -518,7 +778,10 @@ impl TorchTracer {
             }
         }
         let msg = tail(&stderr, 3);
-        let msg = msg.strip_prefix("gpumem_trace: ").unwrap_or(&msg).to_string();
+        let msg = msg
+            .strip_prefix("gpumem_trace: ")
+            .unwrap_or(&msg)
+            .to_string();
         Err(match code {
             Some(2) => BridgeError::BadReference(msg),
             Some(3) | Some(4) => BridgeError::Model(format!("tracer failed: {msg}")),
@@ -530,7 +793,9 @@ impl TorchTracer {
     /// This interpreter's tracer pool, started at its first trace.
     fn pool(&self) -> Option<std::sync::Arc<pool::Pool>> {
         let pkg = self.package_dir().ok()?;
-        pool::Pool::shared(format!("{}\n{}", self.python, pkg.display()), || self.module_command("gpumem_trace.pool").ok())
+        pool::Pool::shared(format!("{}\n{}", self.python, pkg.display()), || {
+            self.module_command("gpumem_trace.pool").ok()
+        })
     }
 
     /// The batch-symbolic trace of `req`'s model and options: from the cache, or fitted from
@@ -541,8 +806,23 @@ impl TorchTracer {
             return Ok(sym);
         }
         let batches = Self::fit_batches(req, None);
-        let cached: Vec<Option<Trace>> = batches.iter().map(|&b| read_trace(&self.cache_path(&TraceRequest { batch: b, ..req.clone() }, &torch))).collect();
-        let traces = if cached.iter().all(Option::is_some) { cached.into_iter().flatten().collect() } else { self.run_and_cache(req, &torch, &batches)? };
+        let cached: Vec<Option<Trace>> = batches
+            .iter()
+            .map(|&b| {
+                read_trace(&self.cache_path(
+                    &TraceRequest {
+                        batch: b,
+                        ..req.clone()
+                    },
+                    &torch,
+                ))
+            })
+            .collect();
+        let traces = if cached.iter().all(Option::is_some) {
+            cached.into_iter().flatten().collect()
+        } else {
+            self.run_and_cache(req, &torch, &batches)?
+        };
         self.cache_symbolic(req, &torch, &traces)
             .map_err(|e| BridgeError::Model(format!("{}: its traces do not align across batch sizes ({e}); trace each batch size instead", req.model)))
     }
@@ -566,7 +846,13 @@ fn read_trace(path: &Path) -> Option<Trace> {
 }
 
 fn mtime(p: &Path) -> Option<u128> {
-    fs::metadata(p).ok()?.modified().ok()?.duration_since(UNIX_EPOCH).ok().map(|d| d.as_nanos())
+    fs::metadata(p)
+        .ok()?
+        .modified()
+        .ok()?
+        .duration_since(UNIX_EPOCH)
+        .ok()
+        .map(|d| d.as_nanos())
 }
 
 #[cfg(test)]
@@ -580,23 +866,46 @@ mod tests {
         r.options.input = InputShape::parse("3x160x160");
         r.options.checkpointing = Checkpointing::Full;
         let a = r.args().join(" ");
-        assert!(a.starts_with("timm:resnet50 --optimizer adam --precision fp32 --gpu-capability 8.0"), "{a}");
-        assert!(a.contains("--input 3x160x160") && a.ends_with("--checkpointing"), "{a}");
+        assert!(
+            a.starts_with("timm:resnet50 --optimizer adam --precision fp32 --gpu-capability 8.0"),
+            "{a}"
+        );
+        assert!(
+            a.contains("--input 3x160x160") && a.ends_with("--checkpointing"),
+            "{a}"
+        );
     }
 
     #[test]
     fn every_tracer_source_is_embedded() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python/gpumem_trace");
-        let mut on_disk: Vec<String> = fs::read_dir(&dir).unwrap().filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.ends_with(".py")).collect();
+        let mut on_disk: Vec<String> = fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.ends_with(".py"))
+            .collect();
         on_disk.sort();
         let embedded: Vec<&str> = SOURCES.iter().map(|(n, _)| *n).collect();
-        assert_eq!(on_disk, embedded, "SOURCES must list python/gpumem_trace/*.py, sorted");
+        assert_eq!(
+            on_disk, embedded,
+            "SOURCES must list python/gpumem_trace/*.py, sorted"
+        );
     }
 
     #[test]
     fn a_missing_interpreter_is_a_clear_error() {
-        let t = TorchTracer { python: "/nonexistent/python".into(), cache_dir: std::env::temp_dir().join("gpumem-bridge-test"), timeout_s: 5 };
-        let e = t.trace(&TraceRequest::new("timm:resnet50", 2)).unwrap_err().to_string();
-        assert!(e.contains("cannot run the Python interpreter `/nonexistent/python`"), "{e}");
+        let t = TorchTracer {
+            python: "/nonexistent/python".into(),
+            cache_dir: std::env::temp_dir().join("gpumem-bridge-test"),
+            timeout_s: 5,
+        };
+        let e = t
+            .trace(&TraceRequest::new("timm:resnet50", 2))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("cannot run the Python interpreter `/nonexistent/python`"),
+            "{e}"
+        );
     }
 }

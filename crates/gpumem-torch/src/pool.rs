@@ -44,7 +44,10 @@ impl Pool {
             return None;
         }
         static POOLS: OnceLock<Mutex<HashMap<String, Arc<Pool>>>> = OnceLock::new();
-        let mut pools = POOLS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+        let mut pools = POOLS
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         if let Some(p) = pools.get(&key)
             && !p.answers.0.lock().unwrap_or_else(|e| e.into_inner()).closed
         {
@@ -56,7 +59,12 @@ impl Pool {
     }
 
     fn start(mut cmd: Command) -> Option<Pool> {
-        let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().ok()?;
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
         let stdin = child.stdin.take()?;
         let stdout = child.stdout.take()?;
         let answers: Arc<(Mutex<Answers>, Condvar)> = Arc::default();
@@ -65,14 +73,23 @@ impl Pool {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
                 if let Ok(a) = serde_json::from_str::<Answer>(&line) {
-                    filed.0.lock().unwrap_or_else(|e| e.into_inner()).codes.insert(a.id, (a.code >= 0).then_some(a.code));
+                    filed
+                        .0
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .codes
+                        .insert(a.id, (a.code >= 0).then_some(a.code));
                     filed.1.notify_all();
                 }
             }
             filed.0.lock().unwrap_or_else(|e| e.into_inner()).closed = true;
             filed.1.notify_all();
         });
-        Some(Pool { stdin: Mutex::new((stdin, 0)), answers, _child: child })
+        Some(Pool {
+            stdin: Mutex::new((stdin, 0)),
+            answers,
+            _child: child,
+        })
     }
 
     /// Runs the tracer with `argv` in a fork, its output into `log`; its exit code (`None`: a
@@ -85,7 +102,11 @@ impl Pool {
             stdin.1 += 1;
             let id = stdin.1;
             let line = serde_json::json!({"id": id, "argv": argv, "log": log}).to_string();
-            stdin.0.write_all(format!("{line}\n").as_bytes()).and_then(|()| stdin.0.flush()).map_err(|_| ())?;
+            stdin
+                .0
+                .write_all(format!("{line}\n").as_bytes())
+                .and_then(|()| stdin.0.flush())
+                .map_err(|_| ())?;
             id
         };
         let (lock, answered) = &*self.answers;

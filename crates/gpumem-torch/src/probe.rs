@@ -62,14 +62,20 @@ pub struct Applied {
 
 impl ProbeReport {
     pub fn read(path: &Path) -> Result<ProbeReport, BridgeError> {
-        let bytes = std::fs::read(path).map_err(|e| BridgeError::Io(format!("{}: {e}", path.display())))?;
-        serde_json::from_slice(&bytes).map_err(|e| BridgeError::Io(format!("{}: not a probe report: {e}", path.display())))
+        let bytes =
+            std::fs::read(path).map_err(|e| BridgeError::Io(format!("{}: {e}", path.display())))?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| BridgeError::Io(format!("{}: not a probe report: {e}", path.display())))
     }
 
     /// Device memory outside the allocator once the libraries a training job loads (CUDA,
     /// cuBLAS, cuDNN) are in: the largest such point of the probe before attention kernels.
     pub fn context_bytes(&self) -> Option<u64> {
-        self.context.iter().filter(|p| p.at != "sdpa").map(|p| p.used.saturating_sub(p.reserved)).max()
+        self.context
+            .iter()
+            .filter(|p| p.at != "sdpa")
+            .map(|p| p.used.saturating_sub(p.reserved))
+            .max()
     }
 
     /// Writes the report into `profile`: stack, cuBLAS workspace, context and the
@@ -91,9 +97,24 @@ impl ProbeReport {
     /// Only the convolution workspace table (a daemon's probe of one job's convolutions leaves
     /// the calibrated context alone).
     pub fn apply_workspaces(&self, profile: &mut GpuProfile) -> Applied {
-        let measured = self.conv.heuristic.iter().filter(|c| c.error.is_none()).map(|c| c.workspace.clone());
-        let (added, replaced) = gpumem_core::workspace::merge(&mut profile.conv_workspace, measured);
-        Applied { added, replaced, refused: self.conv.heuristic.iter().filter(|c| c.error.is_some()).count() }
+        let measured = self
+            .conv
+            .heuristic
+            .iter()
+            .filter(|c| c.error.is_none())
+            .map(|c| c.workspace.clone());
+        let (added, replaced) =
+            gpumem_core::workspace::merge(&mut profile.conv_workspace, measured);
+        Applied {
+            added,
+            replaced,
+            refused: self
+                .conv
+                .heuristic
+                .iter()
+                .filter(|c| c.error.is_some())
+                .count(),
+        }
     }
 }
 
@@ -120,11 +141,21 @@ impl TorchTracer {
     /// Runs `python -m gpumem_trace.probe` on GPU `req.gpu` and reads its report.
     pub fn probe(&self, req: &ProbeRequest, out: &Path) -> Result<ProbeReport, BridgeError> {
         let mut cmd = self.module_command("gpumem_trace.probe")?;
-        cmd.env("CUDA_VISIBLE_DEVICES", req.gpu.to_string()).arg("--out").arg(out);
+        cmd.env("CUDA_VISIBLE_DEVICES", req.gpu.to_string())
+            .arg("--out")
+            .arg(out);
         if !req.configs.is_empty() {
-            let list: Vec<serde_json::Value> = req.configs.iter().map(|(c, n)| serde_json::json!({"config": c, "n": n})).collect();
+            let list: Vec<serde_json::Value> = req
+                .configs
+                .iter()
+                .map(|(c, n)| serde_json::json!({"config": c, "n": n}))
+                .collect();
             let path = out.with_extension("configs.json");
-            std::fs::write(&path, serde_json::to_vec(&list).expect("JSON of strings and numbers")).map_err(|e| BridgeError::Io(format!("{}: {e}", path.display())))?;
+            std::fs::write(
+                &path,
+                serde_json::to_vec(&list).expect("JSON of strings and numbers"),
+            )
+            .map_err(|e| BridgeError::Io(format!("{}: {e}", path.display())))?;
             cmd.arg("--configs").arg(path);
         } else if !req.models.is_empty() {
             cmd.arg("--models").args(&req.models);
@@ -140,9 +171,23 @@ impl TorchTracer {
         }
         // The probe's own budget plus the imports and the context; a probe stuck in the driver
         // is killed rather than holding its GPU for ever.
-        let limit = std::time::Duration::from_secs(if req.seconds > 0 { 2 * req.seconds + 120 } else { 3600 });
-        let res = output_within(cmd, limit).map_err(|e| BridgeError::Python(format!("cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)", self.python)))?;
-        let Some(res) = res else { return Err(BridgeError::Python(format!("probe killed after {} s", limit.as_secs()))) };
+        let limit = std::time::Duration::from_secs(if req.seconds > 0 {
+            2 * req.seconds + 120
+        } else {
+            3600
+        });
+        let res = output_within(cmd, limit).map_err(|e| {
+            BridgeError::Python(format!(
+                "cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)",
+                self.python
+            ))
+        })?;
+        let Some(res) = res else {
+            return Err(BridgeError::Python(format!(
+                "probe killed after {} s",
+                limit.as_secs()
+            )));
+        };
         if !res.status.success() {
             let msg = crate::tail(&String::from_utf8_lossy(&res.stderr), 3);
             return Err(match res.status.code() {
@@ -155,7 +200,10 @@ impl TorchTracer {
 }
 
 /// Runs `cmd` (output captured) and kills it if it runs past `limit`: `None` then.
-fn output_within(mut cmd: std::process::Command, limit: std::time::Duration) -> std::io::Result<Option<std::process::Output>> {
+fn output_within(
+    mut cmd: std::process::Command,
+    limit: std::time::Duration,
+) -> std::io::Result<Option<std::process::Output>> {
     use std::process::Stdio;
     let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
     // Drained in threads: a full pipe must not stall the probe.
@@ -183,8 +231,15 @@ fn output_within(mut cmd: std::process::Command, limit: std::time::Duration) -> 
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
     };
-    let (stdout, stderr) = (read_out.join().unwrap_or_default(), read_err.join().unwrap_or_default());
-    Ok(status.map(|status| std::process::Output { status, stdout, stderr }))
+    let (stdout, stderr) = (
+        read_out.join().unwrap_or_default(),
+        read_err.join().unwrap_or_default(),
+    );
+    Ok(status.map(|status| std::process::Output {
+        status,
+        stdout,
+        stderr,
+    }))
 }
 
 #[cfg(test)]
@@ -204,16 +259,46 @@ mod tests {
     fn a_report_goes_into_the_profile_and_a_second_adds_to_its_table() {
         let r: ProbeReport = serde_json::from_str(REPORT).unwrap();
         let mut p = gpumem_core::profile::builtin("h200").unwrap();
-        assert_eq!(r.apply(&mut p), Applied { added: 1, replaced: 0, refused: 1 });
-        assert_eq!((p.cublas_workspace(), p.cublaslt_workspace_bytes), (33554432, Some(1048576)));
+        assert_eq!(
+            r.apply(&mut p),
+            Applied {
+                added: 1,
+                replaced: 0,
+                refused: 1
+            }
+        );
+        assert_eq!(
+            (p.cublas_workspace(), p.cublaslt_workspace_bytes),
+            (33554432, Some(1048576))
+        );
         assert_eq!(p.stack.as_ref().unwrap().cudnn, 91900);
-        assert_eq!(p.context_bytes(), 774701056 - 37748736, "the libraries' context, before attention kernels");
+        assert_eq!(
+            p.context_bytes(),
+            774701056 - 37748736,
+            "the libraries' context, before attention kernels"
+        );
         assert_eq!(p.conv_workspace[0].fwd, vec![100], "cudnn.benchmark off");
         let mut again = r.clone();
         again.conv.heuristic[0].workspace.fwd = vec![120];
-        let c = ConvWorkspace { config: "C".into(), n: 8, fwd: vec![], bwd_data: vec![1], bwd_filter: vec![] };
-        again.conv.heuristic[1] = ProbedConv { workspace: c, error: None };
-        assert_eq!(again.apply(&mut p), Applied { added: 1, replaced: 1, refused: 0 });
+        let c = ConvWorkspace {
+            config: "C".into(),
+            n: 8,
+            fwd: vec![],
+            bwd_data: vec![1],
+            bwd_filter: vec![],
+        };
+        again.conv.heuristic[1] = ProbedConv {
+            workspace: c,
+            error: None,
+        };
+        assert_eq!(
+            again.apply(&mut p),
+            Applied {
+                added: 1,
+                replaced: 1,
+                refused: 0
+            }
+        );
         assert_eq!(p.conv_workspace.len(), 2);
         assert_eq!(p.conv_workspace[0].fwd, vec![120]);
         let back = GpuProfile::from_toml(&p.to_toml()).unwrap();

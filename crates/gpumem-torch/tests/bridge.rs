@@ -13,10 +13,19 @@ use gpumem_torch::{TorchTracer, TraceRequest};
 
 fn tracer() -> Option<TorchTracer> {
     match std::env::var("GPUMEM_PYTHON") {
-        Ok(p) if !p.is_empty() => Some(TorchTracer { python: p, cache_dir: PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("gpumem-cache"), timeout_s: 600 }),
+        Ok(p) if !p.is_empty() => Some(TorchTracer {
+            python: p,
+            cache_dir: PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("gpumem-cache"),
+            timeout_s: 600,
+        }),
         _ => {
-            assert!(std::env::var("GPUMEM_TEST_REQUIRE_TORCH").as_deref() != Ok("1"), "GPUMEM_PYTHON is not set but torch is required");
-            eprintln!("SKIPPED: set GPUMEM_PYTHON to an interpreter with torch to run the bridge tests");
+            assert!(
+                std::env::var("GPUMEM_TEST_REQUIRE_TORCH").as_deref() != Ok("1"),
+                "GPUMEM_PYTHON is not set but torch is required"
+            );
+            eprintln!(
+                "SKIPPED: set GPUMEM_PYTHON to an interpreter with torch to run the bridge tests"
+            );
             None
         }
     }
@@ -25,26 +34,48 @@ fn tracer() -> Option<TorchTracer> {
 /// A trace taken by the tracer itself, never evaluated from a cached symbolic trace: its own
 /// cache directory holds no symbolic traces.
 fn direct(t: &TorchTracer, req: &TraceRequest) -> gpumem_core::trace::Trace {
-    let fresh = TorchTracer { cache_dir: t.cache_dir.join("direct"), ..t.clone() };
+    let fresh = TorchTracer {
+        cache_dir: t.cache_dir.join("direct"),
+        ..t.clone()
+    };
     fresh.trace(req).unwrap()
 }
 
 fn seed_models() -> String {
-    format!("{}/../../python/tests/seed_models.py", env!("CARGO_MANIFEST_DIR"))
+    format!(
+        "{}/../../python/tests/seed_models.py",
+        env!("CARGO_MANIFEST_DIR")
+    )
 }
 
 #[test]
 fn a_symbolic_trace_equals_a_direct_trace_at_an_untraced_batch() {
     let Some(t) = tracer() else { return };
-    for model in [format!("py:{}:mlp(input=64,output=10,depth=3,act=gelu,dropout=0.2,batchnorm=true)", seed_models()), "torchvision:resnet18(num_classes=10)".to_string()] {
+    for model in [
+        format!(
+            "py:{}:mlp(input=64,output=10,depth=3,act=gelu,dropout=0.2,batchnorm=true)",
+            seed_models()
+        ),
+        "torchvision:resnet18(num_classes=10)".to_string(),
+    ] {
         let mut req = TraceRequest::new(model.clone(), 4);
         if model.starts_with("torchvision") {
             req.options.input = InputShape::parse("3x32x32");
         }
         let sym = t.symbolic(&req).unwrap();
         for b in [3, 12] {
-            let direct = direct(&t, &TraceRequest { batch: b, ..req.clone() });
-            assert_eq!(sym.at(b).unwrap().events(), direct.events(), "{model} at batch {b}");
+            let direct = direct(
+                &t,
+                &TraceRequest {
+                    batch: b,
+                    ..req.clone()
+                },
+            );
+            assert_eq!(
+                sym.at(b).unwrap().events(),
+                direct.events(),
+                "{model} at batch {b}"
+            );
         }
     }
 }
@@ -60,13 +91,31 @@ fn a_data_parallel_symbolic_trace_equals_a_direct_trace() {
     req.options.data_parallel = 2;
     let sym = t.symbolic(&req).unwrap();
     assert_eq!(sym.traced_at, vec![8, 12, 16]);
-    let direct = direct(&t, &TraceRequest { batch: 20, ..req.clone() });
+    let direct = direct(
+        &t,
+        &TraceRequest {
+            batch: 20,
+            ..req.clone()
+        },
+    );
     assert_eq!(direct.header.data_parallel, Some(2));
     assert_eq!(sym.at(20).unwrap().events(), direct.events());
-    let single = t.trace(&TraceRequest { batch: 10, options: Options { data_parallel: 1, ..req.options.clone() }, ..req.clone() }).unwrap();
+    let single = t
+        .trace(&TraceRequest {
+            batch: 10,
+            options: Options {
+                data_parallel: 1,
+                ..req.options.clone()
+            },
+            ..req.clone()
+        })
+        .unwrap();
     let profile = builtin("a100-40gb").unwrap();
     let peak = |tr| Replay::default().estimate(tr, &profile).unwrap().peak_bytes;
-    assert!(peak(&direct) > peak(&single), "GPU 0 of two at batch 20 holds more than one GPU at batch 10");
+    assert!(
+        peak(&direct) > peak(&single),
+        "GPU 0 of two at batch 20 holds more than one GPU at batch 10"
+    );
 }
 
 /// The first estimate of a model traces it at its batch size and two more, in one tracer run;
@@ -75,28 +124,62 @@ fn a_data_parallel_symbolic_trace_equals_a_direct_trace() {
 #[test]
 fn a_second_batch_size_reuses_the_symbolic_trace() {
     let Some(t) = tracer() else { return };
-    let t = TorchTracer { cache_dir: t.cache_dir.join("reestimate"), ..t };
+    let t = TorchTracer {
+        cache_dir: t.cache_dir.join("reestimate"),
+        ..t
+    };
     let _ = std::fs::remove_dir_all(&t.cache_dir);
     let model = "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=1000)";
     let mut req = TraceRequest::new(model, 10);
     req.options.seq_len = Some(64);
     let first = t.trace_for_reestimates(&req).unwrap();
     assert_eq!(first.header.batch_size, 10);
-    let files = || std::fs::read_dir(t.cache_dir.join("traces")).unwrap().count();
+    let files = || {
+        std::fs::read_dir(t.cache_dir.join("traces"))
+            .unwrap()
+            .count()
+    };
     let before = files();
     assert_eq!(before, 4, "three traces and one symbolic trace");
-    let second = t.trace(&TraceRequest { batch: 14, ..req.clone() }).unwrap();
+    let second = t
+        .trace(&TraceRequest {
+            batch: 14,
+            ..req.clone()
+        })
+        .unwrap();
     assert_eq!(files(), before, "no tracer run for the second batch size");
-    assert_eq!(second.events(), direct(&t, &TraceRequest { batch: 14, ..req.clone() }).events());
+    assert_eq!(
+        second.events(),
+        direct(
+            &t,
+            &TraceRequest {
+                batch: 14,
+                ..req.clone()
+            }
+        )
+        .events()
+    );
     let profile = builtin("h200").unwrap();
-    assert!(Replay::default().estimate(&second, &profile).unwrap().peak_bytes > Replay::default().estimate(&first, &profile).unwrap().peak_bytes);
+    assert!(
+        Replay::default()
+            .estimate(&second, &profile)
+            .unwrap()
+            .peak_bytes
+            > Replay::default()
+                .estimate(&first, &profile)
+                .unwrap()
+                .peak_bytes
+    );
 }
 
 /// A small deterministic generator for the random configurations.
 struct Lcg(u64);
 impl Lcg {
     fn next(&mut self, lo: u64, hi: u64) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         lo + (self.0 >> 33) % (hi - lo + 1)
     }
     fn pick<'a>(&mut self, xs: &[&'a str]) -> &'a str {
@@ -107,7 +190,18 @@ impl Lcg {
 /// Random native configurations: (family, keys, batch).
 fn configs(n: usize, seed: u64) -> Vec<(&'static str, String, u64)> {
     let mut r = Lcg(seed);
-    let acts = ["relu", "leaky_relu", "prelu", "elu", "selu", "tanh", "softplus", "swish", "mish", "gelu"];
+    let acts = [
+        "relu",
+        "leaky_relu",
+        "prelu",
+        "elu",
+        "selu",
+        "tanh",
+        "softplus",
+        "swish",
+        "mish",
+        "gelu",
+    ];
     (0..n)
         .map(|i| match i % 3 {
             0 => {
@@ -162,27 +256,59 @@ fn configs(n: usize, seed: u64) -> Vec<(&'static str, String, u64)> {
 #[test]
 fn native_families_match_pytorch() {
     let Some(t) = tracer() else { return };
-    let n = std::env::var("GPUMEM_CONSISTENCY_N").ok().and_then(|s| s.parse().ok()).unwrap_or(12);
+    let n = std::env::var("GPUMEM_CONSISTENCY_N")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(12);
     let profile = builtin("a100-40gb").unwrap();
     let mut worst: f64 = 0.0;
     let mut report = Vec::new();
     for (family, keys, batch) in configs(n, 2026) {
-        let native = ModelSpec::parse(&format!("{family}:{keys}")).unwrap().trace(&JobOptions::new(batch)).unwrap();
-        let torch = t.trace(&TraceRequest::new(format!("py:{}:{family}({keys})", seed_models()), batch)).unwrap();
-        let (a, b) = (Replay::default().estimate(&native, &profile).unwrap().peak_bytes, Replay::default().estimate(&torch, &profile).unwrap().peak_bytes);
+        let native = ModelSpec::parse(&format!("{family}:{keys}"))
+            .unwrap()
+            .trace(&JobOptions::new(batch))
+            .unwrap();
+        let torch = t
+            .trace(&TraceRequest::new(
+                format!("py:{}:{family}({keys})", seed_models()),
+                batch,
+            ))
+            .unwrap();
+        let (a, b) = (
+            Replay::default()
+                .estimate(&native, &profile)
+                .unwrap()
+                .peak_bytes,
+            Replay::default()
+                .estimate(&torch, &profile)
+                .unwrap()
+                .peak_bytes,
+        );
         let err = (a as f64 - b as f64) / b as f64 * 100.0;
         worst = worst.max(err.abs());
-        report.push(format!("{err:+.3}% native {a} torch {b} {family}:{keys} batch {batch}"));
+        report.push(format!(
+            "{err:+.3}% native {a} torch {b} {family}:{keys} batch {batch}"
+        ));
     }
     eprintln!("{}", report.join("\n"));
-    assert!(worst <= 1.0, "worst disagreement {worst:.3}% > 1%:\n{}", report.join("\n"));
+    assert!(
+        worst <= 1.0,
+        "worst disagreement {worst:.3}% > 1%:\n{}",
+        report.join("\n")
+    );
 }
 
 #[test]
 fn a_symbolic_fit_rejects_what_does_not_align() {
     let a = ModelSpec::parse("mlp:input=8,output=2,depth=1").unwrap();
-    let traces: Vec<_> = [4u64, 6, 8].iter().map(|&b| a.trace(&JobOptions::new(b)).unwrap()).collect();
-    assert!(SymbolicTrace::fit(&traces[..2]).is_err(), "two traces are not enough");
+    let traces: Vec<_> = [4u64, 6, 8]
+        .iter()
+        .map(|&b| a.trace(&JobOptions::new(b)).unwrap())
+        .collect();
+    assert!(
+        SymbolicTrace::fit(&traces[..2]).is_err(),
+        "two traces are not enough"
+    );
 }
 
 /// LoRA through the bridge (issue 16 part 2): the frozen weights carry no gradient and no
@@ -195,16 +321,49 @@ fn lora_trains_only_its_adapters() {
     let Some(t) = tracer() else { return };
     let model = "hf:LlamaForCausalLM(hidden_size=128,intermediate_size=256,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,vocab_size=1000)";
     let lora = Lora::parse("r=8,alpha=16,targets=q_proj,v_proj").unwrap();
-    let full = TraceRequest { options: Options { seq_len: Some(32), ..Options::default() }, ..TraceRequest::new(model, 2) };
-    let tuned = TraceRequest { options: Options { lora: Some(lora), ..full.options.clone() }, ..full.clone() };
-    let bytes = |tr: &gpumem_core::trace::Trace, cat: Category| tr.events().iter().map(|e| if let Event::Alloc { bytes, category, .. } = *e && category == cat { bytes } else { 0 }).sum::<u64>();
+    let full = TraceRequest {
+        options: Options {
+            seq_len: Some(32),
+            ..Options::default()
+        },
+        ..TraceRequest::new(model, 2)
+    };
+    let tuned = TraceRequest {
+        options: Options {
+            lora: Some(lora),
+            ..full.options.clone()
+        },
+        ..full.clone()
+    };
+    let bytes = |tr: &gpumem_core::trace::Trace, cat: Category| {
+        tr.events()
+            .iter()
+            .map(|e| {
+                if let Event::Alloc {
+                    bytes, category, ..
+                } = *e
+                    && category == cat
+                {
+                    bytes
+                } else {
+                    0
+                }
+            })
+            .sum::<u64>()
+    };
     let (full_trace, tuned_trace) = (t.trace(&full).unwrap(), t.trace(&tuned).unwrap());
     // Per layer: q_proj 128→128 and v_proj 128→64 (two KV heads), each A (8 × in) and B (out × 8).
     let adapters = 2 * (8 * (128 + 128) + 8 * (128 + 64));
     assert_eq!(tuned_trace.header.parameters, Some(adapters));
     let iterations = u64::from(tuned_trace.header.iterations);
-    assert_eq!(bytes(&tuned_trace, Category::Gradient), iterations * adapters * 4);
-    assert_eq!(bytes(&tuned_trace, Category::OptimizerState), 2 * adapters * 4);
+    assert_eq!(
+        bytes(&tuned_trace, Category::Gradient),
+        iterations * adapters * 4
+    );
+    assert_eq!(
+        bytes(&tuned_trace, Category::OptimizerState),
+        2 * adapters * 4
+    );
     let a100 = builtin("a100-40gb").unwrap();
     let peak = |tr| Replay::default().estimate(tr, &a100).unwrap().peak_bytes;
     assert!(peak(&tuned_trace) < peak(&full_trace));
@@ -218,12 +377,36 @@ fn a_ddp_rank_carries_its_buckets() {
     use gpumem_core::workload::Strategy;
     let Some(t) = tracer() else { return };
     let model = "hf:GPT2LMHeadModel(n_embd=256,n_layer=4,n_head=4,vocab_size=8000)";
-    let single = TraceRequest { options: Options { seq_len: Some(128), ..Options::default() }, ..TraceRequest::new(model, 4) };
-    let ddp = |bucket_view| TraceRequest { options: Options { strategy: Some(Strategy::Ddp { world_size: 4, bucket_cap_mb: 25, bucket_view }), ..single.options.clone() }, ..single.clone() };
+    let single = TraceRequest {
+        options: Options {
+            seq_len: Some(128),
+            ..Options::default()
+        },
+        ..TraceRequest::new(model, 4)
+    };
+    let ddp = |bucket_view| TraceRequest {
+        options: Options {
+            strategy: Some(Strategy::Ddp {
+                world_size: 4,
+                bucket_cap_mb: 25,
+                bucket_view,
+            }),
+            ..single.options.clone()
+        },
+        ..single.clone()
+    };
     let a100 = builtin("a100-40gb").unwrap();
-    let peak = |r: &TraceRequest| Replay::default().estimate(&t.trace(r).unwrap(), &a100).unwrap().peak_bytes;
+    let peak = |r: &TraceRequest| {
+        Replay::default()
+            .estimate(&t.trace(r).unwrap(), &a100)
+            .unwrap()
+            .peak_bytes
+    };
     let (one, rank, viewed) = (peak(&single), peak(&ddp(false)), peak(&ddp(true)));
-    assert!(one < rank && viewed < rank, "single {one}, ddp {rank}, bucket view {viewed}");
+    assert!(
+        one < rank && viewed < rank,
+        "single {one}, ddp {rank}, bucket view {viewed}"
+    );
 }
 
 /// A model of many identical blocks is traced cut to three depths and rebuilt at its whole
@@ -232,14 +415,23 @@ fn a_ddp_rank_carries_its_buckets() {
 #[test]
 fn a_deep_model_rebuilt_from_cut_traces_is_its_whole_trace() {
     use gpumem_core::depth;
-    use gpumem_core::trace::Trace;
     use gpumem_core::graph::Precision;
+    use gpumem_core::trace::Trace;
     use gpumem_core::workload::{Checkpointing, Strategy};
     let Some(t) = tracer() else { return };
     let model = "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=16,num_attention_heads=4,num_key_value_heads=2,vocab_size=256)";
-    let plain = Options { seq_len: Some(32), ..Options::default() };
+    let plain = Options {
+        seq_len: Some(32),
+        ..Options::default()
+    };
     let fsdp = Options {
-        strategy: Some(Strategy::Fsdp { world_size: 4, reshard_after_forward: true, param_dtype: None, replicas: 1, cpu_offload: false }),
+        strategy: Some(Strategy::Fsdp {
+            world_size: 4,
+            reshard_after_forward: true,
+            param_dtype: None,
+            replicas: 1,
+            cpu_offload: false,
+        }),
         precision: Precision::Bf16,
         checkpointing: Checkpointing::Full,
         ..plain.clone()
@@ -249,27 +441,60 @@ fn a_deep_model_rebuilt_from_cut_traces_is_its_whole_trace() {
     let text = |t: &Trace| {
         let mut out = Vec::new();
         t.write(&mut out).unwrap();
-        String::from_utf8(out).unwrap().split_once('\n').unwrap().1.to_string()
+        String::from_utf8(out)
+            .unwrap()
+            .split_once('\n')
+            .unwrap()
+            .1
+            .to_string()
     };
     for (name, options) in [("plain", plain), ("fsdp", fsdp)] {
-        let req = TraceRequest { options, ..TraceRequest::new(model, 2) };
+        let req = TraceRequest {
+            options,
+            ..TraceRequest::new(model, 2)
+        };
         let traced = |out: &std::path::Path, depths: &[&str]| {
-            let ok = t.module_command("gpumem_trace").unwrap().args(req.args()).args(["--batch", "2", "--out"]).arg(out).args(depths).status().unwrap().success();
+            let ok = t
+                .module_command("gpumem_trace")
+                .unwrap()
+                .args(req.args())
+                .args(["--batch", "2", "--out"])
+                .arg(out)
+                .args(depths)
+                .status()
+                .unwrap()
+                .success();
             assert!(ok, "{name}: the tracer failed");
         };
-        let read = |p: PathBuf| Trace::read(std::io::BufReader::new(std::fs::File::open(&p).unwrap())).unwrap();
-        let (whole, cut) = (dir.join(format!("{name}.jsonl")), dir.join(format!("{name}-cut.jsonl")));
+        let read = |p: PathBuf| {
+            Trace::read(std::io::BufReader::new(std::fs::File::open(&p).unwrap())).unwrap()
+        };
+        let (whole, cut) = (
+            dir.join(format!("{name}.jsonl")),
+            dir.join(format!("{name}-cut.jsonl")),
+        );
         traced(&whole, &[]);
         traced(&cut, &["--depths", "2", "3", "4"]);
         assert!(!cut.exists(), "{name}: sixteen blocks are cut");
         let cut = depth::DEPTHS.map(|d| read(dir.join(format!("{name}-cut.jsonl.depth{d}"))));
         assert_eq!(cut[0].header.blocks, Some(16));
         let whole = read(whole);
-        assert_eq!(text(&depth::extrapolate(&cut, 16).unwrap()), text(&whole), "{name}");
+        assert_eq!(
+            text(&depth::extrapolate(&cut, 16).unwrap()),
+            text(&whole),
+            "{name}"
+        );
         // The bridge takes that route, and caches what it rebuilt.
-        let fresh = TorchTracer { cache_dir: dir.join(format!("{name}-cache")), ..t.clone() };
+        let fresh = TorchTracer {
+            cache_dir: dir.join(format!("{name}-cache")),
+            ..t.clone()
+        };
         let _ = std::fs::remove_dir_all(&fresh.cache_dir);
-        assert_eq!(text(&fresh.trace(&req).unwrap()), text(&whole), "{name}: through the bridge");
+        assert_eq!(
+            text(&fresh.trace(&req).unwrap()),
+            text(&whole),
+            "{name}: through the bridge"
+        );
     }
 }
 
@@ -286,35 +511,106 @@ fn a_deep_models_batch_is_carried_over_from_cut_traces() {
     use gpumem_core::workload::{Checkpointing, Strategy, Zero};
     let Some(t) = tracer() else { return };
     let model = "hf:LlamaForCausalLM(hidden_size=48,intermediate_size=136,num_hidden_layers=16,num_attention_heads=4,num_key_value_heads=2,vocab_size=250)";
-    let zero = Zero { reduce_bucket_size: 30_000, prefetch_bucket_size: 10_000, max_live_parameters: 40_000, max_reuse_distance: 30_000, param_persistence_threshold: 1000, ..Zero::default() };
-    let fsdp = Strategy::Fsdp { world_size: 4, reshard_after_forward: true, param_dtype: None, replicas: 1, cpu_offload: false };
+    let zero = Zero {
+        reduce_bucket_size: 30_000,
+        prefetch_bucket_size: 10_000,
+        max_live_parameters: 40_000,
+        max_reuse_distance: 30_000,
+        param_persistence_threshold: 1000,
+        ..Zero::default()
+    };
+    let fsdp = Strategy::Fsdp {
+        world_size: 4,
+        reshard_after_forward: true,
+        param_dtype: None,
+        replicas: 1,
+        cpu_offload: false,
+    };
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("carry-test");
     std::fs::create_dir_all(&dir).unwrap();
-    let read = |p: PathBuf| Trace::read(std::io::BufReader::new(std::fs::File::open(&p).unwrap())).unwrap();
+    let read = |p: PathBuf| {
+        Trace::read(std::io::BufReader::new(std::fs::File::open(&p).unwrap())).unwrap()
+    };
     let batches = SymbolicTrace::FIT_BATCHES.map(|b| b.to_string());
-    let ddp = Strategy::Ddp { world_size: 4, bucket_cap_mb: 1, bucket_view: false };
-    for (name, strategy) in [("zero3", Strategy::Zero { stage: 3, world_size: 4, zero }), ("fsdp", fsdp), ("ddp", ddp)] {
-        let options = Options { seq_len: Some(20), precision: Precision::Bf16, checkpointing: Checkpointing::Full, strategy: Some(strategy), ..Options::default() };
-        let req = TraceRequest { options, ..TraceRequest::new(model, 4) };
+    let ddp = Strategy::Ddp {
+        world_size: 4,
+        bucket_cap_mb: 1,
+        bucket_view: false,
+    };
+    for (name, strategy) in [
+        (
+            "zero3",
+            Strategy::Zero {
+                stage: 3,
+                world_size: 4,
+                zero,
+            },
+        ),
+        ("fsdp", fsdp),
+        ("ddp", ddp),
+    ] {
+        let options = Options {
+            seq_len: Some(20),
+            precision: Precision::Bf16,
+            checkpointing: Checkpointing::Full,
+            strategy: Some(strategy),
+            ..Options::default()
+        };
+        let req = TraceRequest {
+            options,
+            ..TraceRequest::new(model, 4)
+        };
         let traced = |outs: &[PathBuf], more: &[&str]| {
-            let ok = t.module_command("gpumem_trace").unwrap().args(req.args()).arg("--batch").args(&batches).arg("--out").args(outs).args(more).status().unwrap().success();
+            let ok = t
+                .module_command("gpumem_trace")
+                .unwrap()
+                .args(req.args())
+                .arg("--batch")
+                .args(&batches)
+                .arg("--out")
+                .args(outs)
+                .args(more)
+                .status()
+                .unwrap()
+                .success();
             assert!(ok, "{name}: the tracer failed");
         };
-        let outs = |kind: &str| SymbolicTrace::FIT_BATCHES.map(|b| dir.join(format!("{name}-{kind}{b}.jsonl"))).to_vec();
+        let outs = |kind: &str| {
+            SymbolicTrace::FIT_BATCHES
+                .map(|b| dir.join(format!("{name}-{kind}{b}.jsonl")))
+                .to_vec()
+        };
         traced(&outs("whole"), &[]);
         let whole: Vec<Trace> = outs("whole").into_iter().map(read).collect();
         let fitted = SymbolicTrace::fit(&whole).unwrap();
         traced(&outs("cut"), &["--depths", "2", "3", "4", "--slopes"]);
-        let cut: Vec<Trace> = outs("cut").iter().map(|o| read(PathBuf::from(format!("{}.depth2", o.display())))).collect();
-        assert!(cut.iter().all(|c| c.header.depth == Some(2)), "{name}: cut to two blocks at every batch size");
+        let cut: Vec<Trace> = outs("cut")
+            .iter()
+            .map(|o| read(PathBuf::from(format!("{}.depth2", o.display()))))
+            .collect();
+        assert!(
+            cut.iter().all(|c| c.header.depth == Some(2)),
+            "{name}: cut to two blocks at every batch size"
+        );
         let carried = SymbolicTrace::transfer(&whole[0], &cut).unwrap();
-        let fresh = TorchTracer { cache_dir: dir.join(format!("{name}-cache")), ..t.clone() };
+        let fresh = TorchTracer {
+            cache_dir: dir.join(format!("{name}-cache")),
+            ..t.clone()
+        };
         let _ = std::fs::remove_dir_all(&fresh.cache_dir);
         let bridged = fresh.symbolic(&req).unwrap();
         for b in [1, 3, 5, 8, 13] {
             let want = fitted.at(b).unwrap();
-            assert_eq!(carried.at(b).unwrap().events(), want.events(), "{name} at batch {b}");
-            assert_eq!(bridged.at(b).unwrap().events(), want.events(), "{name} at batch {b}: through the bridge");
+            assert_eq!(
+                carried.at(b).unwrap().events(),
+                want.events(),
+                "{name} at batch {b}"
+            );
+            assert_eq!(
+                bridged.at(b).unwrap().events(),
+                want.events(),
+                "{name} at batch {b}: through the bridge"
+            );
         }
     }
 }

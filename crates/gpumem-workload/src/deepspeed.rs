@@ -24,12 +24,19 @@ pub struct DeepSpeedJob {
 impl DeepSpeedJob {
     /// The strategy on `world_size` ranks.
     pub fn strategy(&self, world_size: u32) -> Strategy {
-        Strategy::Zero { stage: self.stage, world_size, zero: self.zero }
+        Strategy::Zero {
+            stage: self.stage,
+            world_size,
+            zero: self.zero,
+        }
     }
 
     /// The launch on `world_size` ranks.
     pub fn launch(&self, world_size: u32) -> Launch {
-        Launch { strategy: Some(self.strategy(world_size)), stated: self.stated }
+        Launch {
+            strategy: Some(self.strategy(world_size)),
+            stated: self.stated,
+        }
     }
 }
 
@@ -43,7 +50,10 @@ pub enum ConfigError {
 }
 
 fn bad(key: &str, why: impl Into<String>) -> ConfigError {
-    ConfigError::Key { key: key.into(), why: why.into() }
+    ConfigError::Key {
+        key: key.into(),
+        why: why.into(),
+    }
 }
 
 /// A count as DeepSpeed takes it: an integer or a float such as `5e8`; `"auto"` is `None`.
@@ -74,7 +84,10 @@ fn offload(section: &Value, key: &str) -> Result<bool, ConfigError> {
         Some(o) => match o.get("device").and_then(Value::as_str) {
             None | Some("none") => Ok(false),
             Some("cpu" | "nvme") => Ok(true),
-            Some(d) => Err(bad(&format!("zero_optimization.{key}.device"), format!("`{d}` is not none, cpu or nvme"))),
+            Some(d) => Err(bad(
+                &format!("zero_optimization.{key}.device"),
+                format!("`{d}` is not none, cpu or nvme"),
+            )),
         },
     }
 }
@@ -87,37 +100,71 @@ pub fn read_config(text: &str) -> Result<DeepSpeedJob, ConfigError> {
     if !root.is_object() {
         return Err(ConfigError::Json("the config is not a JSON object".into()));
     }
-    let z = root.get("zero_optimization").cloned().unwrap_or(Value::Object(Default::default()));
+    let z = root
+        .get("zero_optimization")
+        .cloned()
+        .unwrap_or(Value::Object(Default::default()));
     let stage = match z.get("stage") {
-        None => return Err(bad("zero_optimization.stage", "missing (gpumem models ZeRO stages 1, 2 and 3)")),
-        Some(v) => count(v, "zero_optimization.stage")?.ok_or_else(|| bad("zero_optimization.stage", "must be stated, not \"auto\""))?,
+        None => {
+            return Err(bad(
+                "zero_optimization.stage",
+                "missing (gpumem models ZeRO stages 1, 2 and 3)",
+            ));
+        }
+        Some(v) => count(v, "zero_optimization.stage")?
+            .ok_or_else(|| bad("zero_optimization.stage", "must be stated, not \"auto\""))?,
     };
     let stage = match stage {
         1..=3 => stage as u8,
-        0 => return Err(bad("zero_optimization.stage", "stage 0 is plain data parallelism: estimate it with --strategy ddp")),
-        s => return Err(bad("zero_optimization.stage", format!("{s} is not 1, 2 or 3"))),
+        0 => {
+            return Err(bad(
+                "zero_optimization.stage",
+                "stage 0 is plain data parallelism: estimate it with --strategy ddp",
+            ));
+        }
+        s => {
+            return Err(bad(
+                "zero_optimization.stage",
+                format!("{s} is not 1, 2 or 3"),
+            ));
+        }
     };
     let mut zero = Zero::default();
     let counts: [(&str, &mut u64); 5] = [
         ("reduce_bucket_size", &mut zero.reduce_bucket_size),
-        ("stage3_prefetch_bucket_size", &mut zero.prefetch_bucket_size),
+        (
+            "stage3_prefetch_bucket_size",
+            &mut zero.prefetch_bucket_size,
+        ),
         ("stage3_max_live_parameters", &mut zero.max_live_parameters),
         ("stage3_max_reuse_distance", &mut zero.max_reuse_distance),
-        ("stage3_param_persistence_threshold", &mut zero.param_persistence_threshold),
+        (
+            "stage3_param_persistence_threshold",
+            &mut zero.param_persistence_threshold,
+        ),
     ];
     for (key, slot) in counts {
-        if let Some(n) = z.get(key).map(|v| count(v, &format!("zero_optimization.{key}"))).transpose()?.flatten() {
+        if let Some(n) = z
+            .get(key)
+            .map(|v| count(v, &format!("zero_optimization.{key}")))
+            .transpose()?
+            .flatten()
+        {
             *slot = n;
         }
     }
     if zero.reduce_bucket_size == 0 {
-        return Err(bad("zero_optimization.reduce_bucket_size", "must be at least 1"));
+        return Err(bad(
+            "zero_optimization.reduce_bucket_size",
+            "must be at least 1",
+        ));
     }
     if let Some(v) = z.get("overlap_comm") {
         zero.overlap_comm = flag(v, "zero_optimization.overlap_comm")?;
     }
     if let Some(v) = z.get("contiguous_gradients") {
-        zero.contiguous_gradients = flag(v, "zero_optimization.contiguous_gradients")?.unwrap_or(true);
+        zero.contiguous_gradients =
+            flag(v, "zero_optimization.contiguous_gradients")?.unwrap_or(true);
     }
     // `cpu_offload: true` is the older spelling of offloading the optimizer.
     let legacy = match z.get("cpu_offload") {
@@ -146,7 +193,9 @@ pub fn read_config(text: &str) -> Result<DeepSpeedJob, ConfigError> {
     // DeepSpeed's bf16/fp16 modes keep 16-bit weights (gpumem's pure precisions) with an fp32
     // master copy in the ZeRO optimizer.
     let precision = match (bf16, enabled("fp16")?) {
-        (Some(true), Some(true)) => return Err(bad("fp16.enabled", "bf16 and fp16 are both enabled")),
+        (Some(true), Some(true)) => {
+            return Err(bad("fp16.enabled", "bf16 and fp16 are both enabled"));
+        }
         (Some(true), _) => Some(Precision::Bf16),
         (_, Some(true)) => Some(Precision::Fp16),
         (None, None) => None,
@@ -158,14 +207,29 @@ pub fn read_config(text: &str) -> Result<DeepSpeedJob, ConfigError> {
             "adam" | "fusedadam" | "cpuadam" | "deepspeedcpuadam" => Optimizer::Adam,
             "adamw" => Optimizer::AdamW,
             "sgd" => Optimizer::Sgd,
-            other => return Err(bad("optimizer.type", format!("`{other}` is not modelled (Adam, AdamW, SGD)"))),
+            other => {
+                return Err(bad(
+                    "optimizer.type",
+                    format!("`{other}` is not modelled (Adam, AdamW, SGD)"),
+                ));
+            }
         }),
         Some(other) => return Err(bad("optimizer.type", format!("{other} is not a name"))),
     };
-    let get = |key: &str| root.get(key).map(|v| count(v, key)).transpose().map(Option::flatten);
+    let get = |key: &str| {
+        root.get(key)
+            .map(|v| count(v, key))
+            .transpose()
+            .map(Option::flatten)
+    };
     let micro_batch = get("train_micro_batch_size_per_gpu")?;
     let grad_accum = match get("gradient_accumulation_steps")? {
-        Some(n) => Some(u32::try_from(n).ok().filter(|n| *n >= 1).ok_or_else(|| bad("gradient_accumulation_steps", format!("{n} is out of range")))?),
+        Some(n) => Some(u32::try_from(n).ok().filter(|n| *n >= 1).ok_or_else(|| {
+            bad(
+                "gradient_accumulation_steps",
+                format!("{n} is out of range"),
+            )
+        })?),
         None => None,
     };
     if micro_batch == Some(0) {
@@ -175,13 +239,29 @@ pub fn read_config(text: &str) -> Result<DeepSpeedJob, ConfigError> {
         (Some(total), Some(m), Some(g)) => {
             let per_step = m * u64::from(g);
             if !total.is_multiple_of(per_step) {
-                return Err(bad("train_batch_size", format!("{total} is not a multiple of micro-batch {m} × accumulation {g}")));
+                return Err(bad(
+                    "train_batch_size",
+                    format!("{total} is not a multiple of micro-batch {m} × accumulation {g}"),
+                ));
             }
-            Some(u32::try_from(total / per_step).map_err(|_| bad("train_batch_size", "implies too many ranks"))?)
+            Some(
+                u32::try_from(total / per_step)
+                    .map_err(|_| bad("train_batch_size", "implies too many ranks"))?,
+            )
         }
         _ => None,
     };
-    Ok(DeepSpeedJob { stage, zero, stated: Stated { precision, optimizer, micro_batch, grad_accum }, world_size })
+    Ok(DeepSpeedJob {
+        stage,
+        zero,
+        stated: Stated {
+            precision,
+            optimizer,
+            micro_batch,
+            grad_accum,
+        },
+        world_size,
+    })
 }
 
 /// Bytes DeepSpeed's estimators give for one GPU and for the host.
@@ -204,12 +284,24 @@ fn int(x: f64) -> u64 {
 /// parameters on every GPU and 18 bytes per parameter (16-bit and fp32 gradients, fp32
 /// parameters, Adam's two moments) partitioned, or only the 16-bit parameters when offloaded.
 /// Python's float arithmetic, to the byte.
-pub fn zero2_model_states(total_params: u64, gpus_per_node: u64, nodes: u64, cpu_offload: bool, buffer_factor: f64) -> ModelStates {
+pub fn zero2_model_states(
+    total_params: u64,
+    gpus_per_node: u64,
+    nodes: u64,
+    cpu_offload: bool,
+    buffer_factor: f64,
+) -> ModelStates {
     let (p, gpus) = (total_params as f64, (nodes * gpus_per_node) as f64);
     if cpu_offload {
-        ModelStates { gpu_bytes: 2 * total_params, cpu_bytes: int(p * (4.0 * gpus).max(16.0) * buffer_factor) }
+        ModelStates {
+            gpu_bytes: 2 * total_params,
+            cpu_bytes: int(p * (4.0 * gpus).max(16.0) * buffer_factor),
+        }
     } else {
-        ModelStates { gpu_bytes: 2 * total_params + int(18.0 * p / gpus), cpu_bytes: int(p * 4.0 * gpus_per_node as f64 * buffer_factor) }
+        ModelStates {
+            gpu_bytes: 2 * total_params + int(18.0 * p / gpus),
+            cpu_bytes: int(p * 4.0 * gpus_per_node as f64 * buffer_factor),
+        }
     }
 }
 
@@ -218,27 +310,89 @@ pub fn zero2_model_states(total_params: u64, gpus_per_node: u64, nodes: u64, cpu
 /// (deepspeed/runtime/zero/stage3.py): the largest layer's gathered 16-bit parameters and
 /// gradients (4 bytes each) plus the partitioned states; Python's float arithmetic, to the byte.
 #[allow(clippy::too_many_arguments)]
-pub fn zero3_model_states(total_params: u64, largest_layer_params: u64, gpus_per_node: u64, nodes: u64, cpu_offload: bool, cpu_offload_params: bool, zero_init: bool, buffer_factor: f64) -> ModelStates {
-    let (p, gpus, per_node) = (total_params as f64, (nodes * gpus_per_node) as f64, gpus_per_node as f64);
+pub fn zero3_model_states(
+    total_params: u64,
+    largest_layer_params: u64,
+    gpus_per_node: u64,
+    nodes: u64,
+    cpu_offload: bool,
+    cpu_offload_params: bool,
+    zero_init: bool,
+    buffer_factor: f64,
+) -> ModelStates {
+    let (p, gpus, per_node) = (
+        total_params as f64,
+        (nodes * gpus_per_node) as f64,
+        gpus_per_node as f64,
+    );
     let gpus_factor = 1.0 / nodes as f64;
     let largest = 4 * largest_layer_params;
     let (gpu_bytes, cpu_bytes) = match (cpu_offload, cpu_offload_params) {
-        (true, true) => (largest, if zero_init { p * 18.0 * gpus_factor * buffer_factor } else { p * (4.0 * per_node).max(18.0 * gpus_factor) * buffer_factor }),
-        (true, false) => (largest + int(2.0 * p / gpus), if zero_init { p * 16.0 * gpus_factor * buffer_factor } else { p * (4.0 * per_node).max(16.0 * gpus_factor) * buffer_factor }),
-        (false, _) => (largest + int(18.0 * p / gpus), if zero_init { largest_layer_params as f64 * 4.0 * per_node * buffer_factor } else { p * 4.0 * per_node * buffer_factor }),
+        (true, true) => (
+            largest,
+            if zero_init {
+                p * 18.0 * gpus_factor * buffer_factor
+            } else {
+                p * (4.0 * per_node).max(18.0 * gpus_factor) * buffer_factor
+            },
+        ),
+        (true, false) => (
+            largest + int(2.0 * p / gpus),
+            if zero_init {
+                p * 16.0 * gpus_factor * buffer_factor
+            } else {
+                p * (4.0 * per_node).max(16.0 * gpus_factor) * buffer_factor
+            },
+        ),
+        (false, _) => (
+            largest + int(18.0 * p / gpus),
+            if zero_init {
+                largest_layer_params as f64 * 4.0 * per_node * buffer_factor
+            } else {
+                p * 4.0 * per_node * buffer_factor
+            },
+        ),
     };
-    ModelStates { gpu_bytes, cpu_bytes: int(cpu_bytes) }
+    ModelStates {
+        gpu_bytes,
+        cpu_bytes: int(cpu_bytes),
+    }
 }
 
 /// DeepSpeed's figure for a ZeRO-2 or ZeRO-3 job of `world_size` ranks on one node, as its
 /// `estimate_zero*_model_states_mem_needs` would give it for the config's offload settings
 /// (zero.Init assumed for stage 3); `None` for other strategies.
-pub fn model_states(strategy: Strategy, total_params: u64, largest_layer_params: u64) -> Option<ModelStates> {
+pub fn model_states(
+    strategy: Strategy,
+    total_params: u64,
+    largest_layer_params: u64,
+) -> Option<ModelStates> {
     match strategy {
-        Strategy::Zero { stage: 2, world_size, zero } => Some(zero2_model_states(total_params, u64::from(world_size), 1, zero.offload_optimizer, BUFFER_FACTOR)),
-        Strategy::Zero { stage: 3, world_size, zero } => {
-            Some(zero3_model_states(total_params, largest_layer_params, u64::from(world_size), 1, zero.offload_optimizer, zero.offload_param, true, BUFFER_FACTOR))
-        }
+        Strategy::Zero {
+            stage: 2,
+            world_size,
+            zero,
+        } => Some(zero2_model_states(
+            total_params,
+            u64::from(world_size),
+            1,
+            zero.offload_optimizer,
+            BUFFER_FACTOR,
+        )),
+        Strategy::Zero {
+            stage: 3,
+            world_size,
+            zero,
+        } => Some(zero3_model_states(
+            total_params,
+            largest_layer_params,
+            u64::from(world_size),
+            1,
+            zero.offload_optimizer,
+            zero.offload_param,
+            true,
+            BUFFER_FACTOR,
+        )),
         _ => None,
     }
 }
@@ -255,20 +409,77 @@ mod tests {
     fn deepspeed_model_state_formulas_to_the_byte() {
         let (p, l) = (2_851_598_336u64, 32_899_072u64);
         // estimate_zero2_model_states_mem_needs(p, 8, 1, False) = (cpu, gpu)
-        assert_eq!(zero2_model_states(p, 8, 1, false, 1.5), ModelStates { gpu_bytes: 2 * p + 6_416_096_256, cpu_bytes: 136_876_720_128 });
-        assert_eq!(zero2_model_states(p, 8, 1, true, 1.5), ModelStates { gpu_bytes: 5_703_196_672, cpu_bytes: 136_876_720_128 });
-        assert_eq!(zero2_model_states(p, 1, 1, true, 1.5), ModelStates { gpu_bytes: 5_703_196_672, cpu_bytes: 68_438_360_064 });
-        assert_eq!(zero2_model_states(p, 1, 1, false, 1.5), ModelStates { gpu_bytes: 57_031_966_720, cpu_bytes: 17_109_590_016 });
+        assert_eq!(
+            zero2_model_states(p, 8, 1, false, 1.5),
+            ModelStates {
+                gpu_bytes: 2 * p + 6_416_096_256,
+                cpu_bytes: 136_876_720_128
+            }
+        );
+        assert_eq!(
+            zero2_model_states(p, 8, 1, true, 1.5),
+            ModelStates {
+                gpu_bytes: 5_703_196_672,
+                cpu_bytes: 136_876_720_128
+            }
+        );
+        assert_eq!(
+            zero2_model_states(p, 1, 1, true, 1.5),
+            ModelStates {
+                gpu_bytes: 5_703_196_672,
+                cpu_bytes: 68_438_360_064
+            }
+        );
+        assert_eq!(
+            zero2_model_states(p, 1, 1, false, 1.5),
+            ModelStates {
+                gpu_bytes: 57_031_966_720,
+                cpu_bytes: 17_109_590_016
+            }
+        );
         // 7 GPUs over 1,000,000,007 parameters: 18·p/7 = 2,571,428,589.43… → 2,571,428,589.
-        assert_eq!(zero2_model_states(1_000_000_007, 7, 1, false, 1.5).gpu_bytes, 2_000_000_014 + 2_571_428_589);
+        assert_eq!(
+            zero2_model_states(1_000_000_007, 7, 1, false, 1.5).gpu_bytes,
+            2_000_000_014 + 2_571_428_589
+        );
         // estimate_zero3_model_states_mem_needs(p, l, 8, 1, offload, offload_params, zero_init)
-        assert_eq!(zero3_model_states(p, l, 8, 1, false, false, true, 1.5), ModelStates { gpu_bytes: 131_596_288 + 6_416_096_256, cpu_bytes: 1_579_155_456 });
-        assert_eq!(zero3_model_states(p, l, 8, 1, false, false, false, 1.5).cpu_bytes, 136_876_720_128);
-        assert_eq!(zero3_model_states(p, l, 8, 1, true, true, true, 1.5), ModelStates { gpu_bytes: 131_596_288, cpu_bytes: 76_993_155_072 });
-        assert_eq!(zero3_model_states(p, l, 8, 1, true, false, true, 1.5), ModelStates { gpu_bytes: 131_596_288 + 712_899_584, cpu_bytes: 68_438_360_064 });
-        assert_eq!(zero3_model_states(p, l, 8, 1, true, true, false, 1.5).cpu_bytes, 136_876_720_128);
-        assert_eq!(zero3_model_states(p, l, 4, 2, true, true, true, 1.5).cpu_bytes, 38_496_577_536);
-        assert_eq!(zero3_model_states(1_000_000_007, 3, 7, 1, false, false, true, 1.5).gpu_bytes, 12 + 2_571_428_589);
+        assert_eq!(
+            zero3_model_states(p, l, 8, 1, false, false, true, 1.5),
+            ModelStates {
+                gpu_bytes: 131_596_288 + 6_416_096_256,
+                cpu_bytes: 1_579_155_456
+            }
+        );
+        assert_eq!(
+            zero3_model_states(p, l, 8, 1, false, false, false, 1.5).cpu_bytes,
+            136_876_720_128
+        );
+        assert_eq!(
+            zero3_model_states(p, l, 8, 1, true, true, true, 1.5),
+            ModelStates {
+                gpu_bytes: 131_596_288,
+                cpu_bytes: 76_993_155_072
+            }
+        );
+        assert_eq!(
+            zero3_model_states(p, l, 8, 1, true, false, true, 1.5),
+            ModelStates {
+                gpu_bytes: 131_596_288 + 712_899_584,
+                cpu_bytes: 68_438_360_064
+            }
+        );
+        assert_eq!(
+            zero3_model_states(p, l, 8, 1, true, true, false, 1.5).cpu_bytes,
+            136_876_720_128
+        );
+        assert_eq!(
+            zero3_model_states(p, l, 4, 2, true, true, true, 1.5).cpu_bytes,
+            38_496_577_536
+        );
+        assert_eq!(
+            zero3_model_states(1_000_000_007, 3, 7, 1, false, false, true, 1.5).gpu_bytes,
+            12 + 2_571_428_589
+        );
     }
 
     #[test]
@@ -282,11 +493,30 @@ mod tests {
         )
         .unwrap();
         assert_eq!((job.stage, job.world_size), (3, Some(8)));
-        assert_eq!(job.stated, Stated { precision: Some(Precision::Bf16), optimizer: Some(Optimizer::AdamW), micro_batch: Some(4), grad_accum: Some(2) });
-        assert_eq!(job.zero, Zero { overlap_comm: Some(true), param_persistence_threshold: 10_000, offload_optimizer: true, ..Zero::default() });
+        assert_eq!(
+            job.stated,
+            Stated {
+                precision: Some(Precision::Bf16),
+                optimizer: Some(Optimizer::AdamW),
+                micro_batch: Some(4),
+                grad_accum: Some(2)
+            }
+        );
+        assert_eq!(
+            job.zero,
+            Zero {
+                overlap_comm: Some(true),
+                param_persistence_threshold: 10_000,
+                offload_optimizer: true,
+                ..Zero::default()
+            }
+        );
         // Hugging Face's "auto" everywhere leaves the command line's values.
         let auto = read_config(r#"{"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2, "cpu_offload": true}}"#).unwrap();
-        assert_eq!((auto.stated, auto.world_size, auto.zero.offload_optimizer), (Stated::default(), None, true));
+        assert_eq!(
+            (auto.stated, auto.world_size, auto.zero.offload_optimizer),
+            (Stated::default(), None, true)
+        );
     }
 
     #[test]
@@ -294,14 +524,34 @@ mod tests {
         let err = |text: &str| read_config(text).unwrap_err().to_string();
         assert_eq!(err("[1]"), "not JSON: the config is not a JSON object");
         assert!(err("{").starts_with("not JSON: "));
-        assert_eq!(err(r#"{"zero_optimization": {}}"#), "`zero_optimization.stage`: missing (gpumem models ZeRO stages 1, 2 and 3)");
-        assert_eq!(err(r#"{"zero_optimization": {"stage": 0}}"#), "`zero_optimization.stage`: stage 0 is plain data parallelism: estimate it with --strategy ddp");
-        assert_eq!(err(r#"{"zero_optimization": {"stage": 2, "reduce_bucket_size": -1}}"#), "`zero_optimization.reduce_bucket_size`: -1 is not a whole number of elements");
-        assert_eq!(err(r#"{"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}"#), "`zero_optimization.offload_param`: needs stage 3");
-        assert_eq!(err(r#"{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "gpu"}}}"#), "`zero_optimization.offload_optimizer.device`: `gpu` is not none, cpu or nvme");
-        assert_eq!(err(r#"{"zero_optimization": {"stage": 1}, "optimizer": {"type": "Lamb"}}"#), "`optimizer.type`: `lamb` is not modelled (Adam, AdamW, SGD)");
         assert_eq!(
-            err(r#"{"zero_optimization": {"stage": 1}, "train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}"#),
+            err(r#"{"zero_optimization": {}}"#),
+            "`zero_optimization.stage`: missing (gpumem models ZeRO stages 1, 2 and 3)"
+        );
+        assert_eq!(
+            err(r#"{"zero_optimization": {"stage": 0}}"#),
+            "`zero_optimization.stage`: stage 0 is plain data parallelism: estimate it with --strategy ddp"
+        );
+        assert_eq!(
+            err(r#"{"zero_optimization": {"stage": 2, "reduce_bucket_size": -1}}"#),
+            "`zero_optimization.reduce_bucket_size`: -1 is not a whole number of elements"
+        );
+        assert_eq!(
+            err(r#"{"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}"#),
+            "`zero_optimization.offload_param`: needs stage 3"
+        );
+        assert_eq!(
+            err(r#"{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "gpu"}}}"#),
+            "`zero_optimization.offload_optimizer.device`: `gpu` is not none, cpu or nvme"
+        );
+        assert_eq!(
+            err(r#"{"zero_optimization": {"stage": 1}, "optimizer": {"type": "Lamb"}}"#),
+            "`optimizer.type`: `lamb` is not modelled (Adam, AdamW, SGD)"
+        );
+        assert_eq!(
+            err(
+                r#"{"zero_optimization": {"stage": 1}, "train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}"#
+            ),
             "`train_batch_size`: 10 is not a multiple of micro-batch 4 × accumulation 1"
         );
     }

@@ -14,7 +14,10 @@ use gpumem_core::profile::GpuProfile;
 use gpumem_core::search::{self, SearchError};
 use gpumem_core::symbolic::SymbolicTrace;
 use gpumem_core::trace::Trace;
-pub use gpumem_core::workload::{AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, ModelRef, OptionOverrides, Options, Outputs, Strategy, TORCH_PREFIXES, Validate, Zero};
+pub use gpumem_core::workload::{
+    AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, ModelRef, OptionOverrides, Options,
+    Outputs, Strategy, TORCH_PREFIXES, Validate, Zero,
+};
 use gpumem_torch::{BridgeError, TorchTracer, TraceRequest};
 
 pub mod deepspeed;
@@ -86,29 +89,46 @@ impl Workload {
         if batch == 0 || batch > MAX_BATCH {
             return Err(WorkloadError::Batch(batch));
         }
-        options.check().map_err(|e| WorkloadError::Invalid(e.to_string()))?;
+        options
+            .check()
+            .map_err(|e| WorkloadError::Invalid(e.to_string()))?;
         if model.is_native() && !options.native_compatible() {
             return Err(torch_only());
         }
-        Ok(Workload { model, batch, options })
+        Ok(Workload {
+            model,
+            batch,
+            options,
+        })
     }
 
     /// A model reference parsed by the one prefix table, at `batch` with `options`.
     pub fn parse(model: &str, batch: u64, options: Options) -> Result<Workload, WorkloadError> {
-        Workload::new(ModelRef::parse(model).map_err(|e| WorkloadError::Invalid(e.to_string()))?, batch, options)
+        Workload::new(
+            ModelRef::parse(model).map_err(|e| WorkloadError::Invalid(e.to_string()))?,
+            batch,
+            options,
+        )
     }
 
     /// A measured row's job: its model and batch, its own options over `defaults`. `Ok(None)`:
     /// the row names its model in a way gpumem cannot trace.
-    pub fn of_row(row: &Measurement, defaults: &Options) -> Result<Option<Workload>, WorkloadError> {
-        let Some(model) = row.model.clone() else { return Ok(None) };
+    pub fn of_row(
+        row: &Measurement,
+        defaults: &Options,
+    ) -> Result<Option<Workload>, WorkloadError> {
+        let Some(model) = row.model.clone() else {
+            return Ok(None);
+        };
         let mut options = row.options.over(defaults);
         if model.is_native() {
             // A native row keeps only what a native model takes; its CSV columns for PyTorch
             // models (input, seq_len) describe nothing gpumem builds.
             options = options.native_part();
         }
-        Workload::new(model, row.batch, options).map(Some).map_err(|e| WorkloadError::Invalid(format!("line {}: {e}", row.line)))
+        Workload::new(model, row.batch, options)
+            .map(Some)
+            .map_err(|e| WorkloadError::Invalid(format!("line {}: {e}", row.line)))
     }
 
     pub fn model(&self) -> &ModelRef {
@@ -123,7 +143,14 @@ impl Workload {
     /// dense CNN without `pool_every`). Sizing takes the largest.
     pub fn alternatives(&self) -> Vec<Workload> {
         match &self.model {
-            ModelRef::Native(spec) => spec.alternatives().into_iter().map(|m| Workload { model: ModelRef::Native(m), ..self.clone() }).collect(),
+            ModelRef::Native(spec) => spec
+                .alternatives()
+                .into_iter()
+                .map(|m| Workload {
+                    model: ModelRef::Native(m),
+                    ..self.clone()
+                })
+                .collect(),
             ModelRef::Torch(_) => vec![self.clone()],
         }
     }
@@ -136,32 +163,62 @@ impl Workload {
     /// `profile`, each traced by `trace` ([`Workload::trace`] or
     /// [`Workload::trace_for_reestimates`]): an ambiguous spec is answered by its largest network,
     /// under the largest bound.
-    pub fn size(&self, profile: &GpuProfile, estimator: &dyn Estimator, trace: fn(&Workload, &GpuProfile) -> Result<Trace, WorkloadError>) -> Result<Sizing, SizeError> {
+    pub fn size(
+        &self,
+        profile: &GpuProfile,
+        estimator: &dyn Estimator,
+        trace: fn(&Workload, &GpuProfile) -> Result<Trace, WorkloadError>,
+    ) -> Result<Sizing, SizeError> {
         let mut largest: Option<Sizing> = None;
         let mut readings = Vec::new();
         for w in self.alternatives() {
             let t = trace(&w, profile)?;
             let est = estimator.estimate(&t, profile)?;
-            readings.push(Reading { model: t.header.model.clone(), peak_bytes: est.peak_bytes, upper_bound_bytes: est.upper_bound_bytes });
-            if largest.as_ref().is_none_or(|l| est.peak_bytes > l.estimate.peak_bytes) {
-                largest = Some(Sizing { workload: w, trace: t, estimate: est, readings: Vec::new() });
+            readings.push(Reading {
+                model: t.header.model.clone(),
+                peak_bytes: est.peak_bytes,
+                upper_bound_bytes: est.upper_bound_bytes,
+            });
+            if largest
+                .as_ref()
+                .is_none_or(|l| est.peak_bytes > l.estimate.peak_bytes)
+            {
+                largest = Some(Sizing {
+                    workload: w,
+                    trace: t,
+                    estimate: est,
+                    readings: Vec::new(),
+                });
             }
         }
         let mut sizing = largest.expect("a job has at least one reading");
-        sizing.estimate.upper_bound_bytes = readings.iter().map(|r| r.upper_bound_bytes).max().unwrap_or(sizing.estimate.upper_bound_bytes);
+        sizing.estimate.upper_bound_bytes = readings
+            .iter()
+            .map(|r| r.upper_bound_bytes)
+            .max()
+            .unwrap_or(sizing.estimate.upper_bound_bytes);
         sizing.readings = readings;
         Ok(sizing)
     }
 
     /// The native families' options for this job on `profile`'s GPU and PyTorch release.
     fn native_job(&self, profile: &GpuProfile) -> JobOptions {
-        JobOptions { optimizer: self.options.optimizer, precision: self.options.precision, ..JobOptions::on(profile, self.batch) }
+        JobOptions {
+            optimizer: self.options.optimizer,
+            precision: self.options.precision,
+            ..JobOptions::on(profile, self.batch)
+        }
     }
 
     /// The tracer's request for a PyTorch model on `profile`'s GPU; `None` for a native one.
     pub fn request(&self, profile: &GpuProfile) -> Option<TraceRequest> {
         match &self.model {
-            ModelRef::Torch(r) => Some(TraceRequest::for_gpu(r, self.batch, self.options.clone(), profile)),
+            ModelRef::Torch(r) => Some(TraceRequest::for_gpu(
+                r,
+                self.batch,
+                self.options.clone(),
+                profile,
+            )),
             ModelRef::Native(_) => None,
         }
     }
@@ -178,13 +235,25 @@ impl Workload {
         self.trace_with(profile, true)
     }
 
-    fn trace_with(&self, profile: &GpuProfile, for_reestimates: bool) -> Result<Trace, WorkloadError> {
+    fn trace_with(
+        &self,
+        profile: &GpuProfile,
+        for_reestimates: bool,
+    ) -> Result<Trace, WorkloadError> {
         match &self.model {
-            ModelRef::Native(spec) => spec.trace(&self.native_job(profile)).map_err(|e| WorkloadError::Invalid(e.to_string())),
+            ModelRef::Native(spec) => spec
+                .trace(&self.native_job(profile))
+                .map_err(|e| WorkloadError::Invalid(e.to_string())),
             ModelRef::Torch(_) => {
-                let req = self.request(profile).expect("a PyTorch model has a request");
+                let req = self
+                    .request(profile)
+                    .expect("a PyTorch model has a request");
                 let tracer = TorchTracer::from_env();
-                Ok(if for_reestimates { tracer.trace_for_reestimates(&req)? } else { tracer.trace(&req)? })
+                Ok(if for_reestimates {
+                    tracer.trace_for_reestimates(&req)?
+                } else {
+                    tracer.trace(&req)?
+                })
             }
         }
     }
@@ -195,8 +264,13 @@ impl Workload {
         Ok(match &self.model {
             ModelRef::Native(spec) => Symbolic::Native(spec.clone(), self.native_job(profile)),
             ModelRef::Torch(_) => {
-                let req = self.request(profile).expect("a PyTorch model has a request");
-                Symbolic::Torch { trace: TorchTracer::from_env().symbolic(&req)?, gpus: u64::from(self.options.data_parallel) }
+                let req = self
+                    .request(profile)
+                    .expect("a PyTorch model has a request");
+                Symbolic::Torch {
+                    trace: TorchTracer::from_env().symbolic(&req)?,
+                    gpus: u64::from(self.options.data_parallel),
+                }
             }
         })
     }
@@ -207,7 +281,10 @@ impl Workload {
 pub enum Symbolic {
     Native(ModelSpec, JobOptions),
     /// `gpus`: a DataParallel job's GPU count; its batch sizes are whole multiples of it.
-    Torch { trace: SymbolicTrace, gpus: u64 },
+    Torch {
+        trace: SymbolicTrace,
+        gpus: u64,
+    },
 }
 
 impl Symbolic {
@@ -230,7 +307,11 @@ impl Symbolic {
     /// The largest batch that fits on `profile`'s GPU with its upper bound, and its estimate;
     /// `None` if even the smallest does not. A DataParallel job is searched by rows per GPU,
     /// so its answer is a whole multiple of its GPU count.
-    pub fn max_batch(&self, profile: &GpuProfile, estimator: &dyn Estimator) -> Result<Option<(u64, Estimate)>, SearchError> {
+    pub fn max_batch(
+        &self,
+        profile: &GpuProfile,
+        estimator: &dyn Estimator,
+    ) -> Result<Option<(u64, Estimate)>, SearchError> {
         let gpus = match self {
             Symbolic::Native(..) => 1,
             Symbolic::Torch { gpus, .. } => *gpus,
@@ -244,7 +325,9 @@ impl Symbolic {
 /// (one core each), so a search or a simulation traces its models side by side. Not rayon's
 /// pool: the CLI keeps that to one thread for candle's tiny networks.
 pub fn side_by_side<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, items.len().max(1));
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, items.len().max(1));
     let next = std::sync::atomic::AtomicUsize::new(0);
     let mut done: Vec<(usize, R)> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..threads)
@@ -259,7 +342,13 @@ pub fn side_by_side<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -
                 })
             })
             .collect();
-        workers.into_iter().flat_map(|w| w.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect()
+        workers
+            .into_iter()
+            .flat_map(|w| {
+                w.join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })
+            .collect()
     });
     done.sort_by_key(|(i, _)| *i);
     done.into_iter().map(|(_, r)| r).collect()
@@ -277,37 +366,104 @@ mod tests {
 
     #[test]
     fn a_workload_is_checked_when_made() {
-        let e = Workload::parse(MLP, 0, Options::default()).unwrap_err().to_string();
+        let e = Workload::parse(MLP, 0, Options::default())
+            .unwrap_err()
+            .to_string();
         assert_eq!(e, format!("--batch 0 is out of range (1..={MAX_BATCH})"));
-        let e = Workload::parse(MLP, 8, Options { checkpointing: Checkpointing::Full, ..Options::default() }).unwrap_err().to_string();
+        let e = Workload::parse(
+            MLP,
+            8,
+            Options {
+                checkpointing: Checkpointing::Full,
+                ..Options::default()
+            },
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("apply to PyTorch models"), "{e}");
-        let e = Workload::parse("hf:gpt2", 8, Options { data_parallel: 65, ..Options::default() }).unwrap_err().to_string();
+        let e = Workload::parse(
+            "hf:gpt2",
+            8,
+            Options {
+                data_parallel: 65,
+                ..Options::default()
+            },
+        )
+        .unwrap_err()
+        .to_string();
         assert_eq!(e, "--data-parallel 65 is out of range (1..=64)");
         assert!(Workload::parse("resnet50", 8, Options::default()).is_err());
-        assert!(Workload::parse("hf:gpt2", 8, Options { checkpointing: Checkpointing::Full, ..Options::default() }).is_ok());
+        assert!(
+            Workload::parse(
+                "hf:gpt2",
+                8,
+                Options {
+                    checkpointing: Checkpointing::Full,
+                    ..Options::default()
+                }
+            )
+            .is_ok()
+        );
     }
 
     #[test]
     fn native_workloads_trace_with_their_options_and_search_like_a_direct_trace() {
         let p = builtin("a100-40gb").unwrap();
-        let w = Workload::parse("mlp:input=4096,output=1000,depth=4", 32, Options { optimizer: Optimizer::Sgd, precision: Precision::AmpBf16, ..Options::default() }).unwrap();
+        let w = Workload::parse(
+            "mlp:input=4096,output=1000,depth=4",
+            32,
+            Options {
+                optimizer: Optimizer::Sgd,
+                precision: Precision::AmpBf16,
+                ..Options::default()
+            },
+        )
+        .unwrap();
         assert!(w.request(&p).is_none());
         let t = w.trace(&p).unwrap();
-        assert_eq!((t.header.batch_size, t.header.optimizer.as_str(), t.header.precision.as_str()), (32, "sgd", "amp-bf16"));
+        assert_eq!(
+            (
+                t.header.batch_size,
+                t.header.optimizer.as_str(),
+                t.header.precision.as_str()
+            ),
+            (32, "sgd", "amp-bf16")
+        );
         let sym = w.symbolic(&p).unwrap();
         assert_eq!(sym.at(32).unwrap().events(), t.events());
         let (b, e) = sym.max_batch(&p, &Replay::default()).unwrap().unwrap();
         let direct = Replay::default().estimate(&sym.at(b).unwrap(), &p).unwrap();
         assert_eq!(e.peak_bytes, direct.peak_bytes);
-        assert!(Replay::default().estimate(&sym.at(b + 1).unwrap(), &p).unwrap().upper_bound_bytes > e.capacity_bytes);
+        assert!(
+            Replay::default()
+                .estimate(&sym.at(b + 1).unwrap(), &p)
+                .unwrap()
+                .upper_bound_bytes
+                > e.capacity_bytes
+        );
     }
 
     #[test]
     fn a_torch_request_carries_the_typed_options_and_the_gpu() {
         let p = builtin("h200").unwrap();
-        let o = Options { seq_len: Some(128), outputs: Some(Outputs::Kept), ..Options::default() };
-        let r = Workload::parse("hf:gpt2", 4, o.clone()).unwrap().request(&p).unwrap();
-        assert_eq!((r.model.as_str(), r.batch, &r.options, r.gpu_capability.as_str()), ("hf:gpt2", 4, &o, p.compute_capability.as_str()));
+        let o = Options {
+            seq_len: Some(128),
+            outputs: Some(Outputs::Kept),
+            ..Options::default()
+        };
+        let r = Workload::parse("hf:gpt2", 4, o.clone())
+            .unwrap()
+            .request(&p)
+            .unwrap();
+        assert_eq!(
+            (
+                r.model.as_str(),
+                r.batch,
+                &r.options,
+                r.gpu_capability.as_str()
+            ),
+            ("hf:gpt2", 4, &o, p.compute_capability.as_str())
+        );
     }
 }
 
@@ -361,19 +517,35 @@ impl StatedJob {
     /// The workload the texts state.
     pub fn workload(&self) -> Result<Workload, StatedError> {
         let invalid = |field, message: String| StatedError::Invalid { field, message };
-        let batch: u64 = self.batch.trim().parse().map_err(|_| invalid(StatedField::Batch, format!("`{}` is not a whole number", self.batch)))?;
+        let batch: u64 = self.batch.trim().parse().map_err(|_| {
+            invalid(
+                StatedField::Batch,
+                format!("`{}` is not a whole number", self.batch),
+            )
+        })?;
         let mut options = Options::default();
         // An empty text states nothing (an annotation or key left blank): the default.
-        let given = |t: &Option<String>| t.as_deref().map(str::trim).filter(|t| !t.is_empty()).map(str::to_string);
+        let given = |t: &Option<String>| {
+            t.as_deref()
+                .map(str::trim)
+                .filter(|t| !t.is_empty())
+                .map(str::to_string)
+        };
         if let Some(p) = given(&self.precision) {
-            options.precision = gpumem_core::graph::Precision::parse(&p).map_err(|e| invalid(StatedField::Precision, e.to_string()))?;
+            options.precision = gpumem_core::graph::Precision::parse(&p)
+                .map_err(|e| invalid(StatedField::Precision, e.to_string()))?;
         }
         if let Some(o) = given(&self.optimizer) {
-            options.optimizer = gpumem_core::step::Optimizer::parse(&o).map_err(|e| invalid(StatedField::Optimizer, e.to_string()))?;
+            options.optimizer = gpumem_core::step::Optimizer::parse(&o)
+                .map_err(|e| invalid(StatedField::Optimizer, e.to_string()))?;
         }
-        let model = ModelRef::parse(self.model.trim()).map_err(|e| invalid(StatedField::Model, e.to_string()))?;
+        let model = ModelRef::parse(self.model.trim())
+            .map_err(|e| invalid(StatedField::Model, e.to_string()))?;
         Workload::new(model, batch, options).map_err(|e| match e {
-            WorkloadError::Batch(b) => invalid(StatedField::Batch, format!("{b} is out of range (1..={MAX_BATCH})")),
+            WorkloadError::Batch(b) => invalid(
+                StatedField::Batch,
+                format!("{b} is out of range (1..={MAX_BATCH})"),
+            ),
             e => invalid(StatedField::Model, e.to_string()),
         })
     }
@@ -386,9 +558,15 @@ impl StatedJob {
             return Err(StatedError::NeedsTrace(self.model.trim().to_string()));
         }
         let replay = gpumem_core::estimate::by_name("replay").expect("replay is an estimator");
-        workload.size(profile, replay.as_ref(), Workload::trace).map(|s| s.estimate).map_err(|e| match e {
-            SizeError::Workload(WorkloadError::Invalid(m)) => StatedError::Invalid { field: StatedField::Model, message: m },
-            e => StatedError::Size(e),
-        })
+        workload
+            .size(profile, replay.as_ref(), Workload::trace)
+            .map(|s| s.estimate)
+            .map_err(|e| match e {
+                SizeError::Workload(WorkloadError::Invalid(m)) => StatedError::Invalid {
+                    field: StatedField::Model,
+                    message: m,
+                },
+                e => StatedError::Size(e),
+            })
     }
 }

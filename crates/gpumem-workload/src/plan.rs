@@ -60,25 +60,50 @@ impl Interconnect {
     /// reduce-scatter them ((N−1)/N) and all-gather the updated 16-bit weights once per step;
     /// FSDP and ZeRO-3 gather the weights for forward and again for backward (once when FSDP
     /// keeps them) and reduce-scatter the gradients.
-    pub fn comm_s(self, strategy: Option<Strategy>, parameters: u64, precision: Precision, grad_accum: u64) -> f64 {
+    pub fn comm_s(
+        self,
+        strategy: Option<Strategy>,
+        parameters: u64,
+        precision: Precision,
+        grad_accum: u64,
+    ) -> f64 {
         let Some(strategy) = strategy else { return 0.0 };
         let n = f64::from(strategy.world_size());
         let ring = (n - 1.0) / n;
-        let word = if matches!(precision, Precision::Bf16 | Precision::Fp16) { 2.0 } else { 4.0 };
+        let word = if matches!(precision, Precision::Bf16 | Precision::Fp16) {
+            2.0
+        } else {
+            4.0
+        };
         let bytes = parameters as f64 * word;
         let moved = match strategy {
             Strategy::Ddp { .. } => 2.0 * ring * bytes,
-            Strategy::Zero { stage: 1 | 2, .. } => ring * bytes + ring * bytes / grad_accum.max(1) as f64,
+            Strategy::Zero { stage: 1 | 2, .. } => {
+                ring * bytes + ring * bytes / grad_accum.max(1) as f64
+            }
             Strategy::Zero { .. } => 3.0 * ring * bytes,
             // A mixed-precision policy gathers in its 16-bit dtype and reduces in fp32. HSDP
             // gathers and reduce-scatters within a group of N/R ranks, then all-reduces its shard
             // across the R groups (counted at the same bandwidth).
-            Strategy::Fsdp { reshard_after_forward, param_dtype, replicas, .. } => {
-                let (gathered, reduced) = if param_dtype.is_some() { (2.0, 4.0) } else { (word, word) };
+            Strategy::Fsdp {
+                reshard_after_forward,
+                param_dtype,
+                replicas,
+                ..
+            } => {
+                let (gathered, reduced) = if param_dtype.is_some() {
+                    (2.0, 4.0)
+                } else {
+                    (word, word)
+                };
                 let gathers = if reshard_after_forward { 2.0 } else { 1.0 };
                 let (group, r) = (n / f64::from(replicas), f64::from(replicas));
                 let within = (group - 1.0) / group;
-                let across = if replicas > 1 { 2.0 * (r - 1.0) / r * reduced / group } else { 0.0 };
+                let across = if replicas > 1 {
+                    2.0 * (r - 1.0) / r * reduced / group
+                } else {
+                    0.0
+                };
                 parameters as f64 * (within * (gathers * gathered + reduced) + across)
             }
         };
@@ -136,7 +161,9 @@ fn micro_batches(global: Option<u64>, max: u64) -> Vec<u64> {
     let candidates: Vec<u64> = match global {
         Some(g) => (1..=g).filter(|m| g % m == 0).collect(),
         None => {
-            let mut v: Vec<u64> = std::iter::successors(Some(1u64), |b| b.checked_mul(2)).take_while(|b| *b <= max.saturating_mul(2)).collect();
+            let mut v: Vec<u64> = std::iter::successors(Some(1u64), |b| b.checked_mul(2))
+                .take_while(|b| *b <= max.saturating_mul(2))
+                .collect();
             v.push(max);
             v.sort_unstable();
             v.dedup();
@@ -144,13 +171,21 @@ fn micro_batches(global: Option<u64>, max: u64) -> Vec<u64> {
         }
     };
     let above = candidates.iter().copied().find(|m| *m > max);
-    candidates.into_iter().filter(|m| *m <= max).chain(above).collect()
+    candidates
+        .into_iter()
+        .filter(|m| *m <= max)
+        .chain(above)
+        .collect()
 }
 
 /// The batch-symbolic trace of `base`'s model under `options`; `Ok(Err(why))` for a setup the
 /// model cannot take (no blocks to checkpoint or shard, a precision the families refuse, FSDP2
 /// on an old torch), which the plan skips; the tracer missing altogether is an error.
-fn setup_trace(base: &Workload, options: crate::Options, profile: &GpuProfile) -> Result<Result<Symbolic, String>, WorkloadError> {
+fn setup_trace(
+    base: &Workload,
+    options: crate::Options,
+    profile: &GpuProfile,
+) -> Result<Result<Symbolic, String>, WorkloadError> {
     let workload = match Workload::new(base.model().clone(), 1, options) {
         Ok(w) => w,
         Err(e) => return Ok(Err(e.to_string())),
@@ -158,7 +193,11 @@ fn setup_trace(base: &Workload, options: crate::Options, profile: &GpuProfile) -
     match workload.symbolic(profile) {
         Ok(s) => Ok(Ok(s)),
         Err(WorkloadError::Invalid(m)) => Ok(Err(m)),
-        Err(e @ WorkloadError::Tracer(gpumem_torch::BridgeError::BadReference(_) | gpumem_torch::BridgeError::Model(_))) => Ok(Err(e.to_string())),
+        Err(
+            e @ WorkloadError::Tracer(
+                gpumem_torch::BridgeError::BadReference(_) | gpumem_torch::BridgeError::Model(_),
+            ),
+        ) => Ok(Err(e.to_string())),
         Err(e) => Err(e),
     }
 }
@@ -171,11 +210,20 @@ fn setup_trace(base: &Workload, options: crate::Options, profile: &GpuProfile) -
 /// fp32 master weights and optimizer states (none when offloaded), and stage 1's gradients, all
 /// kept until backward ends (without `overlap_comm`). `None` for the sharded strategies and
 /// with LoRA, whose adapters' dtype only the trace knows.
-fn model_states_floor(strategy: Option<Strategy>, trainable: u64, precision: Precision, options: &crate::Options) -> Option<u64> {
+fn model_states_floor(
+    strategy: Option<Strategy>,
+    trainable: u64,
+    precision: Precision,
+    options: &crate::Options,
+) -> Option<u64> {
     if options.lora.is_some() {
         return None;
     }
-    let word = if matches!(precision, Precision::Bf16 | Precision::Fp16) { 2 } else { 4 };
+    let word = if matches!(precision, Precision::Bf16 | Precision::Fp16) {
+        2
+    } else {
+        4
+    };
     match strategy? {
         Strategy::Ddp { .. } => {
             let states = match options.optimizer {
@@ -186,15 +234,27 @@ fn model_states_floor(strategy: Option<Strategy>, trainable: u64, precision: Pre
             };
             trainable.checked_mul(2 * word + states)
         }
-        Strategy::Zero { stage: stage @ (1 | 2), world_size, zero } => {
+        Strategy::Zero {
+            stage: stage @ (1 | 2),
+            world_size,
+            zero,
+        } => {
             let states: u64 = match options.optimizer {
                 Optimizer::Adam | Optimizer::AdamW => 2,
                 Optimizer::SgdMomentum => 1,
                 Optimizer::Sgd => 0,
                 _ => return None, // ZeRO refuses bitsandbytes' optimizers (the trace says so)
             };
-            let master = if zero.offload_optimizer { 0 } else { trainable / u64::from(world_size) * 4 * (1 + states) };
-            let grads = if stage == 1 && !zero.overlap_comm.unwrap_or(false) { word } else { 0 };
+            let master = if zero.offload_optimizer {
+                0
+            } else {
+                trainable / u64::from(world_size) * 4 * (1 + states)
+            };
+            let grads = if stage == 1 && !zero.overlap_comm.unwrap_or(false) {
+                word
+            } else {
+                0
+            };
             trainable.checked_mul(word + grads)?.checked_add(master)
         }
         _ => None,
@@ -210,24 +270,58 @@ struct MicroBatches {
 }
 
 /// Sizes and times the micro-batches of one setup from its batch-symbolic trace.
-fn size(sym: &Symbolic, (strategy, precision, checkpointing): (Option<Strategy>, Precision, Checkpointing), profile: &GpuProfile, estimator: &dyn Estimator, space: &Space, link: Interconnect) -> Result<MicroBatches, SizeError> {
+fn size(
+    sym: &Symbolic,
+    (strategy, precision, checkpointing): (Option<Strategy>, Precision, Checkpointing),
+    profile: &GpuProfile,
+    estimator: &dyn Estimator,
+    space: &Space,
+    link: Interconnect,
+) -> Result<MicroBatches, SizeError> {
     let host = HostModel::default();
-    let mut sized = MicroBatches { trainable: sym.trainable_parameters(), fits: Vec::new(), too_big: Vec::new() };
+    let mut sized = MicroBatches {
+        trainable: sym.trainable_parameters(),
+        fits: Vec::new(),
+        too_big: Vec::new(),
+    };
     let world = u64::from(strategy.map_or(1, |s| s.world_size()));
     let rank_batch = space.global_batch.map(|g| g / world);
     let invalid = |e: gpumem_core::search::SearchError| WorkloadError::Invalid(e.to_string());
     let Some((max, _)) = sym.max_batch(profile, estimator).map_err(invalid)? else {
         let estimate = estimator.estimate(&sym.at(1).map_err(invalid)?, profile)?;
-        sized.too_big.push(Setup { strategy, precision, checkpointing, micro_batch: 1, grad_accum: rank_batch.unwrap_or(1), estimate, step_s: 0.0, comm_s: 0.0 });
+        sized.too_big.push(Setup {
+            strategy,
+            precision,
+            checkpointing,
+            micro_batch: 1,
+            grad_accum: rank_batch.unwrap_or(1),
+            estimate,
+            step_s: 0.0,
+            comm_s: 0.0,
+        });
         return Ok(sized);
     };
     for m in micro_batches(rank_batch, max) {
         let trace = sym.at(m).map_err(invalid)?;
         let estimate = estimator.estimate(&trace, profile)?;
         let grad_accum = rank_batch.map_or(1, |g| g / m);
-        let comm_s = link.comm_s(strategy, trace.header.parameters.unwrap_or(0), precision, grad_accum);
+        let comm_s = link.comm_s(
+            strategy,
+            trace.header.parameters.unwrap_or(0),
+            precision,
+            grad_accum,
+        );
         let step_s = physical(&trace, profile, &host).step_s + comm_s;
-        let setup = Setup { strategy, precision, checkpointing, micro_batch: m, grad_accum, step_s, comm_s, estimate };
+        let setup = Setup {
+            strategy,
+            precision,
+            checkpointing,
+            micro_batch: m,
+            grad_accum,
+            step_s,
+            comm_s,
+            estimate,
+        };
         if m > max {
             sized.too_big.push(setup);
         } else {
@@ -241,8 +335,19 @@ fn size(sym: &Symbolic, (strategy, precision, checkpointing): (Option<Strategy>,
 /// precision, checkpointing and batch are searched) on `profile`, every rank's GPU.
 /// `traced(done, of)` hears how many of the `of` (strategy, precision, checkpointing) setups
 /// are traced (the cold part: a tracer run each), first with none.
-pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, space: &Space, link: Interconnect, traced: &(dyn Fn(usize, usize) + Sync)) -> Result<Plan, SizeError> {
-    let strategies = if space.strategies.is_empty() { vec![base.options().strategy] } else { space.strategies.clone() };
+pub fn plan(
+    base: &Workload,
+    profile: &GpuProfile,
+    estimator: &dyn Estimator,
+    space: &Space,
+    link: Interconnect,
+    traced: &(dyn Fn(usize, usize) + Sync),
+) -> Result<Plan, SizeError> {
+    let strategies = if space.strategies.is_empty() {
+        vec![base.options().strategy]
+    } else {
+        space.strategies.clone()
+    };
     let mut pairs = Vec::new();
     for &strategy in &strategies {
         for &precision in &space.precisions {
@@ -256,7 +361,13 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
     use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
     let (done, of) = (AtomicUsize::new(0), AtomicUsize::new(pairs.len()));
     traced(0, pairs.len());
-    let options = |strategy, precision, checkpointing| crate::Options { precision, checkpointing, grad_accum: 1, strategy, ..base.options().clone() };
+    let options = |strategy, precision, checkpointing| crate::Options {
+        precision,
+        checkpointing,
+        grad_accum: 1,
+        strategy,
+        ..base.options().clone()
+    };
     let trace_each = |pairs: &[(Option<Strategy>, Precision, Checkpointing)]| {
         let sized = side_by_side(pairs, |&(strategy, precision, checkpointing)| -> Result<Result<MicroBatches, String>, SizeError> {
             let sym = setup_trace(base, options(strategy, precision, checkpointing), profile);
@@ -271,16 +382,28 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
     // DDP and ZeRO-1/2 hold a whole copy of the parameters (DDP: of all model states) on every
     // rank: where what they hold alone exceeds the GPU, those setups are not traced. The other
     // setups, traced first, count the parameters.
-    let floored = |s: &Option<Strategy>| matches!(s, Some(Strategy::Ddp { .. } | Strategy::Zero { stage: 1 | 2, .. }));
+    let floored = |s: &Option<Strategy>| {
+        matches!(
+            s,
+            Some(Strategy::Ddp { .. } | Strategy::Zero { stage: 1 | 2, .. })
+        )
+    };
     let (bounded, others): (Vec<_>, Vec<_>) = pairs.into_iter().partition(|(s, ..)| floored(s));
     let mut setups = trace_each(&others);
-    let trainable = setups.iter().find_map(|(_, sized)| sized.as_ref().ok()?.as_ref().ok()?.trainable);
+    let trainable = setups
+        .iter()
+        .find_map(|(_, sized)| sized.as_ref().ok()?.as_ref().ok()?.trainable);
     let mut out = Plan::default();
     let mut to_trace = Vec::new();
     for (strategy, precision, checkpointing) in bounded {
         // A setup the options refuse (ZeRO under amp-fp16) says so instead, untraced.
         let valid = options(strategy, precision, checkpointing).check().is_ok();
-        match trainable.filter(|_| valid).and_then(|n| Some((n, model_states_floor(strategy, n, precision, base.options())?))) {
+        match trainable.filter(|_| valid).and_then(|n| {
+            Some((
+                n,
+                model_states_floor(strategy, n, precision, base.options())?,
+            ))
+        }) {
             Some((n, bytes)) if bytes > profile.capacity_bytes() => {
                 of.fetch_sub(1, Relaxed);
                 let reason = format!(
@@ -289,7 +412,12 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
                     base.options().optimizer.name(),
                     gpumem_core::units::bytes_to_mib(bytes)
                 );
-                out.skipped.push(Skipped { strategy, precision, checkpointing, reason });
+                out.skipped.push(Skipped {
+                    strategy,
+                    precision,
+                    checkpointing,
+                    reason,
+                });
             }
             _ => to_trace.push((strategy, precision, checkpointing)),
         }
@@ -301,14 +429,24 @@ pub fn plan(base: &Workload, profile: &GpuProfile, estimator: &dyn Estimator, sp
                 out.fits.extend(sized.fits);
                 out.too_big.extend(sized.too_big);
             }
-            Err(reason) => out.skipped.push(Skipped { strategy, precision, checkpointing, reason }),
+            Err(reason) => out.skipped.push(Skipped {
+                strategy,
+                precision,
+                checkpointing,
+                reason,
+            }),
         }
     }
-    out.fits.sort_by(|a, b| a.seconds_per_sample().total_cmp(&b.seconds_per_sample()));
+    out.fits
+        .sort_by(|a, b| a.seconds_per_sample().total_cmp(&b.seconds_per_sample()));
     // Within 1% of the fastest, the physical model cannot tell setups apart: the one that needs
     // least memory leads (it leaves the GPU room, or other jobs a share of it).
     if let Some(fastest) = out.fits.first().map(Setup::seconds_per_sample) {
-        let near = out.fits.iter().take_while(|s| s.seconds_per_sample() <= fastest * (1.0 + TIE)).count();
+        let near = out
+            .fits
+            .iter()
+            .take_while(|s| s.seconds_per_sample() <= fastest * (1.0 + TIE))
+            .count();
         if let Some(i) = (0..near).min_by_key(|&i| out.fits[i].estimate.upper_bound_bytes) {
             let lead = out.fits.remove(i);
             out.fits.insert(0, lead);
@@ -323,17 +461,33 @@ mod tests {
     fn collectives_cost_what_their_rings_move() {
         let link = Interconnect { bus_gbs: 100.0 };
         let (p, zero) = (1_000_000_000u64, crate::Zero::default());
-        let ddp = Strategy::Ddp { world_size: 4, bucket_cap_mb: 25, bucket_view: false };
+        let ddp = Strategy::Ddp {
+            world_size: 4,
+            bucket_cap_mb: 25,
+            bucket_view: false,
+        };
         // 2 · 3/4 · 4 GB over 100 GB/s.
         assert!((link.comm_s(Some(ddp), p, Precision::Fp32, 1) - 0.06).abs() < 1e-12);
         assert_eq!(link.comm_s(None, p, Precision::Fp32, 1), 0.0);
-        let z = |stage| Some(Strategy::Zero { stage, world_size: 4, zero });
+        let z = |stage| {
+            Some(Strategy::Zero {
+                stage,
+                world_size: 4,
+                zero,
+            })
+        };
         // bf16: 2 GB; ZeRO-2 reduce-scatters each micro-batch, gathers weights once per 4.
         assert!((link.comm_s(z(2), p, Precision::Bf16, 4) - (0.015 + 0.015 / 4.0)).abs() < 1e-12);
         assert!((link.comm_s(z(3), p, Precision::Bf16, 4) - 0.045).abs() < 1e-12);
-        assert_eq!(Interconnect::for_gpu("NVIDIA H100 80GB HBM3 (SXM5)").bus_gbs, 360.0);
+        assert_eq!(
+            Interconnect::for_gpu("NVIDIA H100 80GB HBM3 (SXM5)").bus_gbs,
+            360.0
+        );
         assert_eq!(Interconnect::for_gpu("NVIDIA H100 PCIe 80GB").bus_gbs, 20.0);
-        assert_eq!(Interconnect::for_gpu("NVIDIA A100-SXM4-40GB").bus_gbs, 230.0);
+        assert_eq!(
+            Interconnect::for_gpu("NVIDIA A100-SXM4-40GB").bus_gbs,
+            230.0
+        );
     }
 
     use super::*;
@@ -344,51 +498,169 @@ mod tests {
     fn a_rank_holds_at_least_its_copy_of_the_model_states() {
         use crate::Zero;
         let adam = crate::Options::default();
-        let ddp = Some(Strategy::Ddp { world_size: 4, bucket_cap_mb: 25, bucket_view: false });
-        assert_eq!(model_states_floor(ddp, 1000, Precision::AmpBf16, &adam), Some(16_000), "fp32 weights, gradients, two moments");
-        assert_eq!(model_states_floor(ddp, 1000, Precision::Bf16, &adam), Some(8_000));
-        let with = |optimizer| crate::Options { optimizer, ..adam.clone() };
-        assert_eq!(model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::Sgd)), Some(8_000));
-        assert_eq!(model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::SgdMomentum)), Some(12_000));
-        assert_eq!(model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::AdamW8bit)), Some(10_000));
-        assert_eq!(model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::PagedAdamW8bit)), Some(8_000), "paged states may sit on the host");
-        let zero = |stage, zero| Some(Strategy::Zero { stage, world_size: 4, zero });
+        let ddp = Some(Strategy::Ddp {
+            world_size: 4,
+            bucket_cap_mb: 25,
+            bucket_view: false,
+        });
+        assert_eq!(
+            model_states_floor(ddp, 1000, Precision::AmpBf16, &adam),
+            Some(16_000),
+            "fp32 weights, gradients, two moments"
+        );
+        assert_eq!(
+            model_states_floor(ddp, 1000, Precision::Bf16, &adam),
+            Some(8_000)
+        );
+        let with = |optimizer| crate::Options {
+            optimizer,
+            ..adam.clone()
+        };
+        assert_eq!(
+            model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::Sgd)),
+            Some(8_000)
+        );
+        assert_eq!(
+            model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::SgdMomentum)),
+            Some(12_000)
+        );
+        assert_eq!(
+            model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::AdamW8bit)),
+            Some(10_000)
+        );
+        assert_eq!(
+            model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::PagedAdamW8bit)),
+            Some(8_000),
+            "paged states may sit on the host"
+        );
+        let zero = |stage, zero| {
+            Some(Strategy::Zero {
+                stage,
+                world_size: 4,
+                zero,
+            })
+        };
         // Flat parameters, then a quarter of the fp32 master weights and two moments.
-        assert_eq!(model_states_floor(zero(2, Zero::default()), 1000, Precision::Bf16, &adam), Some(2_000 + 3_000));
-        assert_eq!(model_states_floor(zero(1, Zero::default()), 1000, Precision::Bf16, &adam), Some(4_000 + 3_000), "and every gradient");
-        assert_eq!(model_states_floor(zero(1, Zero { overlap_comm: Some(true), ..Zero::default() }), 1000, Precision::Bf16, &adam), Some(5_000));
-        assert_eq!(model_states_floor(zero(2, Zero { offload_optimizer: true, ..Zero::default() }), 1000, Precision::AmpBf16, &adam), Some(4_000));
-        assert_eq!(model_states_floor(zero(3, Zero::default()), 1000, Precision::Bf16, &adam), None, "sharded");
+        assert_eq!(
+            model_states_floor(zero(2, Zero::default()), 1000, Precision::Bf16, &adam),
+            Some(2_000 + 3_000)
+        );
+        assert_eq!(
+            model_states_floor(zero(1, Zero::default()), 1000, Precision::Bf16, &adam),
+            Some(4_000 + 3_000),
+            "and every gradient"
+        );
+        assert_eq!(
+            model_states_floor(
+                zero(
+                    1,
+                    Zero {
+                        overlap_comm: Some(true),
+                        ..Zero::default()
+                    }
+                ),
+                1000,
+                Precision::Bf16,
+                &adam
+            ),
+            Some(5_000)
+        );
+        assert_eq!(
+            model_states_floor(
+                zero(
+                    2,
+                    Zero {
+                        offload_optimizer: true,
+                        ..Zero::default()
+                    }
+                ),
+                1000,
+                Precision::AmpBf16,
+                &adam
+            ),
+            Some(4_000)
+        );
+        assert_eq!(
+            model_states_floor(zero(3, Zero::default()), 1000, Precision::Bf16, &adam),
+            None,
+            "sharded"
+        );
         assert_eq!(model_states_floor(None, 1000, Precision::Bf16, &adam), None);
-        let lora = crate::Options { lora: Some(crate::Lora { rank: 8, alpha: 16.0, targets: vec!["q_proj".into()], dropout: 0.0, quant: None }), ..adam };
+        let lora = crate::Options {
+            lora: Some(crate::Lora {
+                rank: 8,
+                alpha: 16.0,
+                targets: vec!["q_proj".into()],
+                dropout: 0.0,
+                quant: None,
+            }),
+            ..adam
+        };
         assert_eq!(model_states_floor(ddp, 1000, Precision::Fp32, &lora), None);
     }
 
     #[test]
     fn micro_batches_divide_the_global_batch_or_double() {
         assert_eq!(micro_batches(Some(12), 100), vec![1, 2, 3, 4, 6, 12]);
-        assert_eq!(micro_batches(Some(12), 4), vec![1, 2, 3, 4, 6], "the next one above the largest that fits, to show it does not");
-        assert_eq!(micro_batches(None, 100), vec![1, 2, 4, 8, 16, 32, 64, 100, 128]);
+        assert_eq!(
+            micro_batches(Some(12), 4),
+            vec![1, 2, 3, 4, 6],
+            "the next one above the largest that fits, to show it does not"
+        );
+        assert_eq!(
+            micro_batches(None, 100),
+            vec![1, 2, 4, 8, 16, 32, 64, 100, 128]
+        );
         assert_eq!(micro_batches(None, 64), vec![1, 2, 4, 8, 16, 32, 64, 128]);
     }
 
     #[test]
     fn the_fastest_setup_that_fits_comes_first() {
         let t4 = builtin("t4").unwrap();
-        let base = Workload::parse("mlp:input=4096,output=10,depth=6,arch=uniform", 1, crate::Options::default()).unwrap();
-        let space = Space { strategies: Vec::new(), precisions: vec![Precision::Fp32, Precision::AmpFp16], checkpointing: vec![Checkpointing::Off], global_batch: Some(4096) };
+        let base = Workload::parse(
+            "mlp:input=4096,output=10,depth=6,arch=uniform",
+            1,
+            crate::Options::default(),
+        )
+        .unwrap();
+        let space = Space {
+            strategies: Vec::new(),
+            precisions: vec![Precision::Fp32, Precision::AmpFp16],
+            checkpointing: vec![Checkpointing::Off],
+            global_batch: Some(4096),
+        };
         let link = Interconnect::for_gpu(&t4.name);
         let p = plan(&base, &t4, &Replay::default(), &space, link, &|_, _| ()).unwrap();
         assert!(!p.fits.is_empty());
-        assert!(p.fits.windows(2).all(|w| w[0].seconds_per_sample() <= w[1].seconds_per_sample()));
-        assert!(p.fits.iter().all(|s| s.estimate.upper_bound_bytes <= t4.capacity_bytes() && s.micro_batch * s.grad_accum == 4096));
-        assert!(p.too_big.iter().all(|s| s.estimate.upper_bound_bytes > t4.capacity_bytes()));
+        assert!(
+            p.fits
+                .windows(2)
+                .all(|w| w[0].seconds_per_sample() <= w[1].seconds_per_sample())
+        );
+        assert!(
+            p.fits
+                .iter()
+                .all(|s| s.estimate.upper_bound_bytes <= t4.capacity_bytes()
+                    && s.micro_batch * s.grad_accum == 4096)
+        );
+        assert!(
+            p.too_big
+                .iter()
+                .all(|s| s.estimate.upper_bound_bytes > t4.capacity_bytes())
+        );
         // The same micro-batch trains faster in mixed precision on a T4's tensor cores.
         let best = &p.fits[0];
         assert_eq!(best.precision, Precision::AmpFp16, "{best:?}");
         // Checkpointing is for PyTorch models: skipped with the reason, not an error.
-        let space = Space { checkpointing: vec![Checkpointing::Full], ..space };
+        let space = Space {
+            checkpointing: vec![Checkpointing::Full],
+            ..space
+        };
         let p = plan(&base, &t4, &Replay::default(), &space, link, &|_, _| ()).unwrap();
-        assert!(p.fits.is_empty() && p.skipped.len() == 2 && p.skipped[0].reason.contains("apply to PyTorch models"));
+        assert!(
+            p.fits.is_empty()
+                && p.skipped.len() == 2
+                && p.skipped[0].reason.contains("apply to PyTorch models")
+        );
     }
 }

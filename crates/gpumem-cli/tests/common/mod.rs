@@ -5,7 +5,10 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 pub fn gpumem(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_gpumem")).args(args).output().expect("gpumem runs")
+    Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args(args)
+        .output()
+        .expect("gpumem runs")
 }
 
 /// Asserts exit code 2 and a single-line error containing `needle`.
@@ -13,7 +16,11 @@ pub fn bad_input(args: &[&str], needle: &str) {
     let o = gpumem(args);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{args:?}: stderr {err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: error is not one line: {err}");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "{args:?}: error is not one line: {err}"
+    );
     assert!(err.contains(needle), "{args:?}: `{err}` lacks `{needle}`");
 }
 
@@ -26,7 +33,9 @@ pub fn scratch(suite: &str, name: &str) -> PathBuf {
 
 /// The shared measured data beside the repository (`../shared/data`), if present.
 pub fn shared_data(file: &str) -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data").join(file);
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/data")
+        .join(file);
     p.exists().then_some(p)
 }
 
@@ -36,7 +45,10 @@ pub fn torch(what: &str) -> bool {
     if std::env::var_os("GPUMEM_PYTHON").is_some() {
         return true;
     }
-    assert!(std::env::var("GPUMEM_TEST_REQUIRE_TORCH").as_deref() != Ok("1"), "GPUMEM_PYTHON is not set but torch is required");
+    assert!(
+        std::env::var("GPUMEM_TEST_REQUIRE_TORCH").as_deref() != Ok("1"),
+        "GPUMEM_PYTHON is not set but torch is required"
+    );
     eprintln!("SKIPPED: set GPUMEM_PYTHON to an interpreter with torch to run {what}");
     false
 }

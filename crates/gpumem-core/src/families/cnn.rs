@@ -3,7 +3,9 @@
 use std::fmt;
 
 use super::{Keys, SeedValues, SpecError};
-use crate::graph::{Activation, Dtype, Graph, GraphBuilder, LayerParams, NormParams, Precision, TensorId};
+use crate::graph::{
+    Activation, Dtype, Graph, GraphBuilder, LayerParams, NormParams, Precision, TensorId,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CnnArch {
@@ -58,12 +60,16 @@ const DEFAULT_POOL_EVERY: u64 = 5;
 impl Cnn {
     pub(crate) fn from_keys(kv: &mut Keys) -> Result<Self, SpecError> {
         let arch_name = kv.word("arch", Some("pyramid"))?;
-        let arch = ARCHS.iter().find(|(n, _)| *n == arch_name).map(|&(_, a)| a).ok_or_else(|| SpecError::UnknownChoice {
-            family: "cnn",
-            key: "arch",
-            value: arch_name.clone(),
-            expected: ARCHS.map(|(n, _)| n).join(", "),
-        })?;
+        let arch = ARCHS
+            .iter()
+            .find(|(n, _)| *n == arch_name)
+            .map(|&(_, a)| a)
+            .ok_or_else(|| SpecError::UnknownChoice {
+                family: "cnn",
+                key: "arch",
+                value: arch_name.clone(),
+                expected: ARCHS.map(|(n, _)| n).join(", "),
+            })?;
         let act = Activation::parse(&kv.word("act", Some("relu"))?)?;
         let c = Cnn {
             channels: kv.uint("channels", Some(3), 1, 64)?,
@@ -96,14 +102,30 @@ impl Cnn {
     /// batch size. A dense row's transition interval was drawn at random and not recorded: this
     /// gives the depth rule's (`pool_every = 0`).
     pub fn from_seed_filename(name: &str) -> Result<(Cnn, u64), SpecError> {
-        const KEYS: [&str; 11] = ["input_channels:", "num_classes:", "depth:", "arch:", "base_filters:", "batch:", "input_size:", "act:", "dropout:", "dropout:", "batchnorm:"];
+        const KEYS: [&str; 11] = [
+            "input_channels:",
+            "num_classes:",
+            "depth:",
+            "arch:",
+            "base_filters:",
+            "batch:",
+            "input_size:",
+            "act:",
+            "dropout:",
+            "dropout:",
+            "batchnorm:",
+        ];
         let v = SeedValues::read(name, &KEYS)?;
-        let arch = ARCHS.iter().find(|(n, _)| *n == v.word(3)).map(|&(_, a)| a).ok_or_else(|| SpecError::UnknownChoice {
-            family: "cnn",
-            key: "arch",
-            value: v.word(3).to_string(),
-            expected: ARCHS.map(|(n, _)| n).join(", "),
-        })?;
+        let arch = ARCHS
+            .iter()
+            .find(|(n, _)| *n == v.word(3))
+            .map(|&(_, a)| a)
+            .ok_or_else(|| SpecError::UnknownChoice {
+                family: "cnn",
+                key: "arch",
+                value: v.word(3).to_string(),
+                expected: ARCHS.map(|(n, _)| n).join(", "),
+            })?;
         let cnn = Cnn {
             channels: v.uint(0)?,
             classes: v.uint(1)?,
@@ -129,7 +151,12 @@ impl Cnn {
         if self.arch != CnnArch::Dense || self.pool_every.is_some() {
             return vec![self.clone()];
         }
-        [DEFAULT_POOL_EVERY, 0].map(|n| Cnn { pool_every: Some(n), ..self.clone() }).to_vec()
+        [DEFAULT_POOL_EVERY, 0]
+            .map(|n| Cnn {
+                pool_every: Some(n),
+                ..self.clone()
+            })
+            .to_vec()
     }
 
     fn pooling_interval(&self) -> u64 {
@@ -152,8 +179,16 @@ impl Cnn {
             CnnArch::Uniform => base,
             CnnArch::Gradual => (base * grow(1.0 / (2.0 * d)).powf(i)).min(MAX_FILTERS),
             CnnArch::Bottleneck => {
-                let g = if self.depth <= 2 { 2.0 } else { grow(1.0 / (d - 1.0)) };
-                if i == 0.0 { base * 2.0 } else { (base * g.powf(i - 1.0)).min(MAX_FILTERS) }
+                let g = if self.depth <= 2 {
+                    2.0
+                } else {
+                    grow(1.0 / (d - 1.0))
+                };
+                if i == 0.0 {
+                    base * 2.0
+                } else {
+                    (base * g.powf(i - 1.0)).min(MAX_FILTERS)
+                }
             }
             CnnArch::Hourglass => {
                 let contracting = (self.depth / 2) as f64;
@@ -172,7 +207,20 @@ impl Cnn {
 
     /// ConvBlock: conv 3×3 (or k), optional BatchNorm2d, activation, optional dropout.
     #[allow(clippy::too_many_arguments)]
-    fn conv_block(&self, g: &mut GraphBuilder, x: TensorId, b: u64, cin: u64, cout: u64, hw: u64, k: u64, stride: u64, pad: u64, dropout: bool, act: Activation) -> (TensorId, u64) {
+    fn conv_block(
+        &self,
+        g: &mut GraphBuilder,
+        x: TensorId,
+        b: u64,
+        cin: u64,
+        cout: u64,
+        hw: u64,
+        k: u64,
+        stride: u64,
+        pad: u64,
+        dropout: bool,
+        act: Activation,
+    ) -> (TensorId, u64) {
         let (mut y, hw) = g.conv2d(x, b, cin, cout, hw, k, stride, pad, true);
         if self.batchnorm {
             y = g.batch_norm(y, cout);
@@ -186,7 +234,18 @@ impl Cnn {
 
     /// A 3×3 ConvBlock whose parameters were registered already.
     #[allow(clippy::too_many_arguments)]
-    fn conv_block_with(&self, g: &mut GraphBuilder, x: TensorId, (conv, norm): (LayerParams, Option<NormParams>), b: u64, cin: u64, cout: u64, hw: u64, stride: u64, dropout: bool) -> (TensorId, u64) {
+    fn conv_block_with(
+        &self,
+        g: &mut GraphBuilder,
+        x: TensorId,
+        (conv, norm): (LayerParams, Option<NormParams>),
+        b: u64,
+        cin: u64,
+        cout: u64,
+        hw: u64,
+        stride: u64,
+        dropout: bool,
+    ) -> (TensorId, u64) {
         let (mut y, hw) = g.conv2d_with(x, conv, b, cin, cout, hw, 3, stride, 1);
         if let Some(n) = norm {
             y = g.batch_norm_with(y, n, cout);
@@ -210,13 +269,25 @@ impl Cnn {
             CnnArch::Residual => {
                 let growth = (MAX_FILTERS / self.filters as f64).powf(1.0 / self.depth as f64);
                 for i in 0..self.depth / 2 {
-                    let out = ((self.filters as f64 * growth.powi(i as i32) + 1e-9).floor()).min(MAX_FILTERS) as u64;
+                    let out = ((self.filters as f64 * growth.powi(i as i32) + 1e-9).floor())
+                        .min(MAX_FILTERS) as u64;
                     let stride = if i % 2 == 1 && hw > 7 { 2 } else { 1 };
                     // Parameters in definition order (conv1, conv2, shortcut); the shortcut runs first.
                     let bn = self.batchnorm;
-                    let c1 = (g.conv_params(c, out, 3, true), bn.then(|| g.batch_norm_params(out)));
-                    let c2 = (g.conv_params(out, out, 3, true), bn.then(|| g.batch_norm_params(out)));
-                    let shortcut = (c != out || stride != 1).then(|| (g.conv_params(c, out, 1, true), bn.then(|| g.batch_norm_params(out))));
+                    let c1 = (
+                        g.conv_params(c, out, 3, true),
+                        bn.then(|| g.batch_norm_params(out)),
+                    );
+                    let c2 = (
+                        g.conv_params(out, out, 3, true),
+                        bn.then(|| g.batch_norm_params(out)),
+                    );
+                    let shortcut = (c != out || stride != 1).then(|| {
+                        (
+                            g.conv_params(c, out, 1, true),
+                            bn.then(|| g.batch_norm_params(out)),
+                        )
+                    });
                     let residual = match shortcut {
                         Some((conv, norm)) => {
                             let (mut s, _) = g.conv2d_with(x, conv, b, c, out, hw, 1, stride, 0);
@@ -244,15 +315,43 @@ impl Cnn {
                 for i in 0..units {
                     let mut features = vec![x];
                     for l in 0..4u64 {
-                        let inp = if features.len() == 1 { features[0] } else { g.cat(&features) };
-                        let (y, _) = self.conv_block(&mut g, inp, b, c + l * 32, 32, hw, 3, 1, 1, drop, self.act);
+                        let inp = if features.len() == 1 {
+                            features[0]
+                        } else {
+                            g.cat(&features)
+                        };
+                        let (y, _) = self.conv_block(
+                            &mut g,
+                            inp,
+                            b,
+                            c + l * 32,
+                            32,
+                            hw,
+                            3,
+                            1,
+                            1,
+                            drop,
+                            self.act,
+                        );
                         features.push(y);
                         acts += 32 * hw * hw;
                     }
                     x = g.cat(&features);
                     c += 128;
                     if i % every == 0 && i != units - 1 {
-                        let (y, _) = self.conv_block(&mut g, x, b, c, c / 2, hw, 1, 1, 0, false, Activation::Relu);
+                        let (y, _) = self.conv_block(
+                            &mut g,
+                            x,
+                            b,
+                            c,
+                            c / 2,
+                            hw,
+                            1,
+                            1,
+                            0,
+                            false,
+                            Activation::Relu,
+                        );
                         x = y;
                         c /= 2;
                         if hw > 1 {
@@ -282,7 +381,11 @@ impl Cnn {
         }
         let pooled = g.global_avg_pool(x, b, c);
         let logits = g.linear(pooled, c, self.classes, true);
-        let out = if self.classes > 1 { g.softmax(logits) } else { g.activation(logits, Activation::Sigmoid) };
+        let out = if self.classes > 1 {
+            g.softmax(logits)
+        } else {
+            g.activation(logits, Activation::Sigmoid)
+        };
         acts += c + 2 * self.classes;
         g.end_model(out);
         g.set_activations_per_sample(acts);
@@ -293,12 +396,25 @@ impl Cnn {
 
 impl fmt::Display for Cnn {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let arch = ARCHS.iter().find(|(_, a)| *a == self.arch).map(|(n, _)| *n).unwrap_or("pyramid");
+        let arch = ARCHS
+            .iter()
+            .find(|(_, a)| *a == self.arch)
+            .map(|(n, _)| *n)
+            .unwrap_or("pyramid");
         let act = self.act.name();
         write!(
             f,
             "cnn:channels={},classes={},filters={},depth={},input={},arch={},act={},dropout={},batchnorm={},pooling={}",
-            self.channels, self.classes, self.filters, self.depth, self.input, arch, act, self.dropout, self.batchnorm, self.pooling
+            self.channels,
+            self.classes,
+            self.filters,
+            self.depth,
+            self.input,
+            arch,
+            act,
+            self.dropout,
+            self.batchnorm,
+            self.pooling
         )?;
         if let Some(n) = self.pool_every {
             write!(f, ",pool_every={n}")?;
@@ -323,25 +439,36 @@ mod tests {
     fn channel_schedules_follow_the_seed() {
         let c = cnn("cnn:classes=10,filters=32,depth=4,input=64,arch=pyramid");
         // growth (2048/32)^(1/4) = 2.828…
-        assert_eq!((0..4).map(|i| c.plain_channels(i)).collect::<Vec<_>>(), vec![32, 90, 256, 724]);
+        assert_eq!(
+            (0..4).map(|i| c.plain_channels(i)).collect::<Vec<_>>(),
+            vec![32, 90, 256, 724]
+        );
         let c = cnn("cnn:classes=10,filters=64,depth=4,input=64,arch=bottleneck");
         assert_eq!(c.plain_channels(0), 128);
         assert_eq!(c.plain_channels(1), 64);
         let c = cnn("cnn:classes=10,filters=64,depth=4,input=64,arch=hourglass");
-        assert_eq!((0..4).map(|i| c.plain_channels(i)).collect::<Vec<_>>(), vec![64, 362, 362, 64]);
+        assert_eq!(
+            (0..4).map(|i| c.plain_channels(i)).collect::<Vec<_>>(),
+            vec![64, 362, 362, 64]
+        );
     }
 
     #[test]
     fn convolutions_name_their_workspaces_as_the_tracer_does() {
         use crate::families::JobOptions;
         use crate::trace::{ConvPass, Event};
-        let t = ModelSpec::parse("cnn:classes=10,filters=16,depth=2,input=32,arch=uniform").unwrap().trace(&JobOptions::new(4)).unwrap();
+        let t = ModelSpec::parse("cnn:classes=10,filters=16,depth=2,input=32,arch=uniform")
+            .unwrap()
+            .trace(&JobOptions::new(4))
+            .unwrap();
         let passes = |key: &str| {
             let mut p: Vec<ConvPass> = t
                 .events()
                 .iter()
                 .filter_map(|ev| match *ev {
-                    Event::Workspace { conv, n: 4, pass, .. } if t.op_name(conv) == key => Some(pass),
+                    Event::Workspace {
+                        conv, n: 4, pass, ..
+                    } if t.op_name(conv) == key => Some(pass),
                     _ => None,
                 })
                 .collect();
@@ -352,7 +479,10 @@ mod tests {
         let first = "in=3x32x32;w=16x3x3x3;stride=1x1;pad=1x1;dil=1x1;groups=1;dtype=float32;layout=contiguous";
         let second = "in=16x32x32;w=16x16x3x3;stride=1x1;pad=1x1;dil=1x1;groups=1;dtype=float32;layout=contiguous";
         // The image needs no gradient: the first convolution has no backward-data pass.
-        assert_eq!(passes(first), vec![ConvPass::Forward, ConvPass::BackwardFilter]);
+        assert_eq!(
+            passes(first),
+            vec![ConvPass::Forward, ConvPass::BackwardFilter]
+        );
         assert_eq!(passes(second), ConvPass::ALL.to_vec());
         assert!(t.runs_convolutions());
     }
@@ -360,7 +490,9 @@ mod tests {
     #[test]
     fn every_arch_builds_a_trainable_graph() {
         for (name, _) in ARCHS {
-            let c = cnn(&format!("cnn:classes=10,filters=16,depth=8,input=32,arch={name},batchnorm=true,dropout=0.1"));
+            let c = cnn(&format!(
+                "cnn:classes=10,filters=16,depth=8,input=32,arch={name},batchnorm=true,dropout=0.1"
+            ));
             let g = c.graph(4, Precision::Fp32);
             assert!(g.parameter_count() > 0, "{name}");
             assert!(g.nodes.iter().any(|n| n.name == "conv2d"), "{name}");

@@ -25,7 +25,8 @@ impl ModelSpec {
     pub fn facts(&self, batch: u64) -> ModelFacts {
         let spec = self;
         let g = spec.graph(batch, Precision::Fp32);
-        let count = |names: &[&str]| g.nodes.iter().filter(|n| names.contains(&n.name)).count() as u64;
+        let count =
+            |names: &[&str]| g.nodes.iter().filter(|n| names.contains(&n.name)).count() as u64;
         let (linear, conv) = (count(&["addmm", "mm"]), count(&["conv2d"]));
         let activation = match spec {
             ModelSpec::Mlp(m) => m.act,

@@ -20,7 +20,14 @@ impl MlpArch {
             "uniform" => MlpArch::Uniform,
             "bottleneck" => MlpArch::Bottleneck,
             "gradual" => MlpArch::Gradual,
-            other => return Err(SpecError::UnknownChoice { family: "mlp", key: "arch", value: other.into(), expected: "pyramid, uniform, bottleneck or gradual".into() }),
+            other => {
+                return Err(SpecError::UnknownChoice {
+                    family: "mlp",
+                    key: "arch",
+                    value: other.into(),
+                    expected: "pyramid, uniform, bottleneck or gradual".into(),
+                });
+            }
         })
     }
     fn name(self) -> &'static str {
@@ -72,21 +79,49 @@ impl Mlp {
         let head = match kv.word("head", Some("identity"))?.as_str() {
             "sigmoid" => MlpHead::Sigmoid,
             "identity" => MlpHead::Identity,
-            other => return Err(SpecError::UnknownChoice { family: "mlp", key: "head", value: other.into(), expected: "sigmoid or identity".into() }),
+            other => {
+                return Err(SpecError::UnknownChoice {
+                    family: "mlp",
+                    key: "head",
+                    value: other.into(),
+                    expected: "sigmoid or identity".into(),
+                });
+            }
         };
         let samples = match kv.uint("samples", Some(0), 0, 1 << 40)? {
             0 => None,
             n => Some(n),
         };
         let summary = kv.boolean("summary", false)?;
-        Ok(Mlp { input, output, depth, arch, act, dropout, batchnorm, head, samples, summary })
+        Ok(Mlp {
+            input,
+            output,
+            depth,
+            arch,
+            act,
+            dropout,
+            batchnorm,
+            head,
+            samples,
+            summary,
+        })
     }
 
     /// Rebuilds a row of the seed's dataset from its `Filename`
     /// (`input:I_output:O_depth:D_arch:A_batch:B_act:F_dropout:P_dropout:USE_batchnorm:USE.out`),
     /// with the seed's loop: 4,096 samples, torchsummary first. Returns the model and batch size.
     pub fn from_seed_filename(name: &str) -> Result<(Mlp, u64), SpecError> {
-        const KEYS: [&str; 9] = ["input:", "output:", "depth:", "arch:", "batch:", "act:", "dropout:", "dropout:", "batchnorm:"];
+        const KEYS: [&str; 9] = [
+            "input:",
+            "output:",
+            "depth:",
+            "arch:",
+            "batch:",
+            "act:",
+            "dropout:",
+            "dropout:",
+            "batchnorm:",
+        ];
         let v = SeedValues::read(name, &KEYS)?;
         let mlp = Mlp {
             input: v.uint(0)?,
@@ -110,7 +145,11 @@ impl Mlp {
         let mut inf = i;
         match self.arch {
             MlpArch::Pyramid | MlpArch::Bottleneck => {
-                let blocks = if self.arch == MlpArch::Bottleneck { d + 1 } else { d };
+                let blocks = if self.arch == MlpArch::Bottleneck {
+                    d + 1
+                } else {
+                    d
+                };
                 for _ in 0..blocks {
                     let out = (inf / 2).max(o);
                     v.push((inf, out));
@@ -168,7 +207,15 @@ impl Mlp {
             g.cross_entropy(out, labels)
         } else {
             // labels = labels.view(-1, 1).float()
-            let lf = g.node("to_copy", &[labels], &[(batch, Dtype::F32)], &[], &[], 0, false)[0];
+            let lf = g.node(
+                "to_copy",
+                &[labels],
+                &[(batch, Dtype::F32)],
+                &[],
+                &[],
+                0,
+                false,
+            )[0];
             g.rebind(labels, lf);
             g.bce_with_logits(out, lf)
         };
@@ -179,7 +226,17 @@ impl Mlp {
 impl fmt::Display for Mlp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let act = self.act.name();
-        write!(f, "mlp:input={},output={},depth={},arch={},act={},dropout={},batchnorm={}", self.input, self.output, self.depth, self.arch.name(), act, self.dropout, self.batchnorm)?;
+        write!(
+            f,
+            "mlp:input={},output={},depth={},arch={},act={},dropout={},batchnorm={}",
+            self.input,
+            self.output,
+            self.depth,
+            self.arch.name(),
+            act,
+            self.dropout,
+            self.batchnorm
+        )?;
         if self.output == 1 && self.head == MlpHead::Sigmoid {
             write!(f, ",head=sigmoid")?;
         }
@@ -204,16 +261,31 @@ mod tests {
         assert_eq!(m.act, Activation::LeakyRelu);
         assert_eq!(m.dropout, 0.0);
         assert_eq!(m.layer_sizes(), vec![(100, 69), (69, 38), (38, 7), (7, 7)]);
-        assert_eq!(Mlp::from_seed_filename("input:x_output:1").unwrap_err().to_string(), "seed filename `input:x_output:1`: missing `depth:`");
+        assert_eq!(
+            Mlp::from_seed_filename("input:x_output:1")
+                .unwrap_err()
+                .to_string(),
+            "seed filename `input:x_output:1`: missing `depth:`"
+        );
         let e = Mlp::from_seed_filename("input:x_output:1_depth:2_arch:pyramid_batch:8_act:relu_dropout:0.2_dropout:False_batchnorm:False.out").unwrap_err();
-        assert!(e.to_string().ends_with(".out`: input `x` is not a whole number"), "{e}");
+        assert!(
+            e.to_string()
+                .ends_with(".out`: input `x` is not a whole number"),
+            "{e}"
+        );
     }
 
     #[test]
     fn bottleneck_and_uniform_shapes() {
-        let m = Mlp::from_keys(&mut Keys::parse("mlp", "input=64,output=4,depth=2,arch=bottleneck").unwrap()).unwrap();
+        let m = Mlp::from_keys(
+            &mut Keys::parse("mlp", "input=64,output=4,depth=2,arch=bottleneck").unwrap(),
+        )
+        .unwrap();
         assert_eq!(m.layer_sizes(), vec![(64, 32), (32, 16), (16, 8), (8, 4)]);
-        let m = Mlp::from_keys(&mut Keys::parse("mlp", "input=64,output=4,depth=2,arch=uniform").unwrap()).unwrap();
+        let m = Mlp::from_keys(
+            &mut Keys::parse("mlp", "input=64,output=4,depth=2,arch=uniform").unwrap(),
+        )
+        .unwrap();
         assert_eq!(m.layer_sizes(), vec![(64, 64), (64, 64), (64, 4)]);
     }
 }

@@ -55,7 +55,11 @@ impl JobOptions {
     /// Defaults for a job on `profile`'s GPU and PyTorch release (its cuBLAS workspace size and
     /// the release's optimizer and zero_grad behaviour).
     pub fn on(profile: &GpuProfile, batch: u64) -> Self {
-        JobOptions { torch: TorchBehaviour::parse(&profile.torch), cublas_workspace: profile.cublas_workspace(), ..JobOptions::new(batch) }
+        JobOptions {
+            torch: TorchBehaviour::parse(&profile.torch),
+            cublas_workspace: profile.cublas_workspace(),
+            ..JobOptions::new(batch)
+        }
     }
 }
 
@@ -79,18 +83,47 @@ pub enum SpecError {
     #[error("{family} spec: unknown key `{key}`")]
     UnknownKey { family: String, key: String },
     #[error("{family} spec: {key}=`{value}` is not a whole number")]
-    NotWholeNumber { family: String, key: String, value: String },
+    NotWholeNumber {
+        family: String,
+        key: String,
+        value: String,
+    },
     #[error("{family} spec: {key}=`{value}` is not a number")]
-    NotNumber { family: String, key: String, value: String },
+    NotNumber {
+        family: String,
+        key: String,
+        value: String,
+    },
     #[error("{family} spec: {key}=`{value}` is not true or false")]
-    NotBool { family: String, key: String, value: String },
+    NotBool {
+        family: String,
+        key: String,
+        value: String,
+    },
     #[error("{family} spec: {key}={value} is out of range ({min}..={max})")]
-    OutOfRange { family: String, key: String, value: i128, min: u64, max: u64 },
+    OutOfRange {
+        family: String,
+        key: String,
+        value: i128,
+        min: u64,
+        max: u64,
+    },
     #[error("{family} spec: {key}={value} is out of range ({min}..={max})")]
-    FloatOutOfRange { family: String, key: String, value: f64, min: f64, max: f64 },
+    FloatOutOfRange {
+        family: String,
+        key: String,
+        value: f64,
+        min: f64,
+        max: f64,
+    },
     /// A word key (`arch`, `head`) with a value the family does not have.
     #[error("{family} spec: unknown {key} `{value}` (expected {expected})")]
-    UnknownChoice { family: &'static str, key: &'static str, value: String, expected: String },
+    UnknownChoice {
+        family: &'static str,
+        key: &'static str,
+        value: String,
+        expected: String,
+    },
     #[error(transparent)]
     Activation(#[from] UnknownName),
     #[error("transformer spec: embed={embed} is not divisible by heads={heads}")]
@@ -101,7 +134,10 @@ pub enum SpecError {
     CnnIdentity,
     /// A seed dataset row's `Filename` ([`Mlp::from_seed_filename`]).
     #[error("seed filename `{name}`: {problem}")]
-    SeedFilename { name: String, problem: SeedFilenameProblem },
+    SeedFilename {
+        name: String,
+        problem: SeedFilenameProblem,
+    },
 }
 
 /// What is wrong with a seed dataset's `Filename`.
@@ -119,11 +155,18 @@ pub enum SeedFilenameProblem {
 
 /// The values of a seed file name's `key:value` fields, given its keys (`"depth:"`) in order
 /// (values may hold `_`, as `act:leaky_relu` does, so the keys delimit them). `.out` is dropped.
-pub(crate) fn seed_fields<'a>(name: &'a str, keys: &[&'static str]) -> Result<Vec<&'a str>, SeedFilenameProblem> {
+pub(crate) fn seed_fields<'a>(
+    name: &'a str,
+    keys: &[&'static str],
+) -> Result<Vec<&'a str>, SeedFilenameProblem> {
     let mut rest = name.trim().trim_end_matches(".out");
     let mut values = Vec::with_capacity(keys.len());
     for (i, k) in keys.iter().enumerate() {
-        let key = if i == 0 { k.to_string() } else { format!("_{k}") };
+        let key = if i == 0 {
+            k.to_string()
+        } else {
+            format!("_{k}")
+        };
         let start = rest.find(&key).ok_or(SeedFilenameProblem::Missing(k))?;
         if i > 0 {
             values.push(&rest[..start]);
@@ -143,12 +186,18 @@ pub(crate) struct SeedValues<'a> {
 
 impl<'a> SeedValues<'a> {
     pub fn read(name: &'a str, keys: &'a [&'static str]) -> Result<Self, SpecError> {
-        let values = seed_fields(name, keys).map_err(|problem| SpecError::SeedFilename { name: name.to_string(), problem })?;
+        let values = seed_fields(name, keys).map_err(|problem| SpecError::SeedFilename {
+            name: name.to_string(),
+            problem,
+        })?;
         Ok(SeedValues { name, keys, values })
     }
 
     fn bad(&self, problem: SeedFilenameProblem) -> SpecError {
-        SpecError::SeedFilename { name: self.name.to_string(), problem }
+        SpecError::SeedFilename {
+            name: self.name.to_string(),
+            problem,
+        }
     }
 
     pub fn uint(&self, i: usize) -> Result<u64, SpecError> {
@@ -156,13 +205,19 @@ impl<'a> SeedValues<'a> {
         match v.parse::<u64>() {
             Ok(0) => Err(self.bad(SeedFilenameProblem::ZeroSize)),
             Ok(n) => Ok(n),
-            Err(_) => Err(self.bad(SeedFilenameProblem::NotWholeNumber { what: self.keys[i].trim_end_matches(':'), value: v.to_string() })),
+            Err(_) => Err(self.bad(SeedFilenameProblem::NotWholeNumber {
+                what: self.keys[i].trim_end_matches(':'),
+                value: v.to_string(),
+            })),
         }
     }
 
     pub fn rate(&self, i: usize) -> Result<f64, SpecError> {
         let v = self.values[i];
-        v.parse::<f64>().ok().filter(|r| (0.0..1.0).contains(r)).ok_or_else(|| self.bad(SeedFilenameProblem::NotRate(v.to_string())))
+        v.parse::<f64>()
+            .ok()
+            .filter(|r| (0.0..1.0).contains(r))
+            .ok_or_else(|| self.bad(SeedFilenameProblem::NotRate(v.to_string())))
     }
 
     pub fn flag(&self, i: usize) -> bool {
@@ -192,7 +247,9 @@ impl ModelSpec {
 
     /// Parses `family:key=value,...`.
     pub fn parse(spec: &str) -> Result<ModelSpec, SpecError> {
-        let (family, rest) = spec.split_once(':').ok_or_else(|| SpecError::NoFamily(spec.to_string()))?;
+        let (family, rest) = spec
+            .split_once(':')
+            .ok_or_else(|| SpecError::NoFamily(spec.to_string()))?;
         let mut kv = Keys::parse(family, rest)?;
         let m = match family {
             "mlp" => ModelSpec::Mlp(Mlp::from_keys(&mut kv)?),
@@ -261,7 +318,11 @@ impl ModelSpec {
     fn largest_elements(&self, batch: u64) -> f64 {
         let b = batch as f64;
         match self {
-            ModelSpec::Mlp(m) => m.layer_sizes().iter().map(|&(i, o)| (b * i.max(o) as f64).max(i as f64 * o as f64)).fold(0.0, f64::max),
+            ModelSpec::Mlp(m) => m
+                .layer_sizes()
+                .iter()
+                .map(|&(i, o)| (b * i.max(o) as f64).max(i as f64 * o as f64))
+                .fold(0.0, f64::max),
             ModelSpec::Cnn(c) => {
                 // Dense blocks grow by 32 channels a layer; others stay under the family's cap.
                 let channels = c.channels.max(c.filters).max(2048) as f64 + 32.0 * c.depth as f64;
@@ -269,7 +330,9 @@ impl ModelSpec {
             }
             ModelSpec::Transformer(t) => {
                 let (seq, wide) = (t.seq as f64, t.embed.max(t.ff).max(t.classes) as f64);
-                (b * t.heads as f64 * seq * seq).max(b * seq * wide).max(t.vocab as f64 * t.embed as f64)
+                (b * t.heads as f64 * seq * seq)
+                    .max(b * seq * wide)
+                    .max(t.vocab as f64 * t.embed as f64)
             }
         }
     }
@@ -285,7 +348,9 @@ impl ModelSpec {
         // Checked before the graph is built: its sizes are whole numbers that must not wrap.
         let bytes = self.largest_elements(job.batch) * 4.0;
         if bytes > crate::trace::MAX_ALLOC_BYTES as f64 {
-            return Err(JobError::TooLarge { bytes: bytes as u64 }); // saturates
+            return Err(JobError::TooLarge {
+                bytes: bytes as u64,
+            }); // saturates
         }
         let mut lp = TrainingLoop::new(job.optimizer, job.precision, job.batch, self.samples());
         lp.torch = job.torch;
@@ -308,7 +373,11 @@ impl ModelSpec {
 }
 
 /// The training-loop keys every family's spec string ends with.
-pub(crate) fn write_loop_keys(f: &mut std::fmt::Formatter<'_>, samples: Option<u64>, summary: bool) -> std::fmt::Result {
+pub(crate) fn write_loop_keys(
+    f: &mut std::fmt::Formatter<'_>,
+    samples: Option<u64>,
+    summary: bool,
+) -> std::fmt::Result {
     if let Some(s) = samples {
         write!(f, ",samples={s}")?;
     }
@@ -328,28 +397,59 @@ impl Keys {
     fn parse(family: &str, rest: &str) -> Result<Self, SpecError> {
         let mut map = BTreeMap::new();
         for item in rest.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let (k, v) = item.split_once('=').ok_or_else(|| SpecError::NotKeyValue { family: family.into(), item: item.into() })?;
-            if map.insert(k.trim().to_string(), v.trim().to_string()).is_some() {
-                return Err(SpecError::DuplicateKey { family: family.into(), key: k.into() });
+            let (k, v) = item.split_once('=').ok_or_else(|| SpecError::NotKeyValue {
+                family: family.into(),
+                item: item.into(),
+            })?;
+            if map
+                .insert(k.trim().to_string(), v.trim().to_string())
+                .is_some()
+            {
+                return Err(SpecError::DuplicateKey {
+                    family: family.into(),
+                    key: k.into(),
+                });
             }
         }
-        Ok(Keys { family: family.into(), map })
+        Ok(Keys {
+            family: family.into(),
+            map,
+        })
     }
 
     fn take(&mut self, key: &str) -> Option<String> {
         self.map.remove(key)
     }
 
-    pub(crate) fn uint(&mut self, key: &str, default: Option<u64>, min: u64, max: u64) -> Result<u64, SpecError> {
+    pub(crate) fn uint(
+        &mut self,
+        key: &str,
+        default: Option<u64>,
+        min: u64,
+        max: u64,
+    ) -> Result<u64, SpecError> {
         let family = self.family.clone();
         match self.map.remove(key) {
-            None => default.ok_or_else(|| SpecError::MissingKey { family, key: key.into() }),
+            None => default.ok_or_else(|| SpecError::MissingKey {
+                family,
+                key: key.into(),
+            }),
             Some(v) => {
                 let Ok(n) = v.parse::<i128>() else {
-                    return Err(SpecError::NotWholeNumber { family, key: key.into(), value: v });
+                    return Err(SpecError::NotWholeNumber {
+                        family,
+                        key: key.into(),
+                        value: v,
+                    });
                 };
                 if n < min as i128 || n > max as i128 {
-                    return Err(SpecError::OutOfRange { family, key: key.into(), value: n, min, max });
+                    return Err(SpecError::OutOfRange {
+                        family,
+                        key: key.into(),
+                        value: n,
+                        min,
+                        max,
+                    });
                 }
                 Ok(n as u64)
             }
@@ -357,23 +457,44 @@ impl Keys {
     }
 
     /// `None` where the spec does not state `key`.
-    pub(crate) fn optional_uint(&mut self, key: &str, min: u64, max: u64) -> Result<Option<u64>, SpecError> {
+    pub(crate) fn optional_uint(
+        &mut self,
+        key: &str,
+        min: u64,
+        max: u64,
+    ) -> Result<Option<u64>, SpecError> {
         if !self.map.contains_key(key) {
             return Ok(None);
         }
         self.uint(key, None, min, max).map(Some)
     }
 
-    pub(crate) fn float(&mut self, key: &str, default: f64, min: f64, max: f64) -> Result<f64, SpecError> {
+    pub(crate) fn float(
+        &mut self,
+        key: &str,
+        default: f64,
+        min: f64,
+        max: f64,
+    ) -> Result<f64, SpecError> {
         let family = self.family.clone();
         match self.map.remove(key) {
             None => Ok(default),
             Some(v) => {
                 let Ok(x) = v.parse::<f64>() else {
-                    return Err(SpecError::NotNumber { family, key: key.into(), value: v });
+                    return Err(SpecError::NotNumber {
+                        family,
+                        key: key.into(),
+                        value: v,
+                    });
                 };
                 if !(min..=max).contains(&x) {
-                    return Err(SpecError::FloatOutOfRange { family, key: key.into(), value: x, min, max });
+                    return Err(SpecError::FloatOutOfRange {
+                        family,
+                        key: key.into(),
+                        value: x,
+                        min,
+                        max,
+                    });
                 }
                 Ok(x)
             }
@@ -385,18 +506,28 @@ impl Keys {
             None => Ok(default),
             Some("true" | "True" | "1" | "yes") => Ok(true),
             Some("false" | "False" | "0" | "no") => Ok(false),
-            Some(v) => Err(SpecError::NotBool { family: self.family.clone(), key: key.into(), value: v.into() }),
+            Some(v) => Err(SpecError::NotBool {
+                family: self.family.clone(),
+                key: key.into(),
+                value: v.into(),
+            }),
         }
     }
 
     pub(crate) fn word(&mut self, key: &str, default: Option<&str>) -> Result<String, SpecError> {
         let v = self.take(key).or_else(|| default.map(String::from));
-        v.ok_or_else(|| SpecError::MissingKey { family: self.family.clone(), key: key.into() })
+        v.ok_or_else(|| SpecError::MissingKey {
+            family: self.family.clone(),
+            key: key.into(),
+        })
     }
 
     fn finish(self) -> Result<(), SpecError> {
         match self.map.into_keys().next() {
-            Some(key) => Err(SpecError::UnknownKey { family: self.family, key }),
+            Some(key) => Err(SpecError::UnknownKey {
+                family: self.family,
+                key,
+            }),
             None => Ok(()),
         }
     }
@@ -406,9 +537,22 @@ impl Keys {
 mod tests {
     #[test]
     fn a_job_too_large_for_any_gpu_is_an_error_not_a_panic() {
-        for (spec, batch) in [("cnn:classes=10,filters=2048,depth=1,input=4096", 1 << 24), ("transformer:vocab=16000000,embed=65536,layers=1,heads=1024,ff=262144,seq=1048576,classes=1000000", 1 << 24)] {
-            let e = ModelSpec::parse(spec).unwrap().trace(&JobOptions::new(batch)).unwrap_err();
-            assert!(matches!(e, JobError::TooLarge { .. }) && e.to_string().ends_with("it does not fit on any GPU"), "{spec}: {e}");
+        for (spec, batch) in [
+            ("cnn:classes=10,filters=2048,depth=1,input=4096", 1 << 24),
+            (
+                "transformer:vocab=16000000,embed=65536,layers=1,heads=1024,ff=262144,seq=1048576,classes=1000000",
+                1 << 24,
+            ),
+        ] {
+            let e = ModelSpec::parse(spec)
+                .unwrap()
+                .trace(&JobOptions::new(batch))
+                .unwrap_err();
+            assert!(
+                matches!(e, JobError::TooLarge { .. })
+                    && e.to_string().ends_with("it does not fit on any GPU"),
+                "{spec}: {e}"
+            );
         }
     }
 
@@ -417,27 +561,69 @@ mod tests {
     #[test]
     fn spec_errors_are_one_line() {
         let e = |s: &str| ModelSpec::parse(s).unwrap_err().to_string();
-        assert_eq!(e("resnet"), "model spec `resnet` has no `family:` prefix (mlp:, cnn: or transformer:)");
-        assert_eq!(e("rnn:x=1"), "unknown model family `rnn` (expected mlp, cnn or transformer)");
-        assert_eq!(e("mlp:input=10,output=2,depth=2,arch=pyramid,act=swoosh"), "unknown activation `swoosh` (expected one of relu, leaky_relu, prelu, elu, selu, tanh, softplus, swish, mish, gelu, identity)");
-        assert_eq!(e("mlp:input=10,output=2,depth=2,color=red"), "mlp spec: unknown key `color`");
-        assert_eq!(e("mlp:input=-3,output=2,depth=2"), "mlp spec: input=-3 is out of range (1..=1048576)");
+        assert_eq!(
+            e("resnet"),
+            "model spec `resnet` has no `family:` prefix (mlp:, cnn: or transformer:)"
+        );
+        assert_eq!(
+            e("rnn:x=1"),
+            "unknown model family `rnn` (expected mlp, cnn or transformer)"
+        );
+        assert_eq!(
+            e("mlp:input=10,output=2,depth=2,arch=pyramid,act=swoosh"),
+            "unknown activation `swoosh` (expected one of relu, leaky_relu, prelu, elu, selu, tanh, softplus, swish, mish, gelu, identity)"
+        );
+        assert_eq!(
+            e("mlp:input=10,output=2,depth=2,color=red"),
+            "mlp spec: unknown key `color`"
+        );
+        assert_eq!(
+            e("mlp:input=-3,output=2,depth=2"),
+            "mlp spec: input=-3 is out of range (1..=1048576)"
+        );
         assert_eq!(e("mlp:output=2,depth=2"), "mlp spec: missing key `input`");
-        assert_eq!(e("mlp:input=4,output=2,depth=2,dropout=x"), "mlp spec: dropout=`x` is not a number");
-        assert_eq!(e("mlp:input=4,output=2,depth=2,dropout=1.5"), "mlp spec: dropout=1.5 is out of range (0..=0.999)");
-        assert_eq!(e("mlp:input=4,output=2,depth=2,input=5"), "mlp spec: key `input` given twice");
-        assert_eq!(e("mlp:input=4,output=2,depth=x"), "mlp spec: depth=`x` is not a whole number");
-        assert_eq!(e("mlp:input=4,output=2,depth=2,batchnorm=maybe"), "mlp spec: batchnorm=`maybe` is not true or false");
-        assert_eq!(e("mlp:input=4,output=2,depth=2,arch=tower"), "mlp spec: unknown arch `tower` (expected pyramid, uniform, bottleneck or gradual)");
-        assert_eq!(e("cnn:classes=10,filters=8,depth=2,input=32,act=identity"), "cnn spec: act=identity is not in the CNN family");
-        assert_eq!(e("transformer:vocab=10,embed=10,layers=2,heads=3,ff=8,seq=4,classes=2"), "transformer spec: embed=10 is not divisible by heads=3");
+        assert_eq!(
+            e("mlp:input=4,output=2,depth=2,dropout=x"),
+            "mlp spec: dropout=`x` is not a number"
+        );
+        assert_eq!(
+            e("mlp:input=4,output=2,depth=2,dropout=1.5"),
+            "mlp spec: dropout=1.5 is out of range (0..=0.999)"
+        );
+        assert_eq!(
+            e("mlp:input=4,output=2,depth=2,input=5"),
+            "mlp spec: key `input` given twice"
+        );
+        assert_eq!(
+            e("mlp:input=4,output=2,depth=x"),
+            "mlp spec: depth=`x` is not a whole number"
+        );
+        assert_eq!(
+            e("mlp:input=4,output=2,depth=2,batchnorm=maybe"),
+            "mlp spec: batchnorm=`maybe` is not true or false"
+        );
+        assert_eq!(
+            e("mlp:input=4,output=2,depth=2,arch=tower"),
+            "mlp spec: unknown arch `tower` (expected pyramid, uniform, bottleneck or gradual)"
+        );
+        assert_eq!(
+            e("cnn:classes=10,filters=8,depth=2,input=32,act=identity"),
+            "cnn spec: act=identity is not in the CNN family"
+        );
+        assert_eq!(
+            e("transformer:vocab=10,embed=10,layers=2,heads=3,ff=8,seq=4,classes=2"),
+            "transformer spec: embed=10 is not divisible by heads=3"
+        );
         assert_eq!(e("mlp:input"), "mlp spec: `input` is not key=value");
     }
 
     #[test]
     fn batch_is_checked() {
         let m = ModelSpec::parse("mlp:input=10,output=2,depth=1").unwrap();
-        assert_eq!(m.trace(&JobOptions::new(0)).unwrap_err().to_string(), format!("batch size 0 is out of range (1..={MAX_BATCH})"));
+        assert_eq!(
+            m.trace(&JobOptions::new(0)).unwrap_err().to_string(),
+            format!("batch size 0 is out of range (1..={MAX_BATCH})")
+        );
         assert!(m.trace(&JobOptions::new(MAX_BATCH + 1)).is_err());
     }
 

@@ -41,7 +41,18 @@ impl Transformer {
     /// input_size:V_num_samples:N_batch_size:B.out`): the standard encoder, fp32, with the
     /// seed's full-batch forward before training. Returns the model and batch size.
     pub fn from_seed_filename(name: &str) -> Result<(Transformer, u64), SpecError> {
-        const KEYS: [&str; 10] = ["num_classes:", "embedding_size:", "num_layers:", "num_heads:", "ff_hidden_size:", "dropout_rate:", "seq_length:", "input_size:", "num_samples:", "batch_size:"];
+        const KEYS: [&str; 10] = [
+            "num_classes:",
+            "embedding_size:",
+            "num_layers:",
+            "num_heads:",
+            "ff_hidden_size:",
+            "dropout_rate:",
+            "seq_length:",
+            "input_size:",
+            "num_samples:",
+            "batch_size:",
+        ];
         let v = SeedValues::read(name, &KEYS)?;
         let t = Transformer {
             vocab: v.uint(7)?,
@@ -58,7 +69,10 @@ impl Transformer {
             summary: true,
         };
         if t.embed % t.heads != 0 {
-            return Err(SpecError::HeadsDoNotDivide { embed: t.embed, heads: t.heads });
+            return Err(SpecError::HeadsDoNotDivide {
+                embed: t.embed,
+                heads: t.heads,
+            });
         }
         Ok((t, v.uint(9)?))
     }
@@ -68,7 +82,14 @@ impl Transformer {
             "standard" => TransformerArch::Standard,
             "decoder_only" => TransformerArch::DecoderOnly,
             "hybrid" => TransformerArch::Hybrid,
-            other => return Err(SpecError::UnknownChoice { family: "transformer", key: "arch", value: other.into(), expected: "standard, decoder_only or hybrid".into() }),
+            other => {
+                return Err(SpecError::UnknownChoice {
+                    family: "transformer",
+                    key: "arch",
+                    value: other.into(),
+                    expected: "standard, decoder_only or hybrid".into(),
+                });
+            }
         };
         let t = Transformer {
             vocab: kv.uint("vocab", None, 1, 1 << 24)?,
@@ -88,7 +109,10 @@ impl Transformer {
             summary: kv.boolean("summary", false)?,
         };
         if !t.embed.is_multiple_of(t.heads) {
-            return Err(SpecError::HeadsDoNotDivide { embed: t.embed, heads: t.heads });
+            return Err(SpecError::HeadsDoNotDivide {
+                embed: t.embed,
+                heads: t.heads,
+            });
         }
         if t.arch == TransformerArch::Hybrid && t.layers < 2 {
             return Err(SpecError::HybridNeedsTwoLayers);
@@ -100,7 +124,10 @@ impl Transformer {
     fn attention_params(&self, g: &mut GraphBuilder) -> Attn {
         let e = self.embed;
         let in_proj = (g.param(3 * e * e), Some(g.param(3 * e)));
-        Attn { in_proj, out_proj: g.linear_params(e, e, true) }
+        Attn {
+            in_proj,
+            out_proj: g.linear_params(e, e, true),
+        }
     }
 
     /// A layer's parameters in PyTorch's registration order: self_attn, [multihead_attn],
@@ -111,13 +138,28 @@ impl Transformer {
         let cross_attn = decoder.then(|| self.attention_params(g));
         let linear1 = g.linear_params(e, f, true);
         let linear2 = g.linear_params(f, e, true);
-        let norms = (0..if decoder { 3 } else { 2 }).map(|_| (g.param(e), g.param(e))).collect();
-        Layer { self_attn, cross_attn, linear1, linear2, norms }
+        let norms = (0..if decoder { 3 } else { 2 })
+            .map(|_| (g.param(e), g.param(e)))
+            .collect();
+        Layer {
+            self_attn,
+            cross_attn,
+            linear1,
+            linear2,
+            norms,
+        }
     }
 
     /// `F.multi_head_attention_forward` in training with need_weights=False, batch_first.
     /// `q_in` and `kv_in` are `[B, S, E]`; the same id means self-attention.
-    fn attention(&self, g: &mut GraphBuilder, p: &Attn, q_in: TensorId, kv_in: TensorId, b: u64) -> TensorId {
+    fn attention(
+        &self,
+        g: &mut GraphBuilder,
+        p: &Attn,
+        q_in: TensorId,
+        kv_in: TensorId,
+        b: u64,
+    ) -> TensorId {
         let (e, s, h) = (self.embed, self.seq, self.heads);
         let (w_in, b_in) = p.in_proj;
         // The batch_first transpose makes the input non-contiguous: linear falls back to matmul,
@@ -157,7 +199,14 @@ impl Transformer {
 
     /// Post-norm: x = norm1(x + dropout(sa(x))); [x = norm2(x + dropout(mha(x, memory)))];
     /// x = normN(x + ff(x)).
-    fn layer(&self, g: &mut GraphBuilder, p: &Layer, src: TensorId, memory: Option<TensorId>, b: u64) -> TensorId {
+    fn layer(
+        &self,
+        g: &mut GraphBuilder,
+        p: &Layer,
+        src: TensorId,
+        memory: Option<TensorId>,
+        b: u64,
+    ) -> TensorId {
         let e = self.embed;
         let x = src;
         let sa = self.attention(g, &p.self_attn, x, x, b);
@@ -192,12 +241,24 @@ impl Transformer {
             TransformerArch::DecoderOnly => (0, self.layers),
             TransformerArch::Hybrid => (self.layers / 2, self.layers / 2),
         };
-        let enc: Vec<Layer> = (0..n_enc).map(|_| self.layer_params(&mut g, false)).collect();
-        let dec: Vec<Layer> = (0..n_dec).map(|_| self.layer_params(&mut g, true)).collect();
+        let enc: Vec<Layer> = (0..n_enc)
+            .map(|_| self.layer_params(&mut g, false))
+            .collect();
+        let dec: Vec<Layer> = (0..n_dec)
+            .map(|_| self.layer_params(&mut g, true))
+            .collect();
         let head = g.linear_params(e, self.classes, true);
         let emb = g.embedding_with(tokens, table, e);
         // x = embedding + positions: the [1, S, E] parameter's gradient is a reduction.
-        let mut x = g.node("add", &[emb, pos], &[(b * s * e, Dtype::F32)], &[], &[Bw::PassThrough(0), Bw::Grad(1)], b * s * e, false)[0];
+        let mut x = g.node(
+            "add",
+            &[emb, pos],
+            &[(b * s * e, Dtype::F32)],
+            &[],
+            &[Bw::PassThrough(0), Bw::Grad(1)],
+            b * s * e,
+            false,
+        )[0];
         let input = x;
         let mut memory = input;
         // The stacks' `src`/`tgt` and the model's `x` hold each stack's input until it returns.
@@ -219,11 +280,25 @@ impl Transformer {
             g.hold_until_now(memory);
         }
         let dt = g.t(x).dtype;
-        let pooled = g.node("mean", &[x], &[(b * e, dt)], &[], &[Bw::Grad(0)], b * s * e, false)[0];
+        let pooled = g.node(
+            "mean",
+            &[x],
+            &[(b * e, dt)],
+            &[],
+            &[Bw::Grad(0)],
+            b * s * e,
+            false,
+        )[0];
         let logits = g.linear_with(pooled, head.0, head.1, e, self.classes);
         g.end_model(logits);
-        let per_layer = if self.arch == TransformerArch::DecoderOnly { 3 } else { 2 };
-        g.set_activations_per_sample(s * e * (2 + per_layer * self.layers) + s * self.ff * self.layers + self.classes);
+        let per_layer = if self.arch == TransformerArch::DecoderOnly {
+            3
+        } else {
+            2
+        };
+        g.set_activations_per_sample(
+            s * e * (2 + per_layer * self.layers) + s * self.ff * self.layers + self.classes,
+        );
         let loss = g.cross_entropy(logits, labels);
         g.finish(loss)
     }
@@ -252,7 +327,14 @@ impl fmt::Display for Transformer {
         write!(
             f,
             "transformer:vocab={},embed={},layers={},heads={},ff={},dropout={},seq={},classes={},arch={arch}",
-            self.vocab, self.embed, self.layers, self.heads, self.ff, self.dropout, self.seq, self.classes
+            self.vocab,
+            self.embed,
+            self.layers,
+            self.heads,
+            self.ff,
+            self.dropout,
+            self.seq,
+            self.classes
         )?;
         if !self.flash {
             write!(f, ",flash=false")?;
