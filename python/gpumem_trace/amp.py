@@ -12,11 +12,12 @@ import inspect
 import types
 
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 
 aten = torch.ops.aten
+
 
 def _entry_points(*names, modules=(torch, torch.Tensor, F, torch.linalg)):
     """Every Python function that reaches the named ATen ops (``torch.exp``, ``Tensor.exp``,
@@ -28,23 +29,107 @@ def _entry_points(*names, modules=(torch, torch.Tensor, F, torch.linalg)):
 # AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE), unchanged from 2.4 to 2.15
 # but for rms_norm (fp32 from 2.12); see docs/sdpa.md.
 LOW = _entry_points(
-    "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "prelu", "addmm",
-    "addmv", "addr", "matmul", "einsum", "mm", "mv", "vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul",
-    "multi_dot", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "scaled_dot_product_attention",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_tbc",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "prelu",
+    "addmm",
+    "addmv",
+    "addr",
+    "matmul",
+    "einsum",
+    "mm",
+    "mv",
+    "vecdot",
+    "linear",
+    "addbmm",
+    "baddbmm",
+    "bmm",
+    "chain_matmul",
+    "multi_dot",
+    "lstm_cell",
+    "gru_cell",
+    "rnn_tanh_cell",
+    "rnn_relu_cell",
+    "scaled_dot_product_attention",
 ) | {torch.Tensor.__matmul__, torch.Tensor.__rmatmul__}
 FP32 = _entry_points(
-    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "sinh", "tan",
-    "pow", "softplus", "layer_norm", "group_norm", "frobenius_norm", "nuclear_norm", "cosine_similarity", "poisson_nll_loss",
-    "cosine_embedding_loss", "nll_loss", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss",
-    "mse_loss", "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
-    "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp", "interpolate",
-    "upsample", "upsample_nearest", "upsample_bilinear", "norm", "normalize",
+    "acos",
+    "asin",
+    "cosh",
+    "erfinv",
+    "exp",
+    "expm1",
+    "log",
+    "log10",
+    "log2",
+    "log1p",
+    "reciprocal",
+    "rsqrt",
+    "sinh",
+    "tan",
+    "pow",
+    "softplus",
+    "layer_norm",
+    "group_norm",
+    "frobenius_norm",
+    "nuclear_norm",
+    "cosine_similarity",
+    "poisson_nll_loss",
+    "cosine_embedding_loss",
+    "nll_loss",
+    "hinge_embedding_loss",
+    "kl_div",
+    "l1_loss",
+    "smooth_l1_loss",
+    "huber_loss",
+    "mse_loss",
+    "margin_ranking_loss",
+    "multilabel_margin_loss",
+    "soft_margin_loss",
+    "triplet_margin_loss",
+    "multi_margin_loss",
+    "binary_cross_entropy_with_logits",
+    "dist",
+    "pdist",
+    "cdist",
+    "renorm",
+    "logsumexp",
+    "interpolate",
+    "upsample",
+    "upsample_nearest",
+    "upsample_bilinear",
+    "norm",
+    "normalize",
     *(["rms_norm"] if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 12) else []),
 ) | {torch.Tensor.__pow__, torch.Tensor.__rpow__}
 # Ops that compute in fp32 unless given a dtype (fp32_set_opt_dtype); softmax has its own path.
 SET_OPT_DTYPE = _entry_points("prod", "cumprod", "cumsum", "sum", "vector_norm", "matrix_norm")
-SOFTMAX = {F.softmax: False, torch.softmax: False, torch.Tensor.softmax: False, F.log_softmax: True, torch.log_softmax: True, torch.Tensor.log_softmax: True}
-PROMOTE = _entry_points("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sample", "index_put", "tensordot", "scatter_add")
+SOFTMAX = {
+    F.softmax: False,
+    torch.softmax: False,
+    torch.Tensor.softmax: False,
+    F.log_softmax: True,
+    torch.log_softmax: True,
+    torch.Tensor.log_softmax: True,
+}
+PROMOTE = _entry_points(
+    "addcdiv",
+    "addcmul",
+    "atan2",
+    "bilinear",
+    "cross",
+    "dot",
+    "vdot",
+    "grid_sample",
+    "index_put",
+    "tensordot",
+    "scatter_add",
+)
 
 
 def _map(x, fn):
@@ -100,9 +185,15 @@ class Autocast(TorchFunctionMode):
         if func in LOW or getattr(func, "autocast_low", False):
             return func(*_map(args, self.low), **_map(kwargs, self.low))
         if func in FP32:
-            up = lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t  # noqa: E731
+            up = lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
             return func(*_map(args, up), **_map(kwargs, up))
-        if func in SET_OPT_DTYPE and kwargs.get("dtype") is None and args and isinstance(args[0], torch.Tensor) and args[0].dtype in (torch.float16, torch.bfloat16):
+        if (
+            func in SET_OPT_DTYPE
+            and kwargs.get("dtype") is None
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].dtype in (torch.float16, torch.bfloat16)
+        ):
             return func(*args, **kwargs, dtype=torch.float32)
         if func in SOFTMAX:
             return self.softmax(func, SOFTMAX[func], args, kwargs)
@@ -112,7 +203,13 @@ class Autocast(TorchFunctionMode):
             ts = [t for t in _flat(args) if isinstance(t, torch.Tensor) and t.is_floating_point()]
             if ts:
                 wide = max((t.dtype for t in ts), key=lambda d: torch.finfo(d).bits)
-                return func(*_map(args, lambda t: t.to(wide) if t.is_floating_point() and t.dtype != wide else t), **kwargs)
+                return func(
+                    *_map(
+                        args,
+                        lambda t: t.to(wide) if t.is_floating_point() and t.dtype != wide else t,
+                    ),
+                    **kwargs,
+                )
         inner = _unguarded(func)
         if inner is None:
             return func(*args, **kwargs)
@@ -132,13 +229,32 @@ class Autocast(TorchFunctionMode):
         return func(x, dim)
 
     def cross_entropy(self, args, kwargs):
-        names = ["input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing"]
+        names = [
+            "input",
+            "target",
+            "weight",
+            "size_average",
+            "ignore_index",
+            "reduce",
+            "reduction",
+            "label_smoothing",
+        ]
         a = dict(zip(names, args))
         a.update(kwargs)
         if a.get("label_smoothing", 0.0) or a["input"].dim() < 2 or a["target"].is_floating_point():
-            return F.cross_entropy(a["input"].float(), a["target"], **{k: v for k, v in a.items() if k not in ("input", "target")})
+            return F.cross_entropy(
+                a["input"].float(),
+                a["target"],
+                **{k: v for k, v in a.items() if k not in ("input", "target")},
+            )
         logp = self.softmax(F.log_softmax, True, (a["input"], 1), {})
-        return F.nll_loss(logp, a["target"], weight=a.get("weight"), ignore_index=a.get("ignore_index", -100), reduction=a.get("reduction", "mean"))
+        return F.nll_loss(
+            logp,
+            a["target"],
+            weight=a.get("weight"),
+            ignore_index=a.get("ignore_index", -100),
+            reduction=a.get("reduction", "mean"),
+        )
 
     def clear(self):
         self.cache.clear()
@@ -154,7 +270,11 @@ class Autocast(TorchFunctionMode):
         segment's function a second time, which then runs under this mode where the first did."""
         ckpt = torch.utils.checkpoint
         inner = inspect.unwrap(ckpt.checkpoint)
-        default, noop, reentrant_forward = inner.__kwdefaults__["context_fn"], ckpt.noop_context_fn, ckpt.CheckpointFunction.forward
+        default, noop, reentrant_forward = (
+            inner.__kwdefaults__["context_fn"],
+            ckpt.noop_context_fn,
+            ckpt.CheckpointFunction.forward,
+        )
 
         def context_fn():
             return contextlib.nullcontext(), self.recompute_context()
@@ -216,7 +336,13 @@ class _AutocastCall:
 
     def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
         self.args = (device_type, dtype, enabled)
-        self.real = None if device_type in ("cuda", "meta") else _REAL_AUTOCAST(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+        self.real = (
+            None
+            if device_type in ("cuda", "meta")
+            else _REAL_AUTOCAST(
+                device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled
+            )
+        )
         self.undo = []
 
     def __enter__(self):
@@ -227,7 +353,9 @@ class _AutocastCall:
         if not enabled and outer is not None and outer.enabled:
             outer.enabled = False
             self.undo.append(lambda: setattr(outer, "enabled", True))
-        elif enabled and (outer is None or not outer.enabled or outer.dtype != (dtype or torch.float16)):
+        elif enabled and (
+            outer is None or not outer.enabled or outer.dtype != (dtype or torch.float16)
+        ):
             mode = Autocast(dtype or torch.float16)
             mode.__enter__()
             self.undo.append(lambda: (mode.__exit__(None, None, None), mode.clear()))
@@ -257,7 +385,9 @@ def model_autocast_calls():
     saved = (torch.autocast, torch.amp.autocast, getattr(cuda_amp, "autocast", None))
     torch.autocast = torch.amp.autocast = _AutocastCall
     if cuda_amp is not None:
-        cuda_amp.autocast = lambda enabled=True, dtype=torch.float16, cache_enabled=True: _AutocastCall("cuda", dtype, enabled)
+        cuda_amp.autocast = lambda enabled=True, dtype=torch.float16, cache_enabled=True: (
+            _AutocastCall("cuda", dtype, enabled)
+        )
     try:
         yield
     finally:
@@ -276,10 +406,20 @@ def _unguarded(func):
     wrappers (``F.max_pool2d``) claim to be functional's but call guarded functions that would
     dispatch straight back here."""
     g = getattr(func, "__globals__", None)
-    if not isinstance(func, types.FunctionType) or g is None or func.__code__.co_filename != F.__file__:
+    if (
+        not isinstance(func, types.FunctionType)
+        or g is None
+        or func.__code__.co_filename != F.__file__
+    ):
         return None
-    no = lambda *a, **k: False  # noqa: E731
-    clone = types.FunctionType(func.__code__, {**g, **{n: no for n in _GUARDS}}, func.__name__, func.__defaults__, func.__closure__)
+    no = lambda *a, **k: False
+    clone = types.FunctionType(
+        func.__code__,
+        {**g, **{n: no for n in _GUARDS}},
+        func.__name__,
+        func.__defaults__,
+        func.__closure__,
+    )
     clone.__kwdefaults__ = func.__kwdefaults__
     return clone
 

@@ -29,13 +29,34 @@ def _dropout(input, p=0.5, training=True, inplace=False):
 def make_sdpa(stack):
     """``F.scaled_dot_product_attention`` as the target GPU runs it (see sdpa.py)."""
 
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def sdpa(
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+    ):
         if has_torch_function((query, key, value)):
             # An active TorchFunctionMode (the emulated autocast: SDPA is on CUDA's
             # lower-precision list) sees the call first, as it would torch's own function.
-            return handle_torch_function(sdpa, (query, key, value), query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        return attention.run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, stack, _orig_sdpa)
+            return handle_torch_function(
+                sdpa,
+                (query, key, value),
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
+        return attention.run(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, stack, _orig_sdpa
+        )
 
     sdpa.autocast_low = True
     return sdpa
@@ -57,13 +78,17 @@ def register_meta_kernels():
         return  # a torch without the dispatcher's introspection: its math decompositions run
     _meta_lib = torch.library.Library("aten", "IMPL")
     for name in torch._C._dispatch_get_all_op_names():
-        if not name.startswith("aten::") or not (has(name, "CUDA") and has(name, "CompositeImplicitAutograd") and not has(name, "Meta")):
+        if not name.startswith("aten::") or not (
+            has(name, "CUDA") and has(name, "CompositeImplicitAutograd") and not has(name, "Meta")
+        ):
             continue
-        base, _, overload = name[len("aten::"):].partition(".")
+        base, _, overload = name[len("aten::") :].partition(".")
         op = getattr(getattr(torch.ops.aten, base), overload or "default")
         # Library.impl refuses Meta kernels for such ops (core wants decompositions there);
         # the C++ registration underneath does exactly what we need.
-        _meta_lib.m.impl(name[len("aten::"):], "Meta", lambda *a, _op=op, **k: _op.decompose(*a, **k), False)
+        _meta_lib.m.impl(
+            name[len("aten::") :], "Meta", lambda *a, _op=op, **k: _op.decompose(*a, **k), False
+        )
     for name, kernel in attention.MISSING_META.items():
         if not has(f"aten::{name}", "Meta"):
             _meta_lib.impl(name, kernel, "Meta")

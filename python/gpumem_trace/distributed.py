@@ -23,7 +23,15 @@ import torch.utils._pytree as pytree
 from .models import ReferenceError_
 
 # c10d ops whose meta kernel answers (inputs, work) rather than work alone.
-_RETURN_INPUTS = {"allgather_", "allreduce_", "broadcast_", "reduce_scatter_", "allgather_coalesced_", "allgather_into_tensor_coalesced_", "reduce_scatter_tensor_coalesced_"}
+_RETURN_INPUTS = {
+    "allgather_",
+    "allreduce_",
+    "broadcast_",
+    "reduce_scatter_",
+    "allgather_coalesced_",
+    "allgather_into_tensor_coalesced_",
+    "reduce_scatter_tensor_coalesced_",
+}
 _META_OPS = sorted(_RETURN_INPUTS | {"_allgather_base_", "_reduce_scatter_base_", "barrier"})
 _library = None
 
@@ -35,12 +43,16 @@ def fake_world(world_size):
     global _library
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
-            raise ReferenceError_(f"one tracer process traces one world size ({dist.get_world_size()}), not {world_size}")
+            raise ReferenceError_(
+                f"one tracer process traces one world size ({dist.get_world_size()}), not {world_size}"
+            )
         return
     try:
         from torch.testing._internal.distributed.fake_pg import FakeStore
     except ImportError as e:
-        raise ReferenceError_(f"this torch has no fake process group to trace multi-GPU jobs with ({e})") from e
+        raise ReferenceError_(
+            f"this torch has no fake process group to trace multi-GPU jobs with ({e})"
+        ) from e
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     _library = torch.library.Library("c10d", "IMPL")
     for name in _META_OPS:
@@ -51,7 +63,10 @@ def fake_world(world_size):
 
 def _on_meta(op, returns_inputs):
     def run(*args, **kwargs):
-        stand_in = pytree.tree_map(lambda t: torch.empty(0, dtype=t.dtype) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        stand_in = pytree.tree_map(
+            lambda t: torch.empty(0, dtype=t.dtype) if isinstance(t, torch.Tensor) else t,
+            (args, kwargs),
+        )
         out = op(*stand_in[0], **stand_in[1])
         return (args[0], out[1]) if returns_inputs else out
 
@@ -67,7 +82,14 @@ def _allreduce_in_place(on_bucket, bucket):
     return future
 
 
-def ddp(model, world_size, bucket_cap_mb, gradient_as_bucket_view, on_bucket, rebuilding=contextlib.nullcontext):
+def ddp(
+    model,
+    world_size,
+    bucket_cap_mb,
+    gradient_as_bucket_view,
+    on_bucket,
+    rebuilding=contextlib.nullcontext,
+):
     """``DistributedDataParallel(model)`` as rank 0 of ``world_size`` builds it; ``on_bucket``
     hears of each gradient bucket as it is reduced (its memory is gradients); the buckets'
     rebuild (in the second step's forward) runs inside ``rebuilding()``."""
@@ -79,11 +101,15 @@ def ddp(model, world_size, bucket_cap_mb, gradient_as_bucket_view, on_bucket, re
     verify = ddp_module._verify_param_shape_across_processes
     ddp_module._verify_param_shape_across_processes = lambda *a, **k: None
     try:
-        wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view)
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view
+        )
     finally:
         ddp_module._verify_param_shape_across_processes = verify
     wrapped.register_comm_hook(on_bucket, _allreduce_in_place)
-    wrapped.reducer = _Rebuilding(wrapped.reducer, rebuilding)  # after the hook: C++ takes the reducer itself
+    wrapped.reducer = _Rebuilding(
+        wrapped.reducer, rebuilding
+    )  # after the hook: C++ takes the reducer itself
     return wrapped
 
 
@@ -162,14 +188,30 @@ def _offload_on_meta(_fsdp_param, _fsdp_param_group):
     cls._gpumem_inputs = real = cls.all_gather_inputs
 
     def all_gather_inputs(self):
-        if self.offload_to_cpu and self.sharded_state == _fsdp_param.ShardedState.SHARDED and not hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather"):
-            return [_fsdp_param._to_dtype_if_needed(self._sharded_param_data.clone(), self.param_dtype)]
+        if (
+            self.offload_to_cpu
+            and self.sharded_state == _fsdp_param.ShardedState.SHARDED
+            and not hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather")
+        ):
+            return [
+                _fsdp_param._to_dtype_if_needed(self._sharded_param_data.clone(), self.param_dtype)
+            ]
         return real.fget(self)
 
     cls.all_gather_inputs = property(all_gather_inputs)
 
 
-def fsdp(model, blocks, world_size, reshard_after_forward, on_alloc, on_free, param_dtype=None, replicas=1, cpu_offload=False):
+def fsdp(
+    model,
+    blocks,
+    world_size,
+    reshard_after_forward,
+    on_alloc,
+    on_free,
+    param_dtype=None,
+    replicas=1,
+    cpu_offload=False,
+):
     """``fully_shard`` on each block, then on the model, as rank 0 of ``world_size`` (FSDP2),
     with ``MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=float32)`` where a
     ``param_dtype`` is given: layers are gathered and computed in it, gradients reduced into
@@ -188,18 +230,28 @@ def fsdp(model, blocks, world_size, reshard_after_forward, on_alloc, on_free, pa
     fake_world(world_size)
     try:
         from torch.distributed.fsdp import fully_shard
-        from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group, _fsdp_state, _fully_shard
+        from torch.distributed.fsdp._fully_shard import (
+            _fsdp_collectives,
+            _fsdp_param,
+            _fsdp_param_group,
+            _fsdp_state,
+            _fully_shard,
+        )
     except ImportError as e:
-        raise ReferenceError_(f"tracing FSDP2 needs torch 2.6 or newer, where fully_shard is public (this is {torch.__version__})") from e
+        raise ReferenceError_(
+            f"tracing FSDP2 needs torch 2.6 or newer, where fully_shard is public (this is {torch.__version__})"
+        ) from e
     from torch.distributed.device_mesh import init_device_mesh
 
     real = _fsdp_param_group._get_device_handle
-    handle = lambda kind: _MetaDevice if kind == "meta" else real(kind)  # noqa: E731
+    handle = lambda kind: _MetaDevice if kind == "meta" else real(kind)
     for m in (_fsdp_collectives, _fsdp_param_group, _fsdp_state):
         m._get_device_handle = handle
     _fully_shard._get_device_from_mesh = lambda mesh: torch.device("meta")
     _fsdp_param_group.FSDPParamGroup._validate_no_meta_params = lambda self: None
-    alloc_storage, free_storage = getattr(_fsdp_param, "_gpumem_storage", (_fsdp_param.alloc_storage, _fsdp_param.free_storage))
+    alloc_storage, free_storage = getattr(
+        _fsdp_param, "_gpumem_storage", (_fsdp_param.alloc_storage, _fsdp_param.free_storage)
+    )
     _fsdp_param._gpumem_storage = (alloc_storage, free_storage)
 
     def alloc(tensor):
@@ -213,11 +265,19 @@ def fsdp(model, blocks, world_size, reshard_after_forward, on_alloc, on_free, pa
     _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-    mesh = init_device_mesh("cpu", (world_size,)) if replicas == 1 else init_device_mesh("cpu", (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+    mesh = (
+        init_device_mesh("cpu", (world_size,))
+        if replicas == 1
+        else init_device_mesh(
+            "cpu", (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard")
+        )
+    )
     policy = dict(
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,
-        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None),
+        mp_policy=MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None
+        ),
         offload_policy=CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy(),
     )
     if cpu_offload:

@@ -11,12 +11,31 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ACTS = {
-    "relu": nn.ReLU, "leaky_relu": nn.LeakyReLU, "prelu": nn.PReLU, "elu": nn.ELU, "selu": nn.SELU, "tanh": nn.Tanh,
-    "softplus": nn.Softplus, "swish": nn.SiLU, "mish": nn.Mish, "gelu": nn.GELU, "identity": nn.Identity,
+    "relu": nn.ReLU,
+    "leaky_relu": nn.LeakyReLU,
+    "prelu": nn.PReLU,
+    "elu": nn.ELU,
+    "selu": nn.SELU,
+    "tanh": nn.Tanh,
+    "softplus": nn.Softplus,
+    "swish": nn.SiLU,
+    "mish": nn.Mish,
+    "gelu": nn.GELU,
+    "identity": nn.Identity,
 }
 
 
-def mlp(batch_size, input, output, depth, arch="pyramid", act="relu", dropout=0.0, batchnorm=False, head="identity"):
+def mlp(
+    batch_size,
+    input,
+    output,
+    depth,
+    arch="pyramid",
+    act="relu",
+    dropout=0.0,
+    batchnorm=False,
+    head="identity",
+):
     layers, inf = [], input
 
     def block(i, o):
@@ -50,7 +69,11 @@ def mlp(batch_size, input, output, depth, arch="pyramid", act="relu", dropout=0.
     batch = (torch.randn(batch_size, input), torch.randint(0, max(output, 2), (batch_size,)))
     if output > 1:
         return model, batch, lambda out, b: F.cross_entropy(out, b[1])
-    return model, batch, lambda out, b: F.binary_cross_entropy_with_logits(out, b[1].view(-1, 1).float())
+    return (
+        model,
+        batch,
+        lambda out, b: F.binary_cross_entropy_with_logits(out, b[1].view(-1, 1).float()),
+    )
 
 
 class _Block(nn.Module):
@@ -74,7 +97,9 @@ class _Residual(nn.Module):
         self.conv1 = _Block(cin, cout, act, stride=stride, bn=bn, dropout=dropout)
         self.conv2 = _Block(cout, cout, act, bn=bn, dropout=dropout)
         if cin != cout or stride != 1:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride), nn.BatchNorm2d(cout) if bn else nn.Identity())
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride), nn.BatchNorm2d(cout) if bn else nn.Identity()
+            )
         else:
             self.shortcut = nn.Identity()
 
@@ -86,7 +111,9 @@ class _Residual(nn.Module):
 class _Dense(nn.Module):
     def __init__(self, cin, act, bn, dropout):
         super().__init__()
-        self.layers = nn.ModuleList([_Block(cin + i * 32, 32, act, bn=bn, dropout=dropout) for i in range(4)])
+        self.layers = nn.ModuleList(
+            [_Block(cin + i * 32, 32, act, bn=bn, dropout=dropout) for i in range(4)]
+        )
 
     def forward(self, x):
         feats = [x]
@@ -106,14 +133,27 @@ class _Transition(nn.Module):
         return self.pool(x) if x.size(2) > 1 else x
 
 
-def cnn(batch_size, classes, filters, depth, input, channels=3, arch="pyramid", act="relu", dropout=0.0, batchnorm=False, pooling=True, pool_every=5):
+def cnn(
+    batch_size,
+    classes,
+    filters,
+    depth,
+    input,
+    channels=3,
+    arch="pyramid",
+    act="relu",
+    dropout=0.0,
+    batchnorm=False,
+    pooling=True,
+    pool_every=5,
+):
     blocks, cin, size, base = [], channels, input, filters
     if pool_every == 0:
         pool_every = max(1, math.ceil(depth / max(1, int(math.log2(input // 7)))))
     if arch == "residual":
         g = (2048 / base) ** (1 / depth)
         for i in range(depth // 2):
-            out = min(int(base * g ** i), 2048)
+            out = min(int(base * g**i), 2048)
             stride = 2 if i % 2 == 1 and size > 7 else 1
             blocks.append(_Residual(cin, out, stride, act, batchnorm, dropout))
             cin = out
@@ -142,7 +182,13 @@ def cnn(batch_size, classes, filters, depth, input, channels=3, arch="pyramid", 
                 out = min(int(base * ((2048 / base) ** (1 / (2 * depth))) ** i), 2048)
             elif arch == "hourglass":
                 c = depth // 2
-                out = min(int(base * ((2048 / base) ** (1 / c)) ** i), 2048) if i < c else max(int(base * ((2048 / base) ** (1 / (depth - c))) ** (depth - i - 1)), base)
+                out = (
+                    min(int(base * ((2048 / base) ** (1 / c)) ** i), 2048)
+                    if i < c
+                    else max(
+                        int(base * ((2048 / base) ** (1 / (depth - c))) ** (depth - i - 1)), base
+                    )
+                )
             else:
                 out = base
             blocks.append(_Block(cin, out, act, bn=batchnorm, dropout=dropout))
@@ -167,18 +213,23 @@ def cnn(batch_size, classes, filters, depth, input, channels=3, arch="pyramid", 
             x = self.fc(x)
             return self.final(x)
 
-    batch = (torch.randn(batch_size, channels, input, input), torch.randint(0, max(classes, 2), (batch_size,)))
+    batch = (
+        torch.randn(batch_size, channels, input, input),
+        torch.randint(0, max(classes, 2), (batch_size,)),
+    )
     return Net(), batch, lambda out, b: F.cross_entropy(out, b[1])
 
 
-def transformer(batch_size, vocab, embed, layers, heads, ff, seq, classes, dropout=0.1, arch="standard"):
+def transformer(
+    batch_size, vocab, embed, layers, heads, ff, seq, classes, dropout=0.1, arch="standard"
+):
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
             self.embedding = nn.Embedding(vocab, embed)
             self.positional_encoding = nn.Parameter(torch.zeros(1, seq, embed))
-            enc = lambda: nn.TransformerEncoderLayer(embed, heads, ff, dropout, batch_first=True)  # noqa: E731
-            dec = lambda: nn.TransformerDecoderLayer(embed, heads, ff, dropout, batch_first=True)  # noqa: E731
+            enc = lambda: nn.TransformerEncoderLayer(embed, heads, ff, dropout, batch_first=True)
+            dec = lambda: nn.TransformerDecoderLayer(embed, heads, ff, dropout, batch_first=True)
             if arch == "standard":
                 self.enc = nn.TransformerEncoder(enc(), layers, enable_nested_tensor=False)
             elif arch == "decoder_only":

@@ -38,15 +38,21 @@ class TraceOptions:
     input_shape: tuple = None
     seq_len: int = None
     gpu_capability: str = "8.0"  # compute capability of the GPU the job will run on
-    sdpa: str = None  # a forced attention kernel (flash, efficient, cudnn, math), else PyTorch's choice
+    sdpa: str = (
+        None  # a forced attention kernel (flash, efficient, cudnn, math), else PyTorch's choice
+    )
     checkpointing: bool = False
-    selective: bool = False  # with checkpointing: op-level selective (matmul and attention outputs saved)
+    selective: bool = (
+        False  # with checkpointing: op-level selective (matmul and attention outputs saved)
+    )
     channels_last: bool = False
     grad_accum: int = 1
     data_parallel: int = 1  # GPUs of a torch.nn.DataParallel job (traced as GPU 0)
     validate: str = "none"  # after training: two eval-mode batches, "no-grad" or "grad"
     outputs: str = None  # "kept" or "dropped" through backward; None: the model source's usual loop
-    attention_mask: str = "none"  # "padded": Hugging Face models get the attention mask of a padded batch
+    attention_mask: str = (
+        "none"  # "padded": Hugging Face models get the attention mask of a padded batch
+    )
     lora: object = None  # a lora.Lora: PEFT-style LoRA fine-tuning
     strategy: str = None  # "ddp", "fsdp", "zero1", "zero2" or "zero3": one rank of a multi-GPU job (the batch is the rank's)
     world_size: int = 1
@@ -55,7 +61,9 @@ class TraceOptions:
     reshard_after_forward: bool = True  # FSDP2's
     fsdp_param_dtype: str = None  # FSDP2's MixedPrecisionPolicy param_dtype: "bf16" or "fp16"
     replicas: int = 1  # FSDP2 over a 2-D mesh (HSDP): replicated this many times
-    cpu_offload: bool = False  # FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the host
+    cpu_offload: bool = (
+        False  # FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the host
+    )
     zero: object = None  # a zero.ZeroConfig for the zero strategies
     depth: int = None  # trace the model cut to this many of its repeated blocks (see cut_blocks)
     # With depth: cut even a job whose buffers span blocks (SPANS_BLOCKS), whose cut traces
@@ -88,7 +96,9 @@ def make_optimizer(name, params, lr):
         return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
     if name in ("adam8bit", "adamw8bit", "paged-adamw8bit"):
         return Bnb8bit(params, lr=lr)
-    raise ReferenceError_(f"unknown optimizer `{name}` (expected adam, adamw, sgd, sgd-momentum, adam8bit, adamw8bit or paged-adamw8bit)")
+    raise ReferenceError_(
+        f"unknown optimizer `{name}` (expected adam, adamw, sgd, sgd-momentum, adam8bit, adamw8bit or paged-adamw8bit)"
+    )
 
 
 class Bnb8bit(torch.optim.Optimizer):
@@ -118,10 +128,19 @@ class Bnb8bit(torch.optim.Optimizer):
                     state["state2"] = torch.zeros_like(p, dtype=torch.float32)
                     continue
                 if self.qmaps is None:
-                    self.qmaps = (torch.empty(256, device=p.device), torch.empty(256, device=p.device))
+                    self.qmaps = (
+                        torch.empty(256, device=p.device),
+                        torch.empty(256, device=p.device),
+                    )
                 blocks = -(-n // self.BLOCK)
-                state["state1"], state["qmap1"] = torch.zeros_like(p, dtype=torch.uint8), self.qmaps[0]
-                state["state2"], state["qmap2"] = torch.zeros_like(p, dtype=torch.uint8), self.qmaps[1]
+                state["state1"], state["qmap1"] = (
+                    torch.zeros_like(p, dtype=torch.uint8),
+                    self.qmaps[0],
+                )
+                state["state2"], state["qmap2"] = (
+                    torch.zeros_like(p, dtype=torch.uint8),
+                    self.qmaps[1],
+                )
                 state["absmax1"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
                 state["absmax2"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
 
@@ -161,7 +180,9 @@ def to_device_keeping_ties(model, dtype=None):
                 owners.setdefault(id(p), []).append((m, name))
     memo = {}
     # A copy even of a model built on meta: its tensors become the trace's parameters.
-    to = lambda t: t.to(DEVICE, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype, copy=True)  # noqa: E731
+    to = lambda t: t.to(
+        DEVICE, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype, copy=True
+    )
     model._apply(lambda t: memo.setdefault(id(t), (t, to(t)))[1])
     for refs in owners.values():
         first = refs[0][0]._parameters[refs[0][1]]
@@ -183,7 +204,11 @@ def repeated_blocks(model, name, purpose):
             # A LoRA layer wraps one layer: the block is what holds the layers.
             if isinstance(c, lora.LoraLayer):
                 continue
-            if not isinstance(c, containers) and next(c.children(), None) is not None and any(p.requires_grad for p in c.parameters()):
+            if (
+                not isinstance(c, containers)
+                and next(c.children(), None) is not None
+                and any(p.requires_grad for p in c.parameters())
+            ):
                 count[type(c)] = count.get(type(c), 0) + 1
                 depth[type(c)] = min(depth.get(type(c), d), d)
             visit(c, d + 1)
@@ -215,9 +240,17 @@ def cut_blocks(model, name, depth):
         blocks = repeated_blocks(model, name, "depth")
     except ReferenceError_:
         return None
-    stacks = [m for m in model.modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) == len(blocks)
-              and all(a is b for a, b in zip(m, blocks))]
-    shapes = {tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in b.named_parameters()) for b in blocks}
+    stacks = [
+        m
+        for m in model.modules()
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))
+        and len(m) == len(blocks)
+        and all(a is b for a, b in zip(m, blocks))
+    ]
+    shapes = {
+        tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in b.named_parameters())
+        for b in blocks
+    }
     if len(stacks) != 1 or len(shapes) != 1 or len(blocks) < max(MIN_CUT_BLOCKS, depth + 1):
         return None
     del stacks[0][depth:]
@@ -233,7 +266,9 @@ def enable_checkpointing(model, name, selective=False, autocast=None):
     if selective:
         contexts = functools.partial(_selective_contexts, autocast)
         if hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": contexts})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": contexts}
+            )
         else:
             checkpoint_blocks(model, name, context_fn=contexts)
     elif hasattr(model, "set_grad_checkpointing"):
@@ -262,8 +297,15 @@ def _checkpointed(forward, context_fn, *args, **kwargs):
 
 # Selective activation checkpointing's policy (torchtitan's "op" mode, every matmul): the outputs
 # of matmuls and attention kernels are saved, everything else in a block is recomputed.
-_SAVED_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+_SAVED_OPS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
 
 
 def _selective_contexts(autocast):
@@ -308,7 +350,13 @@ def _count_activations(model):
 def trace_training(opts: TraceOptions, out_path: str):
     """Runs the loop and writes the trace to ``out_path``; returns the header."""
     t0 = time.time()
-    job = resolve(opts.model, input_shape=opts.input_shape, seq_len=opts.seq_len, batch_hint=opts.batch, attention_mask=opts.attention_mask)
+    job = resolve(
+        opts.model,
+        input_shape=opts.input_shape,
+        seq_len=opts.seq_len,
+        batch_hint=opts.batch,
+        attention_mask=opts.attention_mask,
+    )
     model = job.model
     model.train()
     if opts.lora:
@@ -316,10 +364,16 @@ def trace_training(opts: TraceOptions, out_path: str):
         lora.apply(model, opts.lora, opts.model)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the whole model's
     # DataParallel's coalesced broadcasts span blocks too, and its replicas split the batch.
-    cut = opts.depth and opts.data_parallel == 1 and (opts.cut_spanning or opts.strategy not in SPANS_BLOCKS)
+    cut = (
+        opts.depth
+        and opts.data_parallel == 1
+        and (opts.cut_spanning or opts.strategy not in SPANS_BLOCKS)
+    )
     blocks = cut_blocks(model, opts.model, opts.depth) if cut else None
     if opts.precision not in PRECISIONS:
-        raise ReferenceError_(f"unknown precision `{opts.precision}` (expected {', '.join(PRECISIONS)})")
+        raise ReferenceError_(
+            f"unknown precision `{opts.precision}` (expected {', '.join(PRECISIONS)})"
+        )
     autocast_dtype, weights_dtype = PRECISIONS[opts.precision]
     autocast = amp.Autocast(autocast_dtype) if autocast_dtype else None
     if opts.checkpointing:
@@ -331,7 +385,9 @@ def trace_training(opts: TraceOptions, out_path: str):
     acts, hooks = _count_activations(model)
     parallel = DataParallel(model, opts.data_parallel) if opts.data_parallel > 1 else None
     if opts.strategy not in (None, "ddp", "fsdp", "zero1", "zero2", "zero3"):
-        raise ReferenceError_(f"unknown strategy `{opts.strategy}` (expected ddp, fsdp, zero1, zero2 or zero3)")
+        raise ReferenceError_(
+            f"unknown strategy `{opts.strategy}` (expected ddp, fsdp, zero1, zero2 or zero3)"
+        )
     engine = None  # DeepSpeed ZeRO's, which stands in for the optimizer
     if opts.zero is not None and opts.zero.stage == 3:
         # zero.Init: the model is built partitioned; only each rank's partitions reach the GPU.
@@ -356,7 +412,14 @@ def trace_training(opts: TraceOptions, out_path: str):
             old[i] = None
         rec.phase, rec.category = "forward", "input_batch"
         # Pure low-precision training feeds its inputs in the weights' dtype.
-        new = [torch.empty(shape, dtype=weights_dtype if weights_dtype and dtype.is_floating_point else dtype, device=DEVICE) for shape, dtype in specs]
+        new = [
+            torch.empty(
+                shape,
+                dtype=weights_dtype if weights_dtype and dtype.is_floating_point else dtype,
+                device=DEVICE,
+            )
+            for shape, dtype in specs
+        ]
         if opts.channels_last and new[0].dim() == 4:
             new[0] = new[0].to(memory_format=torch.channels_last)
         rec.category = None
@@ -378,32 +441,62 @@ def trace_training(opts: TraceOptions, out_path: str):
         if autocast is not None:
             autocast.clear()
 
-    with cuda.patches(Stack.here(opts.gpu_capability, opts.sdpa)), amp.model_autocast_calls(), paths, mode, (autocast.under_checkpoint() if autocast else contextlib.nullcontext()):
+    with (
+        cuda.patches(Stack.here(opts.gpu_capability, opts.sdpa)),
+        amp.model_autocast_calls(),
+        paths,
+        mode,
+        autocast.under_checkpoint() if autocast else contextlib.nullcontext(),
+    ):
         rec.phase = "setup"
         if opts.strategy == "fsdp":
             # Offloaded, the model is sharded where it was loaded: on the host.
             with rec.on_host() if opts.cpu_offload else contextlib.nullcontext():
-                distributed.fsdp(model, units, opts.world_size, opts.reshard_after_forward,
-                                 on_alloc=lambda t: mode.track(t, "fsdp_all_gather"), on_free=lambda t: rec.free(storage_key(t)),
-                                 param_dtype={None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[opts.fsdp_param_dtype],
-                                 replicas=opts.replicas, cpu_offload=opts.cpu_offload)
+                distributed.fsdp(
+                    model,
+                    units,
+                    opts.world_size,
+                    opts.reshard_after_forward,
+                    on_alloc=lambda t: mode.track(t, "fsdp_all_gather"),
+                    on_free=lambda t: rec.free(storage_key(t)),
+                    param_dtype={None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[
+                        opts.fsdp_param_dtype
+                    ],
+                    replicas=opts.replicas,
+                    cpu_offload=opts.cpu_offload,
+                )
         elif opts.zero is not None:
-            engine = zero.Engine(model, opts.zero, opts.optimizer, weights_dtype or torch.float32, rec)
+            engine = zero.Engine(
+                model, opts.zero, opts.optimizer, weights_dtype or torch.float32, rec
+            )
         else:
             to_device_keeping_ties(model, weights_dtype)
         if opts.channels_last:
             model.to(memory_format=torch.channels_last)
         if opts.strategy == "ddp":
-            runner = distributed.ddp(model, opts.world_size, opts.bucket_cap_mb, opts.bucket_view, on_bucket=lambda t: rec.relabel(t, "gradient"),
-                                     rebuilding=lambda: rec.parameter_sized("ddp_rebuild_buckets"))
-        optimizer = engine or make_optimizer(opts.optimizer, [p for p in model.parameters() if p.requires_grad], opts.lr)
+            runner = distributed.ddp(
+                model,
+                opts.world_size,
+                opts.bucket_cap_mb,
+                opts.bucket_view,
+                on_bucket=lambda t: rec.relabel(t, "gradient"),
+                rebuilding=lambda: rec.parameter_sized("ddp_rebuild_buckets"),
+            )
+        optimizer = engine or make_optimizer(
+            opts.optimizer, [p for p in model.parameters() if p.requires_grad], opts.lr
+        )
         scaler = GradScaler() if opts.precision == "amp-fp16" else None
         batch = outputs = loss = None
         for it in range(opts.iterations):
             # From the third iteration on, a loop in its steady state repeats the last one:
             # copied, not run (about a quarter of the tracing time). A validation pass after
             # training would need the tensors each copy made, so with one every iteration runs.
-            if it >= 2 and not opts.every_iteration and opts.validate == "none" and rec.repeat_last_iteration():
+            if (
+                it >= 2
+                and not opts.every_iteration
+                and opts.validate == "none"
+                and rec.repeat_last_iteration()
+            ):
                 while rec.iterations < opts.iterations and rec.repeat_last_iteration():
                     pass  # a copy of a copy is always steady: the loop ends
                 rec.closed = True  # the copies' tensors exist only in the trace
@@ -450,7 +543,7 @@ def trace_training(opts: TraceOptions, out_path: str):
             # each output keeps its whole autograd graph until the next one is computed.
             model.eval()
             rec.kernels = False
-            with (torch.enable_grad() if opts.validate == "grad" else torch.no_grad()):
+            with torch.enable_grad() if opts.validate == "grad" else torch.no_grad():
                 for _ in range(2):
                     batch = next_batch(batch)
                     outputs, loss = forward_and_loss(batch)

@@ -18,8 +18,6 @@ then wraps its targets. bitsandbytes need not be installed (``Linear4bit`` below
 0.50 release holds).
 """
 
-import math
-
 from dataclasses import dataclass
 
 import torch
@@ -43,9 +41,17 @@ def from_flags(a):
     if a.lora_rank is None:
         return None
     if a.lora_rank < 1 or not a.lora_targets or not 0 <= a.lora_dropout < 1:
-        raise ValueError("--lora-rank must be at least 1, --lora-targets given, --lora-dropout in [0, 1)")
-    return Lora(rank=a.lora_rank, alpha=a.lora_alpha, targets=tuple(a.lora_targets.split(",")), dropout=a.lora_dropout,
-                quant=getattr(a, "lora_quant", None), double_quant=not getattr(a, "lora_single_quant", False))
+        raise ValueError(
+            "--lora-rank must be at least 1, --lora-targets given, --lora-dropout in [0, 1)"
+        )
+    return Lora(
+        rank=a.lora_rank,
+        alpha=a.lora_alpha,
+        targets=tuple(a.lora_targets.split(",")),
+        dropout=a.lora_dropout,
+        quant=getattr(a, "lora_quant", None),
+        double_quant=not getattr(a, "lora_single_quant", False),
+    )
 
 
 class Linear4bit(torch.nn.Module):
@@ -63,9 +69,13 @@ class Linear4bit(torch.nn.Module):
     def __init__(self, base, double_quant):
         super().__init__()
         w = base.weight
-        self.in_features, self.out_features = (w.shape[0], w.shape[1]) if isinstance(base, _conv1d_types()) else (w.shape[1], w.shape[0])
+        self.in_features, self.out_features = (
+            (w.shape[0], w.shape[1])
+            if isinstance(base, _conv1d_types())
+            else (w.shape[1], w.shape[0])
+        )
         n, blocks = w.numel(), -(-w.numel() // self.BLOCK)
-        byte = lambda k: torch.empty(k, dtype=torch.uint8, device=w.device)  # noqa: E731
+        byte = lambda k: torch.empty(k, dtype=torch.uint8, device=w.device)
         self.register_buffer("weight_packed", byte((n + 1) // 2))
         self.register_buffer("code", byte(16 * 4))
         if double_quant:
@@ -81,7 +91,9 @@ class Linear4bit(torch.nn.Module):
 
     def dequantize(self, dtype):
         """The weight, (out, in), in ``dtype`` (a kernel writes every element)."""
-        return torch.zeros((self.out_features, self.in_features), dtype=dtype, device=self.weight_packed.device)
+        return torch.zeros(
+            (self.out_features, self.in_features), dtype=dtype, device=self.weight_packed.device
+        )
 
     def forward(self, x):
         bias = self.bias.to(x.dtype) if self.bias is not None else None
@@ -106,7 +118,9 @@ def quantize(model, lora: Lora):
     ``Linear4bit`` (transformers' default ``llm_int8_skip_modules``)."""
     linear = (torch.nn.Linear,) + _conv1d_types()
     output = _output_embeddings(model)
-    chosen = [(n, m) for n, m in model.named_modules() if n and isinstance(m, linear) and m is not output]
+    chosen = [
+        (n, m) for n, m in model.named_modules() if n and isinstance(m, linear) and m is not output
+    ]
     for module_name, module in chosen:
         parent_name, _, child = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -133,9 +147,15 @@ class LoraLayer(torch.nn.Module):
         else:
             w = base.weight
             # transformers' Conv1D keeps its weight as (in, out) (PEFT's fan_in_fan_out).
-            in_f, out_f = (w.shape[0], w.shape[1]) if isinstance(base, _conv1d_types()) else (w.shape[1], w.shape[0])
+            in_f, out_f = (
+                (w.shape[0], w.shape[1])
+                if isinstance(base, _conv1d_types())
+                else (w.shape[1], w.shape[0])
+            )
             device, dtype = w.device, w.dtype
-        self.lora_dropout = torch.nn.Dropout(lora.dropout) if lora.dropout > 0 else torch.nn.Identity()
+        self.lora_dropout = (
+            torch.nn.Dropout(lora.dropout) if lora.dropout > 0 else torch.nn.Identity()
+        )
         self.lora_A = torch.nn.Linear(in_f, lora.rank, bias=False, device=device, dtype=dtype)
         self.lora_B = torch.nn.Linear(lora.rank, out_f, bias=False, device=device, dtype=dtype)
         self.scaling = lora.alpha / lora.rank
@@ -173,10 +193,14 @@ def apply(model, lora: Lora, name):
     chosen = [(n, m) for n, m in model.named_modules() if n and is_target(n, m)]
     for module_name, module in chosen:
         if not isinstance(module, linear):
-            raise ReferenceError_(f"{name}: LoRA target `{module_name}` is a {type(module).__name__}; gpumem models LoRA on Linear and Conv1D layers")
+            raise ReferenceError_(
+                f"{name}: LoRA target `{module_name}` is a {type(module).__name__}; gpumem models LoRA on Linear and Conv1D layers"
+            )
         parent_name, _, child = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, LoraLayer(module, lora))
     if not chosen:
-        raise ReferenceError_(f"{name}: no module matches the LoRA targets {', '.join(lora.targets)}")
+        raise ReferenceError_(
+            f"{name}: no module matches the LoRA targets {', '.join(lora.targets)}"
+        )
     return len(chosen)

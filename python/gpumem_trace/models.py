@@ -20,7 +20,16 @@ class ReferenceError_(Exception):
 
 
 class Job:
-    def __init__(self, model, batch_specs, loss, forward=None, seq_len=None, input_shape=None, keeps_outputs=True):
+    def __init__(
+        self,
+        model,
+        batch_specs,
+        loss,
+        forward=None,
+        seq_len=None,
+        input_shape=None,
+        keeps_outputs=True,
+    ):
         self.model = model
         # Whether the usual loop for this kind of model holds its output through backward.
         self.keeps_outputs = keeps_outputs
@@ -87,7 +96,9 @@ def _require(module, hint):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ReferenceError_(f"cannot import {module}: {e} (install it: pip install {hint})") from e
+        raise ReferenceError_(
+            f"cannot import {module}: {e} (install it: pip install {hint})"
+        ) from e
 
 
 def _unknown(kind, name, known):
@@ -104,7 +115,9 @@ def _classification(model, shape, classes, batch_first_key="logits"):
             out = getattr(out, batch_first_key)
         return F.cross_entropy(out, batch[1])
 
-    return Job(model, lambda b: [((b, *shape), torch.float32), ((b,), torch.long)], loss, input_shape=shape)
+    return Job(
+        model, lambda b: [((b, *shape), torch.float32), ((b,), torch.long)], loss, input_shape=shape
+    )
 
 
 def _segmentation(model, shape):
@@ -119,7 +132,12 @@ def _segmentation(model, shape):
             total = total + 0.5 * F.cross_entropy(out["aux"], batch[1])
         return total
 
-    return Job(model, lambda b: [((b, *shape), torch.float32), ((b, *shape[1:]), torch.long)], loss, input_shape=shape)
+    return Job(
+        model,
+        lambda b: [((b, *shape), torch.float32), ((b, *shape[1:]), torch.long)],
+        loss,
+        input_shape=shape,
+    )
 
 
 def _torchvision_input(tv, name, family):
@@ -130,7 +148,11 @@ def _torchvision_input(tv, name, family):
         t = tv.models.get_model_weights(name).DEFAULT.transforms()
     except Exception:  # a builder without published weights
         t = None
-    size = getattr(t, "resize_size", None) if family == "segmentation" else getattr(t, "crop_size", None)
+    size = (
+        getattr(t, "resize_size", None)
+        if family == "segmentation"
+        else getattr(t, "crop_size", None)
+    )
     side = (size or [520 if family == "segmentation" else 224])[0]
     return (3, 16, side, side) if family == "video" else (3, side, side)
 
@@ -141,9 +163,18 @@ def torchvision_job(spec, ref, input_shape):
     known = tv.models.list_models()
     if name not in known:
         _unknown("torchvision", name, known)
-    family = next((m for m in ("segmentation", "video", "detection", "optical_flow") if name in tv.models.list_models(module=getattr(tv.models, m))), "classification")
+    family = next(
+        (
+            m
+            for m in ("segmentation", "video", "detection", "optical_flow")
+            if name in tv.models.list_models(module=getattr(tv.models, m))
+        ),
+        "classification",
+    )
     if family in ("detection", "optical_flow"):
-        raise ReferenceError_(f"{ref}: torchvision {family.replace('_', '-')} models train on per-image targets the tracer does not make yet (classification, segmentation and video models work)")
+        raise ReferenceError_(
+            f"{ref}: torchvision {family.replace('_', '-')} models train on per-image targets the tracer does not make yet (classification, segmentation and video models work)"
+        )
     if name == "inception_v3":
         kw.setdefault("init_weights", False)
     if "weights_backbone" in inspect.signature(tv.models.get_model_builder(name)).parameters:
@@ -172,7 +203,11 @@ def smp_job(spec, ref, input_shape):
     trains a binary mask with BCE, more a class map. Input 3×512×512 unless given."""
     smp = _require("segmentation_models_pytorch", "segmentation-models-pytorch")
     arch, kw = _split_call(spec, ref)
-    known = sorted(smp.MODEL_ARCHITECTURES_MAPPING) if hasattr(smp, "MODEL_ARCHITECTURES_MAPPING") else []
+    known = (
+        sorted(smp.MODEL_ARCHITECTURES_MAPPING)
+        if hasattr(smp, "MODEL_ARCHITECTURES_MAPPING")
+        else []
+    )
     match = {k.lower(): k for k in known}.get(arch.lower())
     if match is None:
         _unknown("segmentation_models_pytorch", arch, known)
@@ -185,12 +220,20 @@ def smp_job(spec, ref, input_shape):
     shape = input_shape or (kw.get("in_channels", 3), 512, 512)
     if classes == 1:
         dice = smp.losses.DiceLoss(mode="binary") if loss_name == "dice" else None
-        target = lambda b: ((b, 1, *shape[1:]), torch.float32)  # noqa: E731
-        loss = (lambda out, batch: dice(out, batch[1])) if dice else (lambda out, batch: F.binary_cross_entropy_with_logits(out, batch[1]))
+        target = lambda b: ((b, 1, *shape[1:]), torch.float32)
+        loss = (
+            (lambda out, batch: dice(out, batch[1]))
+            if dice
+            else (lambda out, batch: F.binary_cross_entropy_with_logits(out, batch[1]))
+        )
     else:
         dice = smp.losses.DiceLoss(mode="multiclass") if loss_name == "dice" else None
-        target = lambda b: ((b, *shape[1:]), torch.long)  # noqa: E731
-        loss = (lambda out, batch: dice(out, batch[1])) if dice else (lambda out, batch: F.cross_entropy(out, batch[1]))
+        target = lambda b: ((b, *shape[1:]), torch.long)
+        loss = (
+            (lambda out, batch: dice(out, batch[1]))
+            if dice
+            else (lambda out, batch: F.cross_entropy(out, batch[1]))
+        )
     return Job(model, lambda b: [((b, *shape), torch.float32), target(b)], loss, input_shape=shape)
 
 
@@ -198,15 +241,31 @@ def smp_job(spec, ref, input_shape):
 HF_NAMED = {
     "xlnet-base-cased": {"d_model": 768, "n_layer": 12, "n_head": 12, "d_inner": 3072},
     "xlnet-large-cased": {"d_model": 1024, "n_layer": 24, "n_head": 16, "d_inner": 4096},
-    "bert-base-uncased": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072},
-    "bert-large-uncased": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096},
+    "bert-base-uncased": {
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+    },
+    "bert-large-uncased": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "intermediate_size": 4096,
+    },
     "gpt2": {"n_embd": 768, "n_layer": 12, "n_head": 12},
     "gpt2-medium": {"n_embd": 1024, "n_layer": 24, "n_head": 16},
     "gpt2-large": {"n_embd": 1280, "n_layer": 36, "n_head": 20},
     "gpt2-xl": {"n_embd": 1600, "n_layer": 48, "n_head": 25},
 }
 # Short keys of the seed's data files.
-HF_ALIASES = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads", "ffn": "intermediate_size", "vocab": "vocab_size"}
+HF_ALIASES = {
+    "hidden": "hidden_size",
+    "layers": "num_hidden_layers",
+    "heads": "num_attention_heads",
+    "ffn": "intermediate_size",
+    "vocab": "vocab_size",
+}
 
 
 # Keys of an hf: reference that are not config fields but config arguments.
@@ -246,15 +305,19 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
     name, inner = m.group(1).strip(), (m.group(2) or "").strip()
     if inner and "=" not in inner:
         if inner not in HF_NAMED:
-            raise ReferenceError_(f"{ref}: `{inner}` is a Hub name gpumem does not know offline; give config keys instead")
+            raise ReferenceError_(
+                f"{ref}: `{inner}` is a Hub name gpumem does not know offline; give config keys instead"
+            )
         kw = dict(HF_NAMED[inner])
     else:
         kw = _kwargs(inner, ref)
     try:
         cls = getattr(tr, name, None)
     except ImportError as e:  # transformers refuses this torch (it needs a newer one)
-        raise ReferenceError_(f"{ref}: transformers {tr.__version__} cannot use torch {torch.__version__} ({str(e).strip() or 'its models need a newer torch'}); "
-                              "install a transformers release that supports this torch") from e
+        raise ReferenceError_(
+            f"{ref}: transformers {tr.__version__} cannot use torch {torch.__version__} ({str(e).strip() or 'its models need a newer torch'}); "
+            "install a transformers release that supports this torch"
+        ) from e
     if cls is None or not isinstance(cls, type) or not hasattr(cls, "config_class"):
         known = [n for n in dir(tr) if n[:1].isupper() and ("For" in n or n.endswith("Model"))]
         _unknown("Hugging Face", name, known)
@@ -277,12 +340,25 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
     lower = name.lower()
     text = getattr(config, "text_config", None) or config
     for c in (config,) if text is config else (config, text):
-        if ("sequenceclassification" in lower or getattr(c, "is_encoder_decoder", False)) and getattr(c, "pad_token_id", None) is None:
-            c.pad_token_id = 0  # batches of more than one sequence need one (a nested text config too)
-    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
-        config.decoder_start_token_id = config.pad_token_id  # labels are shifted right behind it, as pretrained configs set
+        if (
+            "sequenceclassification" in lower or getattr(c, "is_encoder_decoder", False)
+        ) and getattr(c, "pad_token_id", None) is None:
+            c.pad_token_id = (
+                0  # batches of more than one sequence need one (a nested text config too)
+            )
+    if (
+        getattr(config, "is_encoder_decoder", False)
+        and getattr(config, "decoder_start_token_id", None) is None
+    ):
+        config.decoder_start_token_id = (
+            config.pad_token_id
+        )  # labels are shifted right behind it, as pretrained configs set
     model = build(lambda: cls(config))
-    if hasattr(model, "set_default_language") and getattr(config, "default_language", None) is None and getattr(config, "languages", None):
+    if (
+        hasattr(model, "set_default_language")
+        and getattr(config, "default_language", None) is None
+        and getattr(config, "languages", None)
+    ):
         model.set_default_language(config.languages[0])  # X-MOD's adapters need one
     limits = [getattr(text, k, None) for k in ("max_position_embeddings", "n_positions")]
     seq = seq_len or min([512] + [n for n in limits if isinstance(n, int) and n > 0])
@@ -290,7 +366,7 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
     side = getattr(vision, "image_size", 224)
     side = side[0] if isinstance(side, (list, tuple)) else side
     image = (getattr(vision, "num_channels", 3), side, side)
-    ids = lambda b: ((b, seq), torch.long)  # noqa: E731
+    ids = lambda b: ((b, seq), torch.long)
     # What the model reads (`main_input_name`): token ids, images, raw audio, or spectrograms.
     main = getattr(model, "main_input_name", "input_ids")
     if main == "pixel_values":
@@ -300,37 +376,56 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
         x, seq = (lambda b: ((b, samples), torch.float32)), None
     elif main == "input_features":  # log-mel frames, as many as the encoder takes
         frames = seq_len or 2 * getattr(config, "max_source_positions", 1500)
-        stacked = getattr(config, "feature_projection_input_dim", None)  # Wav2Vec2-BERT: frames first
+        stacked = getattr(
+            config, "feature_projection_input_dim", None
+        )  # Wav2Vec2-BERT: frames first
         shape = (frames, stacked) if stacked else (getattr(config, "num_mel_bins", 80), frames)
         x, seq = (lambda b: ((b, *shape), torch.float32)), None
     else:
         x = ids
-    one_label = any(k in lower for k in ("sequenceclassification", "imageclassification", "audioclassification"))
+    one_label = any(
+        k in lower for k in ("sequenceclassification", "imageclassification", "audioclassification")
+    )
     label = (lambda b: ((b,), torch.long)) if one_label else ids
     codebooks = getattr(config, "num_codebooks", None)
     if name.startswith("Musicgen") and isinstance(codebooks, int) and codebooks > 1:
         # MusicGen's decoders read every codebook's stream, ids as (batch × codebooks, seq).
-        x = lambda b: ((b * codebooks, seq), torch.long)  # noqa: E731
-        label = lambda b: ((b, seq, codebooks), torch.long)  # noqa: E731
-    if hasattr(model, "get_image_features") and hasattr(model, "get_text_features") and "for" not in lower:
-        specs = lambda b: [ids(b), ((b, *image), torch.float32)]  # noqa: E731
-        forward = lambda m, b: m(input_ids=b[0], pixel_values=b[1], return_loss=True, **_mask(b, 2))  # noqa: E731
-    elif (lower.endswith(("forcausallm", "formaskedlm")) and "pixel_values" in inspect.signature(model.forward).parameters
-          and (hasattr(config, "vision_config") or hasattr(config, "image_size"))):
+        x = lambda b: ((b * codebooks, seq), torch.long)
+        label = lambda b: ((b, seq, codebooks), torch.long)
+    if (
+        hasattr(model, "get_image_features")
+        and hasattr(model, "get_text_features")
+        and "for" not in lower
+    ):
+        specs = lambda b: [ids(b), ((b, *image), torch.float32)]
+        forward = lambda m, b: m(input_ids=b[0], pixel_values=b[1], return_loss=True, **_mask(b, 2))
+    elif (
+        lower.endswith(("forcausallm", "formaskedlm"))
+        and "pixel_values" in inspect.signature(model.forward).parameters
+        and (hasattr(config, "vision_config") or hasattr(config, "image_size"))
+    ):
         # A text head over an image too (GIT's captions, ViLT's masked words): both inputs.
-        specs = lambda b: [ids(b), label(b), ((b, *image), torch.float32)]  # noqa: E731
-        forward = lambda m, b: m(input_ids=b[0], labels=b[1], pixel_values=b[2], **_mask(b, 3))  # noqa: E731
+        specs = lambda b: [ids(b), label(b), ((b, *image), torch.float32)]
+        forward = lambda m, b: m(input_ids=b[0], labels=b[1], pixel_values=b[2], **_mask(b, 3))
     else:
-        specs = lambda b: [x(b), label(b)]  # noqa: E731
-        forward = lambda m, b: m(**{main: b[0]}, labels=b[1], **_mask(b, 2))  # noqa: E731
+        specs = lambda b: [x(b), label(b)]
+        forward = lambda m, b: m(**{main: b[0]}, labels=b[1], **_mask(b, 2))
     if attention_mask == "padded":
         if seq is None:
             raise ReferenceError_(f"{ref}: --attention-mask applies to models that read token ids")
         _padded_batches(tr)
         base = specs
-        specs = lambda b: base(b) + [ids(b)]  # noqa: E731
+        specs = lambda b: base(b) + [ids(b)]
     # Hugging Face's Trainer takes `loss = model(**batch).loss`: the output is not held.
-    return Job(model, specs, lambda out, batch: out.loss, forward=forward, seq_len=seq, input_shape=image if main == "pixel_values" else None, keeps_outputs=False)
+    return Job(
+        model,
+        specs,
+        lambda out, batch: out.loss,
+        forward=forward,
+        seq_len=seq,
+        input_shape=image if main == "pixel_values" else None,
+        keeps_outputs=False,
+    )
 
 
 def _mask(batch, index):
@@ -376,7 +471,9 @@ def py_job(spec, ref, batch_hint):
 def resolve(ref, input_shape=None, seq_len=None, batch_hint=2, attention_mask="none"):
     kind, sep, spec = ref.partition(":")
     if not sep:
-        raise ReferenceError_(f"`{ref}` is not a model reference (torchvision:NAME, timm:NAME, hf:CLASS(...), smp:ARCH(...), py:FILE:FUNCTION)")
+        raise ReferenceError_(
+            f"`{ref}` is not a model reference (torchvision:NAME, timm:NAME, hf:CLASS(...), smp:ARCH(...), py:FILE:FUNCTION)"
+        )
     if kind == "torchvision":
         return torchvision_job(spec, ref, input_shape)
     if kind == "timm":
@@ -389,4 +486,6 @@ def resolve(ref, input_shape=None, seq_len=None, batch_hint=2, attention_mask="n
         return smp_job(spec, ref, input_shape)
     if kind == "py":
         return py_job(spec, ref, batch_hint)
-    raise ReferenceError_(f"unknown model source `{kind}` in `{ref}` (expected torchvision, timm, hf, smp or py)")
+    raise ReferenceError_(
+        f"unknown model source `{kind}` in `{ref}` (expected torchvision, timm, hf, smp or py)"
+    )

@@ -126,7 +126,9 @@ class DataParallel:
         the whole batch's; any other has one copy per replica."""
         if isinstance(out, torch.Tensor):
             scalar = out.dim() == 0
-            total = used if scalar else (batch_rows if out.shape[0] == rows else out.shape[0] * used)
+            total = (
+                used if scalar else (batch_rows if out.shape[0] == rows else out.shape[0] * used)
+            )
             return Gather.apply(out, total, scalar)
         if isinstance(out, dict):  # ModelOutput too
             items = {k: self.gather(v, rows, used, batch_rows) for k, v in out.items()}

@@ -22,7 +22,9 @@ def fork_trace(request):
     """Forks a copy of this process that runs the request and exits with its code."""
 
     def run():
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the requests are this process's parent's to read
+        os.dup2(
+            os.open(os.devnull, os.O_RDONLY), 0
+        )  # the requests are this process's parent's to read
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -36,7 +38,10 @@ def serve():
     pending = b""
 
     def answer(pid, status):
-        print(json.dumps({"id": running.pop(pid), "code": os.waitstatus_to_exitcode(status)}), flush=True)
+        print(
+            json.dumps({"id": running.pop(pid), "code": os.waitstatus_to_exitcode(status)}),
+            flush=True,
+        )
 
     try:
         while True:

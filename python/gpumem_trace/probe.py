@@ -31,22 +31,36 @@ import tempfile
 import time
 
 # The default grid: the convolutions of common CNNs at two batch sizes, fp32 and bf16.
-GRID_MODELS = ["torchvision:resnet18", "torchvision:resnet50", "torchvision:vgg16", "torchvision:mobilenet_v2",
-               "torchvision:efficientnet_b0", "torchvision:densenet121", "torchvision:convnext_tiny",
-               "torchvision:regnet_y_400mf"]
+GRID_MODELS = [
+    "torchvision:resnet18",
+    "torchvision:resnet50",
+    "torchvision:vgg16",
+    "torchvision:mobilenet_v2",
+    "torchvision:efficientnet_b0",
+    "torchvision:densenet121",
+    "torchvision:convnext_tiny",
+    "torchvision:regnet_y_400mf",
+]
 GRID_BATCHES = [16, 64]
 GRID_PRECISIONS = ["fp32", "amp-bf16"]
 
 
 # --- which convolutions a job runs (CPU) -----------------------------------------------------
 
+
 def job_configs(model, batch, precision="fp32", input_shape=None, channels_last=False):
     """The (config, n, passes) of every convolution the job's training step runs, read from the
     tracer's own workspace events: one place decides what a configuration is."""
     from .loop import TraceOptions, trace_training
 
-    opts = TraceOptions(model=model, batch=batch, precision=precision, iterations=2, input_shape=input_shape,
-                        channels_last=channels_last)
+    opts = TraceOptions(
+        model=model,
+        batch=batch,
+        precision=precision,
+        iterations=2,
+        input_shape=input_shape,
+        channels_last=channels_last,
+    )
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "t.jsonl")
         trace_training(opts, path)
@@ -67,7 +81,7 @@ def parse_job(item):
     parts = item.split(":")
     for i in range(len(parts) - 1, 0, -1):
         if parts[i].isdigit():
-            model, batch, rest = ":".join(parts[:i]), int(parts[i]), parts[i + 1:]
+            model, batch, rest = ":".join(parts[:i]), int(parts[i]), parts[i + 1 :]
             shape = tuple(int(x) for x in rest[1].split("x")) if len(rest) > 1 else None
             return model, batch, (rest[0] if rest else "fp32"), shape
     raise ValueError(f"`{item}` is not MODEL:BATCH[:PRECISION[:CxHxW]]")
@@ -79,7 +93,9 @@ def read_jobs(path):
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
             shape = tuple(int(x) for x in row["input"].split("x")) if row.get("input") else None
-            jobs.append((row["model"], int(row["batch_size"]), row.get("precision") or "fp32", shape))
+            jobs.append(
+                (row["model"], int(row["batch_size"]), row.get("precision") or "fp32", shape)
+            )
     return jobs
 
 
@@ -90,7 +106,10 @@ def configs_of(jobs):
             for c in job_configs(model, batch, precision, shape):
                 seen.setdefault((c["config"], c["n"]), set()).update(c["passes"])
         except Exception as e:  # a job the tracer cannot run: its convolutions stay unprobed
-            print(f"gpumem_trace.probe: skipping {model} b{batch}: {type(e).__name__}: {e}", file=sys.stderr)
+            print(
+                f"gpumem_trace.probe: skipping {model} b{batch}: {type(e).__name__}: {e}",
+                file=sys.stderr,
+            )
     return [{"config": c, "n": n, "passes": sorted(p)} for (c, n), p in sorted(seen.items())]
 
 
@@ -99,6 +118,7 @@ def grid_jobs():
 
 
 # --- the allocator's record ------------------------------------------------------------------
+
 
 class Allocations:
     """The caching allocator's history of this process. Allocations are numbered by the
@@ -111,7 +131,9 @@ class Allocations:
         self.keep = []
 
     def count(self):
-        return self.torch.cuda.memory.memory_stats_as_nested_dict()["allocation"]["all"]["allocated"]
+        return self.torch.cuda.memory.memory_stats_as_nested_dict()["allocation"]["all"][
+            "allocated"
+        ]
 
     def mark(self):
         """The number of a fresh allocation made now, after the device is idle: frees that come
@@ -153,13 +175,21 @@ class Allocations:
 
 # --- convolutions -----------------------------------------------------------------------------
 
+
 def parse_config(config):
     kv = dict(p.split("=", 1) for p in config.split(";"))
-    dims = lambda s: [int(x) for x in s.split("x")]  # noqa: E731
+    dims = lambda s: [int(x) for x in s.split("x")]
     return {
-        "in": dims(kv["in"]), "w": dims(kv["w"]), "stride": dims(kv["stride"]), "pad": dims(kv["pad"]),
-        "dil": dims(kv["dil"]), "groups": int(kv["groups"]), "dtype": kv["dtype"], "layout": kv["layout"],
-        "transposed": kv.get("transposed") == "1", "opad": dims(kv["opad"]) if "opad" in kv else [0] * (len(dims(kv["in"])) - 1),
+        "in": dims(kv["in"]),
+        "w": dims(kv["w"]),
+        "stride": dims(kv["stride"]),
+        "pad": dims(kv["pad"]),
+        "dil": dims(kv["dil"]),
+        "groups": int(kv["groups"]),
+        "dtype": kv["dtype"],
+        "layout": kv["layout"],
+        "transposed": kv.get("transposed") == "1",
+        "opad": dims(kv["opad"]) if "opad" in kv else [0] * (len(dims(kv["in"])) - 1),
     }
 
 
@@ -177,7 +207,11 @@ def probe_convs(torch, configs, benchmark, deadline=None):
             break  # the rest stays unprobed; the caller notes how many were
         p = parse_config(c["config"])
         dtype = getattr(torch, p["dtype"])
-        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(len(p["in"]) + 1) if p["layout"] == "channels_last" else None
+        fmt = (
+            {4: torch.channels_last, 5: torch.channels_last_3d}.get(len(p["in"]) + 1)
+            if p["layout"] == "channels_last"
+            else None
+        )
         try:
             x = torch.randn([c["n"], *p["in"]], device="cuda", dtype=dtype)
             w = torch.randn(p["w"], device="cuda", dtype=dtype)
@@ -224,7 +258,10 @@ def probe_convs(torch, configs, benchmark, deadline=None):
         # A whole backward (both gradients and the bias) as PyTorch orders its outputs and
         # workspaces: [size, freed inside].
         row["backward_sequence"] = rec.span(allocs, last["both"] + 1, last["both_end"])
-        firsts = {d: rec.transients(allocs, first[d], first[d + "_end"]) for d in ("fwd", "bwd_data", "bwd_filter")}
+        firsts = {
+            d: rec.transients(allocs, first[d], first[d + "_end"])
+            for d in ("fwd", "bwd_data", "bwd_filter")
+        }
         if benchmark:
             row["search"] = {d: max(v or [0]) for d, v in firsts.items()}
         elif any(firsts[d] != row[d] for d in firsts):
@@ -234,6 +271,7 @@ def probe_convs(torch, configs, benchmark, deadline=None):
 
 
 # --- context, cuBLAS, SDPA ---------------------------------------------------------------------
+
 
 def device_used(torch):
     free, total = torch.cuda.mem_get_info()
@@ -263,17 +301,30 @@ def probe_cublas(torch):
         marks[name] = (start, rec.mark())
         del r
 
-    for name, f in (("mm", lambda: a @ b), ("addmm_lt", lambda: torch.nn.functional.linear(a, b, bias))):
+    for name, f in (
+        ("mm", lambda: a @ b),
+        ("addmm_lt", lambda: torch.nn.functional.linear(a, b, bias)),
+    ):
         t = threading.Thread(target=run, args=(name, f))
         t.start()
         t.join()
     allocs = rec.stop()
     # Not the output (256×256 fp32) and kept: the workspace the thread holds on to.
-    return {name: [size for size, freed in rec.span(allocs, s, e) if size != 256 * 256 * 4 and not freed] for name, (s, e) in marks.items()}
+    return {
+        name: [
+            size for size, freed in rec.span(allocs, s, e) if size != 256 * 256 * 4 and not freed
+        ]
+        for name, (s, e) in marks.items()
+    }
 
 
-SDPA_CASES = [(dt, d, mask, gqa) for dt in ("float16", "bfloat16", "float32") for d in (64, 128, 256)
-              for mask in ("none", "causal", "additive") for gqa in (False, True)]
+SDPA_CASES = [
+    (dt, d, mask, gqa)
+    for dt in ("float16", "bfloat16", "float32")
+    for d in (64, 128, 256)
+    for mask in ("none", "causal", "additive")
+    for gqa in (False, True)
+]
 
 
 def probe_sdpa(torch):
@@ -283,7 +334,11 @@ def probe_sdpa(torch):
 
     # cuDNN's own attention kernels are named "cudnn_generated_..._sdpa_..._flash_...": look
     # for cuDNN first.
-    names = {"cudnn": ("cudnn",), "flash": ("flash",), "efficient": ("efficient", "mem_eff", "fmha_cutlass")}
+    names = {
+        "cudnn": ("cudnn",),
+        "flash": ("flash",),
+        "efficient": ("efficient", "mem_eff", "fmha_cutlass"),
+    }
     out = []
     for dt, d, mask, gqa in SDPA_CASES:
         dtype = getattr(torch, dt)
@@ -297,13 +352,36 @@ def probe_sdpa(torch):
         try:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 kw = {"enable_gqa": True} if gqa else {}
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, is_causal=mask == "causal", **kw)
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=attn, is_causal=mask == "causal", **kw
+                )
                 o.sum().backward()
                 torch.cuda.synchronize()
-            kernels = sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+            kernels = sorted(
+                {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+            )
             joined = " ".join(kernels).lower()
-            row["kernels"] = [k[:120] for k in kernels if any(w in k.lower() for w in ("attn", "attention", "fmha", "flash", "sdpa", "cudnn", "softmax", "gemm"))][:10]
-            row["kernel"] = next((n for n in ("cudnn", "flash", "efficient") if any(k in joined for k in names[n])), "math")
+            row["kernels"] = [
+                k[:120]
+                for k in kernels
+                if any(
+                    w in k.lower()
+                    for w in (
+                        "attn",
+                        "attention",
+                        "fmha",
+                        "flash",
+                        "sdpa",
+                        "cudnn",
+                        "softmax",
+                        "gemm",
+                    )
+                )
+            ][:10]
+            row["kernel"] = next(
+                (n for n in ("cudnn", "flash", "efficient") if any(k in joined for k in names[n])),
+                "math",
+            )
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         out.append(row)
@@ -312,8 +390,14 @@ def probe_sdpa(torch):
 
 def stack_facts(torch):
     props = torch.cuda.get_device_properties(0)
-    facts = {"gpu": props.name, "capability": f"{props.major}.{props.minor}", "total_bytes": int(props.total_memory),
-             "torch": torch.__version__, "cuda": torch.version.cuda or "", "cudnn": torch.backends.cudnn.version() or 0}
+    facts = {
+        "gpu": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "total_bytes": int(props.total_memory),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "",
+        "cudnn": torch.backends.cudnn.version() or 0,
+    }
     try:
         import pynvml
 
@@ -329,12 +413,24 @@ def stack_facts(torch):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="gpumem_trace.probe", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--models", nargs="*", default=None, help="a measurement CSV or MODEL:BATCH[:PRECISION[:CxHxW]] items")
+    p.add_argument(
+        "--models",
+        nargs="*",
+        default=None,
+        help="a measurement CSV or MODEL:BATCH[:PRECISION[:CxHxW]] items",
+    )
     p.add_argument("--configs", help="JSON list of {config, n} (written by --list)")
-    p.add_argument("--list", action="store_true", help="only list the configurations (no GPU needed)")
+    p.add_argument(
+        "--list", action="store_true", help="only list the configurations (no GPU needed)"
+    )
     p.add_argument("--benchmark", choices=["off", "on", "both"], default="both")
     p.add_argument("--no-sdpa", action="store_true")
-    p.add_argument("--seconds", type=float, default=0, help="time budget of each cudnn.benchmark mode's convolutions (0: none); configurations past it stay unprobed")
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=0,
+        help="time budget of each cudnn.benchmark mode's convolutions (0: none); configurations past it stay unprobed",
+    )
     a = p.parse_args(argv)
 
     def fail(code, msg):
@@ -381,7 +477,9 @@ def main(argv=None):
         rows = probe_convs(torch, configs, bench, deadline)
         doc["conv"]["benchmark" if bench else "heuristic"] = rows
         if len(rows) < len(configs):
-            doc.setdefault("unprobed", {})["benchmark" if bench else "heuristic"] = len(configs) - len(rows)
+            doc.setdefault("unprobed", {})["benchmark" if bench else "heuristic"] = len(
+                configs
+            ) - len(rows)
         doc["context"].append(context_point(torch, "cudnn_benchmark" if bench else "cudnn"))
         save()
     torch.backends.cudnn.benchmark = False

@@ -41,7 +41,9 @@ def batch_on_gpu(specs, weights_dtype, channels_last, device="cuda"):
 def materialise(model, weights_dtype, device="cuda"):
     """A model built without weights (meta device or skipped init) made real on the GPU, with
     each layer's own initialisation where it has one."""
-    if any(t.device.type == "meta" for t in model.parameters()) or any(t.device.type == "meta" for t in model.buffers()):
+    if any(t.device.type == "meta" for t in model.parameters()) or any(
+        t.device.type == "meta" for t in model.buffers()
+    ):
         model.to_empty(device=device)
     else:
         model.to(device)
@@ -65,7 +67,9 @@ def record(a, device="cuda"):
     torch.backends.cudnn.benchmark = a.benchmark
     if cuda:
         # Python stacks make the file ~50x larger; the sizes and order are what diff needs.
-        torch.cuda.memory._record_memory_history(context="alloc" if a.stacks else None, stacks="python", max_entries=a.max_entries)
+        torch.cuda.memory._record_memory_history(
+            context="alloc" if a.stacks else None, stacks="python", max_entries=a.max_entries
+        )
     model = job.model
     adapters = lora.from_flags(a)
     if adapters is not None:
@@ -77,7 +81,9 @@ def record(a, device="cuda"):
     if a.channels_last:
         model.to(memory_format=torch.channels_last)
     model.train()
-    optimizer = make_optimizer(a.optimizer, [p for p in model.parameters() if p.requires_grad], 1e-3)
+    optimizer = make_optimizer(
+        a.optimizer, [p for p in model.parameters() if p.requires_grad], 1e-3
+    )
     scaler = torch.amp.GradScaler("cuda") if a.precision == "amp-fp16" else None
     keep_outputs = job.keeps_outputs if a.outputs is None else a.outputs == "kept"
     batch = outputs = loss = None
@@ -104,13 +110,28 @@ def record(a, device="cuda"):
     traced = sum(len(t) for t in snap.get("device_traces", []))
     if traced >= a.max_entries:
         # The history is a ring: its oldest entries are gone, and a diff would part early.
-        print(f"gpumem_trace.record: the allocator's history filled its {a.max_entries} entries; raise --max-entries", file=sys.stderr)
+        print(
+            f"gpumem_trace.record: the allocator's history filled its {a.max_entries} entries; raise --max-entries",
+            file=sys.stderr,
+        )
     free, total = torch.cuda.mem_get_info()
-    facts = {"model": a.model, "batch": a.batch, "optimizer": a.optimizer, "precision": a.precision, "seq_len": a.seq_len,
-             "checkpointing": "selective" if a.selective else a.checkpointing, "lora_rank": a.lora_rank, "lora_targets": a.lora_targets,
-             "max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved(),
-             "device_used_end": total - free, "torch": str(torch.__version__), "cudnn": torch.backends.cudnn.version() or 0,
-             "gpu": torch.cuda.get_device_name(0), "iterations": a.iterations}
+    facts = {
+        "model": a.model,
+        "batch": a.batch,
+        "optimizer": a.optimizer,
+        "precision": a.precision,
+        "seq_len": a.seq_len,
+        "checkpointing": "selective" if a.selective else a.checkpointing,
+        "lora_rank": a.lora_rank,
+        "lora_targets": a.lora_targets,
+        "max_allocated": torch.cuda.max_memory_allocated(),
+        "max_reserved": torch.cuda.max_memory_reserved(),
+        "device_used_end": total - free,
+        "torch": str(torch.__version__),
+        "cudnn": torch.backends.cudnn.version() or 0,
+        "gpu": torch.cuda.get_device_name(0),
+        "iterations": a.iterations,
+    }
     snap["gpumem"] = facts  # what was run, beside PyTorch's own keys
     with open(a.out, "wb") as f:
         pickle.dump(snap, f)
@@ -130,13 +151,23 @@ def main(argv=None):
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--outputs", choices=["kept", "dropped"])
     p.add_argument("--checkpointing", action="store_true")
-    p.add_argument("--selective", action="store_true", help="with --checkpointing: the op-level policy (matmul and attention outputs saved)")
-    p.add_argument("--lora-rank", type=int, help="LoRA fine-tuning: the rank r (with --lora-targets)")
+    p.add_argument(
+        "--selective",
+        action="store_true",
+        help="with --checkpointing: the op-level policy (matmul and attention outputs saved)",
+    )
+    p.add_argument(
+        "--lora-rank", type=int, help="LoRA fine-tuning: the rank r (with --lora-targets)"
+    )
     p.add_argument("--lora-alpha", type=float, default=8.0)
     p.add_argument("--lora-targets", help="module names, comma-separated, or all-linear")
     p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
-    p.add_argument("--stacks", action="store_true", help="record each allocation's Python stack (for pytorch.org/memory_viz)")
+    p.add_argument(
+        "--stacks",
+        action="store_true",
+        help="record each allocation's Python stack (for pytorch.org/memory_viz)",
+    )
     p.add_argument("--max-entries", type=int, default=1_000_000)
     a = p.parse_args(argv)
 
@@ -163,7 +194,9 @@ def main(argv=None):
     except ReferenceError_ as e:
         return fail(2, str(e))
     except Exception as e:  # noqa: BLE001 - the model's own failure
-        return fail(3, f"{a.model} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        return fail(
+            3, f"{a.model} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        )
     print(json.dumps(facts), flush=True)
     return 0
 

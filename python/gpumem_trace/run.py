@@ -64,13 +64,22 @@ def loader(family, kw, batch, samples, device):
         n = samples or 4096
         x = torch.randn(n, kw["input"])
         y = torch.randint(0, max(kw["output"], 2), (n,))
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch, shuffle=True)
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, y), batch_size=batch, shuffle=True
+        )
     if family == "cnn":
         c, s, k = kw.get("channels", 3), kw["input"], kw["classes"]
-        data = RandomSamples(samples or 50_000, lambda: (torch.randn(c, s, s), torch.randint(0, max(k, 2), ()).item()))
-        return torch.utils.data.DataLoader(data, batch_size=batch, num_workers=2, pin_memory=device.startswith("cuda"))
+        data = RandomSamples(
+            samples or 50_000,
+            lambda: (torch.randn(c, s, s), torch.randint(0, max(k, 2), ()).item()),
+        )
+        return torch.utils.data.DataLoader(
+            data, batch_size=batch, num_workers=2, pin_memory=device.startswith("cuda")
+        )
     v, s, k = kw["vocab"], kw["seq"], kw["classes"]
-    data = RandomSamples(samples or 50_000, lambda: (torch.randint(0, v, (s,)), torch.randint(0, k, ()).item()))
+    data = RandomSamples(
+        samples or 50_000, lambda: (torch.randint(0, v, (s,)), torch.randint(0, k, ()).item())
+    )
     return torch.utils.data.DataLoader(data, batch_size=batch)
 
 

@@ -67,11 +67,31 @@ class Stack:
         except Exception:
             compiled = runtime
         cap = tuple(int(x) for x in (capability or "8.0").split(".")[:2])
-        switches = {FLASH: "flash_sdp_enabled", EFFICIENT: "mem_efficient_sdp_enabled", CUDNN: "cudnn_sdp_enabled", MATH: "math_sdp_enabled"}
+        switches = {
+            FLASH: "flash_sdp_enabled",
+            EFFICIENT: "mem_efficient_sdp_enabled",
+            CUDNN: "cudnn_sdp_enabled",
+            MATH: "math_sdp_enabled",
+        }
         # cuDNN's switch reads off in 2.4, where its kernel is opt-in by an environment variable.
-        enabled = frozenset(b for b, f in switches.items() if getattr(torch.backends.cuda, f, lambda: True)())
-        order = tuple(_ENUM[i] for i in torch._C._get_sdp_priority_order() if i in _ENUM) if hasattr(torch._C, "_get_sdp_priority_order") else None
-        return cls(_version(torch.__version__), cap, runtime, compiled, _version(torch.version.cuda or "12")[0], forced, enabled, order)
+        enabled = frozenset(
+            b for b, f in switches.items() if getattr(torch.backends.cuda, f, lambda: True)()
+        )
+        order = (
+            tuple(_ENUM[i] for i in torch._C._get_sdp_priority_order() if i in _ENUM)
+            if hasattr(torch._C, "_get_sdp_priority_order")
+            else None
+        )
+        return cls(
+            _version(torch.__version__),
+            cap,
+            runtime,
+            compiled,
+            _version(torch.version.cuda or "12")[0],
+            forced,
+            enabled,
+            order,
+        )
 
     def at_least(self, *v):
         return self.torch[: len(v)] >= v
@@ -93,9 +113,18 @@ class Stack:
             return major >= 9
         if self.torch[:2] == (2, 9):
             # Decided at compile time against the cuDNN the wheel was built with (9.8 on PyPI).
-            return not _env_false("TORCH_CUDNN_SDPA_PREFERRED") and self.cudnn_compiled >= 90900 and major in (9, 10) and minor == 0
+            return (
+                not _env_false("TORCH_CUDNN_SDPA_PREFERRED")
+                and self.cudnn_compiled >= 90900
+                and major in (9, 10)
+                and minor == 0
+            )
         if self.at_least(2, 10):
-            if _env_true("TORCH_CUDNN_SDPA_DEPRIORITIZED") or self.cudnn_runtime <= 91500 or major not in (9, 10):
+            if (
+                _env_true("TORCH_CUDNN_SDPA_DEPRIORITIZED")
+                or self.cudnn_runtime <= 91500
+                or major not in (9, 10)
+            ):
                 return False
             # From 2.14, CUDA 13 builds prefer it on every sm9x/sm10x part.
             return minor in (0, 3) or (self.at_least(2, 14) and self.cuda_major >= 13)
@@ -103,7 +132,9 @@ class Stack:
 
     def max_capability(self):
         """Newest architecture the fused kernels are built for."""
-        return (9, 0) if not self.at_least(2, 7) else (12, 0) if self.torch[:2] == (2, 7) else (12, 1)
+        return (
+            (9, 0) if not self.at_least(2, 7) else (12, 0) if self.torch[:2] == (2, 7) else (12, 1)
+        )
 
 
 @dataclass
@@ -156,13 +187,21 @@ def can_flash(c, s):
     d = q.shape[-1]
     if FLASH not in s.enabled or c.mask is not None or not c.dense(True):
         return False
-    if not _in_range(cap, (8, 0), s.max_capability()) or q.dtype not in _HALF or not (q.dtype == k.dtype == v.dtype):
+    if (
+        not _in_range(cap, (8, 0), s.max_capability())
+        or q.dtype not in _HALF
+        or not (q.dtype == k.dtype == v.dtype)
+    ):
         return False
     if not (d == k.shape[-1] == v.shape[-1] and d <= 256):
         return False
     if c.causal and q.shape[2] != k.shape[2]:
         return False
-    big_head_archs = [(8, 6), (8, 9)] + ([(12, 0)] if s.at_least(2, 7) else []) + ([(12, 1)] if s.at_least(2, 8) else [])
+    big_head_archs = (
+        [(8, 6), (8, 9)]
+        + ([(12, 0)] if s.at_least(2, 7) else [])
+        + ([(12, 1)] if s.at_least(2, 8) else [])
+    )
     if c.grad and cap in big_head_archs and (192 < d <= 224 or (d > 224 and c.dropout > 0)):
         return False
     if s.at_least(2, 15) and max(q.shape[0], q.shape[1]) > 65535:
@@ -177,7 +216,11 @@ def can_efficient(c, s):
         return False
     if not _in_range(cap, (5, 0), s.max_capability()) or not (q.dtype == k.dtype == v.dtype):
         return False
-    if q.dtype not in ((torch.float16, torch.float32, torch.bfloat16) if cap >= (8, 0) else (torch.float16, torch.float32)):
+    if q.dtype not in (
+        (torch.float16, torch.float32, torch.bfloat16)
+        if cap >= (8, 0)
+        else (torch.float16, torch.float32)
+    ):
         return False
     half = q.dtype in _HALF
     align = (8 if half else 4) if cap >= (8, 0) else (8 if half else 1) if cap >= (7, 0) else 1
@@ -197,15 +240,29 @@ def can_cudnn(c, s):
         return False
     if CUDNN not in s.enabled or s.cudnn_compiled < 90000:
         return False
-    if not _in_range(cap, (8, 0), s.max_capability()) or q.dtype not in _HALF or not (q.dtype == k.dtype == v.dtype):
+    if (
+        not _in_range(cap, (8, 0), s.max_capability())
+        or q.dtype not in _HALF
+        or not (q.dtype == k.dtype == v.dtype)
+    ):
         return False
-    if torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled():
+    if (
+        torch.are_deterministic_algorithms_enabled()
+        and not torch.is_deterministic_algorithms_warn_only_enabled()
+    ):
         return False
     m = c.mask
     if m is not None:
-        if m.requires_grad or m.dim() not in (2, 4) or m.shape[-2] not in (1, q.shape[2]) or m.shape[-1] not in (1, k.shape[2]):
+        if (
+            m.requires_grad
+            or m.dim() not in (2, 4)
+            or m.shape[-2] not in (1, q.shape[2])
+            or m.shape[-1] not in (1, k.shape[2])
+        ):
             return False
-        if m.dim() == 4 and (m.shape[0] not in (1, q.shape[0]) or m.shape[1] not in (1, q.shape[1])):
+        if m.dim() == 4 and (
+            m.shape[0] not in (1, q.shape[0]) or m.shape[1] not in (1, q.shape[1])
+        ):
             return False
     if not c.dense(True) or not c.heads_ok(s, gqa_since=(2, 8), same_kv_heads=False):
         return False
@@ -215,14 +272,26 @@ def can_cudnn(c, s):
     sm90 = cap == (9, 0)
     sm10x = cap[0] == 10
     if s.at_least(2, 14):
-        limit = 256 if (sm90 or (sm10x and not (cap == (10, 7) and cudnn <= 92500))) and cudnn > 92200 else 128
-        if max(dqk, dv) > limit and not ((sm90 or sm10x) and cudnn >= 91100 and (dqk, dv) == (192, 128)):
+        limit = (
+            256
+            if (sm90 or (sm10x and not (cap == (10, 7) and cudnn <= 92500))) and cudnn > 92200
+            else 128
+        )
+        if max(dqk, dv) > limit and not (
+            (sm90 or sm10x) and cudnn >= 91100 and (dqk, dv) == (192, 128)
+        ):
             return False
-        if limit == 256 and c.grad and not (max(dqk, dv) <= 128 or (dqk, dv) in ((192, 128), (256, 256))):
+        if (
+            limit == 256
+            and c.grad
+            and not (max(dqk, dv) <= 128 or (dqk, dv) in ((192, 128), (256, 256)))
+        ):
             return False
     elif s.at_least(2, 9):
         limit = 256 if cudnn >= 91000 and sm90 else 128
-        if max(dqk, dv) > limit and not (sm10x and cudnn >= 91100 and (dqk, dv) == (192, 128) and s.at_least(2, 10)):
+        if max(dqk, dv) > limit and not (
+            sm10x and cudnn >= 91100 and (dqk, dv) == (192, 128) and s.at_least(2, 10)
+        ):
             return False
     elif max(dqk, dv) > 128:
         return False
@@ -261,7 +330,11 @@ def _as_bias(mask, dtype):
     and of the mask's own shape; a float mask is used as it is."""
     if mask is None or mask.dtype != torch.bool:
         return mask
-    return torch.where(mask.logical_not(), torch.tensor(float("-inf"), dtype=dtype, device=mask.device), torch.tensor(0.0, dtype=dtype, device=mask.device))
+    return torch.where(
+        mask.logical_not(),
+        torch.tensor(float("-inf"), dtype=dtype, device=mask.device),
+        torch.tensor(0.0, dtype=dtype, device=mask.device),
+    )
 
 
 def _aligned(t, alignment=8):
@@ -277,8 +350,10 @@ def run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, s
         d = query.shape[-1]
         pad = (-d) % 8  # the kernel needs a head dimension that is a multiple of 8: copies padded
         q, k, v = (F.pad(t, (0, pad)) if pad else t for t in (query, key, value))
-        scale = scale if scale is not None else d ** -0.5
-        out = aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        scale = scale if scale is not None else d**-0.5
+        out = aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p, is_causal, False, scale=scale
+        )[0]
         return out[..., :d] if pad else out
     if backend == EFFICIENT:
         bias = _as_bias(attn_mask, query.dtype)
@@ -287,30 +362,63 @@ def run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, s
                 s = bias.shape[-1]
                 bias = F.pad(bias, (0, 8 - s % 8))[..., :s]
             bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-        return aten._scaled_dot_product_efficient_attention(query, key, value, bias, c.grad, dropout_p, is_causal, scale=scale)[0]
+        return aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, c.grad, dropout_p, is_causal, scale=scale
+        )[0]
     if backend == CUDNN:
         bias = _as_bias(attn_mask, query.dtype)
-        return aten._scaled_dot_product_cudnn_attention(query, key, value, bias, c.grad, dropout_p, is_causal, False, scale=scale)[0]
+        return aten._scaled_dot_product_cudnn_attention(
+            query, key, value, bias, c.grad, dropout_p, is_causal, False, scale=scale
+        )[0]
     kw = {"enable_gqa": enable_gqa} if enable_gqa else {}
-    return fallback(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+    return fallback(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        **kw,
+    )
 
 
-def _flash_forward_meta(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+def _flash_forward_meta(
+    query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None
+):
     """``_scaled_dot_product_flash_attention``'s outputs: the output in [B, L, H, D] memory,
     the fp32 log-sum-exp [B, H, L], the RNG seed and offset, an empty debug mask."""
     b, h, lq, _ = query.shape
-    out = torch.empty(b, lq, h, value.shape[-1], dtype=query.dtype, device=query.device).transpose(1, 2)
+    out = torch.empty(b, lq, h, value.shape[-1], dtype=query.dtype, device=query.device).transpose(
+        1, 2
+    )
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
     rng = torch.empty((), dtype=torch.long, device=query.device)
-    return out, lse, None, None, lq, key.shape[2], rng, torch.empty_like(rng), torch.empty(0, dtype=query.dtype, device=query.device)
+    return (
+        out,
+        lse,
+        None,
+        None,
+        lq,
+        key.shape[2],
+        rng,
+        torch.empty_like(rng),
+        torch.empty(0, dtype=query.dtype, device=query.device),
+    )
 
 
-def _efficient_forward_meta(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
+def _efficient_forward_meta(
+    query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None
+):
     """``_scaled_dot_product_efficient_attention``'s outputs: the output in [B, L, H, Dv] memory,
     the fp32 log-sum-exp [B, H, ⌈L⌉₃₂] (empty without gradients), the RNG seed and offset."""
     b, h, lq, _ = query.shape
-    out = torch.empty(b, lq, h, value.shape[-1], dtype=query.dtype, device=query.device).transpose(1, 2)
-    lse = torch.empty(b, h, _round(lq, 32) if compute_log_sumexp else 0, dtype=torch.float32, device=query.device)
+    out = torch.empty(b, lq, h, value.shape[-1], dtype=query.dtype, device=query.device).transpose(
+        1, 2
+    )
+    lse = torch.empty(
+        b, h, _round(lq, 32) if compute_log_sumexp else 0, dtype=torch.float32, device=query.device
+    )
     rng = torch.empty((), dtype=torch.long, device=query.device)
     return out, lse, rng, torch.empty_like(rng)
 

@@ -20,8 +20,16 @@ aten = torch.ops.aten
 
 # Ops that call cuBLAS: the first one on a thread allocates that thread's workspace.
 CUBLAS_OPS = {
-    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addbmm, aten.addmv, aten.mv,
-    aten.addr, aten.dot, aten.vdot,
+    aten.mm,
+    aten.addmm,
+    aten.bmm,
+    aten.baddbmm,
+    aten.addbmm,
+    aten.addmv,
+    aten.mv,
+    aten.addr,
+    aten.dot,
+    aten.vdot,
 }
 CUBLAS_WORKSPACE_BYTES = 8_519_680  # resized per GPU by gpumem's replay
 # A matmul with a fused bias (addmm with a 1-D bias: linear in forward) runs through cuBLASLt,
@@ -53,14 +61,23 @@ class Recorder:
         self.closed = False
         self.workspaces = set()
         self.kernels = True  # off during validation: utilization is the training step's
-        self.host = False  # what runs now runs on the host (CPU offload): its memory is not the GPU's
+        self.host = (
+            False  # what runs now runs on the host (CPU offload): its memory is not the GPU's
+        )
         self.sized_by_parameters = set()  # see parameter_sized
 
     def alloc(self, key, nbytes, op, category=None, module=""):
         i = self.next_id
         self.next_id += 1
         cat = category or self.category or DEFAULT_CATEGORY[self.phase]
-        e = {"ev": "alloc", "id": i, "bytes": int(nbytes), "category": cat, "phase": self.phase, "op": self.op_name or op}
+        e = {
+            "ev": "alloc",
+            "id": i,
+            "bytes": int(nbytes),
+            "category": cat,
+            "phase": self.phase,
+            "op": self.op_name or op,
+        }
         if module:
             e["module"] = module
         self.events.append(e)
@@ -108,7 +125,15 @@ class Recorder:
     def op(self, name, flops, bytes_read, bytes_written):
         if not self.kernels:
             return
-        self.events.append({"ev": "op", "op": name, "flops": int(flops), "bytes_read": int(bytes_read), "bytes_written": int(bytes_written)})
+        self.events.append(
+            {
+                "ev": "op",
+                "op": name,
+                "flops": int(flops),
+                "bytes_read": int(bytes_read),
+                "bytes_written": int(bytes_written),
+            }
+        )
 
     def iteration_end(self):
         self.events.append({"ev": "iteration", "index": self.iterations})
@@ -131,7 +156,7 @@ class Recorder:
         for i, e in enumerate(self.events):
             if e["ev"] == "alloc":
                 made[e["id"]] = (i, e)
-        shape = lambda e: (e["bytes"], e["category"], e["phase"], e["op"], e.get("module"))  # noqa: E731
+        shape = lambda e: (e["bytes"], e["category"], e["phase"], e["op"], e.get("module"))
         last = self.events[start:end]
         freed_older, freed_here = [], set()
         for e in last:
@@ -143,7 +168,9 @@ class Recorder:
                     freed_older.append((at, e["id"]))
                 else:
                     return False
-        outliving = [e for e in last if e["ev"] == "alloc" and e["id"] not in freed_here]  # in the order made
+        outliving = [
+            e for e in last if e["ev"] == "alloc" and e["id"] not in freed_here
+        ]  # in the order made
         by_shape = {}
         for e in outliving:
             by_shape.setdefault(shape(e), []).append(e["id"])
@@ -190,7 +217,9 @@ class Recorder:
         if (thread, lt) not in self.workspaces:
             self.workspaces.add((thread, lt))
             if lt:
-                self.alloc(None, CUBLASLT_WORKSPACE_BYTES, "cublaslt_workspace", category="workspace")
+                self.alloc(
+                    None, CUBLASLT_WORKSPACE_BYTES, "cublaslt_workspace", category="workspace"
+                )
             else:
                 self.alloc(None, CUBLAS_WORKSPACE_BYTES, "cublas_workspace", category="workspace")
 
@@ -211,7 +240,17 @@ def _event_encoder():
     make = getattr(json.encoder, "c_make_encoder", None)
     if make is None:
         return encoder.encode
-    encode = make(None, encoder.default, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True)
+    encode = make(
+        None,
+        encoder.default,
+        json.encoder.encode_basestring_ascii,
+        None,
+        ":",
+        ",",
+        False,
+        False,
+        True,
+    )
     return lambda e: "".join(encode(e, 0))
 
 
@@ -224,11 +263,18 @@ def conv_config(x, w, stride, padding, dilation, transposed, output_padding, gro
     what cuDNN's engine choice depends on. ``in`` is one sample's shape (C×spatial), ``w`` the
     weight's; layout is channels_last where PyTorch's cuDNN path would use it (input or weight
     in that format)."""
-    dims = lambda v: "x".join(str(int(i)) for i in v)  # noqa: E731
+    dims = lambda v: "x".join(str(int(i)) for i in v)
     last = any(_channels_last(t) for t in (x, w))
-    parts = [f"in={dims(x.shape[1:])}", f"w={dims(w.shape)}", f"stride={dims(stride)}", f"pad={dims(padding)}",
-             f"dil={dims(dilation)}", f"groups={int(groups)}", f"dtype={str(x.dtype).removeprefix('torch.')}",
-             f"layout={'channels_last' if last else 'contiguous'}"]
+    parts = [
+        f"in={dims(x.shape[1:])}",
+        f"w={dims(w.shape)}",
+        f"stride={dims(stride)}",
+        f"pad={dims(padding)}",
+        f"dil={dims(dilation)}",
+        f"groups={int(groups)}",
+        f"dtype={str(x.dtype).removeprefix('torch.')}",
+        f"layout={'channels_last' if last else 'contiguous'}",
+    ]
     if transposed:
         parts.append(f"transposed=1;opad={dims(output_padding)}")
     return ";".join(parts)
@@ -377,9 +423,15 @@ class TraceMode(TorchDispatchMode):
             if self.r.phase == "forward":
                 self.r.workspace("main", lt=True)  # linear's bias: addmm, through cuBLASLt
             return aten.alias(args[0])
-        if func is aten._to_copy.default and args[0].device.type == self.device and torch.device(kwargs.get("device") or self.device).type == "cpu":
+        if (
+            func is aten._to_copy.default
+            and args[0].device.type == self.device
+            and torch.device(kwargs.get("device") or self.device).type == "cpu"
+        ):
             # Sent to the host (FSDP2's offloaded gradients): host memory, a meta tensor here.
-            out = torch.empty(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=args[0].device)
+            out = torch.empty(
+                args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=args[0].device
+            )
             with self.r.on_host():
                 self.track(out, "_to_copy")
             return out
@@ -392,9 +444,18 @@ class TraceMode(TorchDispatchMode):
             except RuntimeError:
                 # CUDA kernels take CPU scalars (`x.masked_fill(m, torch.tensor(v))`); meta ones
                 # do not: give them the scalars on meta.
-                on_meta = lambda x: x.to(self.device) if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() == 0 else x  # noqa: E731
-                moved = (tuple(on_meta(a) for a in args), {k: on_meta(v) for k, v in kwargs.items()})
-                if all(x is y for x, y in zip(moved[0], args)) and all(moved[1][k] is kwargs[k] for k in kwargs):
+                on_meta = lambda x: (
+                    x.to(self.device)
+                    if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() == 0
+                    else x
+                )
+                moved = (
+                    tuple(on_meta(a) for a in args),
+                    {k: on_meta(v) for k, v in kwargs.items()},
+                )
+                if all(x is y for x, y in zip(moved[0], args)) and all(
+                    moved[1][k] is kwargs[k] for k in kwargs
+                ):
                     raise
                 out = func(*moved[0], **moved[1])
         name = func.overloadpacket.__name__
@@ -403,7 +464,12 @@ class TraceMode(TorchDispatchMode):
         if func.overloadpacket is aten.convolution:
             for t in _tensors(out):
                 self.track(t, name)
-            self.r.conv_workspace(CONV_FORWARD, conv_config(*args[:2], *args[3:9]), args[0].shape[0], self.modules.current())
+            self.r.conv_workspace(
+                CONV_FORWARD,
+                conv_config(*args[:2], *args[3:9]),
+                args[0].shape[0],
+                self.modules.current(),
+            )
         elif func.overloadpacket is aten.convolution_backward:
             # cuDNN's backward makes grad_input and then runs its kernel (taking and giving
             # back that pass's workspace), then the same for grad_weight; grad_bias last.
@@ -427,7 +493,11 @@ class TraceMode(TorchDispatchMode):
         if func.overloadpacket in CUBLAS_OPS:
             thread = "autograd" if self.r.phase == "backward" else "main"
             self.r.workspace(thread)
-            if func.overloadpacket is aten.addmm and isinstance(args[0], torch.Tensor) and args[0].dim() == 1:
+            if (
+                func.overloadpacket is aten.addmm
+                and isinstance(args[0], torch.Tensor)
+                and args[0].dim() == 1
+            ):
                 self.r.workspace(thread, lt=True)
         costs = remembered[2] if remembered is not None else None
         if costs is None:
@@ -478,7 +548,15 @@ class MetaMemo:
             if entry is None:
                 return NotImplemented, None
             spec, leaves, _ = entry
-            return pytree.tree_unflatten([None if m is None else torch.empty_strided(m[0], m[1], dtype=m[2], device="meta") for m in leaves], spec), entry
+            return pytree.tree_unflatten(
+                [
+                    None
+                    if m is None
+                    else torch.empty_strided(m[0], m[1], dtype=m[2], device="meta")
+                    for m in leaves
+                ],
+                spec,
+            ), entry
         out = func(*args, **kwargs)
         entry = self.outputs[key] = _fresh_outputs(out, args)
         return out, entry
@@ -493,7 +571,17 @@ class _Unkeyable(Exception):
     pass
 
 
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_PLAIN = (
+    int,
+    float,
+    bool,
+    str,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
 
 
 def _meta_key(x):
@@ -517,10 +605,15 @@ def _makes_fresh_tensors(func):
     schema = getattr(func, "_schema", None)
     if schema is None or schema.is_mutable:
         return False
-    if any(a.alias_info is not None for a in schema.arguments) or any(r.alias_info is not None for r in schema.returns):
+    if any(a.alias_info is not None for a in schema.arguments) or any(
+        r.alias_info is not None for r in schema.returns
+    ):
         return False
     tags = getattr(func, "tags", ())
-    return not any(getattr(torch.Tag, t, None) in tags for t in ("dynamic_output_shape", "data_dependent_output"))
+    return not any(
+        getattr(torch.Tag, t, None) in tags
+        for t in ("dynamic_output_shape", "data_dependent_output")
+    )
 
 
 def _fresh_outputs(out, args):
@@ -533,7 +626,12 @@ def _fresh_outputs(out, args):
         if t is None:
             kept.append(None)
             continue
-        if type(t) is not torch.Tensor or t.device.type != "meta" or t.layout != torch.strided or t.storage_offset() != 0:
+        if (
+            type(t) is not torch.Tensor
+            or t.device.type != "meta"
+            or t.layout != torch.strided
+            or t.storage_offset() != 0
+        ):
             return None
         key = storage_key(t)
         span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
@@ -544,7 +642,20 @@ def _fresh_outputs(out, args):
     return [spec, kept, None]
 
 
-VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "permute", "expand", "alias", "detach", "select", "slice"}
+VIEW_OPS = {
+    "view",
+    "_unsafe_view",
+    "t",
+    "transpose",
+    "unsqueeze",
+    "squeeze",
+    "permute",
+    "expand",
+    "alias",
+    "detach",
+    "select",
+    "slice",
+}
 
 
 def in_place_on_gpu(func, args, kwargs, phase, last_op):
@@ -558,8 +669,16 @@ def in_place_on_gpu(func, args, kwargs, phase, last_op):
         return False
     if phase == "backward":
         return a.shape == b.shape and a.dtype == b.dtype and _dense(a) and _dense(b)
-    return (phase == "forward" and last_op in ("mm", "bmm") and b.dim() == 1 and b.requires_grad and a.dim() >= 2
-            and a.shape[-1] == b.shape[0] and a.dtype == b.dtype and a.is_contiguous())
+    return (
+        phase == "forward"
+        and last_op in ("mm", "bmm")
+        and b.dim() == 1
+        and b.requires_grad
+        and a.dim() >= 2
+        and a.shape[-1] == b.shape[0]
+        and a.dtype == b.dtype
+        and a.is_contiguous()
+    )
 
 
 def _dense(t):
@@ -568,7 +687,9 @@ def _dense(t):
     if t.numel() == 0:
         return True
     expected = 1
-    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda d: d[1]):
+    for size, stride in sorted(
+        ((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda d: d[1]
+    ):
         if stride != expected:
             return False
         expected *= size
@@ -576,8 +697,18 @@ def _dense(t):
 
 
 DATA_DEPENDENT_OPS = {
-    aten.copy_, aten._local_scalar_dense, aten.equal, aten.is_nonzero, aten.allclose, aten.nonzero, aten.index,
-    aten.masked_select, aten._unique2, aten.unique_dim, aten.unique_consecutive, aten._unique,
+    aten.copy_,
+    aten._local_scalar_dense,
+    aten.equal,
+    aten.is_nonzero,
+    aten.allclose,
+    aten.nonzero,
+    aten.index,
+    aten.masked_select,
+    aten._unique2,
+    aten.unique_dim,
+    aten.unique_consecutive,
+    aten._unique,
 }
 
 
@@ -588,7 +719,12 @@ def data_dependent(func, args, kwargs):
     p = func.overloadpacket
     if p not in DATA_DEPENDENT_OPS:
         return NotImplemented
-    if p is aten.copy_ and args[0].device.type == "cpu" and isinstance(args[1], torch.Tensor) and args[1].device.type == "meta":
+    if (
+        p is aten.copy_
+        and args[0].device.type == "cpu"
+        and isinstance(args[1], torch.Tensor)
+        and args[1].device.type == "meta"
+    ):
         # Values copied back off the GPU, which a meta tensor never had: the host keeps its own.
         # (DDP's reducer broadcasts its bucket order from rank 0, the traced rank, and reads it
         # back: rank 0's own values are the right ones.)
@@ -603,7 +739,9 @@ def data_dependent(func, args, kwargs):
     if p is aten.nonzero:
         t = args[0]
         return torch.empty((t.numel(), t.dim()), dtype=torch.long, device=t.device)
-    if p is aten.index and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+    if p is aten.index and any(
+        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+    ):
         # Boolean-mask indexing (x[mask]): every element selected. Each k-dim mask becomes k
         # index tensors of its size, as nonzero would give.
         indices = []
@@ -620,6 +758,10 @@ def data_dependent(func, args, kwargs):
         # One distinct value: code branches on "all rows agree" (Bart's one <eos> per row),
         # and these outputs are too small to matter for memory.
         t = args[0]
-        outs = [torch.empty((1,), dtype=t.dtype, device=t.device), torch.empty(t.shape, dtype=torch.long, device=t.device), torch.empty((1,), dtype=torch.long, device=t.device)]
-        return tuple(outs[:3 if p is not aten._unique else 2])
+        outs = [
+            torch.empty((1,), dtype=t.dtype, device=t.device),
+            torch.empty(t.shape, dtype=torch.long, device=t.device),
+            torch.empty((1,), dtype=torch.long, device=t.device),
+        ]
+        return tuple(outs[: 3 if p is not aten._unique else 2])
     return NotImplemented

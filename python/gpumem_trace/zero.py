@@ -68,7 +68,9 @@ _STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
 
 def largest_layer_parameters(model):
     """DeepSpeed's ``model_to_params``: the most parameters one module holds directly."""
-    return max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    return max(
+        (sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0
+    )
 
 
 def _empty(numel, dtype, rec, category, op):
@@ -89,7 +91,9 @@ class Engine:
 
     def __init__(self, model, cfg, optimizer, dtype, rec):
         if optimizer not in _STATES:
-            raise ReferenceError_(f"ZeRO runs its own optimizer partitions; `{optimizer}` is not modelled with it (adam, adamw, sgd, sgd-momentum)")
+            raise ReferenceError_(
+                f"ZeRO runs its own optimizer partitions; `{optimizer}` is not modelled with it (adam, adamw, sgd, sgd-momentum)"
+            )
         self.cfg, self.rec, self.model, self.dtype = cfg, rec, model, dtype
         self.world = cfg.world_size
         self.overlap = cfg.overlap_comm if cfg.overlap_comm is not None else cfg.stage == 3
@@ -114,9 +118,14 @@ class Engine:
         step on a zero gradient, which is then freed)."""
         if self.cfg.offload_optimizer:
             return
-        self.master = _empty(numel, torch.float32, self.rec, "optimizer_state", "zero_fp32_partition")
+        self.master = _empty(
+            numel, torch.float32, self.rec, "optimizer_state", "zero_fp32_partition"
+        )
         grad = _empty(numel, torch.float32, self.rec, "gradient", "zero_init_grad")
-        self.moments = [_empty(numel, torch.float32, self.rec, "optimizer_state", "zero_optimizer_state") for _ in range(self.states)]
+        self.moments = [
+            _empty(numel, torch.float32, self.rec, "optimizer_state", "zero_optimizer_state")
+            for _ in range(self.states)
+        ]
         del grad
 
     def _setup_stage12(self):
@@ -140,7 +149,13 @@ class Engine:
         self.partition_numel = sum(p.numel() for p in self.in_partition)
         self._master_and_states(self.partition)
         if self.cfg.offload_optimizer:
-            self.staging = _empty(max(p.numel() for p in self.params), self.dtype, self.rec, "gradient", "zero_offload_staging")
+            self.staging = _empty(
+                max(p.numel() for p in self.params),
+                self.dtype,
+                self.rec,
+                "gradient",
+                "zero_offload_staging",
+            )
 
     def _setup_stage3(self):
         # The model is on the device untracked (the loop moved it: zero.Init never puts the
@@ -156,13 +171,21 @@ class Engine:
             self.flat = _empty(self.partition, self.dtype, self.rec, "parameter", "zero3_partition")
         self._master_and_states(self.partition)
         if self.cfg.contiguous_gradients:
-            self.bucket = [_empty(self.cfg.reduce_bucket_size, self.dtype, self.rec, "gradient", "zero_ipg_bucket")]
+            self.bucket = [
+                _empty(
+                    self.cfg.reduce_bucket_size, self.dtype, self.rec, "gradient", "zero_ipg_bucket"
+                )
+            ]
         if not self.cfg.offload_optimizer:
-            self.partition_grads = _empty(self.partition, self.dtype, self.rec, "gradient", "zero3_grad_partitions")
+            self.partition_grads = _empty(
+                self.partition, self.dtype, self.rec, "gradient", "zero3_grad_partitions"
+            )
         self.gathered = {}  # id(param) -> its gathered block
         self.live = 0  # elements gathered
         self.reused = {}  # step -> ids of the parameters the trace uses within max_reuse_distance
-        self.modules = [m for m in self.model.modules() if any(True for _ in m.parameters(recurse=False))]
+        self.modules = [
+            m for m in self.model.modules() if any(True for _ in m.parameters(recurse=False))
+        ]
         # Each module's own parameters, asked for at every fetch and release (and, by the
         # release, for each module ahead in the trace).
         self.own = {id(m): list(m.parameters(recurse=False)) for m in self.modules}
@@ -192,9 +215,18 @@ class Engine:
     def _gather(self, params):
         if not params:
             return
-        flat = _empty(sum(self._shard(p) for p in params) * self.world, self.dtype, self.rec, "temporary", "zero3_all_gather")
+        flat = _empty(
+            sum(self._shard(p) for p in params) * self.world,
+            self.dtype,
+            self.rec,
+            "temporary",
+            "zero3_all_gather",
+        )
         for p in params:
-            self.gathered[id(p)] = (p, _empty(p.numel(), self.dtype, self.rec, "parameter", "zero3_gathered"))
+            self.gathered[id(p)] = (
+                p,
+                _empty(p.numel(), self.dtype, self.rec, "parameter", "zero3_gathered"),
+            )
             self.live += p.numel()
         del flat
 
@@ -231,7 +263,11 @@ class Engine:
     def _release(self, m):
         keep = self._reused()
         for p in self._own(m):
-            if p.numel() > self.cfg.param_persistence_threshold and id(p) not in keep and id(p) in self.gathered:
+            if (
+                p.numel() > self.cfg.param_persistence_threshold
+                and id(p) not in keep
+                and id(p) in self.gathered
+            ):
                 del self.gathered[id(p)]
                 self.live -= p.numel()
 
@@ -248,7 +284,12 @@ class Engine:
     def backward_start(self):
         if self.cfg.stage != 3 and self.cfg.contiguous_gradients:
             n = 2 if self.overlap else 1
-            self.bucket = [_empty(self.cfg.reduce_bucket_size, self.dtype, self.rec, "gradient", "zero_ipg_bucket") for _ in range(n)]
+            self.bucket = [
+                _empty(
+                    self.cfg.reduce_bucket_size, self.dtype, self.rec, "gradient", "zero_ipg_bucket"
+                )
+                for _ in range(n)
+            ]
             self.bucket_used = 0
 
     def _on_grad(self, p):
@@ -272,7 +313,9 @@ class Engine:
     def _reduce(self):
         """The bucket's reduction: the rank keeps its partition of the gradients."""
         if self.cfg.stage == 2 and self.partition_grads is None and not self.cfg.offload_optimizer:
-            self.partition_grads = _empty(self.partition_numel, self.dtype, self.rec, "gradient", "zero_grads_in_partition")
+            self.partition_grads = _empty(
+                self.partition_numel, self.dtype, self.rec, "gradient", "zero_grads_in_partition"
+            )
         if self.cfg.stage == 3 and self.bucket_used:
             # reduce_scatter_coalesced flattens the bucket's gradients into one scratch buffer.
             _empty(self.bucket_used, self.dtype, self.rec, "temporary", "zero3_reduce_scatter")
@@ -287,7 +330,11 @@ class Engine:
                     self._to_bucket(p)
         self._reduce()
         if self.cfg.stage == 3:
-            self.gathered = {k: v for k, v in self.gathered.items() if v[0].numel() <= self.cfg.param_persistence_threshold}
+            self.gathered = {
+                k: v
+                for k, v in self.gathered.items()
+                if v[0].numel() <= self.cfg.param_persistence_threshold
+            }
             self.live = sum(p.numel() for p, _ in self.gathered.values())
             if self.trace is None:
                 self.trace = self.order
@@ -296,7 +343,9 @@ class Engine:
         self.bucket = []  # stages 1-2 free their buckets at the end of backward
         if self.cfg.stage == 1 and not self.cfg.offload_optimizer:
             # The partition's averaged gradients, in the 16-bit dtype.
-            self.partition_grads = _empty(self.partition_numel, self.dtype, self.rec, "gradient", "zero_grads_in_partition")
+            self.partition_grads = _empty(
+                self.partition_numel, self.dtype, self.rec, "gradient", "zero_grads_in_partition"
+            )
         if self.accumulated is None:
             self.accumulated = self.partition_grads
         self.partition_grads = None
@@ -335,7 +384,11 @@ class _Marker(torch.autograd.Function):
 def _mark(tree, callback):
     """``tree`` with its tensors that need gradients passed through a ``_Marker``."""
     leaves, spec = pytree.tree_flatten(tree)
-    idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    idx = [
+        i
+        for i, t in enumerate(leaves)
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+    ]
     if not idx:
         return None
     marked = _Marker.apply(callback, *(leaves[i] for i in idx))

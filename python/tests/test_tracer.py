@@ -16,11 +16,17 @@ FIX = HERE / "fixtures" / "user_models.py"
 def run(args, tmp_path, timeout=120):
     out = tmp_path / "t.jsonl"
     env = dict(os.environ, PYTHONPATH=str(PKG))
-    p = subprocess.run([sys.executable, "-m", "gpumem_trace", *args, "--out", str(out)], capture_output=True, text=True, env=env, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-m", "gpumem_trace", *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
     events = []
     if p.returncode == 0:
         lines = out.read_text().splitlines()
-        events = [json.loads(l) for l in lines]
+        events = [json.loads(line) for line in lines]
     return p, events
 
 
@@ -72,7 +78,9 @@ def test_tiny_model_trace_is_valid_and_categorised(tmp_path):
     # Gradients are re-created every iteration (zero_grad(set_to_none=True)).
     assert len(allocs(evs, category="gradient")) == 4 * header["iterations"]
     # CUDA's fused dropout keeps a 1-byte mask: 8 x 32 bytes.
-    assert any(e["op"] == "native_dropout" and e["bytes"] == 8 * 32 for e in evs if e["ev"] == "alloc")
+    assert any(
+        e["op"] == "native_dropout" and e["bytes"] == 8 * 32 for e in evs if e["ev"] == "alloc"
+    )
     # One cuBLAS workspace per thread (main + autograd), and the cuBLASLt one of linear's
     # matmul with its bias fused (forward, main thread).
     ops = sorted(e["op"] for e in allocs(evs, category="workspace"))
@@ -92,15 +100,19 @@ def test_amp_fp16_casts_weights_and_scales_the_loss(tmp_path):
     _, evs = traced([f"py:{FIX}:tiny", "--batch", "8", "--precision", "amp-fp16"], tmp_path)
     casts = [e for e in allocs(evs, phase="forward") if e["op"] == "_to_copy"]
     assert any(e["bytes"] == 16 * 32 * 2 for e in casts), "fp16 copy of the first weight"
-    assert any(e["op"] == "_amp_foreach_non_finite_check_and_unscale_" for e in evs if e["ev"] == "op")
+    assert any(
+        e["op"] == "_amp_foreach_non_finite_check_and_unscale_" for e in evs if e["ev"] == "op"
+    )
 
 
 def test_reentrant_checkpoints_recompute_under_the_emulated_autocast(tmp_path):
     """A reentrant checkpoint (Hugging Face's default before transformers 5) recomputes its
     segment in backward under the forward's autocast, as on a GPU: the recomputed linears'
     outputs are bf16, as in forward, never fp32."""
-    _, evs = traced([f"py:{FIX}:reentrant_checkpoints", "--batch", "8", "--precision", "amp-bf16"], tmp_path)
-    linear = lambda phase: {e["bytes"] for e in allocs(evs, phase=phase) if e["op"] == "addmm"}  # noqa: E731
+    _, evs = traced(
+        [f"py:{FIX}:reentrant_checkpoints", "--batch", "8", "--precision", "amp-bf16"], tmp_path
+    )
+    linear = lambda phase: {e["bytes"] for e in allocs(evs, phase=phase) if e["op"] == "addmm"}
     assert 8 * 64 * 2 in linear("forward") and 8 * 64 * 2 in linear("backward")
     assert 8 * 64 * 4 not in linear("backward")
 
@@ -111,8 +123,12 @@ def test_attention_uses_the_kernel_the_gpu_runs(tmp_path):
         return {e["op"] for e in evs if e["ev"] == "op" and "scaled_dot_product" in e["op"]}
 
     # An A100 (no cuDNN preference there in any release): bf16 runs flash, fp32 memory-efficient.
-    assert "_scaled_dot_product_flash_attention" in kernels("--precision", "amp-bf16", "--gpu-capability", "8.0")
-    assert "_scaled_dot_product_efficient_attention" in kernels("--gpu-capability", "8.0"), "fp32 cannot use flash"
+    assert "_scaled_dot_product_flash_attention" in kernels(
+        "--precision", "amp-bf16", "--gpu-capability", "8.0"
+    )
+    assert "_scaled_dot_product_efficient_attention" in kernels("--gpu-capability", "8.0"), (
+        "fp32 cannot use flash"
+    )
     # A V100 has no bf16 fused kernel; a forced math kernel materialises the attention weights.
     assert not kernels("--precision", "amp-bf16", "--gpu-capability", "7.0")
     assert not kernels("--sdpa", "math")
@@ -123,27 +139,52 @@ def test_attention_uses_the_kernel_the_gpu_runs(tmp_path):
 def test_sdpa_rules_by_release_and_gpu():
     """The choice PyTorch's select_sdp_backend makes, per torch release and GPU (docs/sdpa.md)."""
     import torch
+
     from gpumem_trace import sdpa
 
     def t(heads, dtype, grad=True):
         return torch.empty(2, heads, 128, 64, device="meta", dtype=dtype, requires_grad=grad)
 
-    def choose(torch_version, cap, q_heads=8, kv_heads=8, dtype=torch.bfloat16, mask=None, cudnn=91900, compiled=None, gqa=None):
+    def choose(
+        torch_version,
+        cap,
+        q_heads=8,
+        kv_heads=8,
+        dtype=torch.bfloat16,
+        mask=None,
+        cudnn=91900,
+        compiled=None,
+        gqa=None,
+    ):
         stack = sdpa.Stack(torch_version, cap, cudnn, compiled or cudnn, 13)
-        call = sdpa.Call(t(q_heads, dtype), t(kv_heads, dtype), t(kv_heads, dtype), mask, 0.0, mask is None, kv_heads != q_heads if gqa is None else gqa)
+        call = sdpa.Call(
+            t(q_heads, dtype),
+            t(kv_heads, dtype),
+            t(kv_heads, dtype),
+            mask,
+            0.0,
+            mask is None,
+            kv_heads != q_heads if gqa is None else gqa,
+        )
         return sdpa.choose(call, stack)
 
     h200, a100, v100 = (9, 0), (8, 0), (7, 0)
     assert choose((2, 11, 0), h200) == "cudnn", "2.11 with cuDNN 9.19 prefers cuDNN on Hopper"
     assert choose((2, 11, 0), h200, cudnn=91002) == "flash", "not with a cuDNN older than 9.15"
-    assert choose((2, 9, 1), h200, cudnn=91002, compiled=90800) == "flash", "PyPI's 2.9 was built against cuDNN 9.8"
+    assert choose((2, 9, 1), h200, cudnn=91002, compiled=90800) == "flash", (
+        "PyPI's 2.9 was built against cuDNN 9.8"
+    )
     assert choose((2, 9, 1), h200, cudnn=91002, compiled=91002) == "cudnn"
     assert choose((2, 11, 0), a100) == "flash"
-    assert choose((2, 11, 0), h200, q_heads=8, kv_heads=2) == "cudnn", "cuDNN takes grouped-query attention from 2.8"
+    assert choose((2, 11, 0), h200, q_heads=8, kv_heads=2) == "cudnn", (
+        "cuDNN takes grouped-query attention from 2.8"
+    )
     assert choose((2, 7, 0), h200, q_heads=8, kv_heads=2) == "flash", "flash takes it from 2.5"
     assert choose((2, 4, 0), a100, q_heads=8, kv_heads=2) == "math", "2.4: no fused kernel has GQA"
     assert choose((2, 11, 0), h200, dtype=torch.float32) == "efficient"
-    assert choose((2, 11, 0), h200, q_heads=8, kv_heads=2, dtype=torch.float32) == "math", "efficient has no GQA before 2.14"
+    assert choose((2, 11, 0), h200, q_heads=8, kv_heads=2, dtype=torch.float32) == "math", (
+        "efficient has no GQA before 2.14"
+    )
     assert choose((2, 14, 0), h200, q_heads=8, kv_heads=2, dtype=torch.float32) == "efficient"
     mask = torch.empty(2, 1, 128, 128, device="meta", dtype=torch.bool)
     assert choose((2, 9, 1), a100, mask=mask) == "efficient", "flash takes no mask"
@@ -156,13 +197,47 @@ def test_llama_style_model_under_mixed_precision(tmp_path):
     autocast: SDPA is on autocast's lower-precision list, so a fused kernel runs on bf16."""
     pytest.importorskip("transformers")
     ref = "hf:LlamaForCausalLM(hidden_size=128,intermediate_size=256,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,vocab_size=1000)"
-    _, evs = traced([ref, "--batch", "2", "--seq-len", "64", "--precision", "amp-bf16", "--gpu-capability", "9.0"], tmp_path)
+    _, evs = traced(
+        [
+            ref,
+            "--batch",
+            "2",
+            "--seq-len",
+            "64",
+            "--precision",
+            "amp-bf16",
+            "--gpu-capability",
+            "9.0",
+        ],
+        tmp_path,
+    )
     ops = {e["op"] for e in evs if e["ev"] == "op"}
-    assert ops & {"_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention"}, "a fused kernel, not math"
+    assert ops & {"_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention"}, (
+        "a fused kernel, not math"
+    )
     # On an A100 flash runs; its backward's softmax_d [B, H, round128(L)] fp32 comes and goes.
-    _, evs = traced([ref, "--batch", "2", "--seq-len", "64", "--precision", "amp-bf16", "--gpu-capability", "8.0"], tmp_path)
-    softmax_d = [e for e in allocs(evs, op="_scaled_dot_product_flash_attention_backward") if e["bytes"] == 2 * 4 * 128 * 4]
-    assert softmax_d and all(any(f["ev"] == "free" and f["id"] == e["id"] for f in evs) for e in softmax_d)
+    _, evs = traced(
+        [
+            ref,
+            "--batch",
+            "2",
+            "--seq-len",
+            "64",
+            "--precision",
+            "amp-bf16",
+            "--gpu-capability",
+            "8.0",
+        ],
+        tmp_path,
+    )
+    softmax_d = [
+        e
+        for e in allocs(evs, op="_scaled_dot_product_flash_attention_backward")
+        if e["bytes"] == 2 * 4 * 128 * 4
+    ]
+    assert softmax_d and all(
+        any(f["ev"] == "free" and f["id"] == e["id"] for f in evs) for e in softmax_d
+    )
 
 
 def test_hugging_face_outputs_dropped_as_the_trainer_does(tmp_path):
@@ -199,11 +274,43 @@ def test_pure_low_precision_training(tmp_path):
 def test_several_batch_sizes_in_one_run(tmp_path):
     outs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
     env = dict(os.environ, PYTHONPATH=str(PKG))
-    p = subprocess.run([sys.executable, "-m", "gpumem_trace", f"py:{FIX}:tiny", "--batch", "4", "6", "--out", *map(str, outs)], capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpumem_trace",
+            f"py:{FIX}:tiny",
+            "--batch",
+            "4",
+            "6",
+            "--out",
+            *map(str, outs),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     heads = [json.loads(o.read_text().splitlines()[0]) for o in outs]
     assert [h["batch_size"] for h in heads] == [4, 6]
-    p = subprocess.run([sys.executable, "-m", "gpumem_trace", f"py:{FIX}:tiny", "--batch", "4", "6", "--out", str(outs[0])], capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpumem_trace",
+            f"py:{FIX}:tiny",
+            "--batch",
+            "4",
+            "6",
+            "--out",
+            str(outs[0]),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 2 and "2 batch sizes but 1 output files" in p.stderr
 
 
@@ -267,10 +374,16 @@ def test_data_parallel_traces_gpu0(tmp_path):
     header, evs = traced([f"py:{FIX}:tiny", "--batch", "8", "--data-parallel", "2"], tmp_path)
     assert header["data_parallel"] == 2 and header["batch_size"] == 8
     _, direct = run([f"py:{FIX}:tiny", "--batch", "4"], tmp_path)
-    fwd = lambda es: sorted(e["bytes"] for e in allocs(es, phase="forward", op="addmm"))  # noqa: E731
+    fwd = lambda es: sorted(e["bytes"] for e in allocs(es, phase="forward", op="addmm"))
     assert fwd(evs) == fwd(direct[1:]), "GPU 0's replica runs half the batch"
-    gathered = [e for e in allocs(evs, phase="forward") if e["op"] in ("empty", "new_empty") and e["category"] != "input_batch"]
-    assert any(e["bytes"] == 8 * 4 * 4 for e in gathered), "the full batch's logits gathered on GPU 0"
+    gathered = [
+        e
+        for e in allocs(evs, phase="forward")
+        if e["op"] in ("empty", "new_empty") and e["category"] != "input_batch"
+    ]
+    assert any(e["bytes"] == 8 * 4 * 4 for e in gathered), (
+        "the full batch's logits gathered on GPU 0"
+    )
     grads = allocs(evs, category="gradient")
     assert len(grads) == header["iterations"]
     assert all(g["bytes"] == header["parameters"] * 4 for g in grads)
@@ -284,8 +397,19 @@ def test_data_parallel_must_be_positive(tmp_path):
 def test_torchvision_segmentation_and_video_models(tmp_path):
     pytest.importorskip("torchvision")
     # Segmentation: per-pixel targets, the aux head's loss too; no backbone weights downloaded.
-    _, evs = traced(["torchvision:fcn_resnet50(aux_loss=True,num_classes=5)", "--batch", "2", "--input", "3x64x64"], tmp_path)
-    assert any(e["bytes"] == 2 * 64 * 64 * 8 for e in allocs(evs, category="input_batch")), "int64 mask of 2x64x64"
+    _, evs = traced(
+        [
+            "torchvision:fcn_resnet50(aux_loss=True,num_classes=5)",
+            "--batch",
+            "2",
+            "--input",
+            "3x64x64",
+        ],
+        tmp_path,
+    )
+    assert any(e["bytes"] == 2 * 64 * 64 * 8 for e in allocs(evs, category="input_batch")), (
+        "int64 mask of 2x64x64"
+    )
     # Video: 16-frame clips at the weights' crop size.
     _, evs = traced(["torchvision:r3d_18", "--batch", "1"], tmp_path)
     assert any(e["bytes"] == 3 * 16 * 112 * 112 * 4 for e in allocs(evs, category="input_batch"))
@@ -296,8 +420,19 @@ def test_torchvision_segmentation_and_video_models(tmp_path):
 
 def test_segmentation_models_pytorch(tmp_path):
     pytest.importorskip("segmentation_models_pytorch")
-    _, evs = traced(["smp:Unet(encoder_name=resnet18,classes=3,loss=dice)", "--batch", "2", "--input", "3x64x64"], tmp_path)
-    assert any(e["bytes"] == 2 * 64 * 64 * 8 for e in allocs(evs, category="input_batch")), "int64 class map"
+    _, evs = traced(
+        [
+            "smp:Unet(encoder_name=resnet18,classes=3,loss=dice)",
+            "--batch",
+            "2",
+            "--input",
+            "3x64x64",
+        ],
+        tmp_path,
+    )
+    assert any(e["bytes"] == 2 * 64 * 64 * 8 for e in allocs(evs, category="input_batch")), (
+        "int64 class map"
+    )
     p, _ = run(["smp:Unett", "--batch", "2"], tmp_path)
     assert p.returncode == 2 and "did you mean unet" in p.stderr
     p, _ = run(["smp:Unet(loss=focal)", "--batch", "2"], tmp_path)
@@ -322,7 +457,10 @@ def test_validation_pass(tmp_path):
             if i > last:
                 peak = max(peak, live)
                 assert e["ev"] != "op"
-        assert sum(1 for e in evs[last:] if e["ev"] == "alloc" and e["category"] == "input_batch") == 2 * 2
+        assert (
+            sum(1 for e in evs[last:] if e["ev"] == "alloc" and e["category"] == "input_batch")
+            == 2 * 2
+        )
         return peak
 
     assert validation_peak("grad") > validation_peak("no-grad")
@@ -332,7 +470,18 @@ def test_amp_on_models_with_boolean_dispatch_functions(tmp_path):
     """F.max_pool2d is a boolean_dispatch wrapper: autocast must not recurse into it."""
     pytest.importorskip("torchvision")
     for precision in ("amp-fp16", "amp-bf16"):
-        traced(["torchvision:resnet18", "--batch", "2", "--input", "3x32x32", "--precision", precision], tmp_path)
+        traced(
+            [
+                "torchvision:resnet18",
+                "--batch",
+                "2",
+                "--input",
+                "3x32x32",
+                "--precision",
+                precision,
+            ],
+            tmp_path,
+        )
 
 
 def test_checkpointing_models_without_a_switch(tmp_path):
@@ -341,11 +490,19 @@ def test_checkpointing_models_without_a_switch(tmp_path):
     pytest.importorskip("torchvision")
 
     def backward_convs(extra):
-        _, evs = traced(["torchvision:resnet18", "--batch", "2", "--input", "3x32x32", *extra], tmp_path)
-        return sum(1 for e in evs if e["ev"] == "alloc" and e["phase"] == "backward" and e["op"] == "convolution")
+        _, evs = traced(
+            ["torchvision:resnet18", "--batch", "2", "--input", "3x32x32", *extra], tmp_path
+        )
+        return sum(
+            1
+            for e in evs
+            if e["ev"] == "alloc" and e["phase"] == "backward" and e["op"] == "convolution"
+        )
 
     assert backward_convs([]) == 0 < backward_convs(["--checkpointing"])
-    p, _ = run(["torchvision:vgg11", "--batch", "2", "--input", "3x32x32", "--checkpointing"], tmp_path)
+    p, _ = run(
+        ["torchvision:vgg11", "--batch", "2", "--input", "3x32x32", "--checkpointing"], tmp_path
+    )
     assert p.returncode == 2 and "needs repeated blocks" in p.stderr
 
 
@@ -355,11 +512,26 @@ def test_checkpointing_with_mixed_precision(tmp_path):
     recomputation stopped early (once backward has what it needs) still clears the cast cache,
     as leaving torch.autocast does: every step's forward casts each weight again."""
     pytest.importorskip("torchvision")
-    _, evs = traced(["torchvision:resnet18", "--batch", "2", "--input", "3x32x32", "--precision", "amp-fp16", "--checkpointing"], tmp_path)
+    _, evs = traced(
+        [
+            "torchvision:resnet18",
+            "--batch",
+            "2",
+            "--input",
+            "3x32x32",
+            "--precision",
+            "amp-fp16",
+            "--checkpointing",
+        ],
+        tmp_path,
+    )
     recast = [e for e in allocs(evs, phase="backward") if e["op"] == "_to_copy"]
     assert recast, "weights cast to fp16 again for the recomputation"
     ref = "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=4,vocab_size=1000)"
-    _, evs = traced([ref, "--batch", "2", "--seq-len", "32", "--precision", "amp-bf16", "--checkpointing"], tmp_path)
+    _, evs = traced(
+        [ref, "--batch", "2", "--seq-len", "32", "--precision", "amp-bf16", "--checkpointing"],
+        tmp_path,
+    )
     casts = [0]
     for e in evs:
         if e["ev"] == "iteration":
@@ -377,7 +549,9 @@ def test_selective_checkpointing_saves_matmuls(tmp_path, precision):
     ref = "hf:LlamaForCausalLM(hidden_size=256,intermediate_size=688,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=4,vocab_size=1000)"
 
     def peak(*extra):
-        _, evs = traced([ref, "--batch", "4", "--seq-len", "256", "--precision", precision, *extra], tmp_path)
+        _, evs = traced(
+            [ref, "--batch", "4", "--seq-len", "256", "--precision", precision, *extra], tmp_path
+        )
         return live_and_peak(evs)[1]
 
     none, full, selective = peak(), peak("--checkpointing"), peak("--checkpointing", "--selective")
@@ -389,12 +563,17 @@ def test_convolutions_name_their_workspaces(tmp_path):
     where cuDNN takes it: after the forward's output; in backward after grad_input (data pass)
     and after grad_weight (filter pass). The first layer's input needs no gradient: no data pass."""
     pytest.importorskip("torchvision")
-    _, evs = traced(["torchvision:resnet18", "--batch", "3", "--input", "3x32x32", "--channels-last"], tmp_path)
+    _, evs = traced(
+        ["torchvision:resnet18", "--batch", "3", "--input", "3x32x32", "--channels-last"], tmp_path
+    )
     ws = [e for e in evs if e["ev"] == "workspace"]
     first = [e for e in ws if e.get("module") == "conv1"]
     assert {e["pass"] for e in first} == {"fwd", "bwd_filter"}
     c = first[0]["conv"]
-    assert c == "in=3x32x32;w=64x3x7x7;stride=2x2;pad=3x3;dil=1x1;groups=1;dtype=float32;layout=channels_last", c
+    assert (
+        c
+        == "in=3x32x32;w=64x3x7x7;stride=2x2;pad=3x3;dil=1x1;groups=1;dtype=float32;layout=channels_last"
+    ), c
     assert all(e["n"] == 3 for e in ws)
     # 20 convolutions (17 + 3 downsample) per step: 20 forward, 20 filter, 19 data passes.
     per_step = len(ws) // 3
@@ -402,33 +581,71 @@ def test_convolutions_name_their_workspaces(tmp_path):
     # Order in backward: grad_input, its workspace, grad_weight, its workspace.
     i = next(k for k, e in enumerate(evs) if e["ev"] == "workspace" and e["pass"] == "bwd_data")
     assert evs[i - 1]["ev"] == "alloc" and evs[i - 1]["op"] == "convolution_backward"
-    assert evs[i + 1]["ev"] == "alloc" and evs[i + 2]["ev"] == "workspace" and evs[i + 2]["pass"] == "bwd_filter"
+    assert (
+        evs[i + 1]["ev"] == "alloc"
+        and evs[i + 2]["ev"] == "workspace"
+        and evs[i + 2]["pass"] == "bwd_filter"
+    )
 
 
 def test_probe_lists_a_jobs_convolutions_without_a_gpu(tmp_path):
     pytest.importorskip("torchvision")
     out = tmp_path / "convs.json"
     env = dict(os.environ, PYTHONPATH=str(PKG))
-    p = subprocess.run([sys.executable, "-m", "gpumem_trace.probe", "--list", "--models", "torchvision:resnet18:4:amp-bf16:3x32x32",
-                        "--out", str(out)], capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpumem_trace.probe",
+            "--list",
+            "--models",
+            "torchvision:resnet18:4:amp-bf16:3x32x32",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     convs = json.loads(out.read_text())
     assert len({c["config"] for c in convs}) == len(convs) and all(c["n"] == 4 for c in convs)
     assert all("dtype=bfloat16" in c["config"] for c in convs), "autocast runs convolutions in bf16"
-    bad = subprocess.run([sys.executable, "-m", "gpumem_trace.probe", "--list", "--models", "resnet18", "--out", str(out)],
-                         capture_output=True, text=True, env=env, timeout=60)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpumem_trace.probe",
+            "--list",
+            "--models",
+            "resnet18",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "MODEL:BATCH" in bad.stderr
 
 
 LLAMA = "hf:LlamaForCausalLM(hidden_size=128,intermediate_size=256,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,vocab_size=1000)"
 
 
-@pytest.mark.parametrize("ref,targets", [
-    ("hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)", ["c_attn"]),  # Conv1D
-    (LLAMA, ["q_proj", "v_proj"]),
-    (LLAMA, "all-linear"),  # every linear layer but lm_head
-    ("hf:BertForMaskedLM(hidden_size=64,num_hidden_layers=2,num_attention_heads=2,intermediate_size=128,vocab_size=1000)", ["query", "value"]),
-])
+@pytest.mark.parametrize(
+    "ref,targets",
+    [
+        ("hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)", ["c_attn"]),  # Conv1D
+        (LLAMA, ["q_proj", "v_proj"]),
+        (LLAMA, "all-linear"),  # every linear layer but lm_head
+        (
+            "hf:BertForMaskedLM(hidden_size=64,num_hidden_layers=2,num_attention_heads=2,intermediate_size=128,vocab_size=1000)",
+            ["query", "value"],
+        ),
+    ],
+)
 def test_lora_trains_what_peft_trains(tmp_path, ref, targets):
     """LoRA as PEFT sets it up: the trainable parameters are PEFT's count on the same model, and
     on the event stream only they get gradients (each iteration) and Adam's two state tensors —
@@ -437,9 +654,28 @@ def test_lora_trains_what_peft_trains(tmp_path, ref, targets):
     from gpumem_trace.models import resolve
 
     names = targets if isinstance(targets, str) else ",".join(targets)
-    header, evs = traced([ref, "--batch", "2", "--seq-len", "32", "--lora-rank", "8", "--lora-alpha", "16", "--lora-targets", names, "--lora-dropout", "0.05"], tmp_path)
+    header, evs = traced(
+        [
+            ref,
+            "--batch",
+            "2",
+            "--seq-len",
+            "32",
+            "--lora-rank",
+            "8",
+            "--lora-alpha",
+            "16",
+            "--lora-targets",
+            names,
+            "--lora-dropout",
+            "0.05",
+        ],
+        tmp_path,
+    )
     model = resolve(ref, seq_len=32).model
-    trainable, total = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=targets)).get_nb_trainable_parameters()
+    trainable, total = peft.get_peft_model(
+        model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=targets)
+    ).get_nb_trainable_parameters()
     assert header["parameters"] == trainable < total
     grads = sum(e["bytes"] for e in allocs(evs, category="gradient"))
     state = sum(e["bytes"] for e in allocs(evs, category="optimizer_state"))
@@ -447,17 +683,46 @@ def test_lora_trains_what_peft_trains(tmp_path, ref, targets):
 
 
 def test_lora_refuses_what_it_cannot_wrap(tmp_path):
-    p, _ = run([LLAMA, "--batch", "2", "--seq-len", "32", "--lora-rank", "8", "--lora-targets", "nothing_here"], tmp_path)
+    p, _ = run(
+        [
+            LLAMA,
+            "--batch",
+            "2",
+            "--seq-len",
+            "32",
+            "--lora-rank",
+            "8",
+            "--lora-targets",
+            "nothing_here",
+        ],
+        tmp_path,
+    )
     assert p.returncode == 2 and "no module matches the LoRA targets nothing_here" in p.stderr
-    p, _ = run([LLAMA, "--batch", "2", "--seq-len", "32", "--lora-rank", "8", "--lora-targets", "embed_tokens"], tmp_path)
+    p, _ = run(
+        [
+            LLAMA,
+            "--batch",
+            "2",
+            "--seq-len",
+            "32",
+            "--lora-rank",
+            "8",
+            "--lora-targets",
+            "embed_tokens",
+        ],
+        tmp_path,
+    )
     assert p.returncode == 2 and "is a Embedding" in p.stderr
 
 
-@pytest.mark.parametrize("ref,targets,precision", [
-    (LLAMA, ["q_proj", "v_proj"], "amp-bf16"),
-    ("hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)", ["c_attn"], "fp32"),
-    (LLAMA, "all-linear", "bf16"),
-])
+@pytest.mark.parametrize(
+    "ref,targets,precision",
+    [
+        (LLAMA, ["q_proj", "v_proj"], "amp-bf16"),
+        ("hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)", ["c_attn"], "fp32"),
+        (LLAMA, "all-linear", "bf16"),
+    ],
+)
 def test_lora_steps_as_peft_does(tmp_path, monkeypatch, ref, targets, precision):
     """The tracer's LoRA and PEFT's own (get_peft_model on the same model, traced in the same
     loop) allocate the same: every event's size, in order."""
@@ -466,16 +731,25 @@ def test_lora_steps_as_peft_does(tmp_path, monkeypatch, ref, targets, precision)
     from gpumem_trace.lora import Lora
 
     def sizes(path):
-        return [(e["ev"], e.get("bytes"), e.get("category")) for e in map(json.loads, open(path).read().splitlines()[1:]) if e["ev"] in ("alloc", "free")]
+        return [
+            (e["ev"], e.get("bytes"), e.get("category"))
+            for e in map(json.loads, open(path).read().splitlines()[1:])
+            if e["ev"] in ("alloc", "free")
+        ]
 
     names = (targets,) if isinstance(targets, str) else tuple(targets)
-    opts = loop.TraceOptions(model=ref, batch=4, seq_len=64, precision=precision, lora=Lora(8, 16.0, names, 0.05))
+    opts = loop.TraceOptions(
+        model=ref, batch=4, seq_len=64, precision=precision, lora=Lora(8, 16.0, names, 0.05)
+    )
     loop.trace_training(opts, str(tmp_path / "ours.jsonl"))
     resolve = loop.resolve
 
     def with_peft(*args, **kwargs):
         job = resolve(*args, **kwargs)
-        job.model = peft.get_peft_model(job.model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=targets))
+        job.model = peft.get_peft_model(
+            job.model,
+            peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=targets),
+        )
         return job
 
     monkeypatch.setattr(loop, "resolve", with_peft)
@@ -490,13 +764,24 @@ def test_4bit_layers_hold_what_bitsandbytes_holds(double_quant):
     weight (its CPU kernel): the packed weight and every tensor of its QuantState."""
     bnb_f = pytest.importorskip("bitsandbytes.functional")
     import torch
+
     from gpumem_trace.lora import Linear4bit
 
     for shape in [(300, 200), (4096, 11008), (7, 9)]:
-        packed, state = bnb_f.quantize_4bit(torch.zeros(shape, dtype=torch.bfloat16), quant_type="nf4", compress_statistics=double_quant)
-        theirs = [packed, state.absmax, state.code] + ([state.offset, state.state2.absmax, state.state2.code] if double_quant else [])
-        ours = Linear4bit(torch.nn.Linear(shape[1], shape[0], bias=False, device="meta"), double_quant)
-        assert sorted(t.numel() * t.element_size() for t in theirs) == sorted(b.numel() for b in ours.buffers()), shape
+        packed, state = bnb_f.quantize_4bit(
+            torch.zeros(shape, dtype=torch.bfloat16),
+            quant_type="nf4",
+            compress_statistics=double_quant,
+        )
+        theirs = [packed, state.absmax, state.code] + (
+            [state.offset, state.state2.absmax, state.state2.code] if double_quant else []
+        )
+        ours = Linear4bit(
+            torch.nn.Linear(shape[1], shape[0], bias=False, device="meta"), double_quant
+        )
+        assert sorted(t.numel() * t.element_size() for t in theirs) == sorted(
+            b.numel() for b in ours.buffers()
+        ), shape
 
 
 def test_qlora_loads_the_model_in_4_bits(tmp_path):
@@ -505,10 +790,29 @@ def test_qlora_loads_the_model_in_4_bits(tmp_path):
     ref = "hf:LlamaForCausalLM(hidden_size=256,intermediate_size=688,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=4,vocab_size=1000)"
 
     def end(*extra):
-        header, evs = traced([ref, "--batch", "2", "--seq-len", "32", "--precision", "bf16", "--lora-rank", "8", "--lora-targets", "q_proj,v_proj", *extra], tmp_path)
+        header, evs = traced(
+            [
+                ref,
+                "--batch",
+                "2",
+                "--seq-len",
+                "32",
+                "--precision",
+                "bf16",
+                "--lora-rank",
+                "8",
+                "--lora-targets",
+                "q_proj,v_proj",
+                *extra,
+            ],
+            tmp_path,
+        )
         return header["parameters"], live_and_peak(evs)[0]
 
-    (lora_params, lora), (qlora_params, qlora) = end(), end("--lora-quant", "nf4", "--lora-single-quant")
+    (lora_params, lora), (qlora_params, qlora) = (
+        end(),
+        end("--lora-quant", "nf4", "--lora-single-quant"),
+    )
     assert lora_params == qlora_params == 2 * 2 * 8 * (256 + 256)
     layers = [(256, 256)] * 4 + [(688, 256)] * 3  # q, k, v, o; gate, up, down
     n = 2 * sum(a * b for a, b in layers)
@@ -517,17 +821,23 @@ def test_qlora_loads_the_model_in_4_bits(tmp_path):
     assert lora - qlora == 2 * n - four_bit
 
 
-@pytest.mark.parametrize("name,cls", [("adamw8bit", "AdamW8bit"), ("adam8bit", "Adam8bit"), ("paged-adamw8bit", "PagedAdamW8bit")])
+@pytest.mark.parametrize(
+    "name,cls",
+    [("adamw8bit", "AdamW8bit"), ("adam8bit", "Adam8bit"), ("paged-adamw8bit", "PagedAdamW8bit")],
+)
 def test_8bit_optimizers_hold_what_bitsandbytes_holds(name, cls):
     """The tracer's 8-bit optimizers make the state bitsandbytes' own init_state makes (which
     runs on meta tensors without a GPU): the same tensors, dtypes and shapes, per parameter."""
     bnb = pytest.importorskip("bitsandbytes")
     import torch
+
     from gpumem_trace.loop import make_optimizer
 
     # A paged optimizer's state of 100,000 elements and more is CUDA managed memory, which
     # bitsandbytes cannot make without a GPU; the tracer counts it as resident.
-    sizes = [(64,), (4095,), (4096,), (300, 70)] + ([] if name.startswith("paged") else [(200_000,)])
+    sizes = [(64,), (4095,), (4096,), (300, 70)] + (
+        [] if name.startswith("paged") else [(200_000,)]
+    )
 
     def fresh():
         return [torch.nn.Parameter(torch.empty(s, device="meta")) for s in sizes]
@@ -543,9 +853,13 @@ def test_8bit_optimizers_hold_what_bitsandbytes_holds(name, cls):
     ours.step()
 
     def layout(state):
-        return {k: (v.dtype, tuple(v.shape)) for k, v in state.items() if isinstance(v, torch.Tensor)}
+        return {
+            k: (v.dtype, tuple(v.shape)) for k, v in state.items() if isinstance(v, torch.Tensor)
+        }
 
-    assert [layout(theirs.state[p]) for p in theirs_params] == [layout(ours.state[p]) for p in ours_params]
+    assert [layout(theirs.state[p]) for p in theirs_params] == [
+        layout(ours.state[p]) for p in ours_params
+    ]
 
 
 def test_8bit_adamw_traces_a_quarter_of_adams_state(tmp_path):
@@ -575,7 +889,10 @@ def test_ddp_rank_holds_its_gradient_buckets(tmp_path):
     assert (ddp_header["strategy"], ddp_header["world_size"]) == ("ddp", 4)
     assert ddp - single == params
     assert live_at_end("--strategy", "ddp", "--world-size", "8")[1] == ddp
-    assert live_at_end("--strategy", "ddp", "--world-size", "4", "--gradient-as-bucket-view")[1] == single
+    assert (
+        live_at_end("--strategy", "ddp", "--world-size", "4", "--gradient-as-bucket-view")[1]
+        == single
+    )
 
 
 def test_fsdp_rank_holds_its_shards(tmp_path):
@@ -587,7 +904,18 @@ def test_fsdp_rank_holds_its_shards(tmp_path):
     import torch
 
     if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6):
-        p, _ = run(["hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)", "--batch", "2", "--strategy", "fsdp", "--world-size", "2"], tmp_path)
+        p, _ = run(
+            [
+                "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)",
+                "--batch",
+                "2",
+                "--strategy",
+                "fsdp",
+                "--world-size",
+                "2",
+            ],
+            tmp_path,
+        )
         assert p.returncode == 2 and "tracing FSDP2 needs torch 2.6 or newer" in p.stderr
         return
     ref = "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)"
@@ -606,7 +934,9 @@ def test_fsdp_rank_holds_its_shards(tmp_path):
     assert kept > peak
     # MixedPrecisionPolicy(param_dtype=bf16): layers gathered and computed in bf16, gradients
     # reduced into the same fp32 shards, so the step ends where fp32 ends, from a lower peak.
-    _, (mp_end, mp_peak) = run_fsdp("--strategy", "fsdp", "--world-size", "4", "--fsdp-param-dtype", "bf16")
+    _, (mp_end, mp_peak) = run_fsdp(
+        "--strategy", "fsdp", "--world-size", "4", "--fsdp-param-dtype", "bf16"
+    )
     assert mp_end == end and mp_peak < peak
     # HSDP over 2 machines of 4: sharded as FSDP over 4 (the cross-machine all-reduce is in place).
     assert run_fsdp("--strategy", "fsdp", "--world-size", "8", "--replicas", "2")[1] == (end, peak)
@@ -614,9 +944,28 @@ def test_fsdp_rank_holds_its_shards(tmp_path):
     # single GPU's bytes less all of them; nothing is allocated on the GPU at setup or in the
     # optimizer's step (the host's); each gather copies every shard to the GPU first (three
     # steps, gathered again for backward: every dimension divides by 4, so no padding).
-    h, evs = traced([ref, "--batch", "2", "--seq-len", "32", "--strategy", "fsdp", "--world-size", "4", "--cpu-offload"], tmp_path)
+    h, evs = traced(
+        [
+            ref,
+            "--batch",
+            "2",
+            "--seq-len",
+            "32",
+            "--strategy",
+            "fsdp",
+            "--world-size",
+            "4",
+            "--cpu-offload",
+        ],
+        tmp_path,
+    )
     off_end, off_peak = live_and_peak(evs)
-    assert off_end == single - states and off_peak < peak, (off_end, single - states, off_peak, peak)
+    assert off_end == single - states and off_peak < peak, (
+        off_end,
+        single - states,
+        off_peak,
+        peak,
+    )
     allocs = [e for e in evs if e["ev"] == "alloc"]
     assert not [e for e in allocs if e["phase"] in ("setup", "optimizer")]
     staged = sum(e["bytes"] for e in allocs if e["phase"] == "backward" and e["op"] == "clone")
@@ -636,15 +985,28 @@ def test_zero_ranks_hold_deepspeeds_partitions(tmp_path):
     ref = "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)"
 
     def end(*extra):
-        header, evs = traced([ref, "--batch", "1", "--seq-len", "8", "--precision", "bf16", *extra], tmp_path)
+        header, evs = traced(
+            [ref, "--batch", "1", "--seq-len", "8", "--precision", "bf16", *extra], tmp_path
+        )
         return header, live_and_peak(evs)[0]
 
     header, single = end()
     p, n, bucket, embedding = header["parameters"], 4, 100_000, 8000 * 64
-    zero = lambda stage, **cfg: end("--strategy", f"zero{stage}", "--world-size", str(n), "--zero", json.dumps(dict(reduce_bucket_size=bucket, **cfg)))  # noqa: E731
+    zero = lambda stage, **cfg: end(
+        "--strategy",
+        f"zero{stage}",
+        "--world-size",
+        str(n),
+        "--zero",
+        json.dumps(dict(reduce_bucket_size=bucket, **cfg)),
+    )
     for stage in (1, 2):
         h, live = zero(stage)
-        assert (h["strategy"], h["world_size"], h["largest_layer_parameters"]) == (f"zero{stage}", n, embedding)
+        assert (h["strategy"], h["world_size"], h["largest_layer_parameters"]) == (
+            f"zero{stage}",
+            n,
+            embedding,
+        )
         assert live == single - 8 * p + 2 * p + 12 * p // n, stage
     persistent = p - embedding  # every parameter but the embedding is under 100,000 elements
     assert zero(3)[1] == single - 8 * p + 16 * p // n + 2 * bucket + 2 * persistent
@@ -654,9 +1016,13 @@ def test_zero_ranks_hold_deepspeeds_partitions(tmp_path):
 
 def test_zero_options_are_checked(tmp_path):
     ref = "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)"
-    p, _ = run([ref, "--strategy", "zero2", "--world-size", "2", "--zero", '{"bucket": 1}'], tmp_path)
+    p, _ = run(
+        [ref, "--strategy", "zero2", "--world-size", "2", "--zero", '{"bucket": 1}'], tmp_path
+    )
     assert p.returncode == 2 and "--zero: " in p.stderr and "bucket" in p.stderr
-    p, _ = run([ref, "--strategy", "zero2", "--world-size", "2", "--optimizer", "adam8bit"], tmp_path)
+    p, _ = run(
+        [ref, "--strategy", "zero2", "--world-size", "2", "--optimizer", "adam8bit"], tmp_path
+    )
     assert p.returncode == 2 and "ZeRO runs its own optimizer partitions" in p.stderr
 
 
@@ -664,13 +1030,15 @@ def test_a_lora_model_is_still_sharded_and_checkpointed_by_its_layers():
     """LoRA wraps each target layer; the repeated block FSDP shards and checkpointing wraps is
     still the model's own layer (a LoRA layer is not a block)."""
     pytest.importorskip("transformers")
-    from gpumem_trace.lora import Lora, apply
     from gpumem_trace.loop import repeated_blocks
+    from gpumem_trace.lora import Lora, apply
     from gpumem_trace.models import resolve
 
     model = resolve(LLAMA, seq_len=32).model
     apply(model, Lora(8, 16.0, ("q_proj", "v_proj")), LLAMA)
-    assert {type(b).__name__ for b in repeated_blocks(model, LLAMA, "FSDP")} == {"LlamaDecoderLayer"}
+    assert {type(b).__name__ for b in repeated_blocks(model, LLAMA, "FSDP")} == {
+        "LlamaDecoderLayer"
+    }
 
 
 def test_record_runs_lora_and_checkpointing(tmp_path):
@@ -682,12 +1050,45 @@ def test_record_runs_lora_and_checkpointing(tmp_path):
     from gpumem_trace import record
 
     ref = "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=4,vocab_size=1000)"
-    a = argparse.Namespace(model=ref, batch=2, seq_len=16, input_shape=None, optimizer="adamw", precision="bf16", iterations=2, benchmark=False,
-                           stacks=False, max_entries=1, channels_last=False, outputs=None, checkpointing=True, selective=False,
-                           lora_rank=4, lora_alpha=8.0, lora_targets="q_proj,v_proj", lora_dropout=0.0, out=str(tmp_path / "snap.pickle"))
+    a = argparse.Namespace(
+        model=ref,
+        batch=2,
+        seq_len=16,
+        input_shape=None,
+        optimizer="adamw",
+        precision="bf16",
+        iterations=2,
+        benchmark=False,
+        stacks=False,
+        max_entries=1,
+        channels_last=False,
+        outputs=None,
+        checkpointing=True,
+        selective=False,
+        lora_rank=4,
+        lora_alpha=8.0,
+        lora_targets="q_proj,v_proj",
+        lora_dropout=0.0,
+        out=str(tmp_path / "snap.pickle"),
+    )
     assert record.record(a, device="cpu") is None
-    p = subprocess.run([sys.executable, "-m", "gpumem_trace.record", ref, "--batch", "2", "--lora-rank", "0", "--out", str(tmp_path / "x")],
-                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(PKG)))
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpumem_trace.record",
+            ref,
+            "--batch",
+            "2",
+            "--lora-rank",
+            "0",
+            "--out",
+            str(tmp_path / "x"),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(PKG)),
+    )
     assert p.returncode == 2 and "--lora-rank must be at least 1" in p.stderr
 
 
@@ -700,7 +1101,10 @@ def test_a_deep_stack_is_cut_only_where_its_blocks_repeat():
     from gpumem_trace.loop import cut_blocks
     from gpumem_trace.models import resolve
 
-    deep = resolve("hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=16,num_attention_heads=4,num_key_value_heads=2,vocab_size=256)", seq_len=16).model
+    deep = resolve(
+        "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=16,num_attention_heads=4,num_key_value_heads=2,vocab_size=256)",
+        seq_len=16,
+    ).model
     params = sum(p.numel() for p in deep.parameters())
     assert cut_blocks(deep, "llama", 3) == 16
     assert len(deep.model.layers) == 3 and sum(p.numel() for p in deep.parameters()) < params
@@ -713,16 +1117,60 @@ def test_a_deep_stack_is_cut_only_where_its_blocks_repeat():
 def test_depths_write_cut_traces_that_say_so(tmp_path):
     ref = "hf:GPT2LMHeadModel(n_embd=32,n_layer=16,n_head=2,vocab_size=512)"
     out, env = tmp_path / "t.jsonl", dict(os.environ, PYTHONPATH=str(PKG))
-    p = subprocess.run([sys.executable, "-m", "gpumem_trace", ref, "--batch", "2", "--seq-len", "16", "--out", str(out), "--depths", "2", "3", "4"],
-                       capture_output=True, text=True, env=env)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpumem_trace",
+            ref,
+            "--batch",
+            "2",
+            "--seq-len",
+            "16",
+            "--out",
+            str(out),
+            "--depths",
+            "2",
+            "3",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr
     assert not out.exists()
     headers = [json.loads(open(f"{out}.depth{d}").readline()) for d in (2, 3, 4)]
     assert [(h["blocks"], h["depth"]) for h in headers] == [(16, 2), (16, 3), (16, 4)]
     assert len({h["parameters"] for h in headers}) == 1  # the whole model's
-    p = subprocess.run([sys.executable, "-m", "gpumem_trace", ref, "--batch", "2", "--seq-len", "16", "--out", str(out), "--depths", "2", "3", "4", "--strategy", "ddp", "--world-size", "2"],
-                       capture_output=True, text=True, env=env)
-    assert p.returncode == 0 and out.exists() and "depth" not in json.loads(out.open().readline())  # DDP: whole
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpumem_trace",
+            ref,
+            "--batch",
+            "2",
+            "--seq-len",
+            "16",
+            "--out",
+            str(out),
+            "--depths",
+            "2",
+            "3",
+            "4",
+            "--strategy",
+            "ddp",
+            "--world-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert (
+        p.returncode == 0 and out.exists() and "depth" not in json.loads(out.open().readline())
+    )  # DDP: whole
 
 
 def test_an_iteration_is_copied_only_where_the_loop_is_steady():
@@ -761,11 +1209,27 @@ def test_an_iteration_is_copied_only_where_the_loop_is_steady():
     assert not ddp.repeat_last_iteration() and len(ddp.events) == n
     grown = Recorder()
     loop(grown, 2)
-    grown.events.insert(-1, {"ev": "alloc", "id": 99, "bytes": 8, "category": "activation", "phase": "forward", "op": "cat"})
+    grown.events.insert(
+        -1,
+        {
+            "ev": "alloc",
+            "id": 99,
+            "bytes": 8,
+            "category": "activation",
+            "phase": "forward",
+            "op": "cat",
+        },
+    )
     assert not grown.repeat_last_iteration()  # a tensor each iteration keeps: not steady
 
 
-@pytest.mark.parametrize("options", [["--precision", "amp-bf16", "--checkpointing"], ["--strategy", "zero3", "--world-size", "4", "--precision", "bf16"]])
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--precision", "amp-bf16", "--checkpointing"],
+        ["--strategy", "zero3", "--world-size", "4", "--precision", "bf16"],
+    ],
+)
 def test_a_copied_iteration_is_the_one_the_loop_runs(tmp_path, options):
     """The third iteration copied from the second (the default) is the trace of running it,
     event for event — with checkpointing, whose recomputation stops early inside a module."""
@@ -776,16 +1240,27 @@ def test_a_copied_iteration_is_the_one_the_loop_runs(tmp_path, options):
     assert copied == ran
 
 
-@pytest.mark.parametrize("args", [
-    [LLAMA, "--seq-len", "16", "--precision", "amp-bf16", "--checkpointing"],
-    ["torchvision:resnet18", "--input", "3x32x32", "--precision", "amp-fp16", "--channels-last"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [LLAMA, "--seq-len", "16", "--precision", "amp-bf16", "--checkpointing"],
+        [
+            "torchvision:resnet18",
+            "--input",
+            "3x32x32",
+            "--precision",
+            "amp-fp16",
+            "--channels-last",
+        ],
+    ],
+)
 def test_remembered_meta_outputs_are_the_kernels_own(tmp_path, monkeypatch, args):
     """A trace whose ops' outputs come from the memo (after each op's first run) is the trace
     of running every meta kernel, event for event."""
     if args[0].startswith("hf:"):
         pytest.importorskip("transformers")
-    from gpumem_trace import __main__ as cli, tracer
+    from gpumem_trace import __main__ as cli
+    from gpumem_trace import tracer
 
     def trace(name):
         out = tmp_path / name
@@ -796,16 +1271,21 @@ def test_remembered_meta_outputs_are_the_kernels_own(tmp_path, monkeypatch, args
     monkeypatch.setattr(tracer, "META_MEMO", memo)
     remembered = trace("remembered")
     assert any(e is not None for e in memo.outputs.values())
-    monkeypatch.setattr(tracer.MetaMemo, "run", lambda self, func, args, kwargs: (NotImplemented, None))
+    monkeypatch.setattr(
+        tracer.MetaMemo, "run", lambda self, func, args, kwargs: (NotImplemented, None)
+    )
     assert remembered == trace("run")
 
 
-@pytest.mark.parametrize("options", [
-    ["--precision", "amp-bf16", "--checkpointing"],
-    # torch 2.15's FSDP2 starts autograd's worker threads, after which a fork cannot run backward:
-    # the forks are made before any.
-    ["--strategy", "fsdp", "--world-size", "2", "--fsdp-param-dtype", "bf16"],
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--precision", "amp-bf16", "--checkpointing"],
+        # torch 2.15's FSDP2 starts autograd's worker threads, after which a fork cannot run backward:
+        # the forks are made before any.
+        ["--strategy", "fsdp", "--world-size", "2", "--fsdp-param-dtype", "bf16"],
+    ],
+)
 def test_batch_sizes_traced_side_by_side_are_each_traced_alone(tmp_path, options):
     """The batch sizes, traced in forks of the tracer side by side, are what a tracer given each
     alone writes."""
@@ -814,9 +1294,19 @@ def test_batch_sizes_traced_side_by_side_are_each_traced_alone(tmp_path, options
     env = dict(os.environ, PYTHONPATH=str(PKG))
     outs = [tmp_path / f"b{b}.jsonl" for b in (2, 3, 4)]
     tracer = [sys.executable, "-m", "gpumem_trace", *args]
-    subprocess.run([*tracer, "--batch", "2", "3", "4", "--out", *map(str, outs)], check=True, env=env, timeout=300)
-    subprocess.run([*tracer, "--batch", "4", "--out", str(tmp_path / "alone.jsonl")], check=True, env=env, timeout=300)
-    events = lambda p: p.read_text().splitlines()[1:]  # noqa: E731
+    subprocess.run(
+        [*tracer, "--batch", "2", "3", "4", "--out", *map(str, outs)],
+        check=True,
+        env=env,
+        timeout=300,
+    )
+    subprocess.run(
+        [*tracer, "--batch", "4", "--out", str(tmp_path / "alone.jsonl")],
+        check=True,
+        env=env,
+        timeout=300,
+    )
+    events = lambda p: p.read_text().splitlines()[1:]
     assert events(outs[2]) == events(tmp_path / "alone.jsonl")
 
 
@@ -828,14 +1318,30 @@ def test_the_pool_forks_a_tracer_per_request_and_answers_each(tmp_path):
     if sys.platform != "linux":
         pytest.skip("the pool forks (Linux)")
     env = dict(os.environ, PYTHONPATH=str(PKG))
-    pool = subprocess.Popen([sys.executable, "-m", "gpumem_trace.pool"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    watchdog = threading.Timer(300, pool.kill)  # a pool that never answers fails the test, not hangs it
+    pool = subprocess.Popen(
+        [sys.executable, "-m", "gpumem_trace.pool"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    watchdog = threading.Timer(
+        300, pool.kill
+    )  # a pool that never answers fails the test, not hangs it
     watchdog.daemon = True
     watchdog.start()
     good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
     requests = [
-        {"id": 1, "argv": [f"py:{FIX}:tiny", "--batch", "4", "--out", str(good)], "log": str(tmp_path / "good.log")},
-        {"id": 2, "argv": ["torchvision:no_such_net", "--batch", "4", "--out", str(bad)], "log": str(tmp_path / "bad.log")},
+        {
+            "id": 1,
+            "argv": [f"py:{FIX}:tiny", "--batch", "4", "--out", str(good)],
+            "log": str(tmp_path / "good.log"),
+        },
+        {
+            "id": 2,
+            "argv": ["torchvision:no_such_net", "--batch", "4", "--out", str(bad)],
+            "log": str(tmp_path / "bad.log"),
+        },
     ]
     pool.stdin.write("".join(json.dumps(r) + "\n" for r in requests))
     pool.stdin.flush()
@@ -845,5 +1351,5 @@ def test_the_pool_forks_a_tracer_per_request_and_answers_each(tmp_path):
     watchdog.cancel()
     pool.stdout.close()
     assert {a["id"]: a["code"] for a in answers} == {1: 0, 2: 2}
-    check_valid([json.loads(l) for l in good.read_text().splitlines()])
+    check_valid([json.loads(line) for line in good.read_text().splitlines()])
     assert not bad.exists() and "no_such_net" in (tmp_path / "bad.log").read_text()

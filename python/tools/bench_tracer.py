@@ -16,7 +16,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -79,7 +78,9 @@ def main():
             trace_training(TraceOptions(model=args.model, batch=args.batch, iterations=1), f.name)
             ours.append(time.perf_counter() - t0)
     mf, mo = statistics.median(fake), statistics.median(ours)
-    print(f"{args.model} batch {args.batch}: FakeTensor counting {mf:.2f} s, gpumem tracer (one full step incl. optimizer) {mo:.2f} s, ratio {mo / mf:.2f}")
+    print(
+        f"{args.model} batch {args.batch}: FakeTensor counting {mf:.2f} s, gpumem tracer (one full step incl. optimizer) {mo:.2f} s, ratio {mo / mf:.2f}"
+    )
 
 
 if __name__ == "__main__":

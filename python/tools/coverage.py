@@ -31,9 +31,29 @@ def trace(ref, batch, timeout, extra=()):
     env = dict(os.environ, PYTHONPATH=str(PKG))
     t0 = time.time()
     try:
-        p = subprocess.run([sys.executable, "-m", "gpumem_trace", ref, "--batch", str(batch), "--out", out, "--timeout", str(timeout), *extra], capture_output=True, text=True, env=env, timeout=timeout + 60)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gpumem_trace",
+                ref,
+                "--batch",
+                str(batch),
+                "--out",
+                out,
+                "--timeout",
+                str(timeout),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout + 60,
+        )
         ok = p.returncode == 0
-        cause = "" if ok else (p.stderr.strip().splitlines() or ["?"])[-1].replace("gpumem_trace: ", "")
+        cause = (
+            "" if ok else (p.stderr.strip().splitlines() or ["?"])[-1].replace("gpumem_trace: ", "")
+        )
     except subprocess.TimeoutExpired:
         ok, cause = False, f"killed after {timeout + 60} s"
     return ok, cause, time.time() - t0
@@ -59,9 +79,14 @@ def main():
     rows = []
     for i, ref in enumerate(refs):
         extra = ("--seq-len", "512") if ref.startswith("hf:") else ()
-        ok, cause, secs = trace(ref, 2 if ref.startswith("hf:") else args.batch, args.timeout, extra)
+        ok, cause, secs = trace(
+            ref, 2 if ref.startswith("hf:") else args.batch, args.timeout, extra
+        )
         rows.append((ref, "ok" if ok else "failed", f"{secs:.1f}", cause))
-        print(f"[{i + 1}/{len(refs)}] {'ok' if ok else 'FAILED'} {ref} {secs:.1f}s {cause}", flush=True)
+        print(
+            f"[{i + 1}/{len(refs)}] {'ok' if ok else 'FAILED'} {ref} {secs:.1f}s {cause}",
+            flush=True,
+        )
     with open(args.out, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["model", "result", "seconds", "cause"])

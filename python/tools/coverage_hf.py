@@ -22,18 +22,52 @@ SUFFIXES = ("ForCausalLM", "ForMaskedLM", "ForSequenceClassification")
 # Small sizes under every name configs use for them; only the keys a config has are given
 # (head_dim = hidden / heads, except where latent attention ties it to its rope dimensions).
 SMALL = {
-    "hidden_size": 64, "n_embd": 64, "d_model": 64, "dim": 64, "embed_dim": 64, "n_embed": 64, "d_embed": 64,
-    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
+    "hidden_size": 64,
+    "n_embd": 64,
+    "d_model": 64,
+    "dim": 64,
+    "embed_dim": 64,
+    "n_embed": 64,
+    "d_embed": 64,
+    "num_hidden_layers": 2,
+    "n_layer": 2,
+    "num_layers": 2,
+    "n_layers": 2,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
     "num_decoder_layers": 2,
-    "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "n_heads": 4, "encoder_attention_heads": 4,
-    "decoder_attention_heads": 4, "num_key_value_heads": 2,
-    "intermediate_size": 128, "n_inner": 128, "ffn_dim": 128, "d_ff": 128, "d_inner": 128, "encoder_ffn_dim": 128,
-    "decoder_ffn_dim": 128, "hidden_dim": 128, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
-    "head_dim": 16, "vocab_size": 1024, "max_position_embeddings": 512, "n_positions": 512, "rotary_dim": 8,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_heads": 4,
+    "n_heads": 4,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "n_inner": 128,
+    "ffn_dim": 128,
+    "d_ff": 128,
+    "d_inner": 128,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "hidden_dim": 128,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "head_dim": 16,
+    "vocab_size": 1024,
+    "max_position_embeddings": 512,
+    "n_positions": 512,
+    "rotary_dim": 8,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
     "topk_group": 1,
     # Special tokens inside the small vocabulary (defaults index a full-size one).
-    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 
 # The families people train in 2026, each small, for the precision × option matrix (--families).
@@ -99,7 +133,12 @@ def reference(name, kw):
 def probe(name, timeout, deep=False):
     """The small config keys for `name` and what it reads, or the reason it does not build small."""
     try:
-        p = subprocess.run([sys.executable, "-c", PROBE, name, json.dumps(SMALL), str(int(deep))], capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(
+            [sys.executable, "-c", PROBE, name, json.dumps(SMALL), str(int(deep))],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
         return None, f"building it took over {timeout} s"
     if p.returncode != 0:
@@ -110,13 +149,36 @@ def probe(name, timeout, deep=False):
 def trace(ref, args, precision=None, extra=(), tokens=True):
     out = f"/tmp/gpumem-coverage-hf-{os.getpid()}.jsonl"
     env = dict(os.environ, PYTHONPATH=str(PKG))
-    length = ["--seq-len", str(args.seq_len)] if tokens else []  # audio models read their default length
-    cmd = [sys.executable, "-m", "gpumem_trace", ref, "--batch", "2", *length, "--precision", precision or args.precision,
-           "--gpu-capability", args.gpu_capability, "--out", out, "--timeout", str(args.timeout), *extra]
+    length = (
+        ["--seq-len", str(args.seq_len)] if tokens else []
+    )  # audio models read their default length
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpumem_trace",
+        ref,
+        "--batch",
+        "2",
+        *length,
+        "--precision",
+        precision or args.precision,
+        "--gpu-capability",
+        args.gpu_capability,
+        "--out",
+        out,
+        "--timeout",
+        str(args.timeout),
+        *extra,
+    ]
     t0 = time.time()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout + 60)
-        ok, cause = p.returncode == 0, "" if p.returncode == 0 else (p.stderr.strip().splitlines() or ["?"])[-1].replace("gpumem_trace: ", "")
+        ok, cause = (
+            p.returncode == 0,
+            ""
+            if p.returncode == 0
+            else (p.stderr.strip().splitlines() or ["?"])[-1].replace("gpumem_trace: ", ""),
+        )
     except subprocess.TimeoutExpired:
         ok, cause = False, f"killed after {args.timeout + 60} s"
     # The tracer's message starts with the reference: keep what follows it.
@@ -130,15 +192,22 @@ def main():
     a.add_argument("--gpu-capability", default="9.0")
     a.add_argument("--timeout", type=int, default=300)
     a.add_argument("--only", help="comma-separated class names")
-    a.add_argument("--families", action="store_true",
-                   help="instead: the named families at every precision, plus a padded batch's mask and eager attention at amp-bf16")
+    a.add_argument(
+        "--families",
+        action="store_true",
+        help="instead: the named families at every precision, plus a padded batch's mask and eager attention at amp-bf16",
+    )
     a.add_argument("--out", default="coverage-hf-sweep.csv")
     args = a.parse_args()
     import transformers
 
     if args.families:
         return families(args)
-    names = sorted(n for n in dir(transformers) if n.endswith(SUFFIXES) and not n.startswith(("TF", "Flax", "Auto")))
+    names = sorted(
+        n
+        for n in dir(transformers)
+        if n.endswith(SUFFIXES) and not n.startswith(("TF", "Flax", "Auto"))
+    )
     if args.only:
         names = [n for n in names if n in args.only.split(",")]
     rows = []
@@ -158,15 +227,20 @@ def main():
                 ref = reference(name, found[0])
                 ok, cause, secs = trace(ref, args, tokens=main_input == "input_ids")
         rows.append((name, "ok" if ok else "failed", f"{secs:.1f}", ref, cause))
-        print(f"[{i + 1}/{len(names)}] {'ok' if ok else 'FAILED'} {name} {secs:.1f}s {cause}", flush=True)
+        print(
+            f"[{i + 1}/{len(names)}] {'ok' if ok else 'FAILED'} {name} {secs:.1f}s {cause}",
+            flush=True,
+        )
     with open(args.out, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["class", "result", "seconds", "reference", "cause"])
         w.writerows(rows)
     built = [r for r in rows if r[1] != "skipped"]
     n_ok = sum(r[1] == "ok" for r in built)
-    print(f"transformers {transformers.__version__}: {len(names)} classes, {len(built)} build small, "
-          f"{n_ok} traced ({100 * n_ok / max(len(built), 1):.1f}%)")
+    print(
+        f"transformers {transformers.__version__}: {len(names)} classes, {len(built)} build small, "
+        f"{n_ok} traced ({100 * n_ok / max(len(built), 1):.1f}%)"
+    )
 
 
 def families(args):
@@ -175,7 +249,10 @@ def families(args):
         variants = [(p, ()) for p in PRECISIONS]
         if "Image" not in ref and "CLIP" not in ref:
             eager = ref.replace(")", ",attn_implementation=eager)") if "(" in ref else ref
-            variants += [("amp-bf16", ("--attention-mask", "padded")), ("amp-bf16", ("--attn", eager))]
+            variants += [
+                ("amp-bf16", ("--attention-mask", "padded")),
+                ("amp-bf16", ("--attn", eager)),
+            ]
         for precision, extra in variants:
             r, extra = (extra[1], ()) if extra[:1] == ("--attn",) else (ref, extra)
             ok, cause, secs = trace(r, args, precision, extra)

@@ -30,8 +30,16 @@ MIB = 1 << 20
 # name: (gpumem reference, batch, sequence length); the reference's kwargs are the config's.
 MODELS = {
     "gpt2": ("hf:GPT2LMHeadModel()", 8, 1024),
-    "llama-1b": ("hf:LlamaForCausalLM(hidden_size=2048,intermediate_size=5632,num_hidden_layers=22,num_attention_heads=32,num_key_value_heads=4,vocab_size=32000)", 4, 2048),
-    "llama-7b": ("hf:LlamaForCausalLM(hidden_size=4096,intermediate_size=11008,num_hidden_layers=32,num_attention_heads=32,num_key_value_heads=32,vocab_size=32000)", 2, 2048),
+    "llama-1b": (
+        "hf:LlamaForCausalLM(hidden_size=2048,intermediate_size=5632,num_hidden_layers=22,num_attention_heads=32,num_key_value_heads=4,vocab_size=32000)",
+        4,
+        2048,
+    ),
+    "llama-7b": (
+        "hf:LlamaForCausalLM(hidden_size=4096,intermediate_size=11008,num_hidden_layers=32,num_attention_heads=32,num_key_value_heads=32,vocab_size=32000)",
+        2,
+        2048,
+    ),
     "vit": ("timm:vit_base_patch16_224", 64, None),
 }
 
@@ -46,7 +54,9 @@ def build(ref):
         return timm.create_model(spec)
     cls, _, args = spec.partition("(")
     kwargs = dict((k, int(v)) for k, v in (a.split("=") for a in args.rstrip(")").split(",") if a))
-    config_cls = getattr(transformers, cls.replace("LMHeadModel", "Config").replace("ForCausalLM", "Config"))
+    config_cls = getattr(
+        transformers, cls.replace("LMHeadModel", "Config").replace("ForCausalLM", "Config")
+    )
     return getattr(transformers, cls)(config_cls(**kwargs))
 
 
@@ -81,10 +91,10 @@ def tracker_peak(ref, batch, seq, world):
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
         if seq is None:
             x, y = torch.randn(batch, 3, 224, 224), torch.randint(0, 1000, (batch,))
-            step = lambda: torch.nn.functional.cross_entropy(model(x), y)  # noqa: E731
+            step = lambda: torch.nn.functional.cross_entropy(model(x), y)
         else:
             x = torch.randint(0, 1000, (batch, seq))
-            step = lambda: model(input_ids=x, labels=x).loss  # noqa: E731
+            step = lambda: model(input_ids=x, labels=x).loss
         tracker = FSDPMemTracker(model, opt)
         tracker.track_inputs((x,))
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -103,14 +113,37 @@ def tracker_peak(ref, batch, seq, world):
 def gpumem_peaks(ref, batch, seq, world, trace):
     """gpumem's (allocated, allocated without cuBLAS workspaces, reserved) peaks in bytes, of
     the tracer's trace (math attention) replayed for an H100."""
-    cmd = [sys.executable, "-m", "gpumem_trace", ref, "--batch", str(batch), "--strategy", "fsdp", "--world-size", str(world),
-           "--sdpa", "math", "--gpu-capability", "9.0", "--out", str(trace)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpumem_trace",
+        ref,
+        "--batch",
+        str(batch),
+        "--strategy",
+        "fsdp",
+        "--world-size",
+        str(world),
+        "--sdpa",
+        "math",
+        "--gpu-capability",
+        "9.0",
+        "--out",
+        str(trace),
+    ]
     if seq:
         cmd += ["--seq-len", str(seq)]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     exe = os.environ.get("GPUMEM", "target/release/gpumem")
-    v = json.loads(subprocess.run([exe, "estimate", str(trace), "--gpu", "h100-80gb-sxm", "--json"], capture_output=True, text=True, check=True).stdout)
+    v = json.loads(
+        subprocess.run(
+            [exe, "estimate", str(trace), "--gpu", "h100-80gb-sxm", "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     b = v["breakdown_bytes"]
     allocated = sum(b[k] for k in b if k not in ("context", "allocator_slack"))
     reserved = v.get("reserved_peak", {}).get("reserved_mib", None)
@@ -124,15 +157,22 @@ def main():
     p.add_argument("--worlds", default="2,4,8")
     p.add_argument("--scratch", default="/tmp", help="where the traces are written")
     a = p.parse_args()
-    print("| model | ranks | FSDPMemTracker peak MiB | gpumem allocated peak MiB (Δ) | without cuBLAS workspace (Δ) | gpumem reserved peak MiB |")
+    print(
+        "| model | ranks | FSDPMemTracker peak MiB | gpumem allocated peak MiB (Δ) | without cuBLAS workspace (Δ) | gpumem reserved peak MiB |"
+    )
     print("|---|---|---|---|---|---|")
     for name in a.models.split(","):
         ref, batch, seq = MODELS[name]
         for world in (int(w) for w in a.worlds.split(",")):
             t = tracker_peak(ref, batch, seq, world)
-            alloc, bare, reserved = gpumem_peaks(ref, batch, seq, world, Path(a.scratch) / f"{name}-{world}.jsonl")
-            d = lambda x: f"{x / MIB:,.0f} ({(x - t) / t:+.1%})"  # noqa: E731
-            print(f"| {name} b{batch}{f' s{seq}' if seq else ''} | {world} | {t / MIB:,.0f} | {d(alloc)} | {d(bare)} | {reserved / MIB:,.0f} |", flush=True)
+            alloc, bare, reserved = gpumem_peaks(
+                ref, batch, seq, world, Path(a.scratch) / f"{name}-{world}.jsonl"
+            )
+            d = lambda x, t=t: f"{x / MIB:,.0f} ({(x - t) / t:+.1%})"
+            print(
+                f"| {name} b{batch}{f' s{seq}' if seq else ''} | {world} | {t / MIB:,.0f} | {d(alloc)} | {d(bare)} | {reserved / MIB:,.0f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -15,13 +15,29 @@ import os
 import subprocess
 
 from fsdp_memtracker import MODELS  # the same configurations
+
 STRATEGIES = {"ddp": "amp-bf16", "fsdp": "amp-bf16", "zero2": "bf16", "zero3": "bf16"}
 
 
 def estimate(ref, batch, seq, strategy, world, gpu):
     exe = os.environ.get("GPUMEM", "target/release/gpumem")
-    cmd = [exe, "estimate", ref, "--batch", str(batch), "--precision", STRATEGIES[strategy], "--checkpointing",
-           "--strategy", strategy, "--world-size", str(world), "--gpu", gpu, "--json"]
+    cmd = [
+        exe,
+        "estimate",
+        ref,
+        "--batch",
+        str(batch),
+        "--precision",
+        STRATEGIES[strategy],
+        "--checkpointing",
+        "--strategy",
+        strategy,
+        "--world-size",
+        str(world),
+        "--gpu",
+        gpu,
+        "--json",
+    ]
     if seq:
         cmd += ["--seq-len", str(seq)]
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -37,7 +53,9 @@ def main():
     p.add_argument("--worlds", default="2,4,8")
     p.add_argument("--gpu", default="h100-80gb-sxm")
     a = p.parse_args()
-    print("| model | strategy | ranks | peak MiB (nvidia-smi) | upper bound MiB | fits | DeepSpeed's model states MiB |")
+    print(
+        "| model | strategy | ranks | peak MiB (nvidia-smi) | upper bound MiB | fits | DeepSpeed's model states MiB |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name in a.models.split(","):
         ref, batch, seq = MODELS[name]
@@ -51,7 +69,10 @@ def main():
                 ds = v.get("deepspeed")
                 ds = f"{ds['gpu_mib']:,.0f}" if ds else ""
                 fits = "yes" if v["upper_bound_fits"] else "no"
-                print(f"| {label} | {strategy} ({STRATEGIES[strategy]}) | {world} | {v['peak_mib']:,.0f} | {v['upper_bound_mib']:,.0f} | {fits} | {ds} |", flush=True)
+                print(
+                    f"| {label} | {strategy} ({STRATEGIES[strategy]}) | {world} | {v['peak_mib']:,.0f} | {v['upper_bound_mib']:,.0f} | {fits} | {ds} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":
