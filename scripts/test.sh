@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CACHE="${GPUMEM_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpumem-ci}"
-COMMON="timm==1.0.31 transformers==5.24.0 segmentation-models-pytorch==0.6.0 peft==0.21.2 bitsandbytes==0.50.2 pytest==9.2.0 numpy==2.4.6"
+COMMON="timm==1.0.31 transformers==5.24.0 segmentation-models-pytorch==0.6.0 peft==0.21.2 bitsandbytes==0.50.2 pytest==9.2.0 numpy==2.4.6 jsonschema==4.25.1"
 PINNED="torch==2.9.1 torchvision==0.24.1 $COMMON"
 NEWEST="torch==2.15.0 torchvision==0.29.2 $COMMON"
 
@@ -19,7 +19,7 @@ NEWEST="torch==2.15.0 torchvision==0.29.2 $COMMON"
 # install failed.
 venv() {
   local dir="$CACHE/venv-$(echo "$1" | cksum | cut -d' ' -f1)"
-  if ! "$dir/bin/python" -c "import torch, torchvision, timm, transformers, segmentation_models_pytorch, peft, bitsandbytes, pytest" 2>/dev/null; then
+  if ! "$dir/bin/python" -c "import torch, torchvision, timm, transformers, segmentation_models_pytorch, peft, bitsandbytes, pytest, jsonschema" 2>/dev/null; then
     echo "== installing $1 into $dir (cached)" >&2
     rm -rf "$dir"
     mkdir -p "$CACHE"

@@ -1,12 +1,16 @@
-"""Command line: ``python -m gpumem_trace MODEL --batch N [N ...] --out FILE [FILE ...] [options]``.
+"""Command line: ``python -m gpumem_trace --request FILE`` (what gpumem runs: one JSON document,
+see ``request.py``), or ``python -m gpumem_trace MODEL --batch N [N ...] --out FILE [FILE ...]
+[options]`` (a person's flags, turned into the same request).
 
 Several batch sizes are traced by one process (the model built anew for each, the imports paid
 once), each into its own file: what gpumem needs to fit a batch-symbolic trace. Once torch and
 the model's library are imported, each batch size is traced in a forked copy of the process, all
 side by side (on Linux with more than one core; else one after another in the process itself).
 
-Exit codes: 0 trace written; 2 bad model reference or option; 3 the model failed (import error
-inside it, exception in forward/backward); 4 timed out.
+The answer (``{"status", "kind", "message", "where"}``) goes to the request's ``result`` file,
+and a failure's message once to stderr. Exit codes: 0 trace written; 2 bad model reference or
+option; 3 the model failed (import error inside it, exception in forward/backward); 4 timed
+out.
 """
 
 import argparse
@@ -18,17 +22,21 @@ import signal
 import sys
 import traceback
 
+from .request import OK, Failure, from_flags, trace_options, write_answer
+
 # The oldest torch release the tracer is tested on (scripts/test.sh runs the pinned and newest).
 OLDEST_TORCH = (2, 4)
-# Seconds between alarms once --timeout has passed, until one is caught (see main's on_alarm).
+# Seconds between alarms once the timeout has passed, until one is caught (see run's on_alarm).
 ALARM_REPEAT_S = 2.0
 
 
-def main(argv=None):
+def flags():
+    """A person's flags: what gpumem's request states, spelled for a command line."""
     p = argparse.ArgumentParser(prog="gpumem_trace", description=__doc__.splitlines()[0])
     p.add_argument("model")
     p.add_argument("--batch", type=int, nargs="+", default=[32])
     p.add_argument("--out", nargs="+", required=True)
+    p.add_argument("--result", help="write the answer (JSON) here")
     p.add_argument("--optimizer", default="adam")
     p.add_argument("--precision", default="fp32")
     p.add_argument("--iterations", type=int, default=3)
@@ -48,7 +56,7 @@ def main(argv=None):
     p.add_argument(
         "--selective",
         action="store_true",
-        help="with --checkpointing: selective (op-level): matmul and attention outputs saved, the rest recomputed",
+        help="selective (op-level) checkpointing: matmul and attention outputs saved, the rest recomputed",
     )
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--grad-accum", type=int, default=1)
@@ -58,125 +66,81 @@ def main(argv=None):
         default=1,
         help="GPUs of a torch.nn.DataParallel job; the trace is GPU 0's",
     )
-    p.add_argument(
-        "--validate",
-        default="none",
-        choices=["none", "no-grad", "grad"],
-        help="after training, two eval-mode batches under torch.no_grad() or with autograd on",
-    )
-    p.add_argument(
-        "--outputs",
-        choices=["kept", "dropped"],
-        help="whether the loop holds the model's output through backward (default: kept, dropped for hf: models as their Trainer runs them)",
-    )
-    p.add_argument(
-        "--attention-mask",
-        default="none",
-        choices=["none", "padded"],
-        help="hf: models: pass the attention mask of a padded batch (materialised by the model) instead of none",
-    )
-    p.add_argument(
-        "--strategy",
-        choices=["ddp", "fsdp", "zero1", "zero2", "zero3"],
-        help="trace rank 0 of a multi-GPU job wrapped this way (a fake process group; ZeRO modelled)",
-    )
+    p.add_argument("--validate", default="none", choices=["none", "no-grad", "grad"])
+    p.add_argument("--outputs", choices=["kept", "dropped"])
+    p.add_argument("--attention-mask", default="none", choices=["none", "padded"])
+    p.add_argument("--strategy", choices=["ddp", "fsdp", "zero1", "zero2", "zero3"])
     p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's gradient bucket size")
+    p.add_argument("--bucket-cap-mb", type=int, default=25)
     p.add_argument("--gradient-as-bucket-view", action="store_true")
-    p.add_argument(
-        "--no-reshard-after-forward",
-        action="store_true",
-        help="FSDP2: keep each layer's gathered parameters from forward to backward",
-    )
-    p.add_argument(
-        "--fsdp-param-dtype",
-        choices=["bf16", "fp16"],
-        help="FSDP2: MixedPrecisionPolicy's param_dtype (gradients reduced in fp32)",
-    )
-    p.add_argument(
-        "--replicas",
-        type=int,
-        default=1,
-        help="FSDP2: HSDP over this many replica groups (world size / replicas ranks each)",
-    )
-    p.add_argument(
-        "--cpu-offload",
-        action="store_true",
-        help="FSDP2: CPUOffloadPolicy (shards, gradients and the optimizer step on the host)",
-    )
-    p.add_argument(
-        "--zero",
-        default="{}",
-        help="ZeRO: a JSON object of gpumem_trace.zero.ZeroConfig's fields (DeepSpeed's defaults otherwise)",
-    )
-    p.add_argument("--lora-rank", type=int, help="LoRA fine-tuning, as PEFT sets it up: the rank r")
+    p.add_argument("--no-reshard-after-forward", action="store_true")
+    p.add_argument("--fsdp-param-dtype", choices=["bf16", "fp16"])
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--zero", default="{}", help="ZeRO: a JSON object of zero_optimization settings")
+    p.add_argument("--lora-rank", type=int)
     p.add_argument("--lora-alpha", type=float, default=8.0)
     p.add_argument("--lora-targets", help="module names, comma-separated, or all-linear")
     p.add_argument("--lora-dropout", type=float, default=0.0)
-    p.add_argument(
-        "--lora-quant",
-        choices=["nf4", "fp4"],
-        help="QLoRA: the model loaded in 4 bits (bitsandbytes' Linear4bit) before LoRA",
-    )
-    p.add_argument(
-        "--lora-single-quant",
-        action="store_true",
-        help="QLoRA without double quantization of the block statistics",
-    )
+    p.add_argument("--lora-quant", choices=["nf4", "fp4"])
+    p.add_argument("--lora-single-quant", action="store_true")
     p.add_argument(
         "--depths",
         type=int,
         nargs="+",
-        help="trace the model cut to each of these depths of its repeated blocks, into OUT.depthK, where it has enough of them to save time (gpumem rebuilds the whole depth from those traces); else whole, into OUT",
+        help="trace the model cut to each of these depths of its repeated blocks, into OUT.depthK, where it has enough of them to save time; else whole, into OUT",
     )
     p.add_argument(
         "--slopes",
         action="store_true",
-        help="with --depths and several batch sizes: trace the first as --depths says, every other only cut to the first depth, and a job whose buffers span blocks (DDP, ZeRO) whole at the first and cut to the first depth at each: gpumem carries what the batch does to each event of the cut traces over to the whole trace",
+        help="with --depths and several batch sizes: the first as --depths says, every other only cut to the first depth (and a job whose buffers span blocks whole at the first)",
     )
-    p.add_argument(
-        "--every-iteration",
-        action="store_true",
-        help="run every iteration; by default, once an iteration ends the loop in its steady state (what it freed the one before made, and what outlives it matches that), the rest copy it",
-    )
+    p.add_argument("--every-iteration", action="store_true")
     p.add_argument("--timeout", type=float, default=0, help="seconds; 0 = none")
-    a = p.parse_args(argv)
+    return p
 
-    def fail(code, msg):
-        print(f"gpumem_trace: {msg}", file=sys.stderr)
-        return code
 
-    if min(a.batch) < 1 or a.iterations < 2 or a.grad_accum < 1 or a.data_parallel < 1:
-        return fail(
-            2,
-            "--batch, --grad-accum and --data-parallel must be at least 1 and --iterations at least 2",
-        )
-    if a.depths and (min(a.depths) < 2 or len(set(a.depths)) != len(a.depths)):
-        return fail(2, f"--depths {' '.join(map(str, a.depths))}: distinct depths of at least 2")
-    if len(a.batch) != len(a.out):
-        return fail(2, f"{len(a.batch)} batch sizes but {len(a.out)} output files")
-    if not re.fullmatch(r"\d+\.\d+", a.gpu_capability):
-        return fail(2, f"--gpu-capability `{a.gpu_capability}` is not MAJOR.MINOR (e.g. 9.0)")
-    shape = None
-    if a.input:
-        try:
-            shape = tuple(int(x) for x in a.input.lower().split("x"))
-            assert shape and all(x > 0 for x in shape)
-        except (ValueError, AssertionError):
-            return fail(2, f"--input `{a.input}` is not CxHxW")
-    preload(a.model)
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--request"] and len(argv) == 2:
+        with open(argv[1]) as f:
+            request = json.load(f)
+    else:
+        request = from_flags(flags().parse_args(argv))
+    return answer(request)
+
+
+def answer(request):
+    """Runs the request; writes its answer to its ``result`` file and a failure's message once
+    to stderr; returns the exit code."""
+    failure = run(request)
+    write_answer(request.get("result"), OK if failure is None else failure.answer())
+    if failure is None:
+        return 0
+    where = f" (at {failure.where})" if failure.where else ""
+    print(f"gpumem_trace: {failure.message}{where}", file=sys.stderr)
+    return failure.code()
+
+
+def run(request):
+    """Traces the request's job at each of its batch sizes; the failure, or ``None``."""
+    model, batches, outs = request["model"], request["batches"], request["outs"]
+    depths, slopes = request.get("depths") or [], request.get("slopes", False)
+    timeout = request.get("timeout_s") or 0
+    if len(batches) != len(outs):
+        return Failure("reference", f"{len(batches)} batch sizes but {len(outs)} output files")
+    preload(model)
     try:
         import torch
     except ImportError as e:
-        return fail(3, f"cannot import torch: {e} (install it in this interpreter)")
+        return Failure("python", f"cannot import torch: {e} (install it in this interpreter)")
     version = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
     if version < OLDEST_TORCH:
-        return fail(
-            3,
+        return Failure(
+            "python",
             f"torch {torch.__version__} is older than {'.'.join(map(str, OLDEST_TORCH))}, the oldest release the tracer supports",
         )
-    from .loop import SPANS_BLOCKS, TraceOptions, trace_training
-    from .lora import from_flags
+    from .loop import SPANS_BLOCKS, trace_training
     from .models import ReferenceError_
 
     class TimedOut(BaseException):
@@ -189,111 +153,60 @@ def main(argv=None):
         expired.append(True)
         raise TimedOut
 
-    if a.strategy and (a.world_size < 2 or a.bucket_cap_mb <= 0):
-        return fail(2, "--strategy needs --world-size of at least 2 and a positive --bucket-cap-mb")
-    if (
-        a.replicas < 1
-        or a.world_size % a.replicas
-        or (a.replicas > 1 and a.world_size // a.replicas < 2)
-    ):
-        return fail(
-            2,
-            f"--replicas {a.replicas} must divide --world-size {a.world_size} into groups of at least 2 ranks",
-        )
-    zero = None
-    if a.strategy and a.strategy.startswith("zero"):
-        from .zero import ZeroConfig
-
-        try:
-            zero = ZeroConfig(
-                stage=int(a.strategy[-1]), world_size=a.world_size, **json.loads(a.zero)
-            )
-        except (ValueError, TypeError) as e:
-            return fail(2, f"--zero: {e}")
     try:
-        adapters = from_flags(a)
+        opts = trace_options(request)
     except ValueError as e:
-        return fail(2, str(e))
-    opts = TraceOptions(
-        model=a.model,
-        batch=a.batch[0],
-        optimizer=a.optimizer,
-        precision=a.precision,
-        iterations=a.iterations,
-        input_shape=shape,
-        seq_len=a.seq_len,
-        gpu_capability=a.gpu_capability,
-        sdpa=a.sdpa,
-        checkpointing=a.checkpointing,
-        selective=a.selective,
-        channels_last=a.channels_last,
-        grad_accum=a.grad_accum,
-        data_parallel=a.data_parallel,
-        validate=a.validate,
-        outputs=a.outputs,
-        attention_mask=a.attention_mask,
-        lora=adapters,
-        strategy=a.strategy,
-        world_size=a.world_size,
-        bucket_cap_mb=a.bucket_cap_mb,
-        bucket_view=a.gradient_as_bucket_view,
-        reshard_after_forward=not a.no_reshard_after_forward,
-        zero=zero,
-        fsdp_param_dtype=a.fsdp_param_dtype,
-        replicas=a.replicas,
-        cpu_offload=a.cpu_offload,
-        every_iteration=a.every_iteration,
-    )
-    spans = a.strategy in SPANS_BLOCKS
+        return Failure("reference", str(e))
+    except (KeyError, TypeError) as e:  # a request gpumem would not send (a person's flags)
+        return Failure("reference", f"the request's options: {type(e).__name__}: {e}")
+    spans = opts.strategy in SPANS_BLOCKS
 
     def traced(batch, out, first):
-        """Traces one batch size; its exit code (a failure is printed)."""
+        """Traces one batch size; its failure, or ``None``."""
         try:
-            opts.batch, opts.cut_spanning = batch, a.slopes
-            depths = (
-                a.depths[:1] if a.slopes and a.depths and (spans or not first) else a.depths or []
-            )
-            if not depths:
+            opts.batch, opts.cut_spanning = batch, slopes
+            cut = depths[:1] if slopes and depths and (spans or not first) else depths
+            if not cut:
                 trace_training(opts, out)
             else:
-                for depth in depths:
+                for depth in cut:
                     opts.depth = depth
                     if "depth" not in trace_training(opts, f"{out}.depth{depth}"):
-                        os.replace(
-                            f"{out}.depth{depth}", out
-                        )  # not cut (see loop.cut_blocks): the whole model's
+                        # not cut (see loop.cut_blocks): the whole model's
+                        os.replace(f"{out}.depth{depth}", out)
                         break
                 else:
-                    if a.slopes and spans and first:  # cut for the batch only: the whole too
+                    if slopes and spans and first:  # cut for the batch only: the whole too
                         opts.depth = None
                         trace_training(opts, out)
         except Exception as e:
             if expired:  # the alarm, wrapped (see on_alarm): not the model's failure
                 raise TimedOut from e
             if isinstance(e, ReferenceError_):
-                return fail(2, str(e))
+                return Failure("reference", str(e))
             tb = traceback.extract_tb(e.__traceback__)  # the model's own failure
-            where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
-            return fail(
-                3,
-                f"{a.model} failed while tracing: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{where}",
+            first_line = str(e).splitlines()[0] if str(e) else ""
+            return Failure(
+                "model",
+                f"{model} failed while tracing: {type(e).__name__}: {first_line}",
+                f"{tb[-1].filename}:{tb[-1].lineno}" if tb else None,
             )
-        return 0
+        return None
 
-    if a.timeout > 0:
+    if timeout > 0:
+        # A courtesy: gpumem kills a trace that outlives its deadline. Again every
+        # ALARM_REPEAT_S until caught: an alarm raised inside an import or a class's creation
+        # reaches the code as a RuntimeError, which a fallback can swallow.
         signal.signal(signal.SIGALRM, on_alarm)
-        # Again every ALARM_REPEAT_S until caught: an alarm raised inside an import or a class's
-        # creation reaches the code as a RuntimeError, which a fallback (the model's, or the
-        # tracer's own `except Exception`) can swallow, and the trace would run on untimed.
-        signal.setitimer(signal.ITIMER_REAL, a.timeout, ALARM_REPEAT_S)
+        signal.setitimer(signal.ITIMER_REAL, timeout, ALARM_REPEAT_S)
     try:
         return side_by_side(
-            [(b, out, i == 0) for i, (b, out) in enumerate(zip(a.batch, a.out))], traced
+            [(b, out, i == 0) for i, (b, out) in enumerate(zip(batches, outs))], traced
         )
     except TimedOut:
-        return fail(4, f"tracing {a.model} timed out after {a.timeout:g} s")
+        return Failure("timeout", f"tracing {model} timed out after {timeout:g} s")
     finally:
-        if a.timeout > 0:
+        if timeout > 0:
             signal.setitimer(signal.ITIMER_REAL, 0)
 
 
@@ -364,20 +277,30 @@ def side_by_side(jobs, run):
     """``run(*job)`` for each job, each in a forked copy of this process, all at once (up to two
     per core): sharing the cores, three traces on two end in the time of one and a half, where
     two at a time would take two. In turn in this process where it has one core or one job, or
-    is not on Linux. The first failure's exit code (each failure prints its own message), or 0.
-    A timeout (raised in this process; forks have no timer) kills the forks still running.
-    Forks are made before this process runs any backward: PyTorch refuses backward in a fork
-    made after its autograd engine started worker threads (torch 2.15's FSDP2 starts them)."""
+    is not on Linux. The first job's failure (a ``Failure``; each fork hands its own back in a
+    file), or ``None``. A timeout (raised in this process; forks have no timer) kills the forks
+    still running. Forks are made before this process runs any backward: PyTorch refuses
+    backward in a fork made after its autograd engine started worker threads (torch 2.15's
+    FSDP2 starts them)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     if cores < 2 or len(jobs) < 2 or sys.platform != "linux":
-        return next((code for code in (run(*job) for job in jobs) if code), 0)
+        return next((f for f in (run(*job) for job in jobs) if f is not None), None)
     running, codes = {}, {}
+    handed = [f"{job[1]}.failure.{os.getpid()}" for job in jobs]
+
+    def in_fork(i):
+        failure = run(*jobs[i])
+        if failure is None:
+            return 0
+        write_answer(handed[i], failure.answer())
+        return failure.code()
+
     try:
-        for i, job in enumerate(jobs):
+        for i in range(len(jobs)):
             if len(running) == 2 * cores:
                 pid, status = os.wait()
                 codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
-            running[fork(lambda job=job: run(*job))] = i
+            running[fork(lambda i=i: in_fork(i))] = i
         while running:
             pid, status = os.wait()
             codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
@@ -385,16 +308,23 @@ def side_by_side(jobs, run):
         for pid in running:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+    failures = []
     for i, code in sorted(codes.items()):
-        if code < 0:
-            print(
-                f"gpumem_trace: tracing batch size {jobs[i][0]} ended by signal {-code}",
-                file=sys.stderr,
-            )
-            return 3
-        if code:
-            return code
-    return 0
+        try:
+            with open(handed[i]) as f:
+                a = json.load(f)
+            os.remove(handed[i])
+            failures.append(Failure(a["kind"], a["message"], a["where"]))
+        except OSError:
+            if code < 0:
+                failures.append(
+                    Failure("model", f"tracing batch size {jobs[i][0]} ended by signal {-code}")
+                )
+            elif code:
+                failures.append(
+                    Failure("model", f"tracing batch size {jobs[i][0]} failed (exit {code})")
+                )
+    return failures[0] if failures else None
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ class TraceOptions:
     # cannot rebuild its whole depth but do show what the batch does to each block's events.
     cut_spanning: bool = False
     every_iteration: bool = False  # run every iteration, even those the steady state repeats
+    document: dict = None  # the options as the request stated them, written into the header
     lr: float = 1e-3
     extra: dict = field(default_factory=dict)
 
@@ -552,27 +553,19 @@ def trace_training(opts: TraceOptions, out_path: str):
     header = {
         "model": opts.model,
         "batch_size": opts.batch,
-        "optimizer": opts.optimizer,
-        "precision": opts.precision,
+        # The job's options as gpumem's request stated them (the job vocabulary).
+        "options": opts.document if opts.document is not None else {},
         "producer": "gpumem_trace/0.1.0",
         "framework": f"torch {torch.__version__}",
         "parameters": params,
         "activations_per_sample": int(acts[0]),
         "trace_seconds": round(time.time() - t0, 3),
     }
-    if job.seq_len:
-        header["seq_len"] = job.seq_len
-    if parallel:
-        header["data_parallel"] = opts.data_parallel
-    if opts.strategy:
-        header["strategy"], header["world_size"] = opts.strategy, opts.world_size
     if blocks:
         header["blocks"], header["depth"] = blocks, opts.depth
     if opts.zero is not None:
         header["largest_layer_parameters"] = zero.largest_layer_parameters(model)
     if rec.sized_by_parameters:
         header["sized_by_parameters"] = sorted(rec.sized_by_parameters)
-    if opts.validate != "none":
-        header["validate"] = opts.validate
     rec.write(out_path, header)
     return header

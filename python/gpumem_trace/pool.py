@@ -2,10 +2,12 @@
 once and forks a copy of itself for every trace, so that the many traces of a plan do not each
 pay seconds of imports.
 
-Requests come on stdin, one JSON object per line: ``{"id": N, "argv": [...], "log": PATH}``. A fork
-runs ``python -m gpumem_trace ARGV`` (its ``main``), its stdout and stderr into ``log``; when it
-ends, this process answers ``{"id": N, "code": EXIT}`` on stdout (a negative code: the signal that
-ended it). At the end of stdin (gpumem is done, or was stopped), forks still running are killed.
+Requests come on stdin, one JSON object per line: ``{"id": N, "request": {...}, "log": PATH}``
+(``request``: the tracer's request, see ``request.py``). A fork answers it (``__main__.answer``),
+its stdout and stderr into ``log``; when it ends, this process answers ``{"id": N, "code": EXIT}``
+on stdout (a negative code: the signal that ended it). ``{"kill": N}`` kills request N's fork and
+everything it forked (its process group): gpumem's deadline. At the end of stdin (gpumem is done,
+or was stopped), forks still running are killed.
 Linux only (``fork``); gpumem runs each trace as its own process elsewhere.
 """
 
@@ -15,7 +17,7 @@ import select
 import signal
 import sys
 
-from .__main__ import fork, main, preload
+from .__main__ import answer, fork, preload
 
 
 def fork_trace(request):
@@ -28,7 +30,8 @@ def fork_trace(request):
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        return main(request["argv"])
+        os.setpgid(0, 0)  # its own group: a kill reaches the forks it makes too
+        return answer(request["request"])
 
     return fork(run)
 
@@ -55,7 +58,12 @@ def serve():
                 *lines, pending = pending.split(b"\n")
                 for line in filter(bytes.strip, lines):
                     request = json.loads(line)
-                    preload(request["argv"][0] if request["argv"] else "")
+                    if "kill" in request:
+                        for pid, id_ in running.items():
+                            if id_ == request["kill"]:
+                                kill_group(pid)
+                        continue
+                    preload(request["request"]["model"])
                     running[fork_trace(request)] = request["id"]
             while running:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -64,8 +72,16 @@ def serve():
                 answer(pid, status)
     finally:
         for pid in list(running):
-            os.kill(pid, signal.SIGKILL)
+            kill_group(pid)
             os.waitpid(pid, 0)
+
+
+def kill_group(pid):
+    """Kills a fork and what it forked (its group, once it has made it; else the fork)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        os.kill(pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":

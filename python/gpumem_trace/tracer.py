@@ -225,7 +225,7 @@ class Recorder:
 
     def write(self, path, header):
         self.closed = True
-        header = dict(header, format="gpumem-trace", version=1, iterations=self.iterations)
+        header = dict(header, format="gpumem-trace", version=2, iterations=self.iterations)
         line = _event_encoder()
         with open(path, "w") as f:
             f.write(json.dumps(header) + "\n")

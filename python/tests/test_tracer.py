@@ -39,7 +39,7 @@ def traced(args, tmp_path):
 
 def check_valid(events):
     header, evs = events[0], events[1:]
-    assert header["format"] == "gpumem-trace" and header["version"] == 1
+    assert header["format"] == "gpumem-trace" and header["version"] == 2
     live, seen = set(), set()
     for e in evs:
         if e["ev"] == "alloc":
@@ -133,7 +133,7 @@ def test_attention_uses_the_kernel_the_gpu_runs(tmp_path):
     assert not kernels("--precision", "amp-bf16", "--gpu-capability", "7.0")
     assert not kernels("--sdpa", "math")
     p, _ = run([f"py:{FIX}:attention", "--batch", "2", "--gpu-capability", "nine"], tmp_path)
-    assert p.returncode == 2 and "--gpu-capability `nine`" in p.stderr
+    assert p.returncode == 2 and "gpu_capability `nine`" in p.stderr
 
 
 def test_sdpa_rules_by_release_and_gpu():
@@ -347,12 +347,11 @@ def test_timeout(tmp_path, fixture):
 
 
 def test_bad_options(tmp_path):
-    p, _ = run([f"py:{FIX}:tiny", "--batch", "0"], tmp_path)
-    assert p.returncode == 2
+    # The options' ranges are gpumem's to check (the job vocabulary); the tracer reports what
+    # only it can tell, once.
     p, _ = run(["resnet50", "--batch", "2"], tmp_path)
     assert p.returncode == 2 and "is not a model reference" in p.stderr
-    p, _ = run([f"py:{FIX}:tiny", "--batch", "2", "--depths", "1", "3"], tmp_path)
-    assert p.returncode == 2 and "--depths 1 3: distinct depths of at least 2" in p.stderr
+    assert p.stderr.count("is not a model reference") == 1
 
 
 def test_torchvision_model(tmp_path):
@@ -365,14 +364,14 @@ def test_hugging_face_model_without_the_hub(tmp_path):
     pytest.importorskip("transformers")
     ref = "hf:BertForMaskedLM(hidden_size=64,num_hidden_layers=2,num_attention_heads=2,intermediate_size=128,vocab_size=1000)"
     header, _ = traced([ref, "--batch", "2", "--seq-len", "32"], tmp_path)
-    assert header["seq_len"] == 32
+    assert header["options"]["seq_len"] == 32
 
 
 def test_data_parallel_traces_gpu0(tmp_path):
     """DataParallel over 2 GPUs at batch 8: GPU 0 runs 4 rows, gathers the whole batch's output,
     and gets its gradients as one flat reduce_add_coalesced buffer per step."""
     header, evs = traced([f"py:{FIX}:tiny", "--batch", "8", "--data-parallel", "2"], tmp_path)
-    assert header["data_parallel"] == 2 and header["batch_size"] == 8
+    assert header["options"]["data_parallel"] == 2 and header["batch_size"] == 8
     _, direct = run([f"py:{FIX}:tiny", "--batch", "4"], tmp_path)
     fwd = lambda es: sorted(e["bytes"] for e in allocs(es, phase="forward", op="addmm"))
     assert fwd(evs) == fwd(direct[1:]), "GPU 0's replica runs half the batch"
@@ -387,11 +386,6 @@ def test_data_parallel_traces_gpu0(tmp_path):
     grads = allocs(evs, category="gradient")
     assert len(grads) == header["iterations"]
     assert all(g["bytes"] == header["parameters"] * 4 for g in grads)
-
-
-def test_data_parallel_must_be_positive(tmp_path):
-    p, _ = run([f"py:{FIX}:tiny", "--batch", "8", "--data-parallel", "0"], tmp_path)
-    assert p.returncode == 2 and "--data-parallel" in p.stderr
 
 
 def test_torchvision_segmentation_and_video_models(tmp_path):
@@ -445,7 +439,7 @@ def test_validation_pass(tmp_path):
 
     def validation_peak(mode):
         header, evs = traced([f"py:{FIX}:tiny", "--batch", "64", "--validate", mode], tmp_path)
-        assert header["validate"] == mode
+        assert header["options"]["validate"] == mode
         last = max(i for i, e in enumerate(evs) if e["ev"] == "iteration")
         sizes, live, peak = {}, 0, 0
         for i, e in enumerate(evs):
@@ -886,7 +880,8 @@ def test_ddp_rank_holds_its_gradient_buckets(tmp_path):
     header, single = live_at_end()
     params = header["parameters"] * 4
     ddp_header, ddp = live_at_end("--strategy", "ddp", "--world-size", "4")
-    assert (ddp_header["strategy"], ddp_header["world_size"]) == ("ddp", 4)
+    strategy = ddp_header["options"]["strategy"]
+    assert (strategy["kind"], strategy["mesh"]) == ("ddp", {"replicate": 4})
     assert ddp - single == params
     assert live_at_end("--strategy", "ddp", "--world-size", "8")[1] == ddp
     assert (
@@ -970,8 +965,6 @@ def test_fsdp_rank_holds_its_shards(tmp_path):
     assert not [e for e in allocs if e["phase"] in ("setup", "optimizer")]
     staged = sum(e["bytes"] for e in allocs if e["phase"] == "backward" and e["op"] == "clone")
     assert staged == 3 * h["parameters"] * 4 // 4, staged
-    p, _ = run([ref, "--strategy", "fsdp", "--world-size", "8", "--replicas", "3"], tmp_path)
-    assert p.returncode == 2 and "--replicas 3 must divide --world-size 8" in p.stderr
 
 
 def test_zero_ranks_hold_deepspeeds_partitions(tmp_path):
@@ -1019,7 +1012,7 @@ def test_zero_options_are_checked(tmp_path):
     p, _ = run(
         [ref, "--strategy", "zero2", "--world-size", "2", "--zero", '{"bucket": 1}'], tmp_path
     )
-    assert p.returncode == 2 and "--zero: " in p.stderr and "bucket" in p.stderr
+    assert p.returncode == 2 and "the request's options: " in p.stderr and "bucket" in p.stderr
     p, _ = run(
         [ref, "--strategy", "zero2", "--world-size", "2", "--optimizer", "adam8bit"], tmp_path
     )

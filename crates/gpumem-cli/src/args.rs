@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use gpumem_core::dataset::Measurement;
 use gpumem_core::estimate::Estimator;
-use gpumem_core::graph::Precision;
+use gpumem_core::job::{EngineKind, Optimizer, OptionValues, Precision, StrategyValues};
 use gpumem_core::profile::{self, GpuProfile};
-use gpumem_core::step::Optimizer;
+use gpumem_core::search::SearchError;
 use gpumem_core::trace::Trace;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_learn::{Hybrid, LearnedModel};
@@ -19,7 +19,7 @@ use gpumem_workload::deepspeed;
 use gpumem_workload::launch::{self, Launch};
 use gpumem_workload::{
     AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, ModelRef, Options, Outputs,
-    Strategy, Validate, Workload, WorkloadError, Zero,
+    Strategy, Validate, Workload, WorkloadError,
 };
 
 use crate::{CliError, CliResult};
@@ -141,7 +141,7 @@ pub struct StrategyArgs {
     /// `zero3` (DeepSpeed ZeRO with its default settings; --deepspeed for a config), modelled
     /// from DeepSpeed's rules. --batch is then each rank's. NCCL's own buffers are included
     /// where the profile states them (nccl_mib).
-    #[arg(long, value_parser = ["ddp", "fsdp", "hsdp", "zero1", "zero2", "zero3"], requires = "world_size")]
+    #[arg(long, requires = "world_size")]
     strategy: Option<String>,
     /// Ranks of a --strategy job.
     #[arg(long)]
@@ -150,7 +150,7 @@ pub struct StrategyArgs {
     #[arg(long)]
     nodes: Option<u32>,
     /// DDP's gradient bucket size, MiB.
-    #[arg(long, default_value_t = gpumem_core::workload::DDP_BUCKET_CAP_MB)]
+    #[arg(long, default_value_t = gpumem_core::job::DDP_BUCKET_CAP_MB)]
     bucket_cap_mb: u32,
     /// DDP's gradient_as_bucket_view: the gradients are views of the buckets.
     #[arg(long)]
@@ -218,7 +218,9 @@ impl StrategyArgs {
                 ));
             }
         };
-        Ok(Some(job.launch(world_size)))
+        job.launch(world_size)
+            .map(Some)
+            .map_err(|e| CliError::input(format!("--deepspeed {}: {e}", path.display())))
     }
 
     /// The strategy the flags name; `None` for a one-GPU job.
@@ -229,12 +231,30 @@ impl StrategyArgs {
         }
     }
 
-    /// The strategy --strategy and its flags name (no launch config).
+    /// The strategy --strategy and its flags name (no launch config), in the job document's
+    /// spelling: checked as a job file's or an API request's strategy is.
     fn named(&self) -> CliResult<Option<Strategy>> {
-        Ok(match (self.strategy.as_deref(), self.world_size) {
-            (Some(fsdp @ ("fsdp" | "hsdp")), Some(world_size)) => Some(Strategy::Fsdp {
-                world_size,
-                reshard_after_forward: !self.no_reshard_after_forward,
+        let unknown = |s: &str| {
+            CliError::input(format!(
+                "--strategy `{s}` is not ddp, fsdp, hsdp, zero1, zero2 or zero3"
+            ))
+        };
+        let stated = |kind| StrategyValues {
+            kind,
+            mesh: None,
+            world_size: self.world_size,
+            replicas: None,
+            bucket_cap_mb: None,
+            bucket_view: None,
+            reshard_after_forward: None,
+            param_dtype: None,
+            cpu_offload: None,
+            stage: None,
+            zero: None,
+        };
+        let values = match (self.strategy.as_deref(), self.world_size) {
+            (Some(fsdp @ ("fsdp" | "hsdp")), Some(_)) => StrategyValues {
+                reshard_after_forward: Some(!self.no_reshard_after_forward),
                 param_dtype: self.fsdp_param_dtype.as_deref().map(|d| {
                     if d == "bf16" {
                         HalfDtype::Bf16
@@ -243,37 +263,40 @@ impl StrategyArgs {
                     }
                 }),
                 replicas: match (fsdp, self.nodes) {
-                    ("hsdp", Some(nodes)) => nodes,
+                    ("hsdp", Some(nodes)) => Some(nodes),
                     ("hsdp", None) => return Err(CliError::input("--strategy hsdp needs --nodes")),
                     (_, Some(_)) => return Err(CliError::input("--nodes is for --strategy hsdp")),
-                    (_, None) => 1,
+                    (_, None) => None,
                 },
-                cpu_offload: self.fsdp_cpu_offload,
-            }),
+                cpu_offload: self.fsdp_cpu_offload.then_some(true),
+                ..stated(EngineKind::Fsdp)
+            },
             _ if self.fsdp_cpu_offload => {
                 return Err(CliError::input(
                     "--fsdp-cpu-offload is for --strategy fsdp or hsdp",
                 ));
             }
-            (Some(zero @ ("zero1" | "zero2" | "zero3")), Some(world_size)) => {
-                Some(Strategy::Zero {
-                    stage: zero.as_bytes()[4] - b'0',
-                    world_size,
-                    zero: Zero::default(),
-                })
-            }
-            (Some(_), Some(world_size)) => Some(Strategy::Ddp {
-                world_size,
-                bucket_cap_mb: self.bucket_cap_mb,
-                bucket_view: self.gradient_as_bucket_view,
-            }),
+            // A stage out of range is the job vocabulary's to refuse, as in a job file.
+            (Some(zero), Some(_)) if zero.starts_with("zero") => StrategyValues {
+                stage: Some(zero[4..].parse().map_err(|_| unknown(zero))?),
+                ..stated(EngineKind::Zero)
+            },
+            (Some(other), Some(_)) if other != "ddp" => return Err(unknown(other)),
+            (Some(_), Some(_)) => StrategyValues {
+                bucket_cap_mb: Some(self.bucket_cap_mb),
+                bucket_view: Some(self.gradient_as_bucket_view),
+                ..stated(EngineKind::Ddp)
+            },
             (None, Some(_)) => {
                 return Err(CliError::input(
                     "--world-size needs --strategy or --deepspeed",
                 ));
             }
-            _ => None,
-        })
+            _ => return Ok(None),
+        };
+        Strategy::try_from(values)
+            .map(Some)
+            .map_err(CliError::input)
     }
 }
 
@@ -287,7 +310,7 @@ impl WorkloadArgs {
             ),
             None => None,
         };
-        let options = Options {
+        let options = OptionValues {
             optimizer: Optimizer::parse(&self.optimizer).map_err(CliError::input)?,
             precision: Precision::parse(&self.precision).map_err(CliError::input)?,
             input,
@@ -307,16 +330,18 @@ impl WorkloadArgs {
             strategy: None,
         };
         // The launch config, read once: its strategy, and what it fixes of the loop.
-        Ok(match self.strategy.launch()? {
-            Some(launch) => launch.stated.over(Options {
+        match self.strategy.launch()? {
+            Some(launch) => launch.stated.over(OptionValues {
                 strategy: launch.strategy,
                 ..options
             }),
-            None => Options {
+            None => OptionValues {
                 strategy: self.strategy.named()?,
                 ..options
-            },
-        })
+            }
+            .check(),
+        }
+        .map_err(CliError::input)
     }
 
     /// The micro-batch a launch config states (DeepSpeed's `train_micro_batch_size_per_gpu`),
@@ -357,9 +382,9 @@ pub fn lora(spec: &str) -> CliResult<Lora> {
 impl From<WorkloadError> for CliError {
     fn from(e: WorkloadError) -> Self {
         match e {
-            e @ WorkloadError::Batch(_) => CliError::input(e),
-            WorkloadError::Invalid(m) => CliError::Input(m),
             WorkloadError::Tracer(b) => b.into(),
+            e if e.is_input() => CliError::input(e),
+            e => CliError::Model(e.to_string()),
         }
     }
 }
@@ -370,6 +395,9 @@ impl From<gpumem_workload::SizeError> for CliError {
             gpumem_workload::SizeError::Workload(w) => w.into(),
             // As `estimate` reports an estimator's refusal: bad input (a job too large for any GPU).
             gpumem_workload::SizeError::Estimate(e) => CliError::input(e),
+            gpumem_workload::SizeError::Search(SearchError::Estimate(e)) => CliError::input(e),
+            // Evaluating or searching gpumem's own symbolic trace failed: not the user's input.
+            gpumem_workload::SizeError::Search(e) => CliError::other(e),
         }
     }
 }
@@ -377,9 +405,9 @@ impl From<gpumem_workload::SizeError> for CliError {
 impl From<BridgeError> for CliError {
     fn from(e: BridgeError) -> Self {
         match e {
-            BridgeError::BadReference(m) => CliError::Input(m),
-            BridgeError::Io(m) => CliError::Other(m),
-            BridgeError::Python(m) | BridgeError::Model(m) => CliError::Model(m),
+            BridgeError::Reference(m) => CliError::Input(m),
+            e @ BridgeError::Io { .. } => CliError::other(e),
+            e => CliError::Model(e.to_string()),
         }
     }
 }

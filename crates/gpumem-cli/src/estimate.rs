@@ -361,7 +361,7 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             d.formula, d.gpu_mib, d.cpu_mib
         );
     }
-    if trace.header.strategy.is_some() && profile.nccl_mib == 0.0 {
+    if trace.header.options.strategy.is_some() && profile.nccl_mib == 0.0 {
         println!(
             "note         NCCL's own buffers are not included (this profile states no nccl_mib)"
         );

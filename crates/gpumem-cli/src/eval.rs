@@ -50,7 +50,7 @@ struct DidNotFit {
 
 fn did_not_fit(
     rows: &[Measurement],
-    defaults: &gpumem_core::workload::Options,
+    defaults: &gpumem_core::job::Options,
     profile: &gpumem_core::profile::GpuProfile,
     replay: &dyn Estimator,
 ) -> CliResult<Option<DidNotFit>> {

@@ -3,10 +3,9 @@
 //! batch) — with why the others lose (gpumem-workload's `plan` does the search).
 
 use clap::Args;
-use gpumem_core::graph::Precision;
-use gpumem_core::step::Optimizer;
+use gpumem_core::job::{Optimizer, OptionValues, Precision, ZeroStage};
 use gpumem_workload::plan::{Interconnect, Plan, Setup, Space, plan as search};
-use gpumem_workload::{Checkpointing, InputShape, Options, Strategy, Zero};
+use gpumem_workload::{Checkpointing, InputShape, Strategy, Zero};
 use serde_json::json;
 
 use crate::args::{EstimatorArgs, GpuChoice, ModelArg, StrategyArgs, gpu_count, lora, mib};
@@ -99,40 +98,20 @@ fn strategies(names: &[String], world: u32) -> CliResult<Vec<Option<Strategy>>> 
     names
         .into_iter()
         .map(|n| {
-            Ok(Some(match n {
-                "ddp" => Strategy::Ddp {
-                    world_size: world,
-                    bucket_cap_mb: gpumem_core::workload::DDP_BUCKET_CAP_MB,
-                    bucket_view: false,
-                },
-                "fsdp" => Strategy::Fsdp {
-                    world_size: world,
-                    reshard_after_forward: true,
-                    param_dtype: None,
-                    replicas: 1,
-                    cpu_offload: false,
-                },
-                "zero1" => Strategy::Zero {
-                    stage: 1,
-                    world_size: world,
-                    zero: Zero::default(),
-                },
-                "zero2" => Strategy::Zero {
-                    stage: 2,
-                    world_size: world,
-                    zero: Zero::default(),
-                },
-                "zero3" => Strategy::Zero {
-                    stage: 3,
-                    world_size: world,
-                    zero: Zero::default(),
-                },
+            let zero = |stage| Strategy::zero(stage, world, Zero::default());
+            let strategy = match n {
+                "ddp" => Strategy::ddp(world, gpumem_core::job::DDP_BUCKET_CAP_MB, false),
+                "fsdp" => Strategy::fsdp(world, 1, true, None, false),
+                "zero1" => zero(ZeroStage::One),
+                "zero2" => zero(ZeroStage::Two),
+                "zero3" => zero(ZeroStage::Three),
                 other => {
                     return Err(CliError::input(format!(
                         "--strategies: `{other}` is not ddp, fsdp, zero1, zero2 or zero3"
                     )));
                 }
-            }))
+            };
+            strategy.map(Some).map_err(CliError::input)
         })
         .collect()
 }
@@ -140,11 +119,7 @@ fn strategies(names: &[String], world: u32) -> CliResult<Vec<Option<Strategy>>> 
 pub fn plan(a: PlanArgs) -> CliResult {
     let (gpus, profile) = match &a.gpus {
         Some(spec) => {
-            let (n, gpu) = gpu_count(
-                "--gpus",
-                spec,
-                gpumem_core::workload::MAX_WORLD_SIZE as usize,
-            )?;
+            let (n, gpu) = gpu_count("--gpus", spec, gpumem_core::job::MAX_WORLD_SIZE as usize)?;
             (n as u32, GpuChoice::new(gpu, None).load()?)
         }
         None => (1, a.gpu.load()?),
@@ -218,14 +193,16 @@ pub fn plan(a: PlanArgs) -> CliResult {
                 .ok_or_else(|| CliError::input(format!("--input `{i}` is not CxHxW")))
         })
         .transpose()?;
-    let options = Options {
+    let options = OptionValues {
         optimizer: Optimizer::parse(&a.optimizer).map_err(CliError::input)?,
         seq_len: a.seq_len,
         input,
         lora: a.lora.as_deref().map(lora).transpose()?,
         strategy,
-        ..Options::default()
-    };
+        ..OptionValues::default()
+    }
+    .check()
+    .map_err(CliError::input)?;
     let name = model.to_string();
     let base = gpumem_workload::Workload::new(model, 1, options)?;
     let space = Space {
@@ -256,7 +233,7 @@ pub fn plan(a: PlanArgs) -> CliResult {
             "model": name, "gpu": profile.name, "capacity_mib": profile.capacity_mib, "global_batch": a.global_batch, "world_size": world, "bus_gbs": link.bus_gbs,
             "setups": p.fits.iter().map(setup_json).collect::<Vec<_>>(),
             "too_big": p.too_big.iter().map(setup_json).collect::<Vec<_>>(),
-            "skipped": p.skipped.iter().map(|s| json!({"strategy": s.strategy.map(|s| s.name()), "precision": s.precision.name(), "checkpointing": s.checkpointing.name(), "reason": s.reason})).collect::<Vec<_>>(),
+            "skipped": p.skipped.iter().map(|s| json!({"strategy": s.strategy.map(|s| s.name()), "precision": s.precision.name(), "checkpointing": s.checkpointing.name(), "reason": s.reason.to_string()})).collect::<Vec<_>>(),
         });
         println!(
             "{}",

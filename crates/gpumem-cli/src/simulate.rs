@@ -178,7 +178,7 @@ fn model_all<'a>(
     for (m, traced) in distinct.into_iter().zip(traced) {
         let trace = match traced {
             Ok(t) => t,
-            Err(WorkloadError::Tracer(BridgeError::BadReference(e))) => {
+            Err(WorkloadError::Tracer(BridgeError::Reference(e))) => {
                 bar.suspend(|| {
                     eprintln!(
                         "warning: {} b{}: {e}; its jobs run without a gpumem estimate",
@@ -187,7 +187,7 @@ fn model_all<'a>(
                 });
                 continue;
             }
-            Err(e @ (WorkloadError::Invalid(_) | WorkloadError::Batch(_))) => {
+            Err(e) if e.is_input() => {
                 return Err(CliError::input(format!(
                     "{} b{}: {e}",
                     m.reference, m.batch

@@ -1430,3 +1430,113 @@ fn users_see_and_run_only_their_own_jobs() {
         );
     }
 }
+
+/// An invalid job is refused alike by every way in — the command line's flags, a TOML job file,
+/// JSON over the daemon's API, a trace file's header — with the same one-line message naming
+/// the field (and, for files, where).
+#[test]
+fn an_invalid_job_is_refused_alike_by_every_entry_point() {
+    let d = dir("vocabulary");
+    let s = Server::start(&d);
+    let mlp = "mlp:input=8,output=2,depth=1";
+    // (what, flags, options as a TOML inline table, the same as JSON, the model, the message)
+    let cases: [(&str, &[&str], &str, &str, &str, &str); 5] = [
+        (
+            "a negative LoRA alpha",
+            &["--lora", "r=8,alpha=-1,targets=c_attn"],
+            "{ lora = { rank = 8, alpha = -1.0, targets = [\"c_attn\"] } }",
+            r#"{"lora": {"rank": 8, "alpha": -1.0, "targets": ["c_attn"]}}"#,
+            "hf:gpt2",
+            "lora alpha -1 is not a positive finite number",
+        ),
+        (
+            "a LoRA rank of zero",
+            &["--lora", "r=0,targets=c_attn"],
+            "{ lora = { rank = 0, alpha = 8.0, targets = [\"c_attn\"] } }",
+            r#"{"lora": {"rank": 0, "alpha": 8.0, "targets": ["c_attn"]}}"#,
+            "hf:gpt2",
+            "lora rank (r) must be at least 1",
+        ),
+        (
+            "an unknown ZeRO stage",
+            &["--strategy", "zero4", "--world-size", "2"],
+            "{ strategy = { kind = \"zero\", stage = 4, mesh = { shard = 2 } } }",
+            r#"{"strategy": {"kind": "zero", "stage": 4, "mesh": {"shard": 2}}}"#,
+            "hf:gpt2",
+            "strategy.stage: ZeRO stage 4 is not 1, 2 or 3",
+        ),
+        (
+            "a mesh dimension of degree 0",
+            &["--strategy", "ddp", "--world-size", "0"],
+            "{ strategy = { kind = \"ddp\", mesh = { replicate = 0 } } }",
+            r#"{"strategy": {"kind": "ddp", "mesh": {"replicate": 0}}}"#,
+            "hf:gpt2",
+            "strategy.mesh.replicate has degree 0",
+        ),
+        (
+            "a PyTorch-only option on a native model",
+            &["--checkpointing"],
+            "{ checkpointing = true }",
+            r#"{"checkpointing": true}"#,
+            mlp,
+            "apply to PyTorch models",
+        ),
+    ];
+    for (what, flags, toml, json, model, message) in cases {
+        // The command line.
+        let mut args = vec!["estimate", model, "--batch", "8"];
+        args.extend(flags);
+        common::bad_input(&args, message);
+        // A job file, read by the simulator as by `gpumem submit`.
+        let jobs = d.join("jobs.toml");
+        std::fs::write(
+            &jobs,
+            format!(
+                "[[job]]\nname = \"x\"\narrival_s = 0\nwork_s = 60\nmeasured_mib = 1000\nmodel = \"{model}\"\nbatch = 8\noptions = {toml}\n"
+            ),
+        )
+        .unwrap();
+        let o = gpumem(&[
+            "simulate",
+            "--jobs",
+            jobs.to_str().unwrap(),
+            "--gpus",
+            "2xa100-40gb",
+        ]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{what}, job file: {err}");
+        assert!(err.contains(message), "{what}, job file: `{err}`");
+        assert_eq!(err.trim_end().lines().count(), 1, "{what}: {err}");
+        // JSON over the API.
+        let body = format!(
+            r#"{{"command": ["true"], "gpus": 2, "model": "{model}", "batch": 8, "options": {json}}}"#
+        );
+        let answer = raw_request(
+            &s.url,
+            &format!(
+                "POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            ),
+        );
+        assert!(
+            answer.starts_with("HTTP/1.1 400") && answer.contains(message),
+            "{what}, API: {answer}"
+        );
+        // A trace file's header.
+        let trace = d.join("t.jsonl");
+        std::fs::write(
+            &trace,
+            format!(
+                "{{\"format\":\"gpumem-trace\",\"version\":2,\"model\":\"{}\",\"batch_size\":8,\"options\":{json},\"producer\":\"test\",\"iterations\":1}}\n{{\"ev\":\"iteration\"}}\n",
+                model.replace('"', "\\\"")
+            ),
+        )
+        .unwrap();
+        common::bad_input(&["estimate", trace.to_str().unwrap()], message);
+        let o = gpumem(&["estimate", trace.to_str().unwrap()]);
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains("line 1"),
+            "{what}: where in the trace"
+        );
+    }
+}

@@ -16,10 +16,10 @@ use std::io::Read;
 
 use crate::UnknownName;
 use crate::families::{Cnn, Mlp, ModelSpec, SpecError, Transformer};
-use crate::graph::Precision;
-use crate::step::Optimizer;
+use crate::job::Optimizer;
+use crate::job::Precision;
+use crate::job::{InputShape, ModelRef, OptionOverrides, Outputs};
 use crate::units::mib_to_bytes;
-use crate::workload::{InputShape, ModelRef, OptionOverrides, Outputs};
 
 /// A measurement CSV gpumem cannot read. One line: `FILE line N: [column C: ]what is wrong`.
 #[derive(Debug, thiserror::Error)]

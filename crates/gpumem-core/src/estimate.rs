@@ -520,7 +520,10 @@ impl Estimator for Replay {
     }
 
     fn estimate(&self, trace: &Trace, profile: &GpuProfile) -> Result<Estimate, EstimateError> {
-        let fixed = profile.fixed_bytes(trace.runs_convolutions(), trace.header.strategy.is_some());
+        let fixed = profile.fixed_bytes(
+            trace.runs_convolutions(),
+            trace.header.options.strategy.is_some(),
+        );
         let mut run = self.run(
             trace,
             profile,
@@ -770,8 +773,12 @@ mod tests {
         let mut profile = builtin("h100-80gb-sxm").unwrap();
         let job = |strategy: Option<&str>| {
             let mut b = TraceBuilder::new(TraceHeader {
-                strategy: strategy.map(str::to_string),
-                world_size: strategy.map(|_| 8),
+                options: crate::job::OptionValues {
+                    strategy: strategy.map(|_| crate::job::Strategy::ddp(8, 25, false).unwrap()),
+                    ..Default::default()
+                }
+                .check()
+                .unwrap(),
                 ..TraceHeader::new("t", 1)
             });
             b.alloc(10 * MIB, Category::Activation, Phase::Forward, "mm");

@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 
 use crate::UnknownName;
+use crate::job::Precision;
 
 /// Element types and their sizes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -41,55 +42,6 @@ impl Dtype {
             Dtype::I64 => 8,
             Dtype::Bool => 1,
         }
-    }
-}
-
-/// Training precision: fp32, autocast to a low dtype (`amp-*`), or pure low precision (weights,
-/// gradients and optimizer state in fp16/bf16; PyTorch models only).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Precision {
-    Fp32,
-    AmpFp16,
-    AmpBf16,
-    Fp16,
-    Bf16,
-}
-
-impl Precision {
-    pub fn parse(s: &str) -> Result<Self, UnknownName> {
-        match s {
-            "fp32" => Ok(Precision::Fp32),
-            "amp-fp16" => Ok(Precision::AmpFp16),
-            "amp-bf16" => Ok(Precision::AmpBf16),
-            "fp16" => Ok(Precision::Fp16),
-            "bf16" => Ok(Precision::Bf16),
-            other => Err(UnknownName::new(
-                "precision",
-                other,
-                "fp32, amp-fp16, amp-bf16, fp16 or bf16",
-            )),
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::Fp32 => "fp32",
-            Precision::AmpFp16 => "amp-fp16",
-            Precision::AmpBf16 => "amp-bf16",
-            Precision::Fp16 => "fp16",
-            Precision::Bf16 => "bf16",
-        }
-    }
-    /// The autocast dtype, if autocast is on.
-    pub fn low(self) -> Option<Dtype> {
-        match self {
-            Precision::AmpFp16 => Some(Dtype::F16),
-            Precision::AmpBf16 => Some(Dtype::BF16),
-            Precision::Fp32 | Precision::Fp16 | Precision::Bf16 => None,
-        }
-    }
-    /// Weights and optimizer state in a low dtype (no autocast).
-    pub fn is_pure(self) -> bool {
-        matches!(self, Precision::Fp16 | Precision::Bf16)
     }
 }
 

@@ -27,6 +27,7 @@ pub mod estimate;
 pub mod eval;
 pub mod families;
 pub mod graph;
+pub mod job;
 pub mod profile;
 pub mod rng;
 pub mod search;
@@ -38,7 +39,6 @@ mod toy;
 pub mod trace;
 pub mod units;
 pub mod utilization;
-pub mod workload;
 pub mod workspace;
 
 /// A name that is not one of the known choices (an optimizer, a precision, an activation, an

@@ -33,7 +33,7 @@ pub struct Tflops {
 /// A scaled-dot-product-attention kernel a profile forces on its jobs (as
 /// `torch.nn.attention.sdpa_kernel` would); without one the tracer picks the kernel PyTorch's
 /// dispatch picks for the GPU's compute capability, the installed torch and the inputs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum SdpaBackend {
     Flash,

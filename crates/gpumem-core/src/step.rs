@@ -12,24 +12,10 @@
 
 use std::collections::HashMap;
 
-use crate::UnknownName;
-use crate::graph::{Bw, Graph, Precision, Role, TensorId};
+use crate::graph::{Bw, Graph, Role, TensorId};
+use crate::job::{Optimizer, OptionValues, Precision};
 use crate::profile::CUBLAS_WORKSPACE_BYTES;
 use crate::trace::{Category, ConvPass, Phase, Trace, TraceBuilder, TraceHeader};
-
-/// The optimizers gpumem models, with PyTorch's defaults (foreach on CUDA in 2.x), and
-/// bitsandbytes' 8-bit Adam/AdamW (blockwise-quantized state; `paged`: its state in CUDA managed
-/// memory, counted as resident — what nvidia-smi shows while nothing presses it out).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Optimizer {
-    Adam,
-    AdamW,
-    Sgd,
-    SgdMomentum,
-    Adam8bit,
-    AdamW8bit,
-    PagedAdamW8bit,
-}
 
 /// bitsandbytes' 8-bit optimizers keep tensors smaller than this in 32 bits (`min_8bit_size`).
 pub const BNB_MIN_8BIT_SIZE: u64 = 4096;
@@ -55,38 +41,6 @@ pub fn bnb_8bit_state(numel: u64) -> Vec<(u64, &'static str)> {
 /// The quantization maps (`dynamic`, `udynamic`: 256 fp32 each) bitsandbytes moves to the GPU
 /// once per optimizer.
 pub const BNB_QMAP_BYTES: u64 = 256 * 4;
-
-impl Optimizer {
-    pub fn parse(s: &str) -> Result<Self, UnknownName> {
-        match s.to_ascii_lowercase().as_str() {
-            "adam" => Ok(Optimizer::Adam),
-            "adamw" => Ok(Optimizer::AdamW),
-            "sgd" => Ok(Optimizer::Sgd),
-            "sgd-momentum" | "sgd_momentum" | "momentum" => Ok(Optimizer::SgdMomentum),
-            "adam8bit" | "adam-8bit" => Ok(Optimizer::Adam8bit),
-            "adamw8bit" | "adamw-8bit" => Ok(Optimizer::AdamW8bit),
-            "paged-adamw8bit" | "paged_adamw8bit" | "paged-adamw-8bit" => {
-                Ok(Optimizer::PagedAdamW8bit)
-            }
-            other => Err(UnknownName::new(
-                "optimizer",
-                other,
-                "adam, adamw, sgd, sgd-momentum, adam8bit, adamw8bit or paged-adamw8bit",
-            )),
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Optimizer::Adam => "adam",
-            Optimizer::AdamW => "adamw",
-            Optimizer::Sgd => "sgd",
-            Optimizer::SgdMomentum => "sgd-momentum",
-            Optimizer::Adam8bit => "adam8bit",
-            Optimizer::AdamW8bit => "adamw8bit",
-            Optimizer::PagedAdamW8bit => "paged-adamw8bit",
-        }
-    }
-}
 
 /// PyTorch behaviour that changed between releases (spec §3.1.9, §4.1, §4.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -214,8 +168,13 @@ struct Pass {
 
 impl<'a> Emitter<'a> {
     fn new(cfg: &'a TrainingLoop, mut header: TraceHeader) -> Self {
-        header.optimizer = cfg.optimizer.name().into();
-        header.precision = cfg.precision.name().into();
+        header.options = OptionValues {
+            optimizer: cfg.optimizer,
+            precision: cfg.precision,
+            ..header.options.values()
+        }
+        .check()
+        .expect("an optimizer and a precision over valid options are valid");
         Emitter {
             cfg,
             b: TraceBuilder::new(header),

@@ -11,10 +11,15 @@ use std::io::{BufRead, Write};
 
 use serde::{Deserialize, Serialize};
 
+use crate::job::{
+    DDP_BUCKET_CAP_MB, ModelRef, Optimizer, OptionError, OptionValues, Options, Precision,
+    Strategy, TorchOnly, Validate, Zero, ZeroStage,
+};
+
 /// Format name written into every header line.
 pub const FORMAT_NAME: &str = "gpumem-trace";
 /// The current trace format version. Readers accept exactly the versions they know.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 /// What an allocation holds. Estimators report their breakdown by these.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
@@ -149,15 +154,15 @@ pub enum Event {
 
 /// Header: what the trace describes and who produced it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "HeaderDoc")]
 pub struct TraceHeader {
     pub format: String,
     pub version: u32,
     pub model: String,
     pub batch_size: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub seq_len: Option<u64>,
-    pub optimizer: String,
-    pub precision: String,
+    /// The job's options in the job vocabulary (a version-1 header's `optimizer`, `precision`,
+    /// `seq_len`, `strategy`, `world_size`, `data_parallel` and `validate` read into them).
+    pub options: Options,
     pub producer: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub framework: Option<String>,
@@ -167,23 +172,12 @@ pub struct TraceHeader {
     /// Sum of layer output features per sample (the Horus formula needs it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub activations_per_sample: Option<u64>,
-    /// A distributed job's strategy (`ddp`, `fsdp`, `zero2`…) and ranks; the trace is one rank's.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub strategy: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub world_size: Option<u32>,
     /// The most parameters one module holds directly (DeepSpeed's `largest_layer_params`;
     /// written for ZeRO jobs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub largest_layer_parameters: Option<u64>,
-    /// GPUs of a `torch.nn.DataParallel` job; the trace is GPU 0's (it holds the most).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub data_parallel: Option<u32>,
-    /// A validation pass after training: `no-grad`, or `grad` (autograd left on).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub validate: Option<String>,
     /// A trace of the model cut to `depth` of its `blocks` identical blocks (the tracer's
-    /// `--depths`); [`crate::depth::extrapolate`] rebuilds the whole model's from three.
+    /// `depths`); [`crate::depth::extrapolate`] rebuilds the whole model's from three.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub blocks: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -204,23 +198,166 @@ impl TraceHeader {
             version: FORMAT_VERSION,
             model: model.into(),
             batch_size,
-            seq_len: None,
-            optimizer: "adam".into(),
-            precision: "fp32".into(),
+            options: Options::default(),
             producer: format!("gpumem-native/{}", env!("CARGO_PKG_VERSION")),
             framework: None,
             parameters: None,
             activations_per_sample: None,
-            strategy: None,
-            world_size: None,
             largest_layer_parameters: None,
-            data_parallel: None,
-            validate: None,
             blocks: None,
             depth: None,
             sized_by_parameters: Vec::new(),
             iterations: 0,
         }
+    }
+}
+
+/// A header line as written, of either version: version 2 states `options`; version 1 stated
+/// a few of them as fields of their own.
+#[derive(Deserialize)]
+struct HeaderDoc {
+    format: String,
+    version: u32,
+    model: String,
+    batch_size: u64,
+    #[serde(default)]
+    options: Option<serde_json::Value>,
+    #[serde(default)]
+    seq_len: Option<u64>,
+    #[serde(default)]
+    optimizer: Option<String>,
+    #[serde(default)]
+    precision: Option<String>,
+    #[serde(default)]
+    strategy: Option<String>,
+    #[serde(default)]
+    world_size: Option<u32>,
+    #[serde(default)]
+    data_parallel: Option<u32>,
+    #[serde(default)]
+    validate: Option<String>,
+    producer: String,
+    #[serde(default)]
+    framework: Option<String>,
+    #[serde(default)]
+    parameters: Option<u64>,
+    #[serde(default)]
+    activations_per_sample: Option<u64>,
+    #[serde(default)]
+    largest_layer_parameters: Option<u64>,
+    #[serde(default)]
+    blocks: Option<u32>,
+    #[serde(default)]
+    depth: Option<u32>,
+    #[serde(default)]
+    sized_by_parameters: Vec<String>,
+    iterations: u32,
+}
+
+/// Why a header's job is refused: its options, or options its model cannot take.
+#[derive(Debug, thiserror::Error)]
+pub enum HeaderError {
+    #[error("field format: expected \"{FORMAT_NAME}\", found \"{0}\"")]
+    Format(String),
+    #[error("field version: this gpumem reads versions 1 and {FORMAT_VERSION}, found {0}")]
+    Version(u32),
+    #[error("field options: {0}")]
+    Options(#[source] serde_json::Error),
+    #[error("field {0}: a version-{FORMAT_VERSION} header states it in options")]
+    Moved(&'static str),
+    #[error("field options: {0}")]
+    Invalid(#[from] OptionError),
+    #[error("field {0}")]
+    Name(#[from] crate::UnknownName),
+    #[error("field options: {0}")]
+    TorchOnly(#[from] TorchOnly),
+}
+
+impl TryFrom<HeaderDoc> for TraceHeader {
+    type Error = HeaderError;
+
+    fn try_from(d: HeaderDoc) -> Result<TraceHeader, HeaderError> {
+        if d.format != FORMAT_NAME {
+            return Err(HeaderError::Format(d.format));
+        }
+        let options = match d.version {
+            FORMAT_VERSION => {
+                let moved = [
+                    ("seq_len", d.seq_len.is_some()),
+                    ("optimizer", d.optimizer.is_some()),
+                    ("precision", d.precision.is_some()),
+                    ("strategy", d.strategy.is_some()),
+                    ("world_size", d.world_size.is_some()),
+                    ("data_parallel", d.data_parallel.is_some()),
+                    ("validate", d.validate.is_some()),
+                ];
+                if let Some((field, _)) = moved.iter().find(|(_, set)| *set) {
+                    return Err(HeaderError::Moved(field));
+                }
+                match d.options {
+                    Some(v) => {
+                        serde_json::from_value::<Options>(v).map_err(HeaderError::Options)?
+                    }
+                    None => Options::default(),
+                }
+            }
+            1 => {
+                let world_size = d.world_size.unwrap_or(1);
+                let strategy = match d.strategy.as_deref() {
+                    None => None,
+                    Some("ddp") => Some(Strategy::ddp(world_size, DDP_BUCKET_CAP_MB, false)?),
+                    Some("fsdp" | "hsdp") => {
+                        Some(Strategy::fsdp(world_size, 1, true, None, false)?)
+                    }
+                    Some(z @ ("zero1" | "zero2" | "zero3")) => Some(Strategy::zero(
+                        ZeroStage::new(z.as_bytes()[4] - b'0')?,
+                        world_size,
+                        Zero::default(),
+                    )?),
+                    Some(other) => {
+                        return Err(crate::UnknownName::new(
+                            "strategy",
+                            other,
+                            "ddp, fsdp, hsdp, zero1, zero2 or zero3",
+                        )
+                        .into());
+                    }
+                };
+                OptionValues {
+                    optimizer: Optimizer::parse(d.optimizer.as_deref().unwrap_or("adam"))?,
+                    precision: Precision::parse(d.precision.as_deref().unwrap_or("fp32"))?,
+                    // A native transformer's stated its sequence length, which its spec holds.
+                    seq_len: d.seq_len.filter(
+                        |_| !matches!(ModelRef::recognise(&d.model), Ok(Some(m)) if m.is_native()),
+                    ),
+                    data_parallel: d.data_parallel.unwrap_or(1),
+                    validate: Validate::parse(d.validate.as_deref().unwrap_or("none"))?,
+                    strategy,
+                    ..OptionValues::default()
+                }
+                .check()?
+            }
+            other => return Err(HeaderError::Version(other)),
+        };
+        if let Ok(Some(model)) = ModelRef::recognise(&d.model) {
+            options.check_model(&model)?;
+        }
+        Ok(TraceHeader {
+            format: d.format,
+            version: FORMAT_VERSION,
+            model: d.model,
+            batch_size: d.batch_size,
+            options,
+            producer: d.producer,
+            framework: d.framework,
+            parameters: d.parameters,
+            activations_per_sample: d.activations_per_sample,
+            largest_layer_parameters: d.largest_layer_parameters,
+            blocks: d.blocks,
+            depth: d.depth,
+            sized_by_parameters: d.sized_by_parameters,
+            iterations: d.iterations,
+        })
     }
 }
 
@@ -480,24 +617,6 @@ impl Trace {
         };
         let header: TraceHeader = serde_json::from_str(first)
             .map_err(|e| err(1, format!("bad header: {}", one_line(&e))))?;
-        if header.format != FORMAT_NAME {
-            return Err(err(
-                1,
-                format!(
-                    "field format: expected \"{FORMAT_NAME}\", found \"{}\"",
-                    header.format
-                ),
-            ));
-        }
-        if header.version != FORMAT_VERSION {
-            return Err(err(
-                1,
-                format!(
-                    "field version: this gpumem reads version {FORMAT_VERSION}, found {}",
-                    header.version
-                ),
-            ));
-        }
         let mut b = TraceBuilder::new(header);
         for (i, line) in lines.enumerate() {
             let n = i + 2;

@@ -127,7 +127,7 @@ fn peak_flops(profile: &GpuProfile, unit: Unit, precision: &str) -> f64 {
 pub fn physical(trace: &Trace, profile: &GpuProfile, host: &HostModel) -> Utilization {
     let bandwidth = profile.memory_bandwidth_gbs.max(1e-3) * 1e9;
     let sms = f64::from(profile.sm_count.max(1));
-    let precision = trace.header.precision.as_str();
+    let precision = trace.header.options.precision.name();
     let (mut busy, mut sm_busy, mut occupied, mut dram, mut fp32, mut kernels, mut host_ops) =
         (0.0, 0.0, 0.0, 0.0, 0.0, 0u64, 0u64);
     for ev in trace.events() {

@@ -3,9 +3,9 @@
 
 use gpumem_core::estimate::{Estimator, LiveTensors, Replay};
 use gpumem_core::families::{JobOptions, ModelSpec};
-use gpumem_core::graph::Precision;
+use gpumem_core::job::Optimizer;
+use gpumem_core::job::Precision;
 use gpumem_core::profile::{CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACE_HOPPER_BYTES, builtin};
-use gpumem_core::step::Optimizer;
 use gpumem_core::trace::{Category, Event, Trace};
 
 const MODELS: [&str; 6] = [

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use gpumem_core::estimate::{EstimateError, Estimator, Replay};
 use gpumem_core::families::{JobError, JobOptions, ModelSpec, SpecError};
-use gpumem_core::graph::Precision;
+use gpumem_core::job::Precision;
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::rng::SplitMix64;
 use gpumem_core::units::bytes_to_mib;

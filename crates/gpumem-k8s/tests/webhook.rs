@@ -76,10 +76,12 @@ fn hook(sharing: Sharing) -> Arc<Webhook> {
 /// gpumem's upper bound of an MLP job, MiB, as `gpumem estimate` computes it.
 fn upper_bound_mib(model: &str, batch: u64, optimizer: &str, gpu: &str) -> u64 {
     let profile = gpumem_core::profile::builtin(gpu).unwrap();
-    let options = gpumem_core::workload::Options {
-        optimizer: gpumem_core::step::Optimizer::parse(optimizer).unwrap(),
+    let options = gpumem_core::job::OptionValues {
+        optimizer: gpumem_core::job::Optimizer::parse(optimizer).unwrap(),
         ..Default::default()
-    };
+    }
+    .check()
+    .unwrap();
     let trace = gpumem_workload::Workload::parse(model, batch, options)
         .unwrap()
         .trace(&profile)

@@ -11,9 +11,9 @@ use gpumem_core::dataset::{CsvError, read_measurements};
 use gpumem_core::estimate::EstimateError;
 use gpumem_core::families::{JobError, JobOptions};
 use gpumem_core::graph::Activation;
+use gpumem_core::job::ModelRef;
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::units::bytes_to_mib;
-use gpumem_core::workload::ModelRef;
 use serde::{Deserialize, Serialize};
 
 use crate::features::{FeatureSet, TraceSummary, seed_features, trace_summary};

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use gpumem_core::workload::{Options, RanksNotGpus};
+use gpumem_core::job::{Options, RanksNotGpus};
 use serde::{Deserialize, Serialize};
 
 use gpumem_core::units::bytes_to_mib;

@@ -8,8 +8,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use gpumem_core::step::Optimizer;
-use gpumem_core::workload::{InputShape, Options, Outputs, Validate};
+use gpumem_core::job::{InputShape, Optimizer, OptionValues, Options, Outputs, Validate};
 use gpumem_place::{Load, MIB};
 use serde::Deserialize;
 
@@ -116,13 +115,16 @@ pub enum RunTimeProblem {
 }
 
 /// What is wrong with a mapping entry's training loop.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum OptionsProblem {
     #[error("input `{0}` is not CxHxW")]
     Input(String),
     /// An optimizer, validate or outputs value that is not among the choices.
     #[error(transparent)]
     Name(#[from] gpumem_core::UnknownName),
+    /// The loop's options do not hold together (too many GPUs, say).
+    #[error(transparent)]
+    Options(#[from] gpumem_core::job::OptionError),
 }
 
 /// The loop a mapping entry describes, on `gpus` GPUs.
@@ -131,7 +133,7 @@ fn entry_options(entry: &Entry, gpus: u32) -> Result<Options, OptionsProblem> {
         Some(i) => Some(InputShape::parse(i).ok_or_else(|| OptionsProblem::Input(i.clone()))?),
         None => None,
     };
-    Ok(Options {
+    Ok(OptionValues {
         optimizer: entry
             .optimizer
             .as_deref()
@@ -144,8 +146,9 @@ fn entry_options(entry: &Entry, gpus: u32) -> Result<Options, OptionsProblem> {
             .as_deref()
             .map_or(Ok(Validate::None), Validate::parse)?,
         outputs: entry.outputs.as_deref().map(Outputs::parse).transpose()?,
-        ..Options::default()
-    })
+        ..OptionValues::default()
+    }
+    .check()?)
 }
 
 /// One CARMA task.

@@ -19,7 +19,7 @@
 
 use std::path::Path;
 
-use gpumem_core::workload::{Options, RanksNotGpus};
+use gpumem_core::job::{ModelRef, Options, RanksNotGpus, TorchOnly};
 use gpumem_place::MIB;
 use serde::Deserialize;
 
@@ -102,12 +102,15 @@ impl JobSpec {
                 return Err(JobProblem::Mib { what, mib: m });
             }
         }
+        // The options checked themselves as they were read; what a native model takes of them
+        // is checked here, where the file and the job can be named.
         if let Some(gpus) = self.gpus {
             self.options.check_gpus(gpus)?;
         }
-        self.options
-            .check()
-            .map_err(|e| JobProblem::Options(e.to_string()))
+        if let Some(Ok(Some(model))) = self.model.as_deref().map(ModelRef::recognise) {
+            self.options.check_model(&model)?;
+        }
+        Ok(())
     }
 }
 
@@ -155,8 +158,8 @@ pub enum JobProblem {
     Mib { what: &'static str, mib: u64 },
     #[error(transparent)]
     Ranks(#[from] RanksNotGpus),
-    #[error("options: {0}")]
-    Options(String),
+    #[error(transparent)]
+    TorchOnly(#[from] TorchOnly),
 }
 
 /// Reads and checks a job file; the jobs in file order, each named.
@@ -206,8 +209,8 @@ pub fn parse_jobs(text: &str, file: &str) -> Result<Vec<JobSpec>, JobsError> {
 
 #[cfg(test)]
 mod tests {
-    use gpumem_core::graph::Precision;
-    use gpumem_core::workload::{Strategy, Zero};
+    use gpumem_core::job::Precision;
+    use gpumem_core::job::{Strategy, Zero};
 
     use super::*;
 
@@ -240,11 +243,7 @@ batch = 8
         assert_eq!(jobs[0].options.precision, Precision::Bf16);
         assert_eq!(
             jobs[0].options.strategy,
-            Some(Strategy::Zero {
-                stage: 3,
-                world_size: 4,
-                zero: Zero::default()
-            }),
+            Some(Strategy::zero(gpumem_core::job::ZeroStage::Three, 4, Zero::default()).unwrap()),
             "DeepSpeed's defaults where the table is silent"
         );
         assert_eq!(jobs[0].model(), Some(("hf:gpt2", 4)));
@@ -267,9 +266,11 @@ batch = 8
         assert!(err(&job("")).contains("nothing says how much memory"));
         assert!(err(&job("name = \"x\"\ngpus = 2\nmem_mib = 1\n[job.options]\nstrategy = { kind = \"ddp\", world_size = 4 }")).ends_with("job 1 (`x`): options.strategy has world_size 4, and a job's ranks are its GPUs: gpus must be 4, not 2"));
         assert!(err(&job("mem_mib = 0")).contains("mem_mib 0 is out of range"));
+        let e = err(&job("mem_mib = 1\n[job.options]\ngrad_accum = 0"));
         assert!(
-            err(&job("mem_mib = 1\n[job.options]\ngrad_accum = 0"))
-                .contains("options: --grad-accum must be at least 1")
+            e.starts_with("j.toml: line ")
+                && e.contains("grad_accum (--grad-accum) must be at least 1"),
+            "{e}"
         );
         assert!(
             err(&job("mem_mib = 1\ncolour = 3"))

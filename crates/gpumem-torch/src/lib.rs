@@ -14,12 +14,15 @@ use std::process::Command;
 use std::time::UNIX_EPOCH;
 
 use gpumem_core::depth;
+use gpumem_core::job::Options;
+use gpumem_core::profile::SdpaBackend;
 use gpumem_core::symbolic::{SymbolicError, SymbolicTrace};
-use gpumem_core::trace::Trace;
-use gpumem_core::workload::{AttentionMask, Checkpointing, Options, Validate};
+use gpumem_core::trace::{Trace, TraceError};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 17] = [
+const SOURCES: [(&str, &str); 18] = [
     (
         "__init__.py",
         include_str!("../../../python/gpumem_trace/__init__.py"),
@@ -73,6 +76,10 @@ const SOURCES: [(&str, &str); 17] = [
         include_str!("../../../python/gpumem_trace/record.py"),
     ),
     (
+        "request.py",
+        include_str!("../../../python/gpumem_trace/request.py"),
+    ),
+    (
         "run.py",
         include_str!("../../../python/gpumem_trace/run.py"),
     ),
@@ -90,8 +97,6 @@ const SOURCES: [(&str, &str); 17] = [
     ),
 ];
 
-use gpumem_core::workload::Strategy;
-
 mod pool;
 pub mod probe;
 
@@ -107,8 +112,8 @@ pub struct TraceRequest {
     /// Compute capability of the GPU the job will run on (`9.0`): with the installed torch it
     /// decides which attention kernel runs.
     pub gpu_capability: String,
-    /// An attention kernel the profile forces (`flash`, `efficient`, `cudnn`, `math`).
-    pub sdpa: Option<String>,
+    /// An attention kernel the profile forces.
+    pub sdpa: Option<SdpaBackend>,
     pub iterations: u32,
 }
 
@@ -135,158 +140,118 @@ impl TraceRequest {
         TraceRequest {
             options,
             gpu_capability: profile.compute_capability.clone(),
-            sdpa: profile.sdpa.map(|b| b.name().to_string()),
+            sdpa: profile.sdpa,
             ..TraceRequest::new(model, batch)
         }
     }
+}
 
-    /// The tracer's arguments, except the batch sizes and output files.
-    pub fn args(&self) -> Vec<String> {
-        let o = &self.options;
-        let mut a = vec![
-            self.model.clone(),
-            "--optimizer".into(),
-            o.optimizer.name().into(),
-            "--precision".into(),
-            o.precision.name().into(),
-            "--gpu-capability".into(),
-            self.gpu_capability.clone(),
-            "--iterations".into(),
-            self.iterations.to_string(),
-            "--grad-accum".into(),
-            o.grad_accum.to_string(),
-        ];
-        if let Some(i) = o.input {
-            a.extend(["--input".into(), i.to_string()]);
-        }
-        if let Some(s) = o.seq_len {
-            a.extend(["--seq-len".into(), s.to_string()]);
-        }
-        if o.data_parallel > 1 {
-            a.extend(["--data-parallel".into(), o.data_parallel.to_string()]);
-        }
-        if o.validate != Validate::None {
-            a.extend(["--validate".into(), o.validate.name().into()]);
-        }
-        if let Some(s) = &self.sdpa {
-            a.extend(["--sdpa".into(), s.clone()]);
-        }
-        if let Some(out) = o.outputs {
-            a.extend(["--outputs".into(), out.name().into()]);
-        }
-        if o.attention_mask != AttentionMask::None {
-            a.extend(["--attention-mask".into(), o.attention_mask.name().into()]);
-        }
-        if o.checkpointing != Checkpointing::Off {
-            a.push("--checkpointing".into());
-        }
-        if o.checkpointing == Checkpointing::Selective {
-            a.push("--selective".into());
-        }
-        if o.channels_last {
-            a.push("--channels-last".into());
-        }
-        match o.strategy {
-            Some(Strategy::Ddp {
-                world_size,
-                bucket_cap_mb,
-                bucket_view,
-            }) => {
-                a.extend([
-                    "--strategy".into(),
-                    "ddp".into(),
-                    "--world-size".into(),
-                    world_size.to_string(),
-                    "--bucket-cap-mb".into(),
-                    bucket_cap_mb.to_string(),
-                ]);
-                if bucket_view {
-                    a.push("--gradient-as-bucket-view".into());
-                }
-            }
-            Some(Strategy::Fsdp {
-                world_size,
-                reshard_after_forward,
-                param_dtype,
-                replicas,
-                cpu_offload,
-            }) => {
-                a.extend([
-                    "--strategy".into(),
-                    "fsdp".into(),
-                    "--world-size".into(),
-                    world_size.to_string(),
-                ]);
-                if cpu_offload {
-                    a.push("--cpu-offload".into());
-                }
-                if replicas > 1 {
-                    a.extend(["--replicas".into(), replicas.to_string()]);
-                }
-                if !reshard_after_forward {
-                    a.push("--no-reshard-after-forward".into());
-                }
-                if let Some(d) = param_dtype {
-                    a.extend(["--fsdp-param-dtype".into(), d.name().into()]);
-                }
-            }
-            Some(
-                s @ Strategy::Zero {
-                    world_size, zero, ..
-                },
-            ) => {
-                let zero = serde_json::to_string(&zero).expect("plain numbers and flags serialise");
-                a.extend([
-                    "--strategy".into(),
-                    s.name().into(),
-                    "--world-size".into(),
-                    world_size.to_string(),
-                    "--zero".into(),
-                    zero,
-                ]);
-            }
-            None => {}
-        }
-        if let Some(l) = &o.lora {
-            a.extend([
-                "--lora-rank".into(),
-                l.rank.to_string(),
-                "--lora-alpha".into(),
-                l.alpha.to_string(),
-                "--lora-targets".into(),
-                l.targets.join(","),
-            ]);
-            if l.dropout > 0.0 {
-                a.extend(["--lora-dropout".into(), l.dropout.to_string()]);
-            }
-            if let Some(q) = l.quant {
-                a.extend([
-                    "--lora-quant".into(),
-                    if q.nf4 { "nf4" } else { "fp4" }.into(),
-                ]);
-                if !q.double_quant {
-                    a.push("--lora-single-quant".into());
-                }
-            }
-        }
-        a
+/// The tracer's request: one JSON document per run (python/gpumem_trace/request.py loads it
+/// straight into its options; request.schema.json beside it is this type's JSON Schema, which
+/// the Python tests hold the loader to).
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct TracerRequest {
+    /// The format of this document ([`TracerRequest::VERSION`]).
+    pub version: u32,
+    pub model: String,
+    /// Batch sizes, each traced into the file at the same place in `outs`.
+    pub batches: Vec<u64>,
+    pub outs: Vec<PathBuf>,
+    pub options: Options,
+    /// Compute capability of the GPU the job will run on (`9.0`).
+    pub gpu_capability: String,
+    /// An attention kernel the profile forces.
+    pub sdpa: Option<SdpaBackend>,
+    pub iterations: u32,
+    /// Trace the model cut to each of these depths of its repeated blocks (into `OUT.depthK`)
+    /// where it has enough of them; else whole.
+    pub depths: Vec<u32>,
+    /// With `depths` and several batch sizes: the whole depth at the first only, every batch
+    /// size cut to the first depth (see [`TorchTracer::run_and_cache`]).
+    pub slopes: bool,
+    /// Run every iteration, even those the loop's steady state repeats.
+    pub every_iteration: bool,
+    /// The tracer's own alarm (a courtesy: gpumem kills a run that outlives its deadline).
+    pub timeout_s: u64,
+    /// Where the tracer writes its answer, `{status, kind, message, where}` (none: a person's
+    /// run, answered on stderr only).
+    pub result: Option<PathBuf>,
+}
+
+impl TracerRequest {
+    pub const VERSION: u32 = 1;
+
+    /// The JSON Schema of the request, as committed in python/gpumem_trace/request.schema.json.
+    pub fn schema() -> String {
+        let schema = schemars::schema_for!(TracerRequest);
+        serde_json::to_string_pretty(&schema).expect("a schema is JSON") + "\n"
     }
+}
+
+/// The tracer's answer: `{status, kind, message, where}`.
+#[derive(Debug, Clone, Deserialize)]
+struct TracerAnswer {
+    status: String,
+    kind: Option<String>,
+    message: Option<String>,
+    #[serde(rename = "where")]
+    at: Option<String>,
 }
 
 /// Why a trace could not be had.
 #[derive(Debug, thiserror::Error)]
 pub enum BridgeError {
-    /// The model reference or an option is wrong (the tracer's exit code 2).
+    /// The model reference or an option is wrong (the tracer's answer of kind `reference`).
     #[error("{0}")]
-    BadReference(String),
-    /// The interpreter could not be run, or torch is missing.
+    Reference(String),
+    /// The model itself failed while tracing (the tracer's message, and where).
+    #[error("tracer failed: {message}{}", .at.as_ref().map(|w| format!(" (at {w})")).unwrap_or_default())]
+    Model { message: String, at: Option<String> },
+    /// The trace outlived its deadline and was killed.
+    #[error("tracer failed: tracing {model} timed out after {seconds} s")]
+    Timeout { model: String, seconds: u64 },
+    /// The interpreter could not be started.
+    #[error("cannot run the Python interpreter `{python}`: {source} (set GPUMEM_PYTHON)")]
+    Spawn {
+        python: String,
+        source: std::io::Error,
+    },
+    /// torch is not importable, or too old (the tracer's answer of kind `python`, or the
+    /// version check's output).
     #[error("{0}")]
-    Python(String),
-    /// The model itself failed, or the tracer timed out.
-    #[error("{0}")]
-    Model(String),
-    #[error("{0}")]
-    Io(String),
+    NoTorch(String),
+    /// The tracer (or probe) ended without an answer: a crash, or a signal.
+    #[error("{what} failed ({how}): {tail}")]
+    Crashed {
+        what: &'static str,
+        how: String,
+        tail: String,
+    },
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the tracer wrote a bad trace for {model} at batch {batch}: {source}")]
+    BadTrace {
+        model: String,
+        batch: u64,
+        source: TraceError,
+    },
+    #[error("the tracer wrote no trace for {model} at batch {batch}")]
+    NoTrace { model: String, batch: u64 },
+    #[error(
+        "{model}: its traces do not align across batch sizes ({source}); trace each batch size instead"
+    )]
+    NotAligned {
+        model: String,
+        source: SymbolicError,
+    },
+    #[error("{}: not a probe report: {source}", path.display())]
+    ProbeReport {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
 }
 
 /// Runs the tracer and caches its traces.
@@ -358,7 +323,10 @@ impl TorchTracer {
     }
 
     fn io(&self, what: &Path, e: std::io::Error) -> BridgeError {
-        BridgeError::Io(format!("{}: {e}", what.display()))
+        BridgeError::Io {
+            path: what.to_path_buf(),
+            source: e,
+        }
     }
 
     /// Unpacks the embedded tracer (once per version of its sources); returns its parent dir.
@@ -403,9 +371,9 @@ impl TorchTracer {
         let out = Command::new(&self.python)
             .args(["-c", "import importlib.util as u, importlib.metadata as m; s=u.find_spec('torch'); print(m.version('torch')); print(s.submodule_search_locations[0] + '/version.py')"])
             .output()
-            .map_err(|e| BridgeError::Python(format!("cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)", self.python)))?;
+            .map_err(|source| BridgeError::Spawn { python: self.python.clone(), source })?;
         if !out.status.success() {
-            return Err(BridgeError::Python(format!(
+            return Err(BridgeError::NoTorch(format!(
                 "torch is not installed for `{}` ({}); install it there or set GPUMEM_PYTHON",
                 self.python,
                 tail(&String::from_utf8_lossy(&out.stderr), 1)
@@ -641,11 +609,10 @@ impl TorchTracer {
         batch: u64,
     ) -> Result<Trace, BridgeError> {
         let f = fs::File::open(path).map_err(|e| self.io(path, e))?;
-        Trace::read(BufReader::new(f)).map_err(|e| {
-            BridgeError::Model(format!(
-                "the tracer wrote a bad trace for {} at batch {batch}: {e}",
-                req.model
-            ))
+        Trace::read(BufReader::new(f)).map_err(|source| BridgeError::BadTrace {
+            model: req.model.clone(),
+            batch,
+            source,
         })
     }
 
@@ -665,11 +632,9 @@ impl TorchTracer {
         for p in &paths {
             let _ = fs::remove_file(p);
         }
-        let cut: [Trace; 3] = read?.try_into().map_err(|_| {
-            BridgeError::Model(format!(
-                "the tracer wrote no trace for {} at batch {batch}",
-                req.model
-            ))
+        let cut: [Trace; 3] = read?.try_into().map_err(|_| BridgeError::NoTrace {
+            model: req.model.clone(),
+            batch,
         })?;
         let blocks = cut[0].header.blocks.unwrap_or(0);
         Ok(depth::extrapolate(&cut, blocks).ok())
@@ -716,8 +681,40 @@ impl TorchTracer {
         Ok(cmd)
     }
 
-    /// `cut`: with `--depths` (see [`TorchTracer::run_and_cache`]). In a fork of this process's
-    /// tracer pool where it runs (see the `pool` module), else as a process of its own.
+    /// The tracer's request to trace `req` at `batches` into `outs`, its answer into `result`;
+    /// `cut`: cut to [`depth::DEPTHS`] (see [`TorchTracer::run_and_cache`]).
+    pub fn request(
+        &self,
+        req: &TraceRequest,
+        batches: &[u64],
+        outs: &[&Path],
+        cut: bool,
+        result: &Path,
+    ) -> TracerRequest {
+        TracerRequest {
+            version: TracerRequest::VERSION,
+            model: req.model.clone(),
+            batches: batches.to_vec(),
+            outs: outs.iter().map(|o| o.to_path_buf()).collect(),
+            options: req.options.clone(),
+            gpu_capability: req.gpu_capability.clone(),
+            sdpa: req.sdpa,
+            iterations: req.iterations,
+            depths: if cut {
+                depth::DEPTHS.to_vec()
+            } else {
+                Vec::new()
+            },
+            slopes: cut && carries_batch(batches),
+            every_iteration: false,
+            timeout_s: self.timeout_s,
+            result: Some(result.to_path_buf()),
+        }
+    }
+
+    /// `cut`: with `depths` (see [`TorchTracer::run_and_cache`]). In a fork of this process's
+    /// tracer pool where it runs (see the `pool` module), else as a process of its own; either
+    /// is killed (with what it forked) once it outlives `timeout_s`.
     fn run(
         &self,
         req: &TraceRequest,
@@ -725,50 +722,50 @@ impl TorchTracer {
         outs: &[&Path],
         cut: bool,
     ) -> Result<(), BridgeError> {
-        let mut argv = req.args();
-        argv.push("--batch".into());
-        argv.extend(batches.iter().map(u64::to_string));
-        argv.push("--out".into());
-        argv.extend(outs.iter().map(|o| o.to_string_lossy().into_owned()));
-        argv.extend(["--timeout".into(), self.timeout_s.to_string()]);
-        if cut {
-            argv.push("--depths".into());
-            argv.extend(depth::DEPTHS.map(|d| d.to_string()));
-            if carries_batch(batches) {
-                argv.push("--slopes".into());
-            }
-        }
-        let pool = outs
+        let scratch = self
+            .cache_dir
+            .join("traces")
+            .join(format!("tracer.{}", temp_suffix()));
+        let result = scratch.with_extension("answer.json");
+        let request = self.request(req, batches, outs, cut, &result);
+        let deadline = std::time::Duration::from_secs(self.timeout_s.max(1));
+        let doc = serde_json::to_value(&request).expect("a request is JSON");
+        let log = scratch.with_extension("log");
+        let pooled = outs
             .iter()
             .all(|o| o.to_str().is_some())
             .then(|| self.pool())
-            .flatten();
-        let log = self
-            .cache_dir
-            .join("traces")
-            .join(format!("tracer.{}.log", temp_suffix()));
-        let pooled = pool.and_then(|p| p.run(&argv, &log).ok()).map(|code| {
-            let stderr = fs::read_to_string(&log).unwrap_or_default();
-            let _ = fs::remove_file(&log);
-            (code, stderr)
-        });
-        let (code, stderr) = match pooled {
-            Some(done) => done,
+            .flatten()
+            .and_then(|p| p.run(&doc, &log, deadline).ok());
+        let ended = match pooled {
+            Some(ended) => {
+                let stderr = fs::read_to_string(&log).unwrap_or_default();
+                let _ = fs::remove_file(&log);
+                ended.map(|code| (code, stderr))
+            }
             None => {
+                let file = scratch.with_extension("request.json");
+                fs::write(&file, doc.to_string()).map_err(|e| self.io(&file, e))?;
                 let mut cmd = self.module_command("gpumem_trace")?;
-                let res = cmd.args(&argv).output().map_err(|e| {
-                    BridgeError::Python(format!(
-                        "cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)",
-                        self.python
-                    ))
-                })?;
-                (
-                    res.status.code(),
-                    String::from_utf8_lossy(&res.stderr).into_owned(),
-                )
+                cmd.arg("--request").arg(&file);
+                let res = output_within(cmd, deadline).map_err(|source| BridgeError::Spawn {
+                    python: self.python.clone(),
+                    source,
+                });
+                let _ = fs::remove_file(&file);
+                res?.map(|out| {
+                    (
+                        out.status.code(),
+                        String::from_utf8_lossy(&out.stderr).into_owned(),
+                    )
+                })
             }
         };
-        if code == Some(0) {
+        let answer = fs::read(&result)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<TracerAnswer>(&b).ok());
+        let _ = fs::remove_file(&result);
+        if matches!((&ended, &answer), (Some((Some(0), _)), Some(a)) if a.status == "ok") {
             return Ok(());
         }
         for out in outs {
@@ -777,16 +774,31 @@ impl TorchTracer {
                 let _ = fs::remove_file(depth_path(out, d));
             }
         }
-        let msg = tail(&stderr, 3);
-        let msg = msg
-            .strip_prefix("gpumem_trace: ")
-            .unwrap_or(&msg)
-            .to_string();
-        Err(match code {
-            Some(2) => BridgeError::BadReference(msg),
-            Some(3) | Some(4) => BridgeError::Model(format!("tracer failed: {msg}")),
-            Some(c) => BridgeError::Python(format!("tracer failed (exit status {c}): {msg}")),
-            None => BridgeError::Python(format!("tracer failed (ended by a signal): {msg}")),
+        let Some((code, stderr)) = ended else {
+            return Err(BridgeError::Timeout {
+                model: req.model.clone(),
+                seconds: self.timeout_s,
+            });
+        };
+        let Some(answer) = answer.filter(|a| a.status != "ok") else {
+            return Err(BridgeError::Crashed {
+                what: "tracer",
+                how: code.map_or("ended by a signal".into(), |c| format!("exit status {c}")),
+                tail: tail(&stderr, 3),
+            });
+        };
+        let message = answer.message.unwrap_or_default();
+        Err(match answer.kind.as_deref() {
+            Some("reference") => BridgeError::Reference(message),
+            Some("timeout") => BridgeError::Timeout {
+                model: req.model.clone(),
+                seconds: self.timeout_s,
+            },
+            Some("python") => BridgeError::NoTorch(message),
+            _ => BridgeError::Model {
+                message,
+                at: answer.at,
+            },
         })
     }
 
@@ -824,7 +836,67 @@ impl TorchTracer {
             self.run_and_cache(req, &torch, &batches)?
         };
         self.cache_symbolic(req, &torch, &traces)
-            .map_err(|e| BridgeError::Model(format!("{}: its traces do not align across batch sizes ({e}); trace each batch size instead", req.model)))
+            .map_err(|source| BridgeError::NotAligned {
+                model: req.model.clone(),
+                source,
+            })
+    }
+}
+
+/// Runs `cmd` in a process group of its own, its output captured; `None` where it outlived
+/// `limit` and was killed with everything it started (its group).
+pub(crate) fn output_within(
+    mut cmd: Command,
+    limit: std::time::Duration,
+) -> std::io::Result<Option<std::process::Output>> {
+    use std::os::unix::process::CommandExt;
+    use std::process::Stdio;
+    let mut child = cmd
+        .process_group(0)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    // Drained in threads: a full pipe must not stall the child.
+    let drain = |mut r: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = r.read_to_end(&mut v);
+            v
+        })
+    };
+    let read_out = drain(Box::new(child.stdout.take().expect("piped")));
+    let read_err = drain(Box::new(child.stderr.take().expect("piped")));
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break Some(status);
+        }
+        if start.elapsed() > limit {
+            kill_group(child.id());
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    // A killed group's pipes close with it (a straggler holding them is killed too).
+    let (stdout, stderr) = (
+        read_out.join().unwrap_or_default(),
+        read_err.join().unwrap_or_default(),
+    );
+    Ok(status.map(|status| std::process::Output {
+        status,
+        stdout,
+        stderr,
+    }))
+}
+
+/// SIGKILL to the process group `pid` leads.
+fn kill_group(pid: u32) {
+    if let Ok(pid) = i32::try_from(pid) {
+        // SAFETY: kill(2) with a negative pid signals a group; no memory is involved.
+        unsafe {
+            libc::kill(-pid, libc::SIGKILL);
+        }
     }
 }
 
@@ -860,19 +932,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn arguments() {
-        use gpumem_core::workload::InputShape;
-        let mut r = TraceRequest::new("timm:resnet50", 8);
-        r.options.input = InputShape::parse("3x160x160");
-        r.options.checkpointing = Checkpointing::Full;
-        let a = r.args().join(" ");
-        assert!(
-            a.starts_with("timm:resnet50 --optimizer adam --precision fp32 --gpu-capability 8.0"),
-            "{a}"
-        );
-        assert!(
-            a.contains("--input 3x160x160") && a.ends_with("--checkpointing"),
-            "{a}"
+    fn the_request_schema_is_committed() {
+        // The Python tests hold the tracer's loader to this file; it must be the Rust types'.
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../python/gpumem_trace/request.schema.json");
+        let schema = TracerRequest::schema();
+        if std::env::var_os("GPUMEM_BLESS").is_some() {
+            fs::write(&path, &schema).unwrap();
+        }
+        assert_eq!(
+            fs::read_to_string(&path).unwrap_or_default(),
+            schema,
+            "regenerate it: GPUMEM_BLESS=1 cargo test -p gpumem-torch the_request_schema"
         );
     }
 

@@ -2,9 +2,11 @@
 //! imports torch and each model library once and forks a copy of itself for every trace, so
 //! that the traces of a plan, run side by side, do not each pay the imports (seconds each).
 //!
-//! Each trace is a request line `{"id", "argv", "log"}` on the pool's stdin; the answer line
-//! `{"id", "code"}` comes back on its stdout when the fork ends (its output is in `log`). The
-//! pool ends at the end of its stdin: when this process exits, killed or not. Where the pool
+//! Each trace is a request line `{"id", "request", "log"}` on the pool's stdin (`request`: the
+//! tracer's [`crate::TracerRequest`]); the answer line `{"id", "code"}` comes back on its stdout
+//! when the fork ends (its output is in `log`, its answer in the request's `result` file). A
+//! fork that outlives its deadline is killed with all it forked (`{"kill": id}`). The pool ends
+//! at the end of its stdin: when this process exits, killed or not. Where the pool
 //! cannot be used (not Linux, a path that is not UTF-8, a pool that died), the caller runs the
 //! tracer as a process of its own.
 
@@ -13,6 +15,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 /// A running pool: requests are written under `stdin`'s lock; a reader thread files each
 /// answer under its id and wakes the waiting callers.
@@ -92,33 +95,64 @@ impl Pool {
         })
     }
 
-    /// Runs the tracer with `argv` in a fork, its output into `log`; its exit code (`None`: a
-    /// signal ended it), or `Err` where the pool could not run it (the caller runs the tracer
-    /// itself).
-    pub(crate) fn run(&self, argv: &[String], log: &Path) -> Result<Option<i32>, ()> {
+    fn send(&self, line: serde_json::Value) -> Result<(), ()> {
+        let mut stdin = self.stdin.lock().unwrap_or_else(|e| e.into_inner());
+        stdin
+            .0
+            .write_all(format!("{line}\n").as_bytes())
+            .and_then(|()| stdin.0.flush())
+            .map_err(|_| ())
+    }
+
+    /// Runs the tracer's `request` in a fork, its output into `log`: its exit code (`None`: a
+    /// signal ended it), `Ok(None)` where it outlived `deadline` and was killed, or `Err` where
+    /// the pool could not run it (the caller runs the tracer itself).
+    pub(crate) fn run(
+        &self,
+        request: &serde_json::Value,
+        log: &Path,
+        deadline: Duration,
+    ) -> Result<Option<Option<i32>>, ()> {
         let log = log.to_str().ok_or(())?;
         let id = {
             let mut stdin = self.stdin.lock().unwrap_or_else(|e| e.into_inner());
             stdin.1 += 1;
-            let id = stdin.1;
-            let line = serde_json::json!({"id": id, "argv": argv, "log": log}).to_string();
-            stdin
-                .0
-                .write_all(format!("{line}\n").as_bytes())
-                .and_then(|()| stdin.0.flush())
-                .map_err(|_| ())?;
-            id
+            stdin.1
         };
+        self.send(serde_json::json!({"id": id, "request": request, "log": log}))?;
+        let end = Instant::now() + deadline;
+        let mut killed = false;
         let (lock, answered) = &*self.answers;
         let mut answers = lock.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(code) = answers.codes.remove(&id) {
-                return Ok(code);
+                return Ok(if killed { None } else { Some(code) });
             }
             if answers.closed {
                 return Err(());
             }
-            answers = answered.wait(answers).unwrap_or_else(|e| e.into_inner());
+            let now = Instant::now();
+            if now >= end && !killed {
+                // The pool answers once the fork is gone; its code is the kill's.
+                drop(answers);
+                killed = true;
+                self.send(serde_json::json!({"kill": id}))?;
+                answers = lock.lock().unwrap_or_else(|e| e.into_inner());
+                continue;
+            }
+            let wait = if killed {
+                Duration::from_secs(5)
+            } else {
+                end - now
+            };
+            let (next, timeout) = answered
+                .wait_timeout(answers, wait)
+                .unwrap_or_else(|e| e.into_inner());
+            answers = next;
+            if killed && timeout.timed_out() && !answers.codes.contains_key(&id) {
+                // The pool did not answer a kill: give the trace up as timed out.
+                return Ok(None);
+            }
         }
     }
 }

@@ -62,10 +62,14 @@ pub struct Applied {
 
 impl ProbeReport {
     pub fn read(path: &Path) -> Result<ProbeReport, BridgeError> {
-        let bytes =
-            std::fs::read(path).map_err(|e| BridgeError::Io(format!("{}: {e}", path.display())))?;
-        serde_json::from_slice(&bytes)
-            .map_err(|e| BridgeError::Io(format!("{}: not a probe report: {e}", path.display())))
+        let bytes = std::fs::read(path).map_err(|source| BridgeError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        serde_json::from_slice(&bytes).map_err(|source| BridgeError::ProbeReport {
+            path: path.to_path_buf(),
+            source,
+        })
     }
 
     /// Device memory outside the allocator once the libraries a training job loads (CUDA,
@@ -155,7 +159,10 @@ impl TorchTracer {
                 &path,
                 serde_json::to_vec(&list).expect("JSON of strings and numbers"),
             )
-            .map_err(|e| BridgeError::Io(format!("{}: {e}", path.display())))?;
+            .map_err(|source| BridgeError::Io {
+                path: path.clone(),
+                source,
+            })?;
             cmd.arg("--configs").arg(path);
         } else if !req.models.is_empty() {
             cmd.arg("--models").args(&req.models);
@@ -176,70 +183,30 @@ impl TorchTracer {
         } else {
             3600
         });
-        let res = output_within(cmd, limit).map_err(|e| {
-            BridgeError::Python(format!(
-                "cannot run the Python interpreter `{}`: {e} (set GPUMEM_PYTHON)",
-                self.python
-            ))
+        let res = crate::output_within(cmd, limit).map_err(|source| BridgeError::Spawn {
+            python: self.python.clone(),
+            source,
         })?;
         let Some(res) = res else {
-            return Err(BridgeError::Python(format!(
-                "probe killed after {} s",
-                limit.as_secs()
-            )));
+            return Err(BridgeError::Crashed {
+                what: "probe",
+                how: format!("killed after {} s", limit.as_secs()),
+                tail: String::new(),
+            });
         };
         if !res.status.success() {
             let msg = crate::tail(&String::from_utf8_lossy(&res.stderr), 3);
             return Err(match res.status.code() {
-                Some(2) => BridgeError::BadReference(msg),
-                _ => BridgeError::Python(format!("probe failed ({}): {msg}", res.status)),
+                Some(2) => BridgeError::Reference(msg),
+                _ => BridgeError::Crashed {
+                    what: "probe",
+                    how: res.status.to_string(),
+                    tail: msg,
+                },
             });
         }
         ProbeReport::read(out)
     }
-}
-
-/// Runs `cmd` (output captured) and kills it if it runs past `limit`: `None` then.
-fn output_within(
-    mut cmd: std::process::Command,
-    limit: std::time::Duration,
-) -> std::io::Result<Option<std::process::Output>> {
-    use std::process::Stdio;
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
-    // Drained in threads: a full pipe must not stall the probe.
-    let mut out = child.stdout.take().expect("piped");
-    let mut err = child.stderr.take().expect("piped");
-    let read_out = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut out, &mut v);
-        v
-    });
-    let read_err = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut err, &mut v);
-        v
-    });
-    let start = std::time::Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait()? {
-            break Some(status);
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    };
-    let (stdout, stderr) = (
-        read_out.join().unwrap_or_default(),
-        read_err.join().unwrap_or_default(),
-    );
-    Ok(status.map(|status| std::process::Output {
-        status,
-        stdout,
-        stderr,
-    }))
 }
 
 #[cfg(test)]

@@ -6,9 +6,9 @@ use std::path::PathBuf;
 
 use gpumem_core::estimate::{Estimator, Replay};
 use gpumem_core::families::{JobOptions, ModelSpec};
+use gpumem_core::job::{InputShape, OptionValues};
 use gpumem_core::profile::builtin;
 use gpumem_core::symbolic::SymbolicTrace;
-use gpumem_core::workload::{InputShape, Options};
 use gpumem_torch::{TorchTracer, TraceRequest};
 
 fn tracer() -> Option<TorchTracer> {
@@ -60,7 +60,12 @@ fn a_symbolic_trace_equals_a_direct_trace_at_an_untraced_batch() {
     ] {
         let mut req = TraceRequest::new(model.clone(), 4);
         if model.starts_with("torchvision") {
-            req.options.input = InputShape::parse("3x32x32");
+            req.options = OptionValues {
+                input: InputShape::parse("3x32x32"),
+                ..OptionValues::default()
+            }
+            .check()
+            .unwrap();
         }
         let sym = t.symbolic(&req).unwrap();
         for b in [3, 12] {
@@ -87,8 +92,13 @@ fn a_symbolic_trace_equals_a_direct_trace_at_an_untraced_batch() {
 fn a_data_parallel_symbolic_trace_equals_a_direct_trace() {
     let Some(t) = tracer() else { return };
     let mut req = TraceRequest::new("torchvision:resnet18(num_classes=10)", 4);
-    req.options.input = InputShape::parse("3x32x32");
-    req.options.data_parallel = 2;
+    req.options = OptionValues {
+        input: InputShape::parse("3x32x32"),
+        data_parallel: 2,
+        ..OptionValues::default()
+    }
+    .check()
+    .unwrap();
     let sym = t.symbolic(&req).unwrap();
     assert_eq!(sym.traced_at, vec![8, 12, 16]);
     let direct = direct(
@@ -98,15 +108,17 @@ fn a_data_parallel_symbolic_trace_equals_a_direct_trace() {
             ..req.clone()
         },
     );
-    assert_eq!(direct.header.data_parallel, Some(2));
+    assert_eq!(direct.header.options.data_parallel, 2);
     assert_eq!(sym.at(20).unwrap().events(), direct.events());
     let single = t
         .trace(&TraceRequest {
             batch: 10,
-            options: Options {
+            options: OptionValues {
                 data_parallel: 1,
-                ..req.options.clone()
-            },
+                ..req.options.values()
+            }
+            .check()
+            .unwrap(),
             ..req.clone()
         })
         .unwrap();
@@ -131,7 +143,12 @@ fn a_second_batch_size_reuses_the_symbolic_trace() {
     let _ = std::fs::remove_dir_all(&t.cache_dir);
     let model = "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=1000)";
     let mut req = TraceRequest::new(model, 10);
-    req.options.seq_len = Some(64);
+    req.options = OptionValues {
+        seq_len: Some(64),
+        ..OptionValues::default()
+    }
+    .check()
+    .unwrap();
     let first = t.trace_for_reestimates(&req).unwrap();
     assert_eq!(first.header.batch_size, 10);
     let files = || {
@@ -316,23 +333,27 @@ fn a_symbolic_fit_rejects_what_does_not_align() {
 /// Adam's state twice them once — and the step needs less than full fine-tuning.
 #[test]
 fn lora_trains_only_its_adapters() {
+    use gpumem_core::job::Lora;
     use gpumem_core::trace::{Category, Event};
-    use gpumem_core::workload::Lora;
     let Some(t) = tracer() else { return };
     let model = "hf:LlamaForCausalLM(hidden_size=128,intermediate_size=256,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,vocab_size=1000)";
     let lora = Lora::parse("r=8,alpha=16,targets=q_proj,v_proj").unwrap();
     let full = TraceRequest {
-        options: Options {
+        options: OptionValues {
             seq_len: Some(32),
-            ..Options::default()
-        },
+            ..OptionValues::default()
+        }
+        .check()
+        .unwrap(),
         ..TraceRequest::new(model, 2)
     };
     let tuned = TraceRequest {
-        options: Options {
+        options: OptionValues {
             lora: Some(lora),
-            ..full.options.clone()
-        },
+            ..full.options.values()
+        }
+        .check()
+        .unwrap(),
         ..full.clone()
     };
     let bytes = |tr: &gpumem_core::trace::Trace, cat: Category| {
@@ -374,25 +395,25 @@ fn lora_trains_only_its_adapters() {
 /// GPU holds, less again with gradient_as_bucket_view.
 #[test]
 fn a_ddp_rank_carries_its_buckets() {
-    use gpumem_core::workload::Strategy;
+    use gpumem_core::job::Strategy;
     let Some(t) = tracer() else { return };
     let model = "hf:GPT2LMHeadModel(n_embd=256,n_layer=4,n_head=4,vocab_size=8000)";
     let single = TraceRequest {
-        options: Options {
+        options: OptionValues {
             seq_len: Some(128),
-            ..Options::default()
-        },
+            ..OptionValues::default()
+        }
+        .check()
+        .unwrap(),
         ..TraceRequest::new(model, 4)
     };
     let ddp = |bucket_view| TraceRequest {
-        options: Options {
-            strategy: Some(Strategy::Ddp {
-                world_size: 4,
-                bucket_cap_mb: 25,
-                bucket_view,
-            }),
-            ..single.options.clone()
-        },
+        options: OptionValues {
+            strategy: Some(Strategy::ddp(4, 25, bucket_view).unwrap()),
+            ..single.options.values()
+        }
+        .check()
+        .unwrap(),
         ..single.clone()
     };
     let a100 = builtin("a100-40gb").unwrap();
@@ -415,27 +436,25 @@ fn a_ddp_rank_carries_its_buckets() {
 #[test]
 fn a_deep_model_rebuilt_from_cut_traces_is_its_whole_trace() {
     use gpumem_core::depth;
-    use gpumem_core::graph::Precision;
+    use gpumem_core::job::Precision;
+    use gpumem_core::job::{Checkpointing, Strategy};
     use gpumem_core::trace::Trace;
-    use gpumem_core::workload::{Checkpointing, Strategy};
     let Some(t) = tracer() else { return };
     let model = "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=16,num_attention_heads=4,num_key_value_heads=2,vocab_size=256)";
-    let plain = Options {
+    let plain = OptionValues {
         seq_len: Some(32),
-        ..Options::default()
-    };
-    let fsdp = Options {
-        strategy: Some(Strategy::Fsdp {
-            world_size: 4,
-            reshard_after_forward: true,
-            param_dtype: None,
-            replicas: 1,
-            cpu_offload: false,
-        }),
+        ..OptionValues::default()
+    }
+    .check()
+    .unwrap();
+    let fsdp = OptionValues {
+        strategy: Some(Strategy::fsdp(4, 1, true, None, false).unwrap()),
         precision: Precision::Bf16,
         checkpointing: Checkpointing::Full,
-        ..plain.clone()
-    };
+        ..plain.values()
+    }
+    .check()
+    .unwrap();
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("depth-test");
     std::fs::create_dir_all(&dir).unwrap();
     let text = |t: &Trace| {
@@ -453,14 +472,15 @@ fn a_deep_model_rebuilt_from_cut_traces_is_its_whole_trace() {
             options,
             ..TraceRequest::new(model, 2)
         };
-        let traced = |out: &std::path::Path, depths: &[&str]| {
+        let traced = |out: &std::path::Path, cut: bool| {
+            let file = dir.join(format!("{name}-request.json"));
+            let request = t.request(&req, &[2], &[out], cut, &dir.join("answer"));
+            std::fs::write(&file, serde_json::to_string(&request).unwrap()).unwrap();
             let ok = t
                 .module_command("gpumem_trace")
                 .unwrap()
-                .args(req.args())
-                .args(["--batch", "2", "--out"])
-                .arg(out)
-                .args(depths)
+                .arg("--request")
+                .arg(&file)
                 .status()
                 .unwrap()
                 .success();
@@ -473,8 +493,8 @@ fn a_deep_model_rebuilt_from_cut_traces_is_its_whole_trace() {
             dir.join(format!("{name}.jsonl")),
             dir.join(format!("{name}-cut.jsonl")),
         );
-        traced(&whole, &[]);
-        traced(&cut, &["--depths", "2", "3", "4"]);
+        traced(&whole, false);
+        traced(&cut, true);
         assert!(!cut.exists(), "{name}: sixteen blocks are cut");
         let cut = depth::DEPTHS.map(|d| read(dir.join(format!("{name}-cut.jsonl.depth{d}"))));
         assert_eq!(cut[0].header.blocks, Some(16));
@@ -506,9 +526,9 @@ fn a_deep_model_rebuilt_from_cut_traces_is_its_whole_trace() {
 /// whole), and FSDP2 (rebuilt from its cut traces).
 #[test]
 fn a_deep_models_batch_is_carried_over_from_cut_traces() {
-    use gpumem_core::graph::Precision;
+    use gpumem_core::job::Precision;
+    use gpumem_core::job::{Checkpointing, Strategy, Zero, ZeroStage};
     use gpumem_core::trace::Trace;
-    use gpumem_core::workload::{Checkpointing, Strategy, Zero};
     let Some(t) = tracer() else { return };
     let model = "hf:LlamaForCausalLM(hidden_size=48,intermediate_size=136,num_hidden_layers=16,num_attention_heads=4,num_key_value_heads=2,vocab_size=250)";
     let zero = Zero {
@@ -519,57 +539,47 @@ fn a_deep_models_batch_is_carried_over_from_cut_traces() {
         param_persistence_threshold: 1000,
         ..Zero::default()
     };
-    let fsdp = Strategy::Fsdp {
-        world_size: 4,
-        reshard_after_forward: true,
-        param_dtype: None,
-        replicas: 1,
-        cpu_offload: false,
-    };
+    let fsdp = Strategy::fsdp(4, 1, true, None, false).unwrap();
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("carry-test");
     std::fs::create_dir_all(&dir).unwrap();
     let read = |p: PathBuf| {
         Trace::read(std::io::BufReader::new(std::fs::File::open(&p).unwrap())).unwrap()
     };
-    let batches = SymbolicTrace::FIT_BATCHES.map(|b| b.to_string());
-    let ddp = Strategy::Ddp {
-        world_size: 4,
-        bucket_cap_mb: 1,
-        bucket_view: false,
-    };
+    let ddp = Strategy::ddp(4, 1, false).unwrap();
     for (name, strategy) in [
-        (
-            "zero3",
-            Strategy::Zero {
-                stage: 3,
-                world_size: 4,
-                zero,
-            },
-        ),
+        ("zero3", Strategy::zero(ZeroStage::Three, 4, zero).unwrap()),
         ("fsdp", fsdp),
         ("ddp", ddp),
     ] {
-        let options = Options {
+        let options = OptionValues {
             seq_len: Some(20),
             precision: Precision::Bf16,
             checkpointing: Checkpointing::Full,
             strategy: Some(strategy),
-            ..Options::default()
-        };
+            ..OptionValues::default()
+        }
+        .check()
+        .unwrap();
         let req = TraceRequest {
             options,
             ..TraceRequest::new(model, 4)
         };
-        let traced = |outs: &[PathBuf], more: &[&str]| {
+        let traced = |outs: &[PathBuf], cut: bool| {
+            let outs: Vec<&std::path::Path> = outs.iter().map(PathBuf::as_path).collect();
+            let file = dir.join(format!("{name}-request.json"));
+            let request = t.request(
+                &req,
+                &SymbolicTrace::FIT_BATCHES,
+                &outs,
+                cut,
+                &dir.join("answer"),
+            );
+            std::fs::write(&file, serde_json::to_string(&request).unwrap()).unwrap();
             let ok = t
                 .module_command("gpumem_trace")
                 .unwrap()
-                .args(req.args())
-                .arg("--batch")
-                .args(&batches)
-                .arg("--out")
-                .args(outs)
-                .args(more)
+                .arg("--request")
+                .arg(&file)
                 .status()
                 .unwrap()
                 .success();
@@ -580,10 +590,10 @@ fn a_deep_models_batch_is_carried_over_from_cut_traces() {
                 .map(|b| dir.join(format!("{name}-{kind}{b}.jsonl")))
                 .to_vec()
         };
-        traced(&outs("whole"), &[]);
+        traced(&outs("whole"), false);
         let whole: Vec<Trace> = outs("whole").into_iter().map(read).collect();
         let fitted = SymbolicTrace::fit(&whole).unwrap();
-        traced(&outs("cut"), &["--depths", "2", "3", "4", "--slopes"]);
+        traced(&outs("cut"), true);
         let cut: Vec<Trace> = outs("cut")
             .iter()
             .map(|o| read(PathBuf::from(format!("{}.depth2", o.display()))))
@@ -613,4 +623,64 @@ fn a_deep_models_batch_is_carried_over_from_cut_traces() {
             );
         }
     }
+}
+
+/// The user models of the tracer's tests.
+fn fixture(name: &str) -> String {
+    let file = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../python/tests/fixtures/user_models.py")
+        .canonicalize()
+        .unwrap();
+    format!("py:{}:{name}", file.display())
+}
+
+/// A trace that turns its alarm off and never ends is killed at gpumem's own deadline, with
+/// whatever it forked (the pool's fork and its forks per batch size), and reported as a
+/// timeout.
+#[test]
+fn a_tracer_that_ignores_its_alarm_is_killed_on_time() {
+    use gpumem_torch::BridgeError;
+    use std::time::{Duration, Instant};
+    let Some(t) = tracer() else { return };
+    let deadline = 20;
+    let t = TorchTracer {
+        timeout_s: deadline,
+        cache_dir: PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("deadline-test"),
+        ..t
+    };
+    // The three batch sizes of a re-estimate are traced side by side, each in a fork.
+    let req = TraceRequest::new(fixture("ignores_its_alarm"), 2);
+    let start = Instant::now();
+    let e = t.trace_for_reestimates(&req).unwrap_err();
+    let took = start.elapsed();
+    assert!(matches!(e, BridgeError::Timeout { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .contains(&format!("timed out after {deadline} s")),
+        "{e}"
+    );
+    assert!(
+        took >= Duration::from_secs(deadline) && took < Duration::from_secs(deadline + 15),
+        "returned after {took:?}"
+    );
+}
+
+/// A model that fails at every batch size is reported once, with where it failed.
+#[test]
+fn a_failing_trace_says_so_once() {
+    let Some(t) = tracer() else { return };
+    let t = TorchTracer {
+        cache_dir: PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("once-test"),
+        ..t
+    };
+    let e = t
+        .trace_for_reestimates(&TraceRequest::new(fixture("raises"), 2))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(e.matches("boom").count(), 1, "{e}");
+    assert!(
+        e.starts_with("tracer failed: py:") && e.contains("failed while tracing: ValueError: boom"),
+        "{e}"
+    );
+    assert!(e.contains("user_models.py:"), "where it failed: {e}");
 }

@@ -3,18 +3,19 @@
 //! (`estimate_zero2/3_model_states_mem_needs`), reproduced to the byte so gpumem's per-rank
 //! estimate can be shown beside the figure DeepSpeed users know.
 
-use gpumem_core::graph::Precision;
-use gpumem_core::step::Optimizer;
+use gpumem_core::job::Optimizer;
+use gpumem_core::job::Precision;
 use serde_json::Value;
 
 use crate::launch::{Launch, Stated};
-use crate::{Strategy, Zero};
+use crate::{OptionError, Strategy, Zero, ZeroStage};
+use gpumem_core::job::Engine;
 
 /// What a DeepSpeed config says about a job.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeepSpeedJob {
     /// ZeRO's stage and settings; its world size is the caller's.
-    pub stage: u8,
+    pub stage: ZeroStage,
     pub zero: Zero,
     pub stated: Stated,
     /// `train_batch_size / (micro-batch × accumulation)`, where all three are stated.
@@ -23,28 +24,27 @@ pub struct DeepSpeedJob {
 
 impl DeepSpeedJob {
     /// The strategy on `world_size` ranks.
-    pub fn strategy(&self, world_size: u32) -> Strategy {
-        Strategy::Zero {
-            stage: self.stage,
-            world_size,
-            zero: self.zero,
-        }
+    pub fn strategy(&self, world_size: u32) -> Result<Strategy, OptionError> {
+        Strategy::zero(self.stage, world_size, self.zero)
     }
 
     /// The launch on `world_size` ranks.
-    pub fn launch(&self, world_size: u32) -> Launch {
-        Launch {
-            strategy: Some(self.strategy(world_size)),
+    pub fn launch(&self, world_size: u32) -> Result<Launch, OptionError> {
+        Ok(Launch {
+            strategy: Some(self.strategy(world_size)?),
             stated: self.stated,
-        }
+        })
     }
 }
 
 /// Why a DeepSpeed config cannot be read; the message names the key.
-#[derive(Debug, thiserror::Error, PartialEq)]
+#[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("not JSON: {0}")]
     Json(String),
+    /// The config states a strategy gpumem refuses (too few ranks, say).
+    #[error(transparent)]
+    Options(#[from] OptionError),
     #[error("`{key}`: {why}")]
     Key { key: String, why: String },
 }
@@ -115,7 +115,9 @@ pub fn read_config(text: &str) -> Result<DeepSpeedJob, ConfigError> {
             .ok_or_else(|| bad("zero_optimization.stage", "must be stated, not \"auto\""))?,
     };
     let stage = match stage {
-        1..=3 => stage as u8,
+        1 => ZeroStage::One,
+        2 => ZeroStage::Two,
+        3 => ZeroStage::Three,
         0 => {
             return Err(bad(
                 "zero_optimization.stage",
@@ -173,7 +175,7 @@ pub fn read_config(text: &str) -> Result<DeepSpeedJob, ConfigError> {
     };
     zero.offload_optimizer = legacy || offload(&z, "offload_optimizer")?;
     zero.offload_param = offload(&z, "offload_param")?;
-    if zero.offload_param && stage != 3 {
+    if zero.offload_param && stage != ZeroStage::Three {
         return Err(bad("zero_optimization.offload_param", "needs stage 3"));
     }
 
@@ -367,10 +369,10 @@ pub fn model_states(
     total_params: u64,
     largest_layer_params: u64,
 ) -> Option<ModelStates> {
-    match strategy {
-        Strategy::Zero {
-            stage: 2,
-            world_size,
+    let world_size = strategy.world_size();
+    match strategy.engine() {
+        Engine::Zero {
+            stage: ZeroStage::Two,
             zero,
         } => Some(zero2_model_states(
             total_params,
@@ -379,9 +381,8 @@ pub fn model_states(
             zero.offload_optimizer,
             BUFFER_FACTOR,
         )),
-        Strategy::Zero {
-            stage: 3,
-            world_size,
+        Engine::Zero {
+            stage: ZeroStage::Three,
             zero,
         } => Some(zero3_model_states(
             total_params,
@@ -492,7 +493,7 @@ mod tests {
                   "offload_optimizer": {"device": "cpu", "pin_memory": true}}}"#,
         )
         .unwrap();
-        assert_eq!((job.stage, job.world_size), (3, Some(8)));
+        assert_eq!((job.stage, job.world_size), (ZeroStage::Three, Some(8)));
         assert_eq!(
             job.stated,
             Stated {

@@ -4,12 +4,12 @@
 
 use std::path::Path;
 
-use gpumem_core::graph::Precision;
-use gpumem_core::step::Optimizer;
+use gpumem_core::job::Optimizer;
+use gpumem_core::job::Precision;
 use serde_norway::Value;
 
 use crate::deepspeed::{self, ConfigError};
-use crate::{HalfDtype, Options, Strategy, Zero};
+use crate::{HalfDtype, OptionError, OptionValues, Options, Strategy, Zero, ZeroStage};
 
 /// What a launch config states: the strategy over its ranks, and what it fixes of the loop.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,14 +29,16 @@ pub struct Stated {
 }
 
 impl Stated {
-    /// `options` with what is stated here in place of its values (the batch is the caller's).
-    pub fn over(&self, options: Options) -> Options {
-        Options {
+    /// `options` with what is stated here in place of its values (the batch is the caller's),
+    /// checked again (a stated precision may not suit the strategy).
+    pub fn over(&self, options: OptionValues) -> Result<Options, OptionError> {
+        OptionValues {
             precision: self.precision.unwrap_or(options.precision),
             optimizer: self.optimizer.unwrap_or(options.optimizer),
             grad_accum: self.grad_accum.unwrap_or(options.grad_accum),
             ..options
         }
+        .check()
     }
 }
 
@@ -122,14 +124,10 @@ pub fn read_accelerate(yaml: &str, dir: &Path) -> Result<Launch, ConfigError> {
             ..Stated::default()
         },
     };
-    let ddp = Strategy::Ddp {
-        world_size: world,
-        bucket_cap_mb: gpumem_core::workload::DDP_BUCKET_CAP_MB,
-        bucket_view: false,
-    };
+    let ddp = || Strategy::ddp(world, gpumem_core::job::DDP_BUCKET_CAP_MB, false);
     match kind.as_str() {
         "NO" => Ok(plain(None)),
-        "MULTI_GPU" => Ok(plain(Some(ddp))),
+        "MULTI_GPU" => Ok(plain(Some(ddp()?))),
         "FSDP" => {
             let f = root.get("fsdp_config").cloned().unwrap_or(Value::Null);
             let cpu_offload = flag(&f, "fsdp_offload_params")?.unwrap_or(false);
@@ -140,7 +138,7 @@ pub fn read_accelerate(yaml: &str, dir: &Path) -> Result<Launch, ConfigError> {
                 (Some(r), _) => r,
                 (None, None | Some("FULL_SHARD" | "1")) => true,
                 (None, Some("SHARD_GRAD_OP" | "2")) => false,
-                (None, Some("NO_SHARD" | "3")) => return Ok(plain(Some(ddp))),
+                (None, Some("NO_SHARD" | "3")) => return Ok(plain(Some(ddp()?))),
                 (None, Some(other)) => {
                     return Err(bad(
                         "fsdp_config.fsdp_sharding_strategy",
@@ -148,13 +146,13 @@ pub fn read_accelerate(yaml: &str, dir: &Path) -> Result<Launch, ConfigError> {
                     ));
                 }
             };
-            Ok(plain(Some(Strategy::Fsdp {
-                world_size: world,
-                reshard_after_forward: reshard,
-                param_dtype: half,
-                replicas: 1,
+            Ok(plain(Some(Strategy::fsdp(
+                world,
+                1,
+                reshard,
+                half,
                 cpu_offload,
-            })))
+            )?)))
         }
         "DEEPSPEED" => {
             let d = root.get("deepspeed_config").cloned().unwrap_or(Value::Null);
@@ -185,7 +183,7 @@ pub fn read_accelerate(yaml: &str, dir: &Path) -> Result<Launch, ConfigError> {
                         ),
                     ));
                 }
-                let mut launch = job.launch(world);
+                let mut launch = job.launch(world)?;
                 launch.stated.precision = launch.stated.precision.or(precision);
                 return Ok(launch);
             }
@@ -196,8 +194,10 @@ pub fn read_accelerate(yaml: &str, dir: &Path) -> Result<Launch, ConfigError> {
                 )
             })?;
             let stage = match stage {
-                1..=3 => stage as u8,
-                0 => return Ok(plain(Some(ddp))),
+                1 => ZeroStage::One,
+                2 => ZeroStage::Two,
+                3 => ZeroStage::Three,
+                0 => return Ok(plain(Some(ddp()?))),
                 s => {
                     return Err(bad(
                         "deepspeed_config.zero_stage",
@@ -220,7 +220,7 @@ pub fn read_accelerate(yaml: &str, dir: &Path) -> Result<Launch, ConfigError> {
                 offload_param: offloads("offload_param_device")?,
                 ..Zero::default()
             };
-            if zero.offload_param && stage != 3 {
+            if zero.offload_param && stage != ZeroStage::Three {
                 return Err(bad(
                     "deepspeed_config.offload_param_device",
                     "needs zero_stage 3",
@@ -236,11 +236,7 @@ pub fn read_accelerate(yaml: &str, dir: &Path) -> Result<Launch, ConfigError> {
                 None => None,
             };
             Ok(Launch {
-                strategy: Some(Strategy::Zero {
-                    stage,
-                    world_size: world,
-                    zero,
-                }),
+                strategy: Some(Strategy::zero(stage, world, zero)?),
                 stated: Stated {
                     precision,
                     grad_accum,
@@ -258,6 +254,7 @@ pub fn read_accelerate(yaml: &str, dir: &Path) -> Result<Launch, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpumem_core::job::Engine;
 
     fn read(yaml: &str) -> Result<Launch, ConfigError> {
         read_accelerate(yaml, Path::new("/nonexistent"))
@@ -271,26 +268,14 @@ mod tests {
         .unwrap();
         assert_eq!(
             fsdp.strategy,
-            Some(Strategy::Fsdp {
-                world_size: 8,
-                reshard_after_forward: true,
-                param_dtype: Some(HalfDtype::Bf16),
-                replicas: 1,
-                cpu_offload: false
-            })
+            Some(Strategy::fsdp(8, 1, true, Some(HalfDtype::Bf16), false).unwrap())
         );
         assert_eq!(fsdp.stated.precision, Some(Precision::AmpBf16));
         let v1 = read("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\nmixed_precision: 'no'\nnum_processes: 4\n").unwrap();
         assert_eq!(
             (v1.strategy, v1.stated.precision),
             (
-                Some(Strategy::Fsdp {
-                    world_size: 4,
-                    reshard_after_forward: false,
-                    param_dtype: None,
-                    replicas: 1,
-                    cpu_offload: false
-                }),
+                Some(Strategy::fsdp(4, 1, false, None, false).unwrap()),
                 Some(Precision::Fp32)
             )
         );
@@ -303,25 +288,31 @@ mod tests {
         let ds = read("distributed_type: DEEPSPEED\ndeepspeed_config:\n  gradient_accumulation_steps: 4\n  offload_optimizer_device: cpu\n  offload_param_device: none\n  zero3_init_flag: true\n  zero_stage: 3\nmixed_precision: bf16\nnum_processes: 8\n").unwrap();
         assert_eq!(
             ds.strategy,
-            Some(Strategy::Zero {
-                stage: 3,
-                world_size: 8,
-                zero: Zero {
-                    offload_optimizer: true,
-                    ..Zero::default()
-                }
-            })
+            Some(
+                Strategy::zero(
+                    ZeroStage::new(3).unwrap(),
+                    8,
+                    Zero {
+                        offload_optimizer: true,
+                        ..Zero::default()
+                    }
+                )
+                .unwrap()
+            )
         );
         assert_eq!(
             (ds.stated.precision, ds.stated.grad_accum),
             (Some(Precision::Bf16), Some(4))
         );
         // What it states replaces the flags' values.
-        let o = ds.stated.over(Options {
-            precision: Precision::Fp32,
-            grad_accum: 1,
-            ..Options::default()
-        });
+        let o = ds
+            .stated
+            .over(OptionValues {
+                precision: Precision::Fp32,
+                grad_accum: 1,
+                ..OptionValues::default()
+            })
+            .unwrap();
         assert_eq!(
             (o.precision, o.grad_accum, o.optimizer),
             (Precision::Bf16, 4, Optimizer::Adam)
@@ -377,11 +368,7 @@ mod tests {
         .unwrap();
         assert!(matches!(
             offload.strategy,
-            Some(Strategy::Fsdp {
-                cpu_offload: true,
-                world_size: 2,
-                ..
-            })
+            Some(s) if s.world_size() == 2 && matches!(s.engine(), Engine::Fsdp { cpu_offload: true, .. })
         ));
         assert_eq!(
             err("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n"),

@@ -9,15 +9,17 @@
 
 use gpumem_core::dataset::Measurement;
 use gpumem_core::estimate::{Estimate, EstimateError, Estimator};
+use gpumem_core::families::SpecError;
 use gpumem_core::families::{JobOptions, MAX_BATCH, ModelSpec};
+pub use gpumem_core::job::{
+    AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, ModelRef, OptionError,
+    OptionOverrides, OptionValues, Options, Outputs, Strategy, TORCH_PREFIXES, TorchOnly, Validate,
+    Zero, ZeroStage,
+};
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::search::{self, SearchError};
 use gpumem_core::symbolic::SymbolicTrace;
 use gpumem_core::trace::Trace;
-pub use gpumem_core::workload::{
-    AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, ModelRef, OptionOverrides, Options,
-    Outputs, Strategy, TORCH_PREFIXES, Validate, Zero,
-};
 use gpumem_torch::{BridgeError, TorchTracer, TraceRequest};
 
 pub mod deepspeed;
@@ -27,15 +29,47 @@ pub mod plan;
 /// Why a workload could not be made or traced.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkloadError {
-    /// The job is ill-formed: its model or an option (the message names which).
-    #[error("{0}")]
-    Invalid(String),
+    /// The model reference does not parse.
+    #[error(transparent)]
+    Model(#[from] SpecError),
+    /// An option is out of range or at odds with another (the message names which).
+    #[error(transparent)]
+    Options(#[from] OptionError),
+    /// A native model with options only PyTorch models take.
+    #[error(transparent)]
+    TorchOnly(#[from] TorchOnly),
+    /// The native families refuse the job (a pure precision, a tensor beyond any GPU).
+    #[error(transparent)]
+    Native(#[from] gpumem_core::families::JobError),
+    /// A measured row's job, refused.
+    #[error("line {line}: {source}")]
+    Row {
+        line: usize,
+        source: Box<WorkloadError>,
+    },
     /// The batch size is out of range.
     #[error("--batch {0} is out of range (1..={MAX_BATCH})")]
     Batch(u64),
     /// The PyTorch tracer could not trace it.
     #[error(transparent)]
     Tracer(#[from] BridgeError),
+}
+
+impl WorkloadError {
+    /// Whether the job as stated is wrong (the user's input), rather than the tracer or the
+    /// model failing.
+    pub fn is_input(&self) -> bool {
+        match self {
+            WorkloadError::Model(_)
+            | WorkloadError::Options(_)
+            | WorkloadError::TorchOnly(_)
+            | WorkloadError::Native(_)
+            | WorkloadError::Batch(_)
+            | WorkloadError::Tracer(BridgeError::Reference(_)) => true,
+            WorkloadError::Row { source, .. } => source.is_input(),
+            WorkloadError::Tracer(_) => false,
+        }
+    }
 }
 
 /// Why a job could not be sized.
@@ -45,6 +79,15 @@ pub enum SizeError {
     Workload(#[from] WorkloadError),
     #[error(transparent)]
     Estimate(#[from] EstimateError),
+    /// Evaluating a symbolic trace or searching its batch sizes failed.
+    #[error(transparent)]
+    Search(#[from] SearchError),
+}
+
+impl From<gpumem_core::symbolic::SymbolicError> for SizeError {
+    fn from(e: gpumem_core::symbolic::SymbolicError) -> Self {
+        SizeError::Search(e.into())
+    }
 }
 
 /// A job sized: its largest reading (the one with the largest peak: its workload, trace and
@@ -65,18 +108,9 @@ pub struct Reading {
     pub upper_bound_bytes: u64,
 }
 
-/// A native model's refusal of options only PyTorch models take, naming those models by the
-/// one prefix table.
-fn torch_only() -> WorkloadError {
-    WorkloadError::Invalid(format!(
-        "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs, --attention-mask, --lora and --strategy apply to PyTorch models ({})",
-        TORCH_PREFIXES.join(", ")
-    ))
-}
-
 /// A training job: what is trained, at which batch size, in which loop.
-/// Invariant: the batch is in 1..=[`MAX_BATCH`], the options pass [`Options::check`], and a
-/// native model has no option only PyTorch models take.
+/// Invariant: the batch is in 1..=[`MAX_BATCH`], and a native model has no option only PyTorch
+/// models take (the options hold their own invariant).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Workload {
     model: ModelRef,
@@ -89,12 +123,7 @@ impl Workload {
         if batch == 0 || batch > MAX_BATCH {
             return Err(WorkloadError::Batch(batch));
         }
-        options
-            .check()
-            .map_err(|e| WorkloadError::Invalid(e.to_string()))?;
-        if model.is_native() && !options.native_compatible() {
-            return Err(torch_only());
-        }
+        options.check_model(&model)?;
         Ok(Workload {
             model,
             batch,
@@ -104,11 +133,7 @@ impl Workload {
 
     /// A model reference parsed by the one prefix table, at `batch` with `options`.
     pub fn parse(model: &str, batch: u64, options: Options) -> Result<Workload, WorkloadError> {
-        Workload::new(
-            ModelRef::parse(model).map_err(|e| WorkloadError::Invalid(e.to_string()))?,
-            batch,
-            options,
-        )
+        Workload::new(ModelRef::parse(model)?, batch, options)
     }
 
     /// A measured row's job: its model and batch, its own options over `defaults`. `Ok(None)`:
@@ -120,7 +145,11 @@ impl Workload {
         let Some(model) = row.model.clone() else {
             return Ok(None);
         };
-        let mut options = row.options.over(defaults);
+        let in_row = |e: WorkloadError| WorkloadError::Row {
+            line: row.line,
+            source: Box::new(e),
+        };
+        let mut options = row.options.over(defaults).map_err(|e| in_row(e.into()))?;
         if model.is_native() {
             // A native row keeps only what a native model takes; its CSV columns for PyTorch
             // models (input, seq_len) describe nothing gpumem builds.
@@ -128,7 +157,7 @@ impl Workload {
         }
         Workload::new(model, row.batch, options)
             .map(Some)
-            .map_err(|e| WorkloadError::Invalid(format!("line {}: {e}", row.line)))
+            .map_err(in_row)
     }
 
     pub fn model(&self) -> &ModelRef {
@@ -243,7 +272,7 @@ impl Workload {
         match &self.model {
             ModelRef::Native(spec) => spec
                 .trace(&self.native_job(profile))
-                .map_err(|e| WorkloadError::Invalid(e.to_string())),
+                .map_err(WorkloadError::from),
             ModelRef::Torch(_) => {
                 let req = self
                     .request(profile)
@@ -358,9 +387,9 @@ pub fn side_by_side<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -
 mod tests {
     use super::*;
     use gpumem_core::estimate::Replay;
-    use gpumem_core::graph::Precision;
+    use gpumem_core::job::Optimizer;
+    use gpumem_core::job::Precision;
     use gpumem_core::profile::builtin;
-    use gpumem_core::step::Optimizer;
 
     const MLP: &str = "mlp:input=64,output=8,depth=2";
 
@@ -373,34 +402,39 @@ mod tests {
         let e = Workload::parse(
             MLP,
             8,
-            Options {
+            OptionValues {
                 checkpointing: Checkpointing::Full,
-                ..Options::default()
-            },
+                ..OptionValues::default()
+            }
+            .check()
+            .unwrap(),
         )
         .unwrap_err()
         .to_string();
         assert!(e.contains("apply to PyTorch models"), "{e}");
-        let e = Workload::parse(
-            "hf:gpt2",
-            8,
-            Options {
-                data_parallel: 65,
-                ..Options::default()
-            },
-        )
+        // Options out of range cannot be given at all: they refuse to be made.
+        let e = OptionValues {
+            data_parallel: 65,
+            ..OptionValues::default()
+        }
+        .check()
         .unwrap_err()
         .to_string();
-        assert_eq!(e, "--data-parallel 65 is out of range (1..=64)");
+        assert_eq!(
+            e,
+            "data_parallel (--data-parallel) 65 is out of range (1..=64)"
+        );
         assert!(Workload::parse("resnet50", 8, Options::default()).is_err());
         assert!(
             Workload::parse(
                 "hf:gpt2",
                 8,
-                Options {
+                OptionValues {
                     checkpointing: Checkpointing::Full,
-                    ..Options::default()
+                    ..OptionValues::default()
                 }
+                .check()
+                .unwrap()
             )
             .is_ok()
         );
@@ -412,11 +446,13 @@ mod tests {
         let w = Workload::parse(
             "mlp:input=4096,output=1000,depth=4",
             32,
-            Options {
+            OptionValues {
                 optimizer: Optimizer::Sgd,
                 precision: Precision::AmpBf16,
-                ..Options::default()
-            },
+                ..OptionValues::default()
+            }
+            .check()
+            .unwrap(),
         )
         .unwrap();
         assert!(w.request(&p).is_none());
@@ -424,8 +460,8 @@ mod tests {
         assert_eq!(
             (
                 t.header.batch_size,
-                t.header.optimizer.as_str(),
-                t.header.precision.as_str()
+                t.header.options.optimizer.name(),
+                t.header.options.precision.name()
             ),
             (32, "sgd", "amp-bf16")
         );
@@ -446,11 +482,13 @@ mod tests {
     #[test]
     fn a_torch_request_carries_the_typed_options_and_the_gpu() {
         let p = builtin("h200").unwrap();
-        let o = Options {
+        let o = OptionValues {
             seq_len: Some(128),
             outputs: Some(Outputs::Kept),
-            ..Options::default()
-        };
+            ..OptionValues::default()
+        }
+        .check()
+        .unwrap();
         let r = Workload::parse("hf:gpt2", 4, o.clone())
             .unwrap()
             .request(&p)
@@ -499,12 +537,31 @@ impl StatedField {
     }
 }
 
+/// What is wrong with a stated field.
+#[derive(Debug, thiserror::Error)]
+pub enum StatedProblem {
+    #[error("`{0}` is not a whole number")]
+    NotWhole(String),
+    #[error("{0} is out of range (1..={MAX_BATCH})")]
+    Batch(u64),
+    #[error(transparent)]
+    Name(#[from] gpumem_core::UnknownName),
+    #[error(transparent)]
+    Model(#[from] SpecError),
+    #[error(transparent)]
+    Job(Box<WorkloadError>),
+}
+
 /// Why a stated job could not be sized.
 #[derive(Debug, thiserror::Error)]
 pub enum StatedError {
     /// A field is malformed or out of range.
     #[error("{message}")]
-    Invalid { field: StatedField, message: String },
+    Invalid {
+        field: StatedField,
+        #[source]
+        message: StatedProblem,
+    },
     /// A PyTorch model, and the caller may not run the tracer.
     #[error("{0} must be traced by PyTorch to be sized")]
     NeedsTrace(String),
@@ -516,14 +573,14 @@ pub enum StatedError {
 impl StatedJob {
     /// The workload the texts state.
     pub fn workload(&self) -> Result<Workload, StatedError> {
-        let invalid = |field, message: String| StatedError::Invalid { field, message };
+        let invalid = |field, message: StatedProblem| StatedError::Invalid { field, message };
         let batch: u64 = self.batch.trim().parse().map_err(|_| {
             invalid(
                 StatedField::Batch,
-                format!("`{}` is not a whole number", self.batch),
+                StatedProblem::NotWhole(self.batch.clone()),
             )
         })?;
-        let mut options = Options::default();
+        let mut options = OptionValues::default();
         // An empty text states nothing (an annotation or key left blank): the default.
         let given = |t: &Option<String>| {
             t.as_deref()
@@ -532,21 +589,21 @@ impl StatedJob {
                 .map(str::to_string)
         };
         if let Some(p) = given(&self.precision) {
-            options.precision = gpumem_core::graph::Precision::parse(&p)
-                .map_err(|e| invalid(StatedField::Precision, e.to_string()))?;
+            options.precision = gpumem_core::job::Precision::parse(&p)
+                .map_err(|e| invalid(StatedField::Precision, e.into()))?;
         }
         if let Some(o) = given(&self.optimizer) {
-            options.optimizer = gpumem_core::step::Optimizer::parse(&o)
-                .map_err(|e| invalid(StatedField::Optimizer, e.to_string()))?;
+            options.optimizer = gpumem_core::job::Optimizer::parse(&o)
+                .map_err(|e| invalid(StatedField::Optimizer, e.into()))?;
         }
         let model = ModelRef::parse(self.model.trim())
-            .map_err(|e| invalid(StatedField::Model, e.to_string()))?;
+            .map_err(|e| invalid(StatedField::Model, e.into()))?;
+        let options = options
+            .check()
+            .expect("an optimizer and a precision alone are valid");
         Workload::new(model, batch, options).map_err(|e| match e {
-            WorkloadError::Batch(b) => invalid(
-                StatedField::Batch,
-                format!("{b} is out of range (1..={MAX_BATCH})"),
-            ),
-            e => invalid(StatedField::Model, e.to_string()),
+            WorkloadError::Batch(b) => invalid(StatedField::Batch, StatedProblem::Batch(b)),
+            e => invalid(StatedField::Model, StatedProblem::Job(Box::new(e))),
         })
     }
 
@@ -562,9 +619,14 @@ impl StatedJob {
             .size(profile, replay.as_ref(), Workload::trace)
             .map(|s| s.estimate)
             .map_err(|e| match e {
-                SizeError::Workload(WorkloadError::Invalid(m)) => StatedError::Invalid {
+                SizeError::Workload(
+                    e @ (WorkloadError::Model(_)
+                    | WorkloadError::Options(_)
+                    | WorkloadError::TorchOnly(_)
+                    | WorkloadError::Native(_)),
+                ) => StatedError::Invalid {
                     field: StatedField::Model,
-                    message: m,
+                    message: StatedProblem::Job(Box::new(e)),
                 },
                 e => StatedError::Size(e),
             })

@@ -6,9 +6,8 @@
 //! point, and those traces run side by side, one tracer process per core.
 
 use gpumem_core::estimate::{Estimate, Estimator};
-use gpumem_core::graph::Precision;
+use gpumem_core::job::{Engine, Optimizer, Precision, ZeroStage};
 use gpumem_core::profile::GpuProfile;
-use gpumem_core::step::Optimizer;
 use gpumem_core::utilization::{HostModel, physical};
 
 use crate::{Checkpointing, SizeError, Strategy, Symbolic, Workload, WorkloadError, side_by_side};
@@ -76,21 +75,22 @@ impl Interconnect {
             4.0
         };
         let bytes = parameters as f64 * word;
-        let moved = match strategy {
-            Strategy::Ddp { .. } => 2.0 * ring * bytes,
-            Strategy::Zero { stage: 1 | 2, .. } => {
-                ring * bytes + ring * bytes / grad_accum.max(1) as f64
-            }
-            Strategy::Zero { .. } => 3.0 * ring * bytes,
+        let moved = match strategy.engine() {
+            Engine::Ddp { .. } => 2.0 * ring * bytes,
+            Engine::Zero {
+                stage: ZeroStage::One | ZeroStage::Two,
+                ..
+            } => ring * bytes + ring * bytes / grad_accum.max(1) as f64,
+            Engine::Zero { .. } => 3.0 * ring * bytes,
             // A mixed-precision policy gathers in its 16-bit dtype and reduces in fp32. HSDP
             // gathers and reduce-scatters within a group of N/R ranks, then all-reduces its shard
             // across the R groups (counted at the same bandwidth).
-            Strategy::Fsdp {
+            Engine::Fsdp {
                 reshard_after_forward,
                 param_dtype,
-                replicas,
                 ..
             } => {
+                let replicas = strategy.replicas();
                 let (gathered, reduced) = if param_dtype.is_some() {
                     (2.0, 4.0)
                 } else {
@@ -137,18 +137,38 @@ impl Setup {
 }
 
 /// A (strategy, precision, checkpointing) that could not be planned, and why.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Skipped {
     pub strategy: Option<Strategy>,
     pub precision: Precision,
     pub checkpointing: Checkpointing,
-    pub reason: String,
+    pub reason: SkipReason,
+}
+
+/// Why a setup was not planned.
+#[derive(Debug, thiserror::Error)]
+pub enum SkipReason {
+    /// The model cannot take the setup: its options, or the tracer's refusal (no blocks to
+    /// checkpoint or shard, a precision the families refuse, FSDP2 on an old torch).
+    #[error(transparent)]
+    Refused(WorkloadError),
+    /// What every rank holds of the model states alone exceeds the GPU (not traced).
+    #[error(
+        "its model states alone do not fit: what every rank holds of the {:.1} M trainable parameters, their gradients and {optimizer}'s states needs {:.0} MiB",
+        *.trainable as f64 / 1e6,
+        gpumem_core::units::bytes_to_mib(*.bytes)
+    )]
+    ModelStates {
+        trainable: u64,
+        optimizer: &'static str,
+        bytes: u64,
+    },
 }
 
 /// The search's answer: every setup that fits, fastest first (among those within [`TIE`] of the
 /// fastest, the one with the smallest upper bound first); the largest micro-batch that does
 /// not fit per pair (where the search reached one); the pairs that could not be traced.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct Plan {
     pub fits: Vec<Setup>,
     pub too_big: Vec<Setup>,
@@ -179,25 +199,29 @@ fn micro_batches(global: Option<u64>, max: u64) -> Vec<u64> {
 }
 
 /// The batch-symbolic trace of `base`'s model under `options`; `Ok(Err(why))` for a setup the
-/// model cannot take (no blocks to checkpoint or shard, a precision the families refuse, FSDP2
-/// on an old torch), which the plan skips; the tracer missing altogether is an error.
+/// model cannot take (its options; the tracer's refusal: no blocks to checkpoint or shard, a
+/// precision the families refuse, FSDP2 on an old torch), which the plan skips; the tracer
+/// missing altogether is an error.
 fn setup_trace(
     base: &Workload,
-    options: crate::Options,
+    options: Result<crate::Options, crate::OptionError>,
     profile: &GpuProfile,
-) -> Result<Result<Symbolic, String>, WorkloadError> {
-    let workload = match Workload::new(base.model().clone(), 1, options) {
-        Ok(w) => w,
-        Err(e) => return Ok(Err(e.to_string())),
-    };
-    match workload.symbolic(profile) {
+) -> Result<Result<Symbolic, SkipReason>, WorkloadError> {
+    let traced = options
+        .map_err(WorkloadError::from)
+        .and_then(|o| Workload::new(base.model().clone(), 1, o))
+        .and_then(|w| w.symbolic(profile));
+    match traced {
         Ok(s) => Ok(Ok(s)),
-        Err(WorkloadError::Invalid(m)) => Ok(Err(m)),
-        Err(
-            e @ WorkloadError::Tracer(
-                gpumem_torch::BridgeError::BadReference(_) | gpumem_torch::BridgeError::Model(_),
-            ),
-        ) => Ok(Err(e.to_string())),
+        Err(e)
+            if e.is_input()
+                || matches!(
+                    e,
+                    WorkloadError::Tracer(gpumem_torch::BridgeError::Model { .. })
+                ) =>
+        {
+            Ok(Err(SkipReason::Refused(e)))
+        }
         Err(e) => Err(e),
     }
 }
@@ -224,8 +248,9 @@ fn model_states_floor(
     } else {
         4
     };
-    match strategy? {
-        Strategy::Ddp { .. } => {
+    let strategy = strategy?;
+    match strategy.engine() {
+        Engine::Ddp { .. } => {
             let states = match options.optimizer {
                 Optimizer::Adam | Optimizer::AdamW => 2 * word,
                 Optimizer::SgdMomentum => word,
@@ -234,11 +259,11 @@ fn model_states_floor(
             };
             trainable.checked_mul(2 * word + states)
         }
-        Strategy::Zero {
-            stage: stage @ (1 | 2),
-            world_size,
+        Engine::Zero {
+            stage: stage @ (ZeroStage::One | ZeroStage::Two),
             zero,
         } => {
+            let world_size = strategy.world_size();
             let states: u64 = match options.optimizer {
                 Optimizer::Adam | Optimizer::AdamW => 2,
                 Optimizer::SgdMomentum => 1,
@@ -250,7 +275,7 @@ fn model_states_floor(
             } else {
                 trainable / u64::from(world_size) * 4 * (1 + states)
             };
-            let grads = if stage == 1 && !zero.overlap_comm.unwrap_or(false) {
+            let grads = if stage == ZeroStage::One && !zero.overlap_comm.unwrap_or(false) {
                 word
             } else {
                 0
@@ -286,9 +311,8 @@ fn size(
     };
     let world = u64::from(strategy.map_or(1, |s| s.world_size()));
     let rank_batch = space.global_batch.map(|g| g / world);
-    let invalid = |e: gpumem_core::search::SearchError| WorkloadError::Invalid(e.to_string());
-    let Some((max, _)) = sym.max_batch(profile, estimator).map_err(invalid)? else {
-        let estimate = estimator.estimate(&sym.at(1).map_err(invalid)?, profile)?;
+    let Some((max, _)) = sym.max_batch(profile, estimator)? else {
+        let estimate = estimator.estimate(&sym.at(1)?, profile)?;
         sized.too_big.push(Setup {
             strategy,
             precision,
@@ -302,7 +326,7 @@ fn size(
         return Ok(sized);
     };
     for m in micro_batches(rank_batch, max) {
-        let trace = sym.at(m).map_err(invalid)?;
+        let trace = sym.at(m)?;
         let estimate = estimator.estimate(&trace, profile)?;
         let grad_accum = rank_batch.map_or(1, |g| g / m);
         let comm_s = link.comm_s(
@@ -361,15 +385,18 @@ pub fn plan(
     use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
     let (done, of) = (AtomicUsize::new(0), AtomicUsize::new(pairs.len()));
     traced(0, pairs.len());
-    let options = |strategy, precision, checkpointing| crate::Options {
-        precision,
-        checkpointing,
-        grad_accum: 1,
-        strategy,
-        ..base.options().clone()
+    let options = |strategy, precision, checkpointing| {
+        crate::OptionValues {
+            precision,
+            checkpointing,
+            grad_accum: 1,
+            strategy,
+            ..base.options().values()
+        }
+        .check()
     };
     let trace_each = |pairs: &[(Option<Strategy>, Precision, Checkpointing)]| {
-        let sized = side_by_side(pairs, |&(strategy, precision, checkpointing)| -> Result<Result<MicroBatches, String>, SizeError> {
+        let sized = side_by_side(pairs, |&(strategy, precision, checkpointing)| -> Result<Result<MicroBatches, SkipReason>, SizeError> {
             let sym = setup_trace(base, options(strategy, precision, checkpointing), profile);
             traced(done.fetch_add(1, Relaxed) + 1, of.load(Relaxed));
             Ok(match sym? {
@@ -384,8 +411,14 @@ pub fn plan(
     // setups, traced first, count the parameters.
     let floored = |s: &Option<Strategy>| {
         matches!(
-            s,
-            Some(Strategy::Ddp { .. } | Strategy::Zero { stage: 1 | 2, .. })
+            s.map(|s| s.engine()),
+            Some(
+                Engine::Ddp { .. }
+                    | Engine::Zero {
+                        stage: ZeroStage::One | ZeroStage::Two,
+                        ..
+                    }
+            )
         )
     };
     let (bounded, others): (Vec<_>, Vec<_>) = pairs.into_iter().partition(|(s, ..)| floored(s));
@@ -397,7 +430,7 @@ pub fn plan(
     let mut to_trace = Vec::new();
     for (strategy, precision, checkpointing) in bounded {
         // A setup the options refuse (ZeRO under amp-fp16) says so instead, untraced.
-        let valid = options(strategy, precision, checkpointing).check().is_ok();
+        let valid = options(strategy, precision, checkpointing).is_ok();
         match trainable.filter(|_| valid).and_then(|n| {
             Some((
                 n,
@@ -406,12 +439,11 @@ pub fn plan(
         }) {
             Some((n, bytes)) if bytes > profile.capacity_bytes() => {
                 of.fetch_sub(1, Relaxed);
-                let reason = format!(
-                    "its model states alone do not fit: what every rank holds of the {:.1} M trainable parameters, their gradients and {}'s states needs {:.0} MiB",
-                    n as f64 / 1e6,
-                    base.options().optimizer.name(),
-                    gpumem_core::units::bytes_to_mib(bytes)
-                );
+                let reason = SkipReason::ModelStates {
+                    trainable: n,
+                    optimizer: base.options().optimizer.name(),
+                    bytes,
+                };
                 out.skipped.push(Skipped {
                     strategy,
                     precision,
@@ -461,21 +493,11 @@ mod tests {
     fn collectives_cost_what_their_rings_move() {
         let link = Interconnect { bus_gbs: 100.0 };
         let (p, zero) = (1_000_000_000u64, crate::Zero::default());
-        let ddp = Strategy::Ddp {
-            world_size: 4,
-            bucket_cap_mb: 25,
-            bucket_view: false,
-        };
+        let ddp = Strategy::ddp(4, 25, false).unwrap();
         // 2 · 3/4 · 4 GB over 100 GB/s.
         assert!((link.comm_s(Some(ddp), p, Precision::Fp32, 1) - 0.06).abs() < 1e-12);
         assert_eq!(link.comm_s(None, p, Precision::Fp32, 1), 0.0);
-        let z = |stage| {
-            Some(Strategy::Zero {
-                stage,
-                world_size: 4,
-                zero,
-            })
-        };
+        let z = |stage| Some(Strategy::zero(ZeroStage::new(stage).unwrap(), 4, zero).unwrap());
         // bf16: 2 GB; ZeRO-2 reduce-scatters each micro-batch, gathers weights once per 4.
         assert!((link.comm_s(z(2), p, Precision::Bf16, 4) - (0.015 + 0.015 / 4.0)).abs() < 1e-12);
         assert!((link.comm_s(z(3), p, Precision::Bf16, 4) - 0.045).abs() < 1e-12);
@@ -498,11 +520,7 @@ mod tests {
     fn a_rank_holds_at_least_its_copy_of_the_model_states() {
         use crate::Zero;
         let adam = crate::Options::default();
-        let ddp = Some(Strategy::Ddp {
-            world_size: 4,
-            bucket_cap_mb: 25,
-            bucket_view: false,
-        });
+        let ddp = Some(Strategy::ddp(4, 25, false).unwrap());
         assert_eq!(
             model_states_floor(ddp, 1000, Precision::AmpBf16, &adam),
             Some(16_000),
@@ -512,9 +530,13 @@ mod tests {
             model_states_floor(ddp, 1000, Precision::Bf16, &adam),
             Some(8_000)
         );
-        let with = |optimizer| crate::Options {
-            optimizer,
-            ..adam.clone()
+        let with = |optimizer| {
+            crate::OptionValues {
+                optimizer,
+                ..adam.values()
+            }
+            .check()
+            .unwrap()
         };
         assert_eq!(
             model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::Sgd)),
@@ -533,13 +555,8 @@ mod tests {
             Some(8_000),
             "paged states may sit on the host"
         );
-        let zero = |stage, zero| {
-            Some(Strategy::Zero {
-                stage,
-                world_size: 4,
-                zero,
-            })
-        };
+        let zero =
+            |stage, zero| Some(Strategy::zero(ZeroStage::new(stage).unwrap(), 4, zero).unwrap());
         // Flat parameters, then a quarter of the fp32 master weights and two moments.
         assert_eq!(
             model_states_floor(zero(2, Zero::default()), 1000, Precision::Bf16, &adam),
@@ -586,16 +603,12 @@ mod tests {
             "sharded"
         );
         assert_eq!(model_states_floor(None, 1000, Precision::Bf16, &adam), None);
-        let lora = crate::Options {
-            lora: Some(crate::Lora {
-                rank: 8,
-                alpha: 16.0,
-                targets: vec!["q_proj".into()],
-                dropout: 0.0,
-                quant: None,
-            }),
-            ..adam
-        };
+        let lora = crate::OptionValues {
+            lora: Some(crate::Lora::new(8, 16.0, vec!["q_proj".into()], 0.0, None).unwrap()),
+            ..adam.values()
+        }
+        .check()
+        .unwrap();
         assert_eq!(model_states_floor(ddp, 1000, Precision::Fp32, &lora), None);
     }
 
@@ -660,7 +673,10 @@ mod tests {
         assert!(
             p.fits.is_empty()
                 && p.skipped.len() == 2
-                && p.skipped[0].reason.contains("apply to PyTorch models")
+                && p.skipped[0]
+                    .reason
+                    .to_string()
+                    .contains("apply to PyTorch models")
         );
     }
 }

@@ -3,9 +3,8 @@
 use std::fmt;
 
 use super::{Keys, SeedValues, SpecError};
-use crate::graph::{
-    Activation, Dtype, Graph, GraphBuilder, LayerParams, NormParams, Precision, TensorId,
-};
+use crate::graph::{Activation, Dtype, Graph, GraphBuilder, LayerParams, NormParams, TensorId};
+use crate::job::Precision;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CnnArch {

@@ -2,7 +2,8 @@
 //! estimators' features come from these).
 
 use super::ModelSpec;
-use crate::graph::{Activation, Precision};
+use crate::graph::Activation;
+use crate::job::Precision;
 
 /// What the seed's GPUMemNet knows about a job: its layers and sizes.
 #[derive(Debug, Clone, PartialEq)]

@@ -3,7 +3,8 @@
 use std::fmt;
 
 use super::{Keys, SeedValues, SpecError};
-use crate::graph::{Activation, Dtype, Graph, GraphBuilder, Precision};
+use crate::graph::{Activation, Dtype, Graph, GraphBuilder};
+use crate::job::Precision;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MlpArch {

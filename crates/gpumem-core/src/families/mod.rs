@@ -18,9 +18,11 @@ pub use transformer::{Transformer, TransformerArch};
 use std::collections::BTreeMap;
 
 use crate::UnknownName;
-use crate::graph::{Graph, Precision};
+use crate::graph::Graph;
+use crate::job::Optimizer;
+use crate::job::Precision;
 use crate::profile::{CUBLAS_WORKSPACE_BYTES, GpuProfile};
-use crate::step::{Optimizer, TorchBehaviour, TrainingLoop};
+use crate::step::{TorchBehaviour, TrainingLoop};
 use crate::trace::{Trace, TraceHeader};
 
 /// A native model: one of the three families.
@@ -360,9 +362,6 @@ impl ModelSpec {
         let g = self.graph(job.batch, job.precision);
         header.parameters = Some(g.parameter_count());
         header.activations_per_sample = Some(g.activations_per_sample);
-        if let ModelSpec::Transformer(t) = self {
-            header.seq_len = Some(t.seq);
-        }
         let precision = job.precision;
         let mut first = Some(g);
         Ok(lp.trace(header, &mut |b| match first.take() {

@@ -5,7 +5,8 @@
 use std::fmt;
 
 use super::{Keys, SeedValues, SpecError};
-use crate::graph::{Activation, Bw, Dtype, Graph, GraphBuilder, Precision, TensorId};
+use crate::graph::{Activation, Bw, Dtype, Graph, GraphBuilder, TensorId};
+use crate::job::Precision;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TransformerArch {

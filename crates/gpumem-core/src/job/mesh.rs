@@ -1,0 +1,607 @@
+//! A multi-GPU job's ranks as a device mesh (named dimensions and their degrees), and the
+//! data-parallel engine that wraps the model over them. Later kinds of parallelism add
+//! dimensions to [`Mesh`], not new strategy types.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::OptionError;
+
+/// The most ranks a strategy is traced for.
+pub const MAX_WORLD_SIZE: u32 = 1 << 16;
+
+/// `DistributedDataParallel`'s default `bucket_cap_mb`.
+pub const DDP_BUCKET_CAP_MB: u32 = 25;
+
+/// A dimension of a device mesh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MeshDim {
+    /// Data parallel, each rank a whole replica of the model states (DDP; HSDP's groups).
+    Replicate,
+    /// Data parallel, the model states sharded over the ranks (FSDP, ZeRO).
+    Shard,
+    Tensor,
+    Pipeline,
+    Context,
+    Expert,
+}
+
+impl MeshDim {
+    pub const ALL: [MeshDim; 6] = [
+        MeshDim::Replicate,
+        MeshDim::Shard,
+        MeshDim::Tensor,
+        MeshDim::Pipeline,
+        MeshDim::Context,
+        MeshDim::Expert,
+    ];
+
+    /// As a job document spells it (`strategy.mesh.tensor`).
+    pub fn name(self) -> &'static str {
+        match self {
+            MeshDim::Replicate => "replicate",
+            MeshDim::Shard => "shard",
+            MeshDim::Tensor => "tensor",
+            MeshDim::Pipeline => "pipeline",
+            MeshDim::Context => "context",
+            MeshDim::Expert => "expert",
+        }
+    }
+}
+
+/// The ranks of a job as a mesh: the degree of each dimension (1 where the job does not split
+/// along it). Invariant: every degree is at least 1 and their product, the world size, is at
+/// most [`MAX_WORLD_SIZE`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Mesh {
+    degrees: [u32; 6],
+}
+
+impl Mesh {
+    /// A mesh of the given dimensions (the others of degree 1).
+    pub fn new(dims: &[(MeshDim, u32)]) -> Result<Mesh, OptionError> {
+        let mut degrees = [1u32; 6];
+        for &(dim, degree) in dims {
+            if degree == 0 {
+                return Err(OptionError::MeshDegree(dim.name()));
+            }
+            degrees[dim as usize] = degree;
+        }
+        let world: u64 = degrees.iter().map(|&d| u64::from(d)).product();
+        if world > u64::from(MAX_WORLD_SIZE) {
+            return Err(OptionError::WorldSize(
+                u32::try_from(world).unwrap_or(u32::MAX),
+            ));
+        }
+        Ok(Mesh { degrees })
+    }
+
+    pub fn degree(&self, dim: MeshDim) -> u32 {
+        self.degrees[dim as usize]
+    }
+
+    /// All ranks: the product of the degrees.
+    pub fn world_size(&self) -> u32 {
+        self.degrees.iter().product()
+    }
+}
+
+/// A mesh as a job document states it: `{replicate = 2, shard = 4}` (absent: degree 1).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MeshValues {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicate: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert: Option<u32>,
+}
+
+impl MeshValues {
+    fn dims(&self) -> Vec<(MeshDim, u32)> {
+        let v = [
+            self.replicate,
+            self.shard,
+            self.tensor,
+            self.pipeline,
+            self.context,
+            self.expert,
+        ];
+        MeshDim::ALL
+            .into_iter()
+            .zip(v)
+            .filter_map(|(d, n)| Some((d, n?)))
+            .collect()
+    }
+}
+
+impl From<Mesh> for MeshValues {
+    fn from(m: Mesh) -> MeshValues {
+        let at = |d| Some(m.degree(d)).filter(|&n| n > 1);
+        MeshValues {
+            replicate: at(MeshDim::Replicate),
+            shard: at(MeshDim::Shard),
+            tensor: at(MeshDim::Tensor),
+            pipeline: at(MeshDim::Pipeline),
+            context: at(MeshDim::Context),
+            expert: at(MeshDim::Expert),
+        }
+    }
+}
+
+/// A 16-bit floating-point dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum HalfDtype {
+    Bf16,
+    Fp16,
+}
+
+impl HalfDtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            HalfDtype::Bf16 => "bf16",
+            HalfDtype::Fp16 => "fp16",
+        }
+    }
+}
+
+/// DeepSpeed ZeRO's stage: what it partitions over the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ZeroStage {
+    /// The optimizer state.
+    One,
+    /// And the gradients.
+    Two,
+    /// And the parameters.
+    Three,
+}
+
+impl ZeroStage {
+    pub fn new(stage: u8) -> Result<ZeroStage, OptionError> {
+        match stage {
+            1 => Ok(ZeroStage::One),
+            2 => Ok(ZeroStage::Two),
+            3 => Ok(ZeroStage::Three),
+            other => Err(OptionError::ZeroStage(other)),
+        }
+    }
+
+    pub fn number(self) -> u8 {
+        match self {
+            ZeroStage::One => 1,
+            ZeroStage::Two => 2,
+            ZeroStage::Three => 3,
+        }
+    }
+}
+
+/// What of DeepSpeed's `zero_optimization` decides a rank's memory, in DeepSpeed's units
+/// (elements) and with its defaults. `overlap_comm: None` is DeepSpeed's own default (on for
+/// stage 3 only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct Zero {
+    pub reduce_bucket_size: u64,
+    pub overlap_comm: Option<bool>,
+    pub contiguous_gradients: bool,
+    pub prefetch_bucket_size: u64,
+    pub max_live_parameters: u64,
+    pub max_reuse_distance: u64,
+    pub param_persistence_threshold: u64,
+    /// Master weights, optimizer state and fp32 gradients on the host (`offload_optimizer`).
+    pub offload_optimizer: bool,
+    /// Stage 3's parameter partitions on the host (`offload_param`).
+    pub offload_param: bool,
+}
+
+impl Default for Zero {
+    fn default() -> Self {
+        Zero {
+            reduce_bucket_size: 500_000_000,
+            overlap_comm: None,
+            contiguous_gradients: true,
+            prefetch_bucket_size: 50_000_000,
+            max_live_parameters: 1_000_000_000,
+            max_reuse_distance: 1_000_000_000,
+            param_persistence_threshold: 100_000,
+            offload_optimizer: false,
+            offload_param: false,
+        }
+    }
+}
+
+/// The data-parallel engine that wraps the model (traced with PyTorch's own wrapper on a fake
+/// process group; ZeRO modelled).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Engine {
+    /// `DistributedDataParallel`: `bucket_cap_mb` its gradient buckets (MiB, PyTorch's 25),
+    /// `bucket_view` its `gradient_as_bucket_view`. Replicates over the whole mesh.
+    Ddp {
+        bucket_cap_mb: u32,
+        bucket_view: bool,
+    },
+    /// FSDP2 (`fully_shard` on each repeated block, then the model): parameters, gradients and
+    /// optimizer state sharded over the mesh's `shard` ranks, each layer's parameters gathered
+    /// for its forward and backward; `reshard_after_forward` frees them between the two;
+    /// `param_dtype`: `MixedPrecisionPolicy`'s (layers gathered and computed in it, gradients
+    /// reduced into fp32 shards); a `replicate` dimension makes it HSDP (replicated across
+    /// the groups); `cpu_offload`: `CPUOffloadPolicy` (shards, gradients and the optimizer
+    /// step on the host; each layer's shards copied to the GPU for its all-gather).
+    Fsdp {
+        reshard_after_forward: bool,
+        param_dtype: Option<HalfDtype>,
+        cpu_offload: bool,
+    },
+    /// DeepSpeed ZeRO over the mesh's `shard` ranks, modelled from its config (DeepSpeed need
+    /// not be installed).
+    Zero { stage: ZeroStage, zero: Zero },
+}
+
+impl Engine {
+    pub fn kind(&self) -> EngineKind {
+        match self {
+            Engine::Ddp { .. } => EngineKind::Ddp,
+            Engine::Fsdp { .. } => EngineKind::Fsdp,
+            Engine::Zero { .. } => EngineKind::Zero,
+        }
+    }
+}
+
+/// Which engine, as a job document names it (`strategy.kind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    Ddp,
+    Fsdp,
+    Zero,
+}
+
+impl EngineKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineKind::Ddp => "ddp",
+            EngineKind::Fsdp => "fsdp",
+            EngineKind::Zero => "zero",
+        }
+    }
+}
+
+/// How a multi-GPU job is laid out: its mesh and its data-parallel engine; the trace is one
+/// rank's, the batch that rank's. Invariant (checked by [`Strategy::new`], through which every
+/// strategy is made — flags, job files, JSON, trace headers): 2 to [`MAX_WORLD_SIZE`] ranks;
+/// the mesh has only the data-parallel dimensions gpumem models (replicate, shard); DDP only
+/// replicates; FSDP shards (HSDP: at least 2 ranks in each group); ZeRO only shards; DDP's
+/// buckets and ZeRO's reduce bucket are not empty; ZeRO offloads parameters only at stage 3.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "StrategyValues", into = "StrategyValues")]
+pub struct Strategy {
+    mesh: Mesh,
+    engine: Engine,
+}
+
+impl Strategy {
+    pub fn new(mesh: Mesh, engine: Engine) -> Result<Strategy, OptionError> {
+        let world_size = mesh.world_size();
+        for dim in [
+            MeshDim::Tensor,
+            MeshDim::Pipeline,
+            MeshDim::Context,
+            MeshDim::Expert,
+        ] {
+            if mesh.degree(dim) > 1 {
+                return Err(OptionError::NotModelled(dim.name()));
+            }
+        }
+        let (replicate, shard) = (mesh.degree(MeshDim::Replicate), mesh.degree(MeshDim::Shard));
+        match engine {
+            Engine::Ddp { .. } if shard > 1 => {
+                return Err(OptionError::EngineDim {
+                    engine: "ddp",
+                    dim: "shard",
+                });
+            }
+            Engine::Zero { .. } if replicate > 1 => {
+                return Err(OptionError::EngineDim {
+                    engine: "zero",
+                    dim: "replicate",
+                });
+            }
+            Engine::Fsdp { .. } if replicate > 1 && shard < 2 => {
+                return Err(OptionError::Replicas {
+                    replicas: replicate,
+                    world_size,
+                });
+            }
+            _ => {}
+        }
+        if !(2..=MAX_WORLD_SIZE).contains(&world_size) {
+            return Err(OptionError::WorldSize(world_size));
+        }
+        match engine {
+            Engine::Ddp {
+                bucket_cap_mb: 0, ..
+            } => Err(OptionError::BucketCap),
+            Engine::Zero { zero, .. } if zero.reduce_bucket_size == 0 => {
+                Err(OptionError::ReduceBucket)
+            }
+            Engine::Zero { stage, zero } if zero.offload_param && stage != ZeroStage::Three => {
+                Err(OptionError::OffloadParam)
+            }
+            _ => Ok(Strategy { mesh, engine }),
+        }
+    }
+
+    /// DDP over `world_size` ranks.
+    pub fn ddp(
+        world_size: u32,
+        bucket_cap_mb: u32,
+        bucket_view: bool,
+    ) -> Result<Self, OptionError> {
+        Strategy::new(
+            Mesh::new(&[(MeshDim::Replicate, world_size)])?,
+            Engine::Ddp {
+                bucket_cap_mb,
+                bucket_view,
+            },
+        )
+    }
+
+    /// FSDP2 over `world_size` ranks in `replicas` groups (HSDP where more than one).
+    pub fn fsdp(
+        world_size: u32,
+        replicas: u32,
+        reshard_after_forward: bool,
+        param_dtype: Option<HalfDtype>,
+        cpu_offload: bool,
+    ) -> Result<Self, OptionError> {
+        let bad = OptionError::Replicas {
+            replicas,
+            world_size,
+        };
+        if replicas == 0 || !world_size.is_multiple_of(replicas) {
+            return Err(bad);
+        }
+        let mesh = Mesh::new(&[
+            (MeshDim::Replicate, replicas),
+            (MeshDim::Shard, world_size / replicas),
+        ])
+        .map_err(|_| bad)?;
+        Strategy::new(
+            mesh,
+            Engine::Fsdp {
+                reshard_after_forward,
+                param_dtype,
+                cpu_offload,
+            },
+        )
+    }
+
+    /// ZeRO at `stage` over `world_size` ranks.
+    pub fn zero(stage: ZeroStage, world_size: u32, zero: Zero) -> Result<Self, OptionError> {
+        Strategy::new(
+            Mesh::new(&[(MeshDim::Shard, world_size)])?,
+            Engine::Zero { stage, zero },
+        )
+    }
+
+    pub fn mesh(&self) -> Mesh {
+        self.mesh
+    }
+
+    pub fn engine(&self) -> Engine {
+        self.engine
+    }
+
+    /// All ranks (GPUs) of the job.
+    pub fn world_size(&self) -> u32 {
+        self.mesh.world_size()
+    }
+
+    /// FSDP's replica groups (HSDP where more than one); 1 for the others.
+    pub fn replicas(&self) -> u32 {
+        match self.engine {
+            Engine::Fsdp { .. } => self.mesh.degree(MeshDim::Replicate),
+            _ => 1,
+        }
+    }
+
+    /// The name a person uses: `ddp`, `fsdp`, `hsdp`, `zero1`, `zero2`, `zero3`.
+    pub fn name(&self) -> &'static str {
+        match self.engine {
+            Engine::Ddp { .. } => "ddp",
+            Engine::Fsdp { .. } if self.replicas() > 1 => "hsdp",
+            Engine::Fsdp { .. } => "fsdp",
+            Engine::Zero {
+                stage: ZeroStage::One,
+                ..
+            } => "zero1",
+            Engine::Zero {
+                stage: ZeroStage::Two,
+                ..
+            } => "zero2",
+            Engine::Zero {
+                stage: ZeroStage::Three,
+                ..
+            } => "zero3",
+        }
+    }
+
+    pub fn zero_stage(&self) -> Option<ZeroStage> {
+        match self.engine {
+            Engine::Zero { stage, .. } => Some(stage),
+            _ => None,
+        }
+    }
+}
+
+/// A strategy as a job document states it: its engine (`kind`), its `mesh`, and the engine's
+/// own settings. The older spelling (`world_size`, and FSDP's `replicas`) still reads, and is
+/// never written.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StrategyValues {
+    pub kind: EngineKind,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mesh: Option<MeshValues>,
+    /// The older spelling of the mesh: all ranks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world_size: Option<u32>,
+    /// The older spelling of FSDP's `mesh.replicate`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<u32>,
+    /// DDP: gradient bucket size, MiB (PyTorch's 25).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bucket_cap_mb: Option<u32>,
+    /// DDP: `gradient_as_bucket_view`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bucket_view: Option<bool>,
+    /// FSDP: `reshard_after_forward` (default true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reshard_after_forward: Option<bool>,
+    /// FSDP: `MixedPrecisionPolicy.param_dtype`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub param_dtype: Option<HalfDtype>,
+    /// FSDP: `CPUOffloadPolicy`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_offload: Option<bool>,
+    /// ZeRO: the stage, 1 to 3.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<u8>,
+    /// ZeRO: `zero_optimization`'s settings (DeepSpeed's defaults where absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zero: Option<Zero>,
+}
+
+impl TryFrom<StrategyValues> for Strategy {
+    type Error = OptionError;
+
+    fn try_from(v: StrategyValues) -> Result<Strategy, OptionError> {
+        let kind = v.kind;
+        let foreign = |setting: &'static str, set: bool, owner: EngineKind| {
+            if set && kind != owner {
+                Err(OptionError::Setting {
+                    setting,
+                    owner: owner.name(),
+                    kind: kind.name(),
+                })
+            } else {
+                Ok(())
+            }
+        };
+        foreign("bucket_cap_mb", v.bucket_cap_mb.is_some(), EngineKind::Ddp)?;
+        foreign("bucket_view", v.bucket_view.is_some(), EngineKind::Ddp)?;
+        foreign(
+            "reshard_after_forward",
+            v.reshard_after_forward.is_some(),
+            EngineKind::Fsdp,
+        )?;
+        foreign("param_dtype", v.param_dtype.is_some(), EngineKind::Fsdp)?;
+        foreign("cpu_offload", v.cpu_offload.is_some(), EngineKind::Fsdp)?;
+        foreign("replicas", v.replicas.is_some(), EngineKind::Fsdp)?;
+        foreign("stage", v.stage.is_some(), EngineKind::Zero)?;
+        foreign("zero", v.zero.is_some(), EngineKind::Zero)?;
+        let engine = match kind {
+            EngineKind::Ddp => Engine::Ddp {
+                bucket_cap_mb: v.bucket_cap_mb.unwrap_or(DDP_BUCKET_CAP_MB),
+                bucket_view: v.bucket_view.unwrap_or(false),
+            },
+            EngineKind::Fsdp => Engine::Fsdp {
+                reshard_after_forward: v.reshard_after_forward.unwrap_or(true),
+                param_dtype: v.param_dtype,
+                cpu_offload: v.cpu_offload.unwrap_or(false),
+            },
+            EngineKind::Zero => Engine::Zero {
+                stage: ZeroStage::new(v.stage.ok_or(OptionError::NoStage)?)?,
+                zero: v.zero.unwrap_or_default(),
+            },
+        };
+        if v.mesh.is_some() && (v.world_size.is_some() || v.replicas.is_some()) {
+            return Err(OptionError::TwoMeshes);
+        }
+        let mesh = match (v.mesh, v.world_size) {
+            (Some(m), _) => Mesh::new(&m.dims())?,
+            (None, Some(world_size)) => {
+                return match engine {
+                    Engine::Fsdp {
+                        reshard_after_forward,
+                        param_dtype,
+                        cpu_offload,
+                    } => Strategy::fsdp(
+                        world_size,
+                        v.replicas.unwrap_or(1),
+                        reshard_after_forward,
+                        param_dtype,
+                        cpu_offload,
+                    ),
+                    Engine::Ddp { .. } => {
+                        Strategy::new(Mesh::new(&[(MeshDim::Replicate, world_size)])?, engine)
+                    }
+                    Engine::Zero { .. } => {
+                        Strategy::new(Mesh::new(&[(MeshDim::Shard, world_size)])?, engine)
+                    }
+                };
+            }
+            (None, None) => return Err(OptionError::NoMesh),
+        };
+        Strategy::new(mesh, engine)
+    }
+}
+
+impl From<Strategy> for StrategyValues {
+    fn from(s: Strategy) -> StrategyValues {
+        let mut v = StrategyValues {
+            kind: s.engine.kind(),
+            mesh: Some(s.mesh.into()),
+            world_size: None,
+            replicas: None,
+            bucket_cap_mb: None,
+            bucket_view: None,
+            reshard_after_forward: None,
+            param_dtype: None,
+            cpu_offload: None,
+            stage: None,
+            zero: None,
+        };
+        match s.engine {
+            Engine::Ddp {
+                bucket_cap_mb,
+                bucket_view,
+            } => {
+                v.bucket_cap_mb = Some(bucket_cap_mb);
+                v.bucket_view = Some(bucket_view);
+            }
+            Engine::Fsdp {
+                reshard_after_forward,
+                param_dtype,
+                cpu_offload,
+            } => {
+                v.reshard_after_forward = Some(reshard_after_forward);
+                v.param_dtype = param_dtype;
+                v.cpu_offload = cpu_offload.then_some(true);
+            }
+            Engine::Zero { stage, zero } => {
+                v.stage = Some(stage.number());
+                v.zero = Some(zero);
+            }
+        }
+        v
+    }
+}
+
+impl JsonSchema for Strategy {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        StrategyValues::schema_name()
+    }
+
+    fn json_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        StrategyValues::json_schema(g)
+    }
+}

@@ -1,0 +1,639 @@
+//! The job vocabulary: what a training job is, as data — which model ([`ModelRef`]: a native
+//! spec or a PyTorch reference, told apart by the one prefix table here) and the options of the
+//! loop around it ([`Options`]: optimizer, precision, checkpointing, [`Lora`], the multi-GPU
+//! [`Strategy`] as a device [`Mesh`]). Every entry point (flags, job files, JSON over the API,
+//! trace headers, the tracer's request) reads these types, and each checks itself where it is
+//! made, so an invalid job cannot be represented. The `gpumem-workload` crate turns a job into
+//! a trace.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use schemars::JsonSchema;
+
+use crate::UnknownName;
+use crate::families::{ModelSpec, SpecError};
+use crate::graph::Dtype;
+
+pub mod lora;
+pub mod mesh;
+
+pub use lora::{Lora, LoraError, LoraValues, Quant4};
+pub use mesh::{
+    DDP_BUCKET_CAP_MB, Engine, EngineKind, HalfDtype, MAX_WORLD_SIZE, Mesh, MeshDim, MeshValues,
+    Strategy, StrategyValues, Zero, ZeroStage,
+};
+
+/// Prefixes of model references only the PyTorch tracer can resolve.
+pub const TORCH_PREFIXES: [&str; 5] = ["torchvision:", "timm:", "hf:", "smp:", "py:"];
+
+/// Which model a job trains.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelRef {
+    /// A native family model gpumem builds itself (`mlp:`, `cnn:`, `transformer:`).
+    Native(ModelSpec),
+    /// A reference only the PyTorch tracer can resolve (`torchvision:`, `timm:`, `hf:`, `smp:`, `py:`).
+    Torch(String),
+}
+
+impl ModelRef {
+    /// Whether `model` names a PyTorch model (by its prefix).
+    pub fn is_torch(model: &str) -> bool {
+        TORCH_PREFIXES.iter().any(|p| model.starts_with(p))
+    }
+
+    /// A PyTorch reference by its prefix, else a native spec (whose parse error names what is
+    /// wrong, including an unknown family prefix).
+    pub fn parse(model: &str) -> Result<ModelRef, SpecError> {
+        match Self::recognise(model)? {
+            Some(m) => Ok(m),
+            None => ModelSpec::parse(model).map(ModelRef::Native),
+        }
+    }
+
+    /// Like [`ModelRef::parse`], but a name with neither kind of prefix (a measured row's
+    /// `resnet50`) is `None`, not an error.
+    pub fn recognise(model: &str) -> Result<Option<ModelRef>, SpecError> {
+        if Self::is_torch(model) {
+            return Ok(Some(ModelRef::Torch(model.to_string())));
+        }
+        match model.split_once(':') {
+            Some((family, _)) if ModelSpec::FAMILIES.contains(&family) => {
+                ModelSpec::parse(model).map(|m| Some(ModelRef::Native(m)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    pub fn is_native(&self) -> bool {
+        matches!(self, ModelRef::Native(_))
+    }
+}
+
+impl fmt::Display for ModelRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ModelRef::Native(s) => f.write_str(&s.to_spec_string()),
+            ModelRef::Torch(r) => f.write_str(r),
+        }
+    }
+}
+
+/// An image input shape `CxHxW`, every size positive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct InputShape {
+    pub channels: u64,
+    pub height: u64,
+    pub width: u64,
+}
+
+impl InputShape {
+    pub fn parse(s: &str) -> Option<InputShape> {
+        let v: Vec<u64> = s
+            .split('x')
+            .map(|p| p.parse::<u64>().ok().filter(|&n| n > 0))
+            .collect::<Option<_>>()?;
+        let [channels, height, width] = v[..] else {
+            return None;
+        };
+        Some(InputShape {
+            channels,
+            height,
+            width,
+        })
+    }
+}
+
+impl fmt::Display for InputShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}x{}x{}", self.channels, self.height, self.width)
+    }
+}
+
+/// A closed set of option values spelled as on the command line and in JSON.
+macro_rules! spelled {
+    ($(#[$doc:meta])* $name:ident ($what:literal) { $($(#[$vdoc:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+        pub enum $name {
+            #[default]
+            $($(#[$vdoc])* $variant),+
+        }
+
+        impl $name {
+            pub const NAMES: &[&str] = &[$($text),+];
+
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text),+
+                }
+            }
+
+            pub fn parse(s: &str) -> Result<$name, UnknownName> {
+                match s {
+                    $($text => Ok($name::$variant),)+
+                    other => Err(UnknownName::new($what, other, $name::NAMES.join(", "))),
+                }
+            }
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(self.name())
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<$name, D::Error> {
+                let s = String::deserialize(d)?;
+                $name::parse(&s).map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+
+spelled!(
+    /// Activation checkpointing of a PyTorch model's repeated blocks.
+    Checkpointing ("checkpointing") {
+        Off = "off",
+        /// Each block recomputed whole in backward (the model's own switch where it has one).
+        Full = "full",
+        /// Selective, op-level (torchtitan's "op" mode): each block's matmul and attention
+        /// outputs saved, the rest recomputed.
+        Selective = "selective",
+    }
+);
+
+spelled!(
+    /// An evaluation pass after training (two eval-mode batches).
+    Validate ("validation") {
+        None = "none",
+        NoGrad = "no-grad",
+        /// A validation loop without `torch.no_grad()`: each output's graph stays alive.
+        Grad = "grad",
+    }
+);
+
+spelled!(
+    /// Whether the training loop holds the model's output through backward.
+    Outputs ("outputs") {
+        /// `outputs = model(x); loss = criterion(outputs, y)`.
+        Kept = "kept",
+        /// `loss = model(**batch).loss`, as Hugging Face's Trainer runs.
+        Dropped = "dropped",
+    }
+);
+
+spelled!(
+    /// The attention mask a Hugging Face model gets.
+    AttentionMask ("attention mask") {
+        None = "none",
+        /// A padded batch's mask, which the model materialises (and which keeps flash attention out).
+        Padded = "padded",
+    }
+);
+
+/// Training precision: fp32, autocast to a low dtype (`amp-*`), or pure low precision (weights,
+/// gradients and optimizer state in fp16/bf16; PyTorch models only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Precision {
+    Fp32,
+    AmpFp16,
+    AmpBf16,
+    Fp16,
+    Bf16,
+}
+
+impl Precision {
+    pub fn parse(s: &str) -> Result<Self, UnknownName> {
+        match s {
+            "fp32" => Ok(Precision::Fp32),
+            "amp-fp16" => Ok(Precision::AmpFp16),
+            "amp-bf16" => Ok(Precision::AmpBf16),
+            "fp16" => Ok(Precision::Fp16),
+            "bf16" => Ok(Precision::Bf16),
+            other => Err(UnknownName::new(
+                "precision",
+                other,
+                "fp32, amp-fp16, amp-bf16, fp16 or bf16",
+            )),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::AmpFp16 => "amp-fp16",
+            Precision::AmpBf16 => "amp-bf16",
+            Precision::Fp16 => "fp16",
+            Precision::Bf16 => "bf16",
+        }
+    }
+
+    /// The autocast dtype, if autocast is on.
+    pub fn low(self) -> Option<Dtype> {
+        match self {
+            Precision::AmpFp16 => Some(Dtype::F16),
+            Precision::AmpBf16 => Some(Dtype::BF16),
+            Precision::Fp32 | Precision::Fp16 | Precision::Bf16 => None,
+        }
+    }
+
+    /// Weights and optimizer state in a low dtype (no autocast).
+    pub fn is_pure(self) -> bool {
+        matches!(self, Precision::Fp16 | Precision::Bf16)
+    }
+}
+
+/// The optimizers gpumem models, with PyTorch's defaults (foreach on CUDA in 2.x), and
+/// bitsandbytes' 8-bit Adam/AdamW (blockwise-quantized state; `paged`: its state in CUDA managed
+/// memory, counted as resident — what nvidia-smi shows while nothing presses it out).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Optimizer {
+    Adam,
+    AdamW,
+    Sgd,
+    SgdMomentum,
+    Adam8bit,
+    AdamW8bit,
+    PagedAdamW8bit,
+}
+
+impl Optimizer {
+    pub fn parse(s: &str) -> Result<Self, UnknownName> {
+        match s.to_ascii_lowercase().as_str() {
+            "adam" => Ok(Optimizer::Adam),
+            "adamw" => Ok(Optimizer::AdamW),
+            "sgd" => Ok(Optimizer::Sgd),
+            "sgd-momentum" | "sgd_momentum" | "momentum" => Ok(Optimizer::SgdMomentum),
+            "adam8bit" | "adam-8bit" => Ok(Optimizer::Adam8bit),
+            "adamw8bit" | "adamw-8bit" => Ok(Optimizer::AdamW8bit),
+            "paged-adamw8bit" | "paged_adamw8bit" | "paged-adamw-8bit" => {
+                Ok(Optimizer::PagedAdamW8bit)
+            }
+            other => Err(UnknownName::new(
+                "optimizer",
+                other,
+                "adam, adamw, sgd, sgd-momentum, adam8bit, adamw8bit or paged-adamw8bit",
+            )),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Optimizer::Adam => "adam",
+            Optimizer::AdamW => "adamw",
+            Optimizer::Sgd => "sgd",
+            Optimizer::SgdMomentum => "sgd-momentum",
+            Optimizer::Adam8bit => "adam8bit",
+            Optimizer::AdamW8bit => "adamw8bit",
+            Optimizer::PagedAdamW8bit => "paged-adamw8bit",
+        }
+    }
+}
+
+/// The options of the training loop around a model, as stated (by flags, a job file, JSON or
+/// a trace header) and not yet checked: [`OptionValues::check`] makes them [`Options`]. The
+/// defaults are a plain loop: Adam, fp32, the model's own input, one GPU, no checkpointing or
+/// accumulation, no validation.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptionValues {
+    #[serde(with = "optimizer_name")]
+    #[schemars(with = "String")]
+    pub optimizer: Optimizer,
+    #[serde(with = "precision_name")]
+    #[schemars(with = "String")]
+    pub precision: Precision,
+    /// Input shape of image models, `CxHxW` (default: the model's own).
+    #[serde(with = "input_text")]
+    #[schemars(with = "Option<String>")]
+    pub input: Option<InputShape>,
+    /// Sequence length of sequence models.
+    pub seq_len: Option<u64>,
+    /// Activation checkpointing: `off`, `full` or `selective` (stored as `false`/`true` for off
+    /// and full, as before selective).
+    #[serde(with = "checkpointing_compat")]
+    #[schemars(with = "serde_json::Value")]
+    pub checkpointing: Checkpointing,
+    /// The channels_last memory format.
+    pub channels_last: bool,
+    /// Gradient accumulation steps.
+    pub grad_accum: u32,
+    /// GPUs of a `torch.nn.DataParallel` job (1: none); the job's batch is then the whole batch
+    /// the wrapper splits, and the trace is GPU 0's.
+    pub data_parallel: u32,
+    #[schemars(with = "String")]
+    pub validate: Validate,
+    /// `None`: the model source's usual loop (Hugging Face's Trainer drops it, others keep it).
+    #[schemars(with = "Option<String>")]
+    pub outputs: Option<Outputs>,
+    #[schemars(with = "String")]
+    pub attention_mask: AttentionMask,
+    /// LoRA fine-tuning: the model frozen, its target layers given trainable low-rank factors.
+    pub lora: Option<Lora>,
+    /// A multi-GPU job's mesh and engine; the trace is one rank's, the batch that rank's.
+    pub strategy: Option<Strategy>,
+}
+
+impl Default for OptionValues {
+    fn default() -> Self {
+        OptionValues {
+            optimizer: Optimizer::Adam,
+            precision: Precision::Fp32,
+            input: None,
+            seq_len: None,
+            checkpointing: Checkpointing::Off,
+            channels_last: false,
+            grad_accum: 1,
+            data_parallel: 1,
+            validate: Validate::None,
+            outputs: None,
+            attention_mask: AttentionMask::None,
+            lora: None,
+            strategy: None,
+        }
+    }
+}
+
+/// The options of the training loop around a model, checked: read through `Deref` as
+/// [`OptionValues`]; changed only by checking new values ([`Options::values`], then
+/// [`OptionValues::check`]). Invariant: every field in range, and the fields agree with one
+/// another (see [`OptionError`]); the parts ([`Lora`], [`Strategy`]) hold their own.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(try_from = "OptionValues", into = "OptionValues")]
+pub struct Options(OptionValues);
+
+impl std::ops::Deref for Options {
+    type Target = OptionValues;
+
+    fn deref(&self) -> &OptionValues {
+        &self.0
+    }
+}
+
+impl TryFrom<OptionValues> for Options {
+    type Error = OptionError;
+
+    fn try_from(v: OptionValues) -> Result<Options, OptionError> {
+        v.check()
+    }
+}
+
+impl From<Options> for OptionValues {
+    fn from(o: Options) -> OptionValues {
+        o.0
+    }
+}
+
+impl JsonSchema for Options {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        OptionValues::schema_name()
+    }
+
+    fn json_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        OptionValues::json_schema(g)
+    }
+}
+
+/// An option out of range or at odds with another, named as a job document spells it (and the
+/// command line's flag where it has one).
+#[derive(Debug, thiserror::Error)]
+pub enum OptionError {
+    #[error("grad_accum (--grad-accum) must be at least 1")]
+    GradAccum,
+    #[error("data_parallel (--data-parallel) {0} is out of range (1..={MAX_DATA_PARALLEL})")]
+    DataParallel(u32),
+    #[error("seq_len (--seq-len) must be at least 1")]
+    SeqLen,
+    #[error("strategy's world size (--world-size) {0} is out of range (2..={MAX_WORLD_SIZE})")]
+    WorldSize(u32),
+    #[error("strategy.mesh.{0} has degree 0 (every mesh dimension has at least 1 rank)")]
+    MeshDegree(&'static str),
+    #[error("strategy.mesh.{0}: gpumem does not size {0}-parallel jobs yet")]
+    NotModelled(&'static str),
+    #[error("strategy.mesh.{dim}: {engine} does not split its ranks that way")]
+    EngineDim {
+        engine: &'static str,
+        dim: &'static str,
+    },
+    #[error("strategy needs a mesh (or world_size)")]
+    NoMesh,
+    #[error("strategy states a mesh and world_size or replicas: give one")]
+    TwoMeshes,
+    #[error("strategy.{setting} is a {owner} setting, and this strategy is {kind}")]
+    Setting {
+        setting: &'static str,
+        owner: &'static str,
+        kind: &'static str,
+    },
+    #[error("strategy.stage is required for zero (1, 2 or 3)")]
+    NoStage,
+    #[error("strategy.bucket_cap_mb (--bucket-cap-mb) must be at least 1")]
+    BucketCap,
+    #[error("a job is data_parallel (--data-parallel) or has a strategy (--strategy), not both")]
+    TwoWrappers,
+    #[error("strategy.stage: ZeRO stage {0} is not 1, 2 or 3")]
+    ZeroStage(u8),
+    #[error("strategy.zero.reduce_bucket_size must be at least 1")]
+    ReduceBucket,
+    #[error("strategy.zero.offload_param needs ZeRO stage 3")]
+    OffloadParam,
+    /// DeepSpeed scales the loss of fp16 training inside its engine; torch's GradScaler does not
+    /// drive one.
+    #[error(
+        "ZeRO trains fp16 in DeepSpeed's own fp16 mode (--precision fp16, loss scaling inside the engine), not under torch's GradScaler (amp-fp16)"
+    )]
+    ZeroAmpFp16,
+    #[error(
+        "HSDP's replicas (--nodes) {replicas} must divide the world size (--world-size) {world_size} into groups of at least 2 ranks"
+    )]
+    Replicas { replicas: u32, world_size: u32 },
+    #[error(transparent)]
+    Lora(#[from] LoraError),
+}
+
+/// A multi-GPU job whose GPU count is not its strategy's world size (a job's ranks are its GPUs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "options.strategy has world_size {world_size}, and a job's ranks are its GPUs: gpus must be {world_size}, not {gpus}"
+)]
+pub struct RanksNotGpus {
+    pub world_size: u32,
+    pub gpus: u32,
+}
+
+/// Options a native family model cannot take, on a native model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs, --attention-mask, --lora and --strategy apply to PyTorch models ({})",
+    TORCH_PREFIXES.join(", ")
+)]
+pub struct TorchOnly;
+
+/// Most GPUs a DataParallel job is modelled over.
+pub const MAX_DATA_PARALLEL: u32 = 64;
+
+impl OptionValues {
+    /// These values as [`Options`], or the first option out of range or at odds with another.
+    pub fn check(self) -> Result<Options, OptionError> {
+        if self.grad_accum == 0 {
+            return Err(OptionError::GradAccum);
+        }
+        if self.data_parallel == 0 || self.data_parallel > MAX_DATA_PARALLEL {
+            return Err(OptionError::DataParallel(self.data_parallel));
+        }
+        if self.seq_len == Some(0) {
+            return Err(OptionError::SeqLen);
+        }
+        if let Some(strategy) = self.strategy {
+            if strategy.zero_stage().is_some() && self.precision == Precision::AmpFp16 {
+                return Err(OptionError::ZeroAmpFp16);
+            }
+            if self.data_parallel > 1 {
+                return Err(OptionError::TwoWrappers);
+            }
+        }
+        Ok(Options(self))
+    }
+}
+
+impl Options {
+    /// A copy of the values, to change and check again.
+    pub fn values(&self) -> OptionValues {
+        self.0.clone()
+    }
+
+    /// A job of these options on `gpus` GPUs: a strategy's ranks must be exactly its GPUs.
+    pub fn check_gpus(&self, gpus: u32) -> Result<(), RanksNotGpus> {
+        match self.strategy.map(|s| s.world_size()) {
+            Some(world_size) if world_size != gpus => Err(RanksNotGpus { world_size, gpus }),
+            _ => Ok(()),
+        }
+    }
+
+    /// What a native family model can be given of these options: the optimizer and the
+    /// precision, in an otherwise plain loop (the families refuse pure precision themselves).
+    pub fn native_part(&self) -> Options {
+        Options(OptionValues {
+            optimizer: self.optimizer,
+            precision: self.precision,
+            ..OptionValues::default()
+        })
+    }
+
+    /// Whether a native family model can take all of these options.
+    pub fn native_compatible(&self) -> bool {
+        *self == self.native_part()
+    }
+
+    /// `model` trained with these options: a native model takes only the native part.
+    pub fn check_model(&self, model: &ModelRef) -> Result<(), TorchOnly> {
+        if model.is_native() && !self.native_compatible() {
+            return Err(TorchOnly);
+        }
+        Ok(())
+    }
+}
+
+/// What a measured row says of its job beyond the model and batch; unset fields take the
+/// defaults the caller gives.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct OptionOverrides {
+    pub optimizer: Option<Optimizer>,
+    pub precision: Option<Precision>,
+    pub input: Option<InputShape>,
+    pub seq_len: Option<u64>,
+    pub data_parallel: Option<u32>,
+    pub outputs: Option<Outputs>,
+}
+
+impl OptionOverrides {
+    /// `base` with these overrides, checked again (a row's precision may not suit its strategy).
+    pub fn over(&self, base: &Options) -> Result<Options, OptionError> {
+        OptionValues {
+            optimizer: self.optimizer.unwrap_or(base.optimizer),
+            precision: self.precision.unwrap_or(base.precision),
+            input: self.input.or(base.input),
+            seq_len: self.seq_len.or(base.seq_len),
+            data_parallel: self.data_parallel.unwrap_or(base.data_parallel),
+            outputs: self.outputs.or(base.outputs),
+            ..base.values()
+        }
+        .check()
+    }
+}
+
+mod checkpointing_compat {
+    use super::*;
+    pub fn serialize<S: serde::Serializer>(c: &Checkpointing, s: S) -> Result<S::Ok, S::Error> {
+        match c {
+            Checkpointing::Off => s.serialize_bool(false),
+            Checkpointing::Full => s.serialize_bool(true),
+            Checkpointing::Selective => s.serialize_str(c.name()),
+        }
+    }
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Checkpointing, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Stored {
+            Flag(bool),
+            Name(String),
+        }
+        match Stored::deserialize(d)? {
+            Stored::Flag(on) => Ok(if on {
+                Checkpointing::Full
+            } else {
+                Checkpointing::Off
+            }),
+            Stored::Name(n) => Checkpointing::parse(&n).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+mod optimizer_name {
+    use super::*;
+    pub fn serialize<S: serde::Serializer>(o: &Optimizer, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(o.name())
+    }
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Optimizer, D::Error> {
+        Optimizer::parse(&String::deserialize(d)?).map_err(serde::de::Error::custom)
+    }
+}
+
+mod precision_name {
+    use super::*;
+    pub fn serialize<S: serde::Serializer>(p: &Precision, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(p.name())
+    }
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Precision, D::Error> {
+        Precision::parse(&String::deserialize(d)?).map_err(serde::de::Error::custom)
+    }
+}
+
+mod input_text {
+    use super::*;
+    pub fn serialize<S: serde::Serializer>(
+        i: &Option<InputShape>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match i {
+            Some(i) => s.serialize_str(&i.to_string()),
+            None => s.serialize_none(),
+        }
+    }
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<InputShape>, D::Error> {
+        match Option::<String>::deserialize(d)? {
+            None => Ok(None),
+            Some(t) => InputShape::parse(&t)
+                .map(Some)
+                .ok_or_else(|| serde::de::Error::custom(format!("input `{t}` is not CxHxW"))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,211 @@
+use super::*;
+
+#[test]
+fn one_prefix_table() {
+    assert_eq!(
+        ModelRef::parse("hf:gpt2").unwrap(),
+        ModelRef::Torch("hf:gpt2".into())
+    );
+    assert!(
+        ModelRef::parse("mlp:input=8,output=2,depth=1")
+            .unwrap()
+            .is_native()
+    );
+    let e = ModelRef::parse("resnet50").unwrap_err().to_string();
+    assert!(e.contains("no `family:` prefix"), "{e}");
+    assert_eq!(ModelRef::recognise("resnet50").unwrap(), None);
+    assert!(ModelRef::recognise("mlp:depth=x").is_err());
+}
+
+#[test]
+fn options_in_json_are_spelled_as_on_the_command_line() {
+    let o: Options = serde_json::from_str(r#"{"optimizer":"adamw","precision":"amp-bf16","input":"3x224x224","validate":"no-grad","outputs":"dropped"}"#).unwrap();
+    assert_eq!(
+        (o.optimizer, o.precision, o.validate, o.outputs),
+        (
+            Optimizer::AdamW,
+            Precision::AmpBf16,
+            Validate::NoGrad,
+            Some(Outputs::Dropped)
+        )
+    );
+    assert_eq!(o.input.unwrap().to_string(), "3x224x224");
+    assert_eq!(
+        serde_json::from_str::<Options>(&serde_json::to_string(&o).unwrap()).unwrap(),
+        o
+    );
+    let e = serde_json::from_str::<Options>(r#"{"validate":"maybe"}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("unknown validation `maybe` (expected none, no-grad, grad)"),
+        "{e}"
+    );
+    assert!(serde_json::from_str::<Options>(r#"{"optimiser":"sgd"}"#).is_err());
+    assert!(InputShape::parse("3x0x4").is_none() && InputShape::parse("3x4").is_none());
+}
+
+#[test]
+fn checks_and_native_options() {
+    assert!(Options::default().native_compatible());
+    let e = OptionValues {
+        grad_accum: 0,
+        ..OptionValues::default()
+    }
+    .check()
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "grad_accum (--grad-accum) must be at least 1"
+    );
+    // Deserializing runs the same check.
+    let e = serde_json::from_str::<Options>(r#"{"grad_accum": 0}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("grad_accum (--grad-accum) must be at least 1"),
+        "{e}"
+    );
+    let full = OptionValues {
+        checkpointing: Checkpointing::Full,
+        ..OptionValues::default()
+    }
+    .check()
+    .unwrap();
+    assert!(!full.native_compatible());
+    let mlp = ModelRef::parse("mlp:input=8,output=2,depth=1").unwrap();
+    assert!(full.check_model(&mlp).is_err() && Options::default().check_model(&mlp).is_ok());
+    // Stored jobs from before selective checkpointing read as they were written.
+    for (stored, c) in [
+        ("false", Checkpointing::Off),
+        ("true", Checkpointing::Full),
+        ("\"selective\"", Checkpointing::Selective),
+    ] {
+        let o: Options =
+            serde_json::from_str(&format!(r#"{{"checkpointing": {stored}}}"#)).unwrap();
+        assert_eq!(o.checkpointing, c);
+        assert_eq!(
+            serde_json::to_value(&o).unwrap()["checkpointing"].to_string(),
+            stored
+        );
+    }
+    assert!(
+        serde_json::from_str::<Options>(r#"{"checkpointing": "half"}"#)
+            .unwrap_err()
+            .to_string()
+            .contains("half")
+    );
+    let base = OptionValues {
+        grad_accum: 2,
+        ..OptionValues::default()
+    }
+    .check()
+    .unwrap();
+    let over = OptionOverrides {
+        seq_len: Some(512),
+        ..Default::default()
+    }
+    .over(&base)
+    .unwrap();
+    assert_eq!((over.seq_len, over.grad_accum), (Some(512), 2));
+}
+
+#[test]
+fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
+    let ddp = |world_size, data_parallel| OptionValues {
+        strategy: Some(Strategy::ddp(world_size, 25, false).unwrap()),
+        data_parallel,
+        ..OptionValues::default()
+    };
+    let eight = ddp(8, 1).check().unwrap();
+    assert!(matches!(ddp(8, 2).check(), Err(OptionError::TwoWrappers)));
+    assert!(matches!(
+        Strategy::ddp(1, 25, false),
+        Err(OptionError::WorldSize(1))
+    ));
+    let json = serde_json::to_string(&eight).unwrap();
+    assert!(
+        json.contains(
+            r#""strategy":{"kind":"ddp","mesh":{"replicate":8},"bucket_cap_mb":25,"bucket_view":false}"#
+        ),
+        "{json}"
+    );
+    assert_eq!(serde_json::from_str::<Options>(&json).unwrap(), eight);
+    assert!(!eight.native_compatible());
+    // The older spelling (a world size, and FSDP's replicas) still reads, as the same mesh.
+    let old: Strategy = serde_json::from_str(
+        r#"{"kind":"fsdp","world_size":8,"replicas":2,"reshard_after_forward":true}"#,
+    )
+    .unwrap();
+    let new: Strategy =
+        serde_json::from_str(r#"{"kind":"fsdp","mesh":{"replicate":2,"shard":4}}"#).unwrap();
+    assert_eq!(old, new);
+    assert_eq!(
+        (new.name(), new.world_size(), new.replicas()),
+        ("hsdp", 8, 2)
+    );
+    let zero: Strategy =
+        serde_json::from_str(r#"{"kind":"zero","stage":3,"world_size":4,"zero":{}}"#).unwrap();
+    assert_eq!(
+        (zero.name(), zero.mesh().degree(MeshDim::Shard)),
+        ("zero3", 4)
+    );
+    for (bad, needle) in [
+        (
+            r#"{"kind":"zero","stage":4,"world_size":4}"#,
+            "ZeRO stage 4 is not 1, 2 or 3",
+        ),
+        (
+            r#"{"kind":"zero","world_size":4}"#,
+            "strategy.stage is required",
+        ),
+        (
+            r#"{"kind":"ddp","mesh":{"replicate":4,"tensor":0}}"#,
+            "strategy.mesh.tensor has degree 0",
+        ),
+        (
+            r#"{"kind":"ddp","mesh":{"replicate":2,"tensor":2}}"#,
+            "does not size tensor-parallel jobs yet",
+        ),
+        (
+            r#"{"kind":"ddp","mesh":{"shard":4}}"#,
+            "strategy.mesh.shard: ddp",
+        ),
+        (
+            r#"{"kind":"zero","stage":1,"mesh":{"replicate":2,"shard":2}}"#,
+            "strategy.mesh.replicate: zero",
+        ),
+        (
+            r#"{"kind":"fsdp","world_size":4,"bucket_cap_mb":5}"#,
+            "strategy.bucket_cap_mb is a ddp setting",
+        ),
+        (
+            r#"{"kind":"fsdp","world_size":4,"replicas":4}"#,
+            "groups of at least 2 ranks",
+        ),
+        (
+            r#"{"kind":"fsdp","mesh":{"shard":4},"world_size":4}"#,
+            "give one",
+        ),
+        (r#"{"kind":"ddp"}"#, "strategy needs a mesh"),
+        (
+            r#"{"kind":"zero","stage":2,"world_size":4,"zero":{"offload_param":true}}"#,
+            "offload_param needs ZeRO stage 3",
+        ),
+        (
+            r#"{"kind":"ddp","world_size":4,"bucket_cap_mb":0}"#,
+            "bucket_cap_mb (--bucket-cap-mb) must be at least 1",
+        ),
+    ] {
+        let e = serde_json::from_str::<Strategy>(bad)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(needle), "{bad}: {e}");
+    }
+    let e = serde_json::from_str::<Options>(
+        r#"{"precision":"amp-fp16","strategy":{"kind":"zero","stage":2,"world_size":4}}"#,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("DeepSpeed's own fp16 mode"), "{e}");
+}

@@ -1,0 +1,202 @@
+"""The tracer's request and its answer.
+
+gpumem sends one JSON document per tracer run (its Rust ``TracerRequest``; the JSON Schema of it,
+generated from the Rust types, is ``request.schema.json`` beside this file, and the tests hold
+this loader to it). ``trace_options`` loads the request's job straight into ``TraceOptions``:
+the options were checked where they were made, so nothing here checks them again. The answer is
+one JSON document, ``{"status", "kind", "message", "where"}``, written to the request's
+``result`` path (see ``Failure``).
+"""
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+# The request format this tracer reads (the Rust side's `TracerRequest::VERSION`).
+VERSION = 1
+
+
+@dataclass
+class Failure:
+    """Why a trace failed: ``kind`` is ``reference`` (the model reference or an option is
+    wrong), ``model`` (the model itself failed), ``timeout`` or ``python`` (the interpreter or
+    torch); ``where`` is ``file:line`` of the failure where it is known."""
+
+    kind: str
+    message: str
+    where: str = None
+
+    EXIT = {"reference": 2, "model": 3, "timeout": 4, "python": 3}
+
+    def code(self):
+        return self.EXIT[self.kind]
+
+    def answer(self):
+        return {"status": "failed", "kind": self.kind, "message": self.message, "where": self.where}
+
+
+OK = {"status": "ok", "kind": None, "message": None, "where": None}
+
+
+def write_answer(path, answer):
+    """Writes the answer to ``path`` (whole, or not at all: a reader never sees half of one)."""
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(answer, f)
+    os.replace(tmp, path)
+
+
+def trace_options(request):
+    """The ``TraceOptions`` of a request's job (its first batch size; the caller sets the others)."""
+    from .loop import TraceOptions
+    from .lora import Lora
+
+    o = request["options"]
+    capability = request.get("gpu_capability", "8.0")
+    if not re.fullmatch(r"\d+\.\d+", capability):
+        raise ValueError(f"gpu_capability `{capability}` is not MAJOR.MINOR (e.g. 9.0)")
+    checkpointing = o.get("checkpointing", False)
+    lora = o.get("lora")
+    if lora:
+        quant = lora.get("quant")
+        lora = Lora(
+            rank=lora["rank"],
+            alpha=lora["alpha"],
+            targets=tuple(lora["targets"]),
+            dropout=lora.get("dropout", 0.0),
+            quant=None if quant is None else ("nf4" if quant["nf4"] else "fp4"),
+            double_quant=True if quant is None else quant["double_quant"],
+        )
+    input_shape = o.get("input")
+    return TraceOptions(
+        model=request["model"],
+        batch=request["batches"][0],
+        optimizer=o.get("optimizer", "adam"),
+        precision=o.get("precision", "fp32"),
+        iterations=request.get("iterations", 3),
+        input_shape=tuple(int(x) for x in input_shape.split("x")) if input_shape else None,
+        seq_len=o.get("seq_len"),
+        gpu_capability=capability,
+        sdpa=request.get("sdpa"),
+        checkpointing=checkpointing in (True, "full", "selective"),
+        selective=checkpointing == "selective",
+        channels_last=o.get("channels_last", False),
+        grad_accum=o.get("grad_accum", 1),
+        data_parallel=o.get("data_parallel", 1),
+        validate=o.get("validate", "none"),
+        outputs=o.get("outputs"),
+        attention_mask=o.get("attention_mask", "none"),
+        lora=lora,
+        every_iteration=request.get("every_iteration", False),
+        document=o,
+        **strategy_options(o.get("strategy")),
+    )
+
+
+def strategy_options(strategy):
+    """``TraceOptions``' fields of a strategy: its engine over its mesh's ranks."""
+    if not strategy:
+        return {}
+    mesh = strategy["mesh"]
+    world = math.prod(mesh.values())
+    kind = strategy["kind"]
+    if kind == "ddp":
+        return dict(
+            strategy="ddp",
+            world_size=world,
+            bucket_cap_mb=strategy.get("bucket_cap_mb", 25),
+            bucket_view=strategy.get("bucket_view", False),
+        )
+    if kind == "fsdp":
+        return dict(
+            strategy="fsdp",
+            world_size=world,
+            replicas=mesh.get("replicate", 1),
+            reshard_after_forward=strategy.get("reshard_after_forward", True),
+            fsdp_param_dtype=strategy.get("param_dtype"),
+            cpu_offload=strategy.get("cpu_offload", False),
+        )
+    from .zero import ZeroConfig
+
+    stage = strategy["stage"]
+    return dict(
+        strategy=f"zero{stage}",
+        world_size=world,
+        zero=ZeroConfig(stage=stage, world_size=world, **strategy.get("zero", {})),
+    )
+
+
+def from_flags(a):
+    """The request a person's flags state (``python -m gpumem_trace MODEL --batch …``), in the
+    form gpumem sends: the options as the job vocabulary spells them."""
+    strategy = None
+    if a.strategy in ("ddp", "fsdp"):
+        if a.strategy == "ddp":
+            strategy = {
+                "kind": "ddp",
+                "mesh": {"replicate": a.world_size},
+                "bucket_cap_mb": a.bucket_cap_mb,
+                "bucket_view": a.gradient_as_bucket_view,
+            }
+        else:
+            mesh = {"shard": a.world_size // a.replicas}
+            if a.replicas > 1:
+                mesh["replicate"] = a.replicas
+            strategy = {
+                "kind": "fsdp",
+                "mesh": mesh,
+                "reshard_after_forward": not a.no_reshard_after_forward,
+                "param_dtype": a.fsdp_param_dtype,
+                "cpu_offload": a.cpu_offload,
+            }
+    elif a.strategy:
+        strategy = {
+            "kind": "zero",
+            "mesh": {"shard": a.world_size},
+            "stage": int(a.strategy[-1]),
+            "zero": json.loads(a.zero),
+        }
+    lora = None
+    if a.lora_rank is not None:
+        lora = {
+            "rank": a.lora_rank,
+            "alpha": a.lora_alpha,
+            "targets": (a.lora_targets or "").split(","),
+            "dropout": a.lora_dropout,
+        }
+        if a.lora_quant:
+            lora["quant"] = {"nf4": a.lora_quant == "nf4", "double_quant": not a.lora_single_quant}
+    checkpointing = "selective" if a.selective else a.checkpointing
+    return {
+        "version": VERSION,
+        "model": a.model,
+        "batches": a.batch,
+        "outs": a.out,
+        "options": {
+            "optimizer": a.optimizer,
+            "precision": a.precision,
+            "input": a.input,
+            "seq_len": a.seq_len,
+            "checkpointing": checkpointing,
+            "channels_last": a.channels_last,
+            "grad_accum": a.grad_accum,
+            "data_parallel": a.data_parallel,
+            "validate": a.validate,
+            "outputs": a.outputs,
+            "attention_mask": a.attention_mask,
+            "lora": lora,
+            "strategy": strategy,
+        },
+        "gpu_capability": a.gpu_capability,
+        "sdpa": a.sdpa,
+        "iterations": a.iterations,
+        "depths": a.depths or [],
+        "slopes": a.slopes,
+        "every_iteration": a.every_iteration,
+        "timeout_s": a.timeout,
+        "result": a.result,
+    }
