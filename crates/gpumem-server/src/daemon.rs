@@ -153,7 +153,8 @@ impl Daemon {
 
     /// Probes the convolutions of jobs the profile has not seen (with `probe_s` > 0).
     pub fn with_prober(mut self, prober: Arc<dyn Prober>) -> Self {
-        lock(&self.ticker).probes = Some(Probes::new(prober));
+        let ticker = self.ticker.get_mut().unwrap_or_else(|p| p.into_inner());
+        ticker.probes = Some(Probes::new(prober));
         self.probes = true;
         self
     }
@@ -635,6 +636,59 @@ mod tests {
         let e = d.cancel(me, 99).unwrap_err();
         assert!(matches!(e, CancelError::NoJob(99)));
         assert_eq!(e.to_string(), "no job 99");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A job whose convolutions the profile lacks waits sized by its bound until the probe
+    /// answers, then is sized again and queued; the measured table is kept for the next start.
+    #[test]
+    fn a_probe_sizes_a_waiting_job_again() {
+        let dir = std::env::temp_dir().join(format!("gpumem-daemon-probe-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let monitor = FakeMonitor::new(1, "fake", 140 << 30);
+        let profile = gpumem_core::profile::builtin("h200").unwrap();
+        let config = Config {
+            probe_s: 60,
+            ..Config::default()
+        };
+        let prober = Arc::new(crate::probe::FakeProber { bytes: 100 << 20 });
+        let d = Daemon::open(
+            &dir,
+            Box::new(monitor),
+            None,
+            profile,
+            config,
+            "/nonexistent".into(),
+            false,
+        )
+        .unwrap()
+        .with_prober(prober);
+        let me = User::current();
+        let workload = Workload::parse(
+            "cnn:classes=10,filters=32,depth=2,input=32",
+            4,
+            Default::default(),
+        )
+        .unwrap();
+        let size = d.size(&workload).unwrap();
+        assert!(!size.unprobed.is_empty(), "a CNN has convolutions to probe");
+        // Two GPUs on a one-GPU daemon: it stays queued once sized.
+        let request = serde_json::from_str(r#"{"command": ["true"], "gpus": 2}"#).unwrap();
+        let s = d.submit_sized(me, request, size).unwrap();
+        assert_eq!(
+            s.estimate_mib, s.bound_mib,
+            "sized by its bound while it waits"
+        );
+        assert_eq!(d.job(me, s.id).unwrap().error.as_deref(), Some(PROBE_WAIT));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while d.job(me, s.id).unwrap().error.is_some() && std::time::Instant::now() < deadline {
+            d.tick().unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let j = d.job(me, s.id).unwrap();
+        assert_eq!((j.state, j.error.as_deref()), (JobState::Queued, None));
+        assert!(j.estimate_mib < j.bound_mib, "{j:?}");
+        assert!(dir.join("profile.toml").exists());
         std::fs::remove_dir_all(&dir).ok();
     }
 }
