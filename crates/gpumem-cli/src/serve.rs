@@ -117,7 +117,7 @@ pub fn serve(a: ServeArgs) -> CliResult {
         None => daemon,
     };
     gpumem_server::api::serve(Arc::new(daemon), listen).map_err(|e| match e {
-        e @ gpumem_server::api::ServeError::SocketInUse(_) => CliError::input(e),
+        e @ gpumem_server::api::ListenError::SocketInUse(_) => CliError::input(e),
         e => CliError::other(e),
     })
 }
@@ -136,6 +136,6 @@ fn listen(a: &ServeArgs) -> CliResult<Listen> {
         .ok_or_else(|| CliError::input(format!("--addr `{text}` is not HOST:PORT")))?;
     let token = Token::from_file_or_env(a.token_file.as_deref()).map_err(CliError::input)?;
     let token =
-        token.ok_or_else(|| CliError::input(gpumem_server::api::ServeError::NoToken { addr }))?;
+        token.ok_or_else(|| CliError::input(gpumem_server::api::ListenError::NoToken { addr }))?;
     Ok(Listen::Tcp { addr, token })
 }

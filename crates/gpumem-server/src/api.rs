@@ -18,8 +18,9 @@ use serde::Deserialize;
 
 use gpumem_workload::Workload;
 
-use crate::daemon::{CancelError, Daemon, Sized, estimate};
+use crate::daemon::{CancelError, Daemon};
 use crate::identity::User;
+use crate::sizing::JobSize;
 use crate::wire::{ApiError, JobRequest, JobState};
 
 /// Request bodies above this are refused (413).
@@ -35,9 +36,9 @@ fn error(status: StatusCode, msg: impl std::fmt::Display) -> Response {
         .into_response()
 }
 
-/// Why the daemon could not serve.
+/// Why the daemon could not listen (or serve at all).
 #[derive(Debug, thiserror::Error)]
-pub enum ServeError {
+pub enum ListenError {
     #[error(
         "refusing to listen on {addr} without a token: anyone who can reach it could run commands (--token-file FILE or GPUMEM_TOKEN)"
     )]
@@ -222,6 +223,16 @@ async fn auth(State(app): State<Arc<App>>, req: Request, next: Next) -> Response
     next.run(req).await
 }
 
+/// Runs `f` — a call into the daemon, which takes its ledger's lock — on tokio's blocking pool,
+/// never on the async threads; a panic in it answers 500.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, Response> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+}
+
 /// Who sent a request: set on each connection by [`accept`].
 #[derive(Clone, Copy)]
 struct Caller(User);
@@ -245,7 +256,7 @@ async fn submit(
     /// A size the submitter stated (or none), or gpumem's estimate of the model.
     enum Size {
         Stated(Option<(u64, u64)>),
-        Estimated(Sized),
+        Estimated(Box<JobSize>),
     }
     let size = match (&req.model, req.batch, req.mem_mib) {
         (_, _, Some(mib)) => Size::Stated(Some((mib * gpumem_place::MIB, mib * gpumem_place::MIB))),
@@ -264,10 +275,9 @@ async fn submit(
             let Ok(_turn) = app.traces.acquire().await else {
                 return error(StatusCode::SERVICE_UNAVAILABLE, "shutting down");
             };
-            let (config, profile) = (d.config.clone(), d.profile());
-            match tokio::task::spawn_blocking(move || estimate(&config, &profile, &workload)).await
-            {
-                Ok(Ok(sized)) => Size::Estimated(sized),
+            let sizer = d.clone();
+            match tokio::task::spawn_blocking(move || sizer.size(&workload)).await {
+                Ok(Ok(sized)) => Size::Estimated(Box::new(sized)),
                 Ok(Err(e)) => return error(StatusCode::BAD_REQUEST, format!("model: {e}")),
                 Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
             }
@@ -275,7 +285,7 @@ async fn submit(
         _ => Size::Stated(None),
     };
     let stored = tokio::task::spawn_blocking(move || match size {
-        Size::Estimated(sized) => d.submit_sized(caller, req, sized),
+        Size::Estimated(sized) => d.submit_sized(caller, req, *sized),
         Size::Stated(stated) => d.submit(caller, req, stated),
     });
     match stored.await {
@@ -300,7 +310,11 @@ async fn list(
         Some(Ok(s)) => Some(s),
         Some(Err(s)) => return error(StatusCode::BAD_REQUEST, format!("unknown state `{s}`")),
     };
-    axum::Json(app.daemon.jobs(caller, state)).into_response()
+    let d = app.daemon.clone();
+    match blocking(move || d.jobs(caller, state)).await {
+        Ok(jobs) => axum::Json(jobs).into_response(),
+        Err(e) => e,
+    }
 }
 
 fn bad_id(id: &str) -> Response {
@@ -315,9 +329,11 @@ async fn one(
     let Ok(id) = id.parse::<u64>() else {
         return bad_id(&id);
     };
-    match app.daemon.job(caller, id) {
-        Some(j) => axum::Json(j).into_response(),
-        None => error(StatusCode::NOT_FOUND, format!("no job {id}")),
+    let d = app.daemon.clone();
+    match blocking(move || d.job(caller, id)).await {
+        Ok(Some(j)) => axum::Json(j).into_response(),
+        Ok(None) => error(StatusCode::NOT_FOUND, format!("no job {id}")),
+        Err(e) => e,
     }
 }
 
@@ -329,9 +345,11 @@ async fn cancel(
     let Ok(id) = id.parse::<u64>() else {
         return bad_id(&id);
     };
-    match app.daemon.cancel(caller, id) {
-        Ok(j) => axum::Json(j).into_response(),
-        Err(e) => error(cancel_status(&e), e),
+    let d = app.daemon.clone();
+    match blocking(move || d.cancel(caller, id)).await {
+        Ok(Ok(j)) => axum::Json(j).into_response(),
+        Ok(Err(e)) => error(cancel_status(&e), e),
+        Err(e) => e,
     }
 }
 
@@ -349,25 +367,31 @@ async fn log(
     let Ok(id) = id.parse::<u64>() else {
         return bad_id(&id);
     };
-    match app
-        .daemon
-        .log_tail(caller, id, q.bytes.unwrap_or(16 * 1024).min(1 << 20))
-    {
-        Some(text) => ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response(),
-        None => error(StatusCode::NOT_FOUND, format!("no job {id}")),
+    let d = app.daemon.clone();
+    let bytes = q.bytes.unwrap_or(16 * 1024).min(1 << 20);
+    match blocking(move || d.log_tail(caller, id, bytes)).await {
+        Ok(Some(text)) => {
+            ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response()
+        }
+        Ok(None) => error(StatusCode::NOT_FOUND, format!("no job {id}")),
+        Err(e) => e,
     }
 }
 
 async fn gpus(State(app): State<Arc<App>>) -> Response {
-    axum::Json(app.daemon.gpus()).into_response()
+    let d = app.daemon.clone();
+    match blocking(move || d.gpus()).await {
+        Ok(gpus) => axum::Json(gpus).into_response(),
+        Err(e) => e,
+    }
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        app.daemon.metrics(),
-    )
-        .into_response()
+    let d = app.daemon.clone();
+    match blocking(move || d.metrics()).await {
+        Ok(text) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
+        Err(e) => e,
+    }
 }
 
 /// The bound listener.
@@ -379,9 +403,9 @@ enum Listener {
 
 /// Binds a Unix socket at `path` (mode 0666: who may do what is decided per caller). A socket
 /// file no daemon answers on is a stale one and replaced; one a daemon answers on is refused.
-fn bind_unix(path: &FsPath) -> Result<tokio::net::UnixListener, ServeError> {
+fn bind_unix(path: &FsPath) -> Result<tokio::net::UnixListener, ListenError> {
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-    let bind = |source| ServeError::Bind {
+    let bind = |source| ListenError::Bind {
         addr: path.display().to_string(),
         source,
     };
@@ -393,7 +417,7 @@ fn bind_unix(path: &FsPath) -> Result<tokio::net::UnixListener, ServeError> {
             )));
         }
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(ServeError::SocketInUse(path.display().to_string()));
+            return Err(ListenError::SocketInUse(path.display().to_string()));
         }
         std::fs::remove_file(path).map_err(bind)?;
     }
@@ -403,11 +427,11 @@ fn bind_unix(path: &FsPath) -> Result<tokio::net::UnixListener, ServeError> {
 }
 
 /// Serves until SIGINT or SIGTERM, scheduling every `tick`.
-pub fn serve(daemon: Arc<Daemon>, listen: Listen) -> Result<(), ServeError> {
+pub fn serve(daemon: Arc<Daemon>, listen: Listen) -> Result<(), ListenError> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .map_err(ServeError::Runtime)?;
+        .map_err(ListenError::Runtime)?;
     rt.block_on(async move {
         let (listener, token) = match listen {
             Listen::Unix(path) => {
@@ -418,13 +442,13 @@ pub fn serve(daemon: Arc<Daemon>, listen: Listen) -> Result<(), ServeError> {
             Listen::Tcp { addr, token } => {
                 let l = tokio::net::TcpListener::bind(addr)
                     .await
-                    .map_err(|source| ServeError::Bind {
+                    .map_err(|source| ListenError::Bind {
                         addr: addr.to_string(),
                         source,
                     })?;
                 eprintln!(
                     "gpumem serve: listening on http://{}",
-                    l.local_addr().map_err(ServeError::LocalAddr)?
+                    l.local_addr().map_err(ListenError::LocalAddr)?
                 );
                 (Listener::Tcp(l, User::current()), Some(token))
             }

@@ -12,13 +12,29 @@
 //! group and cgroup, log file, exit file; no shell unless asked), detects out-of-memory crashes and re-runs them alone up to a retry cap,
 //! and survives its own restart: runs whose processes live are re-attached, never run twice.
 //! Wire types are in [`wire`].
+//!
+//! The daemon along its seams: [`config`] (settings, the policy and estimator made once),
+//! [`sizing`], `statedir` (the locked state directory and its store), [`lifecycle`] (a job's
+//! state machine), `ledger` (the jobs and their store, owned together; every transition stored
+//! before memory changes), `runs` (following and starting runs), `observe` (the GPUs), [`probe`]
+//! and `metrics`; [`daemon`] ties them together and does its I/O outside the ledger's lock.
 
 pub mod api;
+pub mod config;
 pub mod daemon;
 pub mod identity;
 pub mod launcher;
+mod ledger;
+pub mod lifecycle;
+mod metrics;
+mod observe;
 pub mod probe;
+mod runs;
+pub mod sizing;
+mod statedir;
 pub mod store;
 pub mod wire;
 
-pub use daemon::{Config, Daemon, DaemonError};
+pub use config::Config;
+pub use daemon::Daemon;
+pub use statedir::DaemonError;

@@ -245,7 +245,8 @@ impl Store {
         self.next_id = self.next_id.max(floor + 1);
     }
 
-    /// Stores a new job and returns its id.
+    /// Stores a new job (as submitted: its request, state, sizes, owner and error) and returns
+    /// its id.
     pub fn insert(&mut self, job: &JobRecord) -> Result<u64, StoreError> {
         let request = serde_json::to_string(&job.request).map_err(|source| StoreError::Encode {
             field: "request",
@@ -253,9 +254,9 @@ impl Store {
         })?;
         self.conn
             .execute(
-                "INSERT INTO jobs (id, request, state, assigned, estimate_bytes, bound_bytes, submitted_at, retries, cancel_requested, owner_uid, owner_gid)
-                 VALUES (?8, ?1, ?2, '[]', ?3, ?4, ?5, 0, 0, ?6, ?7)",
-                params![request, job.state.name(), job.estimate_bytes.map(|b| b as i64), job.bound_bytes.map(|b| b as i64), job.submitted_at, job.owner.uid, job.owner.gid, self.next_id as i64],
+                "INSERT INTO jobs (id, request, state, assigned, estimate_bytes, bound_bytes, submitted_at, retries, cancel_requested, owner_uid, owner_gid, error)
+                 VALUES (?8, ?1, ?2, '[]', ?3, ?4, ?5, 0, 0, ?6, ?7, ?9)",
+                params![request, job.state.name(), job.estimate_bytes.map(|b| b as i64), job.bound_bytes.map(|b| b as i64), job.submitted_at, job.owner.uid, job.owner.gid, self.next_id as i64, job.error],
             )?;
         let id = self.next_id;
         self.next_id += 1;
