@@ -19,7 +19,7 @@ use gpumem_core::trace::Trace;
 use gpumem_core::workload::{AttentionMask, Checkpointing, Options, Validate};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 17] = [
+const SOURCES: [(&str, &str); 18] = [
     (
         "__init__.py",
         include_str!("../../../python/gpumem_trace/__init__.py"),
@@ -35,6 +35,10 @@ const SOURCES: [(&str, &str); 17] = [
     (
         "cuda.py",
         include_str!("../../../python/gpumem_trace/cuda.py"),
+    ),
+    (
+        "device.py",
+        include_str!("../../../python/gpumem_trace/device.py"),
     ),
     (
         "distributed.py",
