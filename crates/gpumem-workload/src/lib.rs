@@ -20,6 +20,7 @@ pub use gpumem_core::workload::{
 };
 use gpumem_torch::{BridgeError, TorchTracer, TraceRequest};
 
+pub mod accelerate;
 pub mod deepspeed;
 pub mod launch;
 pub mod plan;
