@@ -19,7 +19,7 @@
 
 use std::path::Path;
 
-use gpumem_core::workload::{Options, RanksNotGpus};
+use gpumem_core::workload::{OptionError, Options, RanksNotGpus};
 use gpumem_place::MIB;
 use serde::Deserialize;
 
@@ -105,9 +105,7 @@ impl JobSpec {
         if let Some(gpus) = self.gpus {
             self.options.check_gpus(gpus)?;
         }
-        self.options
-            .check()
-            .map_err(|e| JobProblem::Options(e.to_string()))
+        Ok(self.options.check()?)
     }
 }
 
@@ -126,9 +124,13 @@ pub enum JobsError {
         file: String,
         source: std::io::Error,
     },
-    /// Not TOML of a job file's shape (toml's message names the line).
-    #[error("{file}: {message}")]
-    Toml { file: String, message: String },
+    /// Not TOML of a job file's shape (`line` where toml names one).
+    #[error("{file}: {}", toml_message(*line, source))]
+    Toml {
+        file: String,
+        line: Option<usize>,
+        source: Box<toml::de::Error>,
+    },
     #[error("{file}: no [[job]] tables")]
     Empty { file: String },
     #[error("{file}: job {index} (`{name}`): {problem}")]
@@ -156,7 +158,13 @@ pub enum JobProblem {
     #[error(transparent)]
     Ranks(#[from] RanksNotGpus),
     #[error("options: {0}")]
-    Options(String),
+    Options(#[from] OptionError),
+}
+
+/// toml's message on one line, after the line it names.
+fn toml_message(line: Option<usize>, e: &toml::de::Error) -> String {
+    let message = e.message().trim_end().replace('\n', " ");
+    line.map_or(message.clone(), |l| format!("line {l}: {message}"))
 }
 
 /// Reads and checks a job file; the jobs in file order, each named.
@@ -175,10 +183,10 @@ pub fn parse_jobs(text: &str, file: &str) -> Result<Vec<JobSpec>, JobsError> {
         let line = e
             .span()
             .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
-        let message = e.message().trim_end().replace('\n', " ");
         JobsError::Toml {
             file: file.into(),
-            message: line.map_or(message.clone(), |l| format!("line {l}: {message}")),
+            line,
+            source: Box::new(e),
         }
     })?;
     if parsed.job.is_empty() {
