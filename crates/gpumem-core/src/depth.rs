@@ -338,9 +338,13 @@ fn unrolled(base: usize, chunks: &[Chunk], copies: usize) -> Vec<(Source, usize)
     out
 }
 
+/// Per free (by position): the position of the allocation it frees, and how many live
+/// allocations of the same kind were made before and after it.
+type Picks = HashMap<usize, (usize, usize, usize)>;
+
 /// For each free of `t`: the position of the allocation it frees, and how many live
 /// allocations of the same kind (`kind` of each position) were made before and after it.
-fn picks(t: &Trace, kind: &[u32]) -> HashMap<usize, (usize, usize, usize)> {
+fn picks(t: &Trace, kind: &[u32]) -> Picks {
     let mut at = vec![0usize; t.slots()];
     let mut live: HashMap<u32, Vec<usize>> = HashMap::new();
     let mut out = HashMap::new();
@@ -570,7 +574,7 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
         Source::Base(i) => kinds[g][0][i],
         Source::Chunk { chunk, offset } => kinds[g][2][chunks[chunk].start + offset],
     };
-    let freed: Vec<Vec<HashMap<usize, (usize, usize, usize)>>> = (0..2)
+    let freed: Vec<Vec<Picks>> = (0..2)
         .map(|g| (0..3).map(|t| picks(&traces[t], &kinds[g][t])).collect())
         .collect();
     let rule = |g: usize, inst: &[(usize, usize)]| -> Option<(Source, Pick)> {

@@ -498,7 +498,9 @@ impl TorchTracer {
 
     fn trace_with(&self, req: &TraceRequest, fit: bool) -> Result<Trace, BridgeError> {
         let torch = self.torch_version()?;
-        let symbolic_ok = req.batch % u64::from(req.options.data_parallel.max(1)) == 0;
+        let symbolic_ok = req
+            .batch
+            .is_multiple_of(u64::from(req.options.data_parallel.max(1)));
         if symbolic_ok
             && let Some(sym) = self.cached_symbolic(req, &torch)
             && let Ok(t) = sym.at(req.batch)
