@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: Rust (all crates) and the Python tracer against real PyTorch releases.
+# The whole test suite: lints first (rustfmt, clippy with warnings as errors, ruff on python/,
+# no import circles between modules), then Rust (all crates) and the Python tracer against real PyTorch releases.
 # Installs what the tests need into cached virtual environments (torch from the package index,
 # CPU is enough: the tracer never touches a GPU):
 #   pinned  — the release the Rust bridge tests and the recorded figures use;
@@ -14,6 +15,35 @@ CACHE="${GPUMEM_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpumem-ci}"
 COMMON="timm==1.0.31 transformers==5.24.0 segmentation-models-pytorch==0.6.0 peft==0.21.2 bitsandbytes==0.50.2 pytest==9.2.0 numpy==2.4.6 jsonschema==4.25.1"
 PINNED="torch==2.9.1 torchvision==0.24.1 $COMMON"
 NEWEST="torch==2.15.0 torchvision==0.29.2 $COMMON"
+RUFF="0.17.6"
+
+# Lints, before anything slow: formatting, clippy (a dev-profile check build of every target,
+# warnings as errors), and ruff (lint and format, configured in python/pyproject.toml) from a
+# small cached environment of its own.
+for component in rustfmt clippy; do
+  if ! cargo "${component/rustfmt/fmt}" --version >/dev/null 2>&1; then
+    echo "== installing the $component component" >&2
+    rustup component add "$component" >&2
+  fi
+done
+echo "== cargo fmt --check"
+cargo fmt --all --check
+echo "== cargo clippy (-D warnings)"
+cargo clippy --workspace --all-targets -- -D warnings
+ruff="$CACHE/venv-ruff-$RUFF/bin/ruff"
+if [ "$("$ruff" --version 2>/dev/null)" != "ruff $RUFF" ]; then
+  echo "== installing ruff $RUFF into $CACHE/venv-ruff-$RUFF (cached)" >&2
+  rm -rf "$CACHE/venv-ruff-$RUFF"
+  mkdir -p "$CACHE"
+  python3 -m venv "$CACHE/venv-ruff-$RUFF"
+  "$CACHE/venv-ruff-$RUFF/bin/pip" install -q --disable-pip-version-check "ruff==$RUFF" >&2 \
+    || { echo "FAILED: could not install ruff==$RUFF" >&2; exit 1; }
+fi
+echo "== ruff check, ruff format --check (python/)"
+"$ruff" check python
+"$ruff" format --check python
+echo "== import circles (crates/, python/)"
+python3 scripts/import-cycles.py
 
 # venv PACKAGES: the cached environment's interpreter, installed on first use; empty if the
 # install failed.

@@ -20,12 +20,11 @@ import torch
 import torch.utils.checkpoint
 
 from . import amp, cuda, distributed, lora, zero
+from .device import DEVICE, to_device_keeping_ties
 from .models import ReferenceError_, resolve
 from .parallel import DataParallel
 from .sdpa import Stack
 from .tracer import ModulePaths, Recorder, TraceMode, storage_key
-
-DEVICE = "meta"
 
 
 @dataclass
@@ -166,30 +165,6 @@ class GradScaler:
         del inv
         optimizer.step()
         torch._amp_update_scale_(self.scale_t, self.growth, found, 2.0, 0.5, 2000)
-
-
-def to_device_keeping_ties(model, dtype=None):
-    """``model.to(device[, dtype])`` as on a GPU: there a CPU→CUDA move swaps each parameter's
-    data in place, so weights tied between modules (GPT-2's lm_head and wte) stay one parameter.
-    A move to meta creates new parameters instead, which would untie them; convert each tensor
-    once and re-tie. ``dtype`` converts floating-point parameters and buffers (pure bf16/fp16
-    training: ``model.to(device, torch.bfloat16)``)."""
-    owners = {}
-    for m in model.modules():
-        for name, p in m._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((m, name))
-    memo = {}
-    # A copy even of a model built on meta: its tensors become the trace's parameters.
-    to = lambda t: t.to(
-        DEVICE, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype, copy=True
-    )
-    model._apply(lambda t: memo.setdefault(id(t), (t, to(t)))[1])
-    for refs in owners.values():
-        first = refs[0][0]._parameters[refs[0][1]]
-        for m, name in refs[1:]:
-            m._parameters[name] = first
-    memo.clear()
 
 
 def repeated_blocks(model, name, purpose):

@@ -39,10 +39,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 
+from .device import DEVICE, to_device_keeping_ties
 from .models import ReferenceError_
 from .tracer import storage_key
-
-DEVICE = "meta"
 
 
 @dataclass
@@ -129,8 +128,6 @@ class Engine:
         del grad
 
     def _setup_stage12(self):
-        from .loop import to_device_keeping_ties
-
         to_device_keeping_ties(self.model, self.dtype)
         total = sum(p.numel() for p in self.params)
         align = 2 * self.world

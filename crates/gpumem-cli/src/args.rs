@@ -16,11 +16,11 @@ use gpumem_core::units::bytes_to_mib;
 use gpumem_learn::{Hybrid, LearnedModel};
 use gpumem_torch::BridgeError;
 use gpumem_workload::deepspeed;
-use gpumem_workload::launch::{self, Launch};
 use gpumem_workload::{
     AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, ModelRef, Options, Outputs,
     Strategy, Validate, Workload, WorkloadError,
 };
+use gpumem_workload::{accelerate, launch::LaunchConfig};
 
 use crate::{CliError, CliResult};
 
@@ -183,14 +183,14 @@ pub struct StrategyArgs {
 
 impl StrategyArgs {
     /// The launch config --deepspeed or --accelerate names, read, its ranks resolved.
-    pub fn launch(&self) -> CliResult<Option<Launch>> {
+    pub fn launch(&self) -> CliResult<Option<LaunchConfig>> {
         let read = |flag: &str, path: &Path| {
             std::fs::read_to_string(path)
                 .map_err(|e| CliError::input(format!("{flag} {}: {e}", path.display())))
         };
         if let Some(path) = &self.accelerate {
             let dir = path.parent().unwrap_or(Path::new("."));
-            let l = launch::read_accelerate(&read("--accelerate", path)?, dir)
+            let l = accelerate::read_accelerate(&read("--accelerate", path)?, dir)
                 .map_err(|e| CliError::input(format!("--accelerate {}: {e}", path.display())))?;
             let stated = l.strategy.map_or(1, |s| s.world_size());
             if let Some(flag) = self.world_size.filter(|w| *w != stated) {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::{Args, Subcommand};
-use gpumem_k8s::{Sharing, Webhook};
+use gpumem_k8s::{Sharing, Webhook, WebhookServeError};
 
 use crate::{CliError, CliResult};
 
@@ -49,7 +49,7 @@ pub fn k8s(a: K8sArgs) -> CliResult {
         .and_then(|mut it| it.next())
         .ok_or_else(|| CliError::input(format!("--addr `{}` is not HOST:PORT", w.addr)))?;
     gpumem_k8s::serve_tls(Arc::new(hook), addr, &w.tls_cert, &w.tls_key).map_err(|e| match e {
-        e @ gpumem_k8s::ServeError::Tls { .. } => CliError::input(e),
+        e @ (WebhookServeError::Pem { .. } | WebhookServeError::Tls { .. }) => CliError::input(e),
         e => CliError::other(e),
     })
 }

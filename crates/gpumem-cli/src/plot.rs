@@ -1,11 +1,26 @@
 //! Plots with plotters and an embedded font: actual-vs-predicted scatters and simulation
 //! timelines (SVG and PNG).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Once;
 
 use plotters::prelude::*;
 use plotters::style::{FontStyle, register_font};
+
+/// Why a plot could not be written: the file, and plotters' error drawing it.
+#[derive(Debug, thiserror::Error)]
+pub enum PlotError {
+    #[error("{}: {source}", file.display())]
+    Svg {
+        file: PathBuf,
+        source: DrawingAreaErrorKind<std::io::Error>,
+    },
+    #[error("{}: {source}", file.display())]
+    Png {
+        file: PathBuf,
+        source: DrawingAreaErrorKind<<BitMapBackend<'static> as DrawingBackend>::ErrorType>,
+    },
+}
 
 static FONT: Once = Once::new();
 
@@ -29,26 +44,36 @@ const COLORS: [RGBColor; 6] = [
 ];
 
 /// One scatter of (measured, predicted) MiB per estimator, with the y = x line.
-pub fn scatter(svg: &Path, png: &Path, series: &[(String, Vec<(f64, f64)>)]) -> Result<(), String> {
+pub fn scatter(
+    svg: &Path,
+    png: &Path,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> Result<(), PlotError> {
     register();
-    draw(SVGBackend::new(svg, (900, 700)).into_drawing_area(), series)
-        .map_err(|e| format!("{}: {e}", svg.display()))?;
+    draw(SVGBackend::new(svg, (900, 700)).into_drawing_area(), series).map_err(|source| {
+        PlotError::Svg {
+            file: svg.to_path_buf(),
+            source,
+        }
+    })?;
     draw(
         BitMapBackend::new(png, (900, 700)).into_drawing_area(),
         series,
     )
-    .map_err(|e| format!("{}: {e}", png.display()))
+    .map_err(|source| PlotError::Png {
+        file: png.to_path_buf(),
+        source,
+    })
 }
 
 fn draw<DB: DrawingBackend>(
     root: DrawingArea<DB, plotters::coord::Shift>,
     series: &[(String, Vec<(f64, f64)>)],
-) -> Result<(), String>
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>>
 where
     DB::ErrorType: 'static,
 {
-    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
-    root.fill(&WHITE).map_err(err)?;
+    root.fill(&WHITE)?;
     // Log axes: baselines can be off by orders of magnitude.
     let values = || {
         series
@@ -67,22 +92,19 @@ where
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(70)
-        .build_cartesian_2d((min..max).log_scale(), (min..max).log_scale())
-        .map_err(err)?;
+        .build_cartesian_2d((min..max).log_scale(), (min..max).log_scale())?;
     chart
         .configure_mesh()
         .x_desc("measured MiB (log)")
         .y_desc("predicted MiB (log)")
         .x_label_formatter(&|v| format!("{v:.0}"))
         .y_label_formatter(&|v| format!("{v:.0}"))
-        .draw()
-        .map_err(err)?;
+        .draw()?;
     chart
         .draw_series(LineSeries::new(
             [(min, min), (max, max)],
             BLACK.stroke_width(1),
-        ))
-        .map_err(err)?
+        ))?
         .label("y = x")
         .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK));
     for (k, (name, points)) in series.iter().enumerate() {
@@ -93,8 +115,7 @@ where
                     .iter()
                     .filter(|&&(m, p)| m >= min && p >= min)
                     .map(|&(m, p)| Circle::new((m, p), 2, color.filled())),
-            )
-            .map_err(err)?
+            )?
             .label(name.as_str())
             .legend(move |(x, y)| Circle::new((x + 10, y), 4, color.filled()));
     }
@@ -103,9 +124,8 @@ where
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-        .map_err(err)?;
-    root.present().map_err(err)
+        .draw()?;
+    root.present()
 }
 
 /// Per-GPU timeline of a simulation: one band per GPU, concurrent jobs stacked in lanes,
@@ -117,7 +137,7 @@ pub fn timeline(
     gpus: usize,
     runs: &[gpumem_sim::Run],
     labels: &[String],
-) -> Result<(), String> {
+) -> Result<(), PlotError> {
     register();
     let height = (160 + 90 * gpus as u32).min(4000);
     draw_timeline(
@@ -127,7 +147,10 @@ pub fn timeline(
         runs,
         labels,
     )
-    .map_err(|e| format!("{}: {e}", svg.display()))?;
+    .map_err(|source| PlotError::Svg {
+        file: svg.to_path_buf(),
+        source,
+    })?;
     draw_timeline(
         BitMapBackend::new(png, (1400, height)).into_drawing_area(),
         title,
@@ -135,7 +158,10 @@ pub fn timeline(
         runs,
         labels,
     )
-    .map_err(|e| format!("{}: {e}", png.display()))
+    .map_err(|source| PlotError::Png {
+        file: png.to_path_buf(),
+        source,
+    })
 }
 
 /// Lane of each run within its GPU band (greedy interval colouring), and lanes per GPU.
@@ -167,20 +193,18 @@ fn draw_timeline<DB: DrawingBackend>(
     gpus: usize,
     runs: &[gpumem_sim::Run],
     labels: &[String],
-) -> Result<(), String>
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>>
 where
     DB::ErrorType: 'static,
 {
-    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
-    root.fill(&WHITE).map_err(err)?;
+    root.fill(&WHITE)?;
     let end_h = runs.iter().map(|r| r.end_s).fold(0.0f64, f64::max) / 3600.0;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 20))
         .margin(15)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d(0.0..end_h.max(0.01) * 1.02, 0.0..gpus as f64)
-        .map_err(err)?;
+        .build_cartesian_2d(0.0..end_h.max(0.01) * 1.02, 0.0..gpus as f64)?;
     chart
         .configure_mesh()
         .x_desc("hours")
@@ -188,48 +212,43 @@ where
         .y_labels((gpus + 1).min(41))
         .y_label_formatter(&|v| format!("{}", v.floor() as usize))
         .disable_y_mesh()
-        .draw()
-        .map_err(err)?;
+        .draw()?;
     let (placed, counts) = lanes(gpus, runs);
     for (g, on) in placed.iter().enumerate() {
         let lane_h = 0.9 / counts[g] as f64;
-        chart
-            .draw_series(on.iter().map(|&(r, lane)| {
-                let run = &runs[r];
-                let y0 = g as f64 + 0.05 + lane as f64 * lane_h;
-                let color = if run.outcome == gpumem_sim::Outcome::Finished {
-                    COLORS[run.job % COLORS.len()].mix(0.8)
-                } else {
-                    RED.mix(1.0)
-                };
-                Rectangle::new(
-                    [
-                        (run.start_s / 3600.0, y0),
-                        (run.end_s / 3600.0, y0 + lane_h * 0.9),
-                    ],
-                    color.filled(),
-                )
-            }))
-            .map_err(err)?;
+        chart.draw_series(on.iter().map(|&(r, lane)| {
+            let run = &runs[r];
+            let y0 = g as f64 + 0.05 + lane as f64 * lane_h;
+            let color = if run.outcome == gpumem_sim::Outcome::Finished {
+                COLORS[run.job % COLORS.len()].mix(0.8)
+            } else {
+                RED.mix(1.0)
+            };
+            Rectangle::new(
+                [
+                    (run.start_s / 3600.0, y0),
+                    (run.end_s / 3600.0, y0 + lane_h * 0.9),
+                ],
+                color.filled(),
+            )
+        }))?;
         if gpus <= 16 {
             let font = ("sans-serif", 10).into_font().color(&BLACK);
-            chart
-                .draw_series(
-                    on.iter()
-                        .filter(|&&(r, _)| runs[r].end_s - runs[r].start_s > end_h * 3600.0 / 40.0)
-                        .map(|&(r, lane)| {
-                            let y = g as f64 + 0.05 + (lane as f64 + 0.6) * lane_h;
-                            Text::new(
-                                labels.get(runs[r].job).cloned().unwrap_or_default(),
-                                (runs[r].start_s / 3600.0, y),
-                                font.clone(),
-                            )
-                        }),
-                )
-                .map_err(err)?;
+            chart.draw_series(
+                on.iter()
+                    .filter(|&&(r, _)| runs[r].end_s - runs[r].start_s > end_h * 3600.0 / 40.0)
+                    .map(|&(r, lane)| {
+                        let y = g as f64 + 0.05 + (lane as f64 + 0.6) * lane_h;
+                        Text::new(
+                            labels.get(runs[r].job).cloned().unwrap_or_default(),
+                            (runs[r].start_s / 3600.0, y),
+                            font.clone(),
+                        )
+                    }),
+            )?;
         }
     }
-    root.present().map_err(err)
+    root.present()
 }
 
 /// The replay's memory over one trace: live bytes per category stacked (allocated memory),
@@ -239,7 +258,7 @@ pub fn memory_timeline(
     title: &str,
     points: &[gpumem_core::estimate::TimelinePoint],
     peak_event: Option<u32>,
-) -> Result<(), String> {
+) -> Result<(), PlotError> {
     register();
     draw_memory(
         SVGBackend::new(svg, (1400, 700)).into_drawing_area(),
@@ -247,7 +266,10 @@ pub fn memory_timeline(
         points,
         peak_event,
     )
-    .map_err(|e| format!("{}: {e}", svg.display()))
+    .map_err(|source| PlotError::Svg {
+        file: svg.to_path_buf(),
+        source,
+    })
 }
 
 /// At most this many x positions are drawn: each keeps the largest point of its stretch of
@@ -259,13 +281,12 @@ fn draw_memory<DB: DrawingBackend>(
     title: &str,
     points: &[gpumem_core::estimate::TimelinePoint],
     peak_event: Option<u32>,
-) -> Result<(), String>
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>>
 where
     DB::ErrorType: 'static,
 {
     use gpumem_core::trace::Category;
-    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
-    root.fill(&WHITE).map_err(err)?;
+    root.fill(&WHITE)?;
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     let last = points.last().map_or(1, |p| p.event.max(1));
     let per = (last as usize).div_ceil(TIMELINE_COLUMNS).max(1) as u32;
@@ -294,16 +315,14 @@ where
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(80)
-        .build_cartesian_2d(0f64..last as f64, 0f64..top)
-        .map_err(err)?;
+        .build_cartesian_2d(0f64..last as f64, 0f64..top)?;
     chart
         .configure_mesh()
         .x_desc("trace event (setup, then each iteration's forward, backward, optimizer)")
         .y_desc("MiB")
         .x_label_formatter(&|v| format!("{v:.0}"))
         .y_label_formatter(&|v| format!("{v:.0}"))
-        .draw()
-        .map_err(err)?;
+        .draw()?;
     // Stacked areas, drawn from the top of the stack down so each covers the ones below it.
     let colors = [
         RGBColor(31, 119, 180),
@@ -320,8 +339,7 @@ where
             .iter()
             .map(|p| (p.event as f64, mib(p.live[..=k].iter().sum())));
         chart
-            .draw_series(AreaSeries::new(stacked, 0.0, color.mix(0.85)).border_style(color))
-            .map_err(err)?
+            .draw_series(AreaSeries::new(stacked, 0.0, color.mix(0.85)).border_style(color))?
             .label(Category::ALL[k].name())
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], color.filled()));
     }
@@ -329,8 +347,7 @@ where
         .draw_series(LineSeries::new(
             columns.iter().map(|p| (p.event as f64, mib(p.reserved))),
             BLACK.stroke_width(2),
-        ))
-        .map_err(err)?
+        ))?
         .label("reserved (allocator)")
         .legend(|(x, y)| PathElement::new([(x, y), (x + 15, y)], BLACK.stroke_width(2)));
     if let Some(e) = peak_event {
@@ -338,8 +355,7 @@ where
             .draw_series(LineSeries::new(
                 [(e as f64, 0.0), (e as f64, top)],
                 RED.stroke_width(1),
-            ))
-            .map_err(err)?
+            ))?
             .label("peak of allocated memory")
             .legend(|(x, y)| PathElement::new([(x, y), (x + 15, y)], RED));
     }
@@ -348,7 +364,6 @@ where
         .background_style(WHITE)
         .border_style(BLACK)
         .position(SeriesLabelPosition::UpperRight)
-        .draw()
-        .map_err(err)?;
-    root.present().map_err(err)
+        .draw()?;
+    root.present()
 }

@@ -5,7 +5,7 @@ use std::io::Read;
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
-use gpumem_slurm::{Cluster, SlurmError, Submission};
+use gpumem_slurm::{SlurmConfig, SlurmError, Submission};
 use serde_json::json;
 
 use crate::{CliError, CliResult};
@@ -54,7 +54,7 @@ struct RequestArgs {
 
 pub fn slurm(a: SlurmArgs) -> CliResult {
     let SlurmCommand::Request(r) = a.command;
-    let cluster = Cluster::load(&r.config).map_err(error)?;
+    let cluster = SlurmConfig::load(&r.config).map_err(error)?;
     let script = match &r.script {
         None => None,
         Some(p) if p.as_os_str() == "-" => {
@@ -93,8 +93,11 @@ pub fn slurm(a: SlurmArgs) -> CliResult {
 
 fn error(e: SlurmError) -> CliError {
     match e {
-        SlurmError::Directive(m) | SlurmError::Config(m) => CliError::Input(m),
-        SlurmError::Trace(m) => CliError::Model(m),
+        SlurmError::Directive(_)
+        | SlurmError::Stated { .. }
+        | SlurmError::ConfigRead { .. }
+        | SlurmError::Config { .. } => CliError::input(e),
+        SlurmError::Trace { .. } => CliError::Model(e.to_string()),
         SlurmError::Rejected(m) => CliError::Rejected(m),
     }
 }

@@ -231,7 +231,7 @@ fn daemon_configs() {
 /// tracer: a PyTorch model is refused or taken from the comment).
 #[test]
 fn slurm_submissions() {
-    let cluster = gpumem_slurm::Cluster::parse("[[gpu]]\nprofile = \"h200\"\nshards = 16\nfeature = \"h200\"\n[[gpu]]\nprofile = \"a100-40gb\"\nshards = 8\nfeature = \"a100\"\n", std::path::Path::new(".")).unwrap();
+    let cluster = gpumem_slurm::SlurmConfig::parse("[[gpu]]\nprofile = \"h200\"\nshards = 16\nfeature = \"h200\"\n[[gpu]]\nprofile = \"a100-40gb\"\nshards = 8\nfeature = \"a100\"\n", std::path::Path::new(".")).unwrap();
     let seeds = vec![
         format!("#!/bin/bash\n#SBATCH --time=5\n#GPUMEM model={} batch=64 precision=amp-bf16\n#GPUMEM optimizer=adamw gpu=h200\npython train.py\n%%\nrun 7", SPECS[0]),
         format!("#!/bin/sh\n#GPUMEM model={} batch=8\n%%\ngpumem: batch=4096 precision=fp16", SPECS[2]),
@@ -253,7 +253,7 @@ fn slurm_submissions() {
 fn slurm_cluster_files() {
     let seeds = vec!["[[gpu]]\nprofile = \"h200\"\nshards = 16\nfeature = \"h200\"\n[[gpu]]\nprofile = \"t4\"\nshards = 4\nfeature = \"t4\"\n".to_string()];
     fuzz("Slurm cluster file", inputs(seeds), |input| {
-        let _ = gpumem_slurm::Cluster::parse(input, std::path::Path::new("/nonexistent"));
+        let _ = gpumem_slurm::SlurmConfig::parse(input, std::path::Path::new("/nonexistent"));
     });
 }
 

@@ -215,7 +215,20 @@ fn module_of(e: &Event) -> Option<u32> {
 /// rebuilt trace names each block's modules as the whole model's would.
 #[derive(Debug, Clone)]
 struct ModuleName {
-    parts: Vec<Result<(i64, i64, i64), String>>,
+    parts: Vec<NamePart>,
+}
+
+/// One dot-separated part of a [`ModuleName`].
+#[derive(Debug, Clone)]
+enum NamePart {
+    /// The same text at every depth and copy.
+    Literal(String),
+    /// An index: `first + per_copy * copy + per_block * (depth - 2)`.
+    Index {
+        first: i64,
+        per_copy: i64,
+        per_block: i64,
+    },
 }
 
 impl ModuleName {
@@ -224,7 +237,11 @@ impl ModuleName {
     fn fit(paths: &[(u32, usize, &str)]) -> Option<ModuleName> {
         let split: Vec<Vec<&str>> = paths.iter().map(|p| p.2.split('.').collect()).collect();
         let literal = ModuleName {
-            parts: split.first()?.iter().map(|p| Err(p.to_string())).collect(),
+            parts: split
+                .first()?
+                .iter()
+                .map(|p| NamePart::Literal(p.to_string()))
+                .collect(),
         };
         let value = |depth: u32, copy: usize, k: usize| -> Option<i64> {
             let i = paths.iter().position(|p| p.0 == depth && p.1 == copy)?;
@@ -238,7 +255,7 @@ impl ModuleName {
                 return Some(literal);
             }
             if part.parse::<i64>().is_err() {
-                parts.push(Err(part.to_string()));
+                parts.push(NamePart::Literal(part.to_string()));
                 continue;
             }
             // A block's own events are seen twice at the deepest depth; others once per depth.
@@ -248,12 +265,20 @@ impl ModuleName {
                 value(DEPTHS[2], 0, k),
                 value(DEPTHS[2], 1, k),
             ) {
-                (Some(v2), Some(v3), _, None) => Some((v2, 0, v3 - v2)),
-                (None, Some(v3), Some(v4), Some(v4b)) => Some((v3 - (v4 - v3), v4b - v4, v4 - v3)),
+                (Some(v2), Some(v3), _, None) => Some(NamePart::Index {
+                    first: v2,
+                    per_copy: 0,
+                    per_block: v3 - v2,
+                }),
+                (None, Some(v3), Some(v4), Some(v4b)) => Some(NamePart::Index {
+                    first: v3 - (v4 - v3),
+                    per_copy: v4b - v4,
+                    per_block: v4 - v3,
+                }),
                 _ => None,
             };
             match fitted {
-                Some(f) => parts.push(Ok(f)),
+                Some(f) => parts.push(f),
                 None => return Some(literal),
             }
         }
@@ -266,12 +291,14 @@ impl ModuleName {
             .parts
             .iter()
             .map(|p| match p {
-                Ok((first, per_copy, per_block)) => {
-                    (first + per_copy * copy as i64 + per_block * depth)
-                        .max(0)
-                        .to_string()
-                }
-                Err(text) => text.clone(),
+                NamePart::Index {
+                    first,
+                    per_copy,
+                    per_block,
+                } => (first + per_copy * copy as i64 + per_block * depth)
+                    .max(0)
+                    .to_string(),
+                NamePart::Literal(text) => text.clone(),
             })
             .collect();
         parts.join(".")
@@ -311,9 +338,13 @@ fn unrolled(base: usize, chunks: &[Chunk], copies: usize) -> Vec<(Source, usize)
     out
 }
 
+/// Per free (by position): the position of the allocation it frees, and how many live
+/// allocations of the same kind were made before and after it.
+type Picks = HashMap<usize, (usize, usize, usize)>;
+
 /// For each free of `t`: the position of the allocation it frees, and how many live
 /// allocations of the same kind (`kind` of each position) were made before and after it.
-fn picks(t: &Trace, kind: &[u32]) -> HashMap<usize, (usize, usize, usize)> {
+fn picks(t: &Trace, kind: &[u32]) -> Picks {
     let mut at = vec![0usize; t.slots()];
     let mut live: HashMap<u32, Vec<usize>> = HashMap::new();
     let mut out = HashMap::new();
@@ -543,7 +574,7 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
         Source::Base(i) => kinds[g][0][i],
         Source::Chunk { chunk, offset } => kinds[g][2][chunks[chunk].start + offset],
     };
-    let freed: Vec<Vec<HashMap<usize, (usize, usize, usize)>>> = (0..2)
+    let freed: Vec<Vec<Picks>> = (0..2)
         .map(|g| (0..3).map(|t| picks(&traces[t], &kinds[g][t])).collect())
         .collect();
     let rule = |g: usize, inst: &[(usize, usize)]| -> Option<(Source, Pick)> {

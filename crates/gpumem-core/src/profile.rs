@@ -171,8 +171,11 @@ struct ProfileFile {
 pub enum ProfileError {
     #[error("unknown GPU `{name}`; known: {known}")]
     Unknown { name: String, known: String },
-    #[error("bad profile: {0}")]
-    Parse(String),
+    /// Not TOML of a profile file's shape (toml's message, on one line).
+    #[error("bad profile: {}", .0.to_string().replace('\n', " ").trim())]
+    Toml(Box<toml::de::Error>),
+    #[error("bad profile: expected one [[gpu]] table, found {0}")]
+    NotOne(usize),
     #[error("bad profile `{name}`: {message}")]
     Invalid { name: String, message: &'static str },
     #[error("bad profile `{name}`: {source}")]
@@ -320,9 +323,8 @@ impl GpuProfile {
 
     /// Reads a TOML file holding one or more `[[gpu]]` tables; returns them all.
     pub fn parse_many(text: &str) -> Result<Vec<GpuProfile>, ProfileError> {
-        let file: ProfileFile = toml::from_str(text).map_err(|e| {
-            ProfileError::Parse(e.to_string().replace('\n', " ").trim().to_string())
-        })?;
+        let file: ProfileFile =
+            toml::from_str(text).map_err(|e| ProfileError::Toml(Box::new(e)))?;
         for p in &file.gpu {
             p.validate()?;
         }
@@ -333,10 +335,7 @@ impl GpuProfile {
     pub fn from_toml(text: &str) -> Result<GpuProfile, ProfileError> {
         let mut all = Self::parse_many(text)?;
         if all.len() != 1 {
-            return Err(ProfileError::Parse(format!(
-                "expected one [[gpu]] table, found {}",
-                all.len()
-            )));
+            return Err(ProfileError::NotOne(all.len()));
         }
         Ok(all.remove(0))
     }

@@ -12,7 +12,7 @@ use crate::allocator::MIN_BLOCK_SIZE;
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
     #[error("not a PyTorch memory snapshot: {0}")]
-    Pickle(String),
+    Pickle(#[from] serde_pickle::Error),
     #[error(
         "the snapshot holds no allocator trace (record it with torch.cuda.memory._record_memory_history on)"
     )]
@@ -75,8 +75,7 @@ impl Snapshot {
         // A snapshot may hold Python objects of other packages (torch's version string): they
         // are not needed and are read as None.
         let options = serde_pickle::DeOptions::new().replace_unresolved_globals();
-        let raw: Raw = serde_pickle::from_slice(bytes, options)
-            .map_err(|e| SnapshotError::Pickle(e.to_string()))?;
+        let raw: Raw = serde_pickle::from_slice(bytes, options)?;
         let trace = raw
             .device_traces
             .into_iter()

@@ -11,6 +11,7 @@
 //! webhook never blocks a pod). Estimates are cached per (model, batch, options, GPU).
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use axum::Router;
@@ -18,13 +19,17 @@ use axum::body::Bytes;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use gpumem_core::profile;
+use gpumem_core::profile::{self, ProfileError};
 use gpumem_core::units::{bytes_to_mib, whole_mib};
-use gpumem_workload::{StatedError, StatedJob};
+use gpumem_workload::{StatedError, StatedField, StatedJob};
 use json_patch::{AddOperation, Patch, PatchOperation, jsonptr::PointerBuf};
 use k8s_openapi::api::core::v1::Pod;
-use kube_core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
+use kube_core::admission::{
+    AdmissionRequest, AdmissionResponse, AdmissionReview, ConvertAdmissionReviewError,
+    SerializePatchError,
+};
 use serde_json::{Value, json};
+use tokio_rustls::rustls;
 
 /// The annotations the webhook reads.
 pub const MODEL: &str = "gpumem.io/model";
@@ -45,15 +50,18 @@ pub enum Sharing {
     Kai,
 }
 
+/// A sharing system's name that is none of those known (the name as given).
+#[derive(Debug, thiserror::Error)]
+#[error("unknown sharing system `{0}`; known: hami, volcano, kai")]
+pub struct UnknownSharing(pub String);
+
 impl Sharing {
-    pub fn parse(s: &str) -> Result<Sharing, String> {
+    pub fn parse(s: &str) -> Result<Sharing, UnknownSharing> {
         match s {
             "hami" => Ok(Sharing::Hami),
             "volcano" => Ok(Sharing::Volcano),
             "kai" => Ok(Sharing::Kai),
-            other => Err(format!(
-                "unknown sharing system `{other}`; known: hami, volcano, kai"
-            )),
+            other => Err(UnknownSharing(other.to_string())),
         }
     }
 
@@ -74,25 +82,75 @@ struct Job {
     gpu: String,
 }
 
-/// gpumem's estimate and upper bound, MiB.
+/// gpumem's estimate and upper bound of a pod's job, MiB.
 #[derive(Debug, Clone, Copy, PartialEq)]
-struct Sized {
+struct PodSizeMib {
     estimate_mib: f64,
     bound_mib: u64,
+}
+
+/// Why a request could not be answered (400).
+#[derive(Debug, thiserror::Error)]
+pub enum ReviewError {
+    #[error("not an AdmissionReview of a pod: {0}")]
+    NotReview(serde_json::Error),
+    #[error("{0}")]
+    Request(#[from] ConvertAdmissionReviewError),
+    #[error("{0}")]
+    Patch(#[from] SerializePatchError),
+    #[error("{0}")]
+    Answer(serde_json::Error),
+    /// The review's task ended without an answer (it panicked).
+    #[error("{0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// Why a pod's annotations could not be sized: the warning it is admitted with.
+#[derive(Debug, thiserror::Error)]
+enum Unsized {
+    #[error("{MODEL} needs {BATCH}")]
+    NoBatch,
+    #[error("{CONTAINER}: the pod has no container `{0}`")]
+    NoSuchContainer(String),
+    #[error("the pod has no container")]
+    NoContainer,
+    #[error(transparent)]
+    Job(Arc<JobUnsized>),
+}
+
+/// Why a job could not be sized (cached with the job).
+#[derive(Debug, thiserror::Error)]
+enum JobUnsized {
+    #[error("{GPU}: {0}")]
+    Gpu(ProfileError),
+    /// An annotation's value is wrong.
+    #[error("gpumem.io/{}: {message}", field.key())]
+    Invalid {
+        field: StatedField,
+        message: gpumem_workload::StatedProblem,
+    },
+    #[error(transparent)]
+    Size(StatedError),
+    #[error("its upper bound, {bound_mib} MiB, exceeds one {gpu} ({capacity_mib} MiB)")]
+    TooLarge {
+        bound_mib: u64,
+        gpu: String,
+        capacity_mib: u64,
+    },
 }
 
 /// The webhook: its sharing system, its default GPU type and its estimates so far.
 pub struct Webhook {
     sharing: Sharing,
     default_gpu: String,
-    cache: Mutex<HashMap<Job, Result<Sized, String>>>,
+    cache: Mutex<HashMap<Job, Result<PodSizeMib, Arc<JobUnsized>>>>,
 }
 
 impl Webhook {
     /// A webhook writing `sharing`'s request, for pods that name no GPU type sized on
     /// `default_gpu` (a built-in profile).
-    pub fn new(sharing: Sharing, default_gpu: &str) -> Result<Webhook, String> {
-        profile::builtin(default_gpu).map_err(|e| e.to_string())?;
+    pub fn new(sharing: Sharing, default_gpu: &str) -> Result<Webhook, ProfileError> {
+        profile::builtin(default_gpu)?;
         Ok(Webhook {
             sharing,
             default_gpu: default_gpu.to_string(),
@@ -110,16 +168,14 @@ impl Webhook {
 
     /// Answers one AdmissionReview (JSON): always allowed, with a patch where the pod's
     /// annotations could be sized, a warning where they could not.
-    pub fn review(&self, body: &[u8]) -> Result<Value, String> {
-        let review: AdmissionReview<Pod> = serde_json::from_slice(body)
-            .map_err(|e| format!("not an AdmissionReview of a pod: {e}"))?;
-        let request: AdmissionRequest<Pod> = review.try_into().map_err(|e| format!("{e}"))?;
+    pub fn review(&self, body: &[u8]) -> Result<Value, ReviewError> {
+        let review: AdmissionReview<Pod> =
+            serde_json::from_slice(body).map_err(ReviewError::NotReview)?;
+        let request: AdmissionRequest<Pod> = review.try_into()?;
         let mut response = AdmissionResponse::from(&request);
         if let Some(pod) = &request.object {
             match self.patch(pod) {
-                Ok(Some(patch)) => {
-                    response = response.with_patch(patch).map_err(|e| e.to_string())?
-                }
+                Ok(Some(patch)) => response = response.with_patch(patch)?,
                 Ok(None) => {}
                 Err(warning) => {
                     response.warnings = Some(vec![format!(
@@ -128,19 +184,17 @@ impl Webhook {
                 }
             }
         }
-        serde_json::to_value(response.into_review()).map_err(|e| e.to_string())
+        serde_json::to_value(response.into_review()).map_err(ReviewError::Answer)
     }
 
     /// The patch for `pod`: `None` without `gpumem.io/model`, `Err(warning)` where its
     /// annotations cannot be sized.
-    fn patch(&self, pod: &Pod) -> Result<Option<Patch>, String> {
+    fn patch(&self, pod: &Pod) -> Result<Option<Patch>, Unsized> {
         let notes = pod.metadata.annotations.clone().unwrap_or_default();
         let Some(model) = notes.get(MODEL) else {
             return Ok(None);
         };
-        let batch = notes
-            .get(BATCH)
-            .ok_or_else(|| format!("{MODEL} needs {BATCH}"))?;
+        let batch = notes.get(BATCH).ok_or(Unsized::NoBatch)?;
         let job = Job {
             stated: StatedJob {
                 model: model.clone(),
@@ -153,7 +207,7 @@ impl Webhook {
                 .cloned()
                 .unwrap_or_else(|| self.default_gpu.clone()),
         };
-        let sized = self.sized(&job)?;
+        let sized = self.sized(&job).map_err(Unsized::Job)?;
         let containers = pod
             .spec
             .as_ref()
@@ -163,8 +217,8 @@ impl Webhook {
             Some(name) => containers
                 .iter()
                 .position(|c| &c.name == name)
-                .ok_or_else(|| format!("{CONTAINER}: the pod has no container `{name}`"))?,
-            None if containers.is_empty() => return Err("the pod has no container".into()),
+                .ok_or_else(|| Unsized::NoSuchContainer(name.clone()))?,
+            None if containers.is_empty() => return Err(Unsized::NoContainer),
             None => 0,
         };
         let mut ops = Vec::new();
@@ -209,7 +263,7 @@ impl Webhook {
     }
 
     /// The job's size, estimated once.
-    fn sized(&self, job: &Job) -> Result<Sized, String> {
+    fn sized(&self, job: &Job) -> Result<PodSizeMib, Arc<JobUnsized>> {
         if let Some(known) = self
             .cache
             .lock()
@@ -218,7 +272,7 @@ impl Webhook {
         {
             return known.clone();
         }
-        let sized = estimate(job);
+        let sized = estimate(job).map_err(Arc::new);
         self.cache
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -228,21 +282,22 @@ impl Webhook {
 }
 
 /// gpumem's replay estimate and upper bound of `job` (an ambiguous spec's largest reading).
-fn estimate(job: &Job) -> Result<Sized, String> {
-    let profile = profile::builtin(&job.gpu).map_err(|e| format!("{GPU}: {e}"))?;
+fn estimate(job: &Job) -> Result<PodSizeMib, JobUnsized> {
+    let profile = profile::builtin(&job.gpu).map_err(JobUnsized::Gpu)?;
     let est = job.stated.size(&profile, true).map_err(|e| match e {
-        StatedError::Invalid { field, message } => format!("gpumem.io/{}: {message}", field.key()),
-        e => e.to_string(),
+        StatedError::Invalid { field, message } => JobUnsized::Invalid { field, message },
+        e => JobUnsized::Size(e),
     })?;
     let (peak, bound) = (est.peak_bytes, est.upper_bound_bytes);
     let bound_mib = whole_mib(bound);
     if bound > profile.capacity_bytes() {
-        return Err(format!(
-            "its upper bound, {bound_mib} MiB, exceeds one {} ({} MiB)",
-            profile.name, profile.capacity_mib
-        ));
+        return Err(JobUnsized::TooLarge {
+            bound_mib,
+            gpu: profile.name,
+            capacity_mib: profile.capacity_mib,
+        });
     }
-    Ok(Sized {
+    Ok(PodSizeMib {
         estimate_mib: bytes_to_mib(peak),
         bound_mib,
     })
@@ -267,22 +322,35 @@ async fn mutate(
     // Sizing may trace a PyTorch model: off the async threads.
     let answer = tokio::task::spawn_blocking(move || hook.review(&body))
         .await
-        .unwrap_or_else(|e| Err(e.to_string()));
+        .unwrap_or_else(|e| Err(ReviewError::Task(e)));
     match answer {
         Ok(v) => ([(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response(),
-        Err(e) => (StatusCode::BAD_REQUEST, axum::Json(json!({ "error": e }))).into_response(),
+        Err(e) => (
+            StatusCode::BAD_REQUEST,
+            axum::Json(json!({ "error": e.to_string() })),
+        )
+            .into_response(),
     }
 }
 
 /// Why the webhook could not serve.
 #[derive(Debug, thiserror::Error)]
-pub enum ServeError {
-    /// The certificate or key file cannot be read or used.
-    #[error("{file}: {message}")]
-    Tls { file: String, message: String },
+pub enum WebhookServeError {
+    /// The certificate or key file cannot be read (not PEM, or not there).
+    #[error("{}: {source}", file.display())]
+    Pem {
+        file: PathBuf,
+        source: rustls::pki_types::pem::Error,
+    },
+    /// The certificate or key cannot be used.
+    #[error("{}: {source}", file.display())]
+    Tls {
+        file: PathBuf,
+        source: rustls::Error,
+    },
     #[error("{addr}: {source}")]
     Bind {
-        addr: String,
+        addr: std::net::SocketAddr,
         source: std::io::Error,
     },
     #[error("{0}")]
@@ -296,35 +364,39 @@ pub fn serve_tls(
     addr: std::net::SocketAddr,
     cert: &std::path::Path,
     key: &std::path::Path,
-) -> Result<(), ServeError> {
-    use tokio_rustls::rustls::{self, pki_types::pem::PemObject};
-    let tls = |file: &std::path::Path, e: &dyn std::fmt::Display| ServeError::Tls {
-        file: file.display().to_string(),
-        message: e.to_string(),
+) -> Result<(), WebhookServeError> {
+    use rustls::pki_types::pem::PemObject;
+    let pem = |file: &std::path::Path| {
+        let file = file.to_path_buf();
+        move |source| WebhookServeError::Pem { file, source }
+    };
+    let tls = |file: &std::path::Path| {
+        let file = file.to_path_buf();
+        move |source| WebhookServeError::Tls { file, source }
     };
     let chain: Vec<_> = rustls::pki_types::CertificateDer::pem_file_iter(cert)
-        .map_err(|e| tls(cert, &e))?
+        .map_err(pem(cert))?
         .collect::<Result<_, _>>()
-        .map_err(|e| tls(cert, &e))?;
-    let private = rustls::pki_types::PrivateKeyDer::from_pem_file(key).map_err(|e| tls(key, &e))?;
+        .map_err(pem(cert))?;
+    let private = rustls::pki_types::PrivateKeyDer::from_pem_file(key).map_err(pem(key))?;
     let config = rustls::ServerConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
     .with_safe_default_protocol_versions()
-    .map_err(|e| tls(cert, &e))?
+    .map_err(tls(cert))?
     .with_no_client_auth()
     .with_single_cert(chain, private)
-    .map_err(|e| tls(key, &e))?;
+    .map_err(tls(key))?;
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .map_err(ServeError::Runtime)?;
+        .map_err(WebhookServeError::Runtime)?;
     rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr: addr.to_string(), source })?;
-        eprintln!("gpumem k8s webhook: listening on https://{}", listener.local_addr().map_err(ServeError::Runtime)?);
+        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| WebhookServeError::Bind { addr, source })?;
+        eprintln!("gpumem k8s webhook: listening on https://{}", listener.local_addr().map_err(WebhookServeError::Runtime)?);
         let app = hook.router();
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(ServeError::Runtime)?;
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(WebhookServeError::Runtime)?;
         loop {
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => break,

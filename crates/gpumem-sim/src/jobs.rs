@@ -129,9 +129,13 @@ pub enum JobsError {
         file: String,
         source: std::io::Error,
     },
-    /// Not TOML of a job file's shape (toml's message names the line).
-    #[error("{file}: {message}")]
-    Toml { file: String, message: String },
+    /// Not TOML of a job file's shape (`line` where toml names one).
+    #[error("{file}: {}", toml_message(*line, source))]
+    Toml {
+        file: String,
+        line: Option<usize>,
+        source: Box<toml::de::Error>,
+    },
     #[error("{file}: no [[job]] tables")]
     Empty { file: String },
     #[error("{file}: job {index} (`{name}`): {problem}")]
@@ -162,6 +166,12 @@ pub enum JobProblem {
     TorchOnly(#[from] TorchOnly),
 }
 
+/// toml's message on one line, after the line it names.
+fn toml_message(line: Option<usize>, e: &toml::de::Error) -> String {
+    let message = e.message().trim_end().replace('\n', " ");
+    line.map_or(message.clone(), |l| format!("line {l}: {message}"))
+}
+
 /// Reads and checks a job file; the jobs in file order, each named.
 pub fn load_jobs(path: &Path) -> Result<Vec<JobSpec>, JobsError> {
     let file = path.display().to_string();
@@ -178,10 +188,10 @@ pub fn parse_jobs(text: &str, file: &str) -> Result<Vec<JobSpec>, JobsError> {
         let line = e
             .span()
             .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
-        let message = e.message().trim_end().replace('\n', " ");
         JobsError::Toml {
             file: file.into(),
-            message: line.map_or(message.clone(), |l| format!("line {l}: {message}")),
+            line,
+            source: Box::new(e),
         }
     })?;
     if parsed.job.is_empty() {

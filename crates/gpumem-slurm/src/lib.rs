@@ -8,7 +8,7 @@
 //! #GPUMEM model=torchvision:resnet50 batch=64 precision=amp-bf16 optimizer=adamw
 //! ```
 //!
-//! [`decide`] sizes it on each GPU type of the [`Cluster`] and answers the [`Request`] Slurm
+//! [`decide`] sizes it on each GPU type of the [`SlurmConfig`] and answers the [`Request`] Slurm
 //! should record: a `gres/shard` count on the smallest GPU type whose memory holds the upper
 //! bound (with that type's node feature as a constraint where the cluster names one), and the
 //! job's comment with the estimate appended — or [`SlurmError::Rejected`], a one-line reason, for
@@ -20,7 +20,7 @@
 
 use std::path::{Path, PathBuf};
 
-use gpumem_core::profile::{self, GpuProfile};
+use gpumem_core::profile::{self, GpuProfile, ProfileError};
 use gpumem_core::units::{bytes_to_mib, whole_mib};
 use gpumem_workload::{StatedError, StatedJob};
 use serde::Deserialize;
@@ -41,12 +41,27 @@ pub enum SlurmError {
     /// A directive is malformed (exit 2: the job is refused at submission, nothing applied).
     #[error("{0}")]
     Directive(String),
+    /// A directive's value is not a job gpumem can size (exit 2); `whence` names the directive.
+    #[error("{whence}: {source}")]
+    Stated {
+        whence: String,
+        source: gpumem_workload::StatedProblem,
+    },
+    /// The cluster description cannot be read (exit 2).
+    #[error("{}: {source}", path.display())]
+    ConfigRead {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// The cluster description is malformed (exit 2).
-    #[error("{0}")]
-    Config(String),
-    /// The PyTorch tracer failed on the job's model (exit 3).
-    #[error("{0}")]
-    Trace(String),
+    #[error("{}: {source}", path.display())]
+    Config {
+        path: PathBuf,
+        source: Box<SlurmConfigError>,
+    },
+    /// The PyTorch tracer failed on the job's model (exit 3); `what` names the job.
+    #[error("{what}: {source}")]
+    Trace { what: String, source: StatedError },
     /// The job cannot be placed by its estimate: no GPU type holds it, or (controller side) a
     /// PyTorch model comes without the estimate the client side writes (exit 4).
     #[error("{0}")]
@@ -63,7 +78,7 @@ pub struct Job {
 
 /// gpumem's size of a job on one GPU type, MiB (the estimate rounded, the bound rounded up).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Sized {
+pub struct SizeMib {
     pub estimate_mib: u64,
     pub bound_mib: u64,
 }
@@ -71,9 +86,9 @@ pub struct Sized {
 /// An estimate a comment carries (written by gpumem on the client side), for the job that same
 /// comment states.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StatedSize {
+pub struct CommentEstimate {
     pub sized_on: String,
-    pub sized: Sized,
+    pub sized: SizeMib,
 }
 
 /// What a submission states for gpumem: its job, and an estimate its comment carries for
@@ -81,7 +96,7 @@ pub struct StatedSize {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Directives {
     pub job: Job,
-    pub stated_size: Option<StatedSize>,
+    pub comment_estimate: Option<CommentEstimate>,
     /// The comment's text before `gpumem:` (the user's own, kept).
     pub comment_prefix: String,
     /// The keys the comment states (the others come from the script).
@@ -201,11 +216,11 @@ impl Directives {
             },
             gpu: value("gpu"),
         };
-        let stated_size = Self::stated_size(&from_comment, &from_script)?;
+        let comment_estimate = Self::comment_estimate(&from_comment, &from_script)?;
         let comment_keys = from_comment.into_iter().map(|(k, _)| k).collect();
         Ok(Some(Directives {
             job,
-            stated_size,
+            comment_estimate,
             comment_prefix,
             comment_keys,
         }))
@@ -222,10 +237,10 @@ impl Directives {
 
     /// The estimate the comment carries, if it is for the job the comment states: every key the
     /// script states must be in the comment too (else the script changed the job after sizing).
-    fn stated_size(
+    fn comment_estimate(
         comment: &[(String, String)],
         script: &[(String, String)],
-    ) -> Result<Option<StatedSize>, SlurmError> {
+    ) -> Result<Option<CommentEstimate>, SlurmError> {
         let given: Vec<&str> = SIZED_KEYS
             .iter()
             .copied()
@@ -247,13 +262,13 @@ impl Directives {
                 SlurmError::Directive(format!("the comment: {key} `{v}` is not a whole number"))
             })
         };
-        let sized = Sized {
+        let sized = SizeMib {
             estimate_mib: mib("estimate_mib")?,
             bound_mib: mib("bound_mib")?,
         };
         mib("shards")?;
         let same_job = script.iter().all(|(k, _)| get(comment, k).is_some());
-        Ok(same_job.then(|| StatedSize {
+        Ok(same_job.then(|| CommentEstimate {
             sized_on: get(comment, "sized_on").unwrap_or_default().to_string(),
             sized,
         }))
@@ -286,15 +301,51 @@ impl GpuType {
     }
 }
 
-/// The cluster's GPU types, as `/etc/gpumem/slurm.toml` describes them.
+/// `/etc/gpumem/slurm.toml`: the cluster's GPU types.
 #[derive(Debug, Clone)]
-pub struct Cluster {
+pub struct SlurmConfig {
     pub gpus: Vec<GpuType>,
+}
+
+/// Why a cluster description (`/etc/gpumem/slurm.toml`) is malformed; `gpu` numbers a
+/// `[[gpu]]` table from 1.
+#[derive(Debug, thiserror::Error)]
+pub enum SlurmConfigError {
+    #[error("{}", .0.message())]
+    Toml(Box<toml::de::Error>),
+    #[error("no [[gpu]] is described")]
+    NoGpu,
+    #[error("[[gpu]] {gpu}: {source}")]
+    Profile { gpu: usize, source: ProfileError },
+    #[error("[[gpu]] {gpu}: {}: {source}", path.display())]
+    ProfileRead {
+        gpu: usize,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("[[gpu]] {gpu}: {}: {source}", path.display())]
+    ProfileFile {
+        gpu: usize,
+        path: PathBuf,
+        source: ProfileError,
+    },
+    #[error("[[gpu]] {gpu}: give `profile` (a built-in name) or `profile_file`, one of them")]
+    ProfileChoice { gpu: usize },
+    #[error("[[gpu]] {gpu}: shards {shards} is out of range (1..={MAX_SHARDS})")]
+    Shards { gpu: usize, shards: u64 },
+    #[error("[[gpu]] {gpu}: feature `{feature}` is not a Slurm feature name")]
+    Feature { gpu: usize, feature: String },
+    #[error("[[gpu]] {gpu}: {name} is described twice")]
+    Twice { gpu: usize, name: String },
+    #[error(
+        "{name} needs a `feature`: with several GPU types, a job is steered to the one it is sized for by its node feature"
+    )]
+    NoFeature { name: String },
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct ClusterFile {
+struct SlurmConfigFile {
     gpu: Vec<GpuTypeFile>,
 }
 
@@ -310,47 +361,57 @@ struct GpuTypeFile {
 /// The largest shard count per GPU accepted (Slurm's counts are far below).
 const MAX_SHARDS: u64 = 1 << 20;
 
-impl Cluster {
+impl SlurmConfig {
     /// Reads a cluster description; `profile_file` paths are relative to its directory.
-    pub fn load(path: &Path) -> Result<Cluster, SlurmError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| SlurmError::Config(format!("{}: {e}", path.display())))?;
-        Cluster::parse(&text, path.parent().unwrap_or(Path::new(".")))
-            .map_err(|e| SlurmError::Config(format!("{}: {e}", path.display())))
+    pub fn load(path: &Path) -> Result<SlurmConfig, SlurmError> {
+        let text = std::fs::read_to_string(path).map_err(|source| SlurmError::ConfigRead {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        SlurmConfig::parse(&text, path.parent().unwrap_or(Path::new("."))).map_err(|source| {
+            SlurmError::Config {
+                path: path.to_path_buf(),
+                source: Box::new(source),
+            }
+        })
     }
 
     /// Parses a cluster description (TOML: `[[gpu]]` tables of `profile` or `profile_file`,
     /// `shards`, `feature`).
-    pub fn parse(text: &str, dir: &Path) -> Result<Cluster, String> {
-        let file: ClusterFile = toml::from_str(text).map_err(|e| e.message().to_string())?;
+    pub fn parse(text: &str, dir: &Path) -> Result<SlurmConfig, SlurmConfigError> {
+        let file: SlurmConfigFile =
+            toml::from_str(text).map_err(|e| SlurmConfigError::Toml(Box::new(e)))?;
         if file.gpu.is_empty() {
-            return Err("no [[gpu]] is described".into());
+            return Err(SlurmConfigError::NoGpu);
         }
         let mut gpus: Vec<GpuType> = Vec::new();
         for (i, g) in file.gpu.into_iter().enumerate() {
-            let whence = format!("[[gpu]] {}", i + 1);
+            let gpu = i + 1;
             let profile = match (g.profile, g.profile_file) {
-                (Some(name), None) => {
-                    profile::builtin(&name).map_err(|e| format!("{whence}: {e}"))?
-                }
+                (Some(name), None) => profile::builtin(&name)
+                    .map_err(|source| SlurmConfigError::Profile { gpu, source })?,
                 (None, Some(file)) => {
                     let path = dir.join(file);
-                    let text = std::fs::read_to_string(&path)
-                        .map_err(|e| format!("{whence}: {}: {e}", path.display()))?;
-                    GpuProfile::from_toml(&text)
-                        .map_err(|e| format!("{whence}: {}: {e}", path.display()))?
+                    let text = match std::fs::read_to_string(&path) {
+                        Ok(text) => text,
+                        Err(source) => {
+                            return Err(SlurmConfigError::ProfileRead { gpu, path, source });
+                        }
+                    };
+                    match GpuProfile::from_toml(&text) {
+                        Ok(profile) => profile,
+                        Err(source) => {
+                            return Err(SlurmConfigError::ProfileFile { gpu, path, source });
+                        }
+                    }
                 }
-                _ => {
-                    return Err(format!(
-                        "{whence}: give `profile` (a built-in name) or `profile_file`, one of them"
-                    ));
-                }
+                _ => return Err(SlurmConfigError::ProfileChoice { gpu }),
             };
             if !(1..=MAX_SHARDS).contains(&g.shards) {
-                return Err(format!(
-                    "{whence}: shards {} is out of range (1..={MAX_SHARDS})",
-                    g.shards
-                ));
+                return Err(SlurmConfigError::Shards {
+                    gpu,
+                    shards: g.shards,
+                });
             }
             if let Some(f) = &g.feature
                 && (f.is_empty()
@@ -358,12 +419,16 @@ impl Cluster {
                         .chars()
                         .all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)))
             {
-                return Err(format!(
-                    "{whence}: feature `{f}` is not a Slurm feature name"
-                ));
+                return Err(SlurmConfigError::Feature {
+                    gpu,
+                    feature: f.clone(),
+                });
             }
             if gpus.iter().any(|t| t.profile.name == profile.name) {
-                return Err(format!("{whence}: {} is described twice", profile.name));
+                return Err(SlurmConfigError::Twice {
+                    gpu,
+                    name: profile.name,
+                });
             }
             gpus.push(GpuType {
                 profile,
@@ -374,12 +439,11 @@ impl Cluster {
         if gpus.len() > 1
             && let Some(g) = gpus.iter().find(|g| g.feature.is_none())
         {
-            return Err(format!(
-                "{} needs a `feature`: with several GPU types, a job is steered to the one it is sized for by its node feature",
-                g.name()
-            ));
+            return Err(SlurmConfigError::NoFeature {
+                name: g.name().to_string(),
+            });
         }
-        Ok(Cluster { gpus })
+        Ok(SlurmConfig { gpus })
     }
 }
 
@@ -405,7 +469,7 @@ pub struct Request {
     pub comment: String,
     pub gpu: String,
     pub shards: u64,
-    pub sized: Sized,
+    pub sized: SizeMib,
 }
 
 impl Request {
@@ -425,7 +489,7 @@ impl Request {
 /// estimate its comment carries.
 pub fn decide(
     sub: &Submission,
-    cluster: &Cluster,
+    cluster: &SlurmConfig,
     may_trace: bool,
 ) -> Result<Option<Request>, SlurmError> {
     let Some(d) = Directives::read(sub.script, sub.comment)? else {
@@ -450,28 +514,37 @@ pub fn decide(
     };
     let other_gres = other_gres(sub.gres)?;
     let what = format!("{} at batch {}", job.stated.model, job.stated.batch);
-    let mut sized: Vec<(&GpuType, Sized)> = Vec::new();
+    let mut sized: Vec<(&GpuType, SizeMib)> = Vec::new();
     for g in types {
         match job.stated.size(&g.profile, may_trace) {
             Ok(est) => sized.push((
                 g,
-                Sized {
+                SizeMib {
                     estimate_mib: bytes_to_mib(est.peak_bytes).round() as u64,
                     bound_mib: whole_mib(est.upper_bound_bytes),
                 },
             )),
             Err(StatedError::NeedsTrace(_)) => {
-                if let Some(s) = d.stated_size.as_ref().filter(|s| s.sized_on == g.name()) {
+                if let Some(s) = d
+                    .comment_estimate
+                    .as_ref()
+                    .filter(|s| s.sized_on == g.name())
+                {
                     sized.push((g, s.sized));
                 }
             }
             Err(StatedError::Invalid { field, message }) => {
-                return Err(SlurmError::Directive(format!(
-                    "{}: {message}",
-                    d.whence(field.key())
-                )));
+                return Err(SlurmError::Stated {
+                    whence: d.whence(field.key()),
+                    source: message,
+                });
             }
-            Err(e @ StatedError::Size(_)) => return Err(SlurmError::Trace(format!("{what}: {e}"))),
+            Err(source @ StatedError::Size(_)) => {
+                return Err(SlurmError::Trace {
+                    what: what.clone(),
+                    source,
+                });
+            }
         }
     }
     if sized.is_empty() {
@@ -603,8 +676,8 @@ fn other_gres(gres: Option<&str>) -> Result<Vec<String>, SlurmError> {
 mod tests {
     use super::*;
 
-    fn cluster(text: &str) -> Cluster {
-        Cluster::parse(text, Path::new(".")).unwrap()
+    fn cluster(text: &str) -> SlurmConfig {
+        SlurmConfig::parse(text, Path::new(".")).unwrap()
     }
 
     const TWO: &str = "[[gpu]]\nprofile = \"h200\"\nshards = 16\nfeature = \"h200\"\n[[gpu]]\nprofile = \"a100-40gb\"\nshards = 8\nfeature = \"a100\"\n";
@@ -872,7 +945,9 @@ mod tests {
                 "unknown field `colour`",
             ),
         ] {
-            let e = Cluster::parse(text, Path::new(".")).unwrap_err();
+            let e = SlurmConfig::parse(text, Path::new("."))
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(needle) && !e.contains('\n'), "{needle}: {e}");
         }
     }

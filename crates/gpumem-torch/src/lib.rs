@@ -22,7 +22,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 18] = [
+const SOURCES: [(&str, &str); 19] = [
     (
         "__init__.py",
         include_str!("../../../python/gpumem_trace/__init__.py"),
@@ -38,6 +38,10 @@ const SOURCES: [(&str, &str); 18] = [
     (
         "cuda.py",
         include_str!("../../../python/gpumem_trace/cuda.py"),
+    ),
+    (
+        "device.py",
+        include_str!("../../../python/gpumem_trace/device.py"),
     ),
     (
         "distributed.py",
@@ -462,7 +466,9 @@ impl TorchTracer {
 
     fn trace_with(&self, req: &TraceRequest, fit: bool) -> Result<Trace, BridgeError> {
         let torch = self.torch_version()?;
-        let symbolic_ok = req.batch % u64::from(req.options.data_parallel.max(1)) == 0;
+        let symbolic_ok = req
+            .batch
+            .is_multiple_of(u64::from(req.options.data_parallel.max(1)));
         if symbolic_ok
             && let Some(sym) = self.cached_symbolic(req, &torch)
             && let Ok(t) = sym.at(req.batch)

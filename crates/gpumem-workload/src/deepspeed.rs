@@ -7,7 +7,7 @@ use gpumem_core::job::Optimizer;
 use gpumem_core::job::Precision;
 use serde_json::Value;
 
-use crate::launch::{Launch, Stated};
+use crate::launch::{LaunchConfig, LaunchConfigError, LoopSettings, bad};
 use crate::{OptionError, Strategy, Zero, ZeroStage};
 use gpumem_core::job::Engine;
 
@@ -17,7 +17,7 @@ pub struct DeepSpeedJob {
     /// ZeRO's stage and settings; its world size is the caller's.
     pub stage: ZeroStage,
     pub zero: Zero,
-    pub stated: Stated,
+    pub stated: LoopSettings,
     /// `train_batch_size / (micro-batch × accumulation)`, where all three are stated.
     pub world_size: Option<u32>,
 }
@@ -29,35 +29,16 @@ impl DeepSpeedJob {
     }
 
     /// The launch on `world_size` ranks.
-    pub fn launch(&self, world_size: u32) -> Result<Launch, OptionError> {
-        Ok(Launch {
+    pub fn launch(&self, world_size: u32) -> Result<LaunchConfig, OptionError> {
+        Ok(LaunchConfig {
             strategy: Some(self.strategy(world_size)?),
             stated: self.stated,
         })
     }
 }
 
-/// Why a DeepSpeed config cannot be read; the message names the key.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("not JSON: {0}")]
-    Json(String),
-    /// The config states a strategy gpumem refuses (too few ranks, say).
-    #[error(transparent)]
-    Options(#[from] OptionError),
-    #[error("`{key}`: {why}")]
-    Key { key: String, why: String },
-}
-
-fn bad(key: &str, why: impl Into<String>) -> ConfigError {
-    ConfigError::Key {
-        key: key.into(),
-        why: why.into(),
-    }
-}
-
 /// A count as DeepSpeed takes it: an integer or a float such as `5e8`; `"auto"` is `None`.
-fn count(v: &Value, key: &str) -> Result<Option<u64>, ConfigError> {
+fn count(v: &Value, key: &str) -> Result<Option<u64>, LaunchConfigError> {
     match v {
         Value::String(s) if s == "auto" => Ok(None),
         Value::Number(n) => match (n.as_u64(), n.as_f64()) {
@@ -69,7 +50,7 @@ fn count(v: &Value, key: &str) -> Result<Option<u64>, ConfigError> {
     }
 }
 
-fn flag(v: &Value, key: &str) -> Result<Option<bool>, ConfigError> {
+fn flag(v: &Value, key: &str) -> Result<Option<bool>, LaunchConfigError> {
     match v {
         Value::Bool(b) => Ok(Some(*b)),
         Value::String(s) if s == "auto" => Ok(None),
@@ -78,7 +59,7 @@ fn flag(v: &Value, key: &str) -> Result<Option<bool>, ConfigError> {
 }
 
 /// `offload_optimizer`/`offload_param`: a device other than `none` offloads.
-fn offload(section: &Value, key: &str) -> Result<bool, ConfigError> {
+fn offload(section: &Value, key: &str) -> Result<bool, LaunchConfigError> {
     match section.get(key) {
         None | Some(Value::Null) => Ok(false),
         Some(o) => match o.get("device").and_then(Value::as_str) {
@@ -95,10 +76,10 @@ fn offload(section: &Value, key: &str) -> Result<bool, ConfigError> {
 /// Reads a DeepSpeed config (the JSON a `deepspeed` launch or Hugging Face's `--deepspeed`
 /// takes). Keys that do not change memory are ignored; ZeRO stage 0 is refused (plain data
 /// parallelism: `--strategy ddp`).
-pub fn read_config(text: &str) -> Result<DeepSpeedJob, ConfigError> {
-    let root: Value = serde_json::from_str(text).map_err(|e| ConfigError::Json(e.to_string()))?;
+pub fn read_config(text: &str) -> Result<DeepSpeedJob, LaunchConfigError> {
+    let root: Value = serde_json::from_str(text)?;
     if !root.is_object() {
-        return Err(ConfigError::Json("the config is not a JSON object".into()));
+        return Err(LaunchConfigError::NotJsonObject);
     }
     let z = root
         .get("zero_optimization")
@@ -181,7 +162,7 @@ pub fn read_config(text: &str) -> Result<DeepSpeedJob, ConfigError> {
 
     // `None`: not stated (absent, or "auto"), which leaves the command line's (or accelerate's)
     // precision; DeepSpeed's own default is fp32.
-    let enabled = |section: &str| -> Result<Option<bool>, ConfigError> {
+    let enabled = |section: &str| -> Result<Option<bool>, LaunchConfigError> {
         match root.get(section).and_then(|s| s.get("enabled")) {
             None => Ok(None),
             Some(v) => flag(v, &format!("{section}.enabled")),
@@ -256,7 +237,7 @@ pub fn read_config(text: &str) -> Result<DeepSpeedJob, ConfigError> {
     Ok(DeepSpeedJob {
         stage,
         zero,
-        stated: Stated {
+        stated: LoopSettings {
             precision,
             optimizer,
             micro_batch,
@@ -496,7 +477,7 @@ mod tests {
         assert_eq!((job.stage, job.world_size), (ZeroStage::Three, Some(8)));
         assert_eq!(
             job.stated,
-            Stated {
+            LoopSettings {
                 precision: Some(Precision::Bf16),
                 optimizer: Some(Optimizer::AdamW),
                 micro_batch: Some(4),
@@ -516,7 +497,7 @@ mod tests {
         let auto = read_config(r#"{"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2, "cpu_offload": true}}"#).unwrap();
         assert_eq!(
             (auto.stated, auto.world_size, auto.zero.offload_optimizer),
-            (Stated::default(), None, true)
+            (LoopSettings::default(), None, true)
         );
     }
 

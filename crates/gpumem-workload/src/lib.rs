@@ -22,6 +22,7 @@ use gpumem_core::symbolic::SymbolicTrace;
 use gpumem_core::trace::Trace;
 use gpumem_torch::{BridgeError, TorchTracer, TraceRequest};
 
+pub mod accelerate;
 pub mod deepspeed;
 pub mod launch;
 pub mod plan;

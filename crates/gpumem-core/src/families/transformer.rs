@@ -69,7 +69,7 @@ impl Transformer {
             samples: Some(v.uint(8)?),
             summary: true,
         };
-        if t.embed % t.heads != 0 {
+        if !t.embed.is_multiple_of(t.heads) {
             return Err(SpecError::HeadsDoNotDivide {
                 embed: t.embed,
                 heads: t.heads,
