@@ -14,6 +14,7 @@ out.
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -22,7 +23,7 @@ import signal
 import sys
 import traceback
 
-from .request import OK, Failure, from_flags, trace_options, write_answer
+from .request import OK, VERSION, Failure, from_flags, trace_options, write_answer
 
 # The oldest torch release the tracer is tested on (scripts/test.sh runs the pinned and newest).
 OLDEST_TORCH = (2, 4)
@@ -106,7 +107,12 @@ def main(argv=None):
         with open(argv[1]) as f:
             request = json.load(f)
     else:
-        request = from_flags(flags().parse_args(argv))
+        a = flags().parse_args(argv)
+        try:
+            request = from_flags(a)
+        except ValueError as e:
+            print(f"gpumem_trace: {e}", file=sys.stderr)
+            return 2
     return answer(request)
 
 
@@ -127,6 +133,11 @@ def run(request):
     model, batches, outs = request["model"], request["batches"], request["outs"]
     depths, slopes = request.get("depths") or [], request.get("slopes", False)
     timeout = request.get("timeout_s") or 0
+    if request.get("version") != VERSION:
+        return Failure(
+            "reference",
+            f"this tracer reads requests of version {VERSION}, not {request.get('version')}: gpumem and its tracer differ",
+        )
     if len(batches) != len(outs):
         return Failure("reference", f"{len(batches)} batch sizes but {len(outs)} output files")
     preload(model)
@@ -278,10 +289,10 @@ def side_by_side(jobs, run):
     per core): sharing the cores, three traces on two end in the time of one and a half, where
     two at a time would take two. In turn in this process where it has one core or one job, or
     is not on Linux. The first job's failure (a ``Failure``; each fork hands its own back in a
-    file), or ``None``. A timeout (raised in this process; forks have no timer) kills the forks
-    still running. Forks are made before this process runs any backward: PyTorch refuses
-    backward in a fork made after its autograd engine started worker threads (torch 2.15's
-    FSDP2 starts them)."""
+    file beside its output), or ``None``. A timeout (raised in this process; forks have no
+    timer) kills the forks still running. Forks are made before this process runs any
+    backward: PyTorch refuses backward in a fork made after its autograd engine started worker
+    threads (torch 2.15's FSDP2 starts them)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     if cores < 2 or len(jobs) < 2 or sys.platform != "linux":
         return next((f for f in (run(*job) for job in jobs) if f is not None), None)
@@ -295,6 +306,15 @@ def side_by_side(jobs, run):
         write_answer(handed[i], failure.answer())
         return failure.code()
 
+    def failure(i, code):
+        try:
+            with open(handed[i]) as f:
+                a = json.load(f)
+            return Failure(a["kind"], a["message"], a["where"])
+        except OSError:  # it died before it could say why
+            how = f"ended by signal {-code}" if code < 0 else f"failed (exit {code})"
+            return Failure("model", f"tracing batch size {jobs[i][0]} {how}")
+
     try:
         for i in range(len(jobs)):
             if len(running) == 2 * cores:
@@ -304,27 +324,14 @@ def side_by_side(jobs, run):
         while running:
             pid, status = os.wait()
             codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+        return next((failure(i, c) for i, c in sorted(codes.items()) if c), None)
     finally:
         for pid in running:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-    failures = []
-    for i, code in sorted(codes.items()):
-        try:
-            with open(handed[i]) as f:
-                a = json.load(f)
-            os.remove(handed[i])
-            failures.append(Failure(a["kind"], a["message"], a["where"]))
-        except OSError:
-            if code < 0:
-                failures.append(
-                    Failure("model", f"tracing batch size {jobs[i][0]} ended by signal {-code}")
-                )
-            elif code:
-                failures.append(
-                    Failure("model", f"tracing batch size {jobs[i][0]} failed (exit {code})")
-                )
-    return failures[0] if failures else None
+        for path in handed:
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def serve():
     running = {}  # pid -> request id
     pending = b""
 
-    def answer(pid, status):
+    def report(pid, status):
         print(
             json.dumps({"id": running.pop(pid), "code": os.waitstatus_to_exitcode(status)}),
             flush=True,
@@ -69,7 +69,7 @@ def serve():
                 pid, status = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
                     break
-                answer(pid, status)
+                report(pid, status)
     finally:
         for pid in list(running):
             kill_group(pid)

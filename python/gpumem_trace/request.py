@@ -132,7 +132,33 @@ def strategy_options(strategy):
 
 def from_flags(a):
     """The request a person's flags state (``python -m gpumem_trace MODEL --batch …``), in the
-    form gpumem sends: the options as the job vocabulary spells them."""
+    form gpumem sends: the options as the job vocabulary spells them. What a person types is
+    checked here (ValueError says what is wrong); gpumem's own requests are checked where they
+    are made, in its job vocabulary, and come in through ``--request``."""
+    if min(a.batch) < 1 or a.iterations < 2 or a.grad_accum < 1 or a.data_parallel < 1:
+        raise ValueError(
+            "--batch, --grad-accum and --data-parallel must be at least 1 and --iterations at least 2"
+        )
+    if a.depths and (min(a.depths) < 2 or len(set(a.depths)) != len(a.depths)):
+        raise ValueError(f"--depths {' '.join(map(str, a.depths))}: distinct depths of at least 2")
+    if a.strategy and (a.world_size < 2 or a.bucket_cap_mb < 1):
+        raise ValueError(
+            "--strategy needs --world-size of at least 2 and a positive --bucket-cap-mb"
+        )
+    if (
+        a.replicas < 1
+        or a.world_size % a.replicas
+        or (a.replicas > 1 and a.world_size // a.replicas < 2)
+    ):
+        raise ValueError(
+            f"--replicas {a.replicas} must divide --world-size {a.world_size} into groups of at least 2 ranks"
+        )
+    if a.lora_rank is not None and (
+        a.lora_rank < 1 or not a.lora_targets or not 0 <= a.lora_dropout < 1 or a.lora_alpha <= 0
+    ):
+        raise ValueError(
+            "--lora-rank must be at least 1, --lora-alpha positive, --lora-targets given, --lora-dropout in [0, 1)"
+        )
     strategy = None
     if a.strategy in ("ddp", "fsdp"):
         if a.strategy == "ddp":
@@ -165,7 +191,7 @@ def from_flags(a):
         lora = {
             "rank": a.lora_rank,
             "alpha": a.lora_alpha,
-            "targets": (a.lora_targets or "").split(","),
+            "targets": a.lora_targets.split(","),
             "dropout": a.lora_dropout,
         }
         if a.lora_quant:

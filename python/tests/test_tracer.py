@@ -1,6 +1,7 @@
 """Tests of gpumem_trace: traces are valid, CUDA behaviour is applied, errors are clear."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -51,6 +52,13 @@ def check_valid(events):
             live.remove(e["id"])
     assert header["iterations"] == sum(1 for e in evs if e["ev"] == "iteration") >= 2
     return header, evs
+
+
+def strategy_of(header):
+    """A header's strategy as the tracer's flags name it, and its ranks (its mesh's product)."""
+    s = header["options"]["strategy"]
+    name = f"zero{s['stage']}" if s["kind"] == "zero" else s["kind"]
+    return name, math.prod(s["mesh"].values())
 
 
 def allocs(evs, **match):
@@ -347,11 +355,17 @@ def test_timeout(tmp_path, fixture):
 
 
 def test_bad_options(tmp_path):
-    # The options' ranges are gpumem's to check (the job vocabulary); the tracer reports what
-    # only it can tell, once.
+    # What a person types is checked (gpumem's requests are checked where they are made); a
+    # failure is reported once.
+    p, _ = run([f"py:{FIX}:tiny", "--batch", "0"], tmp_path)
+    assert p.returncode == 2
     p, _ = run(["resnet50", "--batch", "2"], tmp_path)
     assert p.returncode == 2 and "is not a model reference" in p.stderr
     assert p.stderr.count("is not a model reference") == 1
+    p, _ = run([f"py:{FIX}:tiny", "--batch", "2", "--depths", "1", "3"], tmp_path)
+    assert p.returncode == 2 and "--depths 1 3: distinct depths of at least 2" in p.stderr
+    p, _ = run([f"py:{FIX}:tiny", "--batch", "8", "--data-parallel", "0"], tmp_path)
+    assert p.returncode == 2 and "--data-parallel" in p.stderr
 
 
 def test_torchvision_model(tmp_path):
@@ -923,7 +937,7 @@ def test_fsdp_rank_holds_its_shards(tmp_path):
     states = header["parameters"] * 4 * 4  # fp32 parameters, gradients, exp_avg, exp_avg_sq
     for n in (2, 4):
         h, (end, peak) = run_fsdp("--strategy", "fsdp", "--world-size", str(n))
-        assert (h["strategy"], h["world_size"]) == ("fsdp", n)
+        assert strategy_of(h) == ("fsdp", n)
         assert end == single - states * (n - 1) // n, (n, end, single, states)
     _, (_, kept) = run_fsdp("--strategy", "fsdp", "--world-size", "4", "--no-reshard-after-forward")
     assert kept > peak
@@ -935,6 +949,8 @@ def test_fsdp_rank_holds_its_shards(tmp_path):
     assert mp_end == end and mp_peak < peak
     # HSDP over 2 machines of 4: sharded as FSDP over 4 (the cross-machine all-reduce is in place).
     assert run_fsdp("--strategy", "fsdp", "--world-size", "8", "--replicas", "2")[1] == (end, peak)
+    p, _ = run([ref, "--strategy", "fsdp", "--world-size", "8", "--replicas", "3"], tmp_path)
+    assert p.returncode == 2 and "--replicas 3 must divide --world-size 8" in p.stderr
     # CPUOffloadPolicy: shards, gradients and Adam's state all on the host, so the step ends a
     # single GPU's bytes less all of them; nothing is allocated on the GPU at setup or in the
     # optimizer's step (the host's); each gather copies every shard to the GPU first (three
@@ -995,7 +1011,7 @@ def test_zero_ranks_hold_deepspeeds_partitions(tmp_path):
     )
     for stage in (1, 2):
         h, live = zero(stage)
-        assert (h["strategy"], h["world_size"], h["largest_layer_parameters"]) == (
+        assert (*strategy_of(h), h["largest_layer_parameters"]) == (
             f"zero{stage}",
             n,
             embedding,
@@ -1304,9 +1320,13 @@ def test_batch_sizes_traced_side_by_side_are_each_traced_alone(tmp_path, options
 
 
 def test_the_pool_forks_a_tracer_per_request_and_answers_each(tmp_path):
-    """The pool answers each request with its fork's exit code, the fork's messages in its log;
-    the end of its input ends it."""
+    """The pool answers each request with its fork's exit code, the fork's messages in its log
+    and its answer in the request's result file; a kill ends a fork; the end of its input ends
+    the pool."""
     import threading
+
+    from gpumem_trace.__main__ import flags
+    from gpumem_trace.request import from_flags
 
     if sys.platform != "linux":
         pytest.skip("the pool forks (Linux)")
@@ -1324,25 +1344,44 @@ def test_the_pool_forks_a_tracer_per_request_and_answers_each(tmp_path):
     watchdog.daemon = True
     watchdog.start()
     good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+
+    def request(model, out):
+        # gpumem's request, as a person's flags state it (tests/test_request.py holds the two
+        # to the schema).
+        return from_flags(
+            flags().parse_args(
+                [model, "--batch", "4", "--out", str(out), "--result", f"{out}.answer"]
+            )
+        )
+
     requests = [
-        {
-            "id": 1,
-            "argv": [f"py:{FIX}:tiny", "--batch", "4", "--out", str(good)],
-            "log": str(tmp_path / "good.log"),
-        },
+        {"id": 1, "request": request(f"py:{FIX}:tiny", good), "log": str(tmp_path / "good.log")},
         {
             "id": 2,
-            "argv": ["torchvision:no_such_net", "--batch", "4", "--out", str(bad)],
+            "request": request("torchvision:no_such_net", bad),
             "log": str(tmp_path / "bad.log"),
+        },
+        # A fork that never ends, killed (with what it forked) when gpumem asks.
+        {
+            "id": 3,
+            "request": request(f"py:{FIX}:ignores_its_alarm", tmp_path / "hung.jsonl"),
+            "log": str(tmp_path / "hung.log"),
         },
     ]
     pool.stdin.write("".join(json.dumps(r) + "\n" for r in requests))
     pool.stdin.flush()
-    answers = [json.loads(pool.stdout.readline()) for _ in requests]
+    answers = [json.loads(pool.stdout.readline()) for _ in requests[:2]]
+    pool.stdin.write(json.dumps({"kill": 3}) + "\n")
+    pool.stdin.flush()
+    answers.append(json.loads(pool.stdout.readline()))
     pool.stdin.close()
     assert pool.wait(timeout=60) == 0
     watchdog.cancel()
     pool.stdout.close()
-    assert {a["id"]: a["code"] for a in answers} == {1: 0, 2: 2}
+    assert {a["id"]: a["code"] for a in answers} == {1: 0, 2: 2, 3: -9}
     check_valid([json.loads(line) for line in good.read_text().splitlines()])
+    assert json.loads((tmp_path / "good.jsonl.answer").read_text())["status"] == "ok"
     assert not bad.exists() and "no_such_net" in (tmp_path / "bad.log").read_text()
+    answer = json.loads((tmp_path / "bad.jsonl.answer").read_text())
+    assert (answer["status"], answer["kind"]) == ("failed", "reference")
+    assert "no_such_net" in answer["message"]

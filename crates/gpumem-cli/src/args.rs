@@ -234,26 +234,27 @@ impl StrategyArgs {
     /// The strategy --strategy and its flags name (no launch config), in the job document's
     /// spelling: checked as a job file's or an API request's strategy is.
     fn named(&self) -> CliResult<Option<Strategy>> {
-        let unknown = |s: &str| {
+        let Some(world_size) = self.world_size else {
+            return Ok(None); // --strategy requires --world-size (clap)
+        };
+        let Some(name) = self.strategy.as_deref() else {
+            return Err(CliError::input(
+                "--world-size needs --strategy or --deepspeed",
+            ));
+        };
+        let named = StrategyValues::named(name, world_size).ok_or_else(|| {
             CliError::input(format!(
-                "--strategy `{s}` is not ddp, fsdp, hsdp, zero1, zero2 or zero3"
+                "--strategy `{name}` is not ddp, fsdp, hsdp, zero1, zero2 or zero3"
             ))
-        };
-        let stated = |kind| StrategyValues {
-            kind,
-            mesh: None,
-            world_size: self.world_size,
-            replicas: None,
-            bucket_cap_mb: None,
-            bucket_view: None,
-            reshard_after_forward: None,
-            param_dtype: None,
-            cpu_offload: None,
-            stage: None,
-            zero: None,
-        };
-        let values = match (self.strategy.as_deref(), self.world_size) {
-            (Some(fsdp @ ("fsdp" | "hsdp")), Some(_)) => StrategyValues {
+        })?;
+        let fsdp = named.kind == EngineKind::Fsdp;
+        if self.fsdp_cpu_offload && !fsdp {
+            return Err(CliError::input(
+                "--fsdp-cpu-offload is for --strategy fsdp or hsdp",
+            ));
+        }
+        let values = match named.kind {
+            EngineKind::Fsdp => StrategyValues {
                 reshard_after_forward: Some(!self.no_reshard_after_forward),
                 param_dtype: self.fsdp_param_dtype.as_deref().map(|d| {
                     if d == "bf16" {
@@ -262,37 +263,21 @@ impl StrategyArgs {
                         HalfDtype::Fp16
                     }
                 }),
-                replicas: match (fsdp, self.nodes) {
+                replicas: match (name, self.nodes) {
                     ("hsdp", Some(nodes)) => Some(nodes),
                     ("hsdp", None) => return Err(CliError::input("--strategy hsdp needs --nodes")),
                     (_, Some(_)) => return Err(CliError::input("--nodes is for --strategy hsdp")),
                     (_, None) => None,
                 },
                 cpu_offload: self.fsdp_cpu_offload.then_some(true),
-                ..stated(EngineKind::Fsdp)
+                ..named
             },
-            _ if self.fsdp_cpu_offload => {
-                return Err(CliError::input(
-                    "--fsdp-cpu-offload is for --strategy fsdp or hsdp",
-                ));
-            }
-            // A stage out of range is the job vocabulary's to refuse, as in a job file.
-            (Some(zero), Some(_)) if zero.starts_with("zero") => StrategyValues {
-                stage: Some(zero[4..].parse().map_err(|_| unknown(zero))?),
-                ..stated(EngineKind::Zero)
-            },
-            (Some(other), Some(_)) if other != "ddp" => return Err(unknown(other)),
-            (Some(_), Some(_)) => StrategyValues {
+            EngineKind::Ddp => StrategyValues {
                 bucket_cap_mb: Some(self.bucket_cap_mb),
                 bucket_view: Some(self.gradient_as_bucket_view),
-                ..stated(EngineKind::Ddp)
+                ..named
             },
-            (None, Some(_)) => {
-                return Err(CliError::input(
-                    "--world-size needs --strategy or --deepspeed",
-                ));
-            }
-            _ => return Ok(None),
+            EngineKind::Zero => named,
         };
         Strategy::try_from(values)
             .map(Some)

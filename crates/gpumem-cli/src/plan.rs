@@ -3,9 +3,9 @@
 //! batch) — with why the others lose (gpumem-workload's `plan` does the search).
 
 use clap::Args;
-use gpumem_core::job::{Optimizer, OptionValues, Precision, ZeroStage};
+use gpumem_core::job::{Optimizer, OptionValues, Precision, StrategyValues};
 use gpumem_workload::plan::{Interconnect, Plan, Setup, Space, plan as search};
-use gpumem_workload::{Checkpointing, InputShape, Strategy, Zero};
+use gpumem_workload::{Checkpointing, InputShape, Strategy};
 use serde_json::json;
 
 use crate::args::{EstimatorArgs, GpuChoice, ModelArg, StrategyArgs, gpu_count, lora, mib};
@@ -98,16 +98,11 @@ fn strategies(names: &[String], world: u32) -> CliResult<Vec<Option<Strategy>>> 
     names
         .into_iter()
         .map(|n| {
-            let zero = |stage| Strategy::zero(stage, world, Zero::default());
-            let strategy = match n {
-                "ddp" => Strategy::ddp(world, gpumem_core::job::DDP_BUCKET_CAP_MB, false),
-                "fsdp" => Strategy::fsdp(world, 1, true, None, false),
-                "zero1" => zero(ZeroStage::One),
-                "zero2" => zero(ZeroStage::Two),
-                "zero3" => zero(ZeroStage::Three),
-                other => {
+            let strategy = match StrategyValues::named(n, world) {
+                Some(named) if all.contains(&n) => Strategy::try_from(named),
+                _ => {
                     return Err(CliError::input(format!(
-                        "--strategies: `{other}` is not ddp, fsdp, zero1, zero2 or zero3"
+                        "--strategies: `{n}` is not ddp, fsdp, zero1, zero2 or zero3"
                     )));
                 }
             };

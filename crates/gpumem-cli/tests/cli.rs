@@ -168,7 +168,7 @@ fn bad_inputs_exit_2_with_one_line() {
     );
     bad_input(
         &["estimate", "hf:gpt2", "--lora", "r=0,targets=q_proj"],
-        "--lora r=0,targets=q_proj: r must be at least 1",
+        "--lora r=0,targets=q_proj: lora rank (r) must be at least 1",
     );
     bad_input(
         &[
@@ -192,7 +192,7 @@ fn bad_inputs_exit_2_with_one_line() {
             "--world-size",
             "1",
         ],
-        "--world-size 1 is out of range (2..=65536)",
+        "world size (--world-size) 1 is out of range (2..=65536)",
     );
     bad_input(
         &[
@@ -205,7 +205,7 @@ fn bad_inputs_exit_2_with_one_line() {
             "--data-parallel",
             "2",
         ],
-        "a job is --data-parallel or --strategy, not both",
+        "a job is data_parallel (--data-parallel) or has a strategy (--strategy), not both",
     );
     bad_input(
         &[
@@ -229,7 +229,7 @@ fn bad_inputs_exit_2_with_one_line() {
             "--nodes",
             "3",
         ],
-        "HSDP's --nodes 3 must divide --world-size 8 into groups of at least 2 ranks",
+        "HSDP's replicas (--nodes) 3 must divide the world size (--world-size) 8 into groups of at least 2 ranks",
     );
     bad_input(
         &[

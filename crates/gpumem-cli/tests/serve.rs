@@ -1440,7 +1440,8 @@ fn an_invalid_job_is_refused_alike_by_every_entry_point() {
     let s = Server::start(&d);
     let mlp = "mlp:input=8,output=2,depth=1";
     // (what, flags, options as a TOML inline table, the same as JSON, the model, the message)
-    let cases: [(&str, &[&str], &str, &str, &str, &str); 5] = [
+    type Case<'a> = (&'a str, &'a [&'a str], &'a str, &'a str, &'a str, &'a str);
+    let cases: [Case; 5] = [
         (
             "a negative LoRA alpha",
             &["--lora", "r=8,alpha=-1,targets=c_attn"],

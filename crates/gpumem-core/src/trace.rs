@@ -12,8 +12,8 @@ use std::io::{BufRead, Write};
 use serde::{Deserialize, Serialize};
 
 use crate::job::{
-    DDP_BUCKET_CAP_MB, ModelRef, Optimizer, OptionError, OptionValues, Options, Precision,
-    Strategy, TorchOnly, Validate, Zero, ZeroStage,
+    ModelRef, Optimizer, OptionError, OptionValues, Options, Precision, Strategy, StrategyValues,
+    TorchOnly, Validate,
 };
 
 /// Format name written into every header line.
@@ -302,26 +302,19 @@ impl TryFrom<HeaderDoc> for TraceHeader {
                 }
             }
             1 => {
-                let world_size = d.world_size.unwrap_or(1);
                 let strategy = match d.strategy.as_deref() {
                     None => None,
-                    Some("ddp") => Some(Strategy::ddp(world_size, DDP_BUCKET_CAP_MB, false)?),
-                    Some("fsdp" | "hsdp") => {
-                        Some(Strategy::fsdp(world_size, 1, true, None, false)?)
-                    }
-                    Some(z @ ("zero1" | "zero2" | "zero3")) => Some(Strategy::zero(
-                        ZeroStage::new(z.as_bytes()[4] - b'0')?,
-                        world_size,
-                        Zero::default(),
+                    Some(name) => Some(Strategy::try_from(
+                        StrategyValues::named(name, d.world_size.unwrap_or(1)).ok_or_else(
+                            || {
+                                crate::UnknownName::new(
+                                    "strategy",
+                                    name,
+                                    "ddp, fsdp, hsdp, zero1, zero2 or zero3",
+                                )
+                            },
+                        )?,
                     )?),
-                    Some(other) => {
-                        return Err(crate::UnknownName::new(
-                            "strategy",
-                            other,
-                            "ddp, fsdp, hsdp, zero1, zero2 or zero3",
-                        )
-                        .into());
-                    }
                 };
                 OptionValues {
                     optimizer: Optimizer::parse(d.optimizer.as_deref().unwrap_or("adam"))?,
@@ -615,8 +608,9 @@ impl Trace {
             None => return Err(err(1, "empty trace: expected a header line")),
             Some(l) => l,
         };
-        let header: TraceHeader = serde_json::from_str(first)
+        let doc: HeaderDoc = serde_json::from_str(first)
             .map_err(|e| err(1, format!("bad header: {}", one_line(&e))))?;
+        let header = TraceHeader::try_from(doc).map_err(|e| err(1, e.to_string()))?;
         let mut b = TraceBuilder::new(header);
         for (i, line) in lines.enumerate() {
             let n = i + 2;

@@ -45,7 +45,7 @@ pub enum SlurmError {
     #[error("{whence}: {source}")]
     Stated {
         whence: String,
-        source: gpumem_workload::StatedProblem,
+        source: Box<gpumem_workload::StatedProblem>,
     },
     /// The cluster description cannot be read (exit 2).
     #[error("{}: {source}", path.display())]
@@ -61,7 +61,10 @@ pub enum SlurmError {
     },
     /// The PyTorch tracer failed on the job's model (exit 3); `what` names the job.
     #[error("{what}: {source}")]
-    Trace { what: String, source: StatedError },
+    Trace {
+        what: String,
+        source: Box<StatedError>,
+    },
     /// The job cannot be placed by its estimate: no GPU type holds it, or (controller side) a
     /// PyTorch model comes without the estimate the client side writes (exit 4).
     #[error("{0}")]
@@ -536,13 +539,13 @@ pub fn decide(
             Err(StatedError::Invalid { field, message }) => {
                 return Err(SlurmError::Stated {
                     whence: d.whence(field.key()),
-                    source: message,
+                    source: Box::new(message),
                 });
             }
             Err(source @ StatedError::Size(_)) => {
                 return Err(SlurmError::Trace {
                     what: what.clone(),
-                    source,
+                    source: Box::new(source),
                 });
             }
         }

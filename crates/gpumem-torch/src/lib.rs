@@ -258,6 +258,25 @@ pub enum BridgeError {
     },
 }
 
+/// Seconds gpumem waits past a run's `timeout_s` before it kills the run: the tracer's own
+/// alarm, which starts once torch is imported, usually ends it first with a clean answer.
+const DEADLINE_GRACE_S: u64 = 10;
+
+impl BridgeError {
+    /// Whether the model itself could not be traced (it failed, hung, or traced into something
+    /// gpumem cannot use), rather than the reference being wrong or Python or the cache failing.
+    pub fn is_model_failure(&self) -> bool {
+        matches!(
+            self,
+            BridgeError::Model { .. }
+                | BridgeError::Timeout { .. }
+                | BridgeError::BadTrace { .. }
+                | BridgeError::NoTrace { .. }
+                | BridgeError::NotAligned { .. }
+        )
+    }
+}
+
 /// Runs the tracer and caches its traces.
 #[derive(Debug, Clone)]
 pub struct TorchTracer {
@@ -728,21 +747,24 @@ impl TorchTracer {
         outs: &[&Path],
         cut: bool,
     ) -> Result<(), BridgeError> {
-        let scratch = self
-            .cache_dir
-            .join("traces")
-            .join(format!("tracer.{}", temp_suffix()));
-        let result = scratch.with_extension("answer.json");
+        // This run's own files (runs of one process and of others share the cache).
+        let scratch = |what: &str| {
+            self.cache_dir
+                .join("traces")
+                .join(format!("tracer.{}.{what}", temp_suffix()))
+        };
+        let (result, log) = (scratch("answer.json"), scratch("log"));
         let request = self.request(req, batches, outs, cut, &result);
-        let deadline = std::time::Duration::from_secs(self.timeout_s.max(1));
-        let doc = serde_json::to_value(&request).expect("a request is JSON");
-        let log = scratch.with_extension("log");
-        let pooled = outs
-            .iter()
-            .all(|o| o.to_str().is_some())
-            .then(|| self.pool())
-            .flatten()
-            .and_then(|p| p.run(&doc, &log, deadline).ok());
+        // The tracer's own alarm, which starts after its imports, answers a timeout cleanly;
+        // gpumem's deadline, a little later, stops what ignored it.
+        let deadline = std::time::Duration::from_secs(self.timeout_s.max(1) + DEADLINE_GRACE_S);
+        let doc = serde_json::to_value(&request).map_err(|e| {
+            self.io(
+                &self.cache_dir,
+                std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+            )
+        })?;
+        let pooled = self.pool().and_then(|p| p.run(&doc, &log, deadline).ok());
         let ended = match pooled {
             Some(ended) => {
                 let stderr = fs::read_to_string(&log).unwrap_or_default();
@@ -750,7 +772,7 @@ impl TorchTracer {
                 ended.map(|code| (code, stderr))
             }
             None => {
-                let file = scratch.with_extension("request.json");
+                let file = scratch("request.json");
                 fs::write(&file, doc.to_string()).map_err(|e| self.io(&file, e))?;
                 let mut cmd = self.module_command("gpumem_trace")?;
                 cmd.arg("--request").arg(&file);
@@ -780,6 +802,8 @@ impl TorchTracer {
                 let _ = fs::remove_file(depth_path(out, d));
             }
         }
+        let _ = fs::remove_file(result.with_extension("json.tmp"));
+        remove_handed_failures(outs);
         let Some((code, stderr)) = ended else {
             return Err(BridgeError::Timeout {
                 model: req.model.clone(),
@@ -857,6 +881,15 @@ pub(crate) fn output_within(
 ) -> std::io::Result<Option<std::process::Output>> {
     use std::os::unix::process::CommandExt;
     use std::process::Stdio;
+    #[cfg(target_os = "linux")]
+    // SAFETY: prctl(2) is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        // Its own group is out of reach of a terminal's Ctrl-C: it dies with this process.
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
     let mut child = cmd
         .process_group(0)
         .stdout(Stdio::piped())
@@ -910,6 +943,22 @@ fn kill_group(pid: u32) {
 /// over from the model cut to the shallowest depth at each (`--slopes`).
 fn carries_batch(batches: &[u64]) -> bool {
     batches.len() >= SymbolicTrace::FIT_BATCHES.len()
+}
+
+/// Removes what the tracer's forks hand back beside `outs` (`OUT.failure.PID`), which a killed
+/// run leaves behind.
+fn remove_handed_failures(outs: &[&Path]) {
+    for out in outs {
+        let (Some(dir), Some(name)) = (out.parent(), out.file_name()) else {
+            continue;
+        };
+        let prefix = format!("{}.failure.", name.to_string_lossy());
+        for entry in fs::read_dir(dir).into_iter().flatten().flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = fs::remove_file(entry.path());
+            }
+        }
+    }
 }
 
 /// Where the tracer writes `out`'s trace cut to `depth` blocks.

@@ -17,6 +17,9 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+/// How long a killed fork's answer is waited for.
+const KILL_GRACE: Duration = Duration::from_secs(5);
+
 /// A running pool: requests are written under `stdin`'s lock; a reader thread files each
 /// answer under its id and wakes the waiting callers.
 pub(crate) struct Pool {
@@ -120,39 +123,36 @@ impl Pool {
             stdin.1
         };
         self.send(serde_json::json!({"id": id, "request": request, "log": log}))?;
+        // Past the deadline the fork is killed (with all it forked); the pool answers once it is
+        // gone. Once killed, the run is over whatever the pool does: never run it again.
         let end = Instant::now() + deadline;
-        let mut killed = false;
+        let mut killed: Option<Instant> = None;
         let (lock, answered) = &*self.answers;
         let mut answers = lock.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(code) = answers.codes.remove(&id) {
-                return Ok(if killed { None } else { Some(code) });
-            }
-            if answers.closed {
-                return Err(());
+                return Ok(if killed.is_some() { None } else { Some(code) });
             }
             let now = Instant::now();
-            if now >= end && !killed {
-                // The pool answers once the fork is gone; its code is the kill's.
-                drop(answers);
-                killed = true;
-                self.send(serde_json::json!({"kill": id}))?;
-                answers = lock.lock().unwrap_or_else(|e| e.into_inner());
-                continue;
+            match killed {
+                Some(_) if answers.closed => return Ok(None),
+                None if answers.closed => return Err(()),
+                // The pool did not answer the kill in time: the trace is given up all the same.
+                Some(given_up) if now >= given_up => return Ok(None),
+                None if now >= end => {
+                    drop(answers);
+                    killed = Some(now + KILL_GRACE);
+                    let _ = self.send(serde_json::json!({"kill": id}));
+                    answers = lock.lock().unwrap_or_else(|e| e.into_inner());
+                    continue;
+                }
+                _ => {}
             }
-            let wait = if killed {
-                Duration::from_secs(5)
-            } else {
-                end - now
-            };
-            let (next, timeout) = answered
-                .wait_timeout(answers, wait)
-                .unwrap_or_else(|e| e.into_inner());
-            answers = next;
-            if killed && timeout.timed_out() && !answers.codes.contains_key(&id) {
-                // The pool did not answer a kill: give the trace up as timed out.
-                return Ok(None);
-            }
+            let until = killed.unwrap_or(end);
+            answers = answered
+                .wait_timeout(answers, until - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 }

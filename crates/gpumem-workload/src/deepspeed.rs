@@ -1,5 +1,5 @@
 //! DeepSpeed as its users describe a job: the JSON config they already have (read into gpumem's
-//! [`Strategy::Zero`] and loop options), and DeepSpeed's own model-state formulas
+//! ZeRO [`Strategy`] (`Strategy::zero`) and loop options), and DeepSpeed's own model-state formulas
 //! (`estimate_zero2/3_model_states_mem_needs`), reproduced to the byte so gpumem's per-rank
 //! estimate can be shown beside the figure DeepSpeed users know.
 

@@ -620,12 +620,7 @@ impl StatedJob {
             .size(profile, replay.as_ref(), Workload::trace)
             .map(|s| s.estimate)
             .map_err(|e| match e {
-                SizeError::Workload(
-                    e @ (WorkloadError::Model(_)
-                    | WorkloadError::Options(_)
-                    | WorkloadError::TorchOnly(_)
-                    | WorkloadError::Native(_)),
-                ) => StatedError::Invalid {
+                SizeError::Workload(e) if e.is_input() => StatedError::Invalid {
                     field: StatedField::Model,
                     message: StatedProblem::Job(Box::new(e)),
                 },

@@ -214,11 +214,7 @@ fn setup_trace(
     match traced {
         Ok(s) => Ok(Ok(s)),
         Err(e)
-            if e.is_input()
-                || matches!(
-                    e,
-                    WorkloadError::Tracer(gpumem_torch::BridgeError::Model { .. })
-                ) =>
+            if e.is_input() || matches!(&e, WorkloadError::Tracer(b) if b.is_model_failure()) =>
         {
             Ok(Err(SkipReason::Refused(e)))
         }

@@ -362,18 +362,16 @@ impl Strategy {
         param_dtype: Option<HalfDtype>,
         cpu_offload: bool,
     ) -> Result<Self, OptionError> {
-        let bad = OptionError::Replicas {
-            replicas,
-            world_size,
-        };
         if replicas == 0 || !world_size.is_multiple_of(replicas) {
-            return Err(bad);
+            return Err(OptionError::Replicas {
+                replicas,
+                world_size,
+            });
         }
         let mesh = Mesh::new(&[
             (MeshDim::Replicate, replicas),
             (MeshDim::Shard, world_size / replicas),
-        ])
-        .map_err(|_| bad)?;
+        ])?;
         Strategy::new(
             mesh,
             Engine::Fsdp {
@@ -480,6 +478,47 @@ pub struct StrategyValues {
     pub zero: Option<Zero>,
 }
 
+impl StrategyValues {
+    /// `kind` with nothing else stated.
+    pub fn of(kind: EngineKind) -> StrategyValues {
+        StrategyValues {
+            kind,
+            mesh: None,
+            world_size: None,
+            replicas: None,
+            bucket_cap_mb: None,
+            bucket_view: None,
+            reshard_after_forward: None,
+            param_dtype: None,
+            cpu_offload: None,
+            stage: None,
+            zero: None,
+        }
+    }
+
+    /// A strategy as a person names it (`ddp`, `fsdp`, `hsdp`, `zero1`…`zero3`; a ZeRO stage
+    /// out of range is left for the check to refuse) over `world_size` ranks, its settings the
+    /// engine's defaults; `None` for a name that is none of those.
+    pub fn named(name: &str, world_size: u32) -> Option<StrategyValues> {
+        let (kind, stage) = match name {
+            "ddp" => (EngineKind::Ddp, None),
+            "fsdp" | "hsdp" => (EngineKind::Fsdp, None),
+            zero => {
+                let digits = zero.strip_prefix("zero")?;
+                if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                    return None;
+                }
+                (EngineKind::Zero, Some(digits.parse().unwrap_or(u8::MAX)))
+            }
+        };
+        Some(StrategyValues {
+            world_size: Some(world_size),
+            stage,
+            ..StrategyValues::of(kind)
+        })
+    }
+}
+
 impl TryFrom<StrategyValues> for Strategy {
     type Error = OptionError;
 
@@ -558,17 +597,8 @@ impl TryFrom<StrategyValues> for Strategy {
 impl From<Strategy> for StrategyValues {
     fn from(s: Strategy) -> StrategyValues {
         let mut v = StrategyValues {
-            kind: s.engine.kind(),
             mesh: Some(s.mesh.into()),
-            world_size: None,
-            replicas: None,
-            bucket_cap_mb: None,
-            bucket_view: None,
-            reshard_after_forward: None,
-            param_dtype: None,
-            cpu_offload: None,
-            stage: None,
-            zero: None,
+            ..StrategyValues::of(s.engine.kind())
         };
         match s.engine {
             Engine::Ddp {

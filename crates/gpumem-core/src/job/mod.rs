@@ -80,12 +80,12 @@ impl fmt::Display for ModelRef {
     }
 }
 
-/// An image input shape `CxHxW`, every size positive.
+/// An image input shape `CxHxW`. Invariant: every size positive (made only by `parse`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct InputShape {
-    pub channels: u64,
-    pub height: u64,
-    pub width: u64,
+    channels: u64,
+    height: u64,
+    width: u64,
 }
 
 impl InputShape {
