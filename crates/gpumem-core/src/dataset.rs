@@ -18,7 +18,8 @@ use crate::UnknownName;
 use crate::families::{Cnn, Mlp, ModelSpec, SpecError, Transformer};
 use crate::job::Optimizer;
 use crate::job::Precision;
-use crate::job::{InputShape, ModelRef, OptionOverrides, Outputs};
+use crate::job::{InputShape, OptionOverrides, Outputs};
+use crate::model::ModelRef;
 use crate::units::mib_to_bytes;
 
 /// A measurement CSV gpumem cannot read. One line: `FILE line N: [column C: ]what is wrong`.

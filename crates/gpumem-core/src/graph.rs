@@ -45,6 +45,18 @@ impl Dtype {
     }
 }
 
+// The job vocabulary's precision, as the graph computes in it.
+impl Precision {
+    /// The autocast dtype, if autocast is on.
+    pub fn low(self) -> Option<Dtype> {
+        match self {
+            Precision::AmpFp16 => Some(Dtype::F16),
+            Precision::AmpBf16 => Some(Dtype::BF16),
+            Precision::Fp32 | Precision::Fp16 | Precision::Bf16 => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
     Param,

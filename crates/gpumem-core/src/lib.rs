@@ -28,6 +28,7 @@ pub mod eval;
 pub mod families;
 pub mod graph;
 pub mod job;
+pub mod model;
 pub mod profile;
 pub mod rng;
 pub mod search;

@@ -12,8 +12,8 @@ use std::io::{BufRead, Write};
 use serde::{Deserialize, Serialize};
 
 use crate::job::{
-    ModelRef, Optimizer, OptionError, OptionValues, Options, Precision, Strategy, StrategyValues,
-    TorchOnly, Validate,
+    Optimizer, OptionError, OptionValues, Options, Precision, Strategy, StrategyValues, TorchOnly,
+    Validate, is_native_spec,
 };
 
 /// Format name written into every header line.
@@ -320,9 +320,7 @@ impl TryFrom<HeaderDoc> for TraceHeader {
                     optimizer: Optimizer::parse(d.optimizer.as_deref().unwrap_or("adam"))?,
                     precision: Precision::parse(d.precision.as_deref().unwrap_or("fp32"))?,
                     // A native transformer's stated its sequence length, which its spec holds.
-                    seq_len: d.seq_len.filter(
-                        |_| !matches!(ModelRef::recognise(&d.model), Ok(Some(m)) if m.is_native()),
-                    ),
+                    seq_len: d.seq_len.filter(|_| !is_native_spec(&d.model)),
                     data_parallel: d.data_parallel.unwrap_or(1),
                     validate: Validate::parse(d.validate.as_deref().unwrap_or("none"))?,
                     strategy,
@@ -332,8 +330,8 @@ impl TryFrom<HeaderDoc> for TraceHeader {
             }
             other => return Err(HeaderError::Version(other)),
         };
-        if let Ok(Some(model)) = ModelRef::recognise(&d.model) {
-            options.check_model(&model)?;
+        if is_native_spec(&d.model) {
+            options.check_native()?;
         }
         Ok(TraceHeader {
             format: d.format,

@@ -11,7 +11,7 @@ use gpumem_core::dataset::{CsvError, read_measurements};
 use gpumem_core::estimate::EstimateError;
 use gpumem_core::families::{JobError, JobOptions};
 use gpumem_core::graph::Activation;
-use gpumem_core::job::ModelRef;
+use gpumem_core::model::ModelRef;
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::units::bytes_to_mib;
 use serde::{Deserialize, Serialize};

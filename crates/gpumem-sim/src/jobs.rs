@@ -19,7 +19,7 @@
 
 use std::path::Path;
 
-use gpumem_core::job::{ModelRef, Options, RanksNotGpus, TorchOnly};
+use gpumem_core::job::{Options, RanksNotGpus, TorchOnly, is_native_spec};
 use gpumem_place::MIB;
 use serde::Deserialize;
 
@@ -107,8 +107,8 @@ impl JobSpec {
         if let Some(gpus) = self.gpus {
             self.options.check_gpus(gpus)?;
         }
-        if let Some(Ok(Some(model))) = self.model.as_deref().map(ModelRef::recognise) {
-            self.options.check_model(&model)?;
+        if self.model.as_deref().is_some_and(is_native_spec) {
+            self.options.check_native()?;
         }
         Ok(())
     }

@@ -12,10 +12,10 @@ use gpumem_core::estimate::{Estimate, EstimateError, Estimator};
 use gpumem_core::families::SpecError;
 use gpumem_core::families::{JobOptions, MAX_BATCH, ModelSpec};
 pub use gpumem_core::job::{
-    AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, ModelRef, OptionError,
-    OptionOverrides, OptionValues, Options, Outputs, Strategy, TORCH_PREFIXES, TorchOnly, Validate,
-    Zero, ZeroStage,
+    AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, OptionError, OptionOverrides,
+    OptionValues, Options, Outputs, Strategy, TORCH_PREFIXES, TorchOnly, Validate, Zero, ZeroStage,
 };
+pub use gpumem_core::model::ModelRef;
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::search::{self, SearchError};
 use gpumem_core::symbolic::SymbolicTrace;
@@ -124,7 +124,9 @@ impl Workload {
         if batch == 0 || batch > MAX_BATCH {
             return Err(WorkloadError::Batch(batch));
         }
-        options.check_model(&model)?;
+        if model.is_native() {
+            options.check_native()?;
+        }
         Ok(Workload {
             model,
             batch,

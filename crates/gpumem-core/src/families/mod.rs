@@ -245,7 +245,7 @@ pub enum JobError {
 
 impl ModelSpec {
     /// The families' spec prefixes (before the `:`).
-    pub const FAMILIES: [&str; 3] = ["mlp", "cnn", "transformer"];
+    pub const FAMILIES: [&str; 3] = crate::job::NATIVE_FAMILIES;
 
     /// Parses `family:key=value,...`.
     pub fn parse(spec: &str) -> Result<ModelSpec, SpecError> {

@@ -1,6 +1,6 @@
-//! The job vocabulary: what a training job is, as data — which model ([`ModelRef`]: a native
-//! spec or a PyTorch reference, told apart by the one prefix table here) and the options of the
-//! loop around it ([`Options`]: optimizer, precision, checkpointing, [`Lora`], the multi-GPU
+//! The job vocabulary: what a training job is, as data — which model (`crate::model::ModelRef`:
+//! a native spec or a PyTorch reference, told apart by the one prefix table here) and the
+//! options of the loop around it ([`Options`]: optimizer, precision, checkpointing, [`Lora`], the multi-GPU
 //! [`Strategy`] as a device [`Mesh`]). Every entry point (flags, job files, JSON over the API,
 //! trace headers, the tracer's request) reads these types, and each checks itself where it is
 //! made, so an invalid job cannot be represented. The `gpumem-workload` crate turns a job into
@@ -13,8 +13,6 @@ use serde::{Deserialize, Serialize};
 use schemars::JsonSchema;
 
 use crate::UnknownName;
-use crate::families::{ModelSpec, SpecError};
-use crate::graph::Dtype;
 
 pub mod lora;
 pub mod mesh;
@@ -28,56 +26,14 @@ pub use mesh::{
 /// Prefixes of model references only the PyTorch tracer can resolve.
 pub const TORCH_PREFIXES: [&str; 5] = ["torchvision:", "timm:", "hf:", "smp:", "py:"];
 
-/// Which model a job trains.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ModelRef {
-    /// A native family model gpumem builds itself (`mlp:`, `cnn:`, `transformer:`).
-    Native(ModelSpec),
-    /// A reference only the PyTorch tracer can resolve (`torchvision:`, `timm:`, `hf:`, `smp:`, `py:`).
-    Torch(String),
-}
+/// The native families' spec prefixes (before the `:`): the models gpumem builds itself.
+pub const NATIVE_FAMILIES: [&str; 3] = ["mlp", "cnn", "transformer"];
 
-impl ModelRef {
-    /// Whether `model` names a PyTorch model (by its prefix).
-    pub fn is_torch(model: &str) -> bool {
-        TORCH_PREFIXES.iter().any(|p| model.starts_with(p))
-    }
-
-    /// A PyTorch reference by its prefix, else a native spec (whose parse error names what is
-    /// wrong, including an unknown family prefix).
-    pub fn parse(model: &str) -> Result<ModelRef, SpecError> {
-        match Self::recognise(model)? {
-            Some(m) => Ok(m),
-            None => ModelSpec::parse(model).map(ModelRef::Native),
-        }
-    }
-
-    /// Like [`ModelRef::parse`], but a name with neither kind of prefix (a measured row's
-    /// `resnet50`) is `None`, not an error.
-    pub fn recognise(model: &str) -> Result<Option<ModelRef>, SpecError> {
-        if Self::is_torch(model) {
-            return Ok(Some(ModelRef::Torch(model.to_string())));
-        }
-        match model.split_once(':') {
-            Some((family, _)) if ModelSpec::FAMILIES.contains(&family) => {
-                ModelSpec::parse(model).map(|m| Some(ModelRef::Native(m)))
-            }
-            _ => Ok(None),
-        }
-    }
-
-    pub fn is_native(&self) -> bool {
-        matches!(self, ModelRef::Native(_))
-    }
-}
-
-impl fmt::Display for ModelRef {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ModelRef::Native(s) => f.write_str(&s.to_spec_string()),
-            ModelRef::Torch(r) => f.write_str(r),
-        }
-    }
+/// Whether `model` names a native family model (by its prefix; the spec itself is not read).
+pub fn is_native_spec(model: &str) -> bool {
+    model
+        .split_once(':')
+        .is_some_and(|(family, _)| NATIVE_FAMILIES.contains(&family))
 }
 
 /// An image input shape `CxHxW`. Invariant: every size positive (made only by `parse`).
@@ -228,15 +184,6 @@ impl Precision {
             Precision::AmpBf16 => "amp-bf16",
             Precision::Fp16 => "fp16",
             Precision::Bf16 => "bf16",
-        }
-    }
-
-    /// The autocast dtype, if autocast is on.
-    pub fn low(self) -> Option<Dtype> {
-        match self {
-            Precision::AmpFp16 => Some(Dtype::F16),
-            Precision::AmpBf16 => Some(Dtype::BF16),
-            Precision::Fp32 | Precision::Fp16 | Precision::Bf16 => None,
         }
     }
 
@@ -528,9 +475,9 @@ impl Options {
         *self == self.native_part()
     }
 
-    /// `model` trained with these options: a native model takes only the native part.
-    pub fn check_model(&self, model: &ModelRef) -> Result<(), TorchOnly> {
-        if model.is_native() && !self.native_compatible() {
+    /// These options on a native family model, which takes only the native part.
+    pub fn check_native(&self) -> Result<(), TorchOnly> {
+        if !self.native_compatible() {
             return Err(TorchOnly);
         }
         Ok(())

@@ -1,4 +1,5 @@
 use super::*;
+use crate::model::ModelRef;
 
 #[test]
 fn one_prefix_table() {
@@ -74,7 +75,8 @@ fn checks_and_native_options() {
     .unwrap();
     assert!(!full.native_compatible());
     let mlp = ModelRef::parse("mlp:input=8,output=2,depth=1").unwrap();
-    assert!(full.check_model(&mlp).is_err() && Options::default().check_model(&mlp).is_ok());
+    assert!(full.check_native().is_err() && Options::default().check_native().is_ok());
+    assert!(is_native_spec("mlp:input=8") && !is_native_spec("hf:gpt2") && mlp.is_native());
     // Stored jobs from before selective checkpointing read as they were written.
     for (stored, c) in [
         ("false", Checkpointing::Off),

@@ -1,0 +1,60 @@
+//! Which model a job trains: a native family spec or a PyTorch reference, told apart by the
+//! job vocabulary's one prefix table ([`crate::job::TORCH_PREFIXES`]). Apart from the job
+//! module because it holds a parsed [`ModelSpec`] (the job vocabulary depends on no model).
+
+use std::fmt;
+
+use crate::families::{ModelSpec, SpecError};
+use crate::job::TORCH_PREFIXES;
+
+/// Which model a job trains.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelRef {
+    /// A native family model gpumem builds itself (`mlp:`, `cnn:`, `transformer:`).
+    Native(ModelSpec),
+    /// A reference only the PyTorch tracer can resolve (`torchvision:`, `timm:`, `hf:`, `smp:`, `py:`).
+    Torch(String),
+}
+
+impl ModelRef {
+    /// Whether `model` names a PyTorch model (by its prefix).
+    pub fn is_torch(model: &str) -> bool {
+        TORCH_PREFIXES.iter().any(|p| model.starts_with(p))
+    }
+
+    /// A PyTorch reference by its prefix, else a native spec (whose parse error names what is
+    /// wrong, including an unknown family prefix).
+    pub fn parse(model: &str) -> Result<ModelRef, SpecError> {
+        match Self::recognise(model)? {
+            Some(m) => Ok(m),
+            None => ModelSpec::parse(model).map(ModelRef::Native),
+        }
+    }
+
+    /// Like [`ModelRef::parse`], but a name with neither kind of prefix (a measured row's
+    /// `resnet50`) is `None`, not an error.
+    pub fn recognise(model: &str) -> Result<Option<ModelRef>, SpecError> {
+        if Self::is_torch(model) {
+            return Ok(Some(ModelRef::Torch(model.to_string())));
+        }
+        match model.split_once(':') {
+            Some((family, _)) if crate::job::NATIVE_FAMILIES.contains(&family) => {
+                ModelSpec::parse(model).map(|m| Some(ModelRef::Native(m)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    pub fn is_native(&self) -> bool {
+        matches!(self, ModelRef::Native(_))
+    }
+}
+
+impl fmt::Display for ModelRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ModelRef::Native(s) => f.write_str(&s.to_spec_string()),
+            ModelRef::Torch(r) => f.write_str(r),
+        }
+    }
+}
