@@ -34,24 +34,18 @@ class Lora:
     quant: str = None  # "nf4" or "fp4": QLoRA's 4-bit base weights
     double_quant: bool = True
 
-
-def from_flags(a):
-    """The ``Lora`` the parsed ``--lora-*`` flags ask for (``None`` without --lora-rank; the
-    tracer's and ``record``'s, which has no QLoRA flags); ValueError says what is wrong."""
-    if a.lora_rank is None:
-        return None
-    if a.lora_rank < 1 or not a.lora_targets or not 0 <= a.lora_dropout < 1:
-        raise ValueError(
-            "--lora-rank must be at least 1, --lora-targets given, --lora-dropout in [0, 1)"
+    @classmethod
+    def from_document(cls, doc):
+        """A LoRA as the job vocabulary spells it (gpumem's request; checked where it was made)."""
+        quant = doc.get("quant")
+        return cls(
+            rank=doc["rank"],
+            alpha=doc["alpha"],
+            targets=tuple(doc["targets"]),
+            dropout=doc.get("dropout", 0.0),
+            quant=None if quant is None else ("nf4" if quant["nf4"] else "fp4"),
+            double_quant=True if quant is None else quant["double_quant"],
         )
-    return Lora(
-        rank=a.lora_rank,
-        alpha=a.lora_alpha,
-        targets=tuple(a.lora_targets.split(",")),
-        dropout=a.lora_dropout,
-        quant=getattr(a, "lora_quant", None),
-        double_quant=not getattr(a, "lora_single_quant", False),
-    )
 
 
 class Linear4bit(torch.nn.Module):

@@ -23,6 +23,7 @@ import torch
 from . import lora
 from .loop import PRECISIONS, enable_checkpointing, make_optimizer
 from .models import ReferenceError_, resolve
+from .request import lora_document
 
 
 def batch_on_gpu(specs, weights_dtype, channels_last, device="cuda"):
@@ -71,7 +72,8 @@ def record(a, device="cuda"):
             context="alloc" if a.stacks else None, stacks="python", max_entries=a.max_entries
         )
     model = job.model
-    adapters = lora.from_flags(a)
+    doc = lora_document(a)
+    adapters = doc and lora.Lora.from_document(doc)
     if adapters is not None:
         lora.apply(model, adapters, a.model)
     materialise(model, weights_dtype, device)
@@ -184,7 +186,7 @@ def main(argv=None):
     if a.batch < 1 or a.iterations < 1:
         return fail(2, "--batch and --iterations must be at least 1")
     try:
-        lora.from_flags(a)  # checked before the GPU is asked for
+        lora_document(a)  # checked before the GPU is asked for
     except ValueError as e:
         return fail(2, str(e))
     if not torch.cuda.is_available():

@@ -60,17 +60,7 @@ def trace_options(request):
     if not re.fullmatch(r"\d+\.\d+", capability):
         raise ValueError(f"gpu_capability `{capability}` is not MAJOR.MINOR (e.g. 9.0)")
     checkpointing = o.get("checkpointing", False)
-    lora = o.get("lora")
-    if lora:
-        quant = lora.get("quant")
-        lora = Lora(
-            rank=lora["rank"],
-            alpha=lora["alpha"],
-            targets=tuple(lora["targets"]),
-            dropout=lora.get("dropout", 0.0),
-            quant=None if quant is None else ("nf4" if quant["nf4"] else "fp4"),
-            double_quant=True if quant is None else quant["double_quant"],
-        )
+    lora = o.get("lora") and Lora.from_document(o["lora"])
     input_shape = o.get("input")
     return TraceOptions(
         model=request["model"],
@@ -130,6 +120,28 @@ def strategy_options(strategy):
     )
 
 
+def lora_document(a):
+    """The LoRA a person's ``--lora-*`` flags state, as the job vocabulary spells it (``None``
+    without --lora-rank; ``record``'s flags have no QLoRA ones), checked: ValueError says what
+    is wrong."""
+    if a.lora_rank is None:
+        return None
+    if a.lora_rank < 1 or not a.lora_targets or not 0 <= a.lora_dropout < 1 or a.lora_alpha <= 0:
+        raise ValueError(
+            "--lora-rank must be at least 1, --lora-alpha positive, --lora-targets given, --lora-dropout in [0, 1)"
+        )
+    doc = {
+        "rank": a.lora_rank,
+        "alpha": a.lora_alpha,
+        "targets": a.lora_targets.split(","),
+        "dropout": a.lora_dropout,
+    }
+    quant = getattr(a, "lora_quant", None)
+    if quant:
+        doc["quant"] = {"nf4": quant == "nf4", "double_quant": not a.lora_single_quant}
+    return doc
+
+
 def from_flags(a):
     """The request a person's flags state (``python -m gpumem_trace MODEL --batch …``), in the
     form gpumem sends: the options as the job vocabulary spells them. What a person types is
@@ -152,12 +164,6 @@ def from_flags(a):
     ):
         raise ValueError(
             f"--replicas {a.replicas} must divide --world-size {a.world_size} into groups of at least 2 ranks"
-        )
-    if a.lora_rank is not None and (
-        a.lora_rank < 1 or not a.lora_targets or not 0 <= a.lora_dropout < 1 or a.lora_alpha <= 0
-    ):
-        raise ValueError(
-            "--lora-rank must be at least 1, --lora-alpha positive, --lora-targets given, --lora-dropout in [0, 1)"
         )
     strategy = None
     if a.strategy in ("ddp", "fsdp"):
@@ -186,16 +192,7 @@ def from_flags(a):
             "stage": int(a.strategy[-1]),
             "zero": json.loads(a.zero),
         }
-    lora = None
-    if a.lora_rank is not None:
-        lora = {
-            "rank": a.lora_rank,
-            "alpha": a.lora_alpha,
-            "targets": a.lora_targets.split(","),
-            "dropout": a.lora_dropout,
-        }
-        if a.lora_quant:
-            lora["quant"] = {"nf4": a.lora_quant == "nf4", "double_quant": not a.lora_single_quant}
+    lora = lora_document(a)
     checkpointing = "selective" if a.selective else a.checkpointing
     return {
         "version": VERSION,

@@ -5,7 +5,7 @@
 use std::fmt;
 
 use crate::families::{ModelSpec, SpecError};
-use crate::job::TORCH_PREFIXES;
+use crate::job::{TORCH_PREFIXES, is_native_spec};
 
 /// Which model a job trains.
 #[derive(Debug, Clone, PartialEq)]
@@ -37,12 +37,10 @@ impl ModelRef {
         if Self::is_torch(model) {
             return Ok(Some(ModelRef::Torch(model.to_string())));
         }
-        match model.split_once(':') {
-            Some((family, _)) if crate::job::NATIVE_FAMILIES.contains(&family) => {
-                ModelSpec::parse(model).map(|m| Some(ModelRef::Native(m)))
-            }
-            _ => Ok(None),
+        if !is_native_spec(model) {
+            return Ok(None);
         }
+        ModelSpec::parse(model).map(|m| Some(ModelRef::Native(m)))
     }
 
     pub fn is_native(&self) -> bool {

@@ -192,14 +192,36 @@ impl TracerRequest {
     }
 }
 
-/// The tracer's answer: `{status, kind, message, where}`.
+/// The tracer's answer: `{status, kind, message, where}` (python/gpumem_trace/request.py's
+/// `Failure`, or `OK`).
 #[derive(Debug, Clone, Deserialize)]
 struct TracerAnswer {
-    status: String,
-    kind: Option<String>,
+    status: AnswerStatus,
+    kind: Option<FailureKind>,
     message: Option<String>,
     #[serde(rename = "where")]
     at: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum AnswerStatus {
+    Ok,
+    Failed,
+}
+
+/// What failed, as the tracer tells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum FailureKind {
+    /// The model reference or an option is wrong.
+    Reference,
+    /// The model itself failed.
+    Model,
+    /// The tracer's own alarm ended the trace.
+    Timeout,
+    /// The interpreter or torch.
+    Python,
 }
 
 /// Why a trace could not be had.
@@ -793,7 +815,8 @@ impl TorchTracer {
             .ok()
             .and_then(|b| serde_json::from_slice::<TracerAnswer>(&b).ok());
         let _ = fs::remove_file(&result);
-        if matches!((&ended, &answer), (Some((Some(0), _)), Some(a)) if a.status == "ok") {
+        if matches!((&ended, &answer), (Some((Some(0), _)), Some(a)) if a.status == AnswerStatus::Ok)
+        {
             return Ok(());
         }
         for out in outs {
@@ -810,7 +833,7 @@ impl TorchTracer {
                 seconds: self.timeout_s,
             });
         };
-        let Some(answer) = answer.filter(|a| a.status != "ok") else {
+        let Some(answer) = answer.filter(|a| a.status == AnswerStatus::Failed) else {
             return Err(BridgeError::Crashed {
                 what: "tracer",
                 how: code.map_or("ended by a signal".into(), |c| format!("exit status {c}")),
@@ -818,14 +841,14 @@ impl TorchTracer {
             });
         };
         let message = answer.message.unwrap_or_default();
-        Err(match answer.kind.as_deref() {
-            Some("reference") => BridgeError::Reference(message),
-            Some("timeout") => BridgeError::Timeout {
+        Err(match answer.kind {
+            Some(FailureKind::Reference) => BridgeError::Reference(message),
+            Some(FailureKind::Timeout) => BridgeError::Timeout {
                 model: req.model.clone(),
                 seconds: self.timeout_s,
             },
-            Some("python") => BridgeError::NoTorch(message),
-            _ => BridgeError::Model {
+            Some(FailureKind::Python) => BridgeError::NoTorch(message),
+            Some(FailureKind::Model) | None => BridgeError::Model {
                 message,
                 at: answer.at,
             },

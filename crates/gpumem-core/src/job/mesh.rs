@@ -76,6 +76,32 @@ impl Mesh {
         Ok(Mesh { degrees })
     }
 
+    /// The mesh of `world_size` ranks as the older spelling (and a person's flags) state it for
+    /// `engine`: DDP replicates over them, ZeRO shards over them, FSDP shards within
+    /// `replicas` groups (HSDP where more than one).
+    pub fn of_ranks(
+        engine: EngineKind,
+        world_size: u32,
+        replicas: u32,
+    ) -> Result<Mesh, OptionError> {
+        match engine {
+            EngineKind::Ddp => Mesh::new(&[(MeshDim::Replicate, world_size)]),
+            EngineKind::Zero => Mesh::new(&[(MeshDim::Shard, world_size)]),
+            EngineKind::Fsdp => {
+                if replicas == 0 || !world_size.is_multiple_of(replicas) {
+                    return Err(OptionError::Replicas {
+                        replicas,
+                        world_size,
+                    });
+                }
+                Mesh::new(&[
+                    (MeshDim::Replicate, replicas),
+                    (MeshDim::Shard, world_size / replicas),
+                ])
+            }
+        }
+    }
+
     pub fn degree(&self, dim: MeshDim) -> u32 {
         self.degrees[dim as usize]
     }
@@ -345,13 +371,11 @@ impl Strategy {
         bucket_cap_mb: u32,
         bucket_view: bool,
     ) -> Result<Self, OptionError> {
-        Strategy::new(
-            Mesh::new(&[(MeshDim::Replicate, world_size)])?,
-            Engine::Ddp {
-                bucket_cap_mb,
-                bucket_view,
-            },
-        )
+        let engine = Engine::Ddp {
+            bucket_cap_mb,
+            bucket_view,
+        };
+        Strategy::new(Mesh::of_ranks(engine.kind(), world_size, 1)?, engine)
     }
 
     /// FSDP2 over `world_size` ranks in `replicas` groups (HSDP where more than one).
@@ -362,32 +386,18 @@ impl Strategy {
         param_dtype: Option<HalfDtype>,
         cpu_offload: bool,
     ) -> Result<Self, OptionError> {
-        if replicas == 0 || !world_size.is_multiple_of(replicas) {
-            return Err(OptionError::Replicas {
-                replicas,
-                world_size,
-            });
-        }
-        let mesh = Mesh::new(&[
-            (MeshDim::Replicate, replicas),
-            (MeshDim::Shard, world_size / replicas),
-        ])?;
-        Strategy::new(
-            mesh,
-            Engine::Fsdp {
-                reshard_after_forward,
-                param_dtype,
-                cpu_offload,
-            },
-        )
+        let engine = Engine::Fsdp {
+            reshard_after_forward,
+            param_dtype,
+            cpu_offload,
+        };
+        Strategy::new(Mesh::of_ranks(engine.kind(), world_size, replicas)?, engine)
     }
 
     /// ZeRO at `stage` over `world_size` ranks.
     pub fn zero(stage: ZeroStage, world_size: u32, zero: Zero) -> Result<Self, OptionError> {
-        Strategy::new(
-            Mesh::new(&[(MeshDim::Shard, world_size)])?,
-            Engine::Zero { stage, zero },
-        )
+        let engine = Engine::Zero { stage, zero };
+        Strategy::new(Mesh::of_ranks(engine.kind(), world_size, 1)?, engine)
     }
 
     pub fn mesh(&self) -> Mesh {
@@ -567,27 +577,7 @@ impl TryFrom<StrategyValues> for Strategy {
         }
         let mesh = match (v.mesh, v.world_size) {
             (Some(m), _) => Mesh::new(&m.dims())?,
-            (None, Some(world_size)) => {
-                return match engine {
-                    Engine::Fsdp {
-                        reshard_after_forward,
-                        param_dtype,
-                        cpu_offload,
-                    } => Strategy::fsdp(
-                        world_size,
-                        v.replicas.unwrap_or(1),
-                        reshard_after_forward,
-                        param_dtype,
-                        cpu_offload,
-                    ),
-                    Engine::Ddp { .. } => {
-                        Strategy::new(Mesh::new(&[(MeshDim::Replicate, world_size)])?, engine)
-                    }
-                    Engine::Zero { .. } => {
-                        Strategy::new(Mesh::new(&[(MeshDim::Shard, world_size)])?, engine)
-                    }
-                };
-            }
+            (None, Some(world_size)) => Mesh::of_ranks(kind, world_size, v.replicas.unwrap_or(1))?,
             (None, None) => return Err(OptionError::NoMesh),
         };
         Strategy::new(mesh, engine)
