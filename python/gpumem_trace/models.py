@@ -8,6 +8,7 @@ import difflib
 import importlib
 import importlib.util
 import inspect
+import json
 import re
 
 import torch
@@ -67,21 +68,50 @@ def build(make):
             return make()
 
 
+def _items(text):
+    """``text`` split at the commas and semicolons outside brackets and quotes, so a value may
+    be JSON (``rope_scaling={"factor":8.0,"rope_type":"llama3"}``, ``eos_token_id=[1,2]``)."""
+    items, depth, quote, start = [], 0, None, 0
+    for i, c in enumerate(text):
+        if quote:
+            if c == quote and text[i - 1] != "\\":
+                quote = None
+        elif c in "\"'":
+            quote = c
+        elif c in "{[(":
+            depth += 1
+        elif c in "}])":
+            depth -= 1
+        elif c in ",;" and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [s.strip() for s in items if s.strip()]
+
+
+def _value(v):
+    """A value as JSON where it is JSON (numbers, ``true``, ``null``, quoted strings, lists,
+    objects: what gpumem writes from a Hub config.json), else a bare word as typed by hand
+    (``hidden_act=silu``, ``True``)."""
+    try:
+        return json.loads(v)
+    except ValueError:
+        pass
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    return {"True": True, "False": False, "None": None}.get(v, v)
+
+
 def _kwargs(text, ref):
     out = {}
-    for item in filter(None, (s.strip() for s in re.split(r"[;,]", text))):
+    for item in _items(text):
         if "=" not in item:
             raise ReferenceError_(f"{ref}: `{item}` is not key=value")
         k, v = (s.strip() for s in item.split("=", 1))
-        for conv in (int, float):
-            try:
-                v = conv(v)
-                break
-            except ValueError:
-                pass
-        else:
-            v = {"true": True, "false": False, "True": True, "False": False}.get(v, v)
-        out[k] = v
+        out[k] = _value(v)
     return out
 
 
@@ -330,12 +360,15 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
     mapped = {}
     for k, v in kw.items():
         k2 = k if k in fields else HF_ALIASES.get(k, k)
-        if k2 == "vocab_size" or k2 in fields or k2 in HF_CONFIG_ARGUMENTS:
-            mapped[k2] = v
-        elif k == "vocab":
-            mapped["vocab_size"] = v
-        else:
-            raise ReferenceError_(f"{ref}: {config_cls.__name__} has no field `{k}`")
+        close = difflib.get_close_matches(k2, fields, n=1, cutoff=0.85)
+        if k2 not in fields and k2 not in HF_CONFIG_ARGUMENTS and close:
+            raise ReferenceError_(
+                f"{ref}: {config_cls.__name__} has no field `{k}`; did you mean `{close[0]}`?"
+            )
+        # Other keys are taken as a Hub config.json states them and as transformers' own loading
+        # takes them: renamed ones (rope_theta, rope_scaling) are read by the config's
+        # constructor, stale ones kept as attributes the model does not read.
+        mapped[k2] = v
     config = config_cls(**mapped)
     lower = name.lower()
     text = getattr(config, "text_config", None) or config

@@ -8,13 +8,15 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use gpumem_core::dataset::Measurement;
 use gpumem_core::estimate::Estimator;
+use gpumem_core::hub::{HubCache, HubError, HubSource};
 use gpumem_core::job::{EngineKind, Optimizer, OptionValues, Precision, StrategyValues};
+use gpumem_core::model::ModelError;
 use gpumem_core::profile::{self, GpuProfile};
 use gpumem_core::search::SearchError;
 use gpumem_core::trace::Trace;
 use gpumem_core::units::bytes_to_mib;
 use gpumem_learn::{Hybrid, LearnedModel};
-use gpumem_torch::BridgeError;
+use gpumem_torch::{BridgeError, TorchTracer};
 use gpumem_workload::deepspeed;
 use gpumem_workload::{
     AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, ModelRef, Options, Outputs,
@@ -430,7 +432,8 @@ impl EstimatorArgs {
     }
 }
 
-/// A model argument: a trace file, or a model (native spec or PyTorch reference).
+/// A model argument: a trace file, or a model (native spec, PyTorch reference, Hub id, model
+/// directory or config.json).
 pub enum ModelArg {
     TraceFile(Trace),
     Model(ModelRef),
@@ -439,7 +442,8 @@ pub enum ModelArg {
 impl ModelArg {
     pub fn load(arg: &str) -> CliResult<ModelArg> {
         let path = Path::new(arg);
-        if path.is_file() {
+        // A `.json` file is a model's config.json; traces are `.jsonl`.
+        if path.is_file() && path.extension().is_none_or(|e| e != "json") {
             let f = File::open(path).map_err(|e| CliError::input(format!("{arg}: {e}")))?;
             return Trace::read(BufReader::new(f))
                 .map(ModelArg::TraceFile)
@@ -448,9 +452,10 @@ impl ModelArg {
         if arg.ends_with(".jsonl") || arg.ends_with(".trace") {
             return Err(CliError::input(format!("{arg}: no such trace file")));
         }
-        ModelRef::parse(arg)
-            .map(ModelArg::Model)
-            .map_err(CliError::input)
+        match ModelRef::parse(arg) {
+            Err(ModelError::Hub(HubError::NotCached { .. })) => fetched(arg),
+            m => m.map(ModelArg::Model).map_err(CliError::input),
+        }
     }
 
     /// The model, where the argument is not a trace file (`what` says which command needs one).
@@ -460,6 +465,27 @@ impl ModelArg {
             ModelArg::TraceFile(_) => Err(CliError::input(format!("{arg}: {what}"))),
         }
     }
+}
+
+/// A Hub id that is not cached, after its config.json alone is downloaded into the cache by the
+/// tracer's Python (`huggingface_hub`); where that cannot be done, the not-cached error with the
+/// reason appended.
+fn fetched(arg: &str) -> CliResult<ModelArg> {
+    let cache = HubCache::from_env();
+    let not_cached = |why: String| {
+        let e = ModelRef::parse_in(arg, &cache).err().map(|e| e.to_string());
+        CliError::input(format!("{} (fetching it: {why})", e.unwrap_or_default()))
+    };
+    let Some(HubSource::Id(id)) = HubSource::of(arg, &cache) else {
+        return Err(not_cached("not a Hub id".into()));
+    };
+    TorchTracer::from_env()
+        .fetch_hub_config(id.repo(), id.revision())
+        .map_err(not_cached)?;
+    eprintln!("fetched {id}'s config.json into {}", cache.root().display());
+    ModelRef::parse_in(arg, &cache)
+        .map(ModelArg::Model)
+        .map_err(CliError::input)
 }
 
 /// A measurements CSV.

@@ -24,7 +24,8 @@ const DEFAULT_BATCH: u64 = 996;
 #[derive(Args)]
 pub struct EstimateArgs {
     /// A native spec (mlp:…, cnn:…, transformer:…), a PyTorch reference (torchvision:, timm:,
-    /// hf:, smp:, py:) or a trace file. Default: a seed MLP.
+    /// hf:, smp:, py:), a Hugging Face Hub id (ORG/NAME, read offline from the local Hub cache),
+    /// a model directory or its config.json, or a trace file. Default: a seed MLP.
     model: Option<String>,
     /// Batch size (ignored for trace files, which fix their own).
     #[arg(long, allow_negative_numbers = true)]
@@ -340,7 +341,7 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
         return Ok(());
     }
     print_estimate(
-        &model_name,
+        &shown_model(&arg, &model_name),
         trace.header.batch_size,
         trace.header.iterations,
         &profile,
@@ -391,6 +392,17 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
         }
     }
     Ok(())
+}
+
+/// The model as the text output names it: a Hub id, directory or config.json by the user's
+/// name and its class (the `hf:` reference it became carries every config key; `--json` has it).
+fn shown_model(arg: &str, reference: &str) -> String {
+    match reference.strip_prefix("hf:") {
+        Some(r) if !arg.starts_with("hf:") && arg != reference => {
+            format!("{arg} (hf:{})", r.split('(').next().unwrap_or(r))
+        }
+        _ => reference.to_string(),
+    }
 }
 
 fn print_estimate(model: &str, batch: u64, iterations: u32, profile: &GpuProfile, est: &Estimate) {

@@ -8,7 +8,8 @@ use crate::{CliError, CliResult};
 
 #[derive(Args)]
 pub struct MaxBatchArgs {
-    /// A native model spec or a PyTorch reference (torchvision:, timm:, hf:, smp:, py:).
+    /// A native model spec, a PyTorch reference (torchvision:, timm:, hf:, smp:, py:), or a Hub id
+    /// (ORG/NAME), model directory or config.json.
     model: String,
     #[command(flatten)]
     workload: WorkloadArgs,

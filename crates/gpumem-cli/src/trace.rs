@@ -11,7 +11,8 @@ use crate::{CliError, CliResult};
 
 #[derive(Args)]
 pub struct TraceArgs {
-    /// A native model spec or a PyTorch reference.
+    /// A native model spec, a PyTorch reference, or a Hub id (ORG/NAME), model directory or
+    /// config.json.
     model: String,
     #[arg(long, allow_negative_numbers = true, default_value_t = 32)]
     batch: i64,

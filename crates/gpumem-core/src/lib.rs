@@ -27,6 +27,7 @@ pub mod estimate;
 pub mod eval;
 pub mod families;
 pub mod graph;
+pub mod hub;
 pub mod job;
 pub mod model;
 pub mod profile;

@@ -1,11 +1,23 @@
 //! Which model a job trains: a native family spec or a PyTorch reference, told apart by the
-//! job vocabulary's one prefix table ([`crate::job::TORCH_PREFIXES`]). Apart from the job
-//! module because it holds a parsed [`ModelSpec`] (the job vocabulary depends on no model).
+//! job vocabulary's one prefix table ([`crate::job::TORCH_PREFIXES`]), or a model as people name
+//! it — a Hub id, a model directory, a `config.json` — read into its `hf:` reference
+//! ([`crate::hub`]). Apart from the job module because it holds a parsed [`ModelSpec`] (the job
+//! vocabulary depends on no model).
 
 use std::fmt;
 
 use crate::families::{ModelSpec, SpecError};
+use crate::hub::{HubCache, HubError, HubSource};
 use crate::job::{TORCH_PREFIXES, is_native_spec};
+
+/// Why a model argument names no model.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error(transparent)]
+    Hub(#[from] HubError),
+}
 
 /// Which model a job trains.
 #[derive(Debug, Clone, PartialEq)]
@@ -22,13 +34,22 @@ impl ModelRef {
         TORCH_PREFIXES.iter().any(|p| model.starts_with(p))
     }
 
-    /// A PyTorch reference by its prefix, else a native spec (whose parse error names what is
-    /// wrong, including an unknown family prefix).
-    pub fn parse(model: &str) -> Result<ModelRef, SpecError> {
-        match Self::recognise(model)? {
-            Some(m) => Ok(m),
-            None => ModelSpec::parse(model).map(ModelRef::Native),
+    /// A PyTorch reference by its prefix, a native spec by its family, a Hub id, model directory
+    /// or `config.json` read from this environment's Hub cache ([`HubCache::from_env`]), else
+    /// the native parser's error (which names an unknown family prefix).
+    pub fn parse(model: &str) -> Result<ModelRef, ModelError> {
+        Self::parse_in(model, &HubCache::from_env())
+    }
+
+    /// [`ModelRef::parse`] with Hub ids read from `cache`.
+    pub fn parse_in(model: &str, cache: &HubCache) -> Result<ModelRef, ModelError> {
+        if let Some(m) = Self::recognise(model)? {
+            return Ok(m);
         }
+        if let Some(source) = HubSource::of(model, cache) {
+            return Ok(ModelRef::Torch(source.read(cache)?.reference()));
+        }
+        Ok(ModelSpec::parse(model).map(ModelRef::Native)?)
     }
 
     /// Like [`ModelRef::parse`], but a name with neither kind of prefix (a measured row's

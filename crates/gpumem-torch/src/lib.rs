@@ -713,6 +713,22 @@ impl TorchTracer {
 
     /// `python -m MODULE` with the embedded package importable (the tracer, or the workload
     /// runner `gpumem_trace.run`).
+    /// Downloads a Hub repository's `config.json` alone (never weights) into the Hub cache
+    /// `huggingface_hub` uses, with this interpreter's `huggingface_hub`, within 60 seconds.
+    /// `Err` with the reason where it is not installed, the network does not answer, or the
+    /// repository has no config.
+    pub fn fetch_hub_config(&self, repo: &str, revision: Option<&str>) -> Result<(), String> {
+        const FETCH: &str = "import sys\nfrom huggingface_hub import hf_hub_download\nhf_hub_download(sys.argv[1], 'config.json', revision=sys.argv[2] or None)";
+        let mut cmd = Command::new(&self.python);
+        cmd.args(["-c", FETCH, repo, revision.unwrap_or("")]);
+        match output_within(cmd, std::time::Duration::from_secs(60)) {
+            Ok(Some(out)) if out.status.success() => Ok(()),
+            Ok(Some(out)) => Err(tail(&String::from_utf8_lossy(&out.stderr), 1)),
+            Ok(None) => Err("no answer within 60 s".into()),
+            Err(e) => Err(format!("cannot run {}: {e}", self.python)),
+        }
+    }
+
     pub fn module_command(&self, module: &str) -> Result<Command, BridgeError> {
         let pkg = self.package_dir()?;
         let mut pythonpath = pkg.into_os_string();

@@ -9,12 +9,12 @@
 
 use gpumem_core::dataset::Measurement;
 use gpumem_core::estimate::{Estimate, EstimateError, Estimator};
-use gpumem_core::families::SpecError;
 use gpumem_core::families::{JobOptions, MAX_BATCH, ModelSpec};
 pub use gpumem_core::job::{
     AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, OptionError, OptionOverrides,
     OptionValues, Options, Outputs, Strategy, TORCH_PREFIXES, TorchOnly, Validate, Zero, ZeroStage,
 };
+use gpumem_core::model::ModelError;
 pub use gpumem_core::model::ModelRef;
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::search::{self, SearchError};
@@ -32,7 +32,7 @@ pub mod plan;
 pub enum WorkloadError {
     /// The model reference does not parse.
     #[error(transparent)]
-    Model(#[from] SpecError),
+    Model(#[from] ModelError),
     /// An option is out of range or at odds with another (the message names which).
     #[error(transparent)]
     Options(#[from] OptionError),
@@ -550,7 +550,7 @@ pub enum StatedProblem {
     #[error(transparent)]
     Name(#[from] gpumem_core::UnknownName),
     #[error(transparent)]
-    Model(#[from] SpecError),
+    Model(#[from] ModelError),
     #[error(transparent)]
     Job(Box<WorkloadError>),
 }

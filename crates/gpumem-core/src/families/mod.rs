@@ -72,7 +72,9 @@ pub const MAX_BATCH: u64 = 1 << 24;
 /// message is one line naming the family and the key at fault.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SpecError {
-    #[error("model spec `{0}` has no `family:` prefix (mlp:, cnn: or transformer:)")]
+    #[error(
+        "model spec `{0}` has no `family:` prefix (mlp:, cnn: or transformer:; or a PyTorch reference: torchvision:, timm:, hf:, smp:, py:; or a Hub id ORG/NAME, a model directory or its config.json)"
+    )]
     NoFamily(String),
     #[error("unknown model family `{0}` (expected mlp, cnn or transformer)")]
     UnknownFamily(String),
@@ -562,7 +564,7 @@ mod tests {
         let e = |s: &str| ModelSpec::parse(s).unwrap_err().to_string();
         assert_eq!(
             e("resnet"),
-            "model spec `resnet` has no `family:` prefix (mlp:, cnn: or transformer:)"
+            "model spec `resnet` has no `family:` prefix (mlp:, cnn: or transformer:; or a PyTorch reference: torchvision:, timm:, hf:, smp:, py:; or a Hub id ORG/NAME, a model directory or its config.json)"
         );
         assert_eq!(
             e("rnn:x=1"),
