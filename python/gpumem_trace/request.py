@@ -62,14 +62,16 @@ def trace_options(request):
     checkpointing = o.get("checkpointing", False)
     lora = o.get("lora") and Lora.from_document(o["lora"])
     input_shape = o.get("input")
+    seq_lens = tuple(request.get("seq_lens") or ()) or None
     return TraceOptions(
         model=request["model"],
         batch=request["batches"][0],
         optimizer=o.get("optimizer", "adam"),
         precision=o.get("precision", "fp32"),
-        iterations=request.get("iterations", 3),
+        iterations=len(seq_lens) if seq_lens else request.get("iterations", 3),
         input_shape=tuple(int(x) for x in input_shape.split("x")) if input_shape else None,
         seq_len=o.get("seq_len"),
+        seq_lens=seq_lens,
         gpu_capability=capability,
         sdpa=request.get("sdpa"),
         checkpointing=checkpointing in (True, "full", "selective"),

@@ -23,6 +23,7 @@ use serde::Serialize;
 
 use crate::allocator::{BlockId, CachingAllocator};
 use crate::estimate::{EstimateError, GpuSizes};
+use crate::job::LengthSummary;
 use crate::profile::GpuProfile;
 use crate::trace::{Category, Event, Trace, TraceBuilder, TraceHeader};
 
@@ -145,8 +146,7 @@ impl<'a> StepSequence<'a> {
         if shapes.is_empty() || order.is_empty() {
             return Err(RunError::Empty);
         }
-        if let Some((step, &shape)) = order.iter().enumerate().find(|(_, s)| **s >= shapes.len())
-        {
+        if let Some((step, &shape)) = order.iter().enumerate().find(|(_, s)| **s >= shapes.len()) {
             return Err(RunError::NoShape {
                 step,
                 shape,
@@ -228,7 +228,11 @@ impl<'a> StepSequence<'a> {
             (k, s, k.min(shape.iterations() - 1))
         });
         // The last step's trace goes on after its iterations (a validation pass).
-        let tail = (last + 1, self.order[last], self.shapes[self.order[last]].iterations());
+        let tail = (
+            last + 1,
+            self.order[last],
+            self.shapes[self.order[last]].iterations(),
+        );
         for (step, shape_i, j) in segments.chain(std::iter::once(tail)) {
             let shape = &self.shapes[shape_i];
             let trace = shape.trace;
@@ -340,10 +344,7 @@ impl<'a> StepSequence<'a> {
                 }
             }
             Part::Other { ev, trace } => {
-                if let Event::Workspace {
-                    conv, n, pass, ..
-                } = *ev
-                {
+                if let Event::Workspace { conv, n, pass, .. } = *ev {
                     // Taken and given back inside the kernel, as the replay does.
                     for bytes in sizes.workspace(trace, conv, n, pass).0 {
                         let b = arenas[1].malloc(bytes, 0).expect("no capacity limit");
@@ -407,14 +408,121 @@ fn slot_kinds(trace: &Trace) -> Vec<Category> {
 /// One joined event: an allocation (with the run's id for it), a free (of a run id), or any
 /// other event, with the trace it comes from (its names).
 enum Part<'e, 'a> {
-    Alloc { id: u64, ev: &'a Event, trace: &'e Trace },
-    Free { id: u64 },
-    Other { ev: &'a Event, trace: &'e Trace },
+    Alloc {
+        id: u64,
+        ev: &'a Event,
+        trace: &'e Trace,
+    },
+    Free {
+        id: u64,
+    },
+    Other {
+        ev: &'a Event,
+        trace: &'e Trace,
+    },
 }
 
 struct ArenaPeaks {
     persistent: u64,
     shape: u64,
+}
+
+/// A run sized: what its lengths were, what was traced, and its reserved memory (the
+/// allocator's, without the context) against its longest single step's and the any-order
+/// bound. What `--json` states of a run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RunReport {
+    pub lengths: LengthSummary,
+    /// The lengths traced, one trace each; every step is one of them.
+    pub traced_lengths: Vec<u64>,
+    /// Whether steps' lengths were rounded up to a traced length (more distinct lengths than
+    /// [`MAX_TRACED_LENGTHS`]): the run replayed is then of those, each step at least as long.
+    pub rounded_up: bool,
+    /// The run's peak reserved memory, its steps in the drawn order.
+    pub reserved_bytes: u64,
+    /// A fixed-length run at the longest traced length: its peak reserved memory.
+    pub longest_step_reserved_bytes: u64,
+    /// The reserved memory no order of these steps exceeds (the estimate's upper bound is
+    /// raised to cover it).
+    pub any_order: AnyOrderBound,
+}
+
+/// Most distinct lengths a run traces: beyond them, each step's length is rounded up to the
+/// nearest of this many, taken at even ranks of the drawn lengths (the longest always one).
+pub const MAX_TRACED_LENGTHS: usize = 16;
+
+/// The lengths to trace for `lengths`, and each step's index among them: every distinct
+/// length, or where there are more than [`MAX_TRACED_LENGTHS`], that many of them at even
+/// ranks, each step rounded up to the next.
+pub fn traced_lengths(lengths: &[u64]) -> (Vec<u64>, Vec<usize>, bool) {
+    let mut distinct = lengths.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    let rounded = distinct.len() > MAX_TRACED_LENGTHS;
+    if rounded {
+        let n = distinct.len();
+        distinct = (1..=MAX_TRACED_LENGTHS)
+            .map(|i| distinct[(i * n).div_ceil(MAX_TRACED_LENGTHS) - 1])
+            .collect();
+        distinct.dedup();
+    }
+    let order = lengths
+        .iter()
+        .map(|l| distinct.partition_point(|d| d < l))
+        .collect();
+    (distinct, order, rounded)
+}
+
+/// The run of `seq` sized on `profile`: its trace under `header`, the estimate `estimator`
+/// makes of it with the upper bound raised to cover any order of its steps (the profile's
+/// margins over [`StepSequence::any_order_bound`]), and the report's reserved figures.
+pub fn size_run(
+    seq: &StepSequence<'_>,
+    header: TraceHeader,
+    profile: &GpuProfile,
+    estimator: &dyn crate::estimate::Estimator,
+    lengths: LengthSummary,
+    traced: Vec<u64>,
+    rounded_up: bool,
+) -> Result<(Trace, crate::estimate::Estimate, RunReport), RunError> {
+    use crate::estimate::{Estimator, Replay};
+    let trace = seq.splice(header)?;
+    let replay = Replay::default();
+    let reserved_of = |t: &Trace| -> Result<u64, RunError> {
+        Ok(replay
+            .estimate(t, profile)?
+            .allocator
+            .map_or(0, |a| a.peak_reserved))
+    };
+    let reserved_bytes = reserved_of(&trace)?;
+    // `traced[i]` is shape i's length: the longest step is the longest length's trace alone.
+    let longest = (0..seq.shapes.len())
+        .max_by_key(|&i| traced.get(i))
+        .expect("a sequence has a shape");
+    let longest_step_reserved_bytes = reserved_of(seq.shapes[longest].trace)?;
+    let any_order = seq.any_order_bound(profile)?;
+    let mut estimate = estimator.estimate(&trace, profile)?;
+    let fixed = profile.fixed_bytes(
+        trace.runs_convolutions(),
+        trace.header.options.strategy.is_some(),
+    );
+    let covered = any_order.reserved_bytes.max(reserved_bytes);
+    estimate.upper_bound_bytes = estimate.upper_bound_bytes.max(crate::estimate::upper_bound(
+        profile,
+        &trace,
+        fixed + covered,
+        fixed,
+        estimate.workspace_source,
+    ));
+    let report = RunReport {
+        lengths,
+        traced_lengths: traced,
+        rounded_up,
+        reserved_bytes,
+        longest_step_reserved_bytes,
+        any_order,
+    };
+    Ok((trace, estimate, report))
 }
 
 /// The reserved memory no order of a run's steps exceeds (docs/intake.md): the persistent

@@ -369,7 +369,10 @@ mod tests {
         assert!(a.iter().all(|&l| l == 64 || l == 512));
         assert!((700..1300).contains(&long), "{long} of 10000 at weight 0.1");
         let sum = s.summary(&a);
-        assert_eq!((sum.min, sum.max, sum.distinct, sum.steps), (64, 512, 2, 10_000));
+        assert_eq!(
+            (sum.min, sum.max, sum.distinct, sum.steps),
+            (64, 512, 2, 10_000)
+        );
     }
 
     #[test]

@@ -31,8 +31,18 @@ fn loop_trace(lengths: &[u64]) -> Trace {
         }
         let mut acts = Vec::new();
         for layer in 0..3 {
-            acts.push(b.alloc(len * PER_TOKEN * (layer + 1), Category::Activation, Phase::Forward, "mm"));
-            let t = b.alloc(len * PER_TOKEN / 2, Category::Temporary, Phase::Forward, "softmax");
+            acts.push(b.alloc(
+                len * PER_TOKEN * (layer + 1),
+                Category::Activation,
+                Phase::Forward,
+                "mm",
+            ));
+            let t = b.alloc(
+                len * PER_TOKEN / 2,
+                Category::Temporary,
+                Phase::Forward,
+                "softmax",
+            );
             b.op("mm", len * 1000, len * 10, len * 10);
             b.free(t);
         }
@@ -41,7 +51,12 @@ fn loop_trace(lengths: &[u64]) -> Trace {
             b.free(old);
         }
         for (k, act) in acts.into_iter().enumerate().rev() {
-            let g = b.alloc(len * PER_TOKEN * (k as u64 + 1), Category::Temporary, Phase::Backward, "mm_bw");
+            let g = b.alloc(
+                len * PER_TOKEN * (k as u64 + 1),
+                Category::Temporary,
+                Phase::Backward,
+                "mm_bw",
+            );
             b.free(act);
             b.free(g);
         }
@@ -137,13 +152,24 @@ fn a_run_reserves_more_than_its_longest_step_and_its_any_order_bound_covers_ever
     let mut most = 0;
     for o in &orders {
         let r = reserved(&spliced(o));
-        assert_eq!(r, reserved(&loop_trace(o)), "the splice replays as the loop");
-        assert!(r <= bound.reserved_bytes, "{r} > bound {} for {o:?}", bound.reserved_bytes);
+        assert_eq!(
+            r,
+            reserved(&loop_trace(o)),
+            "the splice replays as the loop"
+        );
+        assert!(
+            r <= bound.reserved_bytes,
+            "{r} > bound {} for {o:?}",
+            bound.reserved_bytes
+        );
         most = most.max(r);
     }
     // Ascending is the classic creep: each longer step finds every cached block too small.
     let asc = reserved(&spliced(&ascending));
-    assert!(asc > longest, "ascending run {asc} vs longest step {longest}");
+    assert!(
+        asc > longest,
+        "ascending run {asc} vs longest step {longest}"
+    );
     assert!(most >= asc);
     // The bound is the persistent allocator plus each shape's own.
     assert_eq!(
@@ -186,4 +212,3 @@ fn steps_that_keep_different_tensors_are_refused() {
         Err(RunError::NoShape { step: 1, .. })
     ));
 }
-
