@@ -393,7 +393,8 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
         else:
             x = ids
         one_label = any(
-            k in lower for k in ("sequenceclassification", "imageclassification", "audioclassification")
+            k in lower
+            for k in ("sequenceclassification", "imageclassification", "audioclassification")
         )
         label = (lambda b: ((b,), torch.long)) if one_label else ids
         codebooks = getattr(config, "num_codebooks", None)
@@ -407,7 +408,9 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
             and "for" not in lower
         ):
             specs = lambda b: [ids(b), ((b, *image), torch.float32)]
-            forward = lambda m, b: m(input_ids=b[0], pixel_values=b[1], return_loss=True, **_mask(b, 2))
+            forward = lambda m, b: m(
+                input_ids=b[0], pixel_values=b[1], return_loss=True, **_mask(b, 2)
+            )
         elif (
             lower.endswith(("forcausallm", "formaskedlm"))
             and "pixel_values" in inspect.signature(model.forward).parameters
@@ -421,7 +424,9 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
             forward = lambda m, b: m(**{main: b[0]}, labels=b[1], **_mask(b, 2))
         if attention_mask == "padded":
             if seq is None:
-                raise ReferenceError_(f"{ref}: --attention-mask applies to models that read token ids")
+                raise ReferenceError_(
+                    f"{ref}: --attention-mask applies to models that read token ids"
+                )
             base = specs
             specs = lambda b: base(b) + [ids(b)]
         return specs, forward, seq, image, main

@@ -206,6 +206,8 @@ def from_flags(a):
             "precision": a.precision,
             "input": a.input,
             "seq_len": a.seq_len,
+            # A schedule is gpumem's to draw; the tracer is given the drawn lengths (seq_lens).
+            "seq_lens": None,
             "checkpointing": checkpointing,
             "channels_last": a.channels_last,
             "grad_accum": a.grad_accum,
@@ -218,7 +220,8 @@ def from_flags(a):
         },
         "gpu_capability": a.gpu_capability,
         "sdpa": a.sdpa,
-        "iterations": a.iterations,
+        "iterations": len(a.seq_lens) if a.seq_lens else a.iterations,
+        "seq_lens": a.seq_lens,
         "depths": a.depths or [],
         "slopes": a.slopes,
         "every_iteration": a.every_iteration,
