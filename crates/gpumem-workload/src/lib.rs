@@ -58,7 +58,7 @@ pub enum WorkloadError {
     Tracer(#[from] BridgeError),
     /// A job whose sequence length varies by step, where one length is needed.
     #[error(
-        "{0} searches batch sizes at one sequence length: give --seq-len N (the longest of the run's, for a bound of its steps)"
+        "{0} needs one sequence length, and this job's varies by step: give --seq-len N (the run's longest, for a bound of its steps)"
     )]
     OneLength(&'static str),
     /// A run's steps could not be joined (the loop keeps different tensors across steps at
@@ -401,7 +401,9 @@ impl Workload {
     /// PyTorch model is traced once into a batch-symbolic trace.
     pub fn symbolic(&self, profile: &GpuProfile) -> Result<Symbolic, WorkloadError> {
         if self.options.seq_lens.is_some() {
-            return Err(WorkloadError::OneLength("a batch-size search"));
+            return Err(WorkloadError::OneLength(
+                "a batch-size search (max-batch, plan)",
+            ));
         }
         Ok(match &self.model {
             ModelRef::Native(spec) => Symbolic::Native(spec.clone(), self.native_job(profile)),
