@@ -262,7 +262,9 @@ pub struct OptionValues {
     /// Sequence length of sequence models.
     pub seq_len: Option<u64>,
     /// Sequence lengths that vary by step (batches padded to their longest sample): a seeded
-    /// schedule, in place of one `seq_len`.
+    /// schedule, in place of one `seq_len`. Left out where absent, so a fixed-length job's
+    /// documents read as before.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub seq_lens: Option<LengthSchedule>,
     /// Activation checkpointing: `off`, `full` or `selective` (stored as `false`/`true` for off
     /// and full, as before selective).
