@@ -44,6 +44,12 @@ def flags():
     p.add_argument("--input", help="input shape CxHxW for image models")
     p.add_argument("--seq-len", type=int)
     p.add_argument(
+        "--seq-lens",
+        type=lambda t: [int(n) for n in t.split(",")],
+        default=[],
+        help="one sequence length per iteration, in order (LEN,LEN,...; the iterations are their count)",
+    )
+    p.add_argument(
         "--gpu-capability",
         default="8.0",
         help="compute capability of the GPU the job will run on (decides the attention kernel)",

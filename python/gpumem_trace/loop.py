@@ -36,6 +36,9 @@ class TraceOptions:
     iterations: int = 3
     input_shape: tuple = None
     seq_len: int = None
+    # One sequence length per iteration (batches padded to a length that varies by step): the
+    # loop runs them in this order, every one (none copied), and `iterations` is their count.
+    seq_lens: tuple = None
     gpu_capability: str = "8.0"  # compute capability of the GPU the job will run on
     sdpa: str = (
         None  # a forced attention kernel (flash, efficient, cudnn, math), else PyTorch's choice
@@ -358,6 +361,14 @@ def trace_training(opts: TraceOptions, out_path: str):
     paths = ModulePaths(model)
     mode = TraceMode(rec, paths, DEVICE)
     specs = job.batch_specs(opts.batch)
+    if opts.seq_lens:
+        if job.specs_at is None:
+            raise ReferenceError_(
+                f"{opts.model}: a sequence length that varies by step (--seq-len MIN..MAX) applies to models that read token ids"
+            )
+        step_specs = [job.specs_at(opts.batch, n) for n in opts.seq_lens]
+    else:
+        step_specs = [specs] * opts.iterations
     acts, hooks = _count_activations(model)
     parallel = DataParallel(model, opts.data_parallel) if opts.data_parallel > 1 else None
     if opts.strategy not in (None, "ddp", "fsdp", "zero1", "zero2", "zero3"):
@@ -381,7 +392,7 @@ def trace_training(opts: TraceOptions, out_path: str):
     # backward; `outputs = model(x); loss = criterion(outputs, y)` keeps it alive through it.
     keep_outputs = job.keeps_outputs if opts.outputs is None else opts.outputs == "kept"
 
-    def next_batch(old):
+    def next_batch(old, specs):
         """The loop head rebinds `inputs, labels = ...`: the old batch dies, in that order,
         before the new one is moved to the GPU."""
         for i in range(len(old or [])):
@@ -463,13 +474,14 @@ def trace_training(opts: TraceOptions, out_path: str):
         )
         scaler = GradScaler() if opts.precision == "amp-fp16" else None
         batch = outputs = loss = None
-        for it in range(opts.iterations):
+        for it in range(len(step_specs)):
             # From the third iteration on, a loop in its steady state repeats the last one:
             # copied, not run (about a quarter of the tracing time). A validation pass after
             # training would need the tensors each copy made, so with one every iteration runs.
             if (
                 it >= 2
                 and not opts.every_iteration
+                and not opts.seq_lens
                 and opts.validate == "none"
                 and rec.repeat_last_iteration()
             ):
@@ -478,7 +490,7 @@ def trace_training(opts: TraceOptions, out_path: str):
                 rec.closed = True  # the copies' tensors exist only in the trace
                 break
             for micro in range(opts.grad_accum):
-                batch = next_batch(batch)
+                batch = next_batch(batch, step_specs[it])
                 if micro == 0:
                     rec.phase = "zero_grad"
                     optimizer.zero_grad(set_to_none=True)
@@ -521,7 +533,7 @@ def trace_training(opts: TraceOptions, out_path: str):
             rec.kernels = False
             with torch.enable_grad() if opts.validate == "grad" else torch.no_grad():
                 for _ in range(2):
-                    batch = next_batch(batch)
+                    batch = next_batch(batch, step_specs[-1])  # the last step's shape
                     outputs, loss = forward_and_loss(batch)
                     end_autocast()
             rec.kernels = True

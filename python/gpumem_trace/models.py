@@ -30,11 +30,15 @@ class Job:
         seq_len=None,
         input_shape=None,
         keeps_outputs=True,
+        specs_at=None,
     ):
         self.model = model
         # Whether the usual loop for this kind of model holds its output through backward.
         self.keeps_outputs = keeps_outputs
         self.batch_specs = batch_specs  # batch size -> list of (shape, dtype) of the batch tensors
+        # (batch size, sequence length) -> the same at another length: a model that reads token
+        # ids, whose batches are padded to a length that varies by step (None for the others).
+        self.specs_at = specs_at
         self.loss = loss  # (output, batch tensors) -> scalar
         self.forward = forward or (lambda m, b: m(b[0]))
         self.seq_len = seq_len
@@ -395,60 +399,76 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
         model.set_default_language(config.languages[0])  # X-MOD's adapters need one
     limits = [getattr(text, k, None) for k in ("max_position_embeddings", "n_positions")]
     seq = seq_len or min([512] + [n for n in limits if isinstance(n, int) and n > 0])
-    vision = getattr(config, "vision_config", None) or config
-    side = getattr(vision, "image_size", 224)
-    side = side[0] if isinstance(side, (list, tuple)) else side
-    image = (getattr(vision, "num_channels", 3), side, side)
-    ids = lambda b: ((b, seq), torch.long)
-    # What the model reads (`main_input_name`): token ids, images, raw audio, or spectrograms.
-    main = getattr(model, "main_input_name", "input_ids")
-    if main == "pixel_values":
-        x, seq = (lambda b: ((b, *image), torch.float32)), None
-    elif main == "input_values":  # raw audio: --seq-len samples, default one second at 16 kHz
-        samples = seq_len or 16000
-        x, seq = (lambda b: ((b, samples), torch.float32)), None
-    elif main == "input_features":  # log-mel frames, as many as the encoder takes
-        frames = seq_len or 2 * getattr(config, "max_source_positions", 1500)
-        stacked = getattr(
-            config, "feature_projection_input_dim", None
-        )  # Wav2Vec2-BERT: frames first
-        shape = (frames, stacked) if stacked else (getattr(config, "num_mel_bins", 80), frames)
-        x, seq = (lambda b: ((b, *shape), torch.float32)), None
-    else:
-        x = ids
-    one_label = any(
-        k in lower for k in ("sequenceclassification", "imageclassification", "audioclassification")
-    )
-    label = (lambda b: ((b,), torch.long)) if one_label else ids
-    codebooks = getattr(config, "num_codebooks", None)
-    if name.startswith("Musicgen") and isinstance(codebooks, int) and codebooks > 1:
-        # MusicGen's decoders read every codebook's stream, ids as (batch × codebooks, seq).
-        x = lambda b: ((b * codebooks, seq), torch.long)
-        label = lambda b: ((b, seq, codebooks), torch.long)
-    if (
-        hasattr(model, "get_image_features")
-        and hasattr(model, "get_text_features")
-        and "for" not in lower
-    ):
-        specs = lambda b: [ids(b), ((b, *image), torch.float32)]
-        forward = lambda m, b: m(input_ids=b[0], pixel_values=b[1], return_loss=True, **_mask(b, 2))
-    elif (
-        lower.endswith(("forcausallm", "formaskedlm"))
-        and "pixel_values" in inspect.signature(model.forward).parameters
-        and (hasattr(config, "vision_config") or hasattr(config, "image_size"))
-    ):
-        # A text head over an image too (GIT's captions, ViLT's masked words): both inputs.
-        specs = lambda b: [ids(b), label(b), ((b, *image), torch.float32)]
-        forward = lambda m, b: m(input_ids=b[0], labels=b[1], pixel_values=b[2], **_mask(b, 3))
-    else:
-        specs = lambda b: [x(b), label(b)]
-        forward = lambda m, b: m(**{main: b[0]}, labels=b[1], **_mask(b, 2))
     if attention_mask == "padded":
-        if seq is None:
-            raise ReferenceError_(f"{ref}: --attention-mask applies to models that read token ids")
         _padded_batches(tr)
-        base = specs
-        specs = lambda b: base(b) + [ids(b)]
+
+    def at_length(seq):
+        """The batch specs, forward, and length of token ids at sequence length ``seq``."""
+        vision = getattr(config, "vision_config", None) or config
+        side = getattr(vision, "image_size", 224)
+        side = side[0] if isinstance(side, (list, tuple)) else side
+        image = (getattr(vision, "num_channels", 3), side, side)
+        ids = lambda b: ((b, seq), torch.long)
+        # What the model reads (`main_input_name`): token ids, images, raw audio, or spectrograms.
+        main = getattr(model, "main_input_name", "input_ids")
+        if main == "pixel_values":
+            x, seq = (lambda b: ((b, *image), torch.float32)), None
+        elif main == "input_values":  # raw audio: --seq-len samples, default one second at 16 kHz
+            samples = seq_len or 16000
+            x, seq = (lambda b: ((b, samples), torch.float32)), None
+        elif main == "input_features":  # log-mel frames, as many as the encoder takes
+            frames = seq_len or 2 * getattr(config, "max_source_positions", 1500)
+            stacked = getattr(
+                config, "feature_projection_input_dim", None
+            )  # Wav2Vec2-BERT: frames first
+            shape = (frames, stacked) if stacked else (getattr(config, "num_mel_bins", 80), frames)
+            x, seq = (lambda b: ((b, *shape), torch.float32)), None
+        else:
+            x = ids
+        one_label = any(
+            k in lower
+            for k in ("sequenceclassification", "imageclassification", "audioclassification")
+        )
+        label = (lambda b: ((b,), torch.long)) if one_label else ids
+        codebooks = getattr(config, "num_codebooks", None)
+        if name.startswith("Musicgen") and isinstance(codebooks, int) and codebooks > 1:
+            # MusicGen's decoders read every codebook's stream, ids as (batch × codebooks, seq).
+            x = lambda b: ((b * codebooks, seq), torch.long)
+            label = lambda b: ((b, seq, codebooks), torch.long)
+        if (
+            hasattr(model, "get_image_features")
+            and hasattr(model, "get_text_features")
+            and "for" not in lower
+        ):
+            specs = lambda b: [ids(b), ((b, *image), torch.float32)]
+            forward = lambda m, b: m(
+                input_ids=b[0], pixel_values=b[1], return_loss=True, **_mask(b, 2)
+            )
+        elif (
+            lower.endswith(("forcausallm", "formaskedlm"))
+            and "pixel_values" in inspect.signature(model.forward).parameters
+            and (hasattr(config, "vision_config") or hasattr(config, "image_size"))
+        ):
+            # A text head over an image too (GIT's captions, ViLT's masked words): both inputs.
+            specs = lambda b: [ids(b), label(b), ((b, *image), torch.float32)]
+            forward = lambda m, b: m(input_ids=b[0], labels=b[1], pixel_values=b[2], **_mask(b, 3))
+        else:
+            specs = lambda b: [x(b), label(b)]
+            forward = lambda m, b: m(**{main: b[0]}, labels=b[1], **_mask(b, 2))
+        if attention_mask == "padded":
+            if seq is None:
+                raise ReferenceError_(
+                    f"{ref}: --attention-mask applies to models that read token ids"
+                )
+            base = specs
+            specs = lambda b: base(b) + [ids(b)]
+        return specs, forward, seq, image, main
+
+    specs, forward, seq, image, main = at_length(seq)
+    if seq is None:
+        specs_at = None  # the model reads no token ids: its input has no sequence length
+    else:
+        specs_at = lambda b, length: at_length(length)[0](b)
     # Hugging Face's Trainer takes `loss = model(**batch).loss`: the output is not held.
     return Job(
         model,
@@ -458,6 +478,7 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
         seq_len=seq,
         input_shape=image if main == "pixel_values" else None,
         keeps_outputs=False,
+        specs_at=specs_at,
     )
 
 

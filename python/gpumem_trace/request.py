@@ -62,14 +62,16 @@ def trace_options(request):
     checkpointing = o.get("checkpointing", False)
     lora = o.get("lora") and Lora.from_document(o["lora"])
     input_shape = o.get("input")
+    seq_lens = tuple(request.get("seq_lens") or ()) or None
     return TraceOptions(
         model=request["model"],
         batch=request["batches"][0],
         optimizer=o.get("optimizer", "adam"),
         precision=o.get("precision", "fp32"),
-        iterations=request.get("iterations", 3),
+        iterations=len(seq_lens) if seq_lens else request.get("iterations", 3),
         input_shape=tuple(int(x) for x in input_shape.split("x")) if input_shape else None,
         seq_len=o.get("seq_len"),
+        seq_lens=seq_lens,
         gpu_capability=capability,
         sdpa=request.get("sdpa"),
         checkpointing=checkpointing in (True, "full", "selective"),
@@ -204,6 +206,8 @@ def from_flags(a):
             "precision": a.precision,
             "input": a.input,
             "seq_len": a.seq_len,
+            # A schedule is gpumem's to draw; the tracer is given the drawn lengths (seq_lens).
+            "seq_lens": None,
             "checkpointing": checkpointing,
             "channels_last": a.channels_last,
             "grad_accum": a.grad_accum,
@@ -216,7 +220,8 @@ def from_flags(a):
         },
         "gpu_capability": a.gpu_capability,
         "sdpa": a.sdpa,
-        "iterations": a.iterations,
+        "iterations": len(a.seq_lens) if a.seq_lens else a.iterations,
+        "seq_lens": a.seq_lens,
         "depths": a.depths or [],
         "slopes": a.slopes,
         "every_iteration": a.every_iteration,

@@ -9,7 +9,9 @@ use clap::Args;
 use gpumem_core::dataset::Measurement;
 use gpumem_core::estimate::Estimator;
 use gpumem_core::hub::{HubCache, HubError, HubSource};
-use gpumem_core::job::{EngineKind, Optimizer, OptionValues, Precision, StrategyValues};
+use gpumem_core::job::{
+    EngineKind, LengthSchedule, Optimizer, OptionValues, Precision, StrategyValues,
+};
 use gpumem_core::model::ModelError;
 use gpumem_core::profile::{self, GpuProfile};
 use gpumem_core::search::SearchError;
@@ -87,9 +89,24 @@ pub struct WorkloadArgs {
     /// Input shape CxHxW (PyTorch image models; default: the model's own).
     #[arg(long)]
     input: Option<String>,
-    /// Sequence length (PyTorch sequence models).
+    /// Sequence length (PyTorch sequence models): `N`, or `MIN..MAX` for batches padded to a
+    /// length that varies by step (a seeded run of --steps steps, uniform over the range).
     #[arg(long)]
-    seq_len: Option<u64>,
+    seq_len: Option<String>,
+    /// A dataset's token-length histogram (CSV `length,count` lines): each step's length
+    /// drawn from it, weighted by the counts.
+    #[arg(long, conflicts_with = "seq_len")]
+    seq_len_histogram: Option<PathBuf>,
+    /// With a varying length: each step's length rounded up to a multiple of this (Hugging
+    /// Face's pad_to_multiple_of).
+    #[arg(long, default_value_t = 1)]
+    pad_to_multiple_of: u64,
+    /// With a varying length: how many steps the run draws.
+    #[arg(long, default_value_t = gpumem_core::job::lengths::DEFAULT_STEPS)]
+    steps: u32,
+    /// With a varying length: the seed of the draws.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     /// Activation checkpointing (PyTorch models that support it).
     #[arg(long)]
     checkpointing: bool,
@@ -288,6 +305,43 @@ impl StrategyArgs {
 }
 
 impl WorkloadArgs {
+    /// `--seq-len N`.
+    fn fixed_seq_len(&self) -> CliResult<Option<u64>> {
+        match &self.seq_len {
+            Some(t) if !t.contains("..") => t.trim().parse::<u64>().map(Some).map_err(|_| {
+                CliError::input(format!(
+                    "--seq-len `{t}` is not a length N or a range MIN..MAX"
+                ))
+            }),
+            _ => Ok(None),
+        }
+    }
+
+    /// `--seq-len MIN..MAX` or `--seq-len-histogram FILE`, with the run's steps and seed.
+    fn seq_lens(&self) -> CliResult<Option<LengthSchedule>> {
+        let source = match (&self.seq_len, &self.seq_len_histogram) {
+            (Some(t), _) if t.contains("..") => {
+                LengthSchedule::parse_range(t).map_err(CliError::input)?
+            }
+            (_, Some(file)) => {
+                let text = std::fs::read_to_string(file).map_err(|e| {
+                    CliError::input(format!("--seq-len-histogram {}: {e}", file.display()))
+                })?;
+                LengthSchedule::parse_histogram(&text)
+                    .map_err(|e| CliError::input(format!("{}: {e}", file.display())))?
+            }
+            _ => return Ok(None),
+        };
+        LengthSchedule::new(source, self.pad_to_multiple_of, self.steps, self.seed)
+            .map(Some)
+            .map_err(CliError::input)
+    }
+
+    /// Whether the sequence length varies by step (a range or a histogram).
+    pub fn varies(&self) -> CliResult<bool> {
+        Ok(self.seq_lens()?.is_some())
+    }
+
     /// The typed options, each parsed value named by its flag where it is wrong.
     pub fn options(&self) -> CliResult<Options> {
         let input = match &self.input {
@@ -301,7 +355,8 @@ impl WorkloadArgs {
             optimizer: Optimizer::parse(&self.optimizer).map_err(CliError::input)?,
             precision: Precision::parse(&self.precision).map_err(CliError::input)?,
             input,
-            seq_len: self.seq_len,
+            seq_len: self.fixed_seq_len()?,
+            seq_lens: self.seq_lens()?,
             checkpointing: match (self.checkpointing, self.selective_checkpointing) {
                 (_, true) => Checkpointing::Selective,
                 (true, false) => Checkpointing::Full,

@@ -137,6 +137,10 @@ struct EstimateJson<'a> {
     /// A ZeRO-2/3 job: DeepSpeed's own model-state figure, beside this estimate.
     #[serde(skip_serializing_if = "Option::is_none")]
     deepspeed: Option<DeepSpeedJson>,
+    /// A job whose sequence length varies by step: its lengths and the run's reserved memory
+    /// against its longest step's and the bound over any order.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    run: Option<&'a gpumem_core::run::RunReport>,
 }
 
 /// What DeepSpeed's `estimate_zero*_model_states_mem_needs` gives for the job: model states
@@ -237,10 +241,21 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
         Some(_) => Box::new(Replay { timeline: true }),
         None => a.estimator.estimator(&models)?,
     };
+    let mut run = None;
     let (trace, est, native, readings, strategy) = match ModelArg::load(&arg)? {
         ModelArg::TraceFile(t) => {
             let est = estimator.estimate(&t, &profile).map_err(CliError::input)?;
             (t, est, None, Vec::new(), None)
+        }
+        ModelArg::Model(m) if a.workload.varies()? => {
+            // Lengths that vary by step: the run's steps through one allocator.
+            let workload = a.workload.workload(m, batch)?;
+            let sized = workload
+                .run(&profile, estimator.as_ref())?
+                .expect("a varying length is a run");
+            let strategy = workload.options().strategy;
+            run = Some(sized.report);
+            (sized.trace, sized.estimate, None, Vec::new(), strategy)
         }
         ModelArg::Model(m) => {
             // Every reading of the spec sized; an ambiguous one answers with its largest.
@@ -333,6 +348,7 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             learned,
             ambiguity,
             deepspeed,
+            run: run.as_ref(),
         };
         println!(
             "{}",
@@ -347,6 +363,9 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
         &profile,
         &est,
     );
+    if let Some(r) = &run {
+        print_run(r);
+    }
     if let Some(a) = &ambiguity {
         println!("note         {}", a.note);
         for r in &a.readings {
@@ -403,6 +422,30 @@ fn shown_model(arg: &str, reference: &str) -> String {
         }
         _ => reference.to_string(),
     }
+}
+
+/// A run's lengths, and its reserved memory against its longest step's and the bound.
+fn print_run(r: &gpumem_core::run::RunReport) {
+    let l = &r.lengths;
+    println!(
+        "lengths      {} steps, {}..{} ({} distinct): {}",
+        l.steps, l.min, l.max, l.distinct, l.distribution
+    );
+    if r.rounded_up {
+        println!(
+            "             each step rounded up to one of {} traced lengths ({}..{})",
+            r.traced_lengths.len(),
+            r.traced_lengths[0],
+            r.traced_lengths[r.traced_lengths.len() - 1]
+        );
+    }
+    println!(
+        "run          reserved {:.1} MiB over the run, {:.1} MiB for the longest step alone ({}), any order at most {:.1} MiB (allocator only)",
+        mib(r.reserved_bytes),
+        mib(r.longest_step_reserved_bytes),
+        r.traced_lengths.last().copied().unwrap_or(0),
+        mib(r.any_order.reserved_bytes)
+    );
 }
 
 fn print_estimate(model: &str, batch: u64, iterations: u32, profile: &GpuProfile, est: &Estimate) {

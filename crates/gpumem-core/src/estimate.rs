@@ -254,7 +254,7 @@ const CONVOLUTIONS: [&str; 2] = ["convolution", "conv2d"];
 
 /// The estimate plus the profile's margins; convolution workspaces not probed on this stack
 /// (sized by the fitted model, or not modelled) get the allowance for cuDNN's choices.
-fn upper_bound(
+pub(crate) fn upper_bound(
     profile: &GpuProfile,
     trace: &Trace,
     peak: u64,

@@ -32,6 +32,7 @@ pub mod job;
 pub mod model;
 pub mod profile;
 pub mod rng;
+pub mod run;
 pub mod search;
 pub mod snapshot;
 pub mod step;

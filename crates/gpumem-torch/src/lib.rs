@@ -119,6 +119,10 @@ pub struct TraceRequest {
     /// An attention kernel the profile forces.
     pub sdpa: Option<SdpaBackend>,
     pub iterations: u32,
+    /// One sequence length per iteration, run in this order (a run whose lengths vary by step,
+    /// traced as the loop runs it; `iterations` is then their count). Empty: every iteration at
+    /// the options' own length.
+    pub seq_lens: Vec<u64>,
 }
 
 impl TraceRequest {
@@ -131,6 +135,7 @@ impl TraceRequest {
             gpu_capability: "8.0".into(),
             sdpa: None,
             iterations: 3,
+            seq_lens: Vec::new(),
         }
     }
 
@@ -167,6 +172,8 @@ pub struct TracerRequest {
     /// An attention kernel the profile forces.
     pub sdpa: Option<SdpaBackend>,
     pub iterations: u32,
+    /// One sequence length per iteration, in this order (empty: the options' own length).
+    pub seq_lens: Vec<u64>,
     /// Trace the model cut to each of these depths of its repeated blocks (into `OUT.depthK`)
     /// where it has enough of them; else whole.
     pub depths: Vec<u32>,
@@ -507,6 +514,9 @@ impl TorchTracer {
 
     fn trace_with(&self, req: &TraceRequest, fit: bool) -> Result<Trace, BridgeError> {
         let torch = self.torch_version()?;
+        if !req.seq_lens.is_empty() {
+            return self.trace_in_order(req, &torch);
+        }
         let symbolic_ok = req
             .batch
             .is_multiple_of(u64::from(req.options.data_parallel.max(1)));
@@ -530,6 +540,22 @@ impl TorchTracer {
             let _ = self.cache_symbolic(req, &torch, &traces);
         }
         Ok(traces.swap_remove(0))
+    }
+
+    /// A request whose lengths vary by iteration: traced whole, every iteration run (no depth
+    /// cut, no symbolic trace: neither carries over steps of different shapes), and cached.
+    fn trace_in_order(&self, req: &TraceRequest, torch: &str) -> Result<Trace, BridgeError> {
+        let path = self.cache_path(req, torch);
+        if let Some(t) = read_trace(&path) {
+            return Ok(t);
+        }
+        let dir = self.cache_dir.join("traces");
+        fs::create_dir_all(&dir).map_err(|e| self.io(&dir, e))?;
+        let tmp = path.with_extension(temp_suffix());
+        self.run(req, &[req.batch], &[&tmp], false)?;
+        let t = self.read_tracer_output(req, &tmp, req.batch)?;
+        fs::rename(&tmp, &path).map_err(|e| self.io(&path, e))?;
+        Ok(t)
     }
 
     /// Runs the tracer once for `batches` (the first is `req`'s own batch size where it matters)
@@ -763,6 +789,7 @@ impl TorchTracer {
             gpu_capability: req.gpu_capability.clone(),
             sdpa: req.sdpa,
             iterations: req.iterations,
+            seq_lens: req.seq_lens.clone(),
             depths: if cut {
                 depth::DEPTHS.to_vec()
             } else {

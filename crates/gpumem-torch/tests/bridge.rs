@@ -684,3 +684,169 @@ fn a_failing_trace_says_so_once() {
     );
     assert!(e.contains("user_models.py:"), "where it failed: {e}");
 }
+
+/// A trace's allocation sequence, by what it allocates and what each free frees (the index of
+/// its allocation): what the caching allocator sees, independent of the producer's ids.
+fn allocation_sequence(t: &gpumem_core::trace::Trace) -> Vec<String> {
+    use gpumem_core::trace::Event;
+    let mut index_of_slot = std::collections::HashMap::new();
+    let mut allocs = 0usize;
+    t.events()
+        .iter()
+        .filter_map(|ev| match *ev {
+            Event::Alloc {
+                slot,
+                bytes,
+                category,
+                phase,
+                op,
+                module,
+                stream,
+            } => {
+                index_of_slot.insert(slot, allocs);
+                allocs += 1;
+                Some(format!(
+                    "alloc {bytes} {} {} {} {:?} {stream}",
+                    category.name(),
+                    phase.name(),
+                    t.op_name(op),
+                    t.module(module)
+                ))
+            }
+            Event::Free { slot } => Some(format!("free {}", index_of_slot[&slot])),
+            Event::Workspace { conv, n, pass, .. } => {
+                Some(format!("workspace {} {n} {}", t.op_name(conv), pass.name()))
+            }
+            Event::Iteration { index } => Some(format!("iteration {index}")),
+            Event::Op { .. } => None,
+        })
+        .collect()
+}
+
+/// Issue 33's acceptance for lengths that vary by step: a run of lengths drawn from a range,
+/// spliced from one trace per length, is the loop traced on meta with those lengths in that
+/// order, allocation for allocation; its reserved memory creeps above its longest single
+/// step's, and the bound over any order covers it (and every order tried).
+#[test]
+fn a_run_spliced_from_its_lengths_is_the_run_traced_in_order() {
+    use gpumem_core::job::{LengthSchedule, LengthSource};
+    use gpumem_core::run::{StepSequence, size_run, traced_lengths};
+    use gpumem_core::trace::Trace;
+    let Some(t) = tracer() else { return };
+    let profile = builtin("a100-40gb").unwrap();
+    let model = "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=1000)";
+    let schedule =
+        LengthSchedule::new(LengthSource::Range { min: 32, max: 512 }, 1, 10, 33).unwrap();
+    let lengths = schedule.draw();
+    let (traced, order, rounded) = traced_lengths(&lengths);
+    assert!(!rounded);
+    let options = OptionValues {
+        seq_lens: Some(schedule.clone()),
+        ..OptionValues::default()
+    }
+    .check()
+    .unwrap();
+    let shapes: Vec<Trace> = traced
+        .iter()
+        .map(|&l| {
+            t.trace(&TraceRequest {
+                options: options.at_seq_len(l),
+                ..TraceRequest::new(model, 8)
+            })
+            .unwrap()
+        })
+        .collect();
+    let refs: Vec<&Trace> = shapes.iter().collect();
+    let seq = StepSequence::new(&refs, order.clone()).unwrap();
+    let header = shapes[0].header.clone();
+    let (spliced, est, report) = size_run(
+        &seq,
+        header.clone(),
+        &profile,
+        &Replay::default(),
+        schedule.summary(&lengths),
+        traced.clone(),
+        rounded,
+    )
+    .unwrap();
+    // The same job traced on meta, its steps at those lengths in that order.
+    let in_order = t
+        .trace(&TraceRequest {
+            options: options.at_seq_len(lengths[0]),
+            iterations: lengths.len() as u32,
+            seq_lens: lengths.clone(),
+            ..TraceRequest::new(model, 8)
+        })
+        .unwrap();
+    assert_eq!(in_order.header.iterations, lengths.len() as u32);
+    let (a, b) = (
+        allocation_sequence(&spliced),
+        allocation_sequence(&in_order),
+    );
+    assert_eq!(a.len(), b.len());
+    assert!(
+        a == b,
+        "first difference at {:?}",
+        a.iter().zip(&b).position(|(x, y)| x != y)
+    );
+    let reserved = |t: &Trace| {
+        Replay::default()
+            .estimate(t, &profile)
+            .unwrap()
+            .allocator
+            .unwrap()
+            .peak_reserved
+    };
+    assert_eq!(report.reserved_bytes, reserved(&in_order));
+    // The creep, and the bound over any order: as drawn, ascending, descending, shuffled.
+    let mut ascending = order.clone();
+    ascending.sort_unstable();
+    let mut orders = vec![
+        order.clone(),
+        ascending.clone(),
+        ascending.iter().rev().copied().collect(),
+    ];
+    let mut rng = gpumem_core::rng::SplitMix64(5);
+    for _ in 0..20 {
+        let mut o = order.clone();
+        rng.shuffle(&mut o);
+        orders.push(o);
+    }
+    let mut most = 0;
+    let mut ascending_reserved = 0;
+    for o in &orders {
+        let r = reserved(
+            &StepSequence::new(&refs, o.clone())
+                .unwrap()
+                .splice(header.clone())
+                .unwrap(),
+        );
+        if *o == ascending {
+            ascending_reserved = r;
+        }
+        assert!(
+            r <= report.any_order.reserved_bytes,
+            "{r} over the bound {:?} in order {o:?}",
+            report.any_order
+        );
+        most = most.max(r);
+    }
+    eprintln!(
+        "lengths {lengths:?}: run reserved {} (most over {} orders {most}, ascending {ascending_reserved}), longest step alone {}, any-order bound {}; estimate peak {} upper {}",
+        report.reserved_bytes,
+        orders.len(),
+        report.longest_step_reserved_bytes,
+        report.any_order.reserved_bytes,
+        est.peak_bytes,
+        est.upper_bound_bytes
+    );
+    // The creep: some order of these steps reserves more than the longest step alone (here
+    // not ascending, whose first step, the one that makes the optimizer's state, is its
+    // shortest; the longest step alone is its first).
+    assert!(
+        most > report.longest_step_reserved_bytes,
+        "no order reserves more than the longest step alone {} (ascending {ascending_reserved})",
+        report.longest_step_reserved_bytes
+    );
+    assert!(est.upper_bound_bytes >= est.peak_bytes);
+}

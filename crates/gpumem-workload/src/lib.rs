@@ -11,15 +11,17 @@ use gpumem_core::dataset::Measurement;
 use gpumem_core::estimate::{Estimate, EstimateError, Estimator};
 use gpumem_core::families::{JobOptions, MAX_BATCH, ModelSpec};
 pub use gpumem_core::job::{
-    AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, OptionError, OptionOverrides,
-    OptionValues, Options, Outputs, Strategy, TORCH_PREFIXES, TorchOnly, Validate, Zero, ZeroStage,
+    AttentionMask, Checkpointing, HalfDtype, InputShape, LengthSchedule, LengthSource, Lora,
+    OptionError, OptionOverrides, OptionValues, Options, Outputs, Strategy, TORCH_PREFIXES,
+    TorchOnly, Validate, Zero, ZeroStage,
 };
 use gpumem_core::model::ModelError;
 pub use gpumem_core::model::ModelRef;
 use gpumem_core::profile::GpuProfile;
+use gpumem_core::run::{RunReport, StepSequence};
 use gpumem_core::search::{self, SearchError};
 use gpumem_core::symbolic::SymbolicTrace;
-use gpumem_core::trace::Trace;
+use gpumem_core::trace::{Trace, TraceHeader};
 use gpumem_torch::{BridgeError, TorchTracer, TraceRequest};
 
 pub mod accelerate;
@@ -54,6 +56,15 @@ pub enum WorkloadError {
     /// The PyTorch tracer could not trace it.
     #[error(transparent)]
     Tracer(#[from] BridgeError),
+    /// A job whose sequence length varies by step, where one length is needed.
+    #[error(
+        "{0} needs one sequence length, and this job's varies by step: give --seq-len N (the run's longest, for a bound of its steps)"
+    )]
+    OneLength(&'static str),
+    /// A run's steps could not be joined (the loop keeps different tensors across steps at
+    /// different lengths).
+    #[error(transparent)]
+    Run(#[from] gpumem_core::run::RunError),
 }
 
 impl WorkloadError {
@@ -66,9 +77,10 @@ impl WorkloadError {
             | WorkloadError::TorchOnly(_)
             | WorkloadError::Native(_)
             | WorkloadError::Batch(_)
+            | WorkloadError::OneLength(_)
             | WorkloadError::Tracer(BridgeError::Reference(_)) => true,
             WorkloadError::Row { source, .. } => source.is_input(),
-            WorkloadError::Tracer(_) => false,
+            WorkloadError::Tracer(_) | WorkloadError::Run(_) => false,
         }
     }
 }
@@ -99,6 +111,20 @@ pub struct Sizing {
     pub trace: Trace,
     pub estimate: Estimate,
     pub readings: Vec<Reading>,
+}
+
+/// A run of steps whose sequence length varies, sized (see [`Workload::run`]).
+pub struct RunSizing {
+    pub trace: Trace,
+    pub estimate: Estimate,
+    pub report: RunReport,
+}
+
+/// What a run's lengths were and which were traced.
+struct RunLengths {
+    summary: gpumem_core::job::LengthSummary,
+    traced: Vec<u64>,
+    rounded_up: bool,
 }
 
 /// One reading of a job, sized.
@@ -272,6 +298,12 @@ impl Workload {
         profile: &GpuProfile,
         for_reestimates: bool,
     ) -> Result<Trace, WorkloadError> {
+        if self.options.seq_lens.is_some() {
+            // A run of steps at varying lengths: its trace is theirs, spliced in order.
+            let (shapes, order, _) = self.run_shapes(profile)?;
+            let refs: Vec<&Trace> = shapes.iter().collect();
+            return Ok(StepSequence::new(&refs, order)?.splice(self.run_header(&shapes[0]))?);
+        }
         match &self.model {
             ModelRef::Native(spec) => spec
                 .trace(&self.native_job(profile))
@@ -290,9 +322,89 @@ impl Workload {
         }
     }
 
+    /// This job's lengths drawn from its schedule, the traces of the lengths it traces (one
+    /// job each at a fixed length, side by side), and each step's index among them.
+    fn run_shapes(
+        &self,
+        profile: &GpuProfile,
+    ) -> Result<(Vec<Trace>, Vec<usize>, RunLengths), WorkloadError> {
+        let schedule = self
+            .options
+            .seq_lens
+            .as_ref()
+            .expect("a run has a length schedule");
+        let lengths = schedule.draw();
+        let (traced, order, rounded_up) = gpumem_core::run::traced_lengths(&lengths);
+        let jobs: Vec<Workload> = traced
+            .iter()
+            .map(|&l| Workload {
+                options: self.options.at_seq_len(l),
+                ..self.clone()
+            })
+            .collect();
+        let shapes = side_by_side(&jobs, |w| w.trace(profile))
+            .into_iter()
+            .collect::<Result<Vec<Trace>, _>>()?;
+        let info = RunLengths {
+            summary: schedule.summary(&lengths),
+            traced,
+            rounded_up,
+        };
+        Ok((shapes, order, info))
+    }
+
+    /// The header of this job's run: its first length's, stating the schedule.
+    fn run_header(&self, first: &Trace) -> TraceHeader {
+        TraceHeader {
+            options: self.options.clone(),
+            ..first.header.clone()
+        }
+    }
+
+    /// A job whose sequence length varies by step sized as a run ([`gpumem_core::run`]): the
+    /// drawn lengths' steps replayed in order through one allocator, `estimator`'s estimate of
+    /// that run with its upper bound raised to cover any order of them, and the report (the
+    /// run's reserved memory against its longest step's and the bound). `None` for a job of one
+    /// length.
+    pub fn run(
+        &self,
+        profile: &GpuProfile,
+        estimator: &dyn Estimator,
+    ) -> Result<Option<RunSizing>, SizeError> {
+        if self.options.seq_lens.is_none() {
+            return Ok(None);
+        }
+        let (shapes, order, info) = self.run_shapes(profile)?;
+        let refs: Vec<&Trace> = shapes.iter().collect();
+        let seq = StepSequence::new(&refs, order).map_err(WorkloadError::from)?;
+        let (trace, estimate, report) = gpumem_core::run::size_run(
+            &seq,
+            self.run_header(&shapes[0]),
+            profile,
+            estimator,
+            info.summary,
+            info.traced,
+            info.rounded_up,
+        )
+        .map_err(|e| match e {
+            gpumem_core::run::RunError::Estimate(e) => SizeError::Estimate(e),
+            e => SizeError::Workload(e.into()),
+        })?;
+        Ok(Some(RunSizing {
+            trace,
+            estimate,
+            report,
+        }))
+    }
+
     /// Traces of this job at any batch size: the native families build each directly; a
     /// PyTorch model is traced once into a batch-symbolic trace.
     pub fn symbolic(&self, profile: &GpuProfile) -> Result<Symbolic, WorkloadError> {
+        if self.options.seq_lens.is_some() {
+            return Err(WorkloadError::OneLength(
+                "a batch-size search (max-batch, plan)",
+            ));
+        }
         Ok(match &self.model {
             ModelRef::Native(spec) => Symbolic::Native(spec.clone(), self.native_job(profile)),
             ModelRef::Torch(_) => {

@@ -14,9 +14,11 @@ use schemars::JsonSchema;
 
 use crate::UnknownName;
 
+pub mod lengths;
 pub mod lora;
 pub mod mesh;
 
+pub use lengths::{LengthError, LengthSchedule, LengthSource, LengthSummary};
 pub use lora::{Lora, LoraError, LoraValues, Quant4};
 pub use mesh::{
     DDP_BUCKET_CAP_MB, Engine, EngineKind, HalfDtype, MAX_WORLD_SIZE, Mesh, MeshDim, MeshValues,
@@ -259,6 +261,11 @@ pub struct OptionValues {
     pub input: Option<InputShape>,
     /// Sequence length of sequence models.
     pub seq_len: Option<u64>,
+    /// Sequence lengths that vary by step (batches padded to their longest sample): a seeded
+    /// schedule, in place of one `seq_len`. Left out where absent, so a fixed-length job's
+    /// documents read as before.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seq_lens: Option<LengthSchedule>,
     /// Activation checkpointing: `off`, `full` or `selective` (stored as `false`/`true` for off
     /// and full, as before selective).
     #[serde(with = "checkpointing_compat")]
@@ -291,6 +298,7 @@ impl Default for OptionValues {
             precision: Precision::Fp32,
             input: None,
             seq_len: None,
+            seq_lens: None,
             checkpointing: Checkpointing::Off,
             channels_last: false,
             grad_accum: 1,
@@ -354,6 +362,10 @@ pub enum OptionError {
     DataParallel(u32),
     #[error("seq_len (--seq-len) must be at least 1")]
     SeqLen,
+    #[error("seq_len and seq_lens both state the sequence length: give one")]
+    TwoSeqLens,
+    #[error(transparent)]
+    SeqLens(#[from] LengthError),
     #[error("strategy's world size (--world-size) {0} is out of range (2..={MAX_WORLD_SIZE})")]
     WorldSize(u32),
     #[error("strategy.mesh.{0} has degree 0 (every mesh dimension has at least 1 rank)")]
@@ -434,6 +446,9 @@ impl OptionValues {
         if self.seq_len == Some(0) {
             return Err(OptionError::SeqLen);
         }
+        if self.seq_len.is_some() && self.seq_lens.is_some() {
+            return Err(OptionError::TwoSeqLens);
+        }
         if let Some(strategy) = self.strategy {
             if strategy.zero_stage().is_some() && self.precision == Precision::AmpFp16 {
                 return Err(OptionError::ZeroAmpFp16);
@@ -450,6 +465,16 @@ impl Options {
     /// A copy of the values, to change and check again.
     pub fn values(&self) -> OptionValues {
         self.0.clone()
+    }
+
+    /// These options at one length of their sequence-length schedule: the fixed-length job a
+    /// step of that length is (drawn lengths are at least 1, so the result is checked).
+    pub fn at_seq_len(&self, len: u64) -> Options {
+        Options(OptionValues {
+            seq_len: Some(len.max(1)),
+            seq_lens: None,
+            ..self.0.clone()
+        })
     }
 
     /// A job of these options on `gpus` GPUs: a strategy's ranks must be exactly its GPUs.
