@@ -24,7 +24,7 @@ const DEFAULT_BATCH: u64 = 996;
 #[derive(Args)]
 pub struct EstimateArgs {
     /// A native spec (mlp:…, cnn:…, transformer:…), a PyTorch reference (torchvision:, timm:,
-    /// hf:, smp:, py:) or a trace file. Default: a seed MLP.
+    /// hf:, smp:, py:) or a trace file. Default: the model --train-config names, else a seed MLP.
     model: Option<String>,
     /// Batch size (ignored for trace files, which fix their own).
     #[arg(long, allow_negative_numbers = true)]
@@ -136,6 +136,9 @@ struct EstimateJson<'a> {
     /// A ZeRO-2/3 job: DeepSpeed's own model-state figure, beside this estimate.
     #[serde(skip_serializing_if = "Option::is_none")]
     deepspeed: Option<DeepSpeedJson>,
+    /// --train-config: its kind, and every key used, not modelled (why) or not bearing on memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    train_config: Option<serde_json::Value>,
 }
 
 /// What DeepSpeed's `estimate_zero*_model_states_mem_needs` gives for the job: model states
@@ -219,7 +222,10 @@ struct UtilizationJson {
 pub fn estimate(a: EstimateArgs) -> CliResult {
     let profile = a.gpu.load()?;
     let batch = a.batch.or(a.workload.stated_batch()?);
-    let (arg, batch) = match &a.model {
+    let (model, model_override) = a.workload.model_or_config(a.model.as_deref())?;
+    let (_, mut overrides) = a.workload.options_and_overrides()?;
+    overrides.extend(model_override);
+    let (arg, batch) = match &model {
         Some(m) => (m.clone(), batch.unwrap_or(32)),
         None => (
             DEFAULT_MODEL.to_string(),
@@ -332,6 +338,7 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             learned,
             ambiguity,
             deepspeed,
+            train_config: a.workload.train_config_json(&overrides)?,
         };
         println!(
             "{}",
@@ -390,6 +397,7 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             None => println!("learned      {:.1} MiB ({})", l.value, l.model),
         }
     }
+    a.workload.print_train_config(&overrides)?;
     Ok(())
 }
 

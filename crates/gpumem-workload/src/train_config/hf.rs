@@ -244,15 +244,12 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     if let Some(o) = doc.text("optim")? {
         out.optimizer = Some(super::optimizer(doc, "optim", &o, false)?);
     }
-    match doc.flag("gradient_checkpointing")? {
-        Some(on) => {
-            out.checkpointing = Some(if on {
-                Checkpointing::Full
-            } else {
-                Checkpointing::Off
-            })
-        }
-        None => {}
+    if let Some(on) = doc.flag("gradient_checkpointing")? {
+        out.checkpointing = Some(if on {
+            Checkpointing::Full
+        } else {
+            Checkpointing::Off
+        });
     }
     if doc.get("gradient_checkpointing_kwargs").is_some() {
         doc.not_modelled("gradient_checkpointing_kwargs", REENTRANT);

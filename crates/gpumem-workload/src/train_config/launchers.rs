@@ -164,12 +164,11 @@ pub(crate) fn accelerate(
     ] {
         doc.used(key);
     }
-    match doc.whole("fsdp_config.fsdp_version")? {
-        Some(1) => doc.not_modelled(
+    if doc.whole("fsdp_config.fsdp_version")? == Some(1) {
+        doc.not_modelled(
             "fsdp_config.fsdp_version",
             "FSDP1 (FlatParameter) is sized as FSDP2's per-parameter sharding",
-        ),
-        _ => {}
+        );
     }
     out.micro_batch = launch
         .stated

@@ -486,6 +486,19 @@ impl Doc {
         self.mark(path, Fate::NotModelled(reason.into()));
     }
 
+    /// Every key named `name` (at any depth) no reader has marked does not bear on memory.
+    pub fn no_memory_named(&mut self, name: &str) {
+        let keys: Vec<String> = self
+            .leaves
+            .keys()
+            .filter(|k| k.rsplit('.').next() == Some(name) && !self.fate.contains_key(*k))
+            .cloned()
+            .collect();
+        for k in keys {
+            self.fate.insert(k, (Fate::NoMemory, None));
+        }
+    }
+
     /// `path` (and all under it) does not bear on memory.
     pub fn no_memory(&mut self, path: &str) {
         self.mark(path, Fate::NoMemory);

@@ -94,7 +94,6 @@ fn class_at(doc: &Doc, path: &str) -> Option<String> {
 }
 
 pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainConfigError> {
-    doc.no_memory("_class");
     // The model: the Hugging Face assets directory (config.json beside the tokenizer).
     for key in ["model.hf_assets_path", "hf_assets_path"] {
         if let Some(p) = doc.text(key)? {
@@ -415,7 +414,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         match (shard, out.micro_batch.as_ref()) {
             (Some(s), Some((m, _))) => {
                 let per_step = u64::from(s) * u64::from(replicate) * m * if key.contains("tokens") { seq.unwrap_or(1) } else { 1 };
-                if g as u64 % per_step != 0 {
+                if !(g as u64).is_multiple_of(per_step) {
                     return Err(doc.err(key, format!("{g} is not a multiple of {per_step} per step")));
                 }
                 out.grad_accum = Some(
@@ -425,5 +424,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             _ => doc.not_modelled(key, "the accumulation it implies depends on the data-parallel ranks (-1): give --grad-accum"),
         }
     }
+    // A dumped dataclass's class names it; what it configures is read by its fields.
+    doc.no_memory_named("_class");
     Ok(TABLE)
 }
