@@ -421,7 +421,9 @@ fn torchtitan_python_dump() {
         )
     );
     assert!(
-        not_modelled(&c, "loss") && not_modelled(&c, "validator") && not_modelled(&c, "checkpoint")
+        not_modelled(&c, "loss") && not_modelled(&c, "validator") && not_modelled(&c, "checkpoint"),
+        "{:#?}",
+        c.fields
     );
     assert_eq!(c.strategy(Some(8)).unwrap().unwrap().name(), "fsdp");
 }

@@ -424,6 +424,17 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             _ => doc.not_modelled(key, "the accumulation it implies depends on the data-parallel ranks (-1): give --grad-accum"),
         }
     }
+    // Trainer.Config's loss (a chunked wrapper by default) and torchtitan's own model
+    // definition, whole.
+    if doc.get("loss").is_some() {
+        doc.not_modelled("loss", CHUNKED_CE);
+    }
+    if doc.get("model_spec").is_some() {
+        doc.not_modelled(
+            "model_spec",
+            "torchtitan's own model definition is not traced: the model is read from hf_assets_path's config.json",
+        );
+    }
     // A dumped dataclass's class names it; what it configures is read by its fields.
     doc.no_memory_named("_class");
     Ok(TABLE)
