@@ -20,6 +20,7 @@ use gpumem_core::units::bytes_to_mib;
 use gpumem_learn::{Hybrid, LearnedModel};
 use gpumem_torch::{BridgeError, TorchTracer};
 use gpumem_workload::deepspeed;
+use gpumem_workload::train_config::{self, TrainConfig, TrainerKind};
 use gpumem_workload::{
     AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, ModelRef, Options, Outputs,
     Strategy, Validate, Workload, WorkloadError,
@@ -79,13 +80,14 @@ pub fn gpu_count<'a>(flag: &str, spec: &'a str, max: usize) -> CliResult<(usize,
 /// The training loop around a model: the command-line form of [`Options`].
 #[derive(Args, Clone)]
 pub struct WorkloadArgs {
-    /// Optimizer: adam, adamw, sgd, sgd-momentum, or bitsandbytes' adam8bit, adamw8bit, paged-adamw8bit.
-    #[arg(long, default_value = "adam")]
-    optimizer: String,
-    /// Precision: fp32, amp-fp16, amp-bf16 (autocast), or fp16/bf16 (pure: weights, gradients
-    /// and optimizer state in that dtype; PyTorch models).
-    #[arg(long, default_value = "fp32")]
-    precision: String,
+    /// Optimizer: adam (default), adamw, sgd, sgd-momentum, or bitsandbytes' adam8bit,
+    /// adamw8bit, paged-adamw8bit.
+    #[arg(long)]
+    optimizer: Option<String>,
+    /// Precision: fp32 (default), amp-fp16, amp-bf16 (autocast), or fp16/bf16 (pure: weights,
+    /// gradients and optimizer state in that dtype; PyTorch models).
+    #[arg(long)]
+    precision: Option<String>,
     /// Input shape CxHxW (PyTorch image models; default: the model's own).
     #[arg(long)]
     input: Option<String>,
@@ -118,9 +120,9 @@ pub struct WorkloadArgs {
     /// channels_last memory format (PyTorch image models).
     #[arg(long)]
     channels_last: bool,
-    /// Gradient accumulation steps (PyTorch models).
-    #[arg(long, default_value_t = 1)]
-    grad_accum: u32,
+    /// Gradient accumulation steps (PyTorch models; default 1).
+    #[arg(long)]
+    grad_accum: Option<u32>,
     /// GPUs of a torch.nn.DataParallel job (PyTorch models): --batch is then the whole batch
     /// the wrapper splits, and the estimate is GPU 0's, the most loaded.
     #[arg(long, default_value_t = 1)]
@@ -149,6 +151,21 @@ pub struct WorkloadArgs {
     lora: Option<String>,
     #[command(flatten)]
     strategy: StrategyArgs,
+    /// A trainer's config as the job (docs/intake.md): Hugging Face TrainingArguments or TRL
+    /// SFTConfig (JSON/YAML), axolotl YAML, torchtune YAML, torchtitan TOML, a torchtitan Python
+    /// config `FILE.py:FUNCTION` (called by GPUMEM_PYTHON), a Lightning CLI YAML, DeepSpeed JSON or
+    /// accelerate YAML. Its model, micro-batch and loop are the job's; flags given explicitly
+    /// override them (each override is stated); keys gpumem does not model are listed.
+    /// --world-size gives the launcher's ranks where the config leaves them to it.
+    #[arg(long, conflicts_with_all = ["deepspeed", "accelerate"])]
+    train_config: Option<String>,
+    /// The config's kind where it cannot be told from its keys: hf-trainer, trl-sft, axolotl,
+    /// torchtune, torchtitan-toml, torchtitan-python, lightning, deepspeed, accelerate.
+    #[arg(long, requires = "train_config", value_parser = TrainerKind::parse)]
+    train_config_kind: Option<TrainerKind>,
+    /// The config, read once.
+    #[arg(skip)]
+    read: std::sync::OnceLock<TrainConfig>,
 }
 
 /// A multi-GPU job's wrapper, as the command line names it.
@@ -342,8 +359,31 @@ impl WorkloadArgs {
         Ok(self.seq_lens()?.is_some())
     }
 
+    /// The trainer config --train-config names, read (once).
+    pub fn train_config(&self) -> CliResult<Option<&TrainConfig>> {
+        let Some(spec) = &self.train_config else {
+            return Ok(None);
+        };
+        if let Some(c) = self.read.get() {
+            return Ok(Some(c));
+        }
+        let c = train_config::read_file(
+            spec,
+            self.train_config_kind,
+            &gpumem_torch::TorchTracer::from_env(),
+        )
+        .map_err(|e| CliError::input(format!("--train-config {e}")))?;
+        Ok(Some(self.read.get_or_init(|| c)))
+    }
+
     /// The typed options, each parsed value named by its flag where it is wrong.
     pub fn options(&self) -> CliResult<Options> {
+        Ok(self.options_and_overrides()?.0)
+    }
+
+    /// The typed options, and where a flag given explicitly overrode what --train-config
+    /// states (each as one line).
+    pub fn options_and_overrides(&self) -> CliResult<(Options, Vec<String>)> {
         let input = match &self.input {
             Some(i) => Some(
                 InputShape::parse(i)
@@ -351,26 +391,115 @@ impl WorkloadArgs {
             ),
             None => None,
         };
+        let optimizer = self
+            .optimizer
+            .as_deref()
+            .map(Optimizer::parse)
+            .transpose()
+            .map_err(CliError::input)?;
+        let precision = self
+            .precision
+            .as_deref()
+            .map(Precision::parse)
+            .transpose()
+            .map_err(CliError::input)?;
+        let checkpointing = match (self.checkpointing, self.selective_checkpointing) {
+            (_, true) => Some(Checkpointing::Selective),
+            (true, false) => Some(Checkpointing::Full),
+            (false, false) => None,
+        };
+        let lora = self.lora.as_deref().map(lora).transpose()?;
         let options = OptionValues {
-            optimizer: Optimizer::parse(&self.optimizer).map_err(CliError::input)?,
-            precision: Precision::parse(&self.precision).map_err(CliError::input)?,
+            optimizer: optimizer.unwrap_or(Optimizer::Adam),
+            precision: precision.unwrap_or(Precision::Fp32),
             input,
             seq_len: self.fixed_seq_len()?,
             seq_lens: self.seq_lens()?,
-            checkpointing: match (self.checkpointing, self.selective_checkpointing) {
-                (_, true) => Checkpointing::Selective,
-                (true, false) => Checkpointing::Full,
-                (false, false) => Checkpointing::Off,
-            },
+            checkpointing: checkpointing.unwrap_or(Checkpointing::Off),
             channels_last: self.channels_last,
-            grad_accum: self.grad_accum,
+            grad_accum: self.grad_accum.unwrap_or(1),
             data_parallel: self.data_parallel,
             validate: self.validate,
             outputs: self.outputs,
             attention_mask: self.attention_mask,
-            lora: self.lora.as_deref().map(lora).transpose()?,
+            lora: lora.clone(),
             strategy: None,
         };
+        if let Some(config) = self.train_config()? {
+            let named = if self.strategy.strategy.is_some() {
+                self.strategy.named()?
+            } else {
+                None
+            };
+            let stated = config
+                .over(OptionValues::default(), self.strategy.world_size)
+                .map_err(|e| CliError::input(format!("--train-config {e}")))?;
+            let mut overrides = Vec::new();
+            let mut note = |flag: &str, given: String, stated: String| {
+                if given != stated {
+                    overrides.push(format!("{flag} {given} over the config's {stated}"));
+                }
+            };
+            let mut v = stated.values();
+            if let Some(o) = optimizer {
+                note("--optimizer", o.name().into(), v.optimizer.name().into());
+                v.optimizer = o;
+            }
+            if let Some(p) = precision {
+                note("--precision", p.name().into(), v.precision.name().into());
+                v.precision = p;
+            }
+            if let Some(n) = options.seq_len {
+                note("--seq-len", n.to_string(), format!("{:?}", v.seq_len));
+                v.seq_len = Some(n);
+                v.seq_lens = None;
+            }
+            if let Some(l) = &options.seq_lens {
+                note("--seq-len", format!("{l:?}"), format!("{:?}", v.seq_len));
+                v.seq_lens = Some(l.clone());
+                v.seq_len = None;
+            }
+            if let Some(c) = checkpointing {
+                note(
+                    "--checkpointing",
+                    c.name().into(),
+                    v.checkpointing.name().into(),
+                );
+                v.checkpointing = c;
+            }
+            if let Some(g) = self.grad_accum {
+                note("--grad-accum", g.to_string(), v.grad_accum.to_string());
+                v.grad_accum = g;
+            }
+            if let Some(l) = lora {
+                note("--lora", format!("{l:?}"), format!("{:?}", v.lora));
+                v.lora = Some(l);
+            }
+            if let Some(s) = named {
+                note(
+                    "--strategy",
+                    s.name().into(),
+                    v.strategy
+                        .map_or("one GPU".into(), |s| s.name().to_string()),
+                );
+                v.strategy = Some(s);
+            }
+            if self.attention_mask != AttentionMask::None {
+                note(
+                    "--attention-mask",
+                    self.attention_mask.name().into(),
+                    v.attention_mask.name().into(),
+                );
+                v.attention_mask = self.attention_mask;
+            }
+            v.input = input;
+            v.channels_last = self.channels_last;
+            v.data_parallel = self.data_parallel;
+            v.validate = self.validate;
+            v.outputs = self.outputs;
+            let options = v.check().map_err(CliError::input)?;
+            return Ok((options, overrides));
+        }
         // The launch config, read once: its strategy, and what it fixes of the loop.
         match self.strategy.launch()? {
             Some(launch) => launch.stated.over(OptionValues {
@@ -383,12 +512,74 @@ impl WorkloadArgs {
             }
             .check(),
         }
+        .map(|o| (o, Vec::new()))
         .map_err(CliError::input)
+    }
+
+    /// The model to size: the one given, else the one --train-config names; with a note where
+    /// the given one overrides the config's.
+    pub fn model_or_config(
+        &self,
+        given: Option<&str>,
+    ) -> CliResult<(Option<String>, Option<String>)> {
+        let stated = self.train_config()?.and_then(|c| c.model.clone());
+        Ok(match (given, stated) {
+            (Some(g), Some((m, key))) if g != m => (
+                Some(g.to_string()),
+                Some(format!("MODEL {g} over the config's {key} {m}")),
+            ),
+            (Some(g), _) => (Some(g.to_string()), None),
+            (None, Some((m, _))) => (Some(m), None),
+            (None, None) => (None, None),
+        })
+    }
+
+    /// What --train-config said, as `--json` carries it (`None` without one).
+    pub fn train_config_json(&self, overrides: &[String]) -> CliResult<Option<serde_json::Value>> {
+        Ok(self.train_config()?.map(|c| {
+            serde_json::json!({
+                "kind": c.kind.name(),
+                "file": c.file,
+                "used": c.fields.used,
+                "not_modelled": c.fields.not_modelled,
+                "no_memory": c.fields.no_memory,
+                "overrides": overrides,
+            })
+        }))
+    }
+
+    /// What --train-config did not model and what flags overrode, as text lines.
+    pub fn print_train_config(&self, overrides: &[String]) -> CliResult {
+        let Some(c) = self.train_config()? else {
+            return Ok(());
+        };
+        println!();
+        println!(
+            "train config {} ({}): {} keys used, {} not modelled, {} not bearing on memory",
+            c.file,
+            c.kind.name(),
+            c.fields.used.len(),
+            c.fields.not_modelled.len(),
+            c.fields.no_memory.len()
+        );
+        for o in overrides {
+            println!("override     {o}");
+        }
+        for n in &c.fields.not_modelled {
+            println!("not modelled: {} = {} ({})", n.field, n.value, n.reason);
+        }
+        Ok(())
     }
 
     /// The micro-batch a launch config states (DeepSpeed's `train_micro_batch_size_per_gpu`),
     /// which a command's default batch gives way to.
     pub fn stated_batch(&self) -> CliResult<Option<i64>> {
+        if let Some(c) = self.train_config()? {
+            return Ok(c
+                .micro_batch
+                .as_ref()
+                .map(|(b, _)| i64::try_from(*b).unwrap_or(i64::MAX)));
+        }
         Ok(self
             .strategy
             .launch()?

@@ -25,7 +25,8 @@ const DEFAULT_BATCH: u64 = 996;
 pub struct EstimateArgs {
     /// A native spec (mlp:…, cnn:…, transformer:…), a PyTorch reference (torchvision:, timm:,
     /// hf:, smp:, py:), a Hugging Face Hub id (ORG/NAME, read offline from the local Hub cache),
-    /// a model directory or its config.json, or a trace file. Default: a seed MLP.
+    /// a model directory or its config.json, or a trace file. Default: the model --train-config
+    /// names, else a seed MLP.
     model: Option<String>,
     /// Batch size (ignored for trace files, which fix their own).
     #[arg(long, allow_negative_numbers = true)]
@@ -141,6 +142,9 @@ struct EstimateJson<'a> {
     /// against its longest step's and the bound over any order.
     #[serde(skip_serializing_if = "Option::is_none")]
     run: Option<&'a gpumem_core::run::RunReport>,
+    /// --train-config: its kind, and every key used, not modelled (why) or not bearing on memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    train_config: Option<serde_json::Value>,
 }
 
 /// What DeepSpeed's `estimate_zero*_model_states_mem_needs` gives for the job: model states
@@ -224,7 +228,10 @@ struct UtilizationJson {
 pub fn estimate(a: EstimateArgs) -> CliResult {
     let profile = a.gpu.load()?;
     let batch = a.batch.or(a.workload.stated_batch()?);
-    let (arg, batch) = match &a.model {
+    let (model, model_override) = a.workload.model_or_config(a.model.as_deref())?;
+    let (_, mut overrides) = a.workload.options_and_overrides()?;
+    overrides.extend(model_override);
+    let (arg, batch) = match &model {
         Some(m) => (m.clone(), batch.unwrap_or(32)),
         None => (
             DEFAULT_MODEL.to_string(),
@@ -349,6 +356,7 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             ambiguity,
             deepspeed,
             run: run.as_ref(),
+            train_config: a.workload.train_config_json(&overrides)?,
         };
         println!(
             "{}",
@@ -410,6 +418,7 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             None => println!("learned      {:.1} MiB ({})", l.value, l.model),
         }
     }
+    a.workload.print_train_config(&overrides)?;
     Ok(())
 }
 

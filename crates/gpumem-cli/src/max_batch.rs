@@ -9,8 +9,8 @@ use crate::{CliError, CliResult};
 #[derive(Args)]
 pub struct MaxBatchArgs {
     /// A native model spec, a PyTorch reference (torchvision:, timm:, hf:, smp:, py:), or a Hub id
-    /// (ORG/NAME), model directory or config.json.
-    model: String,
+    /// (ORG/NAME), model directory or config.json; default: the model --train-config names.
+    model: Option<String>,
     #[command(flatten)]
     workload: WorkloadArgs,
     #[command(flatten)]
@@ -24,8 +24,12 @@ pub struct MaxBatchArgs {
 
 pub fn max_batch(a: MaxBatchArgs) -> CliResult {
     let profile = a.gpu.load()?;
-    let model = ModelArg::load(&a.model)?.model(
-        &a.model,
+    let (arg, _) = a.workload.model_or_config(a.model.as_deref())?;
+    let arg = arg.ok_or_else(|| {
+        CliError::input("max-batch needs a MODEL (or a --train-config that names one)")
+    })?;
+    let model = ModelArg::load(&arg)?.model(
+        &arg,
         "max-batch needs a model, not a trace file (a trace fixes its batch size)",
     )?;
     let est = a.estimator.estimator(&a.estimator.models()?)?;

@@ -22,7 +22,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 19] = [
+const SOURCES: [(&str, &str); 20] = [
     (
         "__init__.py",
         include_str!("../../../python/gpumem_trace/__init__.py"),
@@ -34,6 +34,10 @@ const SOURCES: [(&str, &str); 19] = [
     (
         "amp.py",
         include_str!("../../../python/gpumem_trace/amp.py"),
+    ),
+    (
+        "config.py",
+        include_str!("../../../python/gpumem_trace/config.py"),
     ),
     (
         "cuda.py",
@@ -768,6 +772,29 @@ impl TorchTracer {
             .env("PYTHONPATH", pythonpath)
             .env("PYTHONDONTWRITEBYTECODE", "1");
         Ok(cmd)
+    }
+
+    /// A trainer's Python config: `function()` of `target` (a `.py` file or an importable
+    /// module) called by `python -m gpumem_trace.config` in this interpreter, its result dumped
+    /// as JSON (each dataclass with its class in `_class`). Its failure is one line: a package
+    /// the config imports is not installed, the file or function is missing, the function
+    /// failed. Bounded by the tracer's deadline.
+    pub fn config_json(&self, target: &str, function: &str) -> Result<String, BridgeError> {
+        let mut cmd = self.module_command("gpumem_trace.config")?;
+        cmd.arg(target).arg(function);
+        let out = cmd.output().map_err(|source| BridgeError::Spawn {
+            python: self.python.clone(),
+            source,
+        })?;
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            return Err(BridgeError::Reference(tail(&err, 1)));
+        }
+        String::from_utf8(out.stdout).map_err(|e| {
+            BridgeError::Reference(format!(
+                "{target}:{function}: the config's JSON is not UTF-8: {e}"
+            ))
+        })
     }
 
     /// The tracer's request to trace `req` at `batches` into `outs`, its answer into `result`;

@@ -28,6 +28,7 @@ pub mod accelerate;
 pub mod deepspeed;
 pub mod launch;
 pub mod plan;
+pub mod train_config;
 
 /// Why a workload could not be made or traced.
 #[derive(Debug, thiserror::Error)]

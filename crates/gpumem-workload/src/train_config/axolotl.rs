@@ -1,0 +1,280 @@
+//! axolotl's YAML (`axolotl train config.yml`).
+
+use gpumem_core::job::{AttentionMask, Checkpointing, Precision, Quant4};
+use serde_json::Value;
+
+use super::{
+    ATTN, CLIP, COMPILE, Class, Doc, EVAL, LIGER, OFFLOAD_ACT, PACKED, REENTRANT, SAVE, Table,
+    TrainConfig, TrainConfigError, hf,
+};
+
+pub(crate) const TABLE: Table = &[
+    ("val_set_size", Class::Not(EVAL)),
+    ("eval_batch_size", Class::Not(EVAL)),
+    ("evals_per_epoch", Class::Not(EVAL)),
+    ("eval_steps", Class::Not(EVAL)),
+    ("eval_sample_packing", Class::Not(EVAL)),
+    ("eval_table_size", Class::Not(EVAL)),
+    ("do_bench_eval", Class::Not(EVAL)),
+    ("saves_per_epoch", Class::Not(SAVE)),
+    ("save_steps", Class::Not(SAVE)),
+    ("save_strategy", Class::Not(SAVE)),
+    ("save_first_step", Class::Not(SAVE)),
+    ("save_safetensors", Class::Not(SAVE)),
+    ("torch_compile", Class::Not(COMPILE)),
+    ("torch_compile_backend", Class::Not(COMPILE)),
+    (
+        "plugins",
+        Class::Not(
+            "axolotl plugins (Liger, Cut Cross Entropy, …) replace modules and losses; not modelled",
+        ),
+    ),
+    ("liger_rope", Class::Not(LIGER)),
+    ("liger_rms_norm", Class::Not(LIGER)),
+    ("liger_glu_activation", Class::Not(LIGER)),
+    ("liger_layer_norm", Class::Not(LIGER)),
+    ("liger_fused_linear_cross_entropy", Class::Not(LIGER)),
+    ("cut_cross_entropy", Class::Not(super::CHUNKED_CE)),
+    ("max_grad_norm", Class::Not(CLIP)),
+    (
+        "group_by_length",
+        Class::Not(
+            "length-grouped batches change the padded length per batch; sized at sequence_len",
+        ),
+    ),
+    (
+        "tokens",
+        Class::Not("added tokens resize the embeddings; sized at the model's vocabulary"),
+    ),
+    (
+        "lora_modules_to_save",
+        Class::Not("modules trained whole beside LoRA are not modelled"),
+    ),
+    (
+        "peft_use_dora",
+        Class::Not("DoRA's magnitude vectors and its extra forward are not modelled"),
+    ),
+    ("peft_use_rslora", Class::No),
+    (
+        "neftune_noise_alpha",
+        Class::Not("NEFTune's noised embeddings are not modelled"),
+    ),
+    (
+        "unfrozen_parameters",
+        Class::Not("partly frozen full fine-tunes are not modelled"),
+    ),
+    (
+        "auto_find_batch_size",
+        Class::Not(
+            "the Trainer halves the batch after an out-of-memory error; gpumem sizes the stated batch",
+        ),
+    ),
+    ("tf32", Class::No),
+    ("model_type", Class::No),
+    ("tokenizer_type", Class::No),
+    ("tokenizer_config", Class::No),
+    ("tokenizer_use_fast", Class::No),
+    ("trust_remote_code", Class::No),
+    ("hub_model_id", Class::No),
+    ("hub_strategy", Class::No),
+    ("datasets.*", Class::No),
+    ("test_datasets.*", Class::No),
+    ("dataset_prepared_path", Class::No),
+    ("dataset_processes", Class::No),
+    ("shuffle_merged_datasets", Class::No),
+    ("chat_template", Class::No),
+    ("default_system_message", Class::No),
+    ("train_on_inputs", Class::No),
+    ("output_dir", Class::No),
+    ("lora_model_dir", Class::No),
+    ("lora_fan_in_fan_out", Class::No),
+    ("wandb_project", Class::No),
+    ("wandb_entity", Class::No),
+    ("wandb_watch", Class::No),
+    ("wandb_name", Class::No),
+    ("wandb_log_model", Class::No),
+    ("mlflow_tracking_uri", Class::No),
+    ("mlflow_experiment_name", Class::No),
+    ("num_epochs", Class::No),
+    ("max_steps", Class::No),
+    ("lr_scheduler", Class::No),
+    ("learning_rate", Class::No),
+    ("warmup_ratio", Class::No),
+    ("warmup_steps", Class::No),
+    ("weight_decay", Class::No),
+    ("adam_beta1", Class::No),
+    ("adam_beta2", Class::No),
+    ("adam_epsilon", Class::No),
+    ("cosine_min_lr_ratio", Class::No),
+    ("logging_steps", Class::No),
+    ("resume_from_checkpoint", Class::No),
+    ("auto_resume_from_checkpoints", Class::No),
+    ("early_stopping_patience", Class::No),
+    ("loss_watchdog_threshold", Class::No),
+    ("loss_watchdog_patience", Class::No),
+    ("special_tokens.*", Class::No),
+    ("seed", Class::No),
+    ("strict", Class::No),
+    ("debug", Class::No),
+    ("local_rank", Class::No),
+];
+
+pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainConfigError> {
+    if let Some(m) = doc.text("base_model")? {
+        out.model = Some((m, "base_model".into()));
+    }
+    if doc.get("base_model_config").is_some() {
+        doc.used("base_model_config");
+    }
+    if let Some(b) = doc.positive("micro_batch_size")? {
+        out.micro_batch = Some((b, "micro_batch_size".into()));
+    }
+    out.grad_accum = doc.count32("gradient_accumulation_steps")?;
+    out.seq_len = doc.positive("sequence_len")?;
+    match doc.flag("sample_packing")? {
+        Some(true) => doc.not_modelled("sample_packing", PACKED),
+        _ => out.attention_mask = Some(AttentionMask::Padded),
+    }
+    // pad_to_sequence_len: every batch padded to sequence_len, which is the length sized.
+    doc.flag("pad_to_sequence_len")?;
+    // Precision: axolotl loads the model in bf16/fp16 when bf16/fp16 is on (`auto`: bf16 where
+    // the GPU has it) and trains under the Trainer's autocast: 16-bit weights.
+    let half = |doc: &mut Doc, key: &str| -> Result<bool, TrainConfigError> {
+        match doc.take(key) {
+            None => Ok(false),
+            Some(Value::String(s)) if s == "auto" => Ok(true),
+            Some(_) => Ok(doc.flag(key)?.unwrap_or(false)),
+        }
+    };
+    let bf16 = half(doc, "bf16")? || half(doc, "bfloat16")?;
+    let fp16 = half(doc, "fp16")? || half(doc, "float16")?;
+    if doc.flag("float32")? == Some(true) && (bf16 || fp16) {
+        return Err(doc.err("float32", "float32 and a 16-bit dtype are both set"));
+    }
+    out.precision = Some(match (bf16, fp16) {
+        (true, true) => return Err(doc.err("fp16", "bf16 and fp16 are both set")),
+        (true, false) => Precision::Bf16,
+        (false, true) => Precision::Fp16,
+        (false, false) => Precision::Fp32,
+    });
+    for key in [
+        "flash_attention",
+        "xformers_attention",
+        "sdp_attention",
+        "s2_attention",
+        "flex_attention",
+    ] {
+        if doc.get(key).is_some() {
+            doc.off_or_not_modelled(key, ATTN);
+        }
+    }
+    if let Some(a) = doc.text("attn_implementation")?
+        && a != "sdpa"
+    {
+        doc.not_modelled("attn_implementation", ATTN);
+    }
+    if let Some(o) = doc.text("optimizer")? {
+        out.optimizer = Some(super::optimizer(doc, "optimizer", &o, false)?);
+    }
+    if doc.get("optim_args").is_some() {
+        doc.not_modelled(
+            "optim_args",
+            "optimizer arguments beyond its name are not modelled",
+        );
+    }
+    match doc.take("gradient_checkpointing") {
+        None => {}
+        Some(Value::String(s)) if s == "offload" || s == "offload_disk" => {
+            out.checkpointing = Some(Checkpointing::Full);
+            doc.not_modelled("gradient_checkpointing", OFFLOAD_ACT);
+        }
+        Some(_) => {
+            let on = doc.flag("gradient_checkpointing")?.unwrap_or(false);
+            out.checkpointing = Some(if on {
+                Checkpointing::Full
+            } else {
+                Checkpointing::Off
+            });
+        }
+    }
+    if doc.get("gradient_checkpointing_kwargs").is_some() {
+        doc.not_modelled("gradient_checkpointing_kwargs", REENTRANT);
+    }
+    if doc.get("activation_offloading").is_some() {
+        doc.off_or_not_modelled("activation_offloading", OFFLOAD_ACT);
+    }
+    // LoRA / QLoRA.
+    let adapter = doc.text("adapter")?;
+    let four = doc.flag("load_in_4bit")?.unwrap_or(false);
+    if doc.flag("load_in_8bit")? == Some(true) {
+        doc.not_modelled(
+            "load_in_8bit",
+            "8-bit base weights (LLM.int8) are not modelled",
+        );
+    }
+    let rank = doc.count32("lora_r")?;
+    let alpha = doc.number("lora_alpha")?;
+    let dropout = doc.number("lora_dropout")?;
+    let mut targets = doc.names("lora_target_modules")?.unwrap_or_default();
+    if doc.flag("lora_target_linear")? == Some(true) {
+        targets = vec!["all-linear".into()];
+    }
+    match adapter.as_deref() {
+        None | Some("") => {
+            if four {
+                doc.not_modelled(
+                    "load_in_4bit",
+                    "a 4-bit base without an adapter does not train",
+                );
+            }
+        }
+        Some(a @ ("lora" | "qlora")) => {
+            if a == "qlora" && !four {
+                return Err(doc.err("load_in_4bit", "adapter qlora needs load_in_4bit: true"));
+            }
+            let rank = rank.ok_or_else(|| doc.err("lora_r", "missing (adapter is set)"))?;
+            // axolotl's QLoRA: nf4 with double quantization (its BitsAndBytesConfig).
+            let quant = four.then_some(Quant4 {
+                nf4: true,
+                double_quant: true,
+            });
+            out.lora = Some(super::lora(
+                doc,
+                "lora_target_modules",
+                rank,
+                alpha.unwrap_or(f64::from(rank)),
+                targets,
+                dropout.unwrap_or(0.0),
+                quant,
+            )?);
+        }
+        Some(other) => {
+            return Err(doc.err(
+                "adapter",
+                format!("`{other}` is not modelled (lora, qlora)"),
+            ));
+        }
+    }
+    if let Some(layout) = hf::deepspeed_key(doc, "deepspeed")? {
+        out.layout = layout;
+    }
+    if let Some(layout) = hf::fsdp(doc, "fsdp", "fsdp_config", out.precision)? {
+        out.layout = layout;
+    } else if doc.get("fsdp_config").is_some() || doc.get("fsdp_version").is_some() {
+        if doc.whole("fsdp_version")? == Some(1) {
+            doc.not_modelled(
+                "fsdp_version",
+                "FSDP1 (FlatParameter) is sized as FSDP2's per-parameter sharding",
+            );
+        }
+        if let Some(layout) = hf::fsdp(doc, "fsdp_config", "fsdp_config", out.precision)? {
+            out.layout = layout;
+        }
+    }
+    if doc.get("ddp_bucket_cap_mb").is_some()
+        && let super::Layout::Launcher { bucket_cap_mb } = &mut out.layout
+    {
+        *bucket_cap_mb = doc.count32("ddp_bucket_cap_mb")?.unwrap_or(*bucket_cap_mb);
+    }
+    Ok(TABLE)
+}

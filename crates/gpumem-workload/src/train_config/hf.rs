@@ -1,0 +1,490 @@
+//! Hugging Face `TrainingArguments` and TRL's `SFTConfig` (with TRL's `ModelConfig`, as `trl sft
+//! --config` and the alignment handbook's recipes state them), as JSON or YAML of the arguments.
+
+use gpumem_core::job::{AttentionMask, Checkpointing, HalfDtype, Precision, Quant4};
+use serde_json::Value;
+
+use super::{
+    ATTN, CLIP, COMPILE, Class, Doc, EVAL, LIGER, Layout, PACKED, REENTRANT, SAVE, Table,
+    TrainConfig, TrainConfigError, TrainerKind,
+};
+use crate::deepspeed;
+
+/// The keys no reader takes, and their fate.
+pub(crate) const TABLE: Table = &[
+    // Evaluation and saving: the whole run's.
+    ("do_eval", Class::Not(EVAL)),
+    ("do_predict", Class::Not(EVAL)),
+    ("eval_strategy", Class::Not(EVAL)),
+    ("evaluation_strategy", Class::Not(EVAL)),
+    ("eval_steps", Class::Not(EVAL)),
+    ("eval_delay", Class::Not(EVAL)),
+    ("eval_on_start", Class::Not(EVAL)),
+    ("per_device_eval_batch_size", Class::Not(EVAL)),
+    ("eval_accumulation_steps", Class::Not(EVAL)),
+    ("eval_do_concat_batches", Class::Not(EVAL)),
+    ("prediction_loss_only", Class::Not(EVAL)),
+    ("bf16_full_eval", Class::Not(EVAL)),
+    ("fp16_full_eval", Class::Not(EVAL)),
+    ("eval_packing", Class::Not(EVAL)),
+    ("load_best_model_at_end", Class::Not(SAVE)),
+    ("metric_for_best_model", Class::Not(EVAL)),
+    ("greater_is_better", Class::No),
+    ("save_strategy", Class::Not(SAVE)),
+    ("save_steps", Class::Not(SAVE)),
+    ("save_only_model", Class::Not(SAVE)),
+    ("save_safetensors", Class::Not(SAVE)),
+    ("save_on_each_node", Class::Not(SAVE)),
+    ("save_total_limit", Class::No),
+    // Loop pieces that change memory, not modelled.
+    ("torch_compile", Class::Not(COMPILE)),
+    ("torch_compile_backend", Class::Not(COMPILE)),
+    ("torch_compile_mode", Class::Not(COMPILE)),
+    ("use_liger_kernel", Class::Not(LIGER)),
+    ("liger_kernel_config", Class::Not(LIGER)),
+    ("max_grad_norm", Class::Not(CLIP)),
+    (
+        "neftune_noise_alpha",
+        Class::Not("NEFTune's noised embeddings are not modelled (one embedding-sized tensor)"),
+    ),
+    (
+        "label_smoothing_factor",
+        Class::Not("label smoothing's loss temporaries are not modelled"),
+    ),
+    (
+        "auto_find_batch_size",
+        Class::Not(
+            "the Trainer halves the batch after an out-of-memory error; gpumem sizes the stated batch",
+        ),
+    ),
+    (
+        "torch_empty_cache_steps",
+        Class::Not(
+            "emptying the allocator's cache lowers reserved memory between steps; not modelled",
+        ),
+    ),
+    (
+        "optim_args",
+        Class::Not("optimizer arguments beyond its name are not modelled"),
+    ),
+    (
+        "optim_target_modules",
+        Class::Not("optimizer target modules (GaLore and kin) are not modelled"),
+    ),
+    (
+        "group_by_length",
+        Class::Not(
+            "length-grouped batches change the padded length per batch; sized at the stated length",
+        ),
+    ),
+    ("padding_free", Class::Not(PACKED)),
+    (
+        "dataset_kwargs",
+        Class::Not(
+            "dataset preparation arguments (packing, truncation) may change the sequence length",
+        ),
+    ),
+    ("use_cpu", Class::Not("a CPU run: no GPU memory")),
+    ("ddp_find_unused_parameters", Class::No),
+    ("ddp_broadcast_buffers", Class::No),
+    ("ddp_backend", Class::No),
+    ("ddp_timeout", Class::No),
+    ("dataloader_pin_memory", Class::No),
+    ("dataloader_num_workers", Class::No),
+    ("dataloader_prefetch_factor", Class::No),
+    ("dataloader_persistent_workers", Class::No),
+    ("dataloader_drop_last", Class::No),
+    ("tf32", Class::No),
+    // Not bearing on memory.
+    ("output_dir", Class::No),
+    ("overwrite_output_dir", Class::No),
+    ("logging_dir", Class::No),
+    ("logging_strategy", Class::No),
+    ("logging_steps", Class::No),
+    ("logging_first_step", Class::No),
+    ("log_level", Class::No),
+    ("log_level_replica", Class::No),
+    ("report_to", Class::No),
+    ("run_name", Class::No),
+    ("disable_tqdm", Class::No),
+    ("seed", Class::No),
+    ("data_seed", Class::No),
+    ("full_determinism", Class::No),
+    ("learning_rate", Class::No),
+    ("weight_decay", Class::No),
+    ("adam_beta1", Class::No),
+    ("adam_beta2", Class::No),
+    ("adam_epsilon", Class::No),
+    ("lr_scheduler_type", Class::No),
+    ("lr_scheduler_kwargs.*", Class::No),
+    ("warmup_ratio", Class::No),
+    ("warmup_steps", Class::No),
+    ("num_train_epochs", Class::No),
+    ("max_steps", Class::No),
+    ("push_to_hub", Class::No),
+    ("hub_model_id", Class::No),
+    ("hub_strategy", Class::No),
+    ("hub_private_repo", Class::No),
+    ("resume_from_checkpoint", Class::No),
+    ("remove_unused_columns", Class::No),
+    ("label_names", Class::No),
+    ("local_rank", Class::No),
+    ("average_tokens_across_devices", Class::No),
+    ("include_num_input_tokens_seen", Class::No),
+    ("dataset_text_field", Class::No),
+    ("dataset_num_proc", Class::No),
+    ("dataset_name", Class::No),
+    ("dataset_config", Class::No),
+    ("dataset_config_name", Class::No),
+    ("do_train", Class::No),
+    ("dataset_train_split", Class::No),
+    ("dataset_test_split", Class::No),
+    ("dataset_mixture.*", Class::No),
+    ("dataset_mixer.*", Class::No),
+    ("dataset_splits", Class::No),
+    ("preprocessing_num_workers", Class::No),
+    ("chat_template", Class::No),
+    ("eos_token", Class::No),
+    ("pad_token", Class::No),
+    ("completion_only_loss", Class::No),
+    ("assistant_only_loss", Class::No),
+    ("model_revision", Class::No),
+    ("trust_remote_code", Class::No),
+    ("tokenizer_name_or_path", Class::No),
+    ("lora_task_type", Class::No),
+    ("use_rslora", Class::No),
+    ("hub_model_revision", Class::No),
+];
+
+fn precision_of_dtype(
+    doc: &Doc,
+    field: &str,
+    dtype: &str,
+) -> Result<Option<bool>, TrainConfigError> {
+    match dtype {
+        "bfloat16" | "torch.bfloat16" | "bf16" => Ok(Some(true)),
+        "float16" | "torch.float16" | "fp16" | "half" => Ok(Some(false)),
+        "float32" | "torch.float32" | "fp32" => Ok(None),
+        "auto" => Err(doc.err(
+            field,
+            "`auto` loads the checkpoint's own dtype, which the config does not state; give --precision",
+        )),
+        other => Err(doc.err(field, format!("`{other}` is not bfloat16, float16, float32 or auto"))),
+    }
+}
+
+pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainConfigError> {
+    for key in ["model_name_or_path", "model_name", "model"] {
+        if let Some(m) = doc.text(key)? {
+            out.model = Some((m, key.into()));
+            break;
+        }
+    }
+    if let Some(b) = doc.positive("per_device_train_batch_size")? {
+        out.micro_batch = Some((b, "per_device_train_batch_size".into()));
+    }
+    out.grad_accum = doc.count32("gradient_accumulation_steps")?;
+    // TRL's max_length (max_seq_length before), transformers' run_clm.py's block_size.
+    for key in ["max_length", "max_seq_length", "block_size"] {
+        if let Some(n) = doc.positive(key)? {
+            out.seq_len = Some(n);
+        }
+    }
+    match doc.flag("packing")? {
+        Some(true) => doc.not_modelled("packing", super::PACKED),
+        // TRL's collator pads a batch and passes its attention mask.
+        Some(false) => out.attention_mask = Some(AttentionMask::Padded),
+        // TRL pads (and passes the mask) unless told to pack.
+        None if out.kind == TrainerKind::TrlSft => out.attention_mask = Some(AttentionMask::Padded),
+        None => {}
+    }
+    // Precision: bf16/fp16 are autocast over fp32 weights; a model loaded in a 16-bit dtype
+    // (TRL's model_init_kwargs or ModelConfig's dtype) trains its weights in it.
+    let bf16 = doc.flag("bf16")?.unwrap_or(false);
+    let fp16 = doc.flag("fp16")?.unwrap_or(false);
+    if bf16 && fp16 {
+        return Err(doc.err("fp16", "bf16 and fp16 are both true"));
+    }
+    let mut loaded = None;
+    for key in [
+        "torch_dtype",
+        "dtype",
+        "model_init_kwargs.torch_dtype",
+        "model_init_kwargs.dtype",
+    ] {
+        if let Some(d) = doc.text(key)? {
+            loaded = precision_of_dtype(doc, key, &d)?.map(|bf| (bf, key));
+        }
+    }
+    out.precision = Some(match (loaded, bf16, fp16) {
+        (Some((true, _)), _, _) => Precision::Bf16,
+        (Some((false, _)), _, _) => Precision::Fp16,
+        (None, true, _) => Precision::AmpBf16,
+        (None, _, true) => Precision::AmpFp16,
+        (None, false, false) => Precision::Fp32,
+    });
+    if let Some(b) = doc.text("half_precision_backend")?
+        && b != "auto"
+    {
+        doc.not_modelled(
+            "half_precision_backend",
+            "only torch's autocast is modelled",
+        );
+    }
+    for key in [
+        "attn_implementation",
+        "model_init_kwargs.attn_implementation",
+    ] {
+        if let Some(a) = doc.text(key)?
+            && a != "sdpa"
+        {
+            doc.not_modelled(key, ATTN);
+        }
+    }
+    if let Some(o) = doc.text("optim")? {
+        out.optimizer = Some(super::optimizer(doc, "optim", &o, false)?);
+    }
+    if let Some(on) = doc.flag("gradient_checkpointing")? {
+        out.checkpointing = Some(if on {
+            Checkpointing::Full
+        } else {
+            Checkpointing::Off
+        });
+    }
+    if doc.get("gradient_checkpointing_kwargs").is_some() {
+        doc.not_modelled("gradient_checkpointing_kwargs", REENTRANT);
+    }
+    read_peft(doc, out)?;
+    // Ranks: a DeepSpeed config, FSDP, or DDP under the launcher.
+    let bucket = doc.count32("ddp_bucket_cap_mb")?;
+    out.layout = Layout::Launcher {
+        bucket_cap_mb: bucket.unwrap_or(gpumem_core::job::DDP_BUCKET_CAP_MB),
+    };
+    if let Some(layout) = deepspeed_key(doc, "deepspeed")? {
+        out.layout = layout;
+    }
+    if let Some(layout) = fsdp(doc, "fsdp", "fsdp_config", out.precision)? {
+        if matches!(out.layout, Layout::Zero { .. }) {
+            return Err(doc.err("fsdp", "both DeepSpeed and FSDP are configured"));
+        }
+        out.layout = layout;
+    }
+    Ok(TABLE)
+}
+
+/// TRL's `ModelConfig` LoRA/QLoRA keys (`use_peft`, `lora_*`, `load_in_4bit`, …) and a
+/// `peft_config` mapping where one is given inline.
+fn read_peft(doc: &mut Doc, out: &mut TrainConfig) -> Result<(), TrainConfigError> {
+    let use_peft = doc.flag("use_peft")?.unwrap_or(false) || doc.get("peft_config").is_some();
+    let four = doc.flag("load_in_4bit")?.unwrap_or(false);
+    if doc.flag("load_in_8bit")? == Some(true) {
+        doc.not_modelled(
+            "load_in_8bit",
+            "8-bit base weights (LLM.int8) are not modelled",
+        );
+    }
+    let quant_type = doc.text("bnb_4bit_quant_type")?;
+    let double = doc.flag("use_bnb_nested_quant")?;
+    doc.used("bnb_4bit_compute_dtype");
+    doc.used("bnb_4bit_quant_storage");
+    let p = if doc.get("peft_config").is_some() {
+        "peft_config."
+    } else {
+        ""
+    };
+    let rank = doc
+        .count32(&format!("{p}lora_r"))?
+        .or(doc.count32(&format!("{p}r"))?);
+    let alpha = doc.number(&format!("{p}lora_alpha"))?;
+    let dropout = doc.number(&format!("{p}lora_dropout"))?;
+    let targets = doc
+        .names(&format!("{p}lora_target_modules"))?
+        .or(doc.names(&format!("{p}target_modules"))?);
+    if doc.get(&format!("{p}lora_modules_to_save")).is_some() {
+        doc.not_modelled(
+            &format!("{p}lora_modules_to_save"),
+            "modules trained whole beside LoRA are not modelled",
+        );
+    }
+    if !use_peft {
+        if four {
+            doc.not_modelled("load_in_4bit", "a 4-bit base without LoRA does not train");
+        }
+        return Ok(());
+    }
+    let quant = if four {
+        Some(Quant4 {
+            nf4: quant_type.as_deref() != Some("fp4"),
+            double_quant: double.unwrap_or(false),
+        })
+    } else {
+        None
+    };
+    // TRL's ModelConfig defaults: r 16, alpha 32, dropout 0.05; PEFT's targets for the model
+    // (q_proj, v_proj on Llama-like models).
+    let targets = match targets {
+        Some(t) if t.len() == 1 && t[0] == "all-linear" => t,
+        Some(t) => t,
+        None => vec!["q_proj".into(), "v_proj".into()],
+    };
+    out.lora = Some(super::lora(
+        doc,
+        "lora_r",
+        rank.unwrap_or(16),
+        alpha.unwrap_or(32.0),
+        targets,
+        dropout.unwrap_or(0.05),
+        quant,
+    )?);
+    Ok(())
+}
+
+/// A `deepspeed` key: a path to a DeepSpeed JSON (relative to the config) or the config inline.
+pub(crate) fn deepspeed_key(doc: &mut Doc, key: &str) -> Result<Option<Layout>, TrainConfigError> {
+    let (text, name) = match doc.get(key).cloned() {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::String(path)) => {
+            let full = doc.dir.join(&path);
+            let text = std::fs::read_to_string(&full)
+                .map_err(|e| doc.err(key, format!("{}: {e}", full.display())))?;
+            (text, full.display().to_string())
+        }
+        Some(v @ Value::Object(_)) => (v.to_string(), "(inline)".to_string()),
+        Some(other) => return Err(doc.err(key, format!("{other} is not a path or a mapping"))),
+    };
+    doc.used(key);
+    let job = deepspeed::read_config(&text).map_err(|e| doc.err(key, format!("{name}: {e}")))?;
+    Ok(Some(Layout::Zero {
+        job,
+        field: key.into(),
+    }))
+}
+
+/// Hugging Face's (and axolotl's) FSDP: `fsdp` (`full_shard auto_wrap offload`, or a list; or
+/// axolotl's `true`) with `fsdp_config` (`version`/`fsdp_version`, `reshard_after_forward`,
+/// `offload_params`, `sharding_strategy`, with or without the `fsdp_` prefix).
+pub(crate) fn fsdp(
+    doc: &mut Doc,
+    key: &str,
+    config_key: &str,
+    precision: Option<Precision>,
+) -> Result<Option<Layout>, TrainConfigError> {
+    let mut words: Vec<String> = match doc.get(key).cloned() {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => Vec::new(),
+        Some(Value::Bool(true)) => vec!["full_shard".into()],
+        Some(Value::Object(_)) if key == config_key => Vec::new(),
+        Some(Value::String(s)) => s.split_whitespace().map(str::to_string).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| doc.err(key, format!("{v} is not a name")))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(other) => return Err(doc.err(key, format!("{other} is not an FSDP option list"))),
+    };
+    if key != config_key {
+        doc.used(key);
+    }
+    let has_config = doc.get(config_key).is_some_and(|v| v.is_object());
+    if words.is_empty() && !has_config {
+        return Ok(None);
+    }
+    let c = |name: &str| format!("{config_key}.{name}");
+    let pick = |doc: &Doc, name: &str| {
+        [c(name), c(&format!("fsdp_{name}"))]
+            .into_iter()
+            .find(|k| doc.get(k).is_some())
+    };
+    if let Some(k) = pick(doc, "version") {
+        match doc.whole(&k)? {
+            Some(2) | None => {}
+            Some(1) => doc.not_modelled(
+                &k,
+                "FSDP1 (FlatParameter) is sized as FSDP2's per-parameter sharding",
+            ),
+            Some(v) => return Err(doc.err(&k, format!("{v} is not FSDP version 1 or 2"))),
+        }
+    }
+    if let Some(k) = pick(doc, "sharding_strategy")
+        && let Some(s) = doc.text(&k)?
+    {
+        words.push(s.to_ascii_lowercase());
+    }
+    let mut reshard = true;
+    let mut cpu_offload = false;
+    for w in &words {
+        match w.as_str() {
+            "full_shard" | "1" | "auto_wrap" => {}
+            "shard_grad_op" | "2" => reshard = false,
+            "offload" => cpu_offload = true,
+            "no_shard" | "3" => {
+                return Ok(Some(Layout::Launcher {
+                    bucket_cap_mb: gpumem_core::job::DDP_BUCKET_CAP_MB,
+                }));
+            }
+            "hybrid_shard" | "hybrid_shard_zero2" | "4" | "5" => {
+                return Err(doc.err(
+                    key,
+                    format!("`{w}` needs the replicas' count, which the config does not state: use --strategy hsdp --nodes N"),
+                ));
+            }
+            other => return Err(doc.err(key, format!("`{other}` is not an FSDP option gpumem models (full_shard, shard_grad_op, no_shard, offload, auto_wrap)"))),
+        }
+    }
+    if let Some(k) = pick(doc, "reshard_after_forward")
+        && let Some(r) = doc.flag(&k)?
+    {
+        reshard = r;
+    }
+    if let Some(k) = pick(doc, "offload_params")
+        && let Some(o) = doc.flag(&k)?
+    {
+        cpu_offload = cpu_offload || o;
+    }
+    if let Some(k) = pick(doc, "activation_checkpointing")
+        && doc.flag(&k)? == Some(true)
+    {
+        doc.not_modelled(&k, "FSDP's own activation checkpointing is sized as gradient_checkpointing: give that key instead");
+    }
+    for name in [
+        "auto_wrap_policy",
+        "transformer_layer_cls_to_wrap",
+        "state_dict_type",
+        "cpu_ram_efficient_loading",
+        "sync_module_states",
+        "use_orig_params",
+        "limit_all_gathers",
+        "backward_prefetch",
+        "forward_prefetch",
+        "min_num_params",
+    ] {
+        for k in [c(name), c(&format!("fsdp_{name}"))] {
+            if doc.get(&k).is_some() {
+                doc.no_memory(&k);
+            }
+        }
+    }
+    for name in ["backward_prefetch", "forward_prefetch", "limit_all_gathers"] {
+        for k in [c(name), c(&format!("fsdp_{name}"))] {
+            if doc.get(&k).is_some() {
+                doc.not_modelled(&k, "prefetching and all-gather limits change how many layers are gathered at once; gpumem sizes FSDP2's defaults");
+            }
+        }
+    }
+    // Mixed precision under FSDP: the layers gathered and computed in the autocast dtype.
+    let param_dtype = match precision {
+        Some(Precision::AmpBf16 | Precision::Bf16) => Some(HalfDtype::Bf16),
+        Some(Precision::AmpFp16 | Precision::Fp16) => Some(HalfDtype::Fp16),
+        _ => None,
+    };
+    Ok(Some(Layout::Fsdp {
+        replicate: 1,
+        shard: None,
+        reshard_after_forward: reshard,
+        param_dtype,
+        cpu_offload,
+        field: if key == "fsdp" { "fsdp" } else { "fsdp_config" },
+    }))
+}

@@ -1,0 +1,947 @@
+//! Trainer configs as jobs: the files people train with — Hugging Face `TrainingArguments` and
+//! TRL `SFTConfig` (JSON or YAML of the arguments), axolotl YAML, torchtune YAML, torchtitan
+//! (a TOML file, or a Python config function's `Trainer.Config`/`JobConfig` dumped to JSON by the
+//! tracer's Python), a declarative Lightning CLI YAML, DeepSpeed JSON and accelerate YAML — read
+//! into one [`TrainConfig`]: the model as the config names it, the micro-batch, what it fixes of
+//! the loop (the job vocabulary's types) and how its ranks are laid out.
+//!
+//! Every key of the file is accounted for: [`Fields`] lists each dotted key as used, not
+//! modelled (with its value and why), or as not bearing on memory (learning rates, logging,
+//! seeds, paths). A key no table names is reported not modelled — never silently dropped.
+//! Reading a config needs none of the trainers installed (a torchtitan Python config needs
+//! torchtitan, as the user's function imports it).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use gpumem_core::job::{
+    AttentionMask, Checkpointing, Engine, HalfDtype, Lora, Mesh, MeshDim, Optimizer, OptionError,
+    OptionValues, Options, Precision, Quant4, Strategy,
+};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::deepspeed::DeepSpeedJob;
+
+mod axolotl;
+mod hf;
+mod launchers;
+mod lightning;
+mod torchtitan;
+mod torchtune;
+
+#[cfg(test)]
+mod tests;
+
+/// Which trainer's config a file is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TrainerKind {
+    /// Hugging Face `TrainingArguments` (JSON or YAML of the arguments).
+    HfTrainer,
+    /// TRL's `SFTConfig` (with its `ModelConfig`, as `trl sft --config` reads them).
+    TrlSft,
+    Axolotl,
+    Torchtune,
+    /// torchtitan's TOML file (its 2025 releases).
+    TorchtitanToml,
+    /// torchtitan's Python config: a function returning `Trainer.Config` (or `JobConfig`).
+    TorchtitanPython,
+    /// A Lightning CLI YAML (`trainer:`, `model:`, `data:`, `optimizer:`).
+    Lightning,
+    Deepspeed,
+    Accelerate,
+}
+
+impl TrainerKind {
+    pub const NAMES: &[&str] = &[
+        "hf-trainer",
+        "trl-sft",
+        "axolotl",
+        "torchtune",
+        "torchtitan-toml",
+        "torchtitan-python",
+        "lightning",
+        "deepspeed",
+        "accelerate",
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            TrainerKind::HfTrainer => "hf-trainer",
+            TrainerKind::TrlSft => "trl-sft",
+            TrainerKind::Axolotl => "axolotl",
+            TrainerKind::Torchtune => "torchtune",
+            TrainerKind::TorchtitanToml => "torchtitan-toml",
+            TrainerKind::TorchtitanPython => "torchtitan-python",
+            TrainerKind::Lightning => "lightning",
+            TrainerKind::Deepspeed => "deepspeed",
+            TrainerKind::Accelerate => "accelerate",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<TrainerKind, gpumem_core::UnknownName> {
+        [
+            TrainerKind::HfTrainer,
+            TrainerKind::TrlSft,
+            TrainerKind::Axolotl,
+            TrainerKind::Torchtune,
+            TrainerKind::TorchtitanToml,
+            TrainerKind::TorchtitanPython,
+            TrainerKind::Lightning,
+            TrainerKind::Deepspeed,
+            TrainerKind::Accelerate,
+        ]
+        .into_iter()
+        .find(|k| k.name() == s)
+        .ok_or_else(|| {
+            gpumem_core::UnknownName::new("trainer config kind", s, TrainerKind::NAMES.join(", "))
+        })
+    }
+}
+
+/// A key the config states that gpumem does not model, with its value and why.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct NotModelled {
+    pub field: String,
+    pub value: Value,
+    pub reason: String,
+}
+
+/// Every key of a config, accounted for once: dotted paths (`fsdp_config.fsdp_version`; a
+/// subtree reported whole where a table says so, `profiler`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Fields {
+    /// Read into the job.
+    pub used: Vec<String>,
+    /// Stated, and bearing (or maybe bearing) on memory, but not modelled.
+    pub not_modelled: Vec<NotModelled>,
+    /// Keys that do not bear on a training step's GPU memory (learning rate, logging, seeds,
+    /// paths, …).
+    pub no_memory: Vec<String>,
+}
+
+/// How a config lays out its ranks. Some trainers leave the count to the launcher (`torchrun
+/// --nproc-per-node`, torchtitan's `-1` degrees): then the caller's world size decides.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Layout {
+    /// One GPU, unless launched over several: then DDP (Hugging Face's Trainer, axolotl,
+    /// Lightning's `auto` under several devices), with its bucket size.
+    Launcher { bucket_cap_mb: u32 },
+    /// One GPU, whatever the launcher (a single-device recipe).
+    Single,
+    /// A strategy over ranks the config fixes.
+    Fixed(Strategy),
+    /// FSDP2 (HSDP with `replicate` > 1); `shard` `None`: the ranks left over (torchtitan's
+    /// `-1`).
+    Fsdp {
+        replicate: u32,
+        shard: Option<u32>,
+        reshard_after_forward: bool,
+        param_dtype: Option<HalfDtype>,
+        cpu_offload: bool,
+        /// The key that asked for it, for errors.
+        field: &'static str,
+    },
+    /// DeepSpeed ZeRO from a config; its ranks are `train_batch_size`'s or the caller's.
+    Zero { job: DeepSpeedJob, field: String },
+}
+
+/// A trainer config, read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainConfig {
+    pub kind: TrainerKind,
+    /// The file, as named (errors and output name it).
+    pub file: String,
+    /// The model as the config names it (a Hub id, a directory, a class path), and its key.
+    pub model: Option<(String, String)>,
+    /// Per-device micro-batch, and its key.
+    pub micro_batch: Option<(u64, String)>,
+    pub precision: Option<Precision>,
+    pub optimizer: Option<Optimizer>,
+    pub grad_accum: Option<u32>,
+    pub seq_len: Option<u64>,
+    pub checkpointing: Option<Checkpointing>,
+    pub lora: Option<Lora>,
+    pub attention_mask: Option<AttentionMask>,
+    pub layout: Layout,
+    pub fields: Fields,
+}
+
+/// Why a trainer config cannot be read; one line naming the file and the key.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainConfigError {
+    #[error("{file}: {source}")]
+    Io {
+        file: String,
+        source: std::io::Error,
+    },
+    #[error("{file}: not {what}: {why}")]
+    Parse {
+        file: String,
+        what: &'static str,
+        why: String,
+    },
+    #[error(
+        "{file}: cannot tell which trainer's config this is ({why}); name it with --train-config-kind ({})",
+        TrainerKind::NAMES.join(", ")
+    )]
+    Kind { file: String, why: String },
+    #[error("{file}: `{field}`: {why}")]
+    Field {
+        file: String,
+        field: String,
+        why: String,
+    },
+    /// The Python config function could not be called (torchtitan missing, the function failed).
+    #[error("{file}: {why}")]
+    Python { file: String, why: String },
+}
+
+impl TrainConfig {
+    /// The strategy on `world` ranks (`None`: the launcher's count is not given).
+    pub fn strategy(&self, world: Option<u32>) -> Result<Option<Strategy>, TrainConfigError> {
+        let field_err = |field: &str, why: String| TrainConfigError::Field {
+            file: self.file.clone(),
+            field: field.into(),
+            why,
+        };
+        match &self.layout {
+            Layout::Single => match world {
+                Some(w) if w > 1 => Err(field_err(
+                    "(recipe)",
+                    format!("a single-device config, launched over {w} ranks"),
+                )),
+                _ => Ok(None),
+            },
+            Layout::Launcher { bucket_cap_mb } => match world {
+                Some(w) if w > 1 => Strategy::ddp(w, *bucket_cap_mb, false)
+                    .map(Some)
+                    .map_err(|e| field_err("(launcher)", e.to_string())),
+                _ => Ok(None),
+            },
+            Layout::Fixed(s) => match world {
+                Some(w) if w != s.world_size() => Err(field_err(
+                    "(ranks)",
+                    format!(
+                        "the config lays out {} ranks, not --world-size {w}",
+                        s.world_size()
+                    ),
+                )),
+                _ => Ok(Some(*s)),
+            },
+            Layout::Fsdp {
+                replicate,
+                shard,
+                reshard_after_forward,
+                param_dtype,
+                cpu_offload,
+                field,
+            } => {
+                let shard = match (shard, world) {
+                    (Some(s), Some(w)) if s * replicate != w => {
+                        return Err(field_err(
+                            field,
+                            format!(
+                                "{} ranks ({replicate} × {s}), not --world-size {w}",
+                                s * replicate
+                            ),
+                        ));
+                    }
+                    (Some(s), _) => *s,
+                    (None, Some(w)) if w % replicate == 0 => w / replicate,
+                    (None, Some(w)) => {
+                        return Err(field_err(
+                            field,
+                            format!("--world-size {w} is not a multiple of {replicate} replicas"),
+                        ));
+                    }
+                    (None, None) => {
+                        return Err(field_err(
+                            field,
+                            "the ranks are the launcher's: give --world-size (gpus in a job request)"
+                                .into(),
+                        ));
+                    }
+                };
+                if shard * replicate == 1 {
+                    return Ok(None);
+                }
+                let engine = Engine::Fsdp {
+                    reshard_after_forward: *reshard_after_forward,
+                    param_dtype: *param_dtype,
+                    cpu_offload: *cpu_offload,
+                };
+                let mesh = Mesh::new(&[(MeshDim::Replicate, *replicate), (MeshDim::Shard, shard)])
+                    .map_err(|e| field_err(field, e.to_string()))?;
+                Strategy::new(mesh, engine)
+                    .map(Some)
+                    .map_err(|e| field_err(field, e.to_string()))
+            }
+            Layout::Zero { job, field } => {
+                let w = match (job.world_size, world) {
+                    (Some(s), Some(w)) if s != w => {
+                        return Err(field_err(
+                            field,
+                            format!("train_batch_size makes {s} ranks, not --world-size {w}"),
+                        ));
+                    }
+                    (Some(w), _) | (None, Some(w)) => w,
+                    (None, None) => {
+                        return Err(field_err(
+                            field,
+                            "the ranks are the launcher's: give --world-size (gpus in a job request)"
+                                .into(),
+                        ));
+                    }
+                };
+                job.strategy(w)
+                    .map(Some)
+                    .map_err(|e| field_err(field, e.to_string()))
+            }
+        }
+    }
+
+    /// What the config states over `base` (the defaults or the caller's values), on `world`
+    /// ranks, checked.
+    pub fn over(
+        &self,
+        base: OptionValues,
+        world: Option<u32>,
+    ) -> Result<Options, TrainConfigError> {
+        let strategy = self.strategy(world)?;
+        let mut precision = self.precision;
+        // FSDP's mixed-precision policy on one GPU is autocast (torchtitan's `maybe_enable_amp`).
+        if let (
+            None,
+            Layout::Fsdp {
+                param_dtype: Some(d),
+                ..
+            },
+            Some(Precision::Fp32),
+        ) = (strategy, &self.layout, precision)
+        {
+            precision = Some(match d {
+                HalfDtype::Bf16 => Precision::AmpBf16,
+                HalfDtype::Fp16 => Precision::AmpFp16,
+            });
+        }
+        OptionValues {
+            precision: precision.unwrap_or(base.precision),
+            optimizer: self.optimizer.unwrap_or(base.optimizer),
+            grad_accum: self.grad_accum.unwrap_or(base.grad_accum),
+            seq_len: self.seq_len.or(base.seq_len),
+            checkpointing: self.checkpointing.unwrap_or(base.checkpointing),
+            lora: self.lora.clone().or(base.lora),
+            attention_mask: self.attention_mask.unwrap_or(base.attention_mask),
+            strategy: strategy.or(base.strategy),
+            ..base
+        }
+        .check()
+        .map_err(|e: OptionError| TrainConfigError::Field {
+            file: self.file.clone(),
+            field: "(options)".into(),
+            why: e.to_string(),
+        })
+    }
+}
+
+/// A config's document, flattened to dotted keys, each key's fate recorded as a reader reads it.
+pub(crate) struct Doc {
+    pub file: String,
+    /// The directory relative paths in the config are read from.
+    pub dir: PathBuf,
+    pub root: Value,
+    leaves: BTreeMap<String, Value>,
+    fate: BTreeMap<String, (Fate, Option<String>)>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Fate {
+    Used,
+    NotModelled(String),
+    NoMemory,
+}
+
+/// What a table says of a key no reader took.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Class {
+    /// Does not bear on memory.
+    No,
+    /// Bears on memory, not modelled: why.
+    Not(&'static str),
+}
+
+/// Keys every kind shares the fate of: where a key of a kind's table ends in `.*`, the whole
+/// subtree is one entry.
+pub(crate) type Table = &'static [(&'static str, Class)];
+
+/// Reasons shared across kinds.
+pub(crate) const EVAL: &str =
+    "evaluation is a whole-run matter (issue 34): gpumem sizes the training step";
+pub(crate) const SAVE: &str =
+    "checkpoint saving is a whole-run matter (issue 34): gpumem sizes the training step";
+pub(crate) const COMPILE: &str = "torch.compile fuses kernels and changes what activations are kept; gpumem traces the eager step";
+pub(crate) const PACKED: &str = "packed batches (several sequences per row) are not in the job vocabulary yet; sized as one sequence of the full length per row, without a mask";
+pub(crate) const REENTRANT: &str = "reentrant vs non-reentrant checkpointing is not in the job vocabulary yet; sized as the tracer's checkpointing";
+pub(crate) const OFFLOAD_ACT: &str = "activation offloading is not in the job vocabulary yet; sized with activations on the GPU (an upper bound)";
+pub(crate) const CHUNKED_CE: &str = "chunked / fused linear cross-entropy is not in the job vocabulary yet; sized with the whole logits (an upper bound)";
+pub(crate) const LIGER: &str = "Liger kernels (fused RMSNorm, SwiGLU, linear cross-entropy) are not modelled; sized with PyTorch's own ops (an upper bound)";
+pub(crate) const ATTN: &str = "the attention implementation is PyTorch's SDPA kernel choice in gpumem's trace (docs/sdpa.md), not this one";
+pub(crate) const UNKNOWN: &str = "a key gpumem does not know: it may bear on memory";
+pub(crate) const CLIP: &str =
+    "gradient clipping's norm temporaries are not modelled (small: one scalar per tensor)";
+pub(crate) const FP8: &str = "float8/MX training is not modelled";
+
+fn flatten(prefix: &str, v: &Value, out: &mut BTreeMap<String, Value>) {
+    match v {
+        Value::Object(m) if !m.is_empty() => {
+            for (k, v) in m {
+                let key = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                flatten(&key, v, out);
+            }
+        }
+        _ if !prefix.is_empty() => {
+            out.insert(prefix.to_string(), v.clone());
+        }
+        _ => {}
+    }
+}
+
+/// `path` is `key` or under it.
+fn under(path: &str, key: &str) -> bool {
+    path == key
+        || (path.len() > key.len() && path.starts_with(key) && path.as_bytes()[key.len()] == b'.')
+}
+
+impl Doc {
+    pub fn new(file: &str, dir: &Path, root: Value) -> Doc {
+        let mut leaves = BTreeMap::new();
+        flatten("", &root, &mut leaves);
+        Doc {
+            file: file.into(),
+            dir: dir.to_path_buf(),
+            root,
+            leaves,
+            fate: BTreeMap::new(),
+        }
+    }
+
+    pub fn err(&self, field: &str, why: impl Into<String>) -> TrainConfigError {
+        TrainConfigError::Field {
+            file: self.file.clone(),
+            field: field.into(),
+            why: why.into(),
+        }
+    }
+
+    /// The value at a dotted path (a leaf or a subtree).
+    pub fn get(&self, path: &str) -> Option<&Value> {
+        let mut v = &self.root;
+        for part in path.split('.') {
+            v = v.get(part)?;
+        }
+        Some(v)
+    }
+
+    fn mark(&mut self, path: &str, fate: Fate) {
+        let keys: Vec<String> = self
+            .leaves
+            .keys()
+            .filter(|k| under(k, path))
+            .cloned()
+            .collect();
+        // A subtree marked whole is reported by its path, unless a key under it is marked
+        // otherwise later.
+        let group = (keys.len() != 1 || keys[0] != path).then(|| path.to_string());
+        for k in keys {
+            self.fate.insert(k, (fate.clone(), group.clone()));
+        }
+    }
+
+    /// The keys under `path` no reader has marked yet, read into the job.
+    pub fn used_rest(&mut self, path: &str) {
+        let keys: Vec<String> = self
+            .leaves
+            .keys()
+            .filter(|k| under(k, path) && !self.fate.contains_key(*k))
+            .cloned()
+            .collect();
+        for k in keys {
+            self.fate.insert(k, (Fate::Used, None));
+        }
+    }
+
+    /// `path` (and all under it) read into the job.
+    pub fn used(&mut self, path: &str) {
+        self.mark(path, Fate::Used);
+    }
+
+    /// `path` (and all under it) stated but not modelled.
+    pub fn not_modelled(&mut self, path: &str, reason: impl Into<String>) {
+        self.mark(path, Fate::NotModelled(reason.into()));
+    }
+
+    /// Every key named `name` (at any depth) no reader has marked does not bear on memory.
+    pub fn no_memory_named(&mut self, name: &str) {
+        let keys: Vec<String> = self
+            .leaves
+            .keys()
+            .filter(|k| k.rsplit('.').next() == Some(name) && !self.fate.contains_key(*k))
+            .cloned()
+            .collect();
+        for k in keys {
+            self.fate.insert(k, (Fate::NoMemory, None));
+        }
+    }
+
+    /// `path` (and all under it) does not bear on memory.
+    pub fn no_memory(&mut self, path: &str) {
+        self.mark(path, Fate::NoMemory);
+    }
+
+    /// The value at `path`, marked used; `None` where absent or null.
+    pub fn take(&mut self, path: &str) -> Option<Value> {
+        let v = self.get(path).cloned();
+        if v.is_some() {
+            self.used(path);
+        }
+        v.filter(|v| !v.is_null())
+    }
+
+    pub fn text(&mut self, path: &str) -> Result<Option<String>, TrainConfigError> {
+        match self.take(path) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(other) => Err(self.err(path, format!("{other} is not a name"))),
+        }
+    }
+
+    pub fn flag(&mut self, path: &str) -> Result<Option<bool>, TrainConfigError> {
+        match self.take(path) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(b)),
+            // YAML 1.1 spellings and Python's, as trainers' configs write them.
+            Some(Value::String(s)) => match s.to_ascii_lowercase().as_str() {
+                "true" | "yes" => Ok(Some(true)),
+                "false" | "no" => Ok(Some(false)),
+                _ => Err(self.err(path, format!("`{s}` is not true or false"))),
+            },
+            Some(other) => Err(self.err(path, format!("{other} is not true or false"))),
+        }
+    }
+
+    /// A whole number (an integer-valued float too); `"auto"` is `None`.
+    pub fn whole(&mut self, path: &str) -> Result<Option<i64>, TrainConfigError> {
+        match self.take(path) {
+            None => Ok(None),
+            Some(Value::Number(n)) => match (n.as_i64(), n.as_f64()) {
+                (Some(i), _) => Ok(Some(i)),
+                (None, Some(f)) if f.fract() == 0.0 && f.abs() < 9e18 => Ok(Some(f as i64)),
+                _ => Err(self.err(path, format!("{n} is not a whole number"))),
+            },
+            Some(Value::String(s)) if s == "auto" => Ok(None),
+            Some(Value::String(s)) => s
+                .trim()
+                .parse()
+                .map(Some)
+                .map_err(|_| self.err(path, format!("`{s}` is not a whole number"))),
+            Some(other) => Err(self.err(path, format!("{other} is not a whole number"))),
+        }
+    }
+
+    /// A whole number ≥ 1.
+    pub fn positive(&mut self, path: &str) -> Result<Option<u64>, TrainConfigError> {
+        match self.whole(path)? {
+            None => Ok(None),
+            Some(n) if n >= 1 => Ok(Some(n as u64)),
+            Some(n) => Err(self.err(path, format!("{n} must be at least 1"))),
+        }
+    }
+
+    pub fn count32(&mut self, path: &str) -> Result<Option<u32>, TrainConfigError> {
+        match self.positive(path)? {
+            None => Ok(None),
+            Some(n) => u32::try_from(n)
+                .map(Some)
+                .map_err(|_| self.err(path, format!("{n} is out of range"))),
+        }
+    }
+
+    pub fn number(&mut self, path: &str) -> Result<Option<f64>, TrainConfigError> {
+        match self.take(path) {
+            None => Ok(None),
+            Some(Value::Number(n)) => Ok(n.as_f64()),
+            Some(Value::String(s)) => s
+                .trim()
+                .parse()
+                .map(Some)
+                .map_err(|_| self.err(path, format!("`{s}` is not a number"))),
+            Some(other) => Err(self.err(path, format!("{other} is not a number"))),
+        }
+    }
+
+    /// A list of names (or one name), marked used.
+    pub fn names(&mut self, path: &str) -> Result<Option<Vec<String>>, TrainConfigError> {
+        match self.take(path) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(
+                s.split([',', ' '])
+                    .filter(|t| !t.is_empty())
+                    .map(str::to_string)
+                    .collect(),
+            )),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| match v {
+                    Value::String(s) => Ok(s.clone()),
+                    other => Err(self.err(path, format!("{other} is not a name"))),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(Some),
+            Some(other) => Err(self.err(path, format!("{other} is not a list of names"))),
+        }
+    }
+
+    /// A key stated with a value other than its "off" value is not modelled; else used.
+    pub fn off_or_not_modelled(&mut self, path: &str, reason: &str) {
+        let on = match self.get(path) {
+            None | Some(Value::Null) => return,
+            Some(Value::Bool(b)) => *b,
+            Some(Value::String(s)) => !matches!(
+                s.to_ascii_lowercase().as_str(),
+                "" | "false" | "no" | "none" | "disabled" | "off"
+            ),
+            Some(Value::Number(n)) => n.as_f64() != Some(0.0),
+            Some(Value::Array(a)) => !a.is_empty(),
+            Some(Value::Object(o)) => !o.is_empty(),
+        };
+        if on {
+            self.not_modelled(path, reason);
+        } else {
+            self.used(path);
+        }
+    }
+
+    /// Every key's fate: what the reader took, then `table`, else not modelled (unknown). A
+    /// subtree marked whole (by a reader, or a table's `.*` entry) is one entry, unless keys
+    /// under it have other fates: then each key is its own.
+    pub fn finish(self, table: Table) -> Fields {
+        let mut fates: BTreeMap<&str, (Fate, Option<String>)> = BTreeMap::new();
+        for key in self.leaves.keys() {
+            let fate = self.fate.get(key).cloned().unwrap_or_else(|| {
+                table
+                    .iter()
+                    .find_map(|(pat, class)| {
+                        let (hit, group) = match pat.strip_suffix(".*") {
+                            Some(prefix) => (under(key, prefix), Some(prefix.to_string())),
+                            None => (key == pat, None),
+                        };
+                        hit.then(|| {
+                            let fate = match class {
+                                Class::No => Fate::NoMemory,
+                                Class::Not(r) => Fate::NotModelled((*r).into()),
+                            };
+                            (fate, group)
+                        })
+                    })
+                    .unwrap_or((Fate::NotModelled(UNKNOWN.into()), None))
+            });
+            fates.insert(key, fate);
+        }
+        let mut fields = Fields::default();
+        let mut done: Vec<String> = Vec::new();
+        for (key, (fate, group)) in &fates {
+            // A group is whole when every key under it has its fate and group.
+            let whole = group.as_ref().filter(|g| {
+                fates
+                    .iter()
+                    .filter(|(k, _)| under(k, g))
+                    .all(|(_, (f, gg))| f == fate && gg.as_ref() == Some(*g))
+            });
+            let (name, value) = match whole {
+                Some(g) => {
+                    if done.contains(g) {
+                        continue;
+                    }
+                    done.push(g.clone());
+                    (g.clone(), self.get(g).cloned().unwrap_or(Value::Null))
+                }
+                None => ((*key).to_string(), self.leaves[*key].clone()),
+            };
+            match fate.clone() {
+                Fate::Used => fields.used.push(name),
+                Fate::NoMemory => fields.no_memory.push(name),
+                Fate::NotModelled(reason) => fields.not_modelled.push(NotModelled {
+                    field: name,
+                    value,
+                    reason,
+                }),
+            }
+        }
+        fields
+    }
+}
+
+/// An optimizer as a trainer names it. The name goes to [`Optimizer::parse`] first, so names
+/// gpumem learns are taken as they are; else a trainer's own spelling of an optimizer gpumem
+/// models, with an implementation flag (fused) noted as not modelled where it differs. A name
+/// neither knows fails with `Optimizer::parse`'s error.
+pub(crate) fn optimizer(
+    doc: &mut Doc,
+    field: &str,
+    name: &str,
+    fused: bool,
+) -> Result<Optimizer, TrainConfigError> {
+    let direct = if fused {
+        None
+    } else {
+        Optimizer::parse(name).ok()
+    };
+    if let Some(o) = direct {
+        return Ok(o);
+    }
+    let lower = name.to_ascii_lowercase();
+    // (spelling, gpumem's name, fused): spellings only — same state, same step.
+    const SPELLINGS: &[(&str, &str, bool)] = &[
+        ("adamw_torch", "adamw", false),
+        ("adamw_hf", "adamw", false),
+        ("adamw_torch_fused", "adamw", true),
+        ("adamw_bnb_8bit", "adamw8bit", false),
+        ("adamw_8bit", "adamw8bit", false),
+        ("paged_adamw_8bit", "paged-adamw8bit", false),
+        ("torch.optim.adamw", "adamw", false),
+        ("torch.optim.adam", "adam", false),
+        ("torch.optim.sgd", "sgd", false),
+        ("bitsandbytes.optim.adamw8bit", "adamw8bit", false),
+        ("bitsandbytes.optim.adam8bit", "adam8bit", false),
+        (
+            "bitsandbytes.optim.pagedadamw8bit",
+            "paged-adamw8bit",
+            false,
+        ),
+    ];
+    match SPELLINGS.iter().find(|(s, _, _)| *s == lower) {
+        Some((_, base, spelled_fused)) => {
+            if fused || *spelled_fused {
+                doc.not_modelled(
+                    field,
+                    "the fused implementation is not modelled yet: sized as foreach (its temporaries are an upper bound of fused's)",
+                );
+            }
+            Ok(Optimizer::parse(base).expect("a modelled optimizer"))
+        }
+        None => Optimizer::parse(name).map_err(|e| doc.err(field, e.to_string())),
+    }
+}
+
+/// LoRA targets as a trainer names them, checked into a [`Lora`].
+pub(crate) fn lora(
+    doc: &Doc,
+    field: &str,
+    rank: u32,
+    alpha: f64,
+    targets: Vec<String>,
+    dropout: f64,
+    quant: Option<Quant4>,
+) -> Result<Lora, TrainConfigError> {
+    Lora::new(rank, alpha, targets, dropout, quant).map_err(|e| doc.err(field, e.to_string()))
+}
+
+/// The document of a file: JSON, YAML or TOML, as a JSON value.
+pub(crate) fn parse_document(
+    file: &str,
+    text: &str,
+    toml_file: bool,
+) -> Result<Value, TrainConfigError> {
+    if toml_file {
+        return toml::from_str::<Value>(text).map_err(|e| TrainConfigError::Parse {
+            file: file.into(),
+            what: "TOML",
+            why: e.to_string().lines().next().unwrap_or_default().to_string(),
+        });
+    }
+    if let Ok(v) = serde_json::from_str::<Value>(text) {
+        return Ok(v);
+    }
+    serde_norway::from_str::<Value>(text).map_err(|e| TrainConfigError::Parse {
+        file: file.into(),
+        what: "JSON or YAML",
+        why: e.to_string(),
+    })
+}
+
+/// Which trainer wrote a document, from its keys.
+pub fn detect(file: &str, root: &Value, toml_file: bool) -> Result<TrainerKind, TrainConfigError> {
+    let Some(m) = root.as_object() else {
+        return Err(TrainConfigError::Kind {
+            file: file.into(),
+            why: "not a mapping".into(),
+        });
+    };
+    let has = |k: &str| m.contains_key(k);
+    if toml_file || has("_class") && root.get("training").is_some() {
+        return Ok(if toml_file {
+            TrainerKind::TorchtitanToml
+        } else {
+            TrainerKind::TorchtitanPython
+        });
+    }
+    if has("zero_optimization") {
+        return Ok(TrainerKind::Deepspeed);
+    }
+    if has("distributed_type") || has("compute_environment") {
+        return Ok(TrainerKind::Accelerate);
+    }
+    if has("base_model") {
+        return Ok(TrainerKind::Axolotl);
+    }
+    if root
+        .get("model")
+        .and_then(|m| m.get("_component_"))
+        .is_some()
+    {
+        return Ok(TrainerKind::Torchtune);
+    }
+    if root.get("trainer").is_some_and(Value::is_object) {
+        return Ok(TrainerKind::Lightning);
+    }
+    if has("parallelism") && has("training") {
+        return Ok(TrainerKind::TorchtitanPython);
+    }
+    const TRL: [&str; 8] = [
+        "max_seq_length",
+        "max_length",
+        "packing",
+        "dataset_text_field",
+        "completion_only_loss",
+        "assistant_only_loss",
+        "padding_free",
+        "use_peft",
+    ];
+    const HF: [&str; 5] = [
+        "per_device_train_batch_size",
+        "output_dir",
+        "gradient_accumulation_steps",
+        "learning_rate",
+        "model_name_or_path",
+    ];
+    if TRL.iter().any(|k| has(k)) {
+        return Ok(TrainerKind::TrlSft);
+    }
+    if HF.iter().any(|k| has(k)) {
+        return Ok(TrainerKind::HfTrainer);
+    }
+    Err(TrainConfigError::Kind {
+        file: file.into(),
+        why: "none of the keys it is known by".into(),
+    })
+}
+
+/// Reads a trainer config file of `kind` (detected where `None`). A torchtitan Python config is
+/// `FILE.py:FUNCTION` (or `MODULE:FUNCTION`), called by `tracer`'s interpreter.
+pub fn read_file(
+    spec: &str,
+    kind: Option<TrainerKind>,
+    tracer: &gpumem_torch::TorchTracer,
+) -> Result<TrainConfig, TrainConfigError> {
+    let python =
+        kind == Some(TrainerKind::TorchtitanPython) || (kind.is_none() && is_python_spec(spec));
+    if python {
+        let (target, function) = spec
+            .rsplit_once(':')
+            .ok_or_else(|| TrainConfigError::Python {
+                file: spec.into(),
+                why: "a Python config is FILE.py:FUNCTION or MODULE:FUNCTION".into(),
+            })?;
+        let json = tracer
+            .config_json(target, function)
+            .map_err(|e| TrainConfigError::Python {
+                file: spec.into(),
+                why: e.to_string(),
+            })?;
+        let dir = Path::new(target).parent().unwrap_or(Path::new("."));
+        return read_text(spec, &json, dir, Some(TrainerKind::TorchtitanPython));
+    }
+    let path = Path::new(spec);
+    let text = std::fs::read_to_string(path).map_err(|source| TrainConfigError::Io {
+        file: spec.into(),
+        source,
+    })?;
+    read_text(spec, &text, path.parent().unwrap_or(Path::new(".")), kind)
+}
+
+/// `FILE.py:FUNCTION` or `MODULE:FUNCTION` (not a file that exists).
+pub fn is_python_spec(spec: &str) -> bool {
+    match spec.rsplit_once(':') {
+        Some((target, f)) => {
+            !Path::new(spec).exists()
+                && !f.is_empty()
+                && f.chars().all(|c| c.is_alphanumeric() || c == '_')
+                && (target.ends_with(".py")
+                    || target.split('.').all(|p| {
+                        !p.is_empty() && p.chars().all(|c| c.is_alphanumeric() || c == '_')
+                    }))
+        }
+        None => false,
+    }
+}
+
+/// Reads a config's text (`file` names it in errors; `dir` is where relative paths it names
+/// are read). A torchtitan Python config's text is the JSON its function's result was dumped to.
+pub fn read_text(
+    file: &str,
+    text: &str,
+    dir: &Path,
+    kind: Option<TrainerKind>,
+) -> Result<TrainConfig, TrainConfigError> {
+    let toml_file = kind == Some(TrainerKind::TorchtitanToml)
+        || (kind.is_none() && file.to_ascii_lowercase().ends_with(".toml"));
+    let root = parse_document(file, text, toml_file)?;
+    let kind = match kind {
+        Some(k) => k,
+        None => detect(file, &root, toml_file)?,
+    };
+    if !root.is_object() {
+        return Err(TrainConfigError::Parse {
+            file: file.into(),
+            what: "a mapping",
+            why: "the document is not a mapping of keys".into(),
+        });
+    }
+    let mut doc = Doc::new(file, dir, root);
+    let mut out = TrainConfig {
+        kind,
+        file: file.into(),
+        model: None,
+        micro_batch: None,
+        precision: None,
+        optimizer: None,
+        grad_accum: None,
+        seq_len: None,
+        checkpointing: None,
+        lora: None,
+        attention_mask: None,
+        layout: Layout::Launcher {
+            bucket_cap_mb: gpumem_core::job::DDP_BUCKET_CAP_MB,
+        },
+        fields: Fields::default(),
+    };
+    let table = match kind {
+        TrainerKind::HfTrainer | TrainerKind::TrlSft => hf::read(&mut doc, &mut out)?,
+        TrainerKind::Axolotl => axolotl::read(&mut doc, &mut out)?,
+        TrainerKind::Torchtune => torchtune::read(&mut doc, &mut out)?,
+        TrainerKind::TorchtitanToml | TrainerKind::TorchtitanPython => {
+            torchtitan::read(&mut doc, &mut out)?
+        }
+        TrainerKind::Lightning => lightning::read(&mut doc, &mut out)?,
+        TrainerKind::Deepspeed => launchers::deepspeed(&mut doc, &mut out, text)?,
+        TrainerKind::Accelerate => launchers::accelerate(&mut doc, &mut out, text)?,
+    };
+    out.fields = doc.finish(table);
+    Ok(out)
+}

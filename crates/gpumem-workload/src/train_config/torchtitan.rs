@@ -1,0 +1,441 @@
+//! torchtitan's configuration: the TOML files of its 2025 releases (`JobConfig`'s sections), and
+//! the Python configs of its newer ones (a function returning `Trainer.Config`, or a
+//! `JobConfig`), which the tracer's Python calls and dumps to JSON — each dataclass as a mapping
+//! with its class in `_class`. Absent keys take torchtitan's defaults where they bear on memory
+//! (`mixed_precision_param` bfloat16, optimizer `implementation` fused, FSDP over the ranks
+//! left, `-1`).
+
+use gpumem_core::job::{Checkpointing, Engine, HalfDtype, Mesh, MeshDim, Precision, Strategy};
+use serde_json::Value;
+
+use super::{
+    CHUNKED_CE, CLIP, COMPILE, Class, Doc, EVAL, FP8, Layout, OFFLOAD_ACT, SAVE, Table,
+    TrainConfig, TrainConfigError, TrainerKind,
+};
+
+pub(crate) const TABLE: Table = &[
+    ("job.*", Class::No),
+    ("profiling.*", Class::No),
+    ("profiler.*", Class::No),
+    ("metrics.*", Class::No),
+    ("comm.*", Class::No),
+    ("debug.*", Class::No),
+    ("lr_scheduler.*", Class::No),
+    ("experimental.*", Class::No),
+    ("memory_estimation.*", Class::No),
+    ("fault_tolerance.*", Class::No),
+    ("dataloader.*", Class::No),
+    ("tokenizer.*", Class::No),
+    ("optimizer.lr", Class::No),
+    ("optimizer.eps", Class::No),
+    ("optimizer.weight_decay", Class::No),
+    ("optimizer.beta1", Class::No),
+    ("optimizer.beta2", Class::No),
+    ("training.steps", Class::No),
+    ("training.dataset", Class::No),
+    ("training.dataset_path", Class::No),
+    ("training.seed", Class::No),
+    ("training.deterministic", Class::No),
+    ("training.gc_freq", Class::No),
+    ("training.gc_debug", Class::No),
+    ("training.disable_cuda_graphs", Class::No),
+    ("training.max_norm", Class::Not(CLIP)),
+    ("model.print_after_conversion", Class::No),
+    ("model.tokenizer_path", Class::No),
+    (
+        "model_spec.*",
+        Class::Not(
+            "torchtitan's own model definition is not traced: the model is read from hf_assets_path's config.json",
+        ),
+    ),
+    ("loss.*", Class::Not(CHUNKED_CE)),
+    ("parallelism.pipeline_parallel_schedule", Class::No),
+    ("parallelism.pipeline_parallel_schedule_csv", Class::No),
+    ("parallelism.pipeline_parallel_split_points", Class::No),
+    ("parallelism.pipeline_parallel_microbatch_size", Class::No),
+    (
+        "parallelism.pipeline_parallel_first_stage_less_layers",
+        Class::No,
+    ),
+    (
+        "parallelism.pipeline_parallel_last_stage_less_layers",
+        Class::No,
+    ),
+    ("parallelism.pipeline_parallel_layers_per_stage", Class::No),
+    ("parallelism.module_fqns_per_model_part", Class::No),
+    ("parallelism.num_pp_microbatches", Class::No),
+    ("parallelism.context_parallel_rotate_method", Class::No),
+    ("parallelism.context_parallel_load_balancer", Class::No),
+    ("parallelism.disable_loss_parallel", Class::No),
+    ("parallelism.enable_async_tensor_parallel", Class::No),
+    ("parallelism.enable_sequence_parallel", Class::No),
+    ("parallelism.spmd_backend", Class::No),
+    ("parallelism.expert_tensor_parallel_degree", Class::No),
+    ("parallelism.enable_compiled_autograd", Class::Not(COMPILE)),
+    (
+        "parallelism.enable_fsdp_symm_mem",
+        Class::Not("FSDP's symmetric-memory buffers are not modelled"),
+    ),
+    ("compile.components", Class::No),
+    ("compile.backend", Class::No),
+    ("activation_checkpoint.preserve_rng_state", Class::No),
+    ("activation_checkpoint.determinism_check", Class::No),
+    ("activation_checkpoint.debug", Class::No),
+    ("activation_checkpoint.early_stop", Class::No),
+    ("activation_checkpoint._class", Class::No),
+];
+
+/// A dumped dataclass's class (`_class`) under `path`, its last two dotted parts
+/// (`SelectiveAC.Config`).
+fn class_at(doc: &Doc, path: &str) -> Option<String> {
+    let c = doc.get(&format!("{path}._class"))?.as_str()?;
+    let parts: Vec<&str> = c.rsplit('.').take(2).collect();
+    Some(parts.into_iter().rev().collect::<Vec<_>>().join("."))
+}
+
+pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainConfigError> {
+    // The model: the Hugging Face assets directory (config.json beside the tokenizer).
+    for key in ["model.hf_assets_path", "hf_assets_path"] {
+        if let Some(p) = doc.text(key)? {
+            out.model = Some((p, key.into()));
+        }
+    }
+    if out.model.is_none() {
+        let name = doc.text("model.name")?;
+        let flavor = doc.text("model.flavor")?;
+        if let (Some(n), Some(f)) = (name, flavor) {
+            out.model = Some((format!("{n}:{f}"), "model.flavor".into()));
+        }
+    } else {
+        // name and flavor choose torchtitan's definition of what hf_assets_path holds.
+        doc.used("model.name");
+        doc.used("model.flavor");
+    }
+    if let Some(conv) = doc.names("model.converters")?
+        && !conv.is_empty()
+    {
+        doc.not_modelled("model.converters", FP8);
+    }
+    let converters = doc
+        .get("model.converters")
+        .and_then(Value::as_array)
+        .is_some_and(|a| !a.is_empty());
+    for section in ["float8", "quantize", "mx"] {
+        if doc.get(section).is_some() {
+            if converters {
+                doc.not_modelled(section, FP8);
+            } else {
+                // Inactive: no converter is named.
+                doc.no_memory(section);
+            }
+        }
+    }
+    // Micro-batch and sequence: JobConfig's training.local_batch_size (or batch_size) and
+    // seq_len; Trainer.Config's tokens per micro-batch over the context length.
+    let seq = doc
+        .positive("training.seq_len")?
+        .or(doc.positive("training.max_context_length")?);
+    out.seq_len = seq;
+    let local = match doc.positive("training.local_batch_size")? {
+        Some(b) => Some((b, "training.local_batch_size".to_string())),
+        None => doc
+            .positive("training.batch_size")?
+            .map(|b| (b, "training.batch_size".to_string())),
+    };
+    out.micro_batch = match (
+        local,
+        doc.positive("training.num_tokens_per_microbatch_per_dp_rank")?,
+    ) {
+        (Some(b), _) => Some(b),
+        (None, Some(tokens)) => {
+            let seq = seq.ok_or_else(|| {
+                doc.err(
+                    "training.max_context_length",
+                    "missing: the micro-batch is tokens per micro-batch over it",
+                )
+            })?;
+            if tokens % seq != 0 {
+                return Err(doc.err(
+                    "training.num_tokens_per_microbatch_per_dp_rank",
+                    format!("{tokens} is not a multiple of the context length {seq}"),
+                ));
+            }
+            Some((
+                tokens / seq,
+                "training.num_tokens_per_microbatch_per_dp_rank".into(),
+            ))
+        }
+        (None, None) => None,
+    };
+    // Precision: training.dtype bfloat16 trains the parameters themselves in bf16; else fp32
+    // weights with FSDP's mixed-precision policy (autocast on one GPU).
+    let pure = match doc.text("training.dtype")?.as_deref() {
+        None | Some("float32") => false,
+        Some("bfloat16") => true,
+        Some(other) => {
+            return Err(doc.err(
+                "training.dtype",
+                format!("`{other}` is not bfloat16 or float32"),
+            ));
+        }
+    };
+    let param = match doc.text("training.mixed_precision_param")?.as_deref() {
+        None | Some("bfloat16") => Some(HalfDtype::Bf16),
+        Some("float32") => None,
+        Some(other) => {
+            return Err(doc.err(
+                "training.mixed_precision_param",
+                format!("`{other}` is not bfloat16 or float32"),
+            ));
+        }
+    };
+    match doc.text("training.mixed_precision_reduce")?.as_deref() {
+        None | Some("float32") => {}
+        Some(_) => doc.not_modelled(
+            "training.mixed_precision_reduce",
+            "gradients are reduced into fp32 shards in gpumem's FSDP",
+        ),
+    }
+    out.precision = Some(if pure {
+        Precision::Bf16
+    } else {
+        Precision::Fp32
+    });
+    doc.off_or_not_modelled("training.enable_cpu_offload", "torchtitan's CPU offload of the optimizer state is sized as FSDP2's CPUOffloadPolicy only under FSDP: not modelled here");
+    // Optimizer: JobConfig's name and implementation (fused by default); Trainer.Config's class.
+    let name = doc
+        .text("optimizer.name")?
+        .or_else(|| class_at(doc, "optimizer"));
+    if let Some(name) = name {
+        doc.used("optimizer._class");
+        let fused = match doc.text("optimizer.implementation")?.as_deref() {
+            None | Some("fused") => true,
+            Some("foreach") => false,
+            Some("for-loop") => {
+                doc.not_modelled("optimizer.implementation", "the for-loop implementation has no foreach temporaries: sized as foreach (an upper bound)");
+                false
+            }
+            Some(other) => {
+                return Err(doc.err(
+                    "optimizer.implementation",
+                    format!("`{other}` is not fused, foreach or for-loop"),
+                ));
+            }
+        };
+        let plain = name
+            .rsplit('.')
+            .find(|p| *p != "Config")
+            .unwrap_or(&name)
+            .to_string();
+        out.optimizer = Some(super::optimizer(doc, "optimizer.name", &plain, fused)?);
+        if fused {
+            doc.used("optimizer.name");
+            doc.not_modelled("optimizer.implementation", "the fused implementation is not modelled yet: sized as foreach (its temporaries are an upper bound of fused's)");
+            if doc.get("optimizer.implementation").is_none() {
+                // torchtitan's default; stated here so the output says so.
+                doc.not_modelled("optimizer.name", "torchtitan's default implementation is fused, not modelled yet: sized as foreach (an upper bound)");
+            }
+        }
+    }
+    doc.off_or_not_modelled("optimizer.early_step_in_backward", "the optimizer step in backward is not in the job vocabulary yet; sized as a step after backward (an upper bound)");
+    // Activation checkpointing: JobConfig's mode and selective_ac_option; Trainer.Config's class.
+    let mode = match doc.text("activation_checkpoint.mode")? {
+        Some(m) => Some(m),
+        None => class_at(doc, "activation_checkpoint").map(|c| match c.split('.').next() {
+            Some("FullAC") => "full".to_string(),
+            Some("SelectiveAC") => "selective".to_string(),
+            Some("NoAC") => "none".to_string(),
+            _ => c,
+        }),
+    };
+    let key = "activation_checkpoint.mode";
+    out.checkpointing = match mode.as_deref() {
+        None => None,
+        Some("none") => Some(Checkpointing::Off),
+        Some("full") => Some(Checkpointing::Full),
+        Some("selective") => {
+            let option = match doc.take("activation_checkpoint.selective_ac_option") {
+                None => "op".to_string(),
+                Some(Value::String(s)) => s,
+                Some(other) => other.to_string(),
+            };
+            match option.as_str() {
+                "op" => Some(Checkpointing::Selective),
+                "1" => Some(Checkpointing::Full),
+                n if n.parse::<u32>().is_ok() => {
+                    doc.not_modelled(
+                        "activation_checkpoint.selective_ac_option",
+                        "layer-wise checkpointing of every N-th block is not in the job vocabulary yet: sized without checkpointing (an upper bound)",
+                    );
+                    Some(Checkpointing::Off)
+                }
+                other => {
+                    return Err(doc.err(
+                        "activation_checkpoint.selective_ac_option",
+                        format!("`{other}` is not op or a whole number"),
+                    ));
+                }
+            }
+        }
+        Some(other) => {
+            doc.not_modelled(key, "this checkpointing policy is not modelled: sized without checkpointing (an upper bound)");
+            let _ = other;
+            Some(Checkpointing::Off)
+        }
+    };
+    if out.checkpointing.is_some() {
+        doc.used_rest("activation_checkpoint");
+    }
+    if doc
+        .get("activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns")
+        .is_some()
+        || doc
+            .get("activation_checkpoint.force_recompute_mm_shapes_by_fqns")
+            .is_some()
+    {
+        for k in [
+            "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns",
+            "activation_checkpoint.force_recompute_mm_shapes_by_fqns",
+        ] {
+            doc.off_or_not_modelled(k, "matmuls forced to be recomputed are not modelled");
+        }
+    }
+    doc.off_or_not_modelled("compile.enable", COMPILE);
+    doc.off_or_not_modelled("activation_checkpoint.cpu_offload", OFFLOAD_ACT);
+    // Saving and validation: the whole run's, where enabled.
+    for (section, enable, why) in [
+        ("checkpoint", "checkpoint.enable", SAVE),
+        ("validation", "validation.enable", EVAL),
+        ("validator", "validator.enable", EVAL),
+    ] {
+        if doc.get(section).is_some() {
+            let on = match doc.get(enable) {
+                Some(Value::Bool(b)) => *b,
+                // Trainer.Config: a validator or checkpointer configured is one in use.
+                _ => out.kind == TrainerKind::TorchtitanPython,
+            };
+            if on {
+                doc.not_modelled(section, why);
+            } else {
+                // Off: no pass gpumem would size; the switch is read, the rest is idle.
+                doc.no_memory(section);
+                doc.used(enable);
+            }
+        }
+    }
+    // Ranks.
+    let degree = |doc: &mut Doc, key: &str| -> Result<i64, TrainConfigError> {
+        Ok(doc.whole(&format!("parallelism.{key}"))?.unwrap_or(1))
+    };
+    for (key, dim) in [
+        ("tensor_parallel_degree", MeshDim::Tensor),
+        ("pipeline_parallel_degree", MeshDim::Pipeline),
+        ("context_parallel_degree", MeshDim::Context),
+        ("expert_parallel_degree", MeshDim::Expert),
+    ] {
+        let d = degree(doc, key)?;
+        if d > 1 {
+            let why = Mesh::new(&[(dim, d as u32)])
+                .and_then(|m| {
+                    Strategy::new(
+                        m,
+                        Engine::Fsdp {
+                            reshard_after_forward: true,
+                            param_dtype: None,
+                            cpu_offload: false,
+                        },
+                    )
+                })
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            return Err(doc.err(&format!("parallelism.{key}"), why));
+        }
+    }
+    let replicate = degree(doc, "data_parallel_replicate_degree")?;
+    let replicate = u32::try_from(replicate)
+        .ok()
+        .filter(|r| *r >= 1)
+        .ok_or_else(|| {
+            doc.err(
+                "parallelism.data_parallel_replicate_degree",
+                format!("{replicate} is not a degree"),
+            )
+        })?;
+    let shard = match doc.whole("parallelism.data_parallel_shard_degree")? {
+        None | Some(-1) => None,
+        Some(n) if n >= 1 => Some(n as u32),
+        Some(n) => {
+            return Err(doc.err(
+                "parallelism.data_parallel_shard_degree",
+                format!("{n} is not -1 or a degree"),
+            ));
+        }
+    };
+    let reshard = match doc
+        .text("parallelism.fsdp_reshard_after_forward")?
+        .as_deref()
+    {
+        None | Some("default" | "always") => true,
+        Some("never") => false,
+        Some(other) => {
+            return Err(doc.err(
+                "parallelism.fsdp_reshard_after_forward",
+                format!("`{other}` is not default, always or never"),
+            ));
+        }
+    };
+    out.layout = if shard == Some(1) && replicate > 1 {
+        Layout::Fixed(
+            Strategy::ddp(replicate, gpumem_core::job::DDP_BUCKET_CAP_MB, false).map_err(|e| {
+                doc.err("parallelism.data_parallel_replicate_degree", e.to_string())
+            })?,
+        )
+    } else {
+        Layout::Fsdp {
+            replicate,
+            shard,
+            reshard_after_forward: reshard,
+            param_dtype: if pure { None } else { param },
+            cpu_offload: false,
+            field: "parallelism.data_parallel_shard_degree",
+        }
+    };
+    // Accumulation: the global batch over the micro-batches of every data-parallel rank.
+    let global = doc
+        .whole("training.global_batch_size")?
+        .or(doc.whole("training.num_tokens_per_train_step")?);
+    if let Some(g) = global.filter(|g| *g > 0) {
+        let key = if doc.get("training.global_batch_size").is_some() {
+            "training.global_batch_size"
+        } else {
+            "training.num_tokens_per_train_step"
+        };
+        match (shard, out.micro_batch.as_ref()) {
+            (Some(s), Some((m, _))) => {
+                let per_step = u64::from(s) * u64::from(replicate) * m * if key.contains("tokens") { seq.unwrap_or(1) } else { 1 };
+                if !(g as u64).is_multiple_of(per_step) {
+                    return Err(doc.err(key, format!("{g} is not a multiple of {per_step} per step")));
+                }
+                out.grad_accum = Some(
+                    u32::try_from(g as u64 / per_step).map_err(|_| doc.err(key, "too many accumulation steps"))?,
+                );
+            }
+            _ => doc.not_modelled(key, "the accumulation it implies depends on the data-parallel ranks (-1): give --grad-accum"),
+        }
+    }
+    // Trainer.Config's loss (a chunked wrapper by default) and torchtitan's own model
+    // definition, whole.
+    if doc.get("loss").is_some() {
+        doc.not_modelled("loss", CHUNKED_CE);
+    }
+    if doc.get("model_spec").is_some() {
+        doc.not_modelled(
+            "model_spec",
+            "torchtitan's own model definition is not traced: the model is read from hf_assets_path's config.json",
+        );
+    }
+    // A dumped dataclass's class names it; what it configures is read by its fields.
+    doc.no_memory_named("_class");
+    Ok(TABLE)
+}
