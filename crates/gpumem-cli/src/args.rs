@@ -90,12 +90,14 @@ pub struct WorkloadArgs {
     /// Sequence length (PyTorch sequence models).
     #[arg(long)]
     seq_len: Option<u64>,
-    /// Activation checkpointing (PyTorch models that support it).
-    #[arg(long)]
-    checkpointing: bool,
-    /// Selective activation checkpointing (PyTorch models): each repeated block checkpointed
-    /// with a policy that saves its matmul and attention outputs and recomputes the rest
-    /// (torchtitan's op-level mode). Implies --checkpointing.
+    /// Activation checkpointing of the repeated blocks (PyTorch models), as a trainer means it:
+    /// `--checkpointing` alone is full (non-reentrant); `--checkpointing=MODE` one of off,
+    /// full, full-reentrant, selective (gpumem's: every matmul and attention output saved),
+    /// selective-op (torchtitan's op policy), selective-layer:N (torchtitan's every Nth block).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "full", value_name = "MODE")]
+    checkpointing: Option<String>,
+    /// Same as --checkpointing=selective: each repeated block checkpointed with gpumem's policy,
+    /// which saves every matmul and attention output and recomputes the rest.
     #[arg(long)]
     selective_checkpointing: bool,
     /// channels_last memory format (PyTorch image models).
@@ -302,10 +304,19 @@ impl WorkloadArgs {
             precision: Precision::parse(&self.precision).map_err(CliError::input)?,
             input,
             seq_len: self.seq_len,
-            checkpointing: match (self.checkpointing, self.selective_checkpointing) {
-                (_, true) => Checkpointing::Selective,
-                (true, false) => Checkpointing::Full,
-                (false, false) => Checkpointing::Off,
+            checkpointing: match (&self.checkpointing, self.selective_checkpointing) {
+                (None, true) => Checkpointing::Selective,
+                (None, false) => Checkpointing::Off,
+                (Some(mode), selective) => {
+                    let mode = Checkpointing::parse(mode)
+                        .map_err(|e| CliError::input(format!("--checkpointing: {e}")))?;
+                    if selective && mode != Checkpointing::Selective && mode != Checkpointing::Full {
+                        return Err(CliError::input(format!(
+                            "--selective-checkpointing is --checkpointing=selective, not `{mode}`"
+                        )));
+                    }
+                    if selective { Checkpointing::Selective } else { mode }
+                }
             },
             channels_last: self.channels_last,
             grad_accum: self.grad_accum,
