@@ -140,6 +140,7 @@ _TITAN_SAVE_LIST = (
 def titan_save_ops():
     """The restated save list, as ops of the installed torch."""
     import torch
+
     return {op for op in (_resolve(torch, p) for p in _TITAN_SAVE_LIST) if op is not None}
 
 
@@ -249,6 +250,7 @@ def _parent_of(model, block):
 
 def _checkpointed(forward, context_fn, reentrant, *args, **kwargs):
     import torch.utils.checkpoint
+
     # Lists are copied: the recomputation in backward must see them as they were (DenseNet
     # appends each layer's output to the list its layers receive).
     args = tuple(list(a) if isinstance(a, list) else a for a in args)

@@ -66,13 +66,12 @@ def titan_reference(mode, monkeypatch):
     device under CUDA's kernel choices. Returns (wrapped block indices, per SAC context: its
     decisions [(is_recompute, op, torchtitan's, gpumem's restatement's)] and the bytes its
     forward kept, by op name)."""
+    import torch.utils.checkpoint as ckpt
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torchtitan.config.job_config import ActivationCheckpoint
     from torchtitan.distributed import activation_checkpoint as titan_ac
     from torchtitan.models.llama3 import Transformer, llama3_args
     from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
-
-    import torch.utils.checkpoint as ckpt
 
     contexts = []
     real = ckpt.create_selective_checkpoint_contexts
@@ -103,9 +102,7 @@ def titan_reference(mode, monkeypatch):
         ActivationCheckpoint(mode=titan_mode, selective_ac_option=option),
         op_sac_save_list=_op_sac_save_list,
     )
-    wrapped = {
-        int(i) for i, b in model.layers.named_children() if isinstance(b, CheckpointWrapper)
-    }
+    wrapped = {int(i) for i, b in model.layers.named_children() if isinstance(b, CheckpointWrapper)}
     tokens = torch.zeros((BATCH, SEQ), dtype=torch.long, device="meta")
     kept = []
     with cuda.patches(Stack.here("8.0", None)):
@@ -143,14 +140,18 @@ def gpumem_kept(mode, tmp_path, restated=False, monkeypatch=None):
             live.pop(e["id"], None)
     blocks = {}
     for e in live.values():
-        m = re.match(r"layers\.(\d+)((?:\._checkpoint_wrapped_module)?)(\..*)?$", e.get("module") or "")
+        m = re.match(
+            r"layers\.(\d+)((?:\._checkpoint_wrapped_module)?)(\..*)?$", e.get("module") or ""
+        )
         if m and e["phase"] == "forward":
             blocks.setdefault(int(m.group(1)), []).append(e)
     kept = {}
     for i, allocs in blocks.items():
         # The block's output: its last allocation, at the block's own level (the residual add).
         last = allocs[-1]
-        assert last["op"] == "add" and not re.search(r"\.(attention|feed_forward|\w+_norm)", last["module"])
+        assert last["op"] == "add" and not re.search(
+            r"\.(attention|feed_forward|\w+_norm)", last["module"]
+        )
         calls, by_op, prev = [], Counter(), None
         for e in allocs[:-1]:
             if (e["module"], e["op"]) != prev:
@@ -195,9 +196,10 @@ def test_the_restatement_decides_as_torchtitan_does_op_by_op(monkeypatch):
 def test_the_installed_torchtitan_is_the_one_restated():
     assert importlib.import_module("torchtitan").__version__ == ac.TITAN_RELEASE
     assert ac.titan_module() is not None
-    assert ac.titan_save_ops() == importlib.import_module(
-        "torchtitan.models.llama3.infra.parallelize"
-    )._op_sac_save_list
+    assert (
+        ac.titan_save_ops()
+        == importlib.import_module("torchtitan.models.llama3.infra.parallelize")._op_sac_save_list
+    )
 
 
 @pytest.mark.parametrize("mode", ["full", "selective-op", "selective-layer:2"])
@@ -255,5 +257,9 @@ def test_the_estimate_moves_with_selective_ac_option_by_the_saved_bytes(tmp_path
         kept[mode] = sum(sum(b.values()) for _, b in gpumem_kept(mode, tmp_path).values())
     assert live["full"] < live["selective-op"] and live["full"] < live["selective-layer:2"]
     assert live["selective-op"] != live["selective-layer:2"]
-    for a, b in [("selective-op", "full"), ("selective-layer:2", "full"), ("selective-op", "selective-layer:2")]:
+    for a, b in [
+        ("selective-op", "full"),
+        ("selective-layer:2", "full"),
+        ("selective-op", "selective-layer:2"),
+    ]:
         assert live[a] - live[b] == kept[a] - kept[b], (a, b, live, kept)

@@ -310,12 +310,17 @@ impl WorkloadArgs {
                 (Some(mode), selective) => {
                     let mode = Checkpointing::parse(mode)
                         .map_err(|e| CliError::input(format!("--checkpointing: {e}")))?;
-                    if selective && mode != Checkpointing::Selective && mode != Checkpointing::Full {
+                    if selective && mode != Checkpointing::Selective && mode != Checkpointing::Full
+                    {
                         return Err(CliError::input(format!(
                             "--selective-checkpointing is --checkpointing=selective, not `{mode}`"
                         )));
                     }
-                    if selective { Checkpointing::Selective } else { mode }
+                    if selective {
+                        Checkpointing::Selective
+                    } else {
+                        mode
+                    }
                 }
             },
             channels_last: self.channels_last,

@@ -72,14 +72,14 @@ fn the_estimate_moves_with_selective_ac_option() {
     let [off, full, op, layer2] =
         ["off", "full", "selective-op", "selective-layer:2"].map(|m| estimate(&python, m));
     assert!(full.0 < op.0 && op.0 < off.0, "{full:?} {op:?} {off:?}");
-    assert!(full.0 < layer2.0 && layer2.0 < off.0, "{full:?} {layer2:?} {off:?}");
+    assert!(
+        full.0 < layer2.0 && layer2.0 < off.0,
+        "{full:?} {layer2:?} {off:?}"
+    );
     assert!(op.0 < layer2.0, "op {op:?} against layer:2 {layer2:?}");
     // gpumem's own selective policy saves every matmul: more than torchtitan's op policy.
     let gpumem_selective = estimate(&python, "selective");
-    assert!(
-        op.0 < gpumem_selective.0,
-        "{op:?} {gpumem_selective:?}"
-    );
+    assert!(op.0 < gpumem_selective.0, "{op:?} {gpumem_selective:?}");
 }
 
 /// Without torchtitan installed, a torchtitan model is refused in one line that says so.
@@ -91,6 +91,7 @@ fn a_torchtitan_model_without_torchtitan_says_to_install_it() {
     let python = std::env::var("GPUMEM_PYTHON").unwrap();
     let has_titan = Command::new(&python)
         .args(["-c", "import torchtitan"])
+        .stderr(std::process::Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
     if has_titan {

@@ -31,10 +31,7 @@ const SOURCES: [(&str, &str); 20] = [
         "__main__.py",
         include_str!("../../../python/gpumem_trace/__main__.py"),
     ),
-    (
-        "ac.py",
-        include_str!("../../../python/gpumem_trace/ac.py"),
-    ),
+    ("ac.py", include_str!("../../../python/gpumem_trace/ac.py")),
     (
         "amp.py",
         include_str!("../../../python/gpumem_trace/amp.py"),

@@ -24,14 +24,8 @@ pub use mesh::{
 };
 
 /// Prefixes of model references only the PyTorch tracer can resolve.
-pub const TORCH_PREFIXES: [&str; 6] = [
-    "torchvision:",
-    "timm:",
-    "hf:",
-    "smp:",
-    "py:",
-    "torchtitan:",
-];
+pub const TORCH_PREFIXES: [&str; 6] =
+    ["torchvision:", "timm:", "hf:", "smp:", "py:", "torchtitan:"];
 
 /// The native families' spec prefixes (before the `:`): the models gpumem builds itself.
 pub const NATIVE_FAMILIES: [&str; 3] = ["mlp", "cnn", "transformer"];
@@ -163,7 +157,8 @@ impl LayerFrequency {
 
 impl Checkpointing {
     /// The spellings, as a phrase for messages.
-    pub const EXPECTED: &str = "off, full, full-reentrant, selective, selective-op or selective-layer:N (N ≥ 1)";
+    pub const EXPECTED: &str =
+        "off, full, full-reentrant, selective, selective-op or selective-layer:N (N ≥ 1)";
 
     /// torchtitan's layer-wise mode, every `n`th block; `None` for 0.
     pub fn every_nth_layer(n: u32) -> Option<Checkpointing> {
