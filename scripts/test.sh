@@ -15,6 +15,11 @@ CACHE="${GPUMEM_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpumem-ci}"
 COMMON="timm==1.0.31 transformers==5.24.0 segmentation-models-pytorch==0.6.0 peft==0.21.2 bitsandbytes==0.50.2 pytest==9.2.0 numpy==2.4.6 jsonschema==4.25.1"
 PINNED="torch==2.9.1 torchvision==0.24.1 $COMMON"
 NEWEST="torch==2.15.0 torchvision==0.29.2 $COMMON"
+# torchtitan — its own activation checkpointing and models (python/tests/test_titan.py): the
+# release gpumem's restatement states (gpumem_trace/ac.py's TITAN_RELEASE) with the torch of its
+# time, its dependencies pinned as they resolved (about 12 minutes to install from nothing on 2
+# cores, beside another install; torch's wheel brings CUDA's libraries, which stay unused).
+TITAN="torch==2.10.0 torchtitan==0.2.2 torchdata==0.11.0 datasets==5.2.0 tokenizers==0.23.3 tomli==2.5.0 fsspec==2026.9.0 tyro==1.0.17 tensorboard==2.21.0 einops==0.8.2 pillow==13.0.0 pytest==9.2.0 numpy==2.4.6 jsonschema==4.25.1"
 RUFF="0.17.6"
 
 # Lints, before anything slow: formatting, clippy (a dev-profile check build of every target,
@@ -45,11 +50,12 @@ echo "== ruff check, ruff format --check (python/)"
 echo "== import circles (crates/, python/)"
 python3 scripts/import-cycles.py
 
-# venv PACKAGES: the cached environment's interpreter, installed on first use; empty if the
-# install failed.
+# venv PACKAGES [MODULES]: the cached environment's interpreter, installed on first use (and
+# again unless MODULES import); empty if the install failed.
 venv() {
   local dir="$CACHE/venv-$(echo "$1" | cksum | cut -d' ' -f1)"
-  if ! "$dir/bin/python" -c "import torch, torchvision, timm, transformers, segmentation_models_pytorch, peft, bitsandbytes, pytest, jsonschema" 2>/dev/null; then
+  local modules="${2:-torch, torchvision, timm, transformers, segmentation_models_pytorch, peft, bitsandbytes, pytest, jsonschema}"
+  if ! "$dir/bin/python" -c "import $modules" 2>/dev/null; then
     echo "== installing $1 into $dir (cached)" >&2
     rm -rf "$dir"
     mkdir -p "$CACHE"
@@ -94,6 +100,14 @@ else
   [ "$failed" = 0 ] || { echo "FAILED: Python tracer tests"; exit 1; }
   if [ -n "$pinned" ]; then export GPUMEM_PYTHON="$pinned"; fi
 fi
+
+# torchtitan's own activation checkpointing (python/tests/test_titan.py): required here — a
+# torchtitan that cannot be installed fails the run (the tests skip only outside CI).
+titan="$(venv "$TITAN" "torch, torchtitan, pytest")"
+[ -n "$titan" ] || { echo "FAILED: could not install $TITAN"; exit 1; }
+echo "== torchtitan tests ($("$titan" -c 'import torch, torchtitan; print("torch", torch.__version__, "torchtitan", torchtitan.__version__)'))"
+(cd python && GPUMEM_TEST_REQUIRE_TITAN=1 PYTHONDONTWRITEBYTECODE=1 "$titan" -m pytest -q -p no:cacheprovider tests/test_titan.py)
+export GPUMEM_TITAN_PYTHON="$titan" GPUMEM_TEST_REQUIRE_TITAN=1
 
 if [ -n "${GPUMEM_PYTHON:-}" ]; then
   export GPUMEM_TEST_REQUIRE_TORCH=1

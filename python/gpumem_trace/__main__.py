@@ -23,6 +23,7 @@ import signal
 import sys
 import traceback
 
+from . import ac
 from .request import OK, VERSION, Failure, from_flags, trace_options, write_answer
 
 # The oldest torch release the tracer is tested on (scripts/test.sh runs the pinned and newest).
@@ -59,12 +60,7 @@ def flags():
         choices=["flash", "efficient", "cudnn", "math"],
         help="force this attention kernel where it applies",
     )
-    p.add_argument("--checkpointing", action="store_true")
-    p.add_argument(
-        "--selective",
-        action="store_true",
-        help="selective (op-level) checkpointing: matmul and attention outputs saved, the rest recomputed",
-    )
+    ac.add_flags(p)
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument(

@@ -12,14 +12,13 @@ Hugging Face models train as their Trainer runs them, ``loss = model(**batch).lo
 """
 
 import contextlib
-import functools
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.utils.checkpoint
 
-from . import amp, cuda, distributed, lora, zero
+from . import ac, amp, cuda, distributed, lora, zero
 from .device import DEVICE, to_device_keeping_ties
 from .models import ReferenceError_, resolve
 from .parallel import DataParallel
@@ -43,10 +42,8 @@ class TraceOptions:
     sdpa: str = (
         None  # a forced attention kernel (flash, efficient, cudnn, math), else PyTorch's choice
     )
-    checkpointing: bool = False
-    selective: bool = (
-        False  # with checkpointing: op-level selective (matmul and attention outputs saved)
-    )
+    checkpointing: str = "off"  # a mode of ac.MODES: whose meaning of checkpointing
+
     channels_last: bool = False
     grad_accum: int = 1
     data_parallel: int = 1  # GPUs of a torch.nn.DataParallel job (traced as GPU 0)
@@ -236,78 +233,19 @@ def cut_blocks(model, name, depth):
     return len(blocks)
 
 
-def enable_checkpointing(model, name, selective=False, autocast=None):
-    """Activation checkpointing as the model's users switch it on: the model's own switch
-    (timm's ``set_grad_checkpointing``, Hugging Face's ``gradient_checkpointing_enable``, which
-    also turns its KV cache off, as checkpointing must), else every repeated block by hand.
-    ``selective``: with the op-level policy (``autocast``: the emulated one the trace runs under,
-    which the recomputation must join)."""
-    if selective:
-        contexts = functools.partial(_selective_contexts, autocast)
-        if hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": contexts}
-            )
-        else:
-            checkpoint_blocks(model, name, context_fn=contexts)
-    elif hasattr(model, "set_grad_checkpointing"):
-        model.set_grad_checkpointing(True)
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable()
-    else:
-        checkpoint_blocks(model, name)
-
-
-def checkpoint_blocks(model, name, context_fn=None):
-    """Activation checkpointing for a model without a switch of its own (or a selective one):
-    every repeated block runs under non-reentrant ``torch.utils.checkpoint``, with
-    ``context_fn`` where given."""
-    for m in repeated_blocks(model, name, "activation checkpointing"):
-        m.forward = functools.partial(_checkpointed, m.forward, context_fn)
-
-
-def _checkpointed(forward, context_fn, *args, **kwargs):
-    # Lists are copied: the recomputation in backward must see them as they were (DenseNet
-    # appends each layer's output to the list its layers receive).
-    args = tuple(list(a) if isinstance(a, list) else a for a in args)
-    extra = {"context_fn": context_fn} if context_fn else {}
-    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
-
-
-# Selective activation checkpointing's policy (torchtitan's "op" mode, every matmul): the outputs
-# of matmuls and attention kernels are saved, everything else in a block is recomputed.
-_SAVED_OPS = (
-    "mm",
-    "addmm",
-    "bmm",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-)
-
-
-def _selective_contexts(autocast):
-    """The policy's forward and recompute contexts; under the emulated autocast the recompute
-    also runs under it, as checkpoint's own context does (its casts are then recomputed as the
-    forward made them, and the saved matmul outputs keep the forward's dtype)."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    saved = {getattr(torch.ops.aten, n).default for n in _SAVED_OPS if hasattr(torch.ops.aten, n)}
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-    forward, recompute = create_selective_checkpoint_contexts(policy)
-    return forward, (_together(recompute, autocast.recompute_context()) if autocast else recompute)
-
-
-@contextlib.contextmanager
-def _together(*contexts):
-    with contextlib.ExitStack() as stack:
-        for c in contexts:
-            stack.enter_context(c)
-        yield
+def enable_checkpointing(model, name, mode="full", autocast=None):
+    """Activation checkpointing ``mode`` (ac.MODES) as the model's users switch it on: the
+    model's own switch where it has one (timm's ``set_grad_checkpointing``, Hugging Face's
+    ``gradient_checkpointing_enable``, which also turns its KV cache off, as checkpointing
+    must), else every repeated block by hand; torchtitan's modes by torchtitan's own code where
+    it is installed (see ac.py). ``autocast``: the emulated one the trace runs under, which the
+    recomputation must join. Returns ``(wrappers, how)`` as ``ac.apply``."""
+    return ac.apply(
+        model,
+        lambda: repeated_blocks(model, name, "activation checkpointing"),
+        mode,
+        autocast,
+    )
 
 
 def _count_activations(model):
@@ -347,6 +285,8 @@ def trace_training(opts: TraceOptions, out_path: str):
         opts.depth
         and opts.data_parallel == 1
         and (opts.cut_spanning or opts.strategy not in SPANS_BLOCKS)
+        # Layer-wise checkpointing treats every Nth block apart: no one block repeats.
+        and not ac.changes_by_block(opts.checkpointing)
     )
     blocks = cut_blocks(model, opts.model, opts.depth) if cut else None
     if opts.precision not in PRECISIONS:
@@ -355,8 +295,10 @@ def trace_training(opts: TraceOptions, out_path: str):
         )
     autocast_dtype, weights_dtype = PRECISIONS[opts.precision]
     autocast = amp.Autocast(autocast_dtype) if autocast_dtype else None
-    if opts.checkpointing:
-        enable_checkpointing(model, opts.model, opts.selective, autocast)
+    # FSDP2's units are the blocks as checkpointing leaves them: a block a wrapper module
+    # replaced (torchtitan's checkpoint_wrapper) is sharded as that wrapper, as torchtitan does.
+    units = repeated_blocks(model, opts.model, "FSDP") if opts.strategy == "fsdp" else None
+    wrappers, _ = enable_checkpointing(model, opts.model, opts.checkpointing, autocast)
     rec = Recorder()
     paths = ModulePaths(model)
     mode = TraceMode(rec, paths, DEVICE)
@@ -382,7 +324,7 @@ def trace_training(opts: TraceOptions, out_path: str):
     if opts.strategy == "fsdp":
         # FSDP2 as one applies it: fully_shard on each layer, then on the model, before anything
         # reaches the GPU (the model is built on meta or the host; only shards move).
-        units = repeated_blocks(model, opts.model, "FSDP")
+        units = [wrappers.get(u, u) for u in units]
         if weights_dtype is not None:
             model.to(weights_dtype)
     if opts.strategy and parallel:

@@ -1,5 +1,6 @@
 """Model references: ``torchvision:NAME``, ``timm:NAME``, ``hf:CLASS(key=value,...)``,
-``smp:ARCH(key=value,...)`` (segmentation_models_pytorch) and ``py:path/to/file.py:function``.
+``smp:ARCH(key=value,...)`` (segmentation_models_pytorch), ``torchtitan:MODEL(flavor=F,...)``
+(torchtitan's own model builders) and ``py:path/to/file.py:function``.
 Each resolves to a ``Job``: the model (built on the CPU with weight initialisation skipped), how
 to make a batch of a given size, and the loss."""
 
@@ -482,6 +483,72 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
     )
 
 
+def torchtitan_job(spec, ref, seq_len):
+    """``torchtitan:MODEL(flavor=FLAVOR,key=value,...)``: torchtitan's own model as its Trainer
+    builds it — its train spec's model class from the flavor's model args (other keys override
+    those args), ``update_from_config`` with the job's sequence length — trained as its
+    ``forward_backward_step`` runs (torchtitan 0.2.x): ``pred = model(tokens)``, its own loss
+    (``build_loss_fn``: cross-entropy on the logits cast to fp32, summed) divided by the
+    count of valid tokens, ``del pred``, backward. Needs torchtitan installed."""
+    try:
+        train_spec = importlib.import_module("torchtitan.protocols.train_spec")
+        job_config_mod = importlib.import_module("torchtitan.config.job_config")
+    except ImportError as e:
+        raise ReferenceError_(
+            f"{ref}: torchtitan models need torchtitan installed in this Python ({e}); "
+            "install it: pip install torchtitan==0.2.2"
+        ) from e
+    import copy
+    import dataclasses
+
+    name, kw = _split_call(spec, ref)
+    try:
+        ts = train_spec.get_train_spec(name)
+    except ValueError:
+        known = importlib.import_module("torchtitan.models")._supported_models
+        _unknown("torchtitan", name, sorted(known))
+    flavor = kw.pop("flavor", None)
+    if flavor is None:
+        raise ReferenceError_(
+            f"{ref}: say which flavor, e.g. torchtitan:{name}(flavor={next(iter(ts.model_args))}) "
+            f"(flavors: {', '.join(map(str, ts.model_args))})"
+        )
+    flavor = str(flavor)
+    if flavor not in ts.model_args:
+        raise ReferenceError_(
+            f"{ref}: torchtitan {name} has no flavor `{flavor}` (flavors: {', '.join(map(str, ts.model_args))})"
+        )
+    args = copy.deepcopy(ts.model_args[flavor])
+    fields = {f.name for f in dataclasses.fields(args)}
+    for k, v in kw.items():
+        if k not in fields:
+            raise ReferenceError_(
+                f"{ref}: `{k}` is not a field of torchtitan's {type(args).__name__} (fields: {', '.join(sorted(fields))})"
+            )
+        setattr(args, k, v)
+    config = job_config_mod.JobConfig()
+    seq_len = seq_len or 2048
+    config.training.seq_len = seq_len
+    config.model.name, config.model.flavor = name, flavor
+    args.update_from_config(config)
+    model = build(lambda: ts.model_cls(args))
+    loss_fn = ts.build_loss_fn(config)
+    ignore = getattr(importlib.import_module("torchtitan.components.loss"), "IGNORE_INDEX", -100)
+    vocab = getattr(args, "vocab_size", None)
+    if vocab is None:
+        raise ReferenceError_(f"{ref}: gpumem trains torchtitan's language models (no vocab_size)")
+
+    def specs(b):
+        return [((b, seq_len), torch.long), ((b, seq_len), torch.long)]
+
+    def loss(pred, batch):
+        # The trainer divides the summed loss by the batch's valid tokens (all-reduced).
+        valid = (batch[1] != ignore).sum()
+        return loss_fn(pred, batch[1]) / valid
+
+    return Job(model, specs, loss, seq_len=seq_len, keeps_outputs=False)
+
+
 def _mask(batch, index):
     """The attention mask, where the batch carries one (it is then the last tensor)."""
     return {"attention_mask": batch[index]} if len(batch) > index else {}
@@ -526,7 +593,7 @@ def resolve(ref, input_shape=None, seq_len=None, batch_hint=2, attention_mask="n
     kind, sep, spec = ref.partition(":")
     if not sep:
         raise ReferenceError_(
-            f"`{ref}` is not a model reference (torchvision:NAME, timm:NAME, hf:CLASS(...), smp:ARCH(...), py:FILE:FUNCTION)"
+            f"`{ref}` is not a model reference (torchvision:NAME, timm:NAME, hf:CLASS(...), smp:ARCH(...), torchtitan:MODEL(flavor=...), py:FILE:FUNCTION)"
         )
     if kind == "torchvision":
         return torchvision_job(spec, ref, input_shape)
@@ -540,6 +607,8 @@ def resolve(ref, input_shape=None, seq_len=None, batch_hint=2, attention_mask="n
         return smp_job(spec, ref, input_shape)
     if kind == "py":
         return py_job(spec, ref, batch_hint)
+    if kind == "torchtitan":
+        return torchtitan_job(spec, ref, seq_len)
     raise ReferenceError_(
-        f"unknown model source `{kind}` in `{ref}` (expected torchvision, timm, hf, smp or py)"
+        f"unknown model source `{kind}` in `{ref}` (expected torchvision, timm, hf, smp, torchtitan or py)"
     )

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from . import lora
+from . import ac, lora
 from .loop import PRECISIONS, enable_checkpointing, make_optimizer
 from .models import ReferenceError_, resolve
 from .request import lora_document
@@ -77,9 +77,8 @@ def record(a, device="cuda"):
     if adapters is not None:
         lora.apply(model, adapters, a.model)
     materialise(model, weights_dtype, device)
-    if a.checkpointing:
-        # Real autocast: checkpoint's recomputation re-enters it by itself.
-        enable_checkpointing(model, a.model, a.selective)
+    # Real autocast: checkpoint's recomputation re-enters it by itself.
+    enable_checkpointing(model, a.model, ac.mode_of(a.checkpointing, a.selective))
     if a.channels_last:
         model.to(memory_format=torch.channels_last)
     model.train()
@@ -123,7 +122,7 @@ def record(a, device="cuda"):
         "optimizer": a.optimizer,
         "precision": a.precision,
         "seq_len": a.seq_len,
-        "checkpointing": "selective" if a.selective else a.checkpointing,
+        "checkpointing": ac.mode_of(a.checkpointing, a.selective),
         "lora_rank": a.lora_rank,
         "lora_targets": a.lora_targets,
         "max_allocated": torch.cuda.max_memory_allocated(),
@@ -152,12 +151,7 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int)
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--outputs", choices=["kept", "dropped"])
-    p.add_argument("--checkpointing", action="store_true")
-    p.add_argument(
-        "--selective",
-        action="store_true",
-        help="with --checkpointing: the op-level policy (matmul and attention outputs saved)",
-    )
+    ac.add_flags(p)
     p.add_argument(
         "--lora-rank", type=int, help="LoRA fine-tuning: the rank r (with --lora-targets)"
     )

@@ -14,6 +14,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from . import ac
+
 # The request format this tracer reads (the Rust side's `TracerRequest::VERSION`).
 VERSION = 1
 
@@ -74,8 +76,7 @@ def trace_options(request):
         seq_lens=seq_lens,
         gpu_capability=capability,
         sdpa=request.get("sdpa"),
-        checkpointing=checkpointing in (True, "full", "selective"),
-        selective=checkpointing == "selective",
+        checkpointing=ac.mode_of(checkpointing),
         channels_last=o.get("channels_last", False),
         grad_accum=o.get("grad_accum", 1),
         data_parallel=o.get("data_parallel", 1),
@@ -195,7 +196,9 @@ def from_flags(a):
             "zero": json.loads(a.zero),
         }
     lora = lora_document(a)
-    checkpointing = "selective" if a.selective else a.checkpointing
+    checkpointing = ac.mode_of(a.checkpointing, a.selective)
+    # Off and full as the job vocabulary stores them (false, true); the other modes by name.
+    checkpointing = {"off": False, "full": True}.get(checkpointing, checkpointing)
     return {
         "version": VERSION,
         "model": a.model,

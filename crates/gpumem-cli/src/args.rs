@@ -109,12 +109,14 @@ pub struct WorkloadArgs {
     /// With a varying length: the seed of the draws.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Activation checkpointing (PyTorch models that support it).
-    #[arg(long)]
-    checkpointing: bool,
-    /// Selective activation checkpointing (PyTorch models): each repeated block checkpointed
-    /// with a policy that saves its matmul and attention outputs and recomputes the rest
-    /// (torchtitan's op-level mode). Implies --checkpointing.
+    /// Activation checkpointing of the repeated blocks (PyTorch models), as a trainer means it:
+    /// `--checkpointing` alone is full (non-reentrant); `--checkpointing=MODE` one of off,
+    /// full, full-reentrant, selective (gpumem's: every matmul and attention output saved),
+    /// selective-op (torchtitan's op policy), selective-layer:N (torchtitan's every Nth block).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "full", value_name = "MODE")]
+    checkpointing: Option<String>,
+    /// Same as --checkpointing=selective: each repeated block checkpointed with gpumem's policy,
+    /// which saves every matmul and attention output and recomputes the rest.
     #[arg(long)]
     selective_checkpointing: bool,
     /// channels_last memory format (PyTorch image models).
@@ -403,10 +405,23 @@ impl WorkloadArgs {
             .map(Precision::parse)
             .transpose()
             .map_err(CliError::input)?;
-        let checkpointing = match (self.checkpointing, self.selective_checkpointing) {
-            (_, true) => Some(Checkpointing::Selective),
-            (true, false) => Some(Checkpointing::Full),
-            (false, false) => None,
+        let checkpointing = match (&self.checkpointing, self.selective_checkpointing) {
+            (None, true) => Some(Checkpointing::Selective),
+            (None, false) => None,
+            (Some(mode), selective) => {
+                let mode = Checkpointing::parse(mode)
+                    .map_err(|e| CliError::input(format!("--checkpointing: {e}")))?;
+                if selective && mode != Checkpointing::Selective && mode != Checkpointing::Full {
+                    return Err(CliError::input(format!(
+                        "--selective-checkpointing is --checkpointing=selective, not `{mode}`"
+                    )));
+                }
+                Some(if selective {
+                    Checkpointing::Selective
+                } else {
+                    mode
+                })
+            }
         };
         let lora = self.lora.as_deref().map(lora).transpose()?;
         let options = OptionValues {

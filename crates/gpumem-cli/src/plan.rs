@@ -39,7 +39,8 @@ pub struct PlanArgs {
     #[arg(long, value_delimiter = ',')]
     precisions: Vec<String>,
     /// Activation checkpointing to consider (PyTorch models): both (off and full), all (and
-    /// selective), on, selective or off.
+    /// selective), on, or one mode: off, full, full-reentrant, selective, selective-op,
+    /// selective-layer:N.
     #[arg(long, default_value = "both")]
     checkpointing: String,
     /// Optimizer: adam, adamw, sgd, sgd-momentum, or bitsandbytes' adam8bit, adamw8bit, paged-adamw8bit.
@@ -81,9 +82,10 @@ fn label(strategy: Option<Strategy>, precision: Precision, checkpointing: Checkp
         .map(|s| format!("{} · ", s.name()))
         .unwrap_or_default();
     let ckpt = match checkpointing {
-        Checkpointing::Off => "",
-        Checkpointing::Full => " + checkpointing",
-        Checkpointing::Selective => " + selective checkpointing",
+        Checkpointing::Off => String::new(),
+        Checkpointing::Full => " + checkpointing".to_string(),
+        Checkpointing::Selective => " + selective checkpointing".to_string(),
+        other => format!(" + {other} checkpointing"),
     };
     format!("{on}{}{ckpt}", precision.name())
 }
@@ -145,11 +147,15 @@ pub fn plan(a: PlanArgs) -> CliResult {
         "on" | "full" => vec![Full],
         "selective" => vec![Selective],
         "off" => vec![Off],
-        other => {
-            return Err(CliError::input(format!(
-                "--checkpointing `{other}` is not both, all, on, selective or off"
-            )));
-        }
+        other => match Checkpointing::parse(other) {
+            Ok(mode) => vec![mode],
+            Err(_) => {
+                return Err(CliError::input(format!(
+                    "--checkpointing `{other}` is not both, all, on, or one mode ({})",
+                    Checkpointing::EXPECTED
+                )));
+            }
+        },
     };
     let strategy = a.strategy.strategy()?;
     let world = u64::from(strategy.map_or(gpus, |s| s.world_size()));
@@ -313,7 +319,7 @@ fn print_table(
     let key = |s: &Setup| (s.strategy, s.precision, s.checkpointing);
     let mut kinds: Vec<(Option<Strategy>, Precision, Checkpointing)> =
         p.fits.iter().chain(&p.too_big).map(key).collect();
-    kinds.sort_by_key(|(s, p, c)| (s.map(|s| s.name()), p.name(), *c as u8));
+    kinds.sort_by_key(|(s, p, c)| (s.map(|s| s.name()), p.name(), *c));
     kinds.dedup();
     for (strategy, precision, ckpt) in kinds {
         let mine = p

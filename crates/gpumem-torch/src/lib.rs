@@ -22,7 +22,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 20] = [
+const SOURCES: [(&str, &str); 21] = [
     (
         "__init__.py",
         include_str!("../../../python/gpumem_trace/__init__.py"),
@@ -31,6 +31,7 @@ const SOURCES: [(&str, &str); 20] = [
         "__main__.py",
         include_str!("../../../python/gpumem_trace/__main__.py"),
     ),
+    ("ac.py", include_str!("../../../python/gpumem_trace/ac.py")),
     (
         "amp.py",
         include_str!("../../../python/gpumem_trace/amp.py"),

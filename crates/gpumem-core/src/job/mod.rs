@@ -26,7 +26,8 @@ pub use mesh::{
 };
 
 /// Prefixes of model references only the PyTorch tracer can resolve.
-pub const TORCH_PREFIXES: [&str; 5] = ["torchvision:", "timm:", "hf:", "smp:", "py:"];
+pub const TORCH_PREFIXES: [&str; 6] =
+    ["torchvision:", "timm:", "hf:", "smp:", "py:", "torchtitan:"];
 
 /// The native families' spec prefixes (before the `:`): the models gpumem builds itself.
 pub const NATIVE_FAMILIES: [&str; 3] = ["mlp", "cnn", "transformer"];
@@ -111,17 +112,119 @@ macro_rules! spelled {
     };
 }
 
-spelled!(
-    /// Activation checkpointing of a PyTorch model's repeated blocks.
-    Checkpointing ("checkpointing") {
-        Off = "off",
-        /// Each block recomputed whole in backward (the model's own switch where it has one).
-        Full = "full",
-        /// Selective, op-level (torchtitan's "op" mode): each block's matmul and attention
-        /// outputs saved, the rest recomputed.
-        Selective = "selective",
+/// Activation checkpointing of a PyTorch model's repeated blocks, as a trainer means it:
+/// "selective" and "gradient checkpointing" mean different things in different trainers, so each
+/// mode names whose meaning it is (docs/intake.md, "Activation checkpointing as trainers mean
+/// it"). Spelled `off`, `full`, `full-reentrant`, `selective`, `selective-op`,
+/// `selective-layer:N`. Invariant: a layer frequency is at least 1 (made only by `parse` and
+/// [`Checkpointing::every_nth_layer`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum Checkpointing {
+    #[default]
+    Off,
+    /// Each block recomputed whole in backward under non-reentrant `torch.utils.checkpoint`
+    /// (the model's own switch where it has one, asked for non-reentrant; torchtitan's `full`).
+    Full,
+    /// As `Full`, under reentrant `torch.utils.checkpoint` (`use_reentrant=True`: Hugging Face's
+    /// `gradient_checkpointing_kwargs={"use_reentrant": True}`, the default of transformers
+    /// before 4.35 and of torch's `checkpoint` before 2.4).
+    FullReentrant,
+    /// gpumem's own op-level policy (the meaning of `--selective-checkpointing` since it was
+    /// added): every matmul (`mm`, `addmm`, `bmm`) and attention output of each block saved,
+    /// everything else recomputed. No trainer runs exactly this.
+    Selective,
+    /// torchtitan's `mode = "selective"`, `selective_ac_option = "op"` (release 0.2.2): its
+    /// save list (`mm`, the attention kernels, `max`, reduce-scatter, …) with every second `mm`
+    /// of a block recomputed, counted per block and pass.
+    SelectiveOp,
+    /// torchtitan's layer-wise selective checkpointing, `selective_ac_option = "N"`: every Nth
+    /// block (the 1-based count divisible by N) recomputed whole, the others kept; N = 1 is
+    /// `Full`.
+    SelectiveLayer(LayerFrequency),
+}
+
+/// How often layer-wise selective checkpointing wraps a block: every `get()`th. Invariant: ≥ 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LayerFrequency(u32);
+
+impl LayerFrequency {
+    pub fn new(n: u32) -> Option<LayerFrequency> {
+        (n >= 1).then_some(LayerFrequency(n))
     }
-);
+
+    pub fn get(self) -> u32 {
+        self.0
+    }
+}
+
+impl Checkpointing {
+    /// The spellings, as a phrase for messages.
+    pub const EXPECTED: &str =
+        "off, full, full-reentrant, selective, selective-op or selective-layer:N (N ≥ 1)";
+
+    /// torchtitan's layer-wise mode, every `n`th block; `None` for 0.
+    pub fn every_nth_layer(n: u32) -> Option<Checkpointing> {
+        LayerFrequency::new(n).map(Checkpointing::SelectiveLayer)
+    }
+
+    pub fn parse(s: &str) -> Result<Checkpointing, UnknownName> {
+        let unknown = || UnknownName::new("checkpointing", s, Checkpointing::EXPECTED);
+        Ok(match s {
+            "off" => Checkpointing::Off,
+            "full" => Checkpointing::Full,
+            "full-reentrant" => Checkpointing::FullReentrant,
+            "selective" => Checkpointing::Selective,
+            "selective-op" => Checkpointing::SelectiveOp,
+            _ => {
+                let n = s.strip_prefix("selective-layer:").ok_or_else(unknown)?;
+                // Digits only: no sign, no spaces (`u32::from_str` takes a leading `+`).
+                if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+                    return Err(unknown());
+                }
+                n.parse()
+                    .ok()
+                    .and_then(Checkpointing::every_nth_layer)
+                    .ok_or_else(unknown)?
+            }
+        })
+    }
+
+    /// The spelling `parse` reads.
+    pub fn name(self) -> String {
+        self.to_string()
+    }
+
+    /// Whether any block is checkpointed.
+    pub fn is_on(self) -> bool {
+        self != Checkpointing::Off
+    }
+}
+
+impl fmt::Display for Checkpointing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Checkpointing::Off => f.write_str("off"),
+            Checkpointing::Full => f.write_str("full"),
+            Checkpointing::FullReentrant => f.write_str("full-reentrant"),
+            Checkpointing::Selective => f.write_str("selective"),
+            Checkpointing::SelectiveOp => f.write_str("selective-op"),
+            Checkpointing::SelectiveLayer(n) => write!(f, "selective-layer:{}", n.get()),
+        }
+    }
+}
+
+impl Serialize for Checkpointing {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for Checkpointing {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Checkpointing, D::Error> {
+        let s = String::deserialize(d)?;
+        Checkpointing::parse(&s).map_err(serde::de::Error::custom)
+    }
+}
 
 spelled!(
     /// An evaluation pass after training (two eval-mode batches).
@@ -266,8 +369,8 @@ pub struct OptionValues {
     /// documents read as before.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub seq_lens: Option<LengthSchedule>,
-    /// Activation checkpointing: `off`, `full` or `selective` (stored as `false`/`true` for off
-    /// and full, as before selective).
+    /// Activation checkpointing: `off`, `full`, `full-reentrant`, `selective`, `selective-op`
+    /// or `selective-layer:N` (stored as `false`/`true` for off and full, as before the modes).
     #[serde(with = "checkpointing_compat")]
     #[schemars(with = "serde_json::Value")]
     pub checkpointing: Checkpointing,
@@ -543,7 +646,7 @@ mod checkpointing_compat {
         match c {
             Checkpointing::Off => s.serialize_bool(false),
             Checkpointing::Full => s.serialize_bool(true),
-            Checkpointing::Selective => s.serialize_str(c.name()),
+            other => s.serialize_str(&other.name()),
         }
     }
     pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Checkpointing, D::Error> {

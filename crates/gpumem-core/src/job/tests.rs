@@ -82,6 +82,12 @@ fn checks_and_native_options() {
         ("false", Checkpointing::Off),
         ("true", Checkpointing::Full),
         ("\"selective\"", Checkpointing::Selective),
+        ("\"full-reentrant\"", Checkpointing::FullReentrant),
+        ("\"selective-op\"", Checkpointing::SelectiveOp),
+        (
+            "\"selective-layer:3\"",
+            Checkpointing::every_nth_layer(3).unwrap(),
+        ),
     ] {
         let o: Options =
             serde_json::from_str(&format!(r#"{{"checkpointing": {stored}}}"#)).unwrap();
@@ -90,6 +96,32 @@ fn checks_and_native_options() {
             serde_json::to_value(&o).unwrap()["checkpointing"].to_string(),
             stored
         );
+    }
+    // A layer frequency is at least 1, in digits; every other spelling is refused by name.
+    for bad in [
+        "selective-layer:0",
+        "selective-layer:",
+        "selective-layer:+2",
+        "selective-layer:two",
+        "selective-layer:99999999999",
+        "Selective-op",
+        "op",
+    ] {
+        let e = Checkpointing::parse(bad).unwrap_err().to_string();
+        assert!(e.contains(bad) && e.contains("selective-layer:N"), "{e}");
+    }
+    assert_eq!(Checkpointing::every_nth_layer(0), None);
+    for mode in [
+        Checkpointing::Off,
+        Checkpointing::Full,
+        Checkpointing::FullReentrant,
+        Checkpointing::Selective,
+        Checkpointing::SelectiveOp,
+        Checkpointing::every_nth_layer(1).unwrap(),
+        Checkpointing::every_nth_layer(12).unwrap(),
+    ] {
+        assert_eq!(Checkpointing::parse(&mode.name()), Ok(mode));
+        assert_eq!(mode.is_on(), mode != Checkpointing::Off);
     }
     assert!(
         serde_json::from_str::<Options>(r#"{"checkpointing": "half"}"#)

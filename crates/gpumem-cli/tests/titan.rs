@@ -1,0 +1,134 @@
+//! torchtitan jobs through the whole estimate: torchtitan's own model (`torchtitan:llama3`)
+//! under its activation checkpointing modes, traced in an interpreter with torchtitan
+//! (GPUMEM_TITAN_PYTHON; scripts/test.sh makes it, with torchtitan 0.2.2 and torch 2.10.0).
+//! Skipped without it unless GPUMEM_TEST_REQUIRE_TITAN=1 (CI), where its absence fails.
+//! python/tests/test_titan.py holds the traced tensors to torchtitan's own policy op by op;
+//! here the estimate must move with `selective_ac_option` as those tensors do.
+
+mod common;
+
+use std::process::Command;
+
+use common::{bad_input, scratch};
+
+const TITAN: &str = "torchtitan:llama3(flavor=debugmodel)";
+
+fn titan_python() -> Option<String> {
+    match std::env::var("GPUMEM_TITAN_PYTHON") {
+        Ok(p) => Some(p),
+        Err(_) => {
+            assert!(
+                std::env::var("GPUMEM_TEST_REQUIRE_TITAN").as_deref() != Ok("1"),
+                "GPUMEM_TITAN_PYTHON is not set but torchtitan is required"
+            );
+            eprintln!(
+                "SKIPPED: set GPUMEM_TITAN_PYTHON to an interpreter with torchtitan 0.2.2 to estimate torchtitan jobs"
+            );
+            None
+        }
+    }
+}
+
+/// The estimate's peak and activations (bytes, MiB) for one checkpointing mode.
+fn estimate(python: &str, mode: &str) -> (u64, f64) {
+    let o = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args([
+            "estimate",
+            TITAN,
+            "--batch",
+            "2",
+            "--seq-len",
+            "1024",
+            "--gpu",
+            "h100-80gb-sxm",
+            &format!("--checkpointing={mode}"),
+            "--json",
+        ])
+        .env("GPUMEM_PYTHON", python)
+        .env("GPUMEM_CACHE", scratch("titan", "cache"))
+        .output()
+        .expect("gpumem runs");
+    assert!(
+        o.status.success(),
+        "{mode}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    (
+        v["peak_bytes"].as_u64().unwrap(),
+        v["breakdown"]["activations_mib"].as_f64().unwrap(),
+    )
+}
+
+/// torchtitan's modes order as the tensors they keep: full keeps least, no checkpointing most;
+/// op-level and every-second-layer lie between and differ (on debugmodel, seq 1024: the op
+/// policy keeps 4 of 7 matmul outputs and attention's in every block, the layer policy
+/// everything in every other block — more).
+#[test]
+fn the_estimate_moves_with_selective_ac_option() {
+    let Some(python) = titan_python() else {
+        return;
+    };
+    let [off, full, op, layer2] =
+        ["off", "full", "selective-op", "selective-layer:2"].map(|m| estimate(&python, m));
+    assert!(full.0 < op.0 && op.0 < off.0, "{full:?} {op:?} {off:?}");
+    assert!(
+        full.0 < layer2.0 && layer2.0 < off.0,
+        "{full:?} {layer2:?} {off:?}"
+    );
+    assert!(op.0 < layer2.0, "op {op:?} against layer:2 {layer2:?}");
+    // gpumem's own selective policy saves every matmul: more than torchtitan's op policy.
+    let gpumem_selective = estimate(&python, "selective");
+    assert!(op.0 < gpumem_selective.0, "{op:?} {gpumem_selective:?}");
+}
+
+/// Without torchtitan installed, a torchtitan model is refused in one line that says so.
+#[test]
+fn a_torchtitan_model_without_torchtitan_says_to_install_it() {
+    if !common::torch("a torchtitan model without torchtitan") {
+        return;
+    }
+    let python = std::env::var("GPUMEM_PYTHON").unwrap();
+    let has_titan = Command::new(&python)
+        .args(["-c", "import torchtitan"])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if has_titan {
+        eprintln!("SKIPPED: GPUMEM_PYTHON has torchtitan");
+        return;
+    }
+    bad_input(
+        &["estimate", TITAN, "--batch", "2", "--seq-len", "64"],
+        "pip install torchtitan==0.2.2",
+    );
+}
+
+#[test]
+fn checkpointing_modes_are_checked_in_one_line() {
+    bad_input(
+        &[
+            "estimate",
+            "hf:GPT2LMHeadModel(n_layer=2)",
+            "--checkpointing=selective-layer:0",
+        ],
+        "selective-layer:N",
+    );
+    bad_input(
+        &[
+            "estimate",
+            "hf:GPT2LMHeadModel(n_layer=2)",
+            "--checkpointing=selective-op",
+            "--selective-checkpointing",
+        ],
+        "--selective-checkpointing",
+    );
+    bad_input(
+        &[
+            "estimate",
+            "mlp:input=8,output=2,depth=1",
+            "--checkpointing=selective-op",
+        ],
+        "PyTorch models",
+    );
+}

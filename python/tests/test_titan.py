@@ -1,0 +1,265 @@
+"""torchtitan's activation checkpointing, held to torchtitan's own code (python/gpumem_trace/ac.py).
+
+These need torchtitan (0.2.2, with torch 2.10.0: scripts/test.sh makes that environment). Where
+it is not installed they are skipped with the reason, unless GPUMEM_TEST_REQUIRE_TITAN=1 (CI),
+where its absence fails them.
+
+On torchtitan's small Llama (flavor debugmodel), torchtitan's own ``apply_ac`` is run on its own
+model with ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` spied on: each policy
+decision is recorded op by op, beside what gpumem's restatement decides for the same call, and
+the SAC context's storage (the tensors torchtitan's policy keeps for backward) is read after the
+forward. gpumem's trace of the same model and mode must then keep for backward, block by block,
+exactly those tensors: the same ops' outputs, the same bytes."""
+
+import copy
+import importlib
+import json
+import os
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from gpumem_trace import ac, cuda
+from gpumem_trace.loop import TraceOptions, trace_training
+from gpumem_trace.sdpa import Stack
+
+REF = "torchtitan:llama3(flavor=debugmodel)"
+SEQ, BATCH = 128, 2
+
+try:
+    import torchtitan  # noqa: F401
+
+    TITAN = None
+except ImportError as e:
+    TITAN = f"torchtitan is not installed here ({e}); scripts/test.sh installs it"
+
+if TITAN and os.environ.get("GPUMEM_TEST_REQUIRE_TITAN") == "1":
+    raise RuntimeError(f"GPUMEM_TEST_REQUIRE_TITAN=1 but {TITAN}")
+pytestmark = pytest.mark.skipif(TITAN is not None, reason=TITAN or "")
+
+MODES = {"full": ("full", "2"), "selective-op": ("selective", "op")}
+MODES["selective-layer:2"] = ("selective", "2")
+
+
+def _storages(tree):
+    """The distinct storages of the tensors in a SAC storage entry (its _VersionWrapper's)."""
+    out = {}
+
+    def visit(x):
+        if isinstance(x, (list, tuple)):
+            for y in x:
+                visit(y)
+        elif hasattr(x, "val"):
+            visit(x.val)
+        elif isinstance(x, torch.Tensor):
+            s = x.untyped_storage()
+            out[(s.data_ptr(), id(s))] = s.nbytes()
+
+    visit(tree)
+    return out
+
+
+def titan_reference(mode, monkeypatch):
+    """torchtitan's own model and ``apply_ac`` for ``mode``, forward and backward on the meta
+    device under CUDA's kernel choices. Returns (wrapped block indices, per SAC context: its
+    decisions [(is_recompute, op, torchtitan's, gpumem's restatement's)] and the bytes its
+    forward kept, by op name)."""
+    import torch.utils.checkpoint as ckpt
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed import activation_checkpoint as titan_ac
+    from torchtitan.models.llama3 import Transformer, llama3_args
+    from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
+
+    contexts = []
+    real = ckpt.create_selective_checkpoint_contexts
+
+    def spy(policy_fn, *a, **k):
+        ours = ac.titan_op_policy()()
+        record = []
+
+        def both(ctx, func, *args, **kwargs):
+            theirs = policy_fn(ctx, func, *args, **kwargs)
+            record.append((ctx.is_recompute, func, theirs, ours(ctx, func, *args, **kwargs)))
+            return theirs
+
+        fwd, rec = real(both, *a, **k)
+        contexts.append((record, fwd))
+        return fwd, rec
+
+    monkeypatch.setattr(ckpt, "create_selective_checkpoint_contexts", spy)
+    args = copy.deepcopy(llama3_args["debugmodel"])
+    args.max_seq_len = SEQ
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.train()
+    titan_mode, option = MODES[mode]
+    titan_ac._layer_sac_count = 0
+    titan_ac.apply_ac(
+        model,
+        ActivationCheckpoint(mode=titan_mode, selective_ac_option=option),
+        op_sac_save_list=_op_sac_save_list,
+    )
+    wrapped = {int(i) for i, b in model.layers.named_children() if isinstance(b, CheckpointWrapper)}
+    tokens = torch.zeros((BATCH, SEQ), dtype=torch.long, device="meta")
+    kept = []
+    with cuda.patches(Stack.here("8.0", None)):
+        pred = model(tokens)
+        for _, fwd in contexts:
+            by_op = Counter()
+            for func, outs in fwd.storage.items():
+                for s in outs:
+                    by_op[str(func.__name__).split(".")[0]] += sum(_storages(s).values())
+            kept.append(by_op)
+        loss = torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), tokens.flatten())
+        del pred
+        loss.backward()
+    return wrapped, [(record, k) for (record, _), k in zip(contexts, kept)]
+
+
+def gpumem_kept(mode, tmp_path, restated=False, monkeypatch=None):
+    """gpumem's trace of the same model and mode: per block, the forward's allocations still
+    alive when backward starts (the block's output, the next block's input, left out), as
+    (op of each saved call in order, bytes by op)."""
+    if restated:
+        monkeypatch.setattr(ac, "titan_module", lambda: None)
+    out = tmp_path / f"{mode}.jsonl"
+    trace_training(
+        TraceOptions(model=REF, batch=BATCH, seq_len=SEQ, checkpointing=mode, iterations=1), out
+    )
+    events = [json.loads(line) for line in out.read_text().splitlines()[1:]]
+    live = {}
+    for e in events:
+        if e["ev"] == "alloc":
+            if e["phase"] == "backward":
+                break
+            live[e["id"]] = e
+        elif e["ev"] == "free":
+            live.pop(e["id"], None)
+    blocks = {}
+    for e in live.values():
+        m = re.match(
+            r"layers\.(\d+)((?:\._checkpoint_wrapped_module)?)(\..*)?$", e.get("module") or ""
+        )
+        if m and e["phase"] == "forward":
+            blocks.setdefault(int(m.group(1)), []).append(e)
+    kept = {}
+    for i, allocs in blocks.items():
+        # The block's output: its last allocation, at the block's own level (the residual add).
+        last = allocs[-1]
+        assert last["op"] == "add" and not re.search(
+            r"\.(attention|feed_forward|\w+_norm)", last["module"]
+        )
+        calls, by_op, prev = [], Counter(), None
+        for e in allocs[:-1]:
+            if (e["module"], e["op"]) != prev:
+                calls.append(e["op"])
+            prev = (e["module"], e["op"])
+            by_op[e["op"]] += e["bytes"]
+        kept[i] = (calls, by_op)
+    return kept
+
+
+def test_the_restatement_decides_as_torchtitan_does_op_by_op(monkeypatch):
+    """gpumem's restatement of torchtitan 0.2.2's op policy decides every call of a forward
+    and of the recomputation as torchtitan's own policy does; and its layer rule wraps the
+    blocks torchtitan's ``_apply_layer_sac`` wraps, for every frequency."""
+    _, contexts = titan_reference("selective-op", monkeypatch)
+    assert len(contexts) == 6  # one per block, its forward's and its recomputation's calls
+    decisions = [d for record, _ in contexts for d in record]
+    assert len(decisions) > 100
+    for is_recompute, func, theirs, ours in decisions:
+        assert theirs == ours, (is_recompute, func, theirs, ours)
+    # The rule the restatement states: of each block's seven matmuls, the odd-numbered saved.
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for record, _ in contexts:
+        for recompute in (False, True):
+            mms = [t for r, f, t, _ in record if f == torch.ops.aten.mm.default and r == recompute]
+            assert mms == [CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE] * 3 + [
+                CheckpointPolicy.MUST_SAVE
+            ]
+
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed import activation_checkpoint as titan_ac
+
+    for every in range(1, 5):
+        titan_ac._layer_sac_count = 0
+        config = ActivationCheckpoint(mode="selective", selective_ac_option=str(every))
+        theirs = [titan_ac._apply_layer_sac(torch.nn.Linear(1, 1), config) for _ in range(6)]
+        wrapped = [not isinstance(w, torch.nn.Linear) for w in theirs]
+        assert wrapped == [ac.titan_layer_wrapped(i, every) for i in range(6)], every
+
+
+def test_the_installed_torchtitan_is_the_one_restated():
+    assert importlib.import_module("torchtitan").__version__ == ac.TITAN_RELEASE
+    assert ac.titan_module() is not None
+    assert (
+        ac.titan_save_ops()
+        == importlib.import_module("torchtitan.models.llama3.infra.parallelize")._op_sac_save_list
+    )
+
+
+@pytest.mark.parametrize("mode", ["full", "selective-op", "selective-layer:2"])
+@pytest.mark.parametrize("restated", [False, True], ids=["torchtitan's code", "restatement"])
+def test_gpumem_keeps_for_backward_what_torchtitans_policy_keeps(
+    mode, restated, tmp_path, monkeypatch
+):
+    """Block by block, the tensors gpumem's trace keeps from the forward to the backward are
+    those torchtitan's own policy keeps: under selective-op its saved calls in order and
+    their bytes; under full and selective-layer:2 nothing in the blocks torchtitan wraps, and
+    in the others what autograd saves (more than nothing)."""
+    wrapped, contexts = titan_reference(mode, monkeypatch)
+    monkeypatch.undo()
+    kept = gpumem_kept(mode, tmp_path, restated, monkeypatch)
+    assert sorted(kept) == list(range(6))
+    if mode == "selective-op":
+        assert wrapped == set(range(6))
+        assert len(contexts) == 6
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        for i, (record, by_op) in enumerate(contexts):
+            saved = [
+                f.__name__.split(".")[0]
+                for r, f, t, _ in record
+                if t == CheckpointPolicy.MUST_SAVE and not r
+            ]
+            calls, bytes_by_op = kept[i]
+            assert calls == saved, (i, calls, saved)
+            assert bytes_by_op == by_op, (i, bytes_by_op, by_op)
+            assert saved.count("mm") == 4
+    else:
+        assert wrapped == ({1, 3, 5} if mode == "selective-layer:2" else set(range(6)))
+        assert {i for i in range(6) if not kept.get(i, ([], {}))[0]} == wrapped
+
+
+def test_the_estimate_moves_with_selective_ac_option_by_the_saved_bytes(tmp_path):
+    """What a torchtitan job holds when backward starts changes with ``selective_ac_option``
+    (op against every second layer against full) by exactly the bytes the kept tensors differ."""
+    live, kept = {}, {}
+    for mode in ["full", "selective-op", "selective-layer:2"]:
+        out = tmp_path / f"{mode}.jsonl"
+        trace_training(
+            TraceOptions(model=REF, batch=BATCH, seq_len=SEQ, checkpointing=mode, iterations=1), out
+        )
+        events = [json.loads(line) for line in out.read_text().splitlines()[1:]]
+        alive = {}
+        for e in events:
+            if e["ev"] == "alloc":
+                if e["phase"] == "backward":
+                    break
+                alive[e["id"]] = e["bytes"]
+            elif e["ev"] == "free":
+                alive.pop(e["id"], None)
+        live[mode] = sum(alive.values())
+        kept[mode] = sum(sum(b.values()) for _, b in gpumem_kept(mode, tmp_path).values())
+    assert live["full"] < live["selective-op"] and live["full"] < live["selective-layer:2"]
+    assert live["selective-op"] != live["selective-layer:2"]
+    for a, b in [
+        ("selective-op", "full"),
+        ("selective-layer:2", "full"),
+        ("selective-op", "selective-layer:2"),
+    ]:
+        assert live[a] - live[b] == kept[a] - kept[b], (a, b, live, kept)
