@@ -245,6 +245,7 @@ pub fn submit(a: SubmitArgs) -> CliResult {
             model: None,
             batch: None,
             options: Options::default(),
+            train_config: None,
             mem_mib: None,
             priority: 0,
             expected_s: None,

@@ -356,6 +356,70 @@ fn the_daemon_sizes_a_job_with_every_workload_option() {
 }
 
 #[test]
+fn the_daemon_reads_a_trainer_config_as_the_cli_does() {
+    if !common::torch("the daemon's trainer-config test") {
+        return;
+    }
+    // Hugging Face's run_clm arguments: micro-batch 8, bf16, adamw_torch, gradient checkpointing,
+    // block_size 512; the model is a small GPT-2 given by the job (the config names the Hub's).
+    const MODEL: &str = "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=1000)";
+    let config = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../docs/examples/train-configs/hf-trainer-run_clm.json");
+    let d = dir("train-config");
+    let s = Server::start(&d);
+    let file = d.join("job.toml");
+    let job_file = |model: Option<&str>, name: &str, text: &str| {
+        let mut doc = toml::Table::new();
+        doc.insert(
+            "command".into(),
+            toml::Value::Array(vec!["/bin/true".into()]),
+        );
+        if let Some(m) = model {
+            doc.insert("model".into(), m.into());
+        }
+        let mut tc = toml::Table::new();
+        tc.insert("file".into(), name.into());
+        tc.insert("text".into(), text.into());
+        doc.insert("train_config".into(), toml::Value::Table(tc));
+        std::fs::write(&file, toml::to_string(&doc).unwrap()).unwrap();
+    };
+    job_file(
+        Some(MODEL),
+        "run_clm.json",
+        &std::fs::read_to_string(&config).unwrap(),
+    );
+    let job: serde_json::Value =
+        serde_json::from_str(&s.run(&["submit", "--json", file.to_str().unwrap()])).unwrap();
+    let o = gpumem(&[
+        "estimate",
+        MODEL,
+        "--train-config",
+        config.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let cli: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        cli["batch_size"].as_u64(),
+        Some(8),
+        "the config's micro-batch"
+    );
+    assert!(
+        (job["estimate_mib"].as_f64().unwrap() - cli["peak_mib"].as_f64().unwrap()).abs() < 0.1,
+        "daemon {job} vs CLI {cli}"
+    );
+    // A config the daemon cannot read is refused with its reason.
+    job_file(
+        Some(MODEL),
+        "bad.json",
+        "{\"per_device_train_batch_size\": [}",
+    );
+    let o = gpumem(&["submit", "--server", &s.url, file.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("train_config"), "{err}");
+}
+
+#[test]
 fn a_killed_daemon_loses_and_repeats_nothing() {
     let d = dir("restart");
     let mut s = Server::start(&d);

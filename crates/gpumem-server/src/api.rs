@@ -16,7 +16,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 
-use gpumem_workload::Workload;
+use gpumem_workload::train_config::{self, TrainerKind};
+use gpumem_workload::{Options, Workload};
 
 use crate::daemon::{CancelError, Daemon};
 use crate::identity::User;
@@ -258,7 +259,15 @@ async fn submit(
         Stated(Option<(u64, u64)>),
         Estimated(Box<JobSize>),
     }
-    let size = match (&req.model, req.batch, req.mem_mib) {
+    let stated = match stated_by_config(&req, d.config.allow_py_models) {
+        Ok(s) => s,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e),
+    };
+    let (model, batch, options) = match &stated {
+        Some((m, b, o)) => (m.clone(), *b, o.clone()),
+        None => (req.model.clone(), req.batch, req.options.clone()),
+    };
+    let size = match (&model, batch, req.mem_mib) {
         (_, _, Some(mib)) => Size::Stated(Some((mib * gpumem_place::MIB, mib * gpumem_place::MIB))),
         (Some(model), Some(batch), None) => {
             if model.trim_start().starts_with("py:") && !d.config.allow_py_models {
@@ -267,7 +276,7 @@ async fn submit(
                     "model: py: models run their file's code inside the daemon; this daemon does not accept them (allow_py_models)",
                 );
             }
-            let workload = match Workload::parse(model, batch, req.options.clone()) {
+            let workload = match Workload::parse(model, batch, options) {
                 Ok(w) => w,
                 Err(e) => return error(StatusCode::BAD_REQUEST, format!("model: {e}")),
             };
@@ -293,6 +302,53 @@ async fn submit(
         Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e),
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     }
+}
+
+/// A job's model, batch and options as its `train_config` states them (the request's own
+/// `model` and `batch` first, its `options` beneath what the config states); `None` without one.
+fn stated_by_config(
+    req: &JobRequest,
+    allow_py_models: bool,
+) -> Result<Option<(Option<String>, Option<u64>, Options)>, String> {
+    let Some(doc) = &req.train_config else {
+        return Ok(None);
+    };
+    let kind = doc
+        .kind
+        .as_deref()
+        .map(TrainerKind::parse)
+        .transpose()
+        .map_err(|e| format!("train_config.kind: {e}"))?;
+    let dir = std::path::PathBuf::from(req.cwd.as_deref().unwrap_or("."));
+    let config = train_config::read_text(&doc.file, &doc.text, &dir, kind)
+        .map_err(|e| format!("train_config: {e}"))?;
+    let model = req
+        .model
+        .clone()
+        .or_else(|| config.model.as_ref().map(|(m, _)| m.clone()));
+    if model
+        .as_deref()
+        .is_some_and(|m| m.trim_start().starts_with("py:"))
+        && !allow_py_models
+    {
+        return Err("model: py: models run their file's code inside the daemon; this daemon does not accept them (allow_py_models)".into());
+    }
+    let batch = req.batch.or(config.micro_batch.as_ref().map(|(b, _)| *b));
+    if model.is_some() != batch.is_some() {
+        return Err(format!(
+            "train_config {}: states no {}; give it in the job",
+            doc.file,
+            if model.is_none() {
+                "model"
+            } else {
+                "micro-batch"
+            }
+        ));
+    }
+    let options = config
+        .over(req.options.values(), Some(req.gpus))
+        .map_err(|e| format!("train_config: {e}"))?;
+    Ok(Some((model, batch, options)))
 }
 
 #[derive(Deserialize)]

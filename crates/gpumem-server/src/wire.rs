@@ -89,6 +89,10 @@ pub struct JobRequest {
     /// ...and the training loop around it (optimizer, precision, ...: the CLI's options).
     #[serde(default)]
     pub options: Options,
+    /// ...or a trainer's config that states them (its model, micro-batch and options; `model`,
+    /// `batch` given here take precedence, `options` fill in what it does not state)...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_config: Option<TrainConfigDoc>,
     /// ...or an explicit memory request per GPU.
     #[serde(default)]
     pub mem_mib: Option<u64>,
@@ -104,6 +108,20 @@ pub struct JobRequest {
 
 fn one() -> u32 {
     1
+}
+
+/// A trainer's config sent with a job: the file's text, read on the daemon as `gpumem estimate
+/// --train-config` reads the file (a torchtitan Python config as its dumped JSON: the daemon
+/// runs no submitter's code to read a config).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfigDoc {
+    /// The file's name, as errors name it; its extension tells TOML from YAML and JSON.
+    pub file: String,
+    pub text: String,
+    /// Which trainer's config (`hf-trainer`, `axolotl`, …), where its contents do not tell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
 }
 
 /// Why a submission is refused (the daemon answers 400 with this line).
@@ -181,7 +199,7 @@ impl JobRequest {
                 max: max_gpus,
             });
         }
-        if self.model.is_some() != self.batch.is_some() {
+        if self.train_config.is_none() && self.model.is_some() != self.batch.is_some() {
             return Err(RequestError::ModelWithoutBatch);
         }
         self.options.check_gpus(self.gpus)?;
