@@ -475,11 +475,7 @@ impl WorkloadArgs {
                 v.seq_len = None;
             }
             if let Some(c) = checkpointing {
-                note(
-                    "--checkpointing",
-                    c.name().into(),
-                    v.checkpointing.name().into(),
-                );
+                note("--checkpointing", c.name(), v.checkpointing.name());
                 v.checkpointing = c;
             }
             if let Some(g) = self.grad_accum {

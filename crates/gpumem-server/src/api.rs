@@ -304,12 +304,12 @@ async fn submit(
     }
 }
 
+/// A job's model and batch (each where stated) and its options.
+type Stated = (Option<String>, Option<u64>, Options);
+
 /// A job's model, batch and options as its `train_config` states them (the request's own
 /// `model` and `batch` first, its `options` beneath what the config states); `None` without one.
-fn stated_by_config(
-    req: &JobRequest,
-    allow_py_models: bool,
-) -> Result<Option<(Option<String>, Option<u64>, Options)>, String> {
+fn stated_by_config(req: &JobRequest, allow_py_models: bool) -> Result<Option<Stated>, String> {
     let Some(doc) = &req.train_config else {
         return Ok(None);
     };
