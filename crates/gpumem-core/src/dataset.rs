@@ -207,7 +207,7 @@ pub fn read_rows(name: &str, reader: impl Read) -> Result<Rows, CsvError> {
                     mib("Max GPU Memory (MiB)", get(mcol))?
                 },
                 options: OptionOverrides {
-                    optimizer: Some(Optimizer::Adam),
+                    optimizer: Some(Optimizer::ADAM),
                     precision: Some(Precision::Fp32),
                     ..OptionOverrides::default()
                 },

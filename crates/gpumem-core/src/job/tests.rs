@@ -24,7 +24,7 @@ fn options_in_json_are_spelled_as_on_the_command_line() {
     assert_eq!(
         (o.optimizer, o.precision, o.validate, o.outputs),
         (
-            Optimizer::AdamW,
+            Optimizer::ADAMW,
             Precision::AmpBf16,
             Validate::NoGrad,
             Some(Outputs::Dropped)
