@@ -137,10 +137,28 @@ class MuonWithAdamW:
             o.step()
 
 
+@contextlib.contextmanager
+def _bnb_managed_on_meta():
+    """bitsandbytes' managed memory (``F.get_paged``) as meta tensors marked ``is_paged``."""
+    import bitsandbytes.functional as F
+
+    saved = F.get_paged, F.fill, F.prefetch_tensor
+
+    def get_paged(*shape, dtype=torch.float32, device=None):
+        out = torch.zeros(shape, dtype=dtype, device=device)
+        out.is_paged = True
+        return out
+
+    F.get_paged, F.fill, F.prefetch_tensor = get_paged, lambda *a, **k: None, lambda *a, **k: None
+    try:
+        yield
+    finally:
+        F.get_paged, F.fill, F.prefetch_tensor = saved
+
+
 def _bnb(cls_name):
     def build(params, lr):
         try:
-            import bitsandbytes.functional as F
             import bitsandbytes.optim as bnb_optim
         except ImportError as e:
             raise ReferenceError_(f"bitsandbytes optimizers need bitsandbytes: {e}") from e
@@ -148,22 +166,7 @@ def _bnb(cls_name):
         # The CUDA kernels update in place; there are none to run on meta.
         opt.update_step = lambda *a, **k: None
 
-        @contextlib.contextmanager
-        def managed_on_meta():
-            saved = F.get_paged, F.fill, F.prefetch_tensor
-
-            def get_paged(*shape, dtype=torch.float32, device=None):
-                out = torch.zeros(shape, dtype=dtype, device=device)
-                out.is_paged = True
-                return out
-
-            F.get_paged, F.fill, F.prefetch_tensor = get_paged, lambda *a, **k: None, lambda *a, **k: None
-            try:
-                yield
-            finally:
-                F.get_paged, F.fill, F.prefetch_tensor = saved
-
-        return _with_step_wrapped(opt, managed_on_meta)
+        return _with_step_wrapped(opt, _bnb_managed_on_meta)
 
     return build
 

@@ -98,19 +98,96 @@ def _storage_keys(optimizer):
     return {t.untyped_storage()._cdata: cat for t, cat in state_tensors(optimizer, "meta")}
 
 
+TORCH = {
+    "adam": ("Adam", {}),
+    "adamw": ("AdamW", {}),
+    "sgd": ("SGD", {}),
+    "sgd-momentum": ("SGD", {"momentum": 0.9}),
+    "adagrad": ("Adagrad", {}),
+    "rmsprop": ("RMSprop", {}),
+    "torch-adafactor": ("Adafactor", {}),
+}
+IMPLEMENTATIONS = {"-for-loop": {"foreach": False}, "-fused": {"fused": True}, "": {"foreach": True}}
+
+
+def real(name, params, lr=1e-3):
+    """The real optimizer gpumem's name stands for, made here from its library (not by
+    gpumem's tracer), and what its step runs under on meta tensors: torch's fused kernels
+    admitted on meta; bitsandbytes' CUDA update kernel (in place) not run, its managed memory a
+    meta tensor marked paged; torchao's state made as its step makes it (its compiled kernel,
+    in place, not run)."""
+    import contextlib
+
+    from gpumem_trace import optimizers as plumbing
+
+    for suffix, how in IMPLEMENTATIONS.items():
+        base = name.removesuffix(suffix)
+        if name.endswith(suffix) and base in TORCH:
+            cls, kwargs = TORCH[base]
+            opt = getattr(torch.optim, cls)(params, lr=lr, **kwargs, **how)
+            if "fused" in how:
+                plumbing._meta_in_place("_fused_sgd_", "_fused_adagrad_")
+                return opt, plumbing.fused_on_meta
+            return opt, contextlib.nullcontext
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False), contextlib.nullcontext
+    if name == "muon":
+        pair = [
+            torch.optim.Muon([p for p in params if p.ndim == 2], lr=lr),
+            torch.optim.AdamW([p for p in params if p.ndim != 2], lr=lr, foreach=True),
+        ]
+        return pair, contextlib.nullcontext
+    if name.startswith("torchao-"):
+        import torchao.optim
+
+        cls = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit", "adamw-fp8": "AdamWFp8"}
+        opt = getattr(torchao.optim, cls[name.removeprefix("torchao-")])(params, lr=lr)
+
+        def step():
+            for p in params:
+                state = opt.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = opt._new_buffer(p, True)
+                    state["exp_avg_sq"] = opt._new_buffer(p, False)
+                state["step"] += 1
+
+        opt.step = step
+        return opt, plumbing.device_data_seen
+    import bitsandbytes.optim
+
+    paged, rest = name.startswith("paged-"), name.removeprefix("paged-")
+    bits = "8bit" if rest.endswith("8bit") else "32bit"
+    alg = rest.removesuffix(bits)
+    cls = {"adam": "Adam", "adamw": "AdamW", "lion": "Lion"}[alg]
+    opt = getattr(bitsandbytes.optim, f"{'Paged' if paged else ''}{cls}{bits}")(params, lr=lr)
+    opt.update_step = lambda *a, **k: None
+    return opt, plumbing._bnb_managed_on_meta
+
+
 def record(name, shapes=SHAPES, dtype=torch.float32):
-    """Two steps of gpumem's optimizer ``name`` over parameters of ``shapes``, as recorded."""
-    from gpumem_trace.optimizers import make
+    """Two steps of the real optimizer gpumem calls ``name`` over parameters of ``shapes``,
+    as recorded."""
+    from gpumem_trace.optimizers import state_tensors
 
     params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype, device="meta")) for s in shapes]
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt = make(name, params, 1e-3)
+    made, around = real(name, params)
+    parts = made if isinstance(made, list) else [made]
+
+    class Both:  # Muon's pair, as one optimizer
+        state = property(lambda self: {p: s for o in parts for p, s in o.state.items()})
+
+    opt = Both()
     steps = []
     for _ in range(2):
         mode = Allocations()
-        with mode:
-            opt.step()
+        with mode, around():
+            for o in parts:
+                o.step()
         state = _storage_keys(opt)
         kept = {k: state.get(key, "leaked") for key, k in mode.live.items()}
         events, live, peak, n = [], 0, 0, 0
@@ -128,8 +205,13 @@ def record(name, shapes=SHAPES, dtype=torch.float32):
                 events.append(e)
                 live -= sizes.pop(e[1], 0)
         total = lambda c: sum(e[1] for e in events if e[0] == "alloc" and e[2] == c)  # noqa: E731
+        held = {}
+        for t, cat in state_tensors(opt, "meta"):
+            held.setdefault(cat, {})[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
         steps.append(
             {
+                # What the state holds after the step (also what the constructor made).
+                "held": {cat: sum(keys.values()) for cat, keys in sorted(held.items())},
                 "events": events,
                 "state_bytes": total("optimizer_state"),
                 "host_backed_bytes": total("host_backed"),
