@@ -28,7 +28,11 @@ import torch
 from .models import ReferenceError_
 
 # How each implementation is asked for.
-_IMPLEMENTATIONS = {"": {"foreach": True}, "-for-loop": {"foreach": False}, "-fused": {"fused": True}}
+_IMPLEMENTATIONS = {
+    "": {"foreach": True},
+    "-for-loop": {"foreach": False},
+    "-fused": {"fused": True},
+}
 
 
 @contextlib.contextmanager

@@ -82,11 +82,15 @@ class Allocations(TorchDispatchMode):
         out = func(*args, **kwargs)
         # `torch.tensor(data, device=...)` makes its tensor outside the dispatcher and hands
         # it over fresh: new memory.
-        inputs = set() if func is aten.lift_fresh.default else {
-            t.untyped_storage()._cdata
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and t.device.type == "meta"
-        }
+        inputs = (
+            set()
+            if func is aten.lift_fresh.default
+            else {
+                t.untyped_storage()._cdata
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and t.device.type == "meta"
+            }
+        )
         for t in tree_leaves(out):
             self._track(t, inputs)
         return out
@@ -107,7 +111,11 @@ TORCH = {
     "rmsprop": ("RMSprop", {}),
     "torch-adafactor": ("Adafactor", {}),
 }
-IMPLEMENTATIONS = {"-for-loop": {"foreach": False}, "-fused": {"fused": True}, "": {"foreach": True}}
+IMPLEMENTATIONS = {
+    "-for-loop": {"foreach": False},
+    "-fused": {"fused": True},
+    "": {"foreach": True},
+}
 
 
 def real(name, params, lr=1e-3):
@@ -132,7 +140,9 @@ def real(name, params, lr=1e-3):
     if name == "adafactor":
         from transformers.optimization import Adafactor
 
-        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False), contextlib.nullcontext
+        return Adafactor(
+            params, lr=lr, scale_parameter=False, relative_step=False
+        ), contextlib.nullcontext
     if name == "muon":
         pair = [
             torch.optim.Muon([p for p in params if p.ndim == 2], lr=lr),
@@ -204,7 +214,10 @@ def record(name, shapes=SHAPES, dtype=torch.float32):
             else:
                 events.append(e)
                 live -= sizes.pop(e[1], 0)
-        total = lambda c: sum(e[1] for e in events if e[0] == "alloc" and e[2] == c)  # noqa: E731
+        made = {}
+        for e in events:
+            if e[0] == "alloc":
+                made[e[2]] = made.get(e[2], 0) + e[1]
         held = {}
         for t, cat in state_tensors(opt, "meta"):
             held.setdefault(cat, {})[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
@@ -213,9 +226,9 @@ def record(name, shapes=SHAPES, dtype=torch.float32):
                 # What the state holds after the step (also what the constructor made).
                 "held": {cat: sum(keys.values()) for cat, keys in sorted(held.items())},
                 "events": events,
-                "state_bytes": total("optimizer_state"),
-                "host_backed_bytes": total("host_backed"),
-                "leaked_bytes": total("leaked"),
+                "state_bytes": made.get("optimizer_state", 0),
+                "host_backed_bytes": made.get("host_backed", 0),
+                "leaked_bytes": made.get("leaked", 0),
                 "peak_temporary_bytes": peak,
             }
         )

@@ -15,10 +15,10 @@ FIX = HERE / "fixtures" / "user_models.py"
 FIXTURE = HERE.parent.parent / "crates" / "gpumem-core" / "tests" / "data" / "optimizer-steps.json"
 
 pytest.importorskip("torch")
+from optimizer_steps import NATIVE, record  # noqa: E402
+
 from gpumem_trace import loop  # noqa: E402
 from gpumem_trace.optimizers import OPTIMIZERS  # noqa: E402
-
-from optimizer_steps import NATIVE, record  # noqa: E402
 
 NEEDS = {"torchao": "torchao", "8bit": "bitsandbytes", "32bit": "bitsandbytes", "adafactor": None}
 
@@ -108,10 +108,29 @@ def test_the_implementations_of_adam_differ_as_torchs_do():
     from optimizer_steps import SHAPES
 
     sizes = [4 * math.prod(s) for s in SHAPES]
-    peak = {n: record(n)[1]["peak_temporary_bytes"] for n in ("adam", "adam-for-loop", "adam-fused")}
+    peak = {
+        n: record(n)[1]["peak_temporary_bytes"] for n in ("adam", "adam-for-loop", "adam-fused")
+    }
     big = sizes.index(max(sizes))
     assert peak == {
         "adam": sum(sizes),
         "adam-for-loop": 2 * sizes[big] + sizes[big - 1],
         "adam-fused": 0,
     }
+
+
+def test_the_tracer_builds_exactly_the_optimizers_gpumem_names():
+    """One vocabulary: the request's schema (generated from the Rust type) lists the names the
+    tracer builds, no more, no fewer."""
+    schema = json.loads((HERE.parent / "gpumem_trace" / "request.schema.json").read_text())
+
+    def find(node):
+        if isinstance(node, dict):
+            if "optimizer" in node.get("properties", {}):
+                return node["properties"]["optimizer"]["enum"]
+            for v in node.values():
+                if (found := find(v)) is not None:
+                    return found
+        return None
+
+    assert find(schema) == list(OPTIMIZERS)

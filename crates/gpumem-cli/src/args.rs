@@ -75,7 +75,11 @@ pub fn gpu_count<'a>(flag: &str, spec: &'a str, max: usize) -> CliResult<(usize,
 /// The training loop around a model: the command-line form of [`Options`].
 #[derive(Args, Clone)]
 pub struct WorkloadArgs {
-    /// Optimizer: adam, adamw, sgd, sgd-momentum, or bitsandbytes' adam8bit, adamw8bit, paged-adamw8bit.
+    /// Optimizer, as gpumem or the trainer names it: adam, adamw, sgd, sgd-momentum (each
+    /// foreach, or -for-loop, -fused), adagrad, rmsprop, adafactor, torch-adafactor, muon,
+    /// bitsandbytes' [paged-]adam|adamw|lion 8bit|32bit, torchao-adamw8bit|4bit|-fp8; Hugging
+    /// Face Trainer's `optim` values (adamw_torch_fused, paged_adamw_8bit, …) and class paths
+    /// (torch.optim.AdamW, bitsandbytes.optim.PagedAdamW8bit, …). See docs/intake.md.
     #[arg(long, default_value = "adam")]
     optimizer: String,
     /// Precision: fp32, amp-fp16, amp-bf16 (autocast), or fp16/bf16 (pure: weights, gradients

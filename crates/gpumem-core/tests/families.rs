@@ -220,3 +220,49 @@ fn hopper_profiles_use_the_larger_cublas_workspace() {
     assert_eq!(a100.breakdown.workspace, 2 * CUBLAS_WORKSPACE_BYTES);
     assert_eq!(h100.breakdown.workspace, 2 * CUBLAS_WORKSPACE_HOPPER_BYTES);
 }
+
+#[test]
+fn paged_state_is_host_backed_beside_the_peak() {
+    // A 4096×4096 layer: its states are paged (100,000 elements and more), its bias's are not.
+    let spec = "mlp:input=4096,output=4096,depth=1,arch=uniform,act=relu";
+    let p = builtin("a100-40gb").unwrap();
+    let est = |name: &str| {
+        Replay::default()
+            .estimate(
+                &trace(spec, 8, Optimizer::parse(name).unwrap(), Precision::Fp32),
+                &p,
+            )
+            .unwrap()
+    };
+    let (resident, paged) = (est("adamw32bit"), est("paged-adamw32bit"));
+    let t = trace(
+        spec,
+        8,
+        Optimizer::parse("paged-adamw32bit").unwrap(),
+        Precision::Fp32,
+    );
+    let host = category_bytes(&t, Category::HostBacked);
+    assert!(host >= 2 * 4 * 4096 * 4096, "{host}");
+    assert_eq!(paged.host_backed_bytes, host);
+    assert_eq!(resident.host_backed_bytes, 0);
+    assert!(paged.peak_bytes + host / 2 < resident.peak_bytes);
+    assert_eq!(
+        LiveTensors.estimate(&t, &p).unwrap().host_backed_bytes,
+        host
+    );
+}
+
+#[test]
+fn native_models_refuse_what_needs_parameter_shapes() {
+    let mut job = JobOptions::new(8);
+    job.optimizer = Optimizer::parse("muon").unwrap();
+    let e = ModelSpec::parse(MODELS[0])
+        .unwrap()
+        .trace(&job)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "optimizer muon applies to PyTorch models here: it takes only the 2-D parameters, and the native graphs hold parameter sizes, not shapes (the native families model adam, adamw, sgd and sgd-momentum in every implementation, bitsandbytes' and torchao's optimizers)"
+    );
+}
