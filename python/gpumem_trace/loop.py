@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils.checkpoint
 
-from . import ac, amp, cuda, distributed, lora, zero
+from . import ac, amp, cuda, distributed, lora, optimizers, zero
 from .device import DEVICE, to_device_keeping_ties
 from .models import ReferenceError_, resolve
 from .parallel import DataParallel
@@ -85,64 +85,8 @@ PRECISIONS = {
 
 
 def make_optimizer(name, params, lr):
-    name = name.lower()
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, foreach=True)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, foreach=True)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, foreach=True)
-    if name in ("sgd-momentum", "sgd_momentum"):
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
-    if name in ("adam8bit", "adamw8bit", "paged-adamw8bit"):
-        return Bnb8bit(params, lr=lr)
-    raise ReferenceError_(
-        f"unknown optimizer `{name}` (expected adam, adamw, sgd, sgd-momentum, adam8bit, adamw8bit or paged-adamw8bit)"
-    )
-
-
-class Bnb8bit(torch.optim.Optimizer):
-    """bitsandbytes' 8-bit Adam/AdamW as it holds memory (``Optimizer2State.init_state``,
-    bitsandbytes 0.50): on its first step each parameter gets ``state1`` and ``state2`` — a byte
-    per element and an fp32 ``absmax`` per 256-element block, or fp32 per element for tensors
-    under 4096 elements — and the two 256-entry quantization maps go to the GPU with the first
-    8-bit state. Its CUDA kernels then update everything in place (no temporaries). The paged
-    variant's state lives in CUDA managed memory, counted here as resident."""
-
-    MIN_8BIT_SIZE = 4096
-    BLOCK = 256
-
-    def __init__(self, params, lr):
-        super().__init__(params, dict(lr=lr))
-        self.qmaps = None
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None or self.state[p]:
-                    continue
-                state, n = self.state[p], p.numel()
-                if n < self.MIN_8BIT_SIZE:
-                    state["state1"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["state2"] = torch.zeros_like(p, dtype=torch.float32)
-                    continue
-                if self.qmaps is None:
-                    self.qmaps = (
-                        torch.empty(256, device=p.device),
-                        torch.empty(256, device=p.device),
-                    )
-                blocks = -(-n // self.BLOCK)
-                state["state1"], state["qmap1"] = (
-                    torch.zeros_like(p, dtype=torch.uint8),
-                    self.qmaps[0],
-                )
-                state["state2"], state["qmap2"] = (
-                    torch.zeros_like(p, dtype=torch.uint8),
-                    self.qmaps[1],
-                )
-                state["absmax1"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
-                state["absmax2"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
+    """The optimizer gpumem calls ``name`` (see optimizers.py)."""
+    return optimizers.make(name, params, lr)
 
 
 class GradScaler:
@@ -462,10 +406,8 @@ def trace_training(opts: TraceOptions, out_path: str):
                     scaler.step(optimizer)
                 else:
                     optimizer.step()
-            for state in getattr(optimizer, "state", {}).values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor) and v.device.type == DEVICE:
-                        rec.relabel(v, "optimizer_state")
+            for t, category in optimizers.state_tensors(optimizer, DEVICE):
+                rec.relabel(t, category)
             rec.iteration_end()
         if opts.validate != "none":
             # The validation loop reuses the names: each batch, output and loss is rebound only

@@ -89,6 +89,8 @@ class Engine:
     (``zero_grad``, ``backward_start``/``backward_end`` around ``loss.backward()``, ``step``)."""
 
     def __init__(self, model, cfg, optimizer, dtype, rec):
+        # DeepSpeed runs its own kernels whatever torch implementation the job names.
+        optimizer = optimizer.removesuffix("-for-loop").removesuffix("-fused")
         if optimizer not in _STATES:
             raise ReferenceError_(
                 f"ZeRO runs its own optimizer partitions; `{optimizer}` is not modelled with it (adam, adamw, sgd, sgd-momentum)"

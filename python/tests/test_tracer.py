@@ -842,7 +842,8 @@ def test_8bit_optimizers_hold_what_bitsandbytes_holds(name, cls):
     from gpumem_trace.loop import make_optimizer
 
     # A paged optimizer's state of 100,000 elements and more is CUDA managed memory, which
-    # bitsandbytes cannot make without a GPU; the tracer counts it as resident.
+    # bitsandbytes cannot make without a GPU (test_optimizers.py holds the tracer's paged states,
+    # host-backed, to bitsandbytes' own init_state).
     sizes = [(64,), (4095,), (4096,), (300, 70)] + (
         [] if name.startswith("paged") else [(200_000,)]
     )

@@ -80,8 +80,11 @@ pub fn gpu_count<'a>(flag: &str, spec: &'a str, max: usize) -> CliResult<(usize,
 /// The training loop around a model: the command-line form of [`Options`].
 #[derive(Args, Clone)]
 pub struct WorkloadArgs {
-    /// Optimizer: adam (default), adamw, sgd, sgd-momentum, or bitsandbytes' adam8bit,
-    /// adamw8bit, paged-adamw8bit.
+    /// Optimizer (default adam), as gpumem or the trainer names it: adam, adamw, sgd, sgd-momentum (each
+    /// foreach, or -for-loop, -fused), adagrad, rmsprop, adafactor, torch-adafactor, muon,
+    /// bitsandbytes' [paged-]adam|adamw|lion 8bit|32bit, torchao-adamw8bit|4bit|-fp8; Hugging
+    /// Face Trainer's `optim` values (adamw_torch_fused, paged_adamw_8bit, …) and class paths
+    /// (torch.optim.AdamW, bitsandbytes.optim.PagedAdamW8bit, …). See docs/intake.md.
     #[arg(long)]
     optimizer: Option<String>,
     /// Precision: fp32 (default), amp-fp16, amp-bf16 (autocast), or fp16/bf16 (pure: weights,
@@ -425,7 +428,7 @@ impl WorkloadArgs {
         };
         let lora = self.lora.as_deref().map(lora).transpose()?;
         let options = OptionValues {
-            optimizer: optimizer.unwrap_or(Optimizer::Adam),
+            optimizer: optimizer.unwrap_or_default(),
             precision: precision.unwrap_or(Precision::Fp32),
             input,
             seq_len: self.fixed_seq_len()?,
@@ -457,7 +460,7 @@ impl WorkloadArgs {
             };
             let mut v = stated.values();
             if let Some(o) = optimizer {
-                note("--optimizer", o.name().into(), v.optimizer.name().into());
+                note("--optimizer", o.name(), v.optimizer.name());
                 v.optimizer = o;
             }
             if let Some(p) = precision {

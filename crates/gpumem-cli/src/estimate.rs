@@ -127,6 +127,9 @@ struct EstimateJson<'a> {
     /// Where the convolution workspaces' sizes came from: probed, fitted or default.
     #[serde(skip_serializing_if = "Option::is_none")]
     workspace_source: Option<gpumem_core::workspace::WorkspaceSource>,
+    /// bitsandbytes' paged optimizer state (CUDA managed memory), outside the peak.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    host_backed_mib: Option<f64>,
     /// Run-average DCGM fields (physical model, or learned models where given).
     utilization: UtilizationJson,
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -344,6 +347,7 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             }),
             allocator: est.allocator.as_ref(),
             workspace_source: est.workspace_source,
+            host_backed_mib: (est.host_backed_bytes > 0).then(|| mib(est.host_backed_bytes)),
             utilization: UtilizationJson {
                 smact: util.smact,
                 smocc: util.smocc,
@@ -480,6 +484,12 @@ fn print_estimate(model: &str, batch: u64, iterations: u32, profile: &GpuProfile
         (false, _) => "does NOT fit: out of memory",
     };
     println!("verdict      {verdict}");
+    if est.host_backed_bytes > 0 {
+        println!(
+            "host-backed  {:>10.1} MiB  paged optimizer state (CUDA managed memory): not in the peak, paged out to the host when the GPU needs the room; nvidia-smi shows it while the GPU has room",
+            bytes_to_mib(est.host_backed_bytes)
+        );
+    }
     if let Some(source) = est.workspace_source {
         let why = match source {
             WorkspaceSource::Probed => "cuDNN workspaces as probed on this GPU and stack",

@@ -43,7 +43,7 @@ pub struct PlanArgs {
     /// selective-layer:N.
     #[arg(long, default_value = "both")]
     checkpointing: String,
-    /// Optimizer: adam, adamw, sgd, sgd-momentum, or bitsandbytes' adam8bit, adamw8bit, paged-adamw8bit.
+    /// Optimizer, as gpumem or the trainer names it (as `estimate --optimizer`; docs/intake.md).
     #[arg(long, default_value = "adam")]
     optimizer: String,
     /// Sequence length (PyTorch sequence models).

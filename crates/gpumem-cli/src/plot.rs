@@ -333,7 +333,11 @@ where
         RGBColor(23, 190, 207),
         RGBColor(140, 86, 75),
     ];
-    for k in (0..Category::ALL.len()).rev() {
+    // The allocator's categories (host-backed memory, outside it, is never in the timeline).
+    for k in (0..Category::ALL.len())
+        .rev()
+        .filter(|&k| Category::ALL[k] != Category::HostBacked)
+    {
         let color = colors[k];
         let stacked = columns
             .iter()

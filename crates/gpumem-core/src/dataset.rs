@@ -207,7 +207,7 @@ pub fn read_rows(name: &str, reader: impl Read) -> Result<Rows, CsvError> {
                     mib("Max GPU Memory (MiB)", get(mcol))?
                 },
                 options: OptionOverrides {
-                    optimizer: Some(Optimizer::Adam),
+                    optimizer: Some(Optimizer::ADAM),
                     precision: Some(Precision::Fp32),
                     ..OptionOverrides::default()
                 },
@@ -473,12 +473,13 @@ mod tests {
         assert_eq!(e.to_string(), "d.csv: no rows with status ok");
         let e = read_measurements(
             "d.csv",
-            "model,batch_size,measured_mib,optimizer\na,8,100,lion\n".as_bytes(),
+            "model,batch_size,measured_mib,optimizer\na,8,100,lamb\n".as_bytes(),
         )
         .unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "d.csv line 2: column optimizer: unknown optimizer `lion` (expected adam, adamw, sgd, sgd-momentum, adam8bit, adamw8bit or paged-adamw8bit)"
+        assert!(
+            e.to_string()
+                .starts_with("d.csv line 2: column optimizer: unknown optimizer `lamb` (expected adam, adamw, sgd, sgd-momentum,"),
+            "{e}"
         );
     }
 }

@@ -130,7 +130,7 @@ pub fn diff(
             torch_reserved: snapshot.peak_reserved,
         },
     };
-    let mut only = [(0u64, 0usize); 7];
+    let mut only = [(0u64, 0usize); crate::trace::CATEGORIES];
     let describe = |r: &Request| GpumemRequest {
         bytes: r.bytes,
         category: r.category,

@@ -12,7 +12,7 @@ use serde::Serialize;
 use crate::UnknownName;
 use crate::allocator::{AllocatorStats, CachingAllocator, OutOfMemory};
 use crate::profile::{GpuProfile, ProfileError};
-use crate::trace::{Category, ConvPass, Event, Phase, Trace};
+use crate::trace::{CATEGORIES, Category, ConvPass, Event, Phase, Trace};
 use crate::units::mib_to_bytes;
 use crate::workspace::{WorkspaceSource, WorkspaceTable};
 
@@ -31,7 +31,7 @@ pub struct Breakdown {
 }
 
 impl Breakdown {
-    fn from_categories(live: &[u64; 7]) -> Self {
+    fn from_categories(live: &[u64; CATEGORIES]) -> Self {
         Breakdown {
             parameters: live[Category::Parameter.index()],
             gradients: live[Category::Gradient.index()],
@@ -69,7 +69,7 @@ impl Breakdown {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct TimelinePoint {
     pub event: u32,
-    pub live: [u64; 7],
+    pub live: [u64; CATEGORIES],
     pub allocated: u64,
     pub reserved: u64,
 }
@@ -183,6 +183,40 @@ pub struct Estimate {
     /// trace with convolutions (replay only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workspace_source: Option<WorkspaceSource>,
+    /// The most host-backed memory live at once (bitsandbytes' paged optimizer state, CUDA
+    /// managed memory): not in the peak, which it does not raise — the driver pages it out to
+    /// the host when the GPU needs the room — but nvidia-smi shows it while the GPU has room.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub host_backed_bytes: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// The most bytes of [`Category::HostBacked`] live at once in `trace`.
+pub fn host_backed_peak(trace: &Trace) -> u64 {
+    let mut sizes = vec![0u64; trace.slots()];
+    let (mut live, mut peak) = (0u64, 0u64);
+    for ev in trace.events() {
+        match *ev {
+            Event::Alloc {
+                slot,
+                bytes,
+                category: Category::HostBacked,
+                ..
+            } => {
+                sizes[slot as usize] = bytes;
+                live += bytes;
+                peak = peak.max(live);
+            }
+            Event::Free { slot } => {
+                live -= std::mem::take(&mut sizes[slot as usize]);
+            }
+            _ => {}
+        }
+    }
+    peak
 }
 
 impl Estimate {
@@ -207,6 +241,7 @@ impl Estimate {
             fragmentation_bytes: None,
             timeline: Vec::new(),
             workspace_source: None,
+            host_backed_bytes: 0,
         }
     }
 }
@@ -302,7 +337,9 @@ impl<'a> GpuSizes<'a> {
 
     /// The bytes an allocation event asks of the allocator.
     pub fn alloc(&self, bytes: u64, category: Category, op: u32) -> u64 {
-        if category != Category::Workspace {
+        if category == Category::HostBacked {
+            0 // managed memory: never the caching allocator's
+        } else if category != Category::Workspace {
             bytes
         } else if Some(op) == self.cublas_op {
             self.cublas
@@ -340,7 +377,7 @@ pub struct Replay {
 struct Instant {
     event: usize,
     iteration: u32,
-    live: [u64; 7],
+    live: [u64; CATEGORIES],
     allocated: u64,
     reserved: u64,
 }
@@ -559,6 +596,7 @@ impl Estimator for Replay {
             fragmentation_bytes: Some(run.fragmentation),
             timeline: run.timeline,
             workspace_source: run.workspace_source,
+            host_backed_bytes: host_backed_peak(trace),
         })
     }
 }
@@ -574,14 +612,15 @@ impl Estimator for LiveTensors {
 
     fn estimate(&self, trace: &Trace, profile: &GpuProfile) -> Result<Estimate, EstimateError> {
         let mut sizes: Vec<(u64, u8)> = vec![(0, 0); trace.slots()];
-        let mut live = [0u64; 7];
-        let (mut total, mut peak, mut at_peak) = (0u64, 0u64, [0u64; 7]);
+        let mut live = [0u64; CATEGORIES];
+        let (mut total, mut peak, mut at_peak) = (0u64, 0u64, [0u64; CATEGORIES]);
         let (mut iteration, mut peak_event) = (0u32, None);
         for (n, ev) in trace.events().iter().enumerate() {
             match *ev {
-                // The cuBLAS workspace is not a tensor: FakeTensor never sees it.
+                // The cuBLAS workspace is not a tensor: FakeTensor never sees it. Managed memory
+                // is no part of the peak.
                 Event::Alloc {
-                    category: Category::Workspace,
+                    category: Category::Workspace | Category::HostBacked,
                     ..
                 } => {}
                 Event::Alloc {
@@ -612,6 +651,7 @@ impl Estimator for LiveTensors {
         let mut est =
             Estimate::without_allocator(self.name(), profile, Breakdown::from_categories(&at_peak));
         est.peak_at = peak_event.and_then(|(n, i)| PeakAt::of(trace, n, i));
+        est.host_backed_bytes = host_backed_peak(trace);
         Ok(est)
     }
 }

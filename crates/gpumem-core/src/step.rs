@@ -8,7 +8,8 @@
 //! gradients, the forward allocates outputs and keeps what autograd saves, the previous `outputs`
 //! and `loss` die when reassigned, the backward allocates gradients node by node (stealing the
 //! first one into `p.grad`, accumulating later ones in place) and releases saved tensors, and the
-//! optimizer creates its state at the first step and allocates its foreach temporaries.
+//! optimizer creates its state at the first step and allocates its step's temporaries
+//! ([`optimizer`]: each optimizer and implementation).
 
 use std::collections::HashMap;
 
@@ -17,13 +18,15 @@ use crate::job::{Optimizer, OptionValues, Precision};
 use crate::profile::CUBLAS_WORKSPACE_BYTES;
 use crate::trace::{Category, ConvPass, Phase, Trace, TraceBuilder, TraceHeader};
 
-/// bitsandbytes' 8-bit optimizers keep tensors smaller than this in 32 bits (`min_8bit_size`).
-pub const BNB_MIN_8BIT_SIZE: u64 = 4096;
-/// Elements per absmax scale of bitsandbytes' blockwise-quantized state.
-pub const BNB_BLOCK: u64 = 256;
+pub mod optimizer;
 
-/// bitsandbytes' state for a parameter of `numel` elements: two tensors, each `(bytes, what)`
-/// twice over — uint8 per element plus an fp32 absmax per block, or fp32 per element below
+pub use optimizer::{
+    BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN, BNB_QMAP_BYTES, NotNative, Param, StepEvent,
+    native, step_events,
+};
+
+/// bitsandbytes' 8-bit Adam state for a parameter of `numel` elements (`(bytes, what)`): a byte
+/// per element and an fp32 absmax per block for each moment, or fp32 per element below
 /// [`BNB_MIN_8BIT_SIZE`] (bitsandbytes 0.50 `Optimizer2State.init_state`).
 pub fn bnb_8bit_state(numel: u64) -> Vec<(u64, &'static str)> {
     if numel < BNB_MIN_8BIT_SIZE {
@@ -37,10 +40,6 @@ pub fn bnb_8bit_state(numel: u64) -> Vec<(u64, &'static str)> {
         (absmax, "absmax2"),
     ]
 }
-
-/// The quantization maps (`dynamic`, `udynamic`: 256 fp32 each) bitsandbytes moves to the GPU
-/// once per optimizer.
-pub const BNB_QMAP_BYTES: u64 = 256 * 4;
 
 /// PyTorch behaviour that changed between releases (spec §3.1.9, §4.1, §4.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -605,86 +604,25 @@ impl<'a> Emitter<'a> {
         }
         let first = self.optimizer_steps == 0;
         self.optimizer_steps += 1;
-        let foreach = self.cfg.torch >= TorchBehaviour::V2_0;
-        match self.cfg.optimizer {
-            Optimizer::Adam | Optimizer::AdamW => {
-                if first {
-                    for &k in &have {
-                        // exp_avg, exp_avg_sq: kept for the whole run.
-                        self.b
-                            .alloc(sizes[k], Category::OptimizerState, ph, "exp_avg");
-                        self.b
-                            .alloc(sizes[k], Category::OptimizerState, ph, "exp_avg_sq");
-                    }
+        let params: Vec<Param> = have
+            .iter()
+            .map(|&k| {
+                let t = g.t(g.params[k]);
+                Param {
+                    numel: t.numel,
+                    elem_bytes: t.dtype.size(),
                 }
-                if foreach {
-                    // exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs): one bucket-sized temporary.
-                    let sqrt: Vec<u64> = have
-                        .iter()
-                        .map(|&k| {
-                            self.b
-                                .alloc(sizes[k], Category::Temporary, ph, "_foreach_sqrt")
-                        })
-                        .collect();
-                    let denom: Vec<u64> = if self.cfg.torch == TorchBehaviour::V2_0 {
-                        have.iter()
-                            .map(|&k| {
-                                self.b
-                                    .alloc(sizes[k], Category::Temporary, ph, "_foreach_add")
-                            })
-                            .collect()
-                    } else {
-                        Vec::new()
-                    };
-                    // Python frees a list's items last to first.
-                    for id in sqrt.into_iter().chain(denom).rev() {
-                        self.b.free(id);
-                    }
-                } else {
-                    for &k in &have {
-                        let s = self.b.alloc(sizes[k], Category::Temporary, ph, "sqrt");
-                        let d = self.b.alloc(sizes[k], Category::Temporary, ph, "div");
-                        self.b.free(s);
-                        self.b.free(d);
-                    }
-                }
-            }
-            Optimizer::SgdMomentum => {
-                if first {
-                    for &k in &have {
-                        self.b
-                            .alloc(sizes[k], Category::OptimizerState, ph, "momentum_buffer");
-                    }
-                }
-            }
-            Optimizer::Sgd => {}
-            Optimizer::Adam8bit | Optimizer::AdamW8bit | Optimizer::PagedAdamW8bit => {
-                // Its CUDA kernels update in place: state made on the first step, no temporaries.
-                if first {
-                    let mut qmaps = false;
-                    for &k in &have {
-                        let numel = g.t(g.params[k]).numel;
-                        if numel >= BNB_MIN_8BIT_SIZE && !qmaps {
-                            // The maps go to the GPU with the first 8-bit state.
-                            self.b.alloc(
-                                BNB_QMAP_BYTES,
-                                Category::OptimizerState,
-                                ph,
-                                "qmap_dynamic",
-                            );
-                            self.b.alloc(
-                                BNB_QMAP_BYTES,
-                                Category::OptimizerState,
-                                ph,
-                                "qmap_udynamic",
-                            );
-                            qmaps = true;
-                        }
-                        for (bytes, what) in bnb_8bit_state(numel) {
-                            self.b.alloc(bytes, Category::OptimizerState, ph, what);
-                        }
-                    }
-                }
+            })
+            .collect();
+        let mut ids = Vec::new();
+        for ev in step_events(self.cfg.optimizer, self.cfg.torch, &params, first) {
+            match ev {
+                StepEvent::Alloc {
+                    bytes,
+                    category,
+                    what,
+                } => ids.push(self.b.alloc(bytes, category, ph, what)),
+                StepEvent::Free(k) => self.b.free(ids[k]),
             }
         }
         let total: u64 = sizes.iter().sum();

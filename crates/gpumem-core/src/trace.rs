@@ -22,6 +22,9 @@ pub const FORMAT_NAME: &str = "gpumem-trace";
 pub const FORMAT_VERSION: u32 = 2;
 
 /// What an allocation holds. Estimators report their breakdown by these.
+/// How many [`Category`] values there are.
+pub const CATEGORIES: usize = 8;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
 #[serde(rename_all = "snake_case")]
 pub enum Category {
@@ -32,10 +35,14 @@ pub enum Category {
     Temporary,
     InputBatch,
     Workspace,
+    /// CUDA managed memory outside PyTorch's caching allocator (bitsandbytes' paged optimizer
+    /// state): resident while the GPU has room, paged out to the host by the driver under
+    /// pressure. Not replayed through the allocator, not in the peak; reported beside it.
+    HostBacked,
 }
 
 impl Category {
-    pub const ALL: [Category; 7] = [
+    pub const ALL: [Category; CATEGORIES] = [
         Category::Parameter,
         Category::Gradient,
         Category::OptimizerState,
@@ -43,6 +50,7 @@ impl Category {
         Category::Temporary,
         Category::InputBatch,
         Category::Workspace,
+        Category::HostBacked,
     ];
     pub fn index(self) -> usize {
         self as usize
@@ -56,6 +64,7 @@ impl Category {
             Category::Temporary => "temporary",
             Category::InputBatch => "input_batch",
             Category::Workspace => "workspace",
+            Category::HostBacked => "host_backed",
         }
     }
 }

@@ -29,11 +29,15 @@ fn every_family_optimizer_and_precision_traces_and_round_trips() {
     let p = builtin("a100-40gb").unwrap();
     for spec in MODELS {
         for opt in [
-            Optimizer::Adam,
-            Optimizer::AdamW,
-            Optimizer::Sgd,
-            Optimizer::SgdMomentum,
-            Optimizer::AdamW8bit,
+            Optimizer::ADAM,
+            Optimizer::ADAMW,
+            Optimizer::SGD,
+            Optimizer::SGD_MOMENTUM,
+            Optimizer::parse("adamw8bit").unwrap(),
+            Optimizer::parse("adam-fused").unwrap(),
+            Optimizer::parse("adamw-for-loop").unwrap(),
+            Optimizer::parse("paged-lion32bit").unwrap(),
+            Optimizer::parse("torchao-adamw4bit").unwrap(),
         ] {
             for prec in [Precision::Fp32, Precision::AmpFp16, Precision::AmpBf16] {
                 let t = trace(spec, 8, opt, prec);
@@ -74,21 +78,21 @@ fn optimizer_state_matches_the_optimizer() {
         .parameter_count();
     assert_eq!(
         category_bytes(
-            &trace(spec, 8, Optimizer::Adam, Precision::Fp32),
+            &trace(spec, 8, Optimizer::ADAM, Precision::Fp32),
             Category::OptimizerState
         ),
         2 * 4 * params
     );
     assert_eq!(
         category_bytes(
-            &trace(spec, 8, Optimizer::SgdMomentum, Precision::Fp32),
+            &trace(spec, 8, Optimizer::SGD_MOMENTUM, Precision::Fp32),
             Category::OptimizerState
         ),
         4 * params
     );
     assert_eq!(
         category_bytes(
-            &trace(spec, 8, Optimizer::Sgd, Precision::Fp32),
+            &trace(spec, 8, Optimizer::SGD, Precision::Fp32),
             Category::OptimizerState
         ),
         0
@@ -102,13 +106,13 @@ fn optimizer_state_matches_the_optimizer() {
             .flat_map(|&t| gpumem_core::step::bnb_8bit_state(g.t(t).numel))
             .map(|(b, _)| b)
             .sum::<u64>();
-    for opt in [Optimizer::AdamW8bit, Optimizer::PagedAdamW8bit] {
+    // Paged, the states of 100,000 elements and more are host-backed (managed memory).
+    for opt in ["adamw8bit", "paged-adamw8bit"] {
+        let t = trace(spec, 8, Optimizer::parse(opt).unwrap(), Precision::Fp32);
         assert_eq!(
-            category_bytes(
-                &trace(spec, 8, opt, Precision::Fp32),
-                Category::OptimizerState
-            ),
-            bnb
+            category_bytes(&t, Category::OptimizerState) + category_bytes(&t, Category::HostBacked),
+            bnb,
+            "{opt}"
         );
     }
     assert!(bnb < 2 * 4 * params / 3, "about a quarter of Adam's");
@@ -143,8 +147,8 @@ fn op_bytes(t: &Trace, name: &str) -> u64 {
 #[test]
 fn autocast_halves_matmul_outputs_and_adds_weight_copies() {
     let spec = "mlp:input=2048,output=10,depth=4,arch=uniform,act=relu";
-    let fp32 = trace(spec, 512, Optimizer::Adam, Precision::Fp32);
-    let amp = trace(spec, 512, Optimizer::Adam, Precision::AmpBf16);
+    let fp32 = trace(spec, 512, Optimizer::ADAM, Precision::Fp32);
+    let amp = trace(spec, 512, Optimizer::ADAM, Precision::AmpBf16);
     // Forward outputs halve; backward gradients of the low-precision tensors halve too.
     assert_eq!(2 * op_bytes(&amp, "addmm"), op_bytes(&fp32, "addmm"));
     assert_eq!(op_bytes(&fp32, "to_copy"), 0);
@@ -164,7 +168,7 @@ fn autocast_halves_matmul_outputs_and_adds_weight_copies() {
 
 #[test]
 fn gradients_are_freed_by_zero_grad_and_recreated() {
-    let t = trace(MODELS[0], 16, Optimizer::Adam, Precision::Fp32);
+    let t = trace(MODELS[0], 16, Optimizer::ADAM, Precision::Fp32);
     let params = ModelSpec::parse(MODELS[0])
         .unwrap()
         .graph(16, Precision::Fp32)
@@ -195,10 +199,10 @@ fn peak_grows_with_batch() {
     let p = builtin("a100-40gb").unwrap();
     for spec in MODELS {
         let small = Replay::default()
-            .estimate(&trace(spec, 4, Optimizer::Adam, Precision::Fp32), &p)
+            .estimate(&trace(spec, 4, Optimizer::ADAM, Precision::Fp32), &p)
             .unwrap();
         let large = Replay::default()
-            .estimate(&trace(spec, 256, Optimizer::Adam, Precision::Fp32), &p)
+            .estimate(&trace(spec, 256, Optimizer::ADAM, Precision::Fp32), &p)
             .unwrap();
         assert!(large.peak_bytes >= small.peak_bytes, "{spec}");
     }
@@ -206,7 +210,7 @@ fn peak_grows_with_batch() {
 
 #[test]
 fn hopper_profiles_use_the_larger_cublas_workspace() {
-    let t = trace(MODELS[0], 8, Optimizer::Adam, Precision::Fp32);
+    let t = trace(MODELS[0], 8, Optimizer::ADAM, Precision::Fp32);
     let a100 = Replay::default()
         .estimate(&t, &builtin("a100-80gb").unwrap())
         .unwrap();
@@ -215,4 +219,50 @@ fn hopper_profiles_use_the_larger_cublas_workspace() {
         .unwrap();
     assert_eq!(a100.breakdown.workspace, 2 * CUBLAS_WORKSPACE_BYTES);
     assert_eq!(h100.breakdown.workspace, 2 * CUBLAS_WORKSPACE_HOPPER_BYTES);
+}
+
+#[test]
+fn paged_state_is_host_backed_beside_the_peak() {
+    // A 4096×4096 layer: its states are paged (100,000 elements and more), its bias's are not.
+    let spec = "mlp:input=4096,output=4096,depth=1,arch=uniform,act=relu";
+    let p = builtin("a100-40gb").unwrap();
+    let est = |name: &str| {
+        Replay::default()
+            .estimate(
+                &trace(spec, 8, Optimizer::parse(name).unwrap(), Precision::Fp32),
+                &p,
+            )
+            .unwrap()
+    };
+    let (resident, paged) = (est("adamw32bit"), est("paged-adamw32bit"));
+    let t = trace(
+        spec,
+        8,
+        Optimizer::parse("paged-adamw32bit").unwrap(),
+        Precision::Fp32,
+    );
+    let host = category_bytes(&t, Category::HostBacked);
+    assert!(host >= 2 * 4 * 4096 * 4096, "{host}");
+    assert_eq!(paged.host_backed_bytes, host);
+    assert_eq!(resident.host_backed_bytes, 0);
+    assert!(paged.peak_bytes + host / 2 < resident.peak_bytes);
+    assert_eq!(
+        LiveTensors.estimate(&t, &p).unwrap().host_backed_bytes,
+        host
+    );
+}
+
+#[test]
+fn native_models_refuse_what_needs_parameter_shapes() {
+    let mut job = JobOptions::new(8);
+    job.optimizer = Optimizer::parse("muon").unwrap();
+    let e = ModelSpec::parse(MODELS[0])
+        .unwrap()
+        .trace(&job)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "optimizer muon applies to PyTorch models here: it takes only the 2-D parameters, and the native graphs hold parameter sizes, not shapes (the native families model adam, adamw, sgd and sgd-momentum in every implementation, bitsandbytes' and torchao's optimizers)"
+    );
 }

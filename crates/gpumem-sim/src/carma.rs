@@ -137,7 +137,7 @@ fn entry_options(entry: &Entry, gpus: u32) -> Result<Options, OptionsProblem> {
         optimizer: entry
             .optimizer
             .as_deref()
-            .map_or(Ok(Optimizer::Adam), Optimizer::parse)?,
+            .map_or(Ok(Optimizer::ADAM), Optimizer::parse)?,
         input,
         seq_len: entry.seq_len,
         data_parallel: gpus,

@@ -22,7 +22,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 21] = [
+const SOURCES: [(&str, &str); 22] = [
     (
         "__init__.py",
         include_str!("../../../python/gpumem_trace/__init__.py"),
@@ -67,6 +67,10 @@ const SOURCES: [(&str, &str); 21] = [
     (
         "models.py",
         include_str!("../../../python/gpumem_trace/models.py"),
+    ),
+    (
+        "optimizers.py",
+        include_str!("../../../python/gpumem_trace/optimizers.py"),
     ),
     (
         "parallel.py",

@@ -286,7 +286,7 @@ mod tests {
             .unwrap();
         assert_eq!(
             (o.precision, o.grad_accum, o.optimizer),
-            (Precision::Bf16, 4, Optimizer::Adam)
+            (Precision::Bf16, 4, Optimizer::ADAM)
         );
         assert_eq!(
             read("distributed_type: 'NO'\nnum_processes: 1\n")

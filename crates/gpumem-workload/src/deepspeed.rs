@@ -187,9 +187,9 @@ pub fn read_config(text: &str) -> Result<DeepSpeedJob, LaunchConfigError> {
     let optimizer = match root.get("optimizer").and_then(|o| o.get("type")) {
         None => None,
         Some(Value::String(t)) => Some(match t.to_ascii_lowercase().as_str() {
-            "adam" | "fusedadam" | "cpuadam" | "deepspeedcpuadam" => Optimizer::Adam,
-            "adamw" => Optimizer::AdamW,
-            "sgd" => Optimizer::Sgd,
+            "adam" | "fusedadam" | "cpuadam" | "deepspeedcpuadam" => Optimizer::ADAM,
+            "adamw" => Optimizer::ADAMW,
+            "sgd" => Optimizer::SGD,
             other => {
                 return Err(bad(
                     "optimizer.type",
@@ -479,7 +479,7 @@ mod tests {
             job.stated,
             LoopSettings {
                 precision: Some(Precision::Bf16),
-                optimizer: Some(Optimizer::AdamW),
+                optimizer: Some(Optimizer::ADAMW),
                 micro_batch: Some(4),
                 grad_accum: Some(2)
             }

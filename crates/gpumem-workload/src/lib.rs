@@ -563,7 +563,7 @@ mod tests {
             "mlp:input=4096,output=1000,depth=4",
             32,
             OptionValues {
-                optimizer: Optimizer::Sgd,
+                optimizer: Optimizer::SGD,
                 precision: Precision::AmpBf16,
                 ..OptionValues::default()
             }
@@ -579,7 +579,7 @@ mod tests {
                 t.header.options.optimizer.name(),
                 t.header.options.precision.name()
             ),
-            (32, "sgd", "amp-bf16")
+            (32, "sgd".to_string(), "amp-bf16")
         );
         let sym = w.symbolic(&p).unwrap();
         assert_eq!(sym.at(32).unwrap().events(), t.events());

@@ -6,7 +6,7 @@
 //! point, and those traces run side by side, one tracer process per core.
 
 use gpumem_core::estimate::{Estimate, Estimator};
-use gpumem_core::job::{Engine, Optimizer, Precision, ZeroStage};
+use gpumem_core::job::{Engine, Precision, ZeroStage};
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::utilization::{HostModel, physical};
 
@@ -160,7 +160,7 @@ pub enum SkipReason {
     )]
     ModelStates {
         trainable: u64,
-        optimizer: &'static str,
+        optimizer: String,
         bytes: u64,
     },
 }
@@ -247,12 +247,7 @@ fn model_states_floor(
     let strategy = strategy?;
     match strategy.engine() {
         Engine::Ddp { .. } => {
-            let states = match options.optimizer {
-                Optimizer::Adam | Optimizer::AdamW => 2 * word,
-                Optimizer::SgdMomentum => word,
-                Optimizer::Sgd | Optimizer::PagedAdamW8bit => 0,
-                Optimizer::Adam8bit | Optimizer::AdamW8bit => 2,
-            };
+            let states = options.optimizer.state_floor(word);
             trainable.checked_mul(2 * word + states)
         }
         Engine::Zero {
@@ -260,12 +255,9 @@ fn model_states_floor(
             zero,
         } => {
             let world_size = strategy.world_size();
-            let states: u64 = match options.optimizer {
-                Optimizer::Adam | Optimizer::AdamW => 2,
-                Optimizer::SgdMomentum => 1,
-                Optimizer::Sgd => 0,
-                _ => return None, // ZeRO refuses bitsandbytes' optimizers (the trace says so)
-            };
+            // ZeRO takes Adam, AdamW and SGD only (`OptionError::ZeroOptimizer`).
+            options.optimizer.zero_family()?;
+            let states = options.optimizer.state_floor(1);
             let master = if zero.offload_optimizer {
                 0
             } else {
@@ -510,6 +502,7 @@ mod tests {
 
     use super::*;
     use gpumem_core::estimate::Replay;
+    use gpumem_core::job::Optimizer;
     use gpumem_core::profile::builtin;
 
     #[test]
@@ -535,19 +528,29 @@ mod tests {
             .unwrap()
         };
         assert_eq!(
-            model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::Sgd)),
+            model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::SGD)),
             Some(8_000)
         );
         assert_eq!(
-            model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::SgdMomentum)),
+            model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::SGD_MOMENTUM)),
             Some(12_000)
         );
         assert_eq!(
-            model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::AdamW8bit)),
+            model_states_floor(
+                ddp,
+                1000,
+                Precision::Fp32,
+                &with(Optimizer::parse("adamw8bit").unwrap())
+            ),
             Some(10_000)
         );
         assert_eq!(
-            model_states_floor(ddp, 1000, Precision::Fp32, &with(Optimizer::PagedAdamW8bit)),
+            model_states_floor(
+                ddp,
+                1000,
+                Precision::Fp32,
+                &with(Optimizer::parse("paged-adamw8bit").unwrap())
+            ),
             Some(8_000),
             "paged states may sit on the host"
         );

@@ -47,7 +47,7 @@ impl JobOptions {
     pub fn new(batch: u64) -> Self {
         JobOptions {
             batch,
-            optimizer: Optimizer::Adam,
+            optimizer: Optimizer::ADAM,
             precision: Precision::Fp32,
             torch: TorchBehaviour::V2_1,
             cublas_workspace: CUBLAS_WORKSPACE_BYTES,
@@ -243,6 +243,8 @@ pub enum JobError {
     TooLarge { bytes: u64 },
     #[error("--precision {} (pure low precision) applies to PyTorch models; the native families train in fp32 or under autocast (amp-fp16, amp-bf16)", .0.name())]
     PurePrecision(Precision),
+    #[error(transparent)]
+    Optimizer(#[from] crate::step::NotNative),
 }
 
 impl ModelSpec {
@@ -349,6 +351,7 @@ impl ModelSpec {
         if job.precision.is_pure() {
             return Err(JobError::PurePrecision(job.precision));
         }
+        crate::step::native(job.optimizer)?;
         // Checked before the graph is built: its sizes are whole numbers that must not wrap.
         let bytes = self.largest_elements(job.batch) * 4.0;
         if bytes > crate::trace::MAX_ALLOC_BYTES as f64 {

@@ -17,12 +17,17 @@ use crate::UnknownName;
 pub mod lengths;
 pub mod lora;
 pub mod mesh;
+pub mod optim;
 
 pub use lengths::{LengthError, LengthSchedule, LengthSource, LengthSummary};
 pub use lora::{Lora, LoraError, LoraValues, Quant4};
 pub use mesh::{
     DDP_BUCKET_CAP_MB, Engine, EngineKind, HalfDtype, MAX_WORLD_SIZE, Mesh, MeshDim, MeshValues,
     Strategy, StrategyValues, Zero, ZeroStage,
+};
+pub use optim::{
+    Adafactor, Bnb, BnbAlgorithm, BnbBits, Implementation, Loop, NoImplementation, Optimizer,
+    Torchao,
 };
 
 /// Prefixes of model references only the PyTorch tracer can resolve.
@@ -298,53 +303,6 @@ impl Precision {
     }
 }
 
-/// The optimizers gpumem models, with PyTorch's defaults (foreach on CUDA in 2.x), and
-/// bitsandbytes' 8-bit Adam/AdamW (blockwise-quantized state; `paged`: its state in CUDA managed
-/// memory, counted as resident — what nvidia-smi shows while nothing presses it out).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Optimizer {
-    Adam,
-    AdamW,
-    Sgd,
-    SgdMomentum,
-    Adam8bit,
-    AdamW8bit,
-    PagedAdamW8bit,
-}
-
-impl Optimizer {
-    pub fn parse(s: &str) -> Result<Self, UnknownName> {
-        match s.to_ascii_lowercase().as_str() {
-            "adam" => Ok(Optimizer::Adam),
-            "adamw" => Ok(Optimizer::AdamW),
-            "sgd" => Ok(Optimizer::Sgd),
-            "sgd-momentum" | "sgd_momentum" | "momentum" => Ok(Optimizer::SgdMomentum),
-            "adam8bit" | "adam-8bit" => Ok(Optimizer::Adam8bit),
-            "adamw8bit" | "adamw-8bit" => Ok(Optimizer::AdamW8bit),
-            "paged-adamw8bit" | "paged_adamw8bit" | "paged-adamw-8bit" => {
-                Ok(Optimizer::PagedAdamW8bit)
-            }
-            other => Err(UnknownName::new(
-                "optimizer",
-                other,
-                "adam, adamw, sgd, sgd-momentum, adam8bit, adamw8bit or paged-adamw8bit",
-            )),
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Optimizer::Adam => "adam",
-            Optimizer::AdamW => "adamw",
-            Optimizer::Sgd => "sgd",
-            Optimizer::SgdMomentum => "sgd-momentum",
-            Optimizer::Adam8bit => "adam8bit",
-            Optimizer::AdamW8bit => "adamw8bit",
-            Optimizer::PagedAdamW8bit => "paged-adamw8bit",
-        }
-    }
-}
-
 /// The options of the training loop around a model, as stated (by flags, a job file, JSON or
 /// a trace header) and not yet checked: [`OptionValues::check`] makes them [`Options`]. The
 /// defaults are a plain loop: Adam, fp32, the model's own input, one GPU, no checkpointing or
@@ -352,8 +310,10 @@ impl Optimizer {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct OptionValues {
+    /// The optimizer by gpumem's name (`adamw`, `adamw-fused`, `paged-adamw8bit`, …; see
+    /// docs/intake.md); reading, any name `Optimizer::parse` takes.
     #[serde(with = "optimizer_name")]
-    #[schemars(with = "String")]
+    #[schemars(schema_with = "optimizer_name::schema")]
     pub optimizer: Optimizer,
     #[serde(with = "precision_name")]
     #[schemars(with = "String")]
@@ -397,7 +357,7 @@ pub struct OptionValues {
 impl Default for OptionValues {
     fn default() -> Self {
         OptionValues {
-            optimizer: Optimizer::Adam,
+            optimizer: Optimizer::ADAM,
             precision: Precision::Fp32,
             input: None,
             seq_len: None,
@@ -512,6 +472,11 @@ pub enum OptionError {
         "HSDP's replicas (--nodes) {replicas} must divide the world size (--world-size) {world_size} into groups of at least 2 ranks"
     )]
     Replicas { replicas: u32, world_size: u32 },
+    /// DeepSpeed runs its own Adam, AdamW or SGD over its partitions.
+    #[error(
+        "optimizer {0} cannot run under ZeRO, whose engine runs its own optimizer (adam, adamw, sgd or sgd-momentum)"
+    )]
+    ZeroOptimizer(String),
     #[error(transparent)]
     Lora(#[from] LoraError),
 }
@@ -555,6 +520,9 @@ impl OptionValues {
         if let Some(strategy) = self.strategy {
             if strategy.zero_stage().is_some() && self.precision == Precision::AmpFp16 {
                 return Err(OptionError::ZeroAmpFp16);
+            }
+            if strategy.zero_stage().is_some() && self.optimizer.zero_family().is_none() {
+                return Err(OptionError::ZeroOptimizer(self.optimizer.name()));
             }
             if self.data_parallel > 1 {
                 return Err(OptionError::TwoWrappers);
@@ -670,7 +638,12 @@ mod checkpointing_compat {
 mod optimizer_name {
     use super::*;
     pub fn serialize<S: serde::Serializer>(o: &Optimizer, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(o.name())
+        s.serialize_str(&o.name())
+    }
+    /// gpumem's names, the one vocabulary the tracer's request carries.
+    pub fn schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        let names: Vec<String> = Optimizer::all().iter().map(|o| o.name()).collect();
+        schemars::json_schema!({ "type": "string", "enum": names })
     }
     pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Optimizer, D::Error> {
         Optimizer::parse(&String::deserialize(d)?).map_err(serde::de::Error::custom)

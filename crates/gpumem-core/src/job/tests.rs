@@ -24,7 +24,7 @@ fn options_in_json_are_spelled_as_on_the_command_line() {
     assert_eq!(
         (o.optimizer, o.precision, o.validate, o.outputs),
         (
-            Optimizer::AdamW,
+            Optimizer::ADAMW,
             Precision::AmpBf16,
             Validate::NoGrad,
             Some(Outputs::Dropped)
@@ -242,4 +242,124 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("DeepSpeed's own fp16 mode"), "{e}");
+}
+
+#[test]
+fn optimizers_are_read_as_trainers_name_them() {
+    let p = |s: &str| Optimizer::parse(s).unwrap().name();
+    // Every name gpumem writes reads back as itself.
+    for o in Optimizer::all() {
+        assert_eq!(Optimizer::parse(&o.name()).unwrap(), o);
+    }
+    assert_eq!(Optimizer::all().len(), 35);
+    // Hugging Face Trainer's `optim` (its default on torch ≥ 2.8 is adamw_torch_fused).
+    for (hf, ours) in [
+        ("adamw_torch", "adamw"),
+        ("adamw_torch_fused", "adamw-fused"),
+        ("adafactor", "adafactor"),
+        ("adamw_bnb_8bit", "adamw8bit"),
+        ("adamw_8bit", "adamw8bit"),
+        ("paged_adamw_32bit", "paged-adamw32bit"),
+        ("paged_adamw_8bit", "paged-adamw8bit"),
+        ("lion_8bit", "lion8bit"),
+        ("lion_32bit", "lion32bit"),
+        ("paged_lion_8bit", "paged-lion8bit"),
+        ("paged_lion_32bit", "paged-lion32bit"),
+        ("adamw_torch_4bit", "torchao-adamw4bit"),
+        ("adamw_torch_8bit", "torchao-adamw8bit"),
+        ("sgd", "sgd"),
+        ("adagrad", "adagrad"),
+        ("rmsprop", "rmsprop"),
+    ] {
+        assert_eq!(p(hf), ours, "{hf}");
+    }
+    // Class paths (torchtune's `_component_`), bnb's alias, axolotl's names, any case.
+    assert_eq!(p("torch.optim.AdamW"), "adamw");
+    assert_eq!(p("bitsandbytes.optim.PagedAdamW8bit"), "paged-adamw8bit");
+    assert_eq!(p("bnb.optim.PagedAdamW"), "paged-adamw32bit");
+    assert_eq!(p("torchao.optim.AdamW8bit"), "torchao-adamw8bit");
+    assert_eq!(p("torch.optim.Muon"), "muon");
+    assert_eq!(p("torch.optim.Adafactor"), "torch-adafactor");
+    assert_eq!(p("transformers.Adafactor"), "adafactor");
+    assert_eq!(p("ao_adamw_fp8"), "torchao-adamw-fp8");
+    assert_eq!(p(" ADAMW "), "adamw");
+    // Older gpumem spellings.
+    assert_eq!(p("sgd_momentum"), "sgd-momentum");
+    assert_eq!(p("paged_adamw8bit"), "paged-adamw8bit");
+    // A config's fused/foreach keys.
+    let torchtune = Optimizer::parse("torch.optim.AdamW").unwrap();
+    let fused = Implementation::from_flags(Some(true), None, Implementation::Foreach);
+    assert_eq!(
+        torchtune.with_implementation(fused).unwrap().name(),
+        "adamw-fused"
+    );
+    let no_foreach = Implementation::from_flags(None, Some(false), Implementation::Foreach);
+    assert_eq!(no_foreach, Implementation::ForLoop);
+    assert_eq!(
+        Optimizer::parse("adafactor")
+            .unwrap()
+            .with_implementation(Implementation::ForLoop)
+            .unwrap()
+            .name(),
+        "adafactor"
+    );
+    assert_eq!(
+        Optimizer::parse("torch-adafactor")
+            .unwrap()
+            .with_implementation(fused)
+            .unwrap_err()
+            .to_string(),
+        "optimizer torch-adafactor has no fused implementation (torch has no fused kernel for it on CUDA)"
+    );
+    assert!(
+        Optimizer::parse("paged-adamw8bit")
+            .unwrap()
+            .with_implementation(Implementation::ForLoop)
+            .is_err()
+    );
+}
+
+#[test]
+fn an_optimizer_gpumem_does_not_model_is_named_with_what_it_takes() {
+    let e = Optimizer::parse("lamb").unwrap_err().to_string();
+    assert!(
+        e.starts_with("unknown optimizer `lamb` (expected adam, adamw,"),
+        "{e}"
+    );
+    assert!(
+        e.contains("paged-adamw32bit") && e.contains("adamw_torch_fused"),
+        "{e}"
+    );
+    assert!(!e.contains('\n'));
+    let e = Optimizer::parse("galore_adamw").unwrap_err().to_string();
+    assert!(e.contains("(gpumem does not model this one)"), "{e}");
+    // In a job document too.
+    let e = serde_json::from_str::<Options>(r#"{"optimizer":"lamb"}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("unknown optimizer `lamb`"), "{e}");
+    let o: Options = serde_json::from_str(r#"{"optimizer":"adamw_torch_fused"}"#).unwrap();
+    assert_eq!(
+        serde_json::to_value(&o).unwrap()["optimizer"],
+        "adamw-fused",
+        "written as gpumem names it"
+    );
+}
+
+#[test]
+fn zero_runs_only_its_own_optimizers() {
+    let zero = Strategy::zero(ZeroStage::new(2).unwrap(), 4, Zero::default()).unwrap();
+    let with = |name: &str| {
+        OptionValues {
+            optimizer: Optimizer::parse(name).unwrap(),
+            strategy: Some(zero),
+            ..OptionValues::default()
+        }
+        .check()
+    };
+    assert!(with("adamw-fused").is_ok());
+    assert_eq!(
+        with("adamw8bit").unwrap_err().to_string(),
+        "optimizer adamw8bit cannot run under ZeRO, whose engine runs its own optimizer (adam, adamw, sgd or sgd-momentum)"
+    );
 }

@@ -174,7 +174,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         doc.not_modelled("attn_implementation", ATTN);
     }
     if let Some(o) = doc.text("optimizer")? {
-        out.optimizer = Some(super::optimizer(doc, "optimizer", &o, false)?);
+        out.optimizer = Some(super::optimizer(doc, "optimizer", &o, None)?);
     }
     if doc.get("optim_args").is_some() {
         doc.not_modelled(

@@ -242,7 +242,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         }
     }
     if let Some(o) = doc.text("optim")? {
-        out.optimizer = Some(super::optimizer(doc, "optim", &o, false)?);
+        out.optimizer = Some(super::optimizer(doc, "optim", &o, None)?);
     }
     if let Some(on) = doc.flag("gradient_checkpointing")? {
         out.checkpointing = Some(if on {

@@ -1,7 +1,7 @@
 //! A Lightning `Trainer` + `LightningModule` setup where it is declarative: the YAML a
 //! `LightningCLI` reads (`fit --config FILE`): `trainer`, `model`, `data`, `optimizer`.
 
-use gpumem_core::job::{HalfDtype, Precision};
+use gpumem_core::job::{HalfDtype, Implementation, Optimizer, Precision};
 use serde_json::Value;
 
 use super::{CLIP, COMPILE, Class, Doc, EVAL, Layout, SAVE, Table, TrainConfig, TrainConfigError};
@@ -145,13 +145,18 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     });
     if let Some(c) = doc.text("optimizer.class_path")? {
         let fused = doc.flag("optimizer.init_args.fused")?.unwrap_or(false);
-        let mut o = super::optimizer(doc, "optimizer.class_path", &c, fused)?;
-        if o == gpumem_core::job::Optimizer::Sgd
+        let mut o = super::optimizer(
+            doc,
+            "optimizer.class_path",
+            &c,
+            fused.then_some(Implementation::Fused),
+        )?;
+        if matches!(o, Optimizer::Sgd(_))
             && doc
                 .number("optimizer.init_args.momentum")?
                 .is_some_and(|m| m > 0.0)
         {
-            o = gpumem_core::job::Optimizer::SgdMomentum;
+            o = Optimizer::SgdMomentum(o.implementation().unwrap_or_default());
         }
         out.optimizer = Some(o);
     }

@@ -15,8 +15,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use gpumem_core::job::{
-    AttentionMask, Checkpointing, Engine, HalfDtype, Lora, Mesh, MeshDim, Optimizer, OptionError,
-    OptionValues, Options, Precision, Quant4, Strategy,
+    AttentionMask, Checkpointing, Engine, HalfDtype, Implementation, Lora, Mesh, MeshDim,
+    Optimizer, OptionError, OptionValues, Options, Precision, Quant4, Strategy,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -687,55 +687,21 @@ impl Doc {
     }
 }
 
-/// An optimizer as a trainer names it. The name goes to [`Optimizer::parse`] first, so names
-/// gpumem learns are taken as they are; else a trainer's own spelling of an optimizer gpumem
-/// models, with an implementation flag (fused) noted as not modelled where it differs. A name
-/// neither knows fails with `Optimizer::parse`'s error.
+/// The optimizer a trainer names (gpumem's names, Hugging Face's `optim` values, axolotl's and
+/// class paths all parse), run by the implementation a config's flag states (`fused: true`,
+/// torchtitan's `implementation`) where it states one.
 pub(crate) fn optimizer(
     doc: &mut Doc,
     field: &str,
     name: &str,
-    fused: bool,
+    implementation: Option<Implementation>,
 ) -> Result<Optimizer, TrainConfigError> {
-    let direct = if fused {
-        None
-    } else {
-        Optimizer::parse(name).ok()
-    };
-    if let Some(o) = direct {
-        return Ok(o);
-    }
-    let lower = name.to_ascii_lowercase();
-    // (spelling, gpumem's name, fused): spellings only — same state, same step.
-    const SPELLINGS: &[(&str, &str, bool)] = &[
-        ("adamw_torch", "adamw", false),
-        ("adamw_hf", "adamw", false),
-        ("adamw_torch_fused", "adamw", true),
-        ("adamw_bnb_8bit", "adamw8bit", false),
-        ("adamw_8bit", "adamw8bit", false),
-        ("paged_adamw_8bit", "paged-adamw8bit", false),
-        ("torch.optim.adamw", "adamw", false),
-        ("torch.optim.adam", "adam", false),
-        ("torch.optim.sgd", "sgd", false),
-        ("bitsandbytes.optim.adamw8bit", "adamw8bit", false),
-        ("bitsandbytes.optim.adam8bit", "adam8bit", false),
-        (
-            "bitsandbytes.optim.pagedadamw8bit",
-            "paged-adamw8bit",
-            false,
-        ),
-    ];
-    match SPELLINGS.iter().find(|(s, _, _)| *s == lower) {
-        Some((_, base, spelled_fused)) => {
-            if fused || *spelled_fused {
-                doc.not_modelled(
-                    field,
-                    "the fused implementation is not modelled yet: sized as foreach (its temporaries are an upper bound of fused's)",
-                );
-            }
-            Ok(Optimizer::parse(base).expect("a modelled optimizer"))
-        }
-        None => Optimizer::parse(name).map_err(|e| doc.err(field, e.to_string())),
+    let o = Optimizer::parse(name).map_err(|e| doc.err(field, e.to_string()))?;
+    match implementation {
+        None => Ok(o),
+        Some(i) => o
+            .with_implementation(i)
+            .map_err(|e| doc.err(field, e.to_string())),
     }
 }
 

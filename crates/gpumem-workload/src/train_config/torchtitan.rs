@@ -5,7 +5,9 @@
 //! (`mixed_precision_param` bfloat16, optimizer `implementation` fused, FSDP over the ranks
 //! left, `-1`).
 
-use gpumem_core::job::{Checkpointing, Engine, HalfDtype, Mesh, MeshDim, Precision, Strategy};
+use gpumem_core::job::{
+    Checkpointing, Engine, HalfDtype, Implementation, Mesh, MeshDim, Precision, Strategy,
+};
 use serde_json::Value;
 
 use super::{
@@ -208,34 +210,25 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         .or_else(|| class_at(doc, "optimizer"));
     if let Some(name) = name {
         doc.used("optimizer._class");
-        let fused = match doc.text("optimizer.implementation")?.as_deref() {
-            None | Some("fused") => true,
-            Some("foreach") => false,
-            Some("for-loop") => {
-                doc.not_modelled("optimizer.implementation", "the for-loop implementation has no foreach temporaries: sized as foreach (an upper bound)");
-                false
-            }
-            Some(other) => {
-                return Err(doc.err(
-                    "optimizer.implementation",
-                    format!("`{other}` is not fused, foreach or for-loop"),
-                ));
-            }
+        // torchtitan's default implementation is fused.
+        let implementation = match doc.text("optimizer.implementation")? {
+            None => Implementation::Fused,
+            Some(i) => Implementation::parse(&i)
+                .map_err(|e| doc.err("optimizer.implementation", e.to_string()))?,
         };
+        doc.used("optimizer.implementation");
         let plain = name
             .rsplit('.')
             .find(|p| *p != "Config")
             .unwrap_or(&name)
             .to_string();
-        out.optimizer = Some(super::optimizer(doc, "optimizer.name", &plain, fused)?);
-        if fused {
-            doc.used("optimizer.name");
-            doc.not_modelled("optimizer.implementation", "the fused implementation is not modelled yet: sized as foreach (its temporaries are an upper bound of fused's)");
-            if doc.get("optimizer.implementation").is_none() {
-                // torchtitan's default; stated here so the output says so.
-                doc.not_modelled("optimizer.name", "torchtitan's default implementation is fused, not modelled yet: sized as foreach (an upper bound)");
-            }
-        }
+        out.optimizer = Some(super::optimizer(
+            doc,
+            "optimizer.name",
+            &plain,
+            Some(implementation),
+        )?);
+        doc.used("optimizer.name");
     }
     doc.off_or_not_modelled("optimizer.early_step_in_backward", "the optimizer step in backward is not in the job vocabulary yet; sized as a step after backward (an upper bound)");
     // Activation checkpointing: JobConfig's mode and selective_ac_option; Trainer.Config's class.

@@ -1,6 +1,8 @@
 //! torchtune's recipe YAML (`tune run RECIPE --config FILE`).
 
-use gpumem_core::job::{AttentionMask, Checkpointing, Precision, Quant4};
+use gpumem_core::job::{
+    AttentionMask, Checkpointing, Implementation, Optimizer, Precision, Quant4,
+};
 
 use super::{
     CHUNKED_CE, CLIP, COMPILE, Class, Doc, EVAL, Layout, OFFLOAD_ACT, PACKED, SAVE, Table,
@@ -96,19 +98,21 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     });
     if let Some(c) = doc.text("optimizer._component_")? {
         let fused = doc.flag("optimizer.fused")?.unwrap_or(false);
-        out.optimizer = Some(super::optimizer(doc, "optimizer._component_", &c, fused)?);
+        let mut o = super::optimizer(
+            doc,
+            "optimizer._component_",
+            &c,
+            fused.then_some(Implementation::Fused),
+        )?;
         if fused {
             doc.used("optimizer.fused");
-            // super::optimizer notes the fused implementation on the class key.
-            if let Some(f) = doc.get("optimizer._component_").cloned() {
-                let _ = f;
-            }
         }
         if c.to_ascii_lowercase().ends_with("sgd")
             && doc.number("optimizer.momentum")?.is_some_and(|m| m > 0.0)
         {
-            out.optimizer = Some(gpumem_core::job::Optimizer::SgdMomentum);
+            o = Optimizer::SgdMomentum(o.implementation().unwrap_or_default());
         }
+        out.optimizer = Some(o);
     }
     doc.off_or_not_modelled(
         "optimizer_in_bwd",
