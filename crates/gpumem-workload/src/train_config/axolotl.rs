@@ -4,8 +4,8 @@ use gpumem_core::job::{AttentionMask, Checkpointing, Precision, Quant4};
 use serde_json::Value;
 
 use super::{
-    ATTN, CLIP, COMPILE, Class, Doc, EVAL, LIGER, OFFLOAD_ACT, PACKED, REENTRANT, SAVE, Table,
-    TrainConfig, TrainConfigError, hf,
+    ATTN, CLIP, COMPILE, Class, Doc, EVAL, LIGER, OFFLOAD_ACT, PACKED, SAVE, Table, TrainConfig,
+    TrainConfigError, hf,
 };
 
 pub(crate) const TABLE: Table = &[
@@ -190,15 +190,8 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         }
         Some(_) => {
             let on = doc.flag("gradient_checkpointing")?.unwrap_or(false);
-            out.checkpointing = Some(if on {
-                Checkpointing::Full
-            } else {
-                Checkpointing::Off
-            });
+            out.checkpointing = Some(super::hf_checkpointing(doc, on)?);
         }
-    }
-    if doc.get("gradient_checkpointing_kwargs").is_some() {
-        doc.not_modelled("gradient_checkpointing_kwargs", REENTRANT);
     }
     if doc.get("activation_offloading").is_some() {
         doc.off_or_not_modelled("activation_offloading", OFFLOAD_ACT);

@@ -1,12 +1,12 @@
 //! Hugging Face `TrainingArguments` and TRL's `SFTConfig` (with TRL's `ModelConfig`, as `trl sft
 //! --config` and the alignment handbook's recipes state them), as JSON or YAML of the arguments.
 
-use gpumem_core::job::{AttentionMask, Checkpointing, HalfDtype, Precision, Quant4};
+use gpumem_core::job::{AttentionMask, HalfDtype, Precision, Quant4};
 use serde_json::Value;
 
 use super::{
-    ATTN, CLIP, COMPILE, Class, Doc, EVAL, LIGER, Layout, PACKED, REENTRANT, SAVE, Table,
-    TrainConfig, TrainConfigError, TrainerKind,
+    ATTN, CLIP, COMPILE, Class, Doc, EVAL, LIGER, Layout, PACKED, SAVE, Table, TrainConfig,
+    TrainConfigError, TrainerKind,
 };
 use crate::deepspeed;
 
@@ -245,14 +245,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         out.optimizer = Some(super::optimizer(doc, "optim", &o, None)?);
     }
     if let Some(on) = doc.flag("gradient_checkpointing")? {
-        out.checkpointing = Some(if on {
-            Checkpointing::Full
-        } else {
-            Checkpointing::Off
-        });
-    }
-    if doc.get("gradient_checkpointing_kwargs").is_some() {
-        doc.not_modelled("gradient_checkpointing_kwargs", REENTRANT);
+        out.checkpointing = Some(super::hf_checkpointing(doc, on)?);
     }
     read_peft(doc, out)?;
     // Ranks: a DeepSpeed config, FSDP, or DDP under the launcher.

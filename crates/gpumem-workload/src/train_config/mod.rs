@@ -383,7 +383,26 @@ pub(crate) const SAVE: &str =
     "checkpoint saving is a whole-run matter (issue 34): gpumem sizes the training step";
 pub(crate) const COMPILE: &str = "torch.compile fuses kernels and changes what activations are kept; gpumem traces the eager step";
 pub(crate) const PACKED: &str = "packed batches (several sequences per row) are not in the job vocabulary yet; sized as one sequence of the full length per row, without a mask";
-pub(crate) const REENTRANT: &str = "reentrant vs non-reentrant checkpointing is not in the job vocabulary yet; sized as the tracer's checkpointing";
+/// Hugging Face's checkpointing (HF Trainer, TRL, axolotl): `gradient_checkpointing` `on`, with
+/// `gradient_checkpointing_kwargs.use_reentrant` choosing torch's reentrant checkpoint or the
+/// non-reentrant one (transformers 5's default where unset); the kwargs' other keys are not
+/// modelled.
+pub(crate) fn hf_checkpointing(doc: &mut Doc, on: bool) -> Result<Checkpointing, TrainConfigError> {
+    if doc.get("gradient_checkpointing_kwargs").is_some() {
+        doc.not_modelled(
+            "gradient_checkpointing_kwargs",
+            "checkpoint arguments other than use_reentrant are not modelled",
+        );
+    }
+    let reentrant = doc
+        .flag("gradient_checkpointing_kwargs.use_reentrant")?
+        .unwrap_or(false);
+    Ok(match (on, reentrant) {
+        (false, _) => Checkpointing::Off,
+        (true, false) => Checkpointing::Full,
+        (true, true) => Checkpointing::FullReentrant,
+    })
+}
 pub(crate) const OFFLOAD_ACT: &str = "activation offloading is not in the job vocabulary yet; sized with activations on the GPU (an upper bound)";
 pub(crate) const CHUNKED_CE: &str = "chunked / fused linear cross-entropy is not in the job vocabulary yet; sized with the whole logits (an upper bound)";
 pub(crate) const LIGER: &str = "Liger kernels (fused RMSNorm, SwiGLU, linear cross-entropy) are not modelled; sized with PyTorch's own ops (an upper bound)";

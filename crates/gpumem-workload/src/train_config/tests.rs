@@ -166,7 +166,7 @@ fn trl_sft_config_yaml_with_qlora() {
             double_quant: false
         })
     );
-    assert!(not_modelled(&c, "gradient_checkpointing_kwargs"));
+    assert!(used(&c, "gradient_checkpointing_kwargs.use_reentrant"));
     assert!(not_modelled(&c, "attn_implementation"));
     accounted(
         "trl-sft-zephyr-qlora.yaml",
@@ -322,7 +322,7 @@ fn torchtitan_toml() {
             Some(Precision::Fp32),
             Some(o("adamw-fused")),
             Some(8192),
-            Some(Checkpointing::Selective)
+            Some(Checkpointing::SelectiveOp)
         )
     );
     // data_parallel_shard_degree -1: FSDP2 over the launcher's ranks, bf16 parameters.
@@ -380,11 +380,11 @@ fn torchtitan_refuses_tensor_parallel_as_not_modelled() {
         None,
     )
     .unwrap();
-    assert_eq!(every2.checkpointing, Some(Checkpointing::Off));
-    assert!(not_modelled(
-        &every2,
-        "activation_checkpoint.selective_ac_option"
-    ));
+    assert_eq!(
+        every2.checkpointing,
+        Some(Checkpointing::parse("selective-layer:2").unwrap())
+    );
+    assert!(used(&every2, "activation_checkpoint.selective_ac_option"));
 }
 
 /// A torchtitan Python config's result as `gpumem_trace.config` dumps it (the `Trainer.Config`
@@ -421,7 +421,7 @@ fn torchtitan_python_dump() {
         (c.seq_len, c.checkpointing, c.optimizer),
         (
             Some(8192),
-            Some(Checkpointing::Selective),
+            Some(Checkpointing::SelectiveOp),
             Some(o("adamw-fused"))
         )
     );

@@ -6,7 +6,8 @@
 //! left, `-1`).
 
 use gpumem_core::job::{
-    Checkpointing, Engine, HalfDtype, Implementation, Mesh, MeshDim, Precision, Strategy,
+    Checkpointing, Engine, HalfDtype, Implementation, LayerFrequency, Mesh, MeshDim, Precision,
+    Strategy,
 };
 use serde_json::Value;
 
@@ -253,15 +254,13 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
                 Some(other) => other.to_string(),
             };
             match option.as_str() {
-                "op" => Some(Checkpointing::Selective),
-                "1" => Some(Checkpointing::Full),
-                n if n.parse::<u32>().is_ok() => {
-                    doc.not_modelled(
-                        "activation_checkpoint.selective_ac_option",
-                        "layer-wise checkpointing of every N-th block is not in the job vocabulary yet: sized without checkpointing (an upper bound)",
-                    );
-                    Some(Checkpointing::Off)
-                }
+                // torchtitan's own policy (not gpumem's `selective`, which saves every matmul).
+                "op" => Some(Checkpointing::SelectiveOp),
+                // Every N-th block; 0 (torchtitan reads it as every block) is every block.
+                n if n.parse::<u32>().is_ok() => Some(Checkpointing::SelectiveLayer(
+                    LayerFrequency::new(n.parse::<u32>().unwrap_or(1).max(1))
+                        .expect("a frequency of at least 1"),
+                )),
                 other => {
                     return Err(doc.err(
                         "activation_checkpoint.selective_ac_option",
