@@ -22,6 +22,48 @@ NEWEST="torch==2.15.0 torchvision==0.29.2 $COMMON"
 TITAN="torch==2.10.0 torchtitan==0.2.2 torchdata==0.11.0 datasets==5.2.0 tokenizers==0.23.3 tomli==2.5.0 fsspec==2026.9.0 tyro==1.0.17 tensorboard==2.21.0 einops==0.8.2 pillow==13.0.0 pytest==9.2.0 numpy==2.4.6 jsonschema==4.25.1"
 RUFF="0.17.6"
 
+# venv PACKAGES [MODULES]: the cached environment's interpreter, installed on first use (and
+# again unless MODULES import); empty if the install failed.
+venv() {
+  local dir="$CACHE/venv-$(echo "$1" | cksum | cut -d' ' -f1)"
+  local modules="${2:-torch, torchvision, timm, transformers, segmentation_models_pytorch, peft, bitsandbytes, pytest, jsonschema}"
+  if ! "$dir/bin/python" -c "import $modules" 2>/dev/null; then
+    echo "== installing $1 into $dir (cached)" >&2
+    rm -rf "$dir"
+    mkdir -p "$CACHE"
+    python3 -m venv "$dir"
+    # shellcheck disable=SC2086
+    if ! "$dir/bin/pip" install -q --disable-pip-version-check $1 >&2; then
+      echo "WARNING: could not install $1" >&2
+      return 0
+    fi
+  fi
+  echo "$dir/bin/python"
+}
+
+# The environments install in the background while the lints run (pip waits on the network and
+# the disk, clippy on the CPUs); each is awaited where its tests need it, and `venv` then finds it
+# installed. Their install logs are shown when awaited.
+prefetch="$(mktemp -d)"
+declare -A fetching=()
+prefetch() {
+  venv "$@" > /dev/null 2> "$prefetch/$(echo "$1" | cksum | cut -d' ' -f1).log" &
+  fetching["$1"]=$!
+}
+awaited() {
+  if [ -n "${fetching[$1]:-}" ]; then
+    wait "${fetching[$1]}" || true
+    cat "$prefetch/$(echo "$1" | cksum | cut -d' ' -f1).log" >&2
+    unset "fetching[$1]"
+  fi
+  venv "$@"
+}
+if [ -z "${GPUMEM_PYTHON:-}" ]; then
+  prefetch "$PINNED"
+  prefetch "$NEWEST"
+fi
+prefetch "$TITAN" "torch, torchtitan, pytest"
+
 # Lints, before anything slow: formatting, clippy (a dev-profile check build of every target,
 # warnings as errors), and ruff (lint and format, configured in python/pyproject.toml) from a
 # small cached environment of its own.
@@ -50,25 +92,6 @@ echo "== ruff check, ruff format --check (python/)"
 echo "== import circles (crates/, python/)"
 python3 scripts/import-cycles.py
 
-# venv PACKAGES [MODULES]: the cached environment's interpreter, installed on first use (and
-# again unless MODULES import); empty if the install failed.
-venv() {
-  local dir="$CACHE/venv-$(echo "$1" | cksum | cut -d' ' -f1)"
-  local modules="${2:-torch, torchvision, timm, transformers, segmentation_models_pytorch, peft, bitsandbytes, pytest, jsonschema}"
-  if ! "$dir/bin/python" -c "import $modules" 2>/dev/null; then
-    echo "== installing $1 into $dir (cached)" >&2
-    rm -rf "$dir"
-    mkdir -p "$CACHE"
-    python3 -m venv "$dir"
-    # shellcheck disable=SC2086
-    if ! "$dir/bin/pip" install -q --disable-pip-version-check $1 >&2; then
-      echo "WARNING: could not install $1" >&2
-      return 0
-    fi
-  fi
-  echo "$dir/bin/python"
-}
-
 tracer_tests() {
   echo "== Python tracer tests ($1: $("$1" -c 'import torch; print("torch", torch.__version__)'))"
   (cd python && PYTHONDONTWRITEBYTECODE=1 "$1" -m pytest -q -p no:cacheprovider tests)
@@ -77,8 +100,8 @@ tracer_tests() {
 if [ -n "${GPUMEM_PYTHON:-}" ]; then
   tracer_tests "$GPUMEM_PYTHON"
 else
-  pinned="$(venv "$PINNED")"
-  newest="$(venv "$NEWEST")"
+  pinned="$(awaited "$PINNED")"
+  newest="$(awaited "$NEWEST")"
   # The two environments' tests run side by side (each mostly one core: tracing is on meta
   # tensors), their output shown in order; either failing fails the run.
   logs="$(mktemp -d)"
@@ -103,7 +126,7 @@ fi
 
 # torchtitan's own activation checkpointing (python/tests/test_titan.py): required here — a
 # torchtitan that cannot be installed fails the run (the tests skip only outside CI).
-titan="$(venv "$TITAN" "torch, torchtitan, pytest")"
+titan="$(awaited "$TITAN" "torch, torchtitan, pytest")"
 [ -n "$titan" ] || { echo "FAILED: could not install $TITAN"; exit 1; }
 echo "== torchtitan tests ($("$titan" -c 'import torch, torchtitan; print("torch", torch.__version__, "torchtitan", torchtitan.__version__)'))"
 (cd python && GPUMEM_TEST_REQUIRE_TITAN=1 PYTHONDONTWRITEBYTECODE=1 "$titan" -m pytest -q -p no:cacheprovider tests/test_titan.py)
