@@ -50,13 +50,15 @@ prefetch() {
   venv "$@" > /dev/null 2> "$prefetch/$(echo "$1" | cksum | cut -d' ' -f1).log" &
   fetching["$1"]=$!
 }
+# awaited PACKAGES [MODULES]: sets `got` to the environment's interpreter (as `venv` prints it)
+# once its background install is done. Not called in $(…): a subshell cannot wait for it.
 awaited() {
   if [ -n "${fetching[$1]:-}" ]; then
     wait "${fetching[$1]}" || true
     cat "$prefetch/$(echo "$1" | cksum | cut -d' ' -f1).log" >&2
     unset "fetching[$1]"
   fi
-  venv "$@"
+  got="$(venv "$@")"
 }
 if [ -z "${GPUMEM_PYTHON:-}" ]; then
   prefetch "$PINNED"
@@ -100,8 +102,10 @@ tracer_tests() {
 if [ -n "${GPUMEM_PYTHON:-}" ]; then
   tracer_tests "$GPUMEM_PYTHON"
 else
-  pinned="$(awaited "$PINNED")"
-  newest="$(awaited "$NEWEST")"
+  awaited "$PINNED"
+  pinned="$got"
+  awaited "$NEWEST"
+  newest="$got"
   # The two environments' tests run side by side (each mostly one core: tracing is on meta
   # tensors), their output shown in order; either failing fails the run.
   logs="$(mktemp -d)"
@@ -126,7 +130,8 @@ fi
 
 # torchtitan's own activation checkpointing (python/tests/test_titan.py): required here — a
 # torchtitan that cannot be installed fails the run (the tests skip only outside CI).
-titan="$(awaited "$TITAN" "torch, torchtitan, pytest")"
+awaited "$TITAN" "torch, torchtitan, pytest"
+titan="$got"
 [ -n "$titan" ] || { echo "FAILED: could not install $TITAN"; exit 1; }
 echo "== torchtitan tests ($("$titan" -c 'import torch, torchtitan; print("torch", torch.__version__, "torchtitan", torchtitan.__version__)'))"
 (cd python && GPUMEM_TEST_REQUIRE_TITAN=1 PYTHONDONTWRITEBYTECODE=1 "$titan" -m pytest -q -p no:cacheprovider tests/test_titan.py)
