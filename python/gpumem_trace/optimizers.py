@@ -266,7 +266,10 @@ def _inner(t):
     if flatten is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
         names, _ = t.__tensor_flatten__()
         for n in names:
-            yield from _inner(getattr(t, n))
+            # Only the tensors: a DTensor (FSDP2's state) also names its DeviceMesh on newer torch.
+            inner = getattr(t, n)
+            if isinstance(inner, torch.Tensor):
+                yield from _inner(inner)
     else:
         yield t
 
