@@ -26,6 +26,7 @@ function slurm_cli_pre_submit(options, offset)
   if not gpumem.states_a_model(read(script_path), options.comment) then return slurm.SUCCESS end
   local answer, reason = gpumem.request({
     script = script_path, comment = options.comment, gres = options.gres, constraint = options.constraint,
+    chdir = options.chdir,
   })
   if not answer then
     slurm.log_error("%s", reason)

@@ -17,13 +17,14 @@ function M.states_a_model(script, comment)
   return script ~= nil and (string.find(script, "^#GPUMEM") ~= nil or string.find(script, "\n#GPUMEM") ~= nil)
 end
 
--- Runs `gpumem slurm request` on a job: { script = path, comment, gres, constraint,
--- no_trace = bool }. Returns the request ({ gres, constraint, comment }, empty for a job gpumem
--- leaves as it is), or nil and gpumem's one-line reason.
+-- Runs `gpumem slurm request` on a job: { script = path, comment, gres, constraint, chdir
+-- (where a relative train_config= is read), no_trace = bool }. Returns the request ({ gres,
+-- constraint, comment }, empty for a job gpumem leaves as it is), or nil and gpumem's one-line
+-- reason.
 function M.request(job)
   local cmd = quote(M.bin) .. " slurm request --config " .. quote(M.config)
   if job.script then cmd = cmd .. " " .. quote(job.script) end
-  for _, key in ipairs({ "comment", "gres", "constraint" }) do
+  for _, key in ipairs({ "comment", "gres", "constraint", "chdir" }) do
     if job[key] and job[key] ~= "" then cmd = cmd .. " --" .. key .. " " .. quote(job[key]) end
   end
   if job.no_trace then cmd = cmd .. " --no-trace" end

@@ -36,6 +36,10 @@ struct RequestArgs {
     /// The job's constraint so far (the GPU type's feature is added with &).
     #[arg(long)]
     constraint: Option<String>,
+    /// The submission's directory (sbatch's --chdir), where a relative `train_config=` is
+    /// read; the current directory by default.
+    #[arg(long)]
+    chdir: Option<PathBuf>,
     /// The cluster's GPU types (TOML).
     #[arg(
         long,
@@ -74,6 +78,7 @@ pub fn slurm(a: SlurmArgs) -> CliResult {
         comment: r.comment.as_deref(),
         gres: r.gres.as_deref(),
         constraint: r.constraint.as_deref(),
+        workdir: r.chdir.as_deref(),
     };
     let request = gpumem_slurm::decide(&sub, &cluster, !r.no_trace).map_err(error)?;
     match (request, r.json) {

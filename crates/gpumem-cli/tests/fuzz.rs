@@ -236,6 +236,7 @@ fn slurm_submissions() {
         format!("#!/bin/bash\n#SBATCH --time=5\n#GPUMEM model={} batch=64 precision=amp-bf16\n#GPUMEM optimizer=adamw gpu=h200\npython train.py\n%%\nrun 7", SPECS[0]),
         format!("#!/bin/sh\n#GPUMEM model={} batch=8\n%%\ngpumem: batch=4096 precision=fp16", SPECS[2]),
         "#!/bin/sh\n#GPUMEM model=torchvision:resnet18 batch=2\n%%\ngpumem: model=torchvision:resnet18 batch=2 sized_on=h200 estimate_mib=20000 bound_mib=20500 shards=3".to_string(),
+        "#!/bin/sh\n#GPUMEM train_config=args.json world_size=2\n%%\ngpumem: train_config_kind=hf".to_string(),
     ];
     fuzz("Slurm submission", inputs(seeds), |input| {
         let (script, comment) = input.split_once("\n%%\n").unwrap_or((input, ""));
@@ -244,6 +245,7 @@ fn slurm_submissions() {
             comment: Some(comment),
             gres: Some("gres:gpu:1,gres:nic:1"),
             constraint: Some("ib"),
+            workdir: None,
         };
         let _ = gpumem_slurm::decide(&sub, &cluster, false);
     });

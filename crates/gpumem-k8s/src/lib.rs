@@ -1,13 +1,17 @@
 //! gpumem as a Kubernetes mutating admission webhook.
 //!
 //! A pod annotated with its model (`gpumem.io/model`, `gpumem.io/batch`, optionally
-//! `gpumem.io/precision`, `gpumem.io/optimizer`, `gpumem.io/gpu`, `gpumem.io/container`) gets
+//! `gpumem.io/precision`, `gpumem.io/optimizer`, `gpumem.io/world-size`, `gpumem.io/gpu`,
+//! `gpumem.io/container`) or with the trainer config it runs (`gpumem.io/train-config`: the
+//! config's text, YAML/JSON/TOML, with `gpumem.io/train-config-kind` where it is not detected;
+//! its model and micro-batch stand where the annotations state none) gets
 //! the GPU-memory request of the cluster's sharing system filled in from gpumem's upper bound:
 //! HAMi's `nvidia.com/gpumem` limit (with `nvidia.com/gpu: 1`), Volcano's
 //! `volcano.sh/vgpu-memory` (with `volcano.sh/vgpu-number: 1`), or KAI's `gpu-memory`
 //! annotation — all in MiB — and `gpumem.io/estimate-mib` / `gpumem.io/upper-bound-mib`
 //! annotations saying where the number came from. A pod without `gpumem.io/model` passes
-//! untouched; one whose annotations cannot be estimated passes untouched with a warning (the
+//! (nor a train-config) passes untouched; one whose annotations cannot be estimated passes
+//! untouched with a warning (the
 //! webhook never blocks a pod). Estimates are cached per (model, batch, options, GPU).
 
 use std::collections::HashMap;
@@ -21,7 +25,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use gpumem_core::profile::{self, ProfileError};
 use gpumem_core::units::{bytes_to_mib, whole_mib};
-use gpumem_workload::{StatedError, StatedField, StatedJob};
+use gpumem_workload::{StatedConfig, StatedError, StatedField, StatedJob};
 use json_patch::{AddOperation, Patch, PatchOperation, jsonptr::PointerBuf};
 use k8s_openapi::api::core::v1::Pod;
 use kube_core::admission::{
@@ -38,6 +42,21 @@ pub const PRECISION: &str = "gpumem.io/precision";
 pub const OPTIMIZER: &str = "gpumem.io/optimizer";
 pub const GPU: &str = "gpumem.io/gpu";
 pub const CONTAINER: &str = "gpumem.io/container";
+pub const WORLD_SIZE: &str = "gpumem.io/world-size";
+pub const TRAIN_CONFIG: &str = "gpumem.io/train-config";
+pub const TRAIN_CONFIG_KIND: &str = "gpumem.io/train-config-kind";
+
+/// The annotation that states `field`.
+fn annotation(field: StatedField) -> &'static str {
+    match field {
+        StatedField::Model => MODEL,
+        StatedField::Batch => BATCH,
+        StatedField::Precision => PRECISION,
+        StatedField::Optimizer => OPTIMIZER,
+        StatedField::WorldSize => WORLD_SIZE,
+        StatedField::TrainConfig => TRAIN_CONFIG,
+    }
+}
 
 /// The GPU-sharing system whose request the webhook writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,7 +127,7 @@ pub enum ReviewError {
 /// Why a pod's annotations could not be sized: the warning it is admitted with.
 #[derive(Debug, thiserror::Error)]
 enum Unsized {
-    #[error("{MODEL} needs {BATCH}")]
+    #[error("{MODEL} needs {BATCH} (or a {TRAIN_CONFIG} that states the micro-batch)")]
     NoBatch,
     #[error("{CONTAINER}: the pod has no container `{0}`")]
     NoSuchContainer(String),
@@ -124,7 +143,7 @@ enum JobUnsized {
     #[error("{GPU}: {0}")]
     Gpu(ProfileError),
     /// An annotation's value is wrong.
-    #[error("gpumem.io/{}: {message}", field.key())]
+    #[error("{}: {message}", annotation(*field))]
     Invalid {
         field: StatedField,
         message: gpumem_workload::StatedProblem,
@@ -191,16 +210,27 @@ impl Webhook {
     /// annotations cannot be sized.
     fn patch(&self, pod: &Pod) -> Result<Option<Patch>, Unsized> {
         let notes = pod.metadata.annotations.clone().unwrap_or_default();
-        let Some(model) = notes.get(MODEL) else {
+        let train_config = notes.get(TRAIN_CONFIG).map(|text| StatedConfig {
+            file: TRAIN_CONFIG.into(),
+            text: Some(text.clone()),
+            dir: PathBuf::from("."),
+            kind: notes.get(TRAIN_CONFIG_KIND).cloned(),
+        });
+        let model = notes.get(MODEL).cloned();
+        if model.is_none() && train_config.is_none() {
             return Ok(None);
-        };
-        let batch = notes.get(BATCH).ok_or(Unsized::NoBatch)?;
+        }
+        if train_config.is_none() && !notes.contains_key(BATCH) {
+            return Err(Unsized::NoBatch);
+        }
         let job = Job {
             stated: StatedJob {
-                model: model.clone(),
-                batch: batch.clone(),
+                model,
+                batch: notes.get(BATCH).cloned(),
                 precision: notes.get(PRECISION).cloned(),
                 optimizer: notes.get(OPTIMIZER).cloned(),
+                world_size: notes.get(WORLD_SIZE).cloned(),
+                train_config,
             },
             gpu: notes
                 .get(GPU)

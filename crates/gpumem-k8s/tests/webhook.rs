@@ -227,3 +227,30 @@ fn bad_annotations_never_block_a_pod() {
         "{answer}"
     );
 }
+
+#[test]
+fn a_trainer_config_annotation_states_the_rest_of_the_job() {
+    let hook = hook(Sharing::Hami);
+    let mut review = fixture("deployment-pod.json");
+    let notes = &mut review["request"]["object"]["metadata"]["annotations"];
+    notes.as_object_mut().unwrap().remove("gpumem.io/batch");
+    notes["gpumem.io/train-config"] =
+        json!("per_device_train_batch_size: 256\noptim: sgd\noutput_dir: out\n");
+    let (pod, warnings) = admitted(&hook, &review);
+    assert!(warnings.is_empty(), "{warnings:?}");
+    let limits = &pod["spec"]["containers"][0]["resources"]["limits"];
+    // The config's micro-batch and optimizer, as if annotated batch=256 optimizer=sgd.
+    assert_eq!(
+        limits["nvidia.com/gpumem"],
+        upper_bound_mib("mlp:input=4096,output=10,depth=4", 256, "sgd", "a100-80gb").to_string()
+    );
+    // A config that cannot be read: admitted unchanged, the warning naming the annotation.
+    let notes = &mut review["request"]["object"]["metadata"]["annotations"];
+    notes["gpumem.io/train-config"] = json!("per_device_train_batch_size: lots\n");
+    let (pod, warnings) = admitted(&hook, &review);
+    assert_eq!(pod, review["request"]["object"], "unchanged");
+    assert!(
+        warnings.len() == 1 && warnings[0].contains("gpumem.io/train-config"),
+        "{warnings:?}"
+    );
+}

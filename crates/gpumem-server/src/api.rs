@@ -322,10 +322,14 @@ fn stated_by_config(req: &JobRequest, allow_py_models: bool) -> Result<Option<St
     let dir = std::path::PathBuf::from(req.cwd.as_deref().unwrap_or("."));
     let config = train_config::read_text(&doc.file, &doc.text, &dir, kind)
         .map_err(|e| format!("train_config: {e}"))?;
-    let model = req
-        .model
-        .clone()
-        .or_else(|| config.model.as_ref().map(|(m, _)| m.clone()));
+    let (model, batch, options) = config
+        .job(
+            req.model.clone(),
+            req.batch,
+            req.options.values(),
+            Some(req.gpus),
+        )
+        .map_err(|e| format!("train_config: {e}"))?;
     if model
         .as_deref()
         .is_some_and(|m| m.trim_start().starts_with("py:"))
@@ -333,21 +337,6 @@ fn stated_by_config(req: &JobRequest, allow_py_models: bool) -> Result<Option<St
     {
         return Err("model: py: models run their file's code inside the daemon; this daemon does not accept them (allow_py_models)".into());
     }
-    let batch = req.batch.or(config.micro_batch.as_ref().map(|(b, _)| *b));
-    if model.is_some() != batch.is_some() {
-        return Err(format!(
-            "train_config {}: states no {}; give it in the job",
-            doc.file,
-            if model.is_none() {
-                "model"
-            } else {
-                "micro-batch"
-            }
-        ));
-    }
-    let options = config
-        .over(req.options.values(), Some(req.gpus))
-        .map_err(|e| format!("train_config: {e}"))?;
     Ok(Some((model, batch, options)))
 }
 

@@ -6,7 +6,12 @@
 //!
 //! ```text
 //! #GPUMEM model=torchvision:resnet50 batch=64 precision=amp-bf16 optimizer=adamw
+//! #GPUMEM train_config=axolotl.yaml world_size=1
 //! ```
+//!
+//! A trainer config (`train_config=FILE`, relative to the submission's directory, kind detected
+//! or `train_config_kind=…`) states the rest as `gpumem estimate --train-config` reads it; its
+//! model and micro-batch stand where the directives give none.
 //!
 //! [`decide`] sizes it on each GPU type of the [`SlurmConfig`] and answers the [`Request`] Slurm
 //! should record: a `gres/shard` count on the smallest GPU type whose memory holds the upper
@@ -22,7 +27,7 @@ use std::path::{Path, PathBuf};
 
 use gpumem_core::profile::{self, GpuProfile, ProfileError};
 use gpumem_core::units::{bytes_to_mib, whole_mib};
-use gpumem_workload::{StatedError, StatedJob};
+use gpumem_workload::{StatedConfig, StatedError, StatedJob};
 use serde::Deserialize;
 
 /// What starts gpumem's part of a job's comment.
@@ -31,7 +36,16 @@ pub const COMMENT_TAG: &str = "gpumem:";
 pub const DIRECTIVE: &str = "#GPUMEM";
 
 /// The keys a user states.
-const JOB_KEYS: [&str; 5] = ["model", "batch", "precision", "optimizer", "gpu"];
+const JOB_KEYS: [&str; 8] = [
+    "model",
+    "batch",
+    "precision",
+    "optimizer",
+    "gpu",
+    "world_size",
+    "train_config",
+    "train_config_kind",
+];
 /// The keys gpumem writes into the comment with its estimate.
 const SIZED_KEYS: [&str; 4] = ["sized_on", "estimate_mib", "bound_mib", "shards"];
 
@@ -175,9 +189,11 @@ fn get<'a>(pairs: &'a [(String, String)], key: &str) -> Option<&'a str> {
 
 impl Directives {
     /// The directives of a submission: `None` where neither the script nor the comment has any.
+    /// A trainer config's relative path is read in `workdir`.
     pub fn read(
         script: Option<&str>,
         comment: Option<&str>,
+        workdir: &Path,
     ) -> Result<Option<Directives>, SlurmError> {
         let from_script = script.map(script_pairs).transpose()?.unwrap_or_default();
         let (comment_prefix, from_comment) =
@@ -200,22 +216,27 @@ impl Directives {
                 .or_else(|| get(&from_script, key))
                 .map(str::to_string)
         };
-        let model = value("model").ok_or_else(|| {
-            SlurmError::Directive(format!(
-                "{DIRECTIVE}: `model` is missing (give model=… batch=…)"
-            ))
-        })?;
-        let batch = value("batch").ok_or_else(|| {
-            SlurmError::Directive(format!(
-                "{DIRECTIVE}: `batch` is missing (give model=… batch=…)"
-            ))
-        })?;
+        let train_config = value("train_config").map(|file| StatedConfig {
+            file,
+            text: None,
+            dir: workdir.to_path_buf(),
+            kind: value("train_config_kind"),
+        });
+        for key in ["model", "batch"] {
+            if train_config.is_none() && value(key).is_none() {
+                return Err(SlurmError::Directive(format!(
+                    "{DIRECTIVE}: `{key}` is missing (give model=… batch=…, or train_config=FILE)"
+                )));
+            }
+        }
         let job = Job {
             stated: StatedJob {
-                model,
-                batch,
+                model: value("model"),
+                batch: value("batch"),
                 precision: value("precision"),
                 optimizer: value("optimizer"),
+                world_size: value("world_size"),
+                train_config,
             },
             gpu: value("gpu"),
         };
@@ -459,6 +480,8 @@ pub struct Submission<'a> {
     /// Its per-node GRES request (`--gres`; `gres:` prefixes as Slurm writes them are fine).
     pub gres: Option<&'a str>,
     pub constraint: Option<&'a str>,
+    /// Where a relative `train_config` is read (the submission's directory; `None`: here).
+    pub workdir: Option<&'a Path>,
 }
 
 /// What Slurm should record for a job gpumem sized.
@@ -495,7 +518,12 @@ pub fn decide(
     cluster: &SlurmConfig,
     may_trace: bool,
 ) -> Result<Option<Request>, SlurmError> {
-    let Some(d) = Directives::read(sub.script, sub.comment)? else {
+    let Some(d) = Directives::read(
+        sub.script,
+        sub.comment,
+        sub.workdir.unwrap_or(Path::new(".")),
+    )?
+    else {
         return Ok(None);
     };
     let job = &d.job;
@@ -516,7 +544,10 @@ pub fn decide(
         None => cluster.gpus.iter().collect(),
     };
     let other_gres = other_gres(sub.gres)?;
-    let what = format!("{} at batch {}", job.stated.model, job.stated.batch);
+    let what = match &job.stated.batch {
+        Some(b) => format!("{} at batch {b}", job.stated.name()),
+        None => job.stated.name(),
+    };
     let mut sized: Vec<(&GpuType, SizeMib)> = Vec::new();
     for g in types {
         match job.stated.size(&g.profile, may_trace) {
@@ -553,7 +584,7 @@ pub fn decide(
     if sized.is_empty() {
         return Err(SlurmError::Rejected(format!(
             "{} must be traced to be sized, which the controller does not do; submit where gpumem's cli_filter runs, or pass the comment `gpumem slurm request` prints",
-            job.stated.model
+            job.stated.name()
         )));
     }
     // The smallest GPU that holds the bound (config order among equals) leaves the larger ones
@@ -603,17 +634,28 @@ pub fn decide(
             )));
         }
     };
-    let mut stated = vec![
-        format!("model={}", job.stated.model.trim()),
-        format!("batch={}", job.stated.batch.trim()),
-    ];
+    let mut stated = Vec::new();
     for (key, value) in [
+        ("model", &job.stated.model),
+        ("batch", &job.stated.batch),
         ("precision", &job.stated.precision),
         ("optimizer", &job.stated.optimizer),
+        ("world_size", &job.stated.world_size),
+        (
+            "train_config",
+            &job.stated.train_config.as_ref().map(|c| c.file.clone()),
+        ),
+        (
+            "train_config_kind",
+            &job.stated
+                .train_config
+                .as_ref()
+                .and_then(|c| c.kind.clone()),
+        ),
         ("gpu", &job.gpu),
     ] {
         if let Some(v) = value {
-            stated.push(format!("{key}={v}"));
+            stated.push(format!("{key}={}", v.trim()));
         }
     }
     let prefix = d.comment_prefix.replace(['\n', '\r'], " ");
@@ -688,27 +730,39 @@ mod tests {
 
     #[test]
     fn directives_are_read_like_sbatch_lines() {
-        let d = Directives::read(Some(MLP), None).unwrap().unwrap();
-        assert_eq!(d.job.stated.model, "mlp:input=4096,output=10,depth=4");
+        let d = Directives::read(Some(MLP), None, Path::new("."))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            d.job.stated.model.as_deref(),
+            Some("mlp:input=4096,output=10,depth=4")
+        );
         assert_eq!(
             (
-                d.job.stated.batch.as_str(),
+                d.job.stated.batch.as_deref().unwrap_or_default(),
                 d.job.stated.optimizer.as_deref()
             ),
             ("256", Some("sgd")),
             "lines after the first command are not directives"
         );
         assert!(
-            Directives::read(Some("#!/bin/sh\n#GPUMEMORY=1\necho\n"), Some("a note"))
-                .unwrap()
-                .is_none()
+            Directives::read(
+                Some("#!/bin/sh\n#GPUMEMORY=1\necho\n"),
+                Some("a note"),
+                Path::new(".")
+            )
+            .unwrap()
+            .is_none()
         );
         // The comment overrides the script key by key; the user's own text is kept.
-        let d = Directives::read(Some(MLP), Some("run 7 gpumem: batch=128"))
+        let d = Directives::read(Some(MLP), Some("run 7 gpumem: batch=128"), Path::new("."))
             .unwrap()
             .unwrap();
         assert_eq!(
-            (d.job.stated.batch.as_str(), d.comment_prefix.as_str()),
+            (
+                d.job.stated.batch.as_deref().unwrap_or_default(),
+                d.comment_prefix.as_str()
+            ),
             ("128", "run 7 ")
         );
     }
@@ -743,7 +797,7 @@ mod tests {
                 "an estimate needs all of",
             ),
         ] {
-            let e = Directives::read(Some(script), comment)
+            let e = Directives::read(Some(script), comment, Path::new("."))
                 .unwrap_err()
                 .to_string();
             assert!(e.contains(needle) && !e.contains('\n'), "{e}");
@@ -775,6 +829,7 @@ mod tests {
                 comment: Some(&r.comment),
                 gres: Some(&format!("gres:{}", r.gres)),
                 constraint: r.constraint.as_deref(),
+                workdir: None,
             },
             &c,
             false,
@@ -791,6 +846,7 @@ mod tests {
             comment: Some("gpumem: gpu=h200"),
             gres: Some("gres:gpu:1,gres:nic:1"),
             constraint: Some("ib"),
+            workdir: None,
         };
         let r = decide(&sub, &c, false).unwrap().unwrap();
         assert_eq!(
@@ -801,6 +857,80 @@ mod tests {
                 Some("ib&h200")
             )
         );
+    }
+
+    #[test]
+    fn a_trainer_config_states_the_job_from_the_submission_directory() {
+        let dir = std::env::temp_dir().join(format!("gpumem-slurm-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("args.json"),
+            r#"{"per_device_train_batch_size": 256, "optim": "sgd", "output_dir": "out"}"#,
+        )
+        .unwrap();
+        let c = cluster(TWO);
+        let by_config = "#GPUMEM model=mlp:input=4096,output=10,depth=4 train_config=args.json\n";
+        let r = decide(
+            &Submission {
+                script: Some(by_config),
+                workdir: Some(&dir),
+                ..Default::default()
+            },
+            &c,
+            true,
+        )
+        .unwrap()
+        .unwrap();
+        let stated = decide(
+            &Submission {
+                script: Some(MLP),
+                ..Default::default()
+            },
+            &c,
+            true,
+        )
+        .unwrap()
+        .unwrap();
+        // The config's micro-batch and optimizer are the directives' batch=256 optimizer=sgd.
+        assert_eq!(
+            (r.gpu.as_str(), r.sized),
+            (stated.gpu.as_str(), stated.sized)
+        );
+        assert!(
+            r.comment.contains(" train_config=args.json "),
+            "{}",
+            r.comment
+        );
+        // Read in the submission's directory, not here; the controller never reads it.
+        let elsewhere = decide(
+            &Submission {
+                script: Some(by_config),
+                ..Default::default()
+            },
+            &c,
+            true,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            elsewhere.starts_with("#GPUMEM train_config: args.json"),
+            "{elsewhere}"
+        );
+        let controller = decide(
+            &Submission {
+                script: Some(by_config),
+                workdir: Some(&dir),
+                ..Default::default()
+            },
+            &c,
+            false,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(controller, SlurmError::Rejected(_)),
+            "{controller}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -622,15 +622,31 @@ mod tests {
 }
 
 /// A job as a user states it to a cluster engine — a pod's annotations, a batch script's
-/// directives: the texts of its model, batch size, precision and optimizer, checked when it is
-/// sized. The engines' front ends (the Kubernetes webhook, the Slurm helper) read their own
-/// syntax into this and size it here, so both mean the same job by the same words.
+/// directives: the texts of its model, batch size, precision and optimizer, its world size, and
+/// the trainer config it runs with, checked when it is sized. The engines' front ends (the
+/// Kubernetes webhook, the Slurm helper) read their own syntax into this and size it here, so
+/// both mean the same job by the same words. Model and batch may come from the config.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct StatedJob {
-    pub model: String,
-    pub batch: String,
+    pub model: Option<String>,
+    pub batch: Option<String>,
     pub precision: Option<String>,
     pub optimizer: Option<String>,
+    /// Ranks of the job (the config's own layout, or one rank, where not stated).
+    pub world_size: Option<String>,
+    pub train_config: Option<StatedConfig>,
+}
+
+/// A trainer config a job states: its text inline (a pod annotation) or a file to read.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct StatedConfig {
+    /// The file (read when `text` is `None`; relative to `dir`), or the name errors give it.
+    pub file: String,
+    pub text: Option<String>,
+    /// Where a relative `file`, and paths the config names, are read.
+    pub dir: std::path::PathBuf,
+    /// The trainer's kind (`TrainerKind`'s names); detected where `None`.
+    pub kind: Option<String>,
 }
 
 /// Which stated field is wrong (each engine names it its own way: an annotation, a key).
@@ -640,6 +656,8 @@ pub enum StatedField {
     Batch,
     Precision,
     Optimizer,
+    WorldSize,
+    TrainConfig,
 }
 
 impl StatedField {
@@ -649,6 +667,8 @@ impl StatedField {
             StatedField::Batch => "batch",
             StatedField::Precision => "precision",
             StatedField::Optimizer => "optimizer",
+            StatedField::WorldSize => "world_size",
+            StatedField::TrainConfig => "train_config",
         }
     }
 }
@@ -660,10 +680,14 @@ pub enum StatedProblem {
     NotWhole(String),
     #[error("{0} is out of range (1..={MAX_BATCH})")]
     Batch(u64),
+    #[error("missing (state it, or a train_config that names it)")]
+    Missing,
     #[error(transparent)]
     Name(#[from] gpumem_core::UnknownName),
     #[error(transparent)]
     Model(#[from] ModelError),
+    #[error(transparent)]
+    Config(#[from] train_config::TrainConfigError),
     #[error(transparent)]
     Job(Box<WorkloadError>),
 }
@@ -686,17 +710,50 @@ pub enum StatedError {
     Size(SizeError),
 }
 
+impl StatedConfig {
+    /// The config, read (a Python torchtitan config through the tracer's interpreter).
+    pub fn read(&self) -> Result<train_config::TrainConfig, train_config::TrainConfigError> {
+        let kind = self
+            .kind
+            .as_deref()
+            .map(str::trim)
+            .filter(|k| !k.is_empty())
+            .map(train_config::TrainerKind::parse)
+            .transpose()
+            .map_err(|e| train_config::TrainConfigError::Field {
+                file: self.file.clone(),
+                field: "(kind)".into(),
+                why: e.to_string(),
+            })?;
+        match &self.text {
+            Some(text) => train_config::read_text(&self.file, text, &self.dir, kind),
+            None if train_config::is_python_spec(&self.file) => {
+                train_config::read_file(&self.file, kind, &TorchTracer::from_env())
+            }
+            None => {
+                let path = match self.dir.as_os_str() == "." {
+                    true => std::path::PathBuf::from(&self.file), // named as given, in errors
+                    false => self.dir.join(&self.file),
+                };
+                train_config::read_file(&path.to_string_lossy(), kind, &TorchTracer::from_env())
+            }
+        }
+    }
+}
+
 impl StatedJob {
-    /// The workload the texts state.
+    /// What names the job in messages: its model, else its config.
+    pub fn name(&self) -> String {
+        match (&self.model, &self.train_config) {
+            (Some(m), _) => m.trim().to_string(),
+            (None, Some(c)) => c.file.clone(),
+            (None, None) => "the job".into(),
+        }
+    }
+
+    /// The workload the texts state (reading the trainer config, where one is stated).
     pub fn workload(&self) -> Result<Workload, StatedError> {
         let invalid = |field, message: StatedProblem| StatedError::Invalid { field, message };
-        let batch: u64 = self.batch.trim().parse().map_err(|_| {
-            invalid(
-                StatedField::Batch,
-                StatedProblem::NotWhole(self.batch.clone()),
-            )
-        })?;
-        let mut options = OptionValues::default();
         // An empty text states nothing (an annotation or key left blank): the default.
         let given = |t: &Option<String>| {
             t.as_deref()
@@ -704,6 +761,26 @@ impl StatedJob {
                 .filter(|t| !t.is_empty())
                 .map(str::to_string)
         };
+        let whole = |field, t: &Option<String>| {
+            given(t)
+                .map(|v| {
+                    v.parse::<u64>()
+                        .map_err(|_| invalid(field, StatedProblem::NotWhole(v.clone())))
+                })
+                .transpose()
+        };
+        let batch = whole(StatedField::Batch, &self.batch)?;
+        let world = whole(StatedField::WorldSize, &self.world_size)?
+            .map(|w| {
+                u32::try_from(w).ok().filter(|w| *w >= 1).ok_or_else(|| {
+                    invalid(
+                        StatedField::WorldSize,
+                        StatedProblem::NotWhole(w.to_string()),
+                    )
+                })
+            })
+            .transpose()?;
+        let mut options = OptionValues::default();
         if let Some(p) = given(&self.precision) {
             options.precision = gpumem_core::job::Precision::parse(&p)
                 .map_err(|e| invalid(StatedField::Precision, e.into()))?;
@@ -712,11 +789,34 @@ impl StatedJob {
             options.optimizer = gpumem_core::job::Optimizer::parse(&o)
                 .map_err(|e| invalid(StatedField::Optimizer, e.into()))?;
         }
-        let model = ModelRef::parse(self.model.trim())
-            .map_err(|e| invalid(StatedField::Model, e.into()))?;
-        let options = options
-            .check()
-            .expect("an optimizer and a precision alone are valid");
+        let (model, batch, options) = match &self.train_config {
+            Some(c) => {
+                let config = c
+                    .read()
+                    .map_err(|e| invalid(StatedField::TrainConfig, e.into()))?;
+                config
+                    .job(given(&self.model), batch, options, world)
+                    .map_err(|e| invalid(StatedField::TrainConfig, e.into()))?
+            }
+            None => {
+                // Ranks without a config: data parallel over them (DDP, PyTorch's buckets).
+                let ranks = |e: OptionError| {
+                    invalid(
+                        StatedField::WorldSize,
+                        StatedProblem::Job(Box::new(e.into())),
+                    )
+                };
+                if let Some(w) = world.filter(|w| *w > 1) {
+                    let ddp = Strategy::ddp(w, gpumem_core::job::DDP_BUCKET_CAP_MB, false);
+                    options.strategy = Some(ddp.map_err(ranks)?);
+                }
+                (given(&self.model), batch, options.check().map_err(ranks)?)
+            }
+        };
+        let model = model.ok_or_else(|| invalid(StatedField::Model, StatedProblem::Missing))?;
+        let batch = batch.ok_or_else(|| invalid(StatedField::Batch, StatedProblem::Missing))?;
+        let model =
+            ModelRef::parse(model.trim()).map_err(|e| invalid(StatedField::Model, e.into()))?;
         Workload::new(model, batch, options).map_err(|e| match e {
             WorkloadError::Batch(b) => invalid(StatedField::Batch, StatedProblem::Batch(b)),
             e => invalid(StatedField::Model, StatedProblem::Job(Box::new(e))),
@@ -726,9 +826,13 @@ impl StatedJob {
     /// The replay estimate of the job (its largest reading, under the largest bound) on
     /// `profile`. Without `may_trace`, a PyTorch model is refused rather than traced.
     pub fn size(&self, profile: &GpuProfile, may_trace: bool) -> Result<Estimate, StatedError> {
+        // A trainer config describes a PyTorch job: refused before its file is even read.
+        if !may_trace && self.train_config.is_some() {
+            return Err(StatedError::NeedsTrace(self.name()));
+        }
         let workload = self.workload()?;
         if !may_trace && !workload.model().is_native() {
-            return Err(StatedError::NeedsTrace(self.model.trim().to_string()));
+            return Err(StatedError::NeedsTrace(self.name()));
         }
         let replay = gpumem_core::estimate::by_name("replay").expect("replay is an estimator");
         workload

@@ -302,6 +302,36 @@ impl TrainConfig {
         }
     }
 
+    /// A job's model and micro-batch (the job's own first, else the config's) and its options
+    /// (`base`, the job's own, beneath what the config states) on `world` ranks: the one
+    /// reading of "this job, with that config" for every front end (CLI, daemon, Slurm,
+    /// webhook). Model and micro-batch come both or neither.
+    pub fn job(
+        &self,
+        model: Option<String>,
+        batch: Option<u64>,
+        base: OptionValues,
+        world: Option<u32>,
+    ) -> Result<(Option<String>, Option<u64>, Options), TrainConfigError> {
+        let model = model.or_else(|| self.model.as_ref().map(|(m, _)| m.clone()));
+        let batch = batch.or(self.micro_batch.as_ref().map(|(b, _)| *b));
+        if model.is_some() != batch.is_some() {
+            return Err(TrainConfigError::Field {
+                file: self.file.clone(),
+                field: "(job)".into(),
+                why: format!(
+                    "states no {}; give it in the job",
+                    if model.is_none() {
+                        "model"
+                    } else {
+                        "micro-batch"
+                    }
+                ),
+            });
+        }
+        Ok((model, batch, self.over(base, world)?))
+    }
+
     /// What the config states over `base` (the defaults or the caller's values), on `world`
     /// ranks, checked.
     pub fn over(
