@@ -164,22 +164,27 @@ def torchao(n, r):
 def torchtune(n, r):
     s = r["strategy"]
     if "README" in r["source"]:
-        if "Full finetune" in s and "single" in s:
-            return no("optimizer-in-backward", "torchtune single-device full FT: optimizer_in_bwd + PagedAdamW8bit + chunked CE")
-        if "Full finetune" in s:
+        if "Full finetune" in s and "single" not in s:
             return no("optimizer-in-backward", "full FT with CPU offload and fused optimizer step in backward")
         m = hub(r)
         gpu = {"RTX 4090": "rtx4090", "A6000": None, "A100": "a100-80gb"}.get(r["gpu"])
         if gpu is None:
             return no("gpu-profile", "RTX A6000: no profile")
+        # torchtune's llama3_1 configs of 2024-09 train with CEWithChunkedOutputLoss (8 chunks).
+        chunked = ["--chunked-ce", "8"]
+        if "Full finetune" in s:
+            # 8B_full_single_device: bnb PagedAdamW8bit stepped in backward, AC on.
+            return run(m, gpu, r["micro_batch"], "reserved", seq=r["seq_len"], ckpt="full", optimizer="paged-adamw8bit",
+                       extra=chunked + ["--optimizer-in-backward"],
+                       tags=["framework-model", "compile", "config-inferred", "chunked-ce"])
         # torchtune llama3_1 LoRA configs of 2024-09: q,v,output_proj + MLP LoRA r8 a16, AC on
         quant = ",quant=nf4,double_quant=false" if "QLoRA" in s else ""
         lora = "r=8,alpha=16,targets=q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj" + quant
         tags = ["framework-model", "compile", "config-inferred", "chunked-ce"]
         if "FSDP2" in s:
             return run(m, gpu, r["micro_batch"], "reserved", seq=r["seq_len"], lora=lora, ckpt="full",
-                       strategy="fsdp", world=r["n_gpus"], tags=tags)
-        return run(m, gpu, r["micro_batch"], "reserved", seq=r["seq_len"], lora=lora, ckpt="full", tags=tags)
+                       strategy="fsdp", world=r["n_gpus"], extra=chunked, tags=tags)
+        return run(m, gpu, r["micro_batch"], "reserved", seq=r["seq_len"], lora=lora, ckpt="full", extra=chunked, tags=tags)
     # lora_finetune.rst / qlora: Llama-2-7B, alpaca, batch 2, max_seq_len None -> longest alpaca sample
     o = r["other_settings"]
     rank = re.search(r"rank (\d+)", o)

@@ -15,11 +15,14 @@ CACHE="${GPUMEM_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpumem-ci}"
 COMMON="timm==1.0.31 transformers==5.24.0 segmentation-models-pytorch==0.6.0 peft==0.21.2 bitsandbytes==0.50.2 torchao==0.16.0 pytest==9.2.0 numpy==2.4.6 jsonschema==4.25.1"
 PINNED="torch==2.9.1 torchvision==0.24.1 $COMMON"
 NEWEST="torch==2.15.0 torchvision==0.29.2 $COMMON"
-# torchtitan — its own activation checkpointing and models (python/tests/test_titan.py): the
-# release gpumem's restatement states (gpumem_trace/ac.py's TITAN_RELEASE) with the torch of its
-# time, its dependencies pinned as they resolved (about 12 minutes to install from nothing on 2
-# cores, beside another install; torch's wheel brings CUDA's libraries, which stay unused).
-TITAN="torch==2.10.0 torchtitan==0.2.2 torchdata==0.11.0 datasets==5.2.0 tokenizers==0.23.3 tomli==2.5.0 fsspec==2026.9.0 tyro==1.0.17 tensorboard==2.21.0 einops==0.8.2 pillow==13.0.0 pytest==9.2.0 numpy==2.4.6 jsonschema==4.25.1"
+# The trainers whose own code the tracer runs where it is installed — torchtitan (its activation
+# checkpointing and models: python/tests/test_titan.py) and torchtune (its chunked cross-entropy
+# and optimizer-in-backward hooks: python/tests/test_torchtune.py): the releases gpumem's
+# restatements state (ac.py's TITAN_RELEASE, losses.py) with the torch of their time, torchao as
+# torchtune 0.6.1 imports it, their dependencies pinned as they resolved (about 12 minutes to
+# install from nothing on 2 cores, beside another install; torch's wheel brings CUDA's
+# libraries, which stay unused).
+TITAN="torch==2.10.0 torchtitan==0.2.2 torchtune==0.6.1 torchao==0.13.0 torchdata==0.11.0 datasets==5.2.0 tokenizers==0.23.3 tomli==2.5.0 fsspec==2026.9.0 tyro==1.0.17 tensorboard==2.21.0 einops==0.8.2 pillow==13.0.0 huggingface_hub==2.4.0 safetensors==0.8.0 kagglehub==1.0.3 sentencepiece==0.2.3 tiktoken==0.14.0 blobfile==3.3.0 omegaconf==2.4.0 psutil==7.2.2 pytest==9.2.0 numpy==2.4.6 jsonschema==4.25.1"
 RUFF="0.17.6"
 
 # venv PACKAGES [MODULES]: the cached environment's interpreter, installed on first use (and
@@ -64,7 +67,7 @@ if [ -z "${GPUMEM_PYTHON:-}" ]; then
   prefetch "$PINNED"
   prefetch "$NEWEST"
 fi
-prefetch "$TITAN" "torch, torchtitan, pytest"
+prefetch "$TITAN" "torch, torchtitan, torchtune, pytest"
 
 # Lints, before anything slow: formatting, clippy (a dev-profile check build of every target,
 # warnings as errors), and ruff (lint and format, configured in python/pyproject.toml) from a
@@ -128,13 +131,13 @@ else
   if [ -n "$pinned" ]; then export GPUMEM_PYTHON="$pinned"; fi
 fi
 
-# torchtitan's own activation checkpointing (python/tests/test_titan.py): required here — a
-# torchtitan that cannot be installed fails the run (the tests skip only outside CI).
-awaited "$TITAN" "torch, torchtitan, pytest"
+# The trainers' own code (python/tests/test_titan.py, test_torchtune.py): required here — a
+# trainer that cannot be installed fails the run (the tests skip only outside CI).
+awaited "$TITAN" "torch, torchtitan, torchtune, pytest"
 titan="$got"
 [ -n "$titan" ] || { echo "FAILED: could not install $TITAN"; exit 1; }
-echo "== torchtitan tests ($("$titan" -c 'import torch, torchtitan; print("torch", torch.__version__, "torchtitan", torchtitan.__version__)'))"
-(cd python && GPUMEM_TEST_REQUIRE_TITAN=1 PYTHONDONTWRITEBYTECODE=1 "$titan" -m pytest -q -p no:cacheprovider tests/test_titan.py)
+echo "== trainers' own code: torchtitan and torchtune tests ($("$titan" -c 'import torch, torchtitan, torchtune; print("torch", torch.__version__, "torchtitan", torchtitan.__version__, "torchtune", torchtune.__version__)'))"
+(cd python && GPUMEM_TEST_REQUIRE_TITAN=1 PYTHONDONTWRITEBYTECODE=1 "$titan" -m pytest -q -p no:cacheprovider tests/test_titan.py tests/test_torchtune.py)
 export GPUMEM_TITAN_PYTHON="$titan" GPUMEM_TEST_REQUIRE_TITAN=1
 
 if [ -n "${GPUMEM_PYTHON:-}" ]; then

@@ -64,6 +64,17 @@ def flags():
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        help="each parameter's optimizer step runs in backward as its gradient is ready",
+    )
+    p.add_argument(
+        "--chunked-ce",
+        type=int,
+        metavar="N",
+        help="torchtune's chunked cross-entropy over N slices (causal language models)",
+    )
+    p.add_argument(
         "--data-parallel",
         type=int,
         default=1,

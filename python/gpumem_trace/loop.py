@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils.checkpoint
 
-from . import ac, amp, cuda, distributed, lora, optimizers, zero
+from . import ac, amp, cuda, distributed, lora, losses, optimizers, zero
 from .device import DEVICE, to_device_keeping_ties
 from .models import ReferenceError_, resolve
 from .parallel import DataParallel
@@ -53,6 +53,10 @@ class TraceOptions:
         "none"  # "padded": Hugging Face models get the attention mask of a padded batch
     )
     lora: object = None  # a lora.Lora: PEFT-style LoRA fine-tuning
+    optimizer_in_backward: bool = (
+        False  # each parameter stepped in backward (optimizers.InBackward)
+    )
+    chunked_ce: int = None  # torchtune's chunked cross-entropy over this many slices (losses.py)
     strategy: str = None  # "ddp", "fsdp", "zero1", "zero2" or "zero3": one rank of a multi-GPU job (the batch is the rank's)
     world_size: int = 1
     bucket_cap_mb: float = 25.0
@@ -223,6 +227,8 @@ def trace_training(opts: TraceOptions, out_path: str):
     if opts.lora:
         # As one fine-tunes with PEFT: get_peft_model on the loaded model, then the loop.
         lora.apply(model, opts.lora, opts.model)
+    if opts.chunked_ce:
+        job = losses.chunked_output(job, model, opts.chunked_ce, opts.model)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the whole model's
     # DataParallel's coalesced broadcasts span blocks too, and its replicas split the batch.
     cut = (
@@ -355,9 +361,15 @@ def trace_training(opts: TraceOptions, out_path: str):
                 on_bucket=lambda t: rec.relabel(t, "gradient"),
                 rebuilding=lambda: rec.parameter_sized("ddp_rebuild_buckets"),
             )
-        optimizer = engine or make_optimizer(
-            opts.optimizer, [p for p in model.parameters() if p.requires_grad], opts.lr
-        )
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if opts.optimizer_in_backward:
+            optimizer = optimizers.InBackward(
+                trainable,
+                lambda ps: make_optimizer(opts.optimizer, ps, opts.lr),
+                on_grad=lambda g: rec.relabel(g, "gradient"),
+            )
+        else:
+            optimizer = engine or make_optimizer(opts.optimizer, trainable, opts.lr)
         scaler = GradScaler() if opts.precision == "amp-fp16" else None
         batch = outputs = loss = None
         for it in range(len(step_specs)):

@@ -260,6 +260,47 @@ def make(name, params, lr):
     return build(params, lr)
 
 
+class InBackward:
+    """The optimizer stepping inside backward (torchtune's ``optimizer_in_bwd``): one optimizer
+    per parameter, stepped by that parameter's post-accumulate-grad hook as soon as its gradient
+    is ready, which it then frees (``zero_grad``) — so the gradients never all live at once.
+    The hooks are torchtune's own ``register_optim_in_bwd_hooks`` where torchtune imports, else
+    the same two lines. The loop's ``step`` and ``zero_grad`` then have nothing left to do."""
+
+    def __init__(self, params, build, on_grad=lambda grad: None):
+        self.optimizers = {p: build([p]) for p in params}
+        self.on_grad = on_grad  # told of each gradient before its step (the trace's label)
+        try:
+            register = importlib.import_module("torchtune.training").register_optim_in_bwd_hooks
+        except (ImportError, AttributeError):
+            register = None
+        if register is not None:
+            holder = torch.nn.Module()  # torchtune hooks a model's trainable parameters
+            for i, p in enumerate(self.optimizers):
+                holder.register_parameter(f"p{i}", p)
+            for p in self.optimizers:
+                p.register_post_accumulate_grad_hook(lambda p: self.on_grad(p.grad))
+            register(holder, self.optimizers)
+        else:
+            for p in self.optimizers:
+                p.register_post_accumulate_grad_hook(self._step)
+
+    def _step(self, param):
+        self.on_grad(param.grad)
+        self.optimizers[param].step()
+        self.optimizers[param].zero_grad()
+
+    @property
+    def state(self):
+        return {p: o.state[p] for p, o in self.optimizers.items() if p in o.state}
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+
 def _inner(t):
     """The plain tensors holding a tensor's memory (a torchao state's codes, scales and map)."""
     flatten = getattr(type(t), "__tensor_flatten__", None)

@@ -1386,3 +1386,81 @@ def test_the_pool_forks_a_tracer_per_request_and_answers_each(tmp_path):
     answer = json.loads((tmp_path / "bad.jsonl.answer").read_text())
     assert (answer["status"], answer["kind"]) == ("failed", "reference")
     assert "no_such_net" in answer["message"]
+
+
+LLAMA = "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=4,vocab_size=16000)"
+
+
+def test_chunked_cross_entropy_never_holds_the_whole_fp32_logits(tmp_path):
+    """torchtune's chunked cross-entropy: the output projection per slice, each slice upcast to
+    fp32 in turn. The model's own loss makes the whole fp32 logits at once; chunked, no
+    allocation is that large, the largest fp32 one is a slice's, and the peak is lower."""
+    pytest.importorskip("transformers")
+    batch, seq, vocab, chunks = 2, 256, 16000, 8
+    whole = batch * seq * vocab * 4
+
+    def trace(*extra):
+        return traced(
+            [LLAMA, "--batch", str(batch), "--seq-len", str(seq), "--precision", "bf16", *extra],
+            tmp_path,
+        )
+
+    _, plain = trace()
+    header, chunked = trace("--chunked-ce", str(chunks))
+    assert header["options"]["chunked_ce"] == chunks
+    assert max(e["bytes"] for e in allocs(plain)) >= whole
+    largest = max(e["bytes"] for e in allocs(chunked))
+    assert largest < whole and largest >= whole // chunks
+    assert live_and_peak(chunked)[1] < live_and_peak(plain)[1] - whole // 2
+
+
+def test_chunked_cross_entropy_needs_a_causal_language_model(tmp_path):
+    pytest.importorskip("transformers")
+    p, _ = run(
+        [
+            "hf:BertForSequenceClassification(hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,vocab_size=100)",
+            "--batch",
+            "2",
+            "--seq-len",
+            "16",
+            "--chunked-ce",
+            "4",
+        ],
+        tmp_path,
+    )
+    assert (
+        p.returncode == 2
+        and "--chunked-ce applies to Hugging Face causal language models" in p.stderr
+    )
+
+
+def test_optimizer_in_backward_frees_each_gradient_after_its_step(tmp_path):
+    """torchtune's optimizer_in_bwd: each parameter is stepped as its gradient is ready, and that
+    gradient freed — the gradients never all live at once, while the optimizer's state is the
+    same as a step after backward."""
+    pytest.importorskip("transformers")
+    ref = "hf:LlamaForCausalLM(hidden_size=256,intermediate_size=512,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=4,vocab_size=512)"
+
+    def trace(*extra):
+        header, evs = traced(
+            [ref, "--batch", "2", "--seq-len", "32", "--optimizer", "adamw", *extra], tmp_path
+        )
+        # The most bytes of gradients alive at once (the tracer labels each where it is made).
+        sizes, live, most = {}, 0, 0
+        for e in evs:
+            if e["ev"] == "alloc" and e["category"] == "gradient":
+                sizes[e["id"]] = e["bytes"]
+                live += e["bytes"]
+                most = max(most, live)
+            elif e["ev"] == "free" and e["id"] in sizes:
+                live -= sizes.pop(e["id"])
+        state = sum(e["bytes"] for e in allocs(evs, category="optimizer_state"))
+        return header, most, state
+
+    header, grads_in_backward, state_in_backward = trace("--optimizer-in-backward")
+    assert header["options"]["optimizer_in_backward"] is True
+    _, grads_after, state_after = trace()
+    params = header["parameters"] * 4
+    assert state_in_backward == state_after >= 2 * params
+    assert grads_after >= params
+    assert 0 < grads_in_backward < params / 2

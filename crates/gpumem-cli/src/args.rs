@@ -128,6 +128,16 @@ pub struct WorkloadArgs {
     /// Gradient accumulation steps (PyTorch models; default 1).
     #[arg(long)]
     grad_accum: Option<u32>,
+    /// The optimizer steps in backward (PyTorch models): each parameter's step runs as its
+    /// gradient is ready, and frees that gradient (torchtune's optimizer_in_bwd). One GPU,
+    /// no gradient accumulation.
+    #[arg(long)]
+    optimizer_in_backward: bool,
+    /// Chunked cross-entropy (causal language models): the output projection on N chunks of
+    /// the sequence, each upcast to fp32 for the loss in turn (torchtune's
+    /// CEWithChunkedOutputLoss; it uses 8), in place of the model's own loss.
+    #[arg(long, value_name = "N")]
+    chunked_ce: Option<u32>,
     /// GPUs of a torch.nn.DataParallel job (PyTorch models): --batch is then the whole batch
     /// the wrapper splits, and the estimate is GPU 0's, the most loaded.
     #[arg(long, default_value_t = 1)]
@@ -442,6 +452,8 @@ impl WorkloadArgs {
             attention_mask: self.attention_mask,
             lora: lora.clone(),
             strategy: None,
+            optimizer_in_backward: self.optimizer_in_backward,
+            chunked_ce: self.chunked_ce,
         };
         if let Some(config) = self.train_config()? {
             let named = if self.strategy.strategy.is_some() {
@@ -505,6 +517,13 @@ impl WorkloadArgs {
                     v.attention_mask.name().into(),
                 );
                 v.attention_mask = self.attention_mask;
+            }
+            if self.optimizer_in_backward {
+                v.optimizer_in_backward = true;
+            }
+            if let Some(n) = self.chunked_ce {
+                note("--chunked-ce", n.to_string(), format!("{:?}", v.chunked_ce));
+                v.chunked_ce = Some(n);
             }
             v.input = input;
             v.channels_last = self.channels_last;

@@ -22,7 +22,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 22] = [
+const SOURCES: [(&str, &str); 23] = [
     (
         "__init__.py",
         include_str!("../../../python/gpumem_trace/__init__.py"),
@@ -63,6 +63,10 @@ const SOURCES: [(&str, &str); 22] = [
     (
         "lora.py",
         include_str!("../../../python/gpumem_trace/lora.py"),
+    ),
+    (
+        "losses.py",
+        include_str!("../../../python/gpumem_trace/losses.py"),
     ),
     (
         "models.py",

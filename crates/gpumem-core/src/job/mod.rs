@@ -352,6 +352,16 @@ pub struct OptionValues {
     pub lora: Option<Lora>,
     /// A multi-GPU job's mesh and engine; the trace is one rank's, the batch that rank's.
     pub strategy: Option<Strategy>,
+    /// The optimizer steps inside backward, one parameter at a time as its gradient is ready,
+    /// and frees that gradient (torchtune's `optimizer_in_bwd`, PyTorch's
+    /// `register_post_accumulate_grad_hook` recipe). Left out where false.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub optimizer_in_backward: bool,
+    /// Chunked cross-entropy (torchtune's `CEWithChunkedOutputLoss`): a causal language model's
+    /// output projection run on this many chunks of the sequence, each upcast to fp32 for the
+    /// loss one at a time, in place of the model's own loss. Left out where absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chunked_ce: Option<u32>,
 }
 
 impl Default for OptionValues {
@@ -371,6 +381,8 @@ impl Default for OptionValues {
             attention_mask: AttentionMask::None,
             lora: None,
             strategy: None,
+            optimizer_in_backward: false,
+            chunked_ce: None,
         }
     }
 }
@@ -421,6 +433,10 @@ impl JsonSchema for Options {
 pub enum OptionError {
     #[error("grad_accum (--grad-accum) must be at least 1")]
     GradAccum,
+    #[error("chunked_ce (--chunked-ce) {0} is out of range (1..={MAX_CE_CHUNKS})")]
+    CeChunks(u32),
+    #[error("optimizer_in_backward (--optimizer-in-backward) cannot go with {0}")]
+    OptimizerInBackward(&'static str),
     #[error("data_parallel (--data-parallel) {0} is out of range (1..={MAX_DATA_PARALLEL})")]
     DataParallel(u32),
     #[error("seq_len (--seq-len) must be at least 1")]
@@ -501,6 +517,8 @@ pub struct TorchOnly;
 
 /// Most GPUs a DataParallel job is modelled over.
 pub const MAX_DATA_PARALLEL: u32 = 64;
+/// Most chunks of a chunked cross-entropy (torchtune uses 8; each chunk is a slice of the sequence).
+pub const MAX_CE_CHUNKS: u32 = 1024;
 
 impl OptionValues {
     /// These values as [`Options`], or the first option out of range or at odds with another.
@@ -516,6 +534,25 @@ impl OptionValues {
         }
         if self.seq_len.is_some() && self.seq_lens.is_some() {
             return Err(OptionError::TwoSeqLens);
+        }
+        if self.chunked_ce.is_some_and(|n| n == 0 || n > MAX_CE_CHUNKS) {
+            return Err(OptionError::CeChunks(self.chunked_ce.unwrap_or_default()));
+        }
+        if self.optimizer_in_backward {
+            let clash = if self.grad_accum > 1 {
+                Some("gradient accumulation (each gradient is applied and freed in backward)")
+            } else if self.precision == Precision::AmpFp16 {
+                Some("amp-fp16 (GradScaler unscales every gradient before one step)")
+            } else if self.strategy.is_some() || self.data_parallel > 1 {
+                Some(
+                    "a multi-GPU strategy (sized on one GPU, as torchtune's single-device recipes run it)",
+                )
+            } else {
+                None
+            };
+            if let Some(clash) = clash {
+                return Err(OptionError::OptimizerInBackward(clash));
+            }
         }
         if let Some(strategy) = self.strategy {
             if strategy.zero_stage().is_some() && self.precision == Precision::AmpFp16 {

@@ -164,6 +164,10 @@ pub struct TrainConfig {
     pub checkpointing: Option<Checkpointing>,
     pub lora: Option<Lora>,
     pub attention_mask: Option<AttentionMask>,
+    /// torchtune's `optimizer_in_bwd`.
+    pub optimizer_in_backward: Option<bool>,
+    /// torchtune's `CEWithChunkedOutputLoss`'s chunk count.
+    pub chunked_ce: Option<u32>,
     pub layout: Layout,
     pub fields: Fields,
 }
@@ -364,6 +368,10 @@ impl TrainConfig {
             checkpointing: self.checkpointing.unwrap_or(base.checkpointing),
             lora: self.lora.clone().or(base.lora),
             attention_mask: self.attention_mask.unwrap_or(base.attention_mask),
+            optimizer_in_backward: self
+                .optimizer_in_backward
+                .unwrap_or(base.optimizer_in_backward),
+            chunked_ce: self.chunked_ce.or(base.chunked_ce),
             strategy: strategy.or(base.strategy),
             ..base
         }
@@ -941,6 +949,8 @@ pub fn read_text(
         checkpointing: None,
         lora: None,
         attention_mask: None,
+        optimizer_in_backward: None,
+        chunked_ce: None,
         layout: Layout::Launcher {
             bucket_cap_mb: gpumem_core::job::DDP_BUCKET_CAP_MB,
         },

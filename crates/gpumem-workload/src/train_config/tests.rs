@@ -311,6 +311,40 @@ fn torchtune_lora_single_device_yaml() {
 }
 
 #[test]
+fn torchtune_full_single_device_yaml() {
+    let c = read("torchtune-8B_full_single_device.yaml");
+    // Its optimizer steps in backward, and its loss chunks the output projection 8 ways.
+    assert_eq!(
+        (
+            c.optimizer_in_backward,
+            c.chunked_ce,
+            c.optimizer,
+            c.grad_accum
+        ),
+        (Some(true), Some(8), Some(o("paged-adamw8bit")), Some(1))
+    );
+    let options = c.over(OptionValues::default(), None).unwrap();
+    assert!(options.optimizer_in_backward && options.chunked_ce == Some(8));
+    accounted(
+        "torchtune-8B_full_single_device.yaml",
+        &c,
+        &[
+            "batch_size",
+            "dtype",
+            "optimizer._component_",
+            "loss._component_",
+            "optimizer_in_bwd",
+            "enable_activation_checkpointing",
+            "enable_activation_offloading",
+            "gradient_accumulation_steps",
+            "tokenizer.max_seq_len",
+            "dataset.packed",
+            "compile",
+        ],
+    );
+}
+
+#[test]
 fn torchtitan_toml() {
     let c = read("torchtitan-llama3_8b.toml");
     assert_eq!(c.kind, TrainerKind::TorchtitanToml);

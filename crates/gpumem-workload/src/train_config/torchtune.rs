@@ -114,14 +114,15 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         }
         out.optimizer = Some(o);
     }
-    doc.off_or_not_modelled(
-        "optimizer_in_bwd",
-        "the optimizer step in backward (each gradient freed as it is applied) is not in the job vocabulary yet; sized as a step after backward (an upper bound)",
-    );
-    match doc.get("loss._component_").and_then(|v| v.as_str()) {
-        Some("torch.nn.CrossEntropyLoss") => doc.used("loss"),
+    out.optimizer_in_backward = doc.flag("optimizer_in_bwd")?;
+    match doc.text("loss._component_")?.as_deref() {
+        Some("torch.nn.CrossEntropyLoss") | None => {}
+        // The recipes chunk the model's output projection to the loss's chunk count.
+        Some(c) if c.ends_with("CEWithChunkedOutputLoss") => {
+            let chunks = doc.count32("loss.num_output_chunks")?.unwrap_or(8);
+            out.chunked_ce = Some(chunks);
+        }
         Some(_) => doc.not_modelled("loss", CHUNKED_CE),
-        None => {}
     }
     doc.off_or_not_modelled("compile", COMPILE);
     doc.off_or_not_modelled("clip_grad_norm", CLIP);
