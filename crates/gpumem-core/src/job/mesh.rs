@@ -348,7 +348,14 @@ impl Strategy {
             }
             _ => {}
         }
-        if !(2..=MAX_WORLD_SIZE).contains(&world_size) {
+        // DeepSpeed runs ZeRO on one GPU too (its offload and partitioned optimizer there); DDP
+        // and FSDP on one rank are no strategy at all.
+        let least = if matches!(engine, Engine::Zero { .. }) {
+            1
+        } else {
+            2
+        };
+        if !(least..=MAX_WORLD_SIZE).contains(&world_size) {
             return Err(OptionError::WorldSize(world_size));
         }
         match engine {

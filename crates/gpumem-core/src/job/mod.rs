@@ -445,7 +445,9 @@ pub enum OptionError {
     TwoSeqLens,
     #[error(transparent)]
     SeqLens(#[from] LengthError),
-    #[error("strategy's world size (--world-size) {0} is out of range (2..={MAX_WORLD_SIZE})")]
+    #[error(
+        "strategy's world size (--world-size) {0} is out of range (2..={MAX_WORLD_SIZE}; 1..={MAX_WORLD_SIZE} under ZeRO)"
+    )]
     WorldSize(u32),
     #[error("strategy.mesh.{0} has degree 0 (every mesh dimension has at least 1 rank)")]
     MeshDegree(&'static str),

@@ -157,6 +157,18 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
         Strategy::ddp(1, 25, false),
         Err(OptionError::WorldSize(1))
     ));
+    // DeepSpeed runs ZeRO on one GPU (its offload, its partitioned optimizer); FSDP on one rank
+    // is no strategy.
+    assert_eq!(
+        Strategy::zero(ZeroStage::Three, 1, Zero::default())
+            .unwrap()
+            .world_size(),
+        1
+    );
+    assert!(matches!(
+        Strategy::fsdp(1, 1, true, None, false),
+        Err(OptionError::WorldSize(1))
+    ));
     let json = serde_json::to_string(&eight).unwrap();
     assert!(
         json.contains(
