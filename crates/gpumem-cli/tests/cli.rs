@@ -192,7 +192,7 @@ fn bad_inputs_exit_2_with_one_line() {
             "--world-size",
             "1",
         ],
-        "world size (--world-size) 1 is out of range (2..=65536)",
+        "world size (--world-size) 1 is out of range (2..=65536; 1..=65536 under ZeRO)",
     );
     bad_input(
         &[
@@ -206,6 +206,20 @@ fn bad_inputs_exit_2_with_one_line() {
             "2",
         ],
         "a job is data_parallel (--data-parallel) or has a strategy (--strategy), not both",
+    );
+    bad_input(
+        &[
+            "estimate",
+            "hf:gpt2",
+            "--optimizer-in-backward",
+            "--grad-accum",
+            "4",
+        ],
+        "optimizer_in_backward (--optimizer-in-backward) cannot go with gradient accumulation",
+    );
+    bad_input(
+        &["estimate", "hf:gpt2", "--chunked-ce", "0"],
+        "chunked_ce (--chunked-ce) 0 is out of range (1..=1024)",
     );
     bad_input(
         &[
