@@ -727,15 +727,15 @@ impl StatedConfig {
             })?;
         match &self.text {
             Some(text) => train_config::read_text(&self.file, text, &self.dir, kind),
-            None if train_config::is_python_spec(&self.file) => {
-                train_config::read_file(&self.file, kind, &TorchTracer::from_env())
-            }
             None => {
-                let path = match self.dir.as_os_str() == "." {
-                    true => std::path::PathBuf::from(&self.file), // named as given, in errors
-                    false => self.dir.join(&self.file),
+                // A relative file is read in `dir` (named as given where that is here); a Python
+                // `MODULE:FUNCTION` is no path.
+                let here = self.dir.as_os_str() == "." || train_config::is_python_spec(&self.file);
+                let spec = match here {
+                    true => self.file.clone(),
+                    false => self.dir.join(&self.file).to_string_lossy().into_owned(),
                 };
-                train_config::read_file(&path.to_string_lossy(), kind, &TorchTracer::from_env())
+                train_config::read_file(&spec, kind, &TorchTracer::from_env())
             }
         }
     }
@@ -770,14 +770,18 @@ impl StatedJob {
                 .transpose()
         };
         let batch = whole(StatedField::Batch, &self.batch)?;
+        let ranks = |e: OptionError| {
+            invalid(
+                StatedField::WorldSize,
+                StatedProblem::Job(Box::new(e.into())),
+            )
+        };
         let world = whole(StatedField::WorldSize, &self.world_size)?
-            .map(|w| {
-                u32::try_from(w).ok().filter(|w| *w >= 1).ok_or_else(|| {
-                    invalid(
-                        StatedField::WorldSize,
-                        StatedProblem::NotWhole(w.to_string()),
-                    )
-                })
+            .map(|w| match u32::try_from(w) {
+                Ok(w) if (1..=gpumem_core::job::MAX_WORLD_SIZE).contains(&w) => Ok(w),
+                _ => Err(ranks(OptionError::WorldSize(
+                    u32::try_from(w).unwrap_or(u32::MAX),
+                ))),
             })
             .transpose()?;
         let mut options = OptionValues::default();
@@ -800,12 +804,6 @@ impl StatedJob {
             }
             None => {
                 // Ranks without a config: data parallel over them (DDP, PyTorch's buckets).
-                let ranks = |e: OptionError| {
-                    invalid(
-                        StatedField::WorldSize,
-                        StatedProblem::Job(Box::new(e.into())),
-                    )
-                };
                 if let Some(w) = world.filter(|w| *w > 1) {
                     let ddp = Strategy::ddp(w, gpumem_core::job::DDP_BUCKET_CAP_MB, false);
                     options.strategy = Some(ddp.map_err(ranks)?);
