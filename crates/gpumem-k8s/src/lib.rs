@@ -9,10 +9,10 @@
 //! HAMi's `nvidia.com/gpumem` limit (with `nvidia.com/gpu: 1`), Volcano's
 //! `volcano.sh/vgpu-memory` (with `volcano.sh/vgpu-number: 1`), or KAI's `gpu-memory`
 //! annotation — all in MiB — and `gpumem.io/estimate-mib` / `gpumem.io/upper-bound-mib`
-//! annotations saying where the number came from. A pod without `gpumem.io/model` passes
-//! (nor a train-config) passes untouched; one whose annotations cannot be estimated passes
-//! untouched with a warning (the
-//! webhook never blocks a pod). Estimates are cached per (model, batch, options, GPU).
+//! annotations saying where the number came from. A pod with neither `gpumem.io/model` nor
+//! `gpumem.io/train-config` passes untouched; one whose annotations cannot be estimated passes
+//! untouched with a warning (the webhook never blocks a pod). Estimates are cached per stated
+//! job and GPU.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
