@@ -14,12 +14,12 @@ exactly those tensors: the same ops' outputs, the same bytes."""
 import copy
 import importlib
 import json
-import os
 import re
 from collections import Counter
 
 import pytest
 import torch
+from trainers import requires
 
 from gpumem_trace import ac, cuda
 from gpumem_trace.loop import TraceOptions, trace_training
@@ -28,16 +28,7 @@ from gpumem_trace.sdpa import Stack
 REF = "torchtitan:llama3(flavor=debugmodel)"
 SEQ, BATCH = 128, 2
 
-try:
-    import torchtitan  # noqa: F401
-
-    TITAN = None
-except ImportError as e:
-    TITAN = f"torchtitan is not installed here ({e}); scripts/test.sh installs it"
-
-if TITAN and os.environ.get("GPUMEM_TEST_REQUIRE_TITAN") == "1":
-    raise RuntimeError(f"GPUMEM_TEST_REQUIRE_TITAN=1 but {TITAN}")
-pytestmark = pytest.mark.skipif(TITAN is not None, reason=TITAN or "")
+pytestmark = requires("torchtitan")
 
 MODES = {"full": ("full", "2"), "selective-op": ("selective", "op")}
 MODES["selective-layer:2"] = ("selective", "2")

@@ -8,25 +8,16 @@ environment scripts/test.sh makes); where it is not installed they are skipped w
 unless GPUMEM_TEST_REQUIRE_TITAN=1 (CI), where its absence fails them."""
 
 import importlib
-import os
 
 import pytest
 import torch
+from trainers import requires
 
 from gpumem_trace import losses, optimizers
 from gpumem_trace.device import DEVICE
 from gpumem_trace.tracer import ModulePaths, Recorder, TraceMode
 
-try:
-    import torchtune  # noqa: F401
-
-    TUNE = None
-except ImportError as e:
-    TUNE = f"torchtune is not installed here ({e}); scripts/test.sh installs it"
-
-if TUNE and os.environ.get("GPUMEM_TEST_REQUIRE_TITAN") == "1":
-    raise RuntimeError(f"GPUMEM_TEST_REQUIRE_TITAN=1 but {TUNE}")
-pytestmark = pytest.mark.skipif(TUNE is not None, reason=TUNE or "")
+pytestmark = requires("torchtune")
 
 
 def recorded(step):
