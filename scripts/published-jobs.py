@@ -52,6 +52,11 @@ RULES (stated once; every row follows them)
     fit in C" -> the estimate at that batch/context must fit C (and is reported as a fraction of C).
  R12 Rows whose job is not stated well enough to run (model, batch or length missing, settings
     only in an unread notebook, requirement statements, ranges) are not expressible: `vague`.
+ R13 attention (Hugging Face models; a framework's own model keeps its own SDPA). FlashAttention
+    stated (flash-attn, FA2, flash_attention) -> `--attention flash`, where it can run (fp16/bf16
+    on an Ampere or newer GPU). Else a source from before transformers made SDPA its default
+    (v4.36, December 2023: a release v4.0x-v4.35 or a year up to 2023 in the source) ->
+    `--attention eager`, the only implementation transformers had then.
 """
 import csv
 import os
@@ -378,8 +383,26 @@ def mapping(n, r):
                    ("huggingface/peft", peft), ("huggingface/transformers", hf_docs), ("unslothai", unsloth),
                    ("litgpt", litgpt), ("ms-swift", swift), ("huggingface/blog", blog), ("axolotl", axolotl)):
         if key in src:
-            return f(n, r)
+            return attention(f(n, r), r)
     return no("vague", "unknown source")
+
+
+FLASH_GPUS = ("a100", "a10", "h100", "h200", "rtx3090", "rtx4090", "l4", "l40")  # Ampere and newer
+PRE_SDPA = re.compile(r"v4\.([0-2]x|[0-2]\d|3[0-5])\b|\b20(1\d|2[0-3])\b")
+
+
+def attention(job, r):
+    """Rule R13: the attention implementation the row's run had."""
+    if job["status"] != "run" or "framework-model" in job["tags"]:
+        return job
+    text = " ".join(r[k] for k in ("strategy", "other_settings", "notes")).lower()
+    half = job["precision"] in ("bf16", "fp16", "amp-bf16", "amp-fp16")
+    if re.search(r"flash[-_ ]?attn|\bfa2\b|flash[-_ ]attention", text):
+        if half and job["gpu"].startswith(FLASH_GPUS):
+            job.setdefault("extra", []).extend(["--attention", "flash"])
+    elif PRE_SDPA.search(r["source"]):
+        job.setdefault("extra", []).extend(["--attention", "eager"])
+    return job
 
 
 def toml_value(v):

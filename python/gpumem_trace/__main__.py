@@ -83,6 +83,11 @@ def flags():
     p.add_argument("--validate", default="none", choices=["none", "no-grad", "grad"])
     p.add_argument("--outputs", choices=["kept", "dropped"])
     p.add_argument("--attention-mask", default="none", choices=["none", "padded"])
+    p.add_argument(
+        "--attention",
+        choices=["sdpa", "eager", "flash"],
+        help="a Hugging Face model's attention implementation (default: the model's own)",
+    )
     p.add_argument("--strategy", choices=["ddp", "fsdp", "zero1", "zero2", "zero3"])
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--bucket-cap-mb", type=int, default=25)

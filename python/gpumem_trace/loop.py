@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils.checkpoint
 
-from . import ac, amp, cuda, distributed, lora, losses, optimizers, zero
+from . import ac, amp, cuda, distributed, lora, losses, optimizers, sdpa, zero
 from .device import DEVICE, to_device_keeping_ties
 from .models import ReferenceError_, resolve
 from .parallel import DataParallel
@@ -52,6 +52,7 @@ class TraceOptions:
     attention_mask: str = (
         "none"  # "padded": Hugging Face models get the attention mask of a padded batch
     )
+    attention: str = None  # "sdpa", "eager" or "flash": a Hugging Face model's implementation
     lora: object = None  # a lora.Lora: PEFT-style LoRA fine-tuning
     optimizer_in_backward: bool = (
         False  # each parameter stepped in backward (optimizers.InBackward)
@@ -212,6 +213,14 @@ def _count_activations(model):
     return total, handles
 
 
+def attention_stack(opts: TraceOptions):
+    """How attention calls choose their kernel: FlashAttention-2 (``--attention flash``) runs
+    as SDPA's flash kernel, which keeps what it keeps, and nothing else will do."""
+    if opts.attention == "flash":
+        return Stack.here(opts.gpu_capability, sdpa.FLASH, required=True)
+    return Stack.here(opts.gpu_capability, opts.sdpa)
+
+
 def trace_training(opts: TraceOptions, out_path: str):
     """Runs the loop and writes the trace to ``out_path``; returns the header."""
     t0 = time.time()
@@ -221,6 +230,7 @@ def trace_training(opts: TraceOptions, out_path: str):
         seq_len=opts.seq_len,
         batch_hint=opts.batch,
         attention_mask=opts.attention_mask,
+        attention=opts.attention,
     )
     model = job.model
     model.train()
@@ -321,7 +331,7 @@ def trace_training(opts: TraceOptions, out_path: str):
             autocast.clear()
 
     with (
-        cuda.patches(Stack.here(opts.gpu_capability, opts.sdpa)),
+        cuda.patches(attention_stack(opts)),
         amp.model_autocast_calls(),
         paths,
         mode,

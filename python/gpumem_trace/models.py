@@ -325,14 +325,21 @@ def _padded_batches(tr):
         pass
 
 
-def hf_job(spec, ref, seq_len, attention_mask="none"):
+# The config's `attn_implementation` of each --attention: FlashAttention-2 is traced as SDPA's
+# flash kernel (forced in loop.attention_stack), which keeps the same tensors for backward.
+HF_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash": "sdpa"}
+
+
+def hf_job(spec, ref, seq_len, attention_mask="none", attention=None):
     """``hf:CLASS(key=value,...)``: a transformers class built from its config with these keys
     (no Hub access), trained the way its head trains, on the input it reads
     (``main_input_name``: token ids of ``seq_len``, images at the config's size, raw audio of
     ``seq_len`` samples, log-mel frames): language models (causal, masked, sequence-to-sequence)
     with token ``labels``, sequence/image/audio classifiers with one label per sample,
     contrastive models (CLIP, SigLIP) on text and images with ``return_loss``.
-    ``attention_mask="padded"`` passes a mask of a padded batch, which the model materialises."""
+    ``attention_mask="padded"`` passes a mask of a padded batch, which the model materialises —
+    but not under FlashAttention-2, which unpads the batch instead (every token taken as real,
+    the most it can hold). ``attention`` sets the config's ``attn_implementation``."""
     tr = _require("transformers", "transformers")
     m = re.fullmatch(r"([^()]+)(?:\((.*)\))?", spec.strip())
     if not m:
@@ -360,6 +367,18 @@ def hf_job(spec, ref, seq_len, attention_mask="none"):
     # every such question answers yes, and for some configs the warning itself then fails.
     if hasattr(tr, "PreTrainedModel"):
         tr.PreTrainedModel.warn_if_padding_and_no_attention_mask = lambda *a, **k: None
+    if attention:
+        stated = kw.get("attn_implementation")
+        names = {attention, HF_ATTENTION[attention]} | (
+            {"flash_attention_2", "flash_attention_3"} if attention == "flash" else set()
+        )
+        if stated is not None and stated not in names:
+            raise ReferenceError_(
+                f"{ref}: attn_implementation={stated} and --attention {attention} disagree; give one"
+            )
+        kw["attn_implementation"] = HF_ATTENTION[attention]
+        if attention == "flash":
+            attention_mask = "none"
     config_cls = cls.config_class
     fields = set(config_cls().to_dict())
     mapped = {}
@@ -589,20 +608,23 @@ def py_job(spec, ref, batch_hint):
     return Job(model, specs, lambda out, b: loss(out, b if len(b) > 1 else b[0]))
 
 
-def resolve(ref, input_shape=None, seq_len=None, batch_hint=2, attention_mask="none"):
+def resolve(
+    ref, input_shape=None, seq_len=None, batch_hint=2, attention_mask="none", attention=None
+):
     kind, sep, spec = ref.partition(":")
     if not sep:
         raise ReferenceError_(
             f"`{ref}` is not a model reference (torchvision:NAME, timm:NAME, hf:CLASS(...), smp:ARCH(...), torchtitan:MODEL(flavor=...), py:FILE:FUNCTION)"
         )
+    for flag, given in (("--attention-mask", attention_mask != "none"), ("--attention", attention)):
+        if given and kind != "hf":
+            raise ReferenceError_(f"{flag} applies to Hugging Face models (hf:), not `{ref}`")
     if kind == "torchvision":
         return torchvision_job(spec, ref, input_shape)
     if kind == "timm":
         return timm_job(spec, ref, input_shape)
-    if attention_mask != "none" and kind != "hf":
-        raise ReferenceError_(f"--attention-mask applies to Hugging Face models (hf:), not `{ref}`")
     if kind == "hf":
-        return hf_job(spec, ref, seq_len, attention_mask)
+        return hf_job(spec, ref, seq_len, attention_mask, attention)
     if kind == "smp":
         return smp_job(spec, ref, input_shape)
     if kind == "py":

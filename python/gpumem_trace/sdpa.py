@@ -53,9 +53,10 @@ class Stack:
     forced: str = None  # a backend the user forced (a profile's `sdpa`), else None
     enabled: frozenset = frozenset(BACKENDS)  # torch.backends.cuda.enable_*_sdp switches
     context_order: tuple = None  # the context's priority order (2.6+), as torch reports it
+    required: bool = False  # the forced backend or nothing (FlashAttention-2 has no fallback)
 
     @classmethod
-    def here(cls, capability, forced=None):
+    def here(cls, capability, forced=None, required=False):
         """The installed torch, targeting a GPU of ``capability`` ("9.0")."""
         try:
             runtime = torch.backends.cudnn.version() or 0
@@ -91,6 +92,7 @@ class Stack:
             forced,
             enabled,
             order,
+            required,
         )
 
     def at_least(self, *v):
@@ -316,6 +318,14 @@ CHECKS = {FLASH: can_flash, EFFICIENT: can_efficient, CUDNN: can_cudnn}
 def choose(c, s):
     """``select_sdp_backend``: the first kernel in priority order whose checks pass."""
     order = [s.forced] if s.forced else s.order()
+    if s.required and s.forced != MATH and not CHECKS[s.forced](c, s):
+        from .models import ReferenceError_  # models imports nothing of the tracer's
+
+        raise ReferenceError_(
+            f"{s.forced} attention cannot run this call: it needs fp16 or bf16 inputs on an "
+            f"Ampere or newer GPU (this one is sm{s.capability[0]}{s.capability[1]}), no attention "
+            "mask and a head dimension of at most 256 (try --attention sdpa or eager)"
+        )
     for backend in order:
         if backend == MATH:
             if MATH in s.enabled:

@@ -1434,6 +1434,33 @@ def test_chunked_cross_entropy_needs_a_causal_language_model(tmp_path):
     )
 
 
+def test_attention_implementation_as_the_job_states_it(tmp_path):
+    """--attention: eager runs the model's own code, whose scores [batch, heads, seq, seq] are
+    kept for backward (no SDPA kernel runs); flash runs SDPA's flash kernel where the GPU and
+    dtype allow it — an fp32 job or a V100 is refused in one line, never traced with another
+    kernel; a model that is not Hugging Face's refuses the flag."""
+    pytest.importorskip("transformers")
+    batch, seq, heads = 2, 128, 4
+    common = [LLAMA, "--batch", str(batch), "--seq-len", str(seq), "--gpu-capability", "8.0"]
+
+    def sdpa_ops(evs):
+        return {e["op"] for e in evs if e["ev"] == "op" and "scaled_dot_product" in e["op"]}
+
+    _, default = traced([*common, "--precision", "bf16"], tmp_path)
+    header, eager = traced([*common, "--precision", "bf16", "--attention", "eager"], tmp_path)
+    assert header["options"]["attention"] == "eager"
+    scores = batch * heads * seq * seq * 2
+    assert not sdpa_ops(eager) and any(e["bytes"] == scores for e in allocs(eager))
+    assert live_and_peak(eager)[1] > live_and_peak(default)[1]
+    _, flash = traced([*common, "--precision", "bf16", "--attention", "flash"], tmp_path)
+    assert "_scaled_dot_product_flash_attention" in sdpa_ops(flash)
+    for refused in (["--precision", "fp32"], ["--precision", "bf16", "--gpu-capability", "7.0"]):
+        p, _ = run([*common, "--attention", "flash", *refused], tmp_path)
+        assert p.returncode == 2 and "flash attention cannot run this call" in p.stderr
+    p, _ = run(["timm:resnet18", "--batch", "2", "--attention", "eager"], tmp_path)
+    assert p.returncode == 2 and "--attention applies to Hugging Face models" in p.stderr
+
+
 def test_optimizer_in_backward_frees_each_gradient_after_its_step(tmp_path):
     """torchtune's optimizer_in_bwd: each parameter is stepped as its gradient is ready, and that
     gradient freed — the gradients never all live at once, while the optimizer's state is the

@@ -22,8 +22,8 @@ use gpumem_torch::{BridgeError, TorchTracer};
 use gpumem_workload::deepspeed;
 use gpumem_workload::train_config::{self, TrainConfig, TrainerKind};
 use gpumem_workload::{
-    AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, ModelRef, Options, Outputs,
-    Strategy, Validate, Workload, WorkloadError,
+    Attention, AttentionMask, Checkpointing, HalfDtype, InputShape, Lora, ModelRef, Options,
+    Outputs, Strategy, Validate, Workload, WorkloadError,
 };
 use gpumem_workload::{accelerate, launch::LaunchConfig};
 
@@ -156,6 +156,11 @@ pub struct WorkloadArgs {
     /// model materialises (and which keeps flash attention out); `none` passes no mask.
     #[arg(long, default_value = "none", value_parser = AttentionMask::parse)]
     attention_mask: AttentionMask,
+    /// Hugging Face models: the attention implementation (`attn_implementation`): sdpa, eager
+    /// (the model's own code: scores and softmax materialised) or flash (FlashAttention-2:
+    /// fp16/bf16 on an Ampere or newer GPU). Default: the model's own default.
+    #[arg(long, value_parser = Attention::parse)]
+    attention: Option<Attention>,
     /// LoRA fine-tuning (PyTorch models), as PEFT sets it up: `r=16,alpha=32,targets=q_proj,v_proj`
     /// (`targets=all-linear`: every linear layer but the output head), or a PEFT
     /// adapter_config.json. The model's own weights are frozen: no gradients, no optimizer state.
@@ -450,6 +455,7 @@ impl WorkloadArgs {
             validate: self.validate,
             outputs: self.outputs,
             attention_mask: self.attention_mask,
+            attention: self.attention,
             lora: lora.clone(),
             strategy: None,
             optimizer_in_backward: self.optimizer_in_backward,
@@ -517,6 +523,16 @@ impl WorkloadArgs {
                     v.attention_mask.name().into(),
                 );
                 v.attention_mask = self.attention_mask;
+            }
+            if let Some(a) = self.attention {
+                note(
+                    "--attention",
+                    a.name().into(),
+                    v.attention
+                        .map_or("the model's default", Attention::name)
+                        .into(),
+                );
+                v.attention = Some(a);
             }
             if self.optimizer_in_backward {
                 v.optimizer_in_backward = true;

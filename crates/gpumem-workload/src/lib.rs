@@ -11,8 +11,8 @@ use gpumem_core::dataset::Measurement;
 use gpumem_core::estimate::{Estimate, EstimateError, Estimator};
 use gpumem_core::families::{JobOptions, MAX_BATCH, ModelSpec};
 pub use gpumem_core::job::{
-    AttentionMask, Checkpointing, HalfDtype, InputShape, LengthSchedule, LengthSource, Lora,
-    OptionError, OptionOverrides, OptionValues, Options, Outputs, Strategy, TORCH_PREFIXES,
+    Attention, AttentionMask, Checkpointing, HalfDtype, InputShape, LengthSchedule, LengthSource,
+    Lora, OptionError, OptionOverrides, OptionValues, Options, Outputs, Strategy, TORCH_PREFIXES,
     TorchOnly, Validate, Zero, ZeroStage,
 };
 use gpumem_core::model::ModelError;

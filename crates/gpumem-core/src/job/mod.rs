@@ -260,6 +260,33 @@ spelled!(
     }
 );
 
+spelled!(
+    /// The attention a Hugging Face model runs (its `attn_implementation`); absent, the
+    /// model's own default (SDPA where transformers has it, else its eager code).
+    Attention ("attention") {
+        /// `F.scaled_dot_product_attention`, whose kernel PyTorch's CUDA dispatch chooses.
+        Sdpa = "sdpa",
+        /// The model's own attention code: the scores and their softmax materialised.
+        Eager = "eager",
+        /// FlashAttention-2 (`flash_attention_2`): traced as SDPA's flash kernel, which keeps
+        /// the same tensors for backward; a padded batch is unpadded, not masked.
+        Flash = "flash",
+    }
+);
+
+impl Attention {
+    /// Hugging Face's name for it (`attn_implementation`: `eager`, `sdpa`, `flash_attention_2`
+    /// or `_3`), or `None` for one gpumem does not model (flex, paged, a Hub kernel).
+    pub fn from_hf(name: &str) -> Option<Attention> {
+        match name {
+            "eager" => Some(Attention::Eager),
+            "sdpa" => Some(Attention::Sdpa),
+            "flash_attention_2" | "flash_attention_3" => Some(Attention::Flash),
+            _ => None,
+        }
+    }
+}
+
 /// Training precision: fp32, autocast to a low dtype (`amp-*`), or pure low precision (weights,
 /// gradients and optimizer state in fp16/bf16; PyTorch models only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -348,6 +375,11 @@ pub struct OptionValues {
     pub outputs: Option<Outputs>,
     #[schemars(with = "String")]
     pub attention_mask: AttentionMask,
+    /// The attention implementation of a Hugging Face model; absent, the model's default.
+    /// Left out where absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<String>")]
+    pub attention: Option<Attention>,
     /// LoRA fine-tuning: the model frozen, its target layers given trainable low-rank factors.
     pub lora: Option<Lora>,
     /// A multi-GPU job's mesh and engine; the trace is one rank's, the batch that rank's.
@@ -379,6 +411,7 @@ impl Default for OptionValues {
             validate: Validate::None,
             outputs: None,
             attention_mask: AttentionMask::None,
+            attention: None,
             lora: None,
             strategy: None,
             optimizer_in_backward: false,
@@ -512,7 +545,7 @@ pub struct RanksNotGpus {
 /// Options a native family model cannot take, on a native model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs, --attention-mask, --lora and --strategy apply to PyTorch models ({})",
+    "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs, --attention-mask, --attention, --lora and --strategy apply to PyTorch models ({})",
     TORCH_PREFIXES.join(", ")
 )]
 pub struct TorchOnly;

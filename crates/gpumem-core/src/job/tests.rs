@@ -375,3 +375,28 @@ fn zero_runs_only_its_own_optimizers() {
         "optimizer adamw8bit cannot run under ZeRO, whose engine runs its own optimizer (adam, adamw, sgd or sgd-momentum)"
     );
 }
+
+#[test]
+fn the_attention_implementation_is_left_out_where_the_model_chooses() {
+    let plain = serde_json::to_string(&Options::default()).unwrap();
+    assert!(!plain.contains("attention\""), "{plain}");
+    let o: Options = serde_json::from_str(r#"{"attention":"eager"}"#).unwrap();
+    assert_eq!(o.attention, Some(Attention::Eager));
+    assert!(
+        serde_json::to_string(&o)
+            .unwrap()
+            .contains(r#""attention":"eager""#)
+    );
+    let e = serde_json::from_str::<Options>(r#"{"attention":"xformers"}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("unknown attention `xformers` (expected sdpa, eager, flash)"),
+        "{e}"
+    );
+    assert_eq!(
+        Attention::from_hf("flash_attention_2"),
+        Some(Attention::Flash)
+    );
+    assert_eq!(Attention::from_hf("flex_attention"), None);
+}

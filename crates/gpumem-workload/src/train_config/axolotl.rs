@@ -1,6 +1,6 @@
 //! axolotl's YAML (`axolotl train config.yml`).
 
-use gpumem_core::job::{AttentionMask, Checkpointing, Precision, Quant4};
+use gpumem_core::job::{Attention, AttentionMask, Checkpointing, Precision, Quant4};
 use serde_json::Value;
 
 use super::{
@@ -157,22 +157,22 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         (false, true) => Precision::Fp16,
         (false, false) => Precision::Fp32,
     });
-    for key in [
-        "flash_attention",
-        "xformers_attention",
-        "sdp_attention",
-        "s2_attention",
-        "flex_attention",
+    // axolotl's switches, each naming the transformers implementation it loads the model with.
+    for (key, attention) in [
+        ("flash_attention", Attention::Flash),
+        ("sdp_attention", Attention::Sdpa),
+        ("eager_attention", Attention::Eager),
     ] {
+        if doc.flag(key)? == Some(true) {
+            out.attention = Some(attention);
+        }
+    }
+    for key in ["xformers_attention", "s2_attention", "flex_attention"] {
         if doc.get(key).is_some() {
             doc.off_or_not_modelled(key, ATTN);
         }
     }
-    if let Some(a) = doc.text("attn_implementation")?
-        && a != "sdpa"
-    {
-        doc.not_modelled("attn_implementation", ATTN);
-    }
+    super::hf_attention(doc, "attn_implementation", out)?;
     if let Some(o) = doc.text("optimizer")? {
         out.optimizer = Some(super::optimizer(doc, "optimizer", &o, None)?);
     }

@@ -5,7 +5,7 @@ use gpumem_core::job::{AttentionMask, HalfDtype, Precision, Quant4};
 use serde_json::Value;
 
 use super::{
-    ATTN, CLIP, COMPILE, Class, Doc, EVAL, LIGER, Layout, PACKED, SAVE, Table, TrainConfig,
+    CLIP, COMPILE, Class, Doc, EVAL, LIGER, Layout, PACKED, SAVE, Table, TrainConfig,
     TrainConfigError, TrainerKind,
 };
 use crate::deepspeed;
@@ -235,11 +235,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         "attn_implementation",
         "model_init_kwargs.attn_implementation",
     ] {
-        if let Some(a) = doc.text(key)?
-            && a != "sdpa"
-        {
-            doc.not_modelled(key, ATTN);
-        }
+        super::hf_attention(doc, key, out)?;
     }
     if let Some(o) = doc.text("optim")? {
         out.optimizer = Some(super::optimizer(doc, "optim", &o, None)?);

@@ -15,8 +15,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use gpumem_core::job::{
-    AttentionMask, Checkpointing, Engine, HalfDtype, Implementation, Lora, Mesh, MeshDim,
-    Optimizer, OptionError, OptionValues, Options, Precision, Quant4, Strategy,
+    Attention, AttentionMask, Checkpointing, Engine, HalfDtype, Implementation, Lora, Mesh,
+    MeshDim, Optimizer, OptionError, OptionValues, Options, Precision, Quant4, Strategy,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -164,6 +164,9 @@ pub struct TrainConfig {
     pub checkpointing: Option<Checkpointing>,
     pub lora: Option<Lora>,
     pub attention_mask: Option<AttentionMask>,
+    /// The attention implementation (Hugging Face's `attn_implementation`, axolotl's
+    /// `flash_attention`, …).
+    pub attention: Option<Attention>,
     /// torchtune's `optimizer_in_bwd`.
     pub optimizer_in_backward: Option<bool>,
     /// torchtune's `CEWithChunkedOutputLoss`'s chunk count.
@@ -368,6 +371,7 @@ impl TrainConfig {
             checkpointing: self.checkpointing.unwrap_or(base.checkpointing),
             lora: self.lora.clone().or(base.lora),
             attention_mask: self.attention_mask.unwrap_or(base.attention_mask),
+            attention: self.attention.or(base.attention),
             optimizer_in_backward: self
                 .optimizer_in_backward
                 .unwrap_or(base.optimizer_in_backward),
@@ -444,7 +448,24 @@ pub(crate) fn hf_checkpointing(doc: &mut Doc, on: bool) -> Result<Checkpointing,
 pub(crate) const OFFLOAD_ACT: &str = "activation offloading is not in the job vocabulary yet; sized with activations on the GPU (an upper bound)";
 pub(crate) const CHUNKED_CE: &str = "chunked / fused linear cross-entropy is not in the job vocabulary yet; sized with the whole logits (an upper bound)";
 pub(crate) const LIGER: &str = "Liger kernels (fused RMSNorm, SwiGLU, linear cross-entropy) are not modelled; sized with PyTorch's own ops (an upper bound)";
-pub(crate) const ATTN: &str = "the attention implementation is PyTorch's SDPA kernel choice in gpumem's trace (docs/sdpa.md), not this one";
+pub(crate) const ATTN: &str =
+    "gpumem models the eager, SDPA and FlashAttention-2 implementations, not this one";
+
+/// Hugging Face's `attn_implementation` at `key`: the attention gpumem models, or reported as
+/// not modelled (flex, paged, a Hub kernel).
+pub(crate) fn hf_attention(
+    doc: &mut Doc,
+    key: &str,
+    out: &mut TrainConfig,
+) -> Result<(), TrainConfigError> {
+    if let Some(name) = doc.text(key)? {
+        match Attention::from_hf(&name) {
+            Some(a) => out.attention = Some(a),
+            None => doc.not_modelled(key, ATTN),
+        }
+    }
+    Ok(())
+}
 pub(crate) const UNKNOWN: &str = "a key gpumem does not know: it may bear on memory";
 pub(crate) const CLIP: &str =
     "gradient clipping's norm temporaries are not modelled (small: one scalar per tensor)";
@@ -949,6 +970,7 @@ pub fn read_text(
         checkpointing: None,
         lora: None,
         attention_mask: None,
+        attention: None,
         optimizer_in_backward: None,
         chunked_ce: None,
         layout: Layout::Launcher {

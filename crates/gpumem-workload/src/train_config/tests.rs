@@ -167,7 +167,8 @@ fn trl_sft_config_yaml_with_qlora() {
         })
     );
     assert!(used(&c, "gradient_checkpointing_kwargs.use_reentrant"));
-    assert!(not_modelled(&c, "attn_implementation"));
+    assert_eq!(c.attention, Some(Attention::Flash));
+    assert!(used(&c, "attn_implementation"));
     accounted(
         "trl-sft-zephyr-qlora.yaml",
         &c,
@@ -216,7 +217,8 @@ fn axolotl_qlora_yaml() {
     );
     assert!(lora.quant().is_some());
     assert!(not_modelled(&c, "sample_packing"));
-    assert!(not_modelled(&c, "attn_implementation"));
+    assert_eq!(c.attention, Some(Attention::Flash));
+    assert!(used(&c, "attn_implementation"));
     accounted(
         "axolotl-qlora-1b.yml",
         &c,
@@ -621,4 +623,41 @@ fn trainer_spellings_of_modelled_optimizers() {
 /// An optimizer by gpumem's name.
 fn o(name: &str) -> Optimizer {
     Optimizer::parse(name).unwrap()
+}
+
+/// The attention implementation as each trainer names it; one gpumem does not model is reported.
+#[test]
+fn attention_implementations_as_trainers_name_them() {
+    let read = |kind, text: &str| {
+        read_text("c.yaml", text, Path::new("."), Some(kind)).unwrap_or_else(|e| panic!("{e}"))
+    };
+    for (text, attention) in [
+        ("base_model: m\nflash_attention: true\n", Attention::Flash),
+        ("base_model: m\nsdp_attention: true\n", Attention::Sdpa),
+        ("base_model: m\neager_attention: true\n", Attention::Eager),
+        (
+            "base_model: m\nattn_implementation: eager\n",
+            Attention::Eager,
+        ),
+    ] {
+        let c = read(TrainerKind::Axolotl, text);
+        assert_eq!(c.attention, Some(attention), "{text}");
+    }
+    let off = read(
+        TrainerKind::Axolotl,
+        "base_model: m\nflash_attention: false\n",
+    );
+    assert_eq!(off.attention, None);
+    assert!(used(&off, "flash_attention"));
+    let hf = read(
+        TrainerKind::HfTrainer,
+        "model_init_kwargs:\n  attn_implementation: sdpa\n",
+    );
+    assert_eq!(hf.attention, Some(Attention::Sdpa));
+    let flex = read(
+        TrainerKind::HfTrainer,
+        "attn_implementation: flex_attention\n",
+    );
+    assert_eq!(flex.attention, None);
+    assert!(not_modelled(&flex, "attn_implementation"));
 }
