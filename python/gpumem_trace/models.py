@@ -379,6 +379,12 @@ def hf_job(spec, ref, seq_len, attention_mask="none", attention=None):
         kw["attn_implementation"] = HF_ATTENTION[attention]
         if attention == "flash":
             attention_mask = "none"
+    elif kw.get("attn_implementation") in ("flash_attention_2", "flash_attention_3"):
+        # The flash-attn package is CUDA's; gpumem runs it as SDPA's flash kernel (the job's).
+        raise ReferenceError_(
+            f"{ref}: attn_implementation={kw['attn_implementation']}: give --attention flash "
+            "(gpumem traces FlashAttention-2 as SDPA's flash kernel)"
+        )
     config_cls = cls.config_class
     fields = set(config_cls().to_dict())
     mapped = {}

@@ -1459,6 +1459,9 @@ def test_attention_implementation_as_the_job_states_it(tmp_path):
         assert p.returncode == 2 and "flash attention cannot run this call" in p.stderr
     p, _ = run(["timm:resnet18", "--batch", "2", "--attention", "eager"], tmp_path)
     assert p.returncode == 2 and "--attention applies to Hugging Face models" in p.stderr
+    flash_key = LLAMA[:-1] + ",attn_implementation=flash_attention_2)"
+    p, _ = run([flash_key, "--batch", "2", "--precision", "bf16"], tmp_path)
+    assert p.returncode == 2 and "give --attention flash" in p.stderr
 
 
 def test_optimizer_in_backward_frees_each_gradient_after_its_step(tmp_path):
