@@ -418,7 +418,7 @@ def toml_value(v):
 def main():
     rows = list(csv.DictReader(open(CSV, newline="")))
     out = ["# gpumem jobs of the published dev rows: written by scripts/published-jobs.py (its docstring",
-           "# states the mapping rules R1-R12). `line` is the row's line in published_runs_dev.csv;",
+           "# states the mapping rules R1-R13). `line` is the row's line in published_runs_dev.csv;",
            "# `status = \"no\"` rows carry the missing mechanism as `reason`.", ""]
     for i, r in enumerate(rows):
         n = i + 2
