@@ -328,6 +328,8 @@ def _padded_batches(tr):
 # The config's `attn_implementation` of each --attention: FlashAttention-2 is traced as SDPA's
 # flash kernel (forced in loop.attention_stack), which keeps the same tensors for backward.
 HF_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash": "sdpa"}
+# transformers' names for FlashAttention (the CUDA-only flash-attn package).
+HF_FLASH = ("flash_attention_2", "flash_attention_3")
 
 
 def hf_job(spec, ref, seq_len, attention_mask="none", attention=None):
@@ -369,9 +371,7 @@ def hf_job(spec, ref, seq_len, attention_mask="none", attention=None):
         tr.PreTrainedModel.warn_if_padding_and_no_attention_mask = lambda *a, **k: None
     if attention:
         stated = kw.get("attn_implementation")
-        names = {attention, HF_ATTENTION[attention]} | (
-            {"flash_attention_2", "flash_attention_3"} if attention == "flash" else set()
-        )
+        names = {attention, HF_ATTENTION[attention], *(HF_FLASH if attention == "flash" else ())}
         if stated is not None and stated not in names:
             raise ReferenceError_(
                 f"{ref}: attn_implementation={stated} and --attention {attention} disagree; give one"
@@ -379,7 +379,7 @@ def hf_job(spec, ref, seq_len, attention_mask="none", attention=None):
         kw["attn_implementation"] = HF_ATTENTION[attention]
         if attention == "flash":
             attention_mask = "none"
-    elif kw.get("attn_implementation") in ("flash_attention_2", "flash_attention_3"):
+    elif kw.get("attn_implementation") in HF_FLASH:
         # The flash-attn package is CUDA's; gpumem runs it as SDPA's flash kernel (the job's).
         raise ReferenceError_(
             f"{ref}: attn_implementation={kw['attn_implementation']}: give --attention flash "

@@ -870,27 +870,20 @@ mod tests {
         .unwrap();
         let c = cluster(TWO);
         let by_config = "#GPUMEM model=mlp:input=4096,output=10,depth=4 train_config=args.json\n";
-        let r = decide(
-            &Submission {
-                script: Some(by_config),
-                workdir: Some(&dir),
-                ..Default::default()
-            },
-            &c,
-            true,
-        )
-        .unwrap()
-        .unwrap();
-        let stated = decide(
-            &Submission {
-                script: Some(MLP),
-                ..Default::default()
-            },
-            &c,
-            true,
-        )
-        .unwrap()
-        .unwrap();
+        // `decide` on a script submitted from `workdir`; `may_trace` false is the controller side.
+        let submit = |script, workdir, may_trace| {
+            decide(
+                &Submission {
+                    script: Some(script),
+                    workdir,
+                    ..Default::default()
+                },
+                &c,
+                may_trace,
+            )
+        };
+        let r = submit(by_config, Some(&dir), true).unwrap().unwrap();
+        let stated = submit(MLP, None, true).unwrap().unwrap();
         // The config's micro-batch and optimizer are the directives' batch=256 optimizer=sgd.
         assert_eq!(
             (r.gpu.as_str(), r.sized),
@@ -902,30 +895,12 @@ mod tests {
             r.comment
         );
         // Read in the submission's directory, not here; the controller never reads it.
-        let elsewhere = decide(
-            &Submission {
-                script: Some(by_config),
-                ..Default::default()
-            },
-            &c,
-            true,
-        )
-        .unwrap_err()
-        .to_string();
+        let elsewhere = submit(by_config, None, true).unwrap_err().to_string();
         assert!(
             elsewhere.starts_with("#GPUMEM train_config: args.json"),
             "{elsewhere}"
         );
-        let controller = decide(
-            &Submission {
-                script: Some(by_config),
-                workdir: Some(&dir),
-                ..Default::default()
-            },
-            &c,
-            false,
-        )
-        .unwrap_err();
+        let controller = submit(by_config, Some(&dir), false).unwrap_err();
         assert!(
             matches!(controller, SlurmError::Rejected(_)),
             "{controller}"
