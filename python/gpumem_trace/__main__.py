@@ -81,6 +81,32 @@ def flags():
         help="GPUs of a torch.nn.DataParallel job; the trace is GPU 0's",
     )
     p.add_argument("--validate", default="none", choices=["none", "no-grad", "grad"])
+    p.add_argument(
+        "--whole-run",
+        action="store_true",
+        help="trace the whole run: the load, the steps, and the evaluation --eval-batches states",
+    )
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        metavar="N",
+        help="the run ends with Hugging Face Trainer's evaluation loop of N batches",
+    )
+    p.add_argument("--eval-batch-size", type=int, metavar="B")
+    p.add_argument("--eval-accumulation-steps", type=int, metavar="K")
+    p.add_argument(
+        "--eval-logits", action="store_true", help="the evaluation keeps logits for metrics"
+    )
+    p.add_argument(
+        "--save",
+        choices=["sharded", "full", "full-offload"],
+        help="the run ends with a checkpoint's save, as the job's engine saves it",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="the run resumes from a checkpoint: the optimizer state is read in at the load",
+    )
     p.add_argument("--outputs", choices=["kept", "dropped"])
     p.add_argument("--attention-mask", default="none", choices=["none", "padded"])
     p.add_argument(

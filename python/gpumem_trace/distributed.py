@@ -286,3 +286,67 @@ def fsdp(
         fully_shard(b, **policy)
     fully_shard(model, **policy)
     return model
+
+
+@contextlib.contextmanager
+def _meshes_on_the_trace_device(model):
+    """A real run's meshes are on the GPU's device type, where torch.distributed.checkpoint's
+    gathers and copies need no move first; here they are on ``cpu``, so for the call they say
+    the trace's device (``_device_type`` behind a read-only property from torch 2.10)."""
+    from torch.distributed.tensor import DTensor
+
+    meshes = {
+        id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)
+    }
+
+    def attr(m):
+        read_only = isinstance(getattr(type(m), "device_type", None), property)
+        return "_device_type" if read_only else "device_type"
+
+    saved = {k: getattr(m, attr(m)) for k, m in meshes.items()}
+    try:
+        for m in meshes.values():
+            setattr(m, attr(m), "meta")
+        yield
+    finally:
+        for k, m in meshes.items():
+            setattr(m, attr(m), saved[k])
+
+
+def fsdp_state_dicts(model, optimizer, how):
+    """A checkpoint of an FSDP2 job, as torch.distributed.checkpoint's state-dict functions make
+    it (run here): ``get_model_state_dict`` and ``get_optimizer_state_dict`` with
+    ``full_state_dict`` for ``full`` and ``full-offload`` — each DTensor redistributed to
+    Replicate, an all-gather into a whole tensor on the GPU, kept there (``full``) or copied to
+    the host at once (``full-offload``: ``cpu_offload=True``, rank 0's) — and for ``sharded``
+    the rank's own shards, nothing gathered. Both dicts are held until they are written, then
+    dropped."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=how != "sharded", cpu_offload=how == "full-offload")
+    with _meshes_on_the_trace_device(model):
+        model_state = get_model_state_dict(model, options=options)
+        optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
+    del model_state, optimizer_state
+
+
+def fsdp_resume(model, optimizer):
+    """An FSDP2 job resumed from its sharded checkpoint, as torch.distributed.checkpoint does it
+    (torchtitan's and accelerate's way; run here): ``get_optimizer_state_dict`` makes the
+    state the checkpoint is read into — on a fresh optimizer, PyTorch's ``_init_optim_state``:
+    a zero gradient for every parameter and one step at learning rate 0, then the gradients
+    freed — ``dcp.load`` fills it in place, and ``set_optimizer_state_dict`` hands it to the
+    optimizer. The model's shards are read into the parameters in place: nothing more."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    with _meshes_on_the_trace_device(model):
+        state = get_optimizer_state_dict(model, optimizer)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
+    del state

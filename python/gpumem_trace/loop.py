@@ -58,6 +58,9 @@ class TraceOptions:
         False  # each parameter stepped in backward (optimizers.InBackward)
     )
     chunked_ce: int = None  # torchtune's chunked cross-entropy over this many slices (losses.py)
+    # The whole run (docs/run.md) as the job document states it — {"evaluation": {...}} — or
+    # None: the training steps alone.
+    whole_run: dict = None
     strategy: str = None  # "ddp", "fsdp", "zero1", "zero2" or "zero3": one rank of a multi-GPU job (the batch is the rank's)
     world_size: int = 1
     bucket_cap_mb: float = 25.0
@@ -221,6 +224,60 @@ def attention_stack(opts: TraceOptions):
     return Stack.here(opts.gpu_capability, opts.sdpa)
 
 
+def evaluate(evaluation, next_batch, batch, forward_and_loss, end_autocast, model, rec, world):
+    """Hugging Face Trainer's evaluation loop (``Trainer.evaluate`` → ``evaluation_loop``), one
+    batch at a time under ``torch.no_grad()`` in eval mode: ``prediction_step`` runs the model
+    with its labels and keeps the loss, repeated once per sample; with metrics (``logits``) also
+    the logits and the labels. Each is gathered across ranks (``gather_for_metrics``: an
+    all-gather into a tensor ``world`` times as large where there are several) and concatenated
+    to what the loop holds (``EvalLoopContainer.add`` → transformers' ``nested_concat``, run
+    here where transformers is installed); every ``accumulation_steps`` batches what it holds
+    moves to the host (``to_cpu_and_numpy``) and leaves the GPU. Returns the last batch."""
+    concat = _nested_concat()
+    kept = {}  # name -> the tensor the loop holds on the GPU
+
+    def add(name, tensor):
+        if world > 1:
+            tensor = torch.empty(
+                (tensor.shape[0] * world, *tensor.shape[1:]), dtype=tensor.dtype, device=DEVICE
+            )
+        kept[name] = tensor if name not in kept else concat(kept[name], tensor)
+
+    model.eval()
+    rec.kernels = False
+    steps = evaluation.get("accumulation_steps")
+    with torch.no_grad():
+        for step in range(evaluation["batches"]):
+            batch = next_batch(batch)
+            rec.phase = "forward"
+            outputs, loss = forward_and_loss(batch)
+            end_autocast()
+            size = batch[0].shape[0]
+            add("losses", loss.detach().mean().repeat(size))
+            if evaluation.get("logits"):
+                logits = outputs.logits if hasattr(outputs, "logits") else outputs
+                add("preds", logits.detach())
+                if len(batch) > 1:
+                    add("labels", batch[1])
+            outputs = loss = logits = None
+            if steps and (step + 1) % steps == 0:
+                kept.clear()  # moved to the host: the GPU's copies die
+    kept.clear()
+    rec.kernels = True
+    model.train()
+    return batch
+
+
+def _nested_concat():
+    """transformers' ``nested_concat`` (what the Trainer's ``EvalLoopContainer`` calls), or,
+    without transformers, the ``torch.cat`` along the batch it runs for same-shaped tensors."""
+    try:
+        from transformers.trainer_pt_utils import nested_concat
+    except ImportError:
+        return lambda a, b: torch.cat((a, b), dim=0)
+    return lambda a, b: nested_concat(a, b, padding_index=-100)
+
+
 def trace_training(opts: TraceOptions, out_path: str):
     """Runs the loop and writes the trace to ``out_path``; returns the header."""
     t0 = time.time()
@@ -337,6 +394,9 @@ def trace_training(opts: TraceOptions, out_path: str):
         mode,
         autocast.under_checkpoint() if autocast else contextlib.nullcontext(),
     ):
+        whole_run = opts.whole_run is not None
+        if whole_run:
+            rec.run_phase("load")
         rec.phase = "setup"
         if opts.strategy == "fsdp":
             # Offloaded, the model is sharded where it was loaded: on the host.
@@ -359,7 +419,19 @@ def trace_training(opts: TraceOptions, out_path: str):
                 model, opts.zero, opts.optimizer, weights_dtype or torch.float32, rec
             )
         else:
-            to_device_keeping_ties(model, weights_dtype)
+            # A whole run loads a 4-bit model as transformers does: each weight reaches the GPU
+            # in the dtype it is loaded in (the training's 16 bits) and is quantized there.
+            loaded = weights_dtype or autocast_dtype or torch.float32
+
+            def stage(shape):
+                saved, rec.category = rec.category, "temporary"
+                try:
+                    return torch.empty(shape, dtype=loaded, device=DEVICE)
+                finally:
+                    rec.category = saved
+
+            with lora.loading_in_4bit(stage if whole_run else None):
+                to_device_keeping_ties(model, weights_dtype)
         if opts.channels_last:
             model.to(memory_format=torch.channels_last)
         if opts.strategy == "ddp":
@@ -380,8 +452,21 @@ def trace_training(opts: TraceOptions, out_path: str):
             )
         else:
             optimizer = engine or make_optimizer(opts.optimizer, trainable, opts.lr)
+        if (opts.whole_run or {}).get("resume"):
+            # The checkpoint's optimizer state read in beside the live model, before any step
+            # (its weights are read into the parameters in place).
+            saved, rec.category = rec.category, "temporary"
+            if opts.strategy == "fsdp":
+                distributed.fsdp_resume(model, optimizer)
+            else:
+                optimizers.resume_as_torch_load(optimizer, rec)
+            rec.category = saved
+            for t, category in optimizers.state_tensors(optimizer, DEVICE):
+                rec.relabel(t, category)
         scaler = GradScaler() if opts.precision == "amp-fp16" else None
         batch = outputs = loss = None
+        if whole_run:
+            rec.run_phase("train")
         for it in range(len(step_specs)):
             # From the third iteration on, a loop in its steady state repeats the last one:
             # copied, not run (about a quarter of the tracing time). A validation pass after
@@ -391,6 +476,7 @@ def trace_training(opts: TraceOptions, out_path: str):
                 and not opts.every_iteration
                 and not opts.seq_lens
                 and opts.validate == "none"
+                and not whole_run
                 and rec.repeat_last_iteration()
             ):
                 while rec.iterations < opts.iterations and rec.repeat_last_iteration():
@@ -443,6 +529,39 @@ def trace_training(opts: TraceOptions, out_path: str):
                     outputs, loss = forward_and_loss(batch)
                     end_autocast()
             rec.kernels = True
+        evaluation = (opts.whole_run or {}).get("evaluation")
+        if evaluation:
+            # Hugging Face's Trainer zeroes the gradients (to None) after every step.
+            rec.phase = "zero_grad"
+            optimizer.zero_grad(set_to_none=True)
+            rec.run_phase("evaluate")
+            outputs = loss = None
+            batch = evaluate(
+                evaluation,
+                lambda old: next_batch(
+                    old, job.batch_specs(evaluation.get("batch_size") or opts.batch)
+                ),
+                batch,
+                forward_and_loss,
+                end_autocast,
+                model,
+                rec,
+                opts.world_size if opts.strategy else 1,
+            )
+        how = (opts.whole_run or {}).get("save")
+        if how:
+            rec.run_phase("save")
+            rec.phase, rec.category = "setup", "temporary"
+            del outputs, loss  # the last step's, or evaluation's, are gone by the save
+            if opts.strategy == "fsdp":
+                distributed.fsdp_state_dicts(model, optimizer, how)
+            elif opts.zero is not None and how != "sharded":
+                raise ReferenceError_(
+                    "a ZeRO job's full checkpoint (DeepSpeed's consolidation) is not modelled: --save sharded saves each rank's partitions"
+                )
+            # Else torch.save of the state dicts (one GPU, DDP's rank 0, DeepSpeed's per-rank
+            # files): serialization copies each storage to the host; nothing more on the GPU.
+            rec.category = None
     header = {
         "model": opts.model,
         "batch_size": opts.batch,

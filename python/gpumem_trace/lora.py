@@ -18,6 +18,7 @@ then wraps its targets. bitsandbytes need not be installed (``Linear4bit`` below
 0.50 release holds).
 """
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,22 @@ class Linear4bit(torch.nn.Module):
         if self.bias is not None:
             self.bias.requires_grad_(False)
 
+    # While a whole run loads the model: a function of a weight's shape that makes its copy on
+    # the GPU before it is quantized (see loading_in_4bit); None otherwise.
+    stage = None
+
+    def _apply(self, fn, recurse=True):
+        """Moving to the GPU while loading: transformers' bitsandbytes quantizer hands each weight
+        to ``Params4bit``, which copies it to the GPU in its loaded dtype and quantizes it there
+        (``quantize_4bit``: the packed weight and its statistics, this module's buffers) before
+        the copy dies — one 16-bit weight at a time beside the quantized model."""
+        if Linear4bit.stage is None:
+            return super()._apply(fn, recurse)
+        staged = Linear4bit.stage((self.out_features, self.in_features))
+        out = super()._apply(fn, recurse)
+        del staged
+        return out
+
     def dequantize(self, dtype):
         """The weight, (out, in), in ``dtype`` (a kernel writes every element)."""
         return torch.zeros(
@@ -105,6 +122,18 @@ class _MatMul4bit(torch.autograd.Function):
     def backward(ctx, grad):
         w = ctx.layer.dequantize(grad.dtype)
         return grad @ w, None, None
+
+
+@contextlib.contextmanager
+def loading_in_4bit(stage):
+    """Within: moving a model to the GPU stages each ``Linear4bit`` weight first, as a 4-bit load
+    does — ``stage(shape)`` makes that copy on the GPU (``None``: buffers alone, as the training
+    step's trace has them)."""
+    saved, Linear4bit.stage = Linear4bit.stage, stage
+    try:
+        yield
+    finally:
+        Linear4bit.stage = saved
 
 
 def quantize(model, lora: Lora):

@@ -326,3 +326,34 @@ def state_tensors(optimizer, device):
             for t in _inner(v):
                 if t.device.type == device:
                     yield t, "host_backed" if paged else "optimizer_state"
+
+
+def resume_as_torch_load(optimizer, rec):
+    """The optimizer state read back at resume as Hugging Face's Trainer reads it (and
+    torchtune's single-device recipes): ``torch.load(map_location=device)`` puts every state
+    tensor on the GPU, then ``optimizer.load_state_dict`` keeps them as they are (same device
+    and dtype: no copy). The state's layout is the optimizer's own, made by PyTorch's
+    ``_init_optim_state`` (a step on zero gradients at learning rate 0) on the host, where the
+    trace does not count it; each tensor of it is then read onto the GPU. Adam's ``step``
+    counters stay host tensors here (a few bytes each on a real GPU). With the optimizer in
+    backward, each parameter's optimizer resumes so."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    for each in optimizer.optimizers.values() if isinstance(optimizer, InBackward) else [optimizer]:
+        with rec.on_host():
+            _init_optim_state(each)
+            on_host = each.state_dict()
+        read = {
+            **on_host,
+            "state": {
+                k: {n: torch.empty_like(v) if _on_gpu(v) else v for n, v in state.items()}
+                for k, state in on_host["state"].items()
+            },
+        }
+        del on_host
+        each.load_state_dict(read)
+        del read
+
+
+def _on_gpu(v):
+    return isinstance(v, torch.Tensor) and v.is_meta

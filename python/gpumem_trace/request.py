@@ -87,10 +87,27 @@ def trace_options(request):
         lora=lora,
         optimizer_in_backward=o.get("optimizer_in_backward", False),
         chunked_ce=o.get("chunked_ce"),
+        whole_run=o.get("whole_run"),
         every_iteration=request.get("every_iteration", False),
         document=o,
         **strategy_options(o.get("strategy")),
     )
+
+
+def whole_run_document(a):
+    """The whole run the command line states (`--whole-run`, an `--eval-*` flag, `--save` or `--resume`), as the
+    job vocabulary spells it; None for the training steps alone."""
+    evaluation = None
+    if a.eval_batches is not None:
+        evaluation = {"batches": a.eval_batches, "logits": a.eval_logits}
+        if a.eval_batch_size is not None:
+            evaluation["batch_size"] = a.eval_batch_size
+        if a.eval_accumulation_steps is not None:
+            evaluation["accumulation_steps"] = a.eval_accumulation_steps
+    if not (a.whole_run or evaluation or a.save or a.resume):
+        return None
+    doc = {"evaluation": evaluation, "save": a.save, "resume": a.resume or None}
+    return {k: v for k, v in doc.items() if v is not None}
 
 
 def strategy_options(strategy):
@@ -226,6 +243,7 @@ def from_flags(a):
             "strategy": strategy,
             "optimizer_in_backward": a.optimizer_in_backward,
             "chunked_ce": a.chunked_ce,
+            "whole_run": whole_run_document(a),
         },
         "gpu_capability": a.gpu_capability,
         "sdpa": a.sdpa,

@@ -135,6 +135,11 @@ class Recorder:
             }
         )
 
+    def run_phase(self, name):
+        """The events that follow belong to part ``name`` of the whole run (load, train,
+        evaluate)."""
+        self.events.append({"ev": "run_phase", "name": name})
+
     def iteration_end(self):
         self.events.append({"ev": "iteration", "index": self.iterations})
         self.iterations += 1

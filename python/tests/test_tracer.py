@@ -1494,3 +1494,167 @@ def test_optimizer_in_backward_frees_each_gradient_after_its_step(tmp_path):
     assert state_in_backward == state_after >= 2 * params
     assert grads_after >= params
     assert 0 < grads_in_backward < params / 2
+
+
+def phase_peaks(evs):
+    """Each part of a whole run's most allocated bytes, the parts before it included, and the
+    allocations it made."""
+    sizes, live, peaks, made, part = {}, 0, {}, {}, None
+    for e in evs:
+        if e["ev"] == "run_phase":
+            part = e["name"]
+            peaks.setdefault(part, live)
+            made.setdefault(part, [])
+        elif e["ev"] == "alloc":
+            sizes[e["id"]] = e["bytes"]
+            live += e["bytes"]
+            if part is not None:
+                peaks[part] = max(peaks[part], live)
+                made[part].append(e)
+        elif e["ev"] == "free":
+            live -= sizes.pop(e["id"])
+    return peaks, made
+
+
+def test_whole_run_evaluation_keeps_logits_until_accumulation_moves_them(tmp_path):
+    """Hugging Face Trainer's evaluation loop after the steps: without metrics each batch's
+    loss alone is kept, and the evaluation's peak does not grow with its batches; with metrics
+    the logits of every batch are concatenated on the GPU (transformers' nested_concat), so it
+    grows with them — unless eval_accumulation_steps moves them to the host, which keeps it
+    flat."""
+    pytest.importorskip("transformers")
+    batch, seq, vocab = 4, 64, 4000
+    common = [
+        LLAMA[: LLAMA.index("vocab_size=")] + f"vocab_size={vocab})",
+        "--batch",
+        str(batch),
+        "--seq-len",
+        str(seq),
+        "--precision",
+        "bf16",
+        "--whole-run",
+    ]
+
+    def evaluate(*extra):
+        header, evs = traced([*common, *extra], tmp_path)
+        check_valid([header, *evs])
+        assert [e["name"] for e in evs if e["ev"] == "run_phase"] == ["load", "train", "evaluate"][
+            : 3 if extra else 2
+        ]
+        return header, phase_peaks(evs)
+
+    header, (peaks, _) = evaluate()
+    assert header["options"]["whole_run"] == {} and "evaluate" not in peaks
+    logits = batch * seq * vocab * 2  # bf16
+    _, (loss_4, _) = evaluate("--eval-batches", "4")
+    _, (loss_8, _) = evaluate("--eval-batches", "8")
+    # Losses only: four more batches add their losses (fp32, one per sample), nothing else.
+    assert loss_8["evaluate"] - loss_4["evaluate"] == 4 * batch * 4
+    _, (kept_4, made) = evaluate("--eval-batches", "4", "--eval-logits")
+    _, (kept_8, _) = evaluate("--eval-batches", "8", "--eval-logits")
+    # Concatenation holds the old and the new together: four more batches, at least 4 logits.
+    assert kept_8["evaluate"] - kept_4["evaluate"] >= 4 * logits
+    assert any(e["bytes"] == 4 * logits and e["op"] == "cat" for e in made["evaluate"])
+    _, (moved_4, _) = evaluate(
+        "--eval-batches", "4", "--eval-logits", "--eval-accumulation-steps", "1"
+    )
+    _, (moved_8, _) = evaluate(
+        "--eval-batches", "8", "--eval-logits", "--eval-accumulation-steps", "1"
+    )
+    assert moved_8["evaluate"] == moved_4["evaluate"] < kept_4["evaluate"], "moved: flat"
+    # A larger evaluation batch than the training's raises the evaluation's peak.
+    _, (wide, _) = evaluate("--eval-batches", "2", "--eval-batch-size", str(4 * batch))
+    assert wide["evaluate"] > loss_4["evaluate"]
+
+
+def test_whole_run_loads_a_4bit_model_one_16bit_weight_at_a_time(tmp_path):
+    """A QLoRA whole run's load is transformers' quantized load: each linear weight reaches the
+    GPU in 16 bits and is quantized there, so the load holds the quantized model plus at most
+    one 16-bit weight; a 16-bit load holds the model once, nothing staged."""
+    pytest.importorskip("transformers")
+    common = [LLAMA, "--batch", "2", "--seq-len", "32", "--precision", "bf16", "--whole-run"]
+    lora = ["--lora-rank", "8", "--lora-targets", "all-linear"]
+
+    def load(*extra):
+        _, evs = traced([*common, *extra], tmp_path)
+        peaks, made = phase_peaks(evs)
+        return peaks["load"], made["load"]
+
+    peak, made = load(*lora, "--lora-quant", "nf4")
+    staged = [e["bytes"] for e in made if e["category"] == "temporary"]
+    kept = sum(e["bytes"] for e in made if e["category"] != "temporary")
+    # 2 layers of 7 linear layers (q, k, v, o, gate, up, down), each staged in bf16 and freed.
+    assert len(staged) == 2 * 7 and max(staged) == 128 * 64 * 2
+    assert kept <= peak <= kept + max(staged)
+    peak_16, made_16 = load(*lora)
+    assert not any(e["category"] == "temporary" for e in made_16)
+    assert peak_16 == sum(e["bytes"] for e in made_16)
+    # Each quantized weight holds a quarter of its 16-bit bytes, plus statistics and codes.
+    assert peak_16 - kept > 0.5 * sum(staged)
+
+
+def test_whole_run_fsdp_save_gathers_as_pytorch_state_dicts_do(tmp_path):
+    """An FSDP2 checkpoint at world size 4, made by torch.distributed.checkpoint's own
+    get_model_state_dict/get_optimizer_state_dict: `full` gathers every parameter and AdamW
+    state whole onto the GPU and holds them all; `full-offload` sends each to the host as it is
+    gathered, so the GPU holds one at a time; `sharded` gathers nothing."""
+    pytest.importorskip("transformers")
+    common = [
+        LLAMA,
+        "--batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--optimizer",
+        "adamw",
+        "--strategy",
+        "fsdp",
+        "--world-size",
+        "4",
+    ]
+
+    def save(how):
+        """What the save allocates, and how far it rises above the sharded save's peak."""
+        header, evs = traced([*common, "--save", how], tmp_path)
+        check_valid([header, *evs])
+        peaks, made = phase_peaks(evs)
+        return made["save"], peaks["save"]
+
+    full_model = (64 * 16000 * 2 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64) * 4  # fp32
+    sharded, base = save("sharded")
+    assert not sharded, "a sharded save gathers nothing"
+    made, peak = save("full")
+    # The model and AdamW's two states, whole, all held at once.
+    assert peak - base >= 3 * full_model and sum(e["bytes"] for e in made) >= 3 * full_model
+    # One gathered tensor at a time (beside the collective's own buffer).
+    made, peak = save("full-offload")
+    assert peak - base <= 2 * max(e["bytes"] for e in made) < full_model
+
+
+def test_whole_run_resume_reads_the_optimizer_state_in_at_the_load(tmp_path):
+    """Resumed, the checkpoint's optimizer state is read in during the load beside the live
+    model — on one GPU as torch.load onto the GPU (Hugging Face's Trainer), under FSDP2 at world
+    size 4 as torch.distributed.checkpoint's sharded load (a rank's shard of it) — and the first
+    step no longer makes it."""
+    pytest.importorskip("transformers")
+    common = [LLAMA, "--batch", "2", "--seq-len", "32", "--optimizer", "adamw"]
+    full_model = (64 * 16000 * 2 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64) * 4  # fp32
+    for layout, share in (([], 1), (["--strategy", "fsdp", "--world-size", "4"], 4)):
+        runs = {}
+        for resumed in (False, True):
+            flags = [*common, *layout, "--resume" if resumed else "--whole-run"]
+            header, evs = traced(flags, tmp_path)
+            check_valid([header, *evs])
+            runs[resumed] = phase_peaks(evs)
+        (fresh_peaks, fresh_made), (peaks, made) = runs[False], runs[True]
+        adamw = 2 * full_model // share  # exp_avg and exp_avg_sq, a rank's share
+
+        def made_in(part, m):
+            return sum(e["bytes"] for e in m[part])
+
+        assert made_in("load", made) - made_in("load", fresh_made) >= 0.99 * adamw, layout
+        assert made_in("train", fresh_made) - made_in("train", made) >= 0.99 * adamw, layout
+        if not layout:
+            # On one GPU the load's peak is the model and the state read in beside it. (An FSDP2
+            # rank's load peaks earlier, the whole model built before it is sharded.)
+            assert peaks["load"] - fresh_peaks["load"] >= 0.99 * adamw

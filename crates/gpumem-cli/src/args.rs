@@ -10,7 +10,8 @@ use gpumem_core::dataset::Measurement;
 use gpumem_core::estimate::Estimator;
 use gpumem_core::hub::{HubCache, HubError, HubSource};
 use gpumem_core::job::{
-    EngineKind, LengthSchedule, Optimizer, OptionValues, Precision, StrategyValues,
+    EngineKind, Evaluation, LengthSchedule, Optimizer, OptionValues, Precision, Save,
+    StrategyValues, WholeRun,
 };
 use gpumem_core::model::ModelError;
 use gpumem_core::profile::{self, GpuProfile};
@@ -138,6 +139,38 @@ pub struct WorkloadArgs {
     /// CEWithChunkedOutputLoss; it uses 8), in place of the model's own loss.
     #[arg(long, value_name = "N")]
     chunked_ce: Option<u32>,
+    /// Size the whole run (docs/run.md), not the training step alone: the model's load (a
+    /// QLoRA model quantized as it loads), the steps, and the evaluation --eval-batches states;
+    /// each part's peak is reported.
+    #[arg(long)]
+    whole_run: bool,
+    /// The whole run ends with Hugging Face Trainer's evaluation loop of N batches (implies
+    /// --whole-run).
+    #[arg(long, value_name = "N")]
+    eval_batches: Option<u32>,
+    /// Samples per evaluation batch (per_device_eval_batch_size; default: --batch).
+    #[arg(long, value_name = "B", requires = "eval_batches")]
+    eval_batch_size: Option<u64>,
+    /// Every K evaluation batches the kept predictions move to the host
+    /// (eval_accumulation_steps; default: they stay on the GPU to the end).
+    #[arg(long, value_name = "K", requires = "eval_batches")]
+    eval_accumulation_steps: Option<u32>,
+    /// The evaluation keeps each batch's logits and labels for metrics (a Trainer with a
+    /// compute_metrics); without it, the losses only.
+    #[arg(long, requires = "eval_batches")]
+    eval_logits: bool,
+    /// The whole run ends with a checkpoint's save (implies --whole-run): sharded (each rank
+    /// its own; on one GPU, torch.save: nothing more on the GPU), full (FSDP2's full state
+    /// dicts, gathered on every rank's GPU) or full-offload (each gathered tensor sent to the
+    /// host as it is gathered).
+    #[arg(long, value_parser = Save::parse, value_name = "HOW")]
+    save: Option<Save>,
+    /// The run resumes from a checkpoint (implies --whole-run): the optimizer state is read in
+    /// during the load, beside the live model — on one GPU and under DDP as torch.load onto
+    /// the GPU (Hugging Face's Trainer), under FSDP2 as torch.distributed.checkpoint's sharded
+    /// load.
+    #[arg(long)]
+    resume: bool,
     /// GPUs of a torch.nn.DataParallel job (PyTorch models): --batch is then the whole batch
     /// the wrapper splits, and the estimate is GPU 0's, the most loaded.
     #[arg(long, default_value_t = 1)]
@@ -343,6 +376,23 @@ impl StrategyArgs {
 
 impl WorkloadArgs {
     /// `--seq-len N`.
+    /// The whole run the flags state: `--whole-run`, or any `--eval-*` or `--save` flag.
+    fn whole_run(&self) -> Option<WholeRun> {
+        let evaluation = self.eval_batches.map(|batches| Evaluation {
+            batches,
+            batch_size: self.eval_batch_size,
+            accumulation_steps: self.eval_accumulation_steps,
+            logits: self.eval_logits,
+        });
+        (self.whole_run || evaluation.is_some() || self.save.is_some() || self.resume).then_some(
+            WholeRun {
+                evaluation,
+                save: self.save,
+                resume: self.resume,
+            },
+        )
+    }
+
     fn fixed_seq_len(&self) -> CliResult<Option<u64>> {
         match &self.seq_len {
             Some(t) if !t.contains("..") => t.trim().parse::<u64>().map(Some).map_err(|_| {
@@ -460,6 +510,7 @@ impl WorkloadArgs {
             strategy: None,
             optimizer_in_backward: self.optimizer_in_backward,
             chunked_ce: self.chunked_ce,
+            whole_run: self.whole_run(),
         };
         if let Some(config) = self.train_config()? {
             let named = if self.strategy.strategy.is_some() {
@@ -540,6 +591,14 @@ impl WorkloadArgs {
             if let Some(n) = self.chunked_ce {
                 note("--chunked-ce", n.to_string(), format!("{:?}", v.chunked_ce));
                 v.chunked_ce = Some(n);
+            }
+            if let Some(run) = options.whole_run {
+                note(
+                    "--whole-run/--eval-*",
+                    format!("{run:?}"),
+                    format!("{:?}", v.whole_run),
+                );
+                v.whole_run = Some(run);
             }
             v.input = input;
             v.channels_last = self.channels_last;

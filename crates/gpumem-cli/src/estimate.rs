@@ -145,6 +145,9 @@ struct EstimateJson<'a> {
     /// against its longest step's and the bound over any order.
     #[serde(skip_serializing_if = "Option::is_none")]
     run: Option<&'a gpumem_core::run::RunReport>,
+    /// A whole run (--whole-run): each part's peak, in the order the run reaches them.
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    phases: &'a [gpumem_core::estimate::PhasePeak],
     /// --train-config: its kind, and every key used, not modelled (why) or not bearing on memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     train_config: Option<serde_json::Value>,
@@ -356,6 +359,7 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
                 fp32: util.fp32,
                 step_ms: util.step_s * 1e3,
             },
+            phases: &est.phases,
             learned,
             ambiguity,
             deepspeed,
@@ -484,6 +488,20 @@ fn print_estimate(model: &str, batch: u64, iterations: u32, profile: &GpuProfile
         (false, _) => "does NOT fit: out of memory",
     };
     println!("verdict      {verdict}");
+    for p in &est.phases {
+        println!(
+            "  {:<10} {:>10.1} MiB   (reserved {:.1}, allocated {:.1}){}",
+            p.name.name(),
+            bytes_to_mib(p.peak_bytes),
+            bytes_to_mib(p.reserved_bytes),
+            bytes_to_mib(p.allocated_bytes),
+            if p.peak_bytes == est.peak_bytes {
+                "   the run's peak"
+            } else {
+                ""
+            }
+        );
+    }
     if est.host_backed_bytes > 0 {
         println!(
             "host-backed  {:>10.1} MiB  paged optimizer state (CUDA managed memory): not in the peak, paged out to the host when the GPU needs the room; nvidia-smi shows it while the GPU has room",

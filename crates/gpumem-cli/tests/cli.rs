@@ -1074,3 +1074,83 @@ fn estimate_reads_a_deepspeed_config() {
         (&v["peak_bytes"], &v["deepspeed"])
     );
 }
+
+#[test]
+fn a_whole_run_reports_each_part_and_peaks_in_evaluation_when_logits_pile_up() {
+    if !common::torch("sizing a whole run") {
+        return;
+    }
+    let estimate = |extra: &[&str]| {
+        let mut args = vec![
+            "estimate",
+            "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=4,vocab_size=32000)",
+            "--batch",
+            "2",
+            "--seq-len",
+            "128",
+            "--precision",
+            "bf16",
+            "--gpu",
+            "a100-40gb",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let o = gpumem(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let part = |v: &serde_json::Value, name: &str| {
+        v["phases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .cloned()
+            .unwrap()
+    };
+    let step = estimate(&[]);
+    assert!(step.get("phases").is_none(), "the step alone has no parts");
+    let kept = estimate(&["--eval-batches", "12", "--eval-logits"]);
+    let names: Vec<&str> = kept["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["load", "train", "evaluate"]);
+    let evaluate = part(&kept, "evaluate");
+    assert_eq!(evaluate["peak_bytes"], kept["peak_bytes"]);
+    assert_eq!(kept["peak_at"]["run_phase"], "evaluate");
+    assert!(
+        part(&kept, "train")["peak_bytes"].as_u64() < evaluate["peak_bytes"].as_u64(),
+        "twelve batches of 2×128×32000 bf16 logits outgrow the step"
+    );
+    let moved = estimate(&[
+        "--eval-batches",
+        "12",
+        "--eval-logits",
+        "--eval-accumulation-steps",
+        "2",
+    ]);
+    assert!(
+        part(&moved, "evaluate")["allocated_bytes"].as_u64() < evaluate["allocated_bytes"].as_u64()
+    );
+    // Resumed, the load reads AdamW's state (twice the bf16 weights) in beside the model.
+    let load = |v: &serde_json::Value| part(v, "load")["allocated_bytes"].as_u64().unwrap();
+    let fresh = estimate(&["--optimizer", "adamw", "--whole-run"]);
+    let resumed = estimate(&["--optimizer", "adamw", "--resume"]);
+    assert!(load(&resumed) >= 3 * load(&fresh) * 99 / 100, "{resumed}");
+    let o = gpumem(&[
+        "max-batch",
+        "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=4,vocab_size=32000)",
+        "--seq-len",
+        "128",
+        "--whole-run",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("a whole run (--whole-run, --eval-*) is sized by estimate"),
+        "{err}"
+    );
+}

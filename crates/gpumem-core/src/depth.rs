@@ -23,7 +23,7 @@
 
 use std::collections::HashMap;
 
-use crate::trace::{Event, NO_MODULE, Trace, TraceBuilder};
+use crate::trace::{Event, NO_MODULE, RunPhase, Trace, TraceBuilder};
 
 /// The depths the tracer cuts a model to (`--depths`): three, so that what one block adds is
 /// seen twice and checked.
@@ -93,6 +93,7 @@ enum Shape {
     Iteration {
         index: u32,
     },
+    RunPhase(RunPhase),
     Workspace {
         conv: String,
         pass: u8,
@@ -185,6 +186,7 @@ fn shapes(t: &Trace, detail: Detail) -> Vec<Shape> {
                 numbers: (detail == Detail::Exact).then(|| numbers(e)),
             },
             Event::Iteration { index } => Shape::Iteration { index },
+            Event::RunPhase { phase } => Shape::RunPhase(phase),
             Event::Workspace {
                 conv,
                 pass,
@@ -316,7 +318,7 @@ pub(crate) fn numbers(e: &Event) -> [u64; 3] {
             ..
         } => [flops, bytes_read, bytes_written],
         Event::Workspace { n, .. } => [n, 0, 0],
-        Event::Free { .. } | Event::Iteration { .. } => [0; 3],
+        Event::Free { .. } | Event::Iteration { .. } | Event::RunPhase { .. } => [0; 3],
     }
 }
 
@@ -713,6 +715,7 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
             }
             Event::Op { op, .. } => out.op(tr.op_name(op), a, b, c),
             Event::Iteration { .. } => out.iteration_end(),
+            Event::RunPhase { phase } => out.run_phase(phase),
             Event::Workspace {
                 conv, pass, phase, ..
             } => out.workspace(tr.op_name(conv), a, pass, phase, module.as_deref()),

@@ -12,8 +12,8 @@ use serde::Serialize;
 use crate::UnknownName;
 use crate::allocator::{AllocatorStats, CachingAllocator, OutOfMemory};
 use crate::profile::{GpuProfile, ProfileError};
-use crate::trace::{CATEGORIES, Category, ConvPass, Event, Phase, Trace};
-use crate::units::mib_to_bytes;
+use crate::trace::{CATEGORIES, Category, ConvPass, Event, Phase, RunPhase, Trace};
+use crate::units::{MIB, mib_to_bytes};
 use crate::workspace::{WorkspaceSource, WorkspaceTable};
 
 /// Peak memory split by what holds it, in bytes, at the moment of the peak.
@@ -77,6 +77,9 @@ pub struct TimelinePoint {
 /// Where in the training step an instant falls: the allocation that reached it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PeakAt {
+    /// The part of the whole run (a whole run's trace only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run_phase: Option<RunPhase>,
     pub phase: Phase,
     /// The kernel that allocated.
     pub op: String,
@@ -110,6 +113,7 @@ impl PeakAt {
             _ => return None,
         };
         Some(PeakAt {
+            run_phase: trace.run_phase_at(event),
             phase,
             op,
             module: trace.module(module).map(str::to_string),
@@ -118,19 +122,22 @@ impl PeakAt {
         })
     }
 
-    /// "backward, layer4.2.conv3 (convolution_backward), iteration 2"
+    /// "backward, layer4.2.conv3 (convolution_backward), iteration 2"; in a whole run, the
+    /// run's part first ("evaluate: forward, lm_head (mm)").
     pub fn describe(&self, iterations: u32) -> String {
-        let phase = if self.iteration >= iterations {
-            "validation".to_string()
-        } else {
-            self.phase.name().to_string()
+        // Past the last iteration, outside a whole run's parts: a validation pass.
+        let steps = self.iteration < iterations;
+        let phase = match self.run_phase {
+            Some(run) => format!("{}: {}", run.name(), self.phase.name()),
+            None if steps => self.phase.name().to_string(),
+            None => "validation".to_string(),
         };
         let module = self
             .module
             .as_deref()
             .map(|m| format!("{m} "))
             .unwrap_or_default();
-        let iteration = if self.iteration >= iterations {
+        let iteration = if !steps || self.run_phase.is_some_and(|p| p != RunPhase::Train) {
             String::new()
         } else {
             format!(", iteration {}", self.iteration + 1)
@@ -188,6 +195,23 @@ pub struct Estimate {
     /// the host when the GPU needs the room — but nvidia-smi shows it while the GPU has room.
     #[serde(skip_serializing_if = "is_zero")]
     pub host_backed_bytes: u64,
+    /// A whole run's parts, each with its own peak, in the order the run first reaches them
+    /// (replay only; empty for the training steps alone).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub phases: Vec<PhasePeak>,
+}
+
+/// The peak of one part of a whole run, in the estimate's terms: what nvidia-smi shows
+/// (`peak_bytes`: the fixed costs plus the most the allocator reserved during it, its cache from
+/// the parts before included), reserved and allocated, and where allocated memory peaks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PhasePeak {
+    pub name: RunPhase,
+    pub peak_bytes: u64,
+    pub reserved_bytes: u64,
+    pub allocated_bytes: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub at: Option<PeakAt>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -242,6 +266,7 @@ impl Estimate {
             timeline: Vec::new(),
             workspace_source: None,
             host_backed_bytes: 0,
+            phases: Vec::new(),
         }
     }
 }
@@ -377,17 +402,20 @@ pub struct Replay {
 struct Instant {
     event: usize,
     iteration: u32,
+    run_phase: Option<RunPhase>,
     live: [u64; CATEGORIES],
     allocated: u64,
     reserved: u64,
 }
 
-/// The peaks a replay has reached so far, and the fragmentation at the reserved one.
+/// The peaks a replay has reached so far, and the fragmentation at the reserved one; a whole
+/// run's, also each part's (its allocated and reserved peaks).
 #[derive(Default)]
 struct Peaks {
     allocated: Instant,
     reserved: Instant,
     fragmentation: u64,
+    parts: Vec<(RunPhase, Instant, Instant)>,
 }
 
 impl Peaks {
@@ -410,6 +438,22 @@ impl Peaks {
                 self.fragmentation = alloc.inactive_split_bytes();
             }
         }
+        self.reach_in_part(now);
+    }
+
+    /// `now` within the current part of a whole run (none outside one).
+    fn reach_in_part(&mut self, now: &Instant) {
+        let Some(phase) = now.run_phase else { return };
+        let Some(part) = self.parts.iter_mut().find(|p| p.0 == phase) else {
+            self.parts.push((phase, *now, *now)); // its first instant: its start
+            return;
+        };
+        if now.allocated > part.1.allocated {
+            part.1 = *now;
+        }
+        if now.reserved > part.2.reserved {
+            part.2 = *now;
+        }
     }
 }
 
@@ -418,6 +462,7 @@ struct Run {
     stats: AllocatorStats,
     allocated_peak: Instant,
     reserved_peak: Instant,
+    parts: Vec<(RunPhase, Instant, Instant)>,
     fragmentation: u64,
     timeline: Vec<TimelinePoint>,
     oom: Option<OutOfMemory>,
@@ -425,6 +470,32 @@ struct Run {
 }
 
 impl Replay {
+    /// What a job that does not fit takes on a GPU large enough to hold it: the replay at the
+    /// smallest capacity it runs in. Not the replay without a limit — a real allocator whose
+    /// `cudaMalloc` fails frees its cache and retries, so a cache that only grows (an
+    /// evaluation loop concatenating its logits leaves every shorter copy cached) never
+    /// reaches the GPU. Searched between the allocated peak, which no capacity goes below,
+    /// and the unbounded replay's reserved peak, to within 1% (at least 2 MiB).
+    fn on_the_smallest_gpu_that_holds(
+        &self,
+        trace: &Trace,
+        profile: &GpuProfile,
+    ) -> Result<Run, EstimateError> {
+        let mut holds = self.run(trace, profile, u64::MAX / 4)?;
+        let mut too_small = holds.stats.peak_allocated.saturating_sub(1);
+        let mut large_enough = holds.stats.peak_reserved;
+        while large_enough - too_small > (large_enough / 100).max(2 * MIB) {
+            let capacity = too_small + (large_enough - too_small) / 2;
+            let run = self.run(trace, profile, capacity)?;
+            if run.oom.is_none() {
+                (holds, large_enough) = (run, capacity);
+            } else {
+                too_small = capacity;
+            }
+        }
+        Ok(holds)
+    }
+
     fn run(
         &self,
         trace: &Trace,
@@ -478,6 +549,12 @@ impl Replay {
                     now.iteration += 1;
                     continue;
                 }
+                Event::RunPhase { phase } => {
+                    // A part starts with what the parts before left reserved and allocated.
+                    (now.run_phase, now.event) = (Some(phase), n);
+                    peaks.reach_in_part(&now);
+                    continue;
+                }
                 Event::Op { .. } => continue,
                 Event::Workspace {
                     conv,
@@ -523,11 +600,13 @@ impl Replay {
             allocated: allocated_peak,
             reserved: reserved_peak,
             fragmentation,
+            parts,
         } = peaks;
         Ok(Run {
             stats: *alloc.stats(),
             allocated_peak,
             reserved_peak,
+            parts,
             fragmentation,
             timeline,
             oom,
@@ -568,8 +647,7 @@ impl Estimator for Replay {
         )?;
         let fits = run.oom.is_none();
         if !fits {
-            // Report what the job would take on a GPU large enough to hold it.
-            run = self.run(trace, profile, u64::MAX / 4)?;
+            run = self.on_the_smallest_gpu_that_holds(trace, profile)?;
         }
         let peak = fixed + run.stats.peak_reserved;
         let at_allocated = run.allocated_peak.moment(trace, fixed);
@@ -597,6 +675,17 @@ impl Estimator for Replay {
             timeline: run.timeline,
             workspace_source: run.workspace_source,
             host_backed_bytes: host_backed_peak(trace),
+            phases: run
+                .parts
+                .iter()
+                .map(|(name, allocated, reserved)| PhasePeak {
+                    name: *name,
+                    peak_bytes: fixed + reserved.reserved,
+                    reserved_bytes: reserved.reserved,
+                    allocated_bytes: allocated.allocated,
+                    at: PeakAt::of(trace, allocated.event, allocated.iteration),
+                })
+                .collect(),
         })
     }
 }
@@ -645,7 +734,7 @@ impl Estimator for LiveTensors {
                 }
                 Event::Iteration { .. } => iteration += 1,
                 // Not tensors: FakeTensor never sees them.
-                Event::Op { .. } | Event::Workspace { .. } => {}
+                Event::Op { .. } | Event::Workspace { .. } | Event::RunPhase { .. } => {}
             }
         }
         let mut est =
@@ -694,6 +783,62 @@ mod tests {
     use crate::profile::builtin;
     use crate::trace::{TraceBuilder, TraceHeader};
     use crate::units::MIB;
+
+    /// A whole run's parts each report their own peak: the load holds the weights, training
+    /// adds its step's tensors, and evaluation starts with training's cache still reserved.
+    #[test]
+    fn each_part_of_a_whole_run_has_its_peak_and_inherits_the_cache() {
+        let mut b = TraceBuilder::new(TraceHeader::new("t", 1));
+        let alloc =
+            |b: &mut TraceBuilder, bytes, category, phase| b.alloc(bytes, category, phase, "op");
+        b.run_phase(RunPhase::Load);
+        alloc(&mut b, 100 * MIB, Category::Parameter, Phase::Setup);
+        b.run_phase(RunPhase::Train);
+        let act = alloc(&mut b, 60 * MIB, Category::Activation, Phase::Forward);
+        b.free(act);
+        b.iteration_end();
+        b.run_phase(RunPhase::Evaluate);
+        let logits = alloc(&mut b, 30 * MIB, Category::Activation, Phase::Forward);
+        let more = alloc(&mut b, 40 * MIB, Category::Activation, Phase::Forward);
+        b.free(logits);
+        b.free(more);
+        let t = b.finish();
+        assert!(t.is_whole_run());
+        let profile = builtin("a100-40gb").unwrap();
+        let e = Replay::default().estimate(&t, &profile).unwrap();
+        let parts: Vec<_> = e
+            .phases
+            .iter()
+            .map(|p| (p.name, p.allocated_bytes / MIB, p.reserved_bytes / MIB))
+            .collect();
+        assert_eq!(
+            parts,
+            [
+                (RunPhase::Load, 100, 100),
+                (RunPhase::Train, 160, 160),
+                // 30 MiB fits training's freed 60 MiB segment; 40 more does not.
+                (RunPhase::Evaluate, 170, 200),
+            ]
+        );
+        let fixed = e.peak_bytes - e.allocator.unwrap().peak_reserved;
+        assert!(
+            e.phases
+                .iter()
+                .all(|p| p.peak_bytes == fixed + p.reserved_bytes)
+        );
+        assert_eq!(
+            e.phases[2].peak_bytes, e.peak_bytes,
+            "the run peaks in evaluation"
+        );
+        let at = e.phases[2].at.as_ref().unwrap();
+        assert_eq!(at.run_phase, Some(RunPhase::Evaluate));
+        assert_eq!(at.describe(1), "evaluate: forward, (op)");
+        assert_eq!(
+            e.peak_at.unwrap().run_phase,
+            Some(RunPhase::Evaluate),
+            "the whole run's peak names its part"
+        );
+    }
 
     /// Three 6 MiB activations share one 20 MiB segment (the allocated peak, 18 MiB, in
     /// forward); two are freed, leaving holes of 6 and 8 MiB, so the optimizer's 9 MiB
@@ -835,6 +980,32 @@ mod tests {
         assert_eq!(
             peak(&job(Some("fsdp")), &profile),
             peak(&job(None), &profile) + 400 * MIB
+        );
+    }
+
+    /// A job too large for the GPU is sized as the smallest GPU that holds it would run it:
+    /// concatenating ever longer copies caches every shorter one, which a GPU without limit
+    /// would keep but a real one frees when `cudaMalloc` fails.
+    #[test]
+    fn a_job_that_does_not_fit_is_sized_where_its_cache_would_be_freed() {
+        let mut profile = builtin("l4").unwrap();
+        profile.capacity_mib = (profile.fixed_bytes(false, false) / MIB) + 100;
+        let mut b = TraceBuilder::new(TraceHeader::new("t", 1));
+        let mut kept = b.alloc(20 * MIB, Category::Activation, Phase::Forward, "cat");
+        for n in 2..=10 {
+            let longer = b.alloc(n * 20 * MIB, Category::Activation, Phase::Forward, "cat");
+            b.free(kept);
+            kept = longer;
+        }
+        b.iteration_end();
+        let t = b.finish();
+        let e = Replay::default().estimate(&t, &profile).unwrap();
+        assert!(!e.fits, "200 + 180 MiB at once exceed 100");
+        let fixed = profile.fixed_bytes(false, false);
+        let needs = e.peak_bytes - fixed;
+        assert!(
+            (380 * MIB..=400 * MIB).contains(&needs),
+            "the two largest at once, not all ten cached (1100 MiB): {needs}"
         );
     }
 }

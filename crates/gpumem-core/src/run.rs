@@ -210,6 +210,7 @@ impl<'a> StepSequence<'a> {
                     module,
                 } => b.workspace(trace.op_name(conv), n, pass, phase, trace.module(module)),
                 Event::Iteration { .. } => b.iteration_end(),
+                Event::RunPhase { phase } => b.run_phase(phase),
                 Event::Alloc { .. } | Event::Free { .. } => unreachable!("walk parts them"),
             },
         })?;

@@ -33,7 +33,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::depth::{generic_module, numbers};
 use crate::trace::{
-    Category, ConvPass, Event, Phase, Trace, TraceBuilder, TraceError, TraceHeader,
+    Category, ConvPass, Event, Phase, RunPhase, Trace, TraceBuilder, TraceError, TraceHeader,
 };
 
 /// Why traces could not be fitted, a symbolic trace evaluated, or a stored one read back.
@@ -176,6 +176,9 @@ enum SymEvent {
     Iteration {
         index: u32,
     },
+    RunPhase {
+        phase: RunPhase,
+    },
     Workspace {
         conv: u32,
         n: Affine,
@@ -199,7 +202,7 @@ impl SymEvent {
                 ..
             } => Some([flops, bytes_read, bytes_written]),
             SymEvent::Workspace { n, .. } => Some([n, zero, zero]),
-            SymEvent::Free { .. } | SymEvent::Iteration { .. } => None,
+            SymEvent::Free { .. } | SymEvent::Iteration { .. } | SymEvent::RunPhase { .. } => None,
         }
     }
 
@@ -244,6 +247,7 @@ impl SymEvent {
             },
             Event::Free { slot } => SymEvent::Free { slot },
             Event::Iteration { index } => SymEvent::Iteration { index },
+            Event::RunPhase { phase } => SymEvent::RunPhase { phase },
         }
     }
 }
@@ -314,7 +318,7 @@ fn likeness(t: &Trace, e: &Event) -> Option<Likeness> {
             phase,
             module: generic_module(t, module),
         },
-        Event::Free { .. } | Event::Iteration { .. } => return None,
+        Event::Free { .. } | Event::Iteration { .. } | Event::RunPhase { .. } => return None,
     })
 }
 
@@ -413,6 +417,12 @@ impl SymbolicTrace {
                     SymEvent::Free { slot }
                 }
                 Event::Iteration { index } => SymEvent::Iteration { index },
+                Event::RunPhase { phase } => {
+                    if !traces.iter().all(|t| t.events()[k] == e) {
+                        return Err(SymbolicError::KindDiffers { event: k + 1 });
+                    }
+                    SymEvent::RunPhase { phase }
+                }
                 Event::Workspace { conv, pass, phase, module, .. } => {
                     let ok = traces.iter().all(|t| matches!(t.events()[k], Event::Workspace { conv: c, pass: p, phase: ph, module: m, .. } if c == conv && p == pass && ph == phase && m == module));
                     if !ok {
@@ -561,6 +571,7 @@ impl SymbolicTrace {
                 },
                 SymEvent::Free { slot } => Event::Free { slot },
                 SymEvent::Iteration { index } => Event::Iteration { index },
+                SymEvent::RunPhase { phase } => Event::RunPhase { phase },
                 SymEvent::Workspace {
                     conv,
                     n,
@@ -687,6 +698,7 @@ fn validated(t: &Trace) -> Result<(), SymbolicError> {
                 bytes_written,
             } => b.op(name(op)?, flops, bytes_read, bytes_written),
             Event::Iteration { .. } => b.iteration_end(),
+            Event::RunPhase { phase } => b.run_phase(phase),
             Event::Workspace {
                 conv,
                 n,

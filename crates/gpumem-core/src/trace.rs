@@ -92,6 +92,36 @@ impl Phase {
     }
 }
 
+/// A part of the whole run (docs/run.md): the model's load, the training steps, the trainer's
+/// evaluation loop, a checkpoint's save. A trace with no [`Event::RunPhase`] is the training
+/// steps alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum RunPhase {
+    Load,
+    Train,
+    Evaluate,
+    Save,
+}
+
+impl RunPhase {
+    pub const ALL: [RunPhase; 4] = [
+        RunPhase::Load,
+        RunPhase::Train,
+        RunPhase::Evaluate,
+        RunPhase::Save,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            RunPhase::Load => "load",
+            RunPhase::Train => "train",
+            RunPhase::Evaluate => "evaluate",
+            RunPhase::Save => "save",
+        }
+    }
+}
+
 /// A pass of a convolution, as a profile's workspace table names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
 pub enum ConvPass {
@@ -148,6 +178,8 @@ pub enum Event {
     },
     /// End of iteration `index` (0-based).
     Iteration { index: u32 },
+    /// The events that follow belong to this part of the whole run (until the next such event).
+    RunPhase { phase: RunPhase },
     /// The workspaces a convolution kernel takes and gives back before it returns. Their sizes
     /// depend on the GPU and cuDNN, so the trace names the convolution (`conv`, interned: its
     /// configuration without the batch; `n`: the batch) and the replay sizes them from the
@@ -548,6 +580,11 @@ impl TraceBuilder {
         self.iterations += 1;
     }
 
+    /// The events that follow belong to `phase` of the whole run.
+    pub fn run_phase(&mut self, phase: RunPhase) {
+        self.events.push(Event::RunPhase { phase });
+    }
+
     pub fn is_live(&self, id: u64) -> bool {
         self.live.contains_key(&id)
     }
@@ -597,6 +634,8 @@ struct Line<'a> {
     n: Option<u64>,
     #[serde(default, rename = "pass", skip_serializing_if = "Option::is_none")]
     pass: Option<ConvPass>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    name: Option<RunPhase>,
 }
 
 fn need<T>(v: Option<T>, line: usize, ev: &str, field: &str) -> Result<T, TraceError> {
@@ -693,11 +732,12 @@ impl Trace {
                     let phase = need(l.phase, n, "workspace", "phase")?;
                     b.workspace(&conv, batch, pass, phase, l.module.as_deref());
                 }
+                "run_phase" => b.run_phase(need(l.name, n, "run_phase", "name")?),
                 other => {
                     return Err(err(
                         n,
                         format!(
-                            "unknown event `{other}` (expected alloc, free, op, iteration or workspace)"
+                            "unknown event `{other}` (expected alloc, free, op, iteration, workspace or run_phase)"
                         ),
                     ));
                 }
@@ -754,6 +794,11 @@ impl Trace {
                     index: Some(index),
                     ..Default::default()
                 },
+                Event::RunPhase { phase } => Line {
+                    ev: "run_phase",
+                    name: Some(phase),
+                    ..Default::default()
+                },
                 Event::Workspace {
                     conv,
                     n,
@@ -794,6 +839,25 @@ impl Trace {
 
     pub fn module(&self, module: u32) -> Option<&str> {
         (module != NO_MODULE).then(|| self.ops[module as usize].as_str())
+    }
+
+    /// The part of the whole run event `event` belongs to (`None`: not a whole run's trace).
+    pub fn run_phase_at(&self, event: usize) -> Option<RunPhase> {
+        self.events
+            .get(..=event)?
+            .iter()
+            .rev()
+            .find_map(|ev| match *ev {
+                Event::RunPhase { phase } => Some(phase),
+                _ => None,
+            })
+    }
+
+    /// Whether the trace is a whole run's (it names its parts), not the training steps alone.
+    pub fn is_whole_run(&self) -> bool {
+        self.events
+            .iter()
+            .any(|ev| matches!(ev, Event::RunPhase { .. }))
     }
 
     /// Number of dense slots (one per allocation event).
@@ -894,6 +958,7 @@ mod tests {
             Some("conv1"),
         );
         b.iteration_end();
+        b.run_phase(RunPhase::Save);
         b.free(a);
         let t = b.finish();
         let mut out = Vec::new();

@@ -527,7 +527,7 @@ impl TorchTracer {
 
     fn trace_with(&self, req: &TraceRequest, fit: bool) -> Result<Trace, BridgeError> {
         let torch = self.torch_version()?;
-        if !req.seq_lens.is_empty() {
+        if !req.seq_lens.is_empty() || req.options.whole_run.is_some() {
             return self.trace_in_order(req, &torch);
         }
         let symbolic_ok = req
@@ -555,8 +555,9 @@ impl TorchTracer {
         Ok(traces.swap_remove(0))
     }
 
-    /// A request whose lengths vary by iteration: traced whole, every iteration run (no depth
-    /// cut, no symbolic trace: neither carries over steps of different shapes), and cached.
+    /// A request whose lengths vary by iteration, or a whole run's: traced whole, every
+    /// iteration run (no depth cut, no symbolic trace: neither carries over steps of different
+    /// shapes, nor the parts of a run), and cached.
     fn trace_in_order(&self, req: &TraceRequest, torch: &str) -> Result<Trace, BridgeError> {
         let path = self.cache_path(req, torch);
         if let Some(t) = read_trace(&path) {

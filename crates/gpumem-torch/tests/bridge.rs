@@ -718,6 +718,7 @@ fn allocation_sequence(t: &gpumem_core::trace::Trace) -> Vec<String> {
                 Some(format!("workspace {} {n} {}", t.op_name(conv), pass.name()))
             }
             Event::Iteration { index } => Some(format!("iteration {index}")),
+            Event::RunPhase { phase } => Some(format!("run phase {}", phase.name())),
             Event::Op { .. } => None,
         })
         .collect()

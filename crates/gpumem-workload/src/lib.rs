@@ -62,6 +62,10 @@ pub enum WorkloadError {
         "{0} needs one sequence length, and this job's varies by step: give --seq-len N (the run's longest, for a bound of its steps)"
     )]
     OneLength(&'static str),
+    #[error(
+        "{0} searches the training step's batch size; a whole run (--whole-run, --eval-*) is sized by estimate, one batch size at a time"
+    )]
+    WholeRun(&'static str),
     /// A run's steps could not be joined (the loop keeps different tensors across steps at
     /// different lengths).
     #[error(transparent)]
@@ -79,6 +83,7 @@ impl WorkloadError {
             | WorkloadError::Native(_)
             | WorkloadError::Batch(_)
             | WorkloadError::OneLength(_)
+            | WorkloadError::WholeRun(_)
             | WorkloadError::Tracer(BridgeError::Reference(_)) => true,
             WorkloadError::Row { source, .. } => source.is_input(),
             WorkloadError::Tracer(_) | WorkloadError::Run(_) => false,
@@ -403,6 +408,11 @@ impl Workload {
     pub fn symbolic(&self, profile: &GpuProfile) -> Result<Symbolic, WorkloadError> {
         if self.options.seq_lens.is_some() {
             return Err(WorkloadError::OneLength(
+                "a batch-size search (max-batch, plan)",
+            ));
+        }
+        if self.options.whole_run.is_some() {
+            return Err(WorkloadError::WholeRun(
                 "a batch-size search (max-batch, plan)",
             ));
         }

@@ -18,6 +18,7 @@ pub mod lengths;
 pub mod lora;
 pub mod mesh;
 pub mod optim;
+pub mod whole_run;
 
 pub use lengths::{LengthError, LengthSchedule, LengthSource, LengthSummary};
 pub use lora::{Lora, LoraError, LoraValues, Quant4};
@@ -29,6 +30,7 @@ pub use optim::{
     Adafactor, Bnb, BnbAlgorithm, BnbBits, Implementation, Loop, NoImplementation, Optimizer,
     Torchao,
 };
+pub use whole_run::{Evaluation, EvaluationError, WholeRun};
 
 /// Prefixes of model references only the PyTorch tracer can resolve.
 pub const TORCH_PREFIXES: [&str; 6] =
@@ -274,6 +276,23 @@ spelled!(
     }
 );
 
+spelled!(
+    /// How a whole run saves its checkpoint (docs/run.md), after its steps and evaluation.
+    Save ("save") {
+        /// Each rank writes what it holds: torch.distributed.checkpoint's sharded state dicts
+        /// under FSDP2; on one GPU or under DDP, `torch.save` of the state dicts, which copies
+        /// each tensor to the host — nothing more on the GPU.
+        Sharded = "sharded",
+        /// FSDP2's full state dicts (`get_model_state_dict` and `get_optimizer_state_dict` with
+        /// `full_state_dict=True`): every parameter and optimizer state gathered whole onto
+        /// every rank's GPU and held there until it is written.
+        Full = "full",
+        /// The same with `cpu_offload=True`: each gathered tensor sent to the host (rank 0's)
+        /// as soon as it is gathered.
+        FullOffload = "full-offload",
+    }
+);
+
 impl Attention {
     /// Hugging Face's name for it (`attn_implementation`: `eager`, `sdpa`, `flash_attention_2`
     /// or `_3`), or `None` for one gpumem does not model (flex, paged, a Hub kernel).
@@ -394,6 +413,10 @@ pub struct OptionValues {
     /// loss one at a time, in place of the model's own loss. Left out where absent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chunked_ce: Option<u32>,
+    /// The whole run, not the training steps alone (docs/run.md): the load, the steps, and the
+    /// parts it states. Left out where absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub whole_run: Option<WholeRun>,
 }
 
 impl Default for OptionValues {
@@ -416,6 +439,7 @@ impl Default for OptionValues {
             strategy: None,
             optimizer_in_backward: false,
             chunked_ce: None,
+            whole_run: None,
         }
     }
 }
@@ -466,6 +490,20 @@ impl JsonSchema for Options {
 pub enum OptionError {
     #[error("grad_accum (--grad-accum) must be at least 1")]
     GradAccum,
+    #[error(transparent)]
+    Evaluation(#[from] EvaluationError),
+    #[error(
+        "whole_run (--whole-run) is sized at one sequence length; seq_lens (--seq-len MIN..MAX) is not yet taken with it"
+    )]
+    WholeRunOneLength,
+    #[error(
+        "save (--save) full: a ZeRO job's consolidated checkpoint is not modelled; --save sharded is DeepSpeed's per-rank save"
+    )]
+    ZeroFullSave,
+    #[error(
+        "resume (--resume): reading a ZeRO checkpoint back (DeepSpeed's load_checkpoint) is not modelled"
+    )]
+    ZeroResume,
     #[error("chunked_ce (--chunked-ce) {0} is out of range (1..={MAX_CE_CHUNKS})")]
     CeChunks(u32),
     #[error("optimizer_in_backward (--optimizer-in-backward) cannot go with {0}")]
@@ -572,6 +610,22 @@ impl OptionValues {
         }
         if self.chunked_ce.is_some_and(|n| n == 0 || n > MAX_CE_CHUNKS) {
             return Err(OptionError::CeChunks(self.chunked_ce.unwrap_or_default()));
+        }
+        if let Some(run) = &self.whole_run {
+            if let Some(e) = &run.evaluation {
+                e.check()?;
+            }
+            if self.seq_lens.is_some() {
+                return Err(OptionError::WholeRunOneLength);
+            }
+            if run.save.is_some_and(|s| s != Save::Sharded)
+                && self.strategy.is_some_and(|s| s.zero_stage().is_some())
+            {
+                return Err(OptionError::ZeroFullSave);
+            }
+            if run.resume && self.strategy.is_some_and(|s| s.zero_stage().is_some()) {
+                return Err(OptionError::ZeroResume);
+            }
         }
         if self.optimizer_in_backward {
             let clash = if self.grad_accum > 1 {

@@ -400,3 +400,48 @@ fn the_attention_implementation_is_left_out_where_the_model_chooses() {
     );
     assert_eq!(Attention::from_hf("flex_attention"), None);
 }
+
+#[test]
+fn a_whole_run_is_stated_and_checked_as_the_job_document_spells_it() {
+    let plain = serde_json::to_string(&Options::default()).unwrap();
+    assert!(!plain.contains("whole_run"), "{plain}");
+    let o: Options = serde_json::from_str(
+        r#"{"whole_run":{"evaluation":{"batches":50,"batch_size":16,"accumulation_steps":10,"logits":true},"save":"full-offload"}}"#,
+    )
+    .unwrap();
+    let run = o.whole_run.unwrap();
+    assert_eq!(
+        (run.evaluation.unwrap().batches, run.save),
+        (50, Some(Save::FullOffload))
+    );
+    let back: Options = serde_json::from_str(&serde_json::to_string(&o).unwrap()).unwrap();
+    assert_eq!(back, o);
+    let refused = |doc: &str| {
+        serde_json::from_str::<Options>(doc)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(
+        refused(r#"{"whole_run":{"evaluation":{"batches":0}}}"#)
+            .contains("evaluation batches (--eval-batches) 0 is out of range")
+    );
+    assert!(
+        refused(r#"{"whole_run":{"evaluation":{"batches":2,"accumulation_steps":0}}}"#)
+            .contains("--eval-accumulation-steps")
+    );
+    assert!(
+        refused(r#"{"whole_run":{"save":"everything"}}"#).contains("unknown save `everything`")
+    );
+    assert!(
+        refused(r#"{"whole_run":{},"seq_lens":{"min":64,"max":512}}"#)
+            .contains("one sequence length")
+    );
+    let zero = r#"{"optimizer":"adamw","strategy":{"kind":"zero","mesh":{"shard":4},"stage":3},"whole_run":{"save":"full"}}"#;
+    assert!(refused(zero).contains("--save sharded is DeepSpeed's per-rank save"));
+    let sharded: Options = serde_json::from_str(&zero.replace("full", "sharded")).unwrap();
+    assert_eq!(sharded.whole_run.unwrap().save, Some(Save::Sharded));
+    let resumed: Options = serde_json::from_str(r#"{"whole_run":{"resume":true}}"#).unwrap();
+    assert!(resumed.whole_run.unwrap().resume);
+    let zero = zero.replace(r#""save":"full""#, r#""resume":true"#);
+    assert!(refused(&zero).contains("reading a ZeRO checkpoint back"));
+}

@@ -1,6 +1,8 @@
 //! axolotl's YAML (`axolotl train config.yml`).
 
-use gpumem_core::job::{Attention, AttentionMask, Checkpointing, Precision, Quant4};
+use gpumem_core::job::{
+    Attention, AttentionMask, Checkpointing, Evaluation, Precision, Quant4, WholeRun,
+};
 use serde_json::Value;
 
 use super::{
@@ -9,10 +11,8 @@ use super::{
 };
 
 pub(crate) const TABLE: Table = &[
-    ("val_set_size", Class::Not(EVAL)),
-    ("eval_batch_size", Class::Not(EVAL)),
-    ("evals_per_epoch", Class::Not(EVAL)),
-    ("eval_steps", Class::Not(EVAL)),
+    ("evals_per_epoch", Class::No),
+    ("eval_steps", Class::No),
     ("eval_sample_packing", Class::Not(EVAL)),
     ("eval_table_size", Class::Not(EVAL)),
     ("do_bench_eval", Class::Not(EVAL)),
@@ -107,8 +107,6 @@ pub(crate) const TABLE: Table = &[
     ("adam_epsilon", Class::No),
     ("cosine_min_lr_ratio", Class::No),
     ("logging_steps", Class::No),
-    ("resume_from_checkpoint", Class::No),
-    ("auto_resume_from_checkpoints", Class::No),
     ("early_stopping_patience", Class::No),
     ("loss_watchdog_threshold", Class::No),
     ("loss_watchdog_patience", Class::No),
@@ -131,6 +129,23 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     }
     out.grad_accum = doc.count32("gradient_accumulation_steps")?;
     out.seq_len = doc.positive("sequence_len")?;
+    // An evaluation split (val_set_size: a fraction or a count) runs the Trainer's evaluation
+    // loop at eval_batch_size (axolotl's default: micro_batch_size), losses only.
+    let evaluates = doc.number("val_set_size")?.is_some_and(|v| v > 0.0);
+    let eval_batch = doc.positive("eval_batch_size")?;
+    // A run resumed (a checkpoint's path, or the newest one found) reads its optimizer state in.
+    let resume =
+        doc.resumes("resume_from_checkpoint")? | doc.resumes("auto_resume_from_checkpoints")?;
+    if evaluates || resume {
+        out.whole_run = Some(WholeRun {
+            evaluation: evaluates.then(|| Evaluation {
+                batch_size: eval_batch.or(out.micro_batch.as_ref().map(|b| b.0)),
+                ..Evaluation::of(hf::EVAL_BATCHES)
+            }),
+            resume,
+            ..WholeRun::default()
+        });
+    }
     match doc.flag("sample_packing")? {
         Some(true) => doc.not_modelled("sample_packing", PACKED),
         _ => out.attention_mask = Some(AttentionMask::Padded),

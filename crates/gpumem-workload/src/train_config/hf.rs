@@ -1,7 +1,7 @@
 //! Hugging Face `TrainingArguments` and TRL's `SFTConfig` (with TRL's `ModelConfig`, as `trl sft
 //! --config` and the alignment handbook's recipes state them), as JSON or YAML of the arguments.
 
-use gpumem_core::job::{AttentionMask, HalfDtype, Precision, Quant4};
+use gpumem_core::job::{AttentionMask, Evaluation, HalfDtype, Precision, Quant4, WholeRun};
 use serde_json::Value;
 
 use super::{
@@ -12,18 +12,15 @@ use crate::deepspeed;
 
 /// The keys no reader takes, and their fate.
 pub(crate) const TABLE: Table = &[
-    // Evaluation and saving: the whole run's.
-    ("do_eval", Class::Not(EVAL)),
+    // Evaluation (read by `evaluation` where the config evaluates) and saving: the whole run's.
     ("do_predict", Class::Not(EVAL)),
-    ("eval_strategy", Class::Not(EVAL)),
-    ("evaluation_strategy", Class::Not(EVAL)),
-    ("eval_steps", Class::Not(EVAL)),
-    ("eval_delay", Class::Not(EVAL)),
-    ("eval_on_start", Class::Not(EVAL)),
-    ("per_device_eval_batch_size", Class::Not(EVAL)),
-    ("eval_accumulation_steps", Class::Not(EVAL)),
-    ("eval_do_concat_batches", Class::Not(EVAL)),
-    ("prediction_loss_only", Class::Not(EVAL)),
+    ("eval_steps", Class::No),
+    ("eval_delay", Class::No),
+    ("eval_on_start", Class::No),
+    (
+        "eval_do_concat_batches",
+        Class::Not("kept predictions as a list of batches, not concatenated: not modelled"),
+    ),
     ("bf16_full_eval", Class::Not(EVAL)),
     ("fp16_full_eval", Class::Not(EVAL)),
     ("eval_packing", Class::Not(EVAL)),
@@ -125,7 +122,6 @@ pub(crate) const TABLE: Table = &[
     ("hub_model_id", Class::No),
     ("hub_strategy", Class::No),
     ("hub_private_repo", Class::No),
-    ("resume_from_checkpoint", Class::No),
     ("remove_unused_columns", Class::No),
     ("label_names", Class::No),
     ("local_rank", Class::No),
@@ -244,6 +240,13 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         out.checkpointing = Some(super::hf_checkpointing(doc, on)?);
     }
     read_peft(doc, out)?;
+    let evaluation = evaluation(doc)?;
+    let resume = doc.resumes("resume_from_checkpoint")?;
+    out.whole_run = (evaluation.is_some() || resume).then_some(WholeRun {
+        evaluation,
+        resume,
+        ..WholeRun::default()
+    });
     // Ranks: a DeepSpeed config, FSDP, or DDP under the launcher.
     let bucket = doc.count32("ddp_bucket_cap_mb")?;
     out.layout = Layout::Launcher {
@@ -259,6 +262,38 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         out.layout = layout;
     }
     Ok(TABLE)
+}
+
+/// The Trainer's default `per_device_eval_batch_size`.
+const EVAL_BATCH_SIZE: u64 = 8;
+
+/// Batches an evaluation the config names is sized at: the evaluation set's size is the
+/// dataset's, not the config's, and the Trainer without metrics keeps only each batch's loss,
+/// so its peak is reached by the second batch.
+pub(crate) const EVAL_BATCHES: u32 = 2;
+
+/// The Trainer's evaluation loop, where the config evaluates (`eval_strategy` other than `no`,
+/// or `do_eval`): at `per_device_eval_batch_size` (8 where unset), its losses only — metrics
+/// (`compute_metrics`, which keeps the logits) are code, not config: `--eval-logits`.
+fn evaluation(doc: &mut Doc) -> Result<Option<Evaluation>, TrainConfigError> {
+    let mut on = doc.flag("do_eval")?.unwrap_or(false);
+    for key in ["eval_strategy", "evaluation_strategy"] {
+        if let Some(s) = doc.text(key)? {
+            on = match s.as_str() {
+                "no" => false,
+                "steps" | "epoch" => true,
+                other => return Err(doc.err(key, format!("`{other}` is not no, steps or epoch"))),
+            };
+        }
+    }
+    let batch_size = doc.positive("per_device_eval_batch_size")?;
+    let accumulation_steps = doc.count32("eval_accumulation_steps")?;
+    doc.flag("prediction_loss_only")?;
+    Ok(on.then(|| Evaluation {
+        batch_size: Some(batch_size.unwrap_or(EVAL_BATCH_SIZE)),
+        accumulation_steps,
+        ..Evaluation::of(EVAL_BATCHES)
+    }))
 }
 
 /// TRL's `ModelConfig` LoRA/QLoRA keys (`use_peft`, `lora_*`, `load_in_4bit`, …) and a

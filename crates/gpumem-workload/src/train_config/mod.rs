@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use gpumem_core::job::{
     Attention, AttentionMask, Checkpointing, Engine, HalfDtype, Implementation, Lora, Mesh,
-    MeshDim, Optimizer, OptionError, OptionValues, Options, Precision, Quant4, Strategy,
+    MeshDim, Optimizer, OptionError, OptionValues, Options, Precision, Quant4, Strategy, WholeRun,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -171,6 +171,8 @@ pub struct TrainConfig {
     pub optimizer_in_backward: Option<bool>,
     /// torchtune's `CEWithChunkedOutputLoss`'s chunk count.
     pub chunked_ce: Option<u32>,
+    /// The whole run, where the config names a part of it beyond the steps (an evaluation).
+    pub whole_run: Option<WholeRun>,
     pub layout: Layout,
     pub fields: Fields,
 }
@@ -376,6 +378,7 @@ impl TrainConfig {
                 .optimizer_in_backward
                 .unwrap_or(base.optimizer_in_backward),
             chunked_ce: self.chunked_ce.or(base.chunked_ce),
+            whole_run: self.whole_run.or(base.whole_run),
             strategy: strategy.or(base.strategy),
             ..base
         }
@@ -419,10 +422,9 @@ pub(crate) enum Class {
 pub(crate) type Table = &'static [(&'static str, Class)];
 
 /// Reasons shared across kinds.
-pub(crate) const EVAL: &str =
-    "evaluation is a whole-run matter (issue 34): gpumem sizes the training step";
+pub(crate) const EVAL: &str = "this evaluation setting is not modelled: the whole run's evaluation is Hugging Face Trainer's loop (docs/run.md)";
 pub(crate) const SAVE: &str =
-    "checkpoint saving is a whole-run matter (issue 34): gpumem sizes the training step";
+    "a config's checkpoint saving is not read yet: give --save to size it (docs/run.md)";
 pub(crate) const COMPILE: &str = "torch.compile fuses kernels and changes what activations are kept; gpumem traces the eager step";
 pub(crate) const PACKED: &str = "packed batches (several sequences per row) are not in the job vocabulary yet; sized as one sequence of the full length per row, without a mask";
 /// Hugging Face's checkpointing (HF Trainer, TRL, axolotl): `gradient_checkpointing` `on`, with
@@ -610,6 +612,24 @@ impl Doc {
                 _ => Err(self.err(path, format!("`{s}` is not true or false"))),
             },
             Some(other) => Err(self.err(path, format!("{other} is not true or false"))),
+        }
+    }
+
+    /// Whether the run resumes from a checkpoint: a checkpoint's path (any non-empty text, the
+    /// trainers' `resume_from_checkpoint`) or a flag.
+    pub fn resumes(&mut self, path: &str) -> Result<bool, TrainConfigError> {
+        match self.take(path) {
+            None | Some(Value::Bool(false)) => Ok(false),
+            Some(Value::String(s))
+                if matches!(s.to_ascii_lowercase().as_str(), "false" | "no" | "") =>
+            {
+                Ok(false)
+            }
+            Some(Value::Bool(true) | Value::String(_)) => Ok(true),
+            Some(other) => Err(self.err(
+                path,
+                format!("{other} is not a checkpoint's path or a flag"),
+            )),
         }
     }
 
@@ -973,6 +993,7 @@ pub fn read_text(
         attention: None,
         optimizer_in_backward: None,
         chunked_ce: None,
+        whole_run: None,
         layout: Layout::Launcher {
             bucket_cap_mb: gpumem_core::job::DDP_BUCKET_CAP_MB,
         },

@@ -120,12 +120,20 @@ fn hf_training_arguments_json() {
             "block_size",
             "model_name_or_path",
             "per_device_eval_batch_size",
-            "eval_steps",
             "save_steps",
             "do_eval",
+            "eval_strategy",
         ],
     );
-    assert!(not_modelled(&c, "per_device_eval_batch_size") && not_modelled(&c, "save_steps"));
+    // The Trainer's evaluation, losses only (metrics are code), at the eval batch size.
+    assert_eq!(
+        c.whole_run.and_then(|r| r.evaluation),
+        Some(gpumem_core::job::Evaluation {
+            batch_size: Some(8),
+            ..gpumem_core::job::Evaluation::of(2)
+        })
+    );
+    assert!(used(&c, "per_device_eval_batch_size") && not_modelled(&c, "save_steps"));
     // One GPU, or DDP over the launcher's ranks.
     assert_eq!(c.strategy(None).unwrap(), None);
     assert_eq!(c.strategy(Some(4)).unwrap().unwrap().name(), "ddp");
@@ -233,10 +241,13 @@ fn axolotl_qlora_yaml() {
             "bf16",
             "gradient_checkpointing",
             "val_set_size",
-            "evals_per_epoch",
+            "eval_sample_packing",
             "saves_per_epoch",
         ],
     );
+    // val_set_size: the Trainer's evaluation at micro_batch_size (no eval_batch_size).
+    let evaluation = c.whole_run.and_then(|r| r.evaluation).unwrap();
+    assert_eq!((evaluation.batch_size, evaluation.logits), (Some(2), false));
 }
 
 #[test]
@@ -573,6 +584,43 @@ fn errors_name_the_file_and_the_field() {
             .not_modelled
             .iter()
             .any(|n| n.field == "fancy_new_memory_knob" && n.reason == UNKNOWN)
+    );
+}
+
+/// A run resumed from a checkpoint — Hugging Face's and axolotl's `resume_from_checkpoint` (a
+/// path), axolotl's `auto_resume_from_checkpoints`, torchtune's flag — is a whole run whose load
+/// reads the optimizer state in; a resume turned off is not.
+#[test]
+fn a_resumed_run_reads_its_optimizer_state_in() {
+    let resumes = |text: &str| {
+        read_text("c.yaml", text, Path::new("."), None)
+            .unwrap()
+            .whole_run
+            .is_some_and(|r| r.resume)
+    };
+    assert!(resumes(
+        "per_device_train_batch_size: 4\nresume_from_checkpoint: out/checkpoint-500\n"
+    ));
+    assert!(!resumes(
+        "per_device_train_batch_size: 4\nresume_from_checkpoint: null\n"
+    ));
+    assert!(resumes(
+        "base_model: x\nauto_resume_from_checkpoints: true\n"
+    ));
+    assert!(!resumes("base_model: x\nresume_from_checkpoint: false\n"));
+    let tune = "model:\n  _component_: torchtune.models.llama3_2.llama3_2_1b\nresume_from_checkpoint: true\n";
+    assert!(resumes(tune));
+    let err = read_text(
+        "c.yaml",
+        "base_model: x\nresume_from_checkpoint: 3\n",
+        Path::new("."),
+        None,
+    )
+    .unwrap_err()
+    .to_string();
+    assert_eq!(
+        err,
+        "c.yaml: `resume_from_checkpoint`: 3 is not a checkpoint's path or a flag"
     );
 }
 

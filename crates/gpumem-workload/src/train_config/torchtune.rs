@@ -13,7 +13,6 @@ pub(crate) const TABLE: Table = &[
     ("output_dir", Class::No),
     ("tokenizer.*", Class::No),
     ("checkpointer.*", Class::No),
-    ("resume_from_checkpoint", Class::No),
     ("save_adapter_weights_only", Class::Not(SAVE)),
     ("dataset.*", Class::No),
     ("dataset_val.*", Class::Not(EVAL)),
@@ -63,6 +62,13 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         .text("model._component_")?
         .ok_or_else(|| doc.err("model._component_", "missing"))?;
     let last = builder.rsplit('.').next().unwrap_or(&builder).to_string();
+    // Resumed, the recipe reads the optimizer state back before its first step.
+    if doc.resumes("resume_from_checkpoint")? {
+        out.whole_run = Some(gpumem_core::job::WholeRun {
+            resume: true,
+            ..Default::default()
+        });
+    }
     // The model: the Hugging Face checkpoint the checkpointer reads, where it reads one.
     let hf = doc
         .get("checkpointer._component_")

@@ -1,0 +1,93 @@
+//! The whole run around the training steps (docs/run.md): the model's load, the steps, the
+//! trainer's evaluation loop after them, the checkpoint's save — and, resumed, the checkpoint's
+//! optimizer state read in at the load. A job states it with [`WholeRun`]; absent, gpumem sizes
+//! the training steps alone, as it always has.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::Save;
+
+/// Most evaluation batches a job may state (an evaluation set of a million samples at 10 a
+/// batch, and still a trace of a few minutes' tracing).
+pub const MAX_EVAL_BATCHES: u32 = 100_000;
+
+/// A whole run: the model loaded onto the GPU as its trainer loads it (a 4-bit QLoRA model one
+/// weight at a time, each first in 16 bits), the training steps, then what is stated here.
+/// The load and the steps are always part of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct WholeRun {
+    /// The trainer's evaluation loop after the training steps (Hugging Face Trainer's); absent,
+    /// none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub evaluation: Option<Evaluation>,
+    /// The checkpoint saved at the end (`sharded`, `full`, `full-offload`); absent, none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<String>")]
+    pub save: Option<Save>,
+    /// The run resumes from a checkpoint: the optimizer state is read in during the load,
+    /// beside the live model, before the first step (the weights are read into the parameters
+    /// in place).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub resume: bool,
+}
+
+/// Hugging Face Trainer's evaluation loop (`Trainer.evaluate`): the model in eval mode under
+/// `torch.no_grad()`, batch after batch; each batch's loss is kept on the GPU, and with metrics
+/// its logits and labels too, concatenated batch by batch (`EvalLoopContainer`) until
+/// `eval_accumulation_steps` moves them to the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Evaluation {
+    /// Batches one evaluation runs (the evaluation set's size over its batch size).
+    pub batches: u32,
+    /// Samples per evaluation batch (`per_device_eval_batch_size`); absent, the training batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<u64>,
+    /// Every this many batches the accumulated predictions move to the host
+    /// (`eval_accumulation_steps`); absent, they stay on the GPU until the loop ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accumulation_steps: Option<u32>,
+    /// Each batch's logits and labels are kept for metrics (the Trainer has a
+    /// `compute_metrics`); false, only the losses (`prediction_loss_only`, the Trainer's way
+    /// without metrics).
+    #[serde(default)]
+    pub logits: bool,
+}
+
+/// Why an evaluation is refused; each message names the field and its flag.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum EvaluationError {
+    #[error("evaluation batches (--eval-batches) {0} is out of range (1..={MAX_EVAL_BATCHES})")]
+    Batches(u32),
+    #[error("evaluation batch_size (--eval-batch-size) must be at least 1")]
+    BatchSize,
+    #[error("evaluation accumulation_steps (--eval-accumulation-steps) must be at least 1")]
+    AccumulationSteps,
+}
+
+impl Evaluation {
+    /// `batches` of the training batch's size, losses only.
+    pub fn of(batches: u32) -> Evaluation {
+        Evaluation {
+            batches,
+            batch_size: None,
+            accumulation_steps: None,
+            logits: false,
+        }
+    }
+
+    pub fn check(&self) -> Result<(), EvaluationError> {
+        if self.batches == 0 || self.batches > MAX_EVAL_BATCHES {
+            return Err(EvaluationError::Batches(self.batches));
+        }
+        if self.batch_size == Some(0) {
+            return Err(EvaluationError::BatchSize);
+        }
+        if self.accumulation_steps == Some(0) {
+            return Err(EvaluationError::AccumulationSteps);
+        }
+        Ok(())
+    }
+}
