@@ -424,11 +424,8 @@ def trace_training(opts: TraceOptions, out_path: str):
             loaded = weights_dtype or autocast_dtype or torch.float32
 
             def stage(shape):
-                saved, rec.category = rec.category, "temporary"
-                try:
+                with rec.labelled("temporary"):
                     return torch.empty(shape, dtype=loaded, device=DEVICE)
-                finally:
-                    rec.category = saved
 
             with lora.loading_in_4bit(stage if whole_run else None):
                 to_device_keeping_ties(model, weights_dtype)
@@ -455,12 +452,11 @@ def trace_training(opts: TraceOptions, out_path: str):
         if (opts.whole_run or {}).get("resume"):
             # The checkpoint's optimizer state read in beside the live model, before any step
             # (its weights are read into the parameters in place).
-            saved, rec.category = rec.category, "temporary"
-            if opts.strategy == "fsdp":
-                distributed.fsdp_resume(model, optimizer)
-            else:
-                optimizers.resume_as_torch_load(optimizer, rec)
-            rec.category = saved
+            with rec.labelled("temporary"):
+                if opts.strategy == "fsdp":
+                    distributed.fsdp_resume(model, optimizer)
+                else:
+                    optimizers.resume_as_torch_load(optimizer, rec)
             for t, category in optimizers.state_tensors(optimizer, DEVICE):
                 rec.relabel(t, category)
         scaler = GradScaler() if opts.precision == "amp-fp16" else None
@@ -551,17 +547,17 @@ def trace_training(opts: TraceOptions, out_path: str):
         how = (opts.whole_run or {}).get("save")
         if how:
             rec.run_phase("save")
-            rec.phase, rec.category = "setup", "temporary"
+            rec.phase = "setup"
             del outputs, loss  # the last step's, or evaluation's, are gone by the save
             if opts.strategy == "fsdp":
-                distributed.fsdp_state_dicts(model, optimizer, how)
+                with rec.labelled("temporary"):
+                    distributed.fsdp_state_dicts(model, optimizer, how)
             elif opts.zero is not None and how != "sharded":
                 raise ReferenceError_(
                     "a ZeRO job's full checkpoint (DeepSpeed's consolidation) is not modelled: --save sharded saves each rank's partitions"
                 )
             # Else torch.save of the state dicts (one GPU, DDP's rank 0, DeepSpeed's per-rank
             # files): serialization copies each storage to the host; nothing more on the GPU.
-            rec.category = None
     header = {
         "model": opts.model,
         "batch_size": opts.batch,

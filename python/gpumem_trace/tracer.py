@@ -112,6 +112,16 @@ class Recorder:
             self.events.append({"ev": "free", "id": i})
 
     @contextlib.contextmanager
+    def labelled(self, category):
+        """What is allocated within is ``category`` (a whole run's staged weights, the state a
+        resume reads in, a checkpoint's gathered copies), whatever the phase's default."""
+        saved, self.category = self.category, category
+        try:
+            yield
+        finally:
+            self.category = saved
+
+    @contextlib.contextmanager
     def on_host(self):
         """Work the host does (FSDP2's CPU offload): the tensors it makes are meta tensors here,
         as every tensor is, but hold host memory, and its ops are no GPU kernels."""
@@ -137,7 +147,7 @@ class Recorder:
 
     def run_phase(self, name):
         """The events that follow belong to part ``name`` of the whole run (load, train,
-        evaluate)."""
+        evaluate, save)."""
         self.events.append({"ev": "run_phase", "name": name})
 
     def iteration_end(self):
