@@ -4,12 +4,13 @@ move onto a GPU would (used by the loop and by ZeRO's stages 1 and 2)."""
 DEVICE = "meta"
 
 
-def to_device_keeping_ties(model, dtype=None):
+def to_device_keeping_ties(model, dtype=None, only=None):
     """``model.to(device[, dtype])`` as on a GPU: there a CPU→CUDA move swaps each parameter's
     data in place, so weights tied between modules (GPT-2's lm_head and wte) stay one parameter.
     A move to meta creates new parameters instead, which would untie them; convert each tensor
     once and re-tie. ``dtype`` converts floating-point parameters and buffers (pure bf16/fp16
-    training: ``model.to(device, torch.bfloat16)``)."""
+    training: ``model.to(device, torch.bfloat16)``). ``only(tensor)``, where given, picks the
+    tensors moved now; the rest stay where they are."""
     owners = {}
     for m in model.modules():
         for name, p in m._parameters.items():
@@ -20,7 +21,14 @@ def to_device_keeping_ties(model, dtype=None):
     to = lambda t: t.to(
         DEVICE, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype, copy=True
     )
-    model._apply(lambda t: memo.setdefault(id(t), (t, to(t)))[1])
+    move = to if only is None else (lambda t: to(t) if only(t) else t)
+
+    def once(t):  # a tied tensor is met once per owner: copied at the first
+        if id(t) not in memo:
+            memo[id(t)] = (t, move(t))  # `t` kept alive: its id stays its own
+        return memo[id(t)][1]
+
+    model._apply(once)
     for refs in owners.values():
         first = refs[0][0]._parameters[refs[0][1]]
         for m, name in refs[1:]:

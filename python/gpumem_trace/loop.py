@@ -20,7 +20,7 @@ import torch.utils.checkpoint
 
 from . import ac, amp, cuda, distributed, lora, losses, optimizers, sdpa, zero
 from .device import DEVICE, to_device_keeping_ties
-from .models import ReferenceError_, resolve
+from .models import ReferenceError_, outputs_in_fp32, resolve
 from .parallel import DataParallel
 from .sdpa import Stack
 from .tracer import ModulePaths, Recorder, TraceMode, storage_key
@@ -232,7 +232,8 @@ def evaluate(evaluation, next_batch, batch, forward_and_loss, end_autocast, mode
     all-gather into a tensor ``world`` times as large where there are several) and concatenated
     to what the loop holds (``EvalLoopContainer.add`` → transformers' ``nested_concat``, run
     here where transformers is installed); every ``accumulation_steps`` batches what it holds
-    moves to the host (``to_cpu_and_numpy``) and leaves the GPU. Returns the last batch."""
+    moves to the host (``to_cpu_and_numpy``) and leaves the GPU, and the loop calls
+    ``torch.cuda.empty_cache()``. Returns the last batch."""
     concat = _nested_concat()
     kept = {}  # name -> the tensor the loop holds on the GPU
 
@@ -252,16 +253,20 @@ def evaluate(evaluation, next_batch, batch, forward_and_loss, end_autocast, mode
             rec.phase = "forward"
             outputs, loss = forward_and_loss(batch)
             end_autocast()
+            # prediction_step returns (loss, logits, labels): the rest of the output (an
+            # evaluating language model's key/value cache) dies before the loop keeps them.
+            logits = outputs.logits if hasattr(outputs, "logits") else outputs
+            outputs = None
             size = batch[0].shape[0]
             add("losses", loss.detach().mean().repeat(size))
             if evaluation.get("logits"):
-                logits = outputs.logits if hasattr(outputs, "logits") else outputs
                 add("preds", logits.detach())
                 if len(batch) > 1:
                     add("labels", batch[1])
-            outputs = loss = logits = None
+            loss = logits = None
             if steps and (step + 1) % steps == 0:
                 kept.clear()  # moved to the host: the GPU's copies die
+                rec.empty_cache()  # and the Trainer empties the allocator's cache
     kept.clear()
     rec.kernels = True
     model.train()
@@ -350,6 +355,7 @@ def trace_training(opts: TraceOptions, out_path: str):
     # `loss = model(**batch).loss` (Hugging Face's Trainer) drops the model's output before
     # backward; `outputs = model(x); loss = criterion(outputs, y)` keeps it alive through it.
     keep_outputs = job.keeps_outputs if opts.outputs is None else opts.outputs == "kept"
+    outputs_fp32 = job.returns_fp32_outputs(keep_outputs, opts.precision)
 
     def next_batch(old, specs):
         """The loop head rebinds `inputs, labels = ...`: the old batch dies, in that order,
@@ -378,6 +384,8 @@ def trace_training(opts: TraceOptions, out_path: str):
         assignments inside it have dropped the previous outputs."""
         with autocast if autocast is not None else contextlib.nullcontext():
             outputs = parallel(job.forward, batch) if parallel else job.forward(runner, batch)
+            if outputs_fp32:
+                outputs = outputs_in_fp32(outputs)
             loss = job.loss(outputs, batch)
             if loss.dim() > 0:  # DataParallel gathers one loss per replica: `loss.mean()`
                 loss = loss.mean()
@@ -427,8 +435,18 @@ def trace_training(opts: TraceOptions, out_path: str):
                 with rec.labelled("temporary"):
                     return torch.empty(shape, dtype=loaded, device=DEVICE)
 
-            with lora.loading_in_4bit(stage if whole_run else None):
-                to_device_keeping_ties(model, weights_dtype)
+            if whole_run and autocast_dtype is not None and lora.quantized(model):
+                # QLoRA under autocast, as its recipe runs: from_pretrained(dtype=16 bits)
+                # loads every weight in 16 bits, PEFT's prepare_model_for_kbit_training casts
+                # those not 4-bit to fp32, and only then does get_peft_model add the factors.
+                later = {id(p) for p in lora.factors(model)}
+                with lora.loading_in_4bit(stage):
+                    to_device_keeping_ties(model, loaded, only=lambda t: id(t) not in later)
+                lora.cast_as_prepare_model_for_kbit_training(model)
+                to_device_keeping_ties(model, only=lambda t: id(t) in later)
+            else:
+                with lora.loading_in_4bit(stage if whole_run else None):
+                    to_device_keeping_ties(model, weights_dtype)
         if opts.channels_last:
             model.to(memory_format=torch.channels_last)
         if opts.strategy == "ddp":

@@ -192,6 +192,32 @@ class LoraLayer(torch.nn.Module):
         return result.to(result_dtype)
 
 
+def quantized(model):
+    """Whether ``model`` was loaded in 4 bits."""
+    return any(isinstance(m, Linear4bit) for m in model.modules())
+
+
+def factors(model):
+    """The LoRA factors' parameters."""
+    return [
+        p
+        for m in model.modules()
+        if isinstance(m, LoraLayer)
+        for f in (m.lora_A, m.lora_B)
+        for p in f.parameters()
+    ]
+
+
+def cast_as_prepare_model_for_kbit_training(model):
+    """PEFT's ``prepare_model_for_kbit_training`` after a 4-bit load: every fp16/bf16 parameter
+    that is not 4-bit (embeddings, norms, the output head) cast to fp32 in place, one at a time
+    (``param.data = param.data.to(torch.float32)``: the fp32 copy made, then the 16-bit one
+    freed)."""
+    for p in model.parameters():
+        if p.dtype in (torch.float16, torch.bfloat16):
+            p.data = p.data.to(torch.float32)
+
+
 def _output_embeddings(model):
     get = getattr(model, "get_output_embeddings", None)
     return get() if callable(get) else None

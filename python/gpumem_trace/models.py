@@ -32,10 +32,14 @@ class Job:
         input_shape=None,
         keeps_outputs=True,
         specs_at=None,
+        trainer_outputs_fp32=False,
     ):
         self.model = model
         # Whether the usual loop for this kind of model holds its output through backward.
         self.keeps_outputs = keeps_outputs
+        # Whether that loop is Hugging Face's Trainer, whose model forward accelerate wraps:
+        # under 16-bit mixed precision every 16-bit output comes back converted to fp32.
+        self.trainer_outputs_fp32 = trainer_outputs_fp32
         self.batch_specs = batch_specs  # batch size -> list of (shape, dtype) of the batch tensors
         # (batch size, sequence length) -> the same at another length: a model that reads token
         # ids, whose batches are padded to a length that varies by step (None for the others).
@@ -44,6 +48,31 @@ class Job:
         self.forward = forward or (lambda m, b: m(b[0]))
         self.seq_len = seq_len
         self.input_shape = input_shape
+
+    def returns_fp32_outputs(self, keep_outputs, precision):
+        """Whether the loop's outputs come back in fp32: the Trainer's loop (one that holds its
+        outputs is not the Trainer's) in 16 bits."""
+        return self.trainer_outputs_fp32 and not keep_outputs and precision != "fp32"
+
+
+def outputs_in_fp32(outputs):
+    """What Hugging Face's Trainer gets from its model's forward when it trains in 16 bits
+    (``bf16``/``fp16``): accelerate wraps the forward in ``convert_outputs_to_fp32``, whose
+    ``convert_to_fp32`` returns the output with each fp16/bf16 tensor cast to fp32 — for a
+    language model, fp32 logits, which the evaluation loop then keeps. accelerate's own function
+    where it is installed."""
+    try:
+        from accelerate.utils import convert_to_fp32
+    except ImportError:
+
+        def convert_to_fp32(out):
+            half = (torch.float16, torch.bfloat16)
+            for k, v in list(out.items()):
+                if isinstance(v, torch.Tensor) and v.dtype in half:
+                    out[k] = v.float()
+            return out
+
+    return convert_to_fp32(outputs)
 
 
 @contextlib.contextmanager
@@ -505,6 +534,7 @@ def hf_job(spec, ref, seq_len, attention_mask="none", attention=None):
         input_shape=image if main == "pixel_values" else None,
         keeps_outputs=False,
         specs_at=specs_at,
+        trainer_outputs_fp32=True,
     )
 
 

@@ -22,7 +22,7 @@ import torch
 
 from . import ac, lora
 from .loop import PRECISIONS, enable_checkpointing, make_optimizer
-from .models import ReferenceError_, resolve
+from .models import ReferenceError_, outputs_in_fp32, resolve
 from .request import lora_document
 
 
@@ -87,6 +87,7 @@ def record(a, device="cuda"):
     )
     scaler = torch.amp.GradScaler("cuda") if a.precision == "amp-fp16" else None
     keep_outputs = job.keeps_outputs if a.outputs is None else a.outputs == "kept"
+    outputs_fp32 = job.returns_fp32_outputs(keep_outputs, a.precision)
     batch = outputs = loss = None
     for _ in range(a.iterations):
         batch = None  # the loop head rebinds the batch: the old one dies first
@@ -94,6 +95,8 @@ def record(a, device="cuda"):
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             outputs = job.forward(model, batch)
+            if outputs_fp32:  # as the Trainer's accelerate returns them
+                outputs = outputs_in_fp32(outputs)
             loss = job.loss(outputs, batch)
         if not keep_outputs:
             outputs = None

@@ -150,6 +150,10 @@ class Recorder:
         evaluate, save)."""
         self.events.append({"ev": "run_phase", "name": name})
 
+    def empty_cache(self):
+        """``torch.cuda.empty_cache()``: the allocator gives back its unused cached segments."""
+        self.events.append({"ev": "empty_cache"})
+
     def iteration_end(self):
         self.events.append({"ev": "iteration", "index": self.iterations})
         self.iterations += 1

@@ -1545,7 +1545,8 @@ def test_whole_run_evaluation_keeps_logits_until_accumulation_moves_them(tmp_pat
 
     header, (peaks, _) = evaluate()
     assert header["options"]["whole_run"] == {} and "evaluate" not in peaks
-    logits = batch * seq * vocab * 2  # bf16
+    # fp32: the Trainer in 16 bits gets its outputs from accelerate converted to fp32.
+    logits = batch * seq * vocab * 4
     _, (loss_4, _) = evaluate("--eval-batches", "4")
     _, (loss_8, _) = evaluate("--eval-batches", "8")
     # Losses only: four more batches add their losses (fp32, one per sample), nothing else.
@@ -1555,9 +1556,13 @@ def test_whole_run_evaluation_keeps_logits_until_accumulation_moves_them(tmp_pat
     # Concatenation holds the old and the new together: four more batches, at least 4 logits.
     assert kept_8["evaluate"] - kept_4["evaluate"] >= 4 * logits
     assert any(e["bytes"] == 4 * logits and e["op"] == "cat" for e in made["evaluate"])
-    _, (moved_4, _) = evaluate(
-        "--eval-batches", "4", "--eval-logits", "--eval-accumulation-steps", "1"
+    header, evs = traced(
+        [*common, "--eval-batches", "4", "--eval-logits", "--eval-accumulation-steps", "1"],
+        tmp_path,
     )
+    moved_4, _ = phase_peaks(evs)
+    # After each move to the host the loop empties the allocator's cache.
+    assert sum(e["ev"] == "empty_cache" for e in evs) == 4
     _, (moved_8, _) = evaluate(
         "--eval-batches", "8", "--eval-logits", "--eval-accumulation-steps", "1"
     )
@@ -1591,6 +1596,52 @@ def test_whole_run_loads_a_4bit_model_one_16bit_weight_at_a_time(tmp_path):
     assert peak_16 == sum(e["bytes"] for e in made_16)
     # Each quantized weight holds a quarter of its 16-bit bytes, plus statistics and codes.
     assert peak_16 - kept > 0.5 * sum(staged)
+
+
+def test_whole_run_qlora_under_autocast_loads_as_its_recipe_does(tmp_path):
+    """QLoRA under autocast (amp-bf16), as its recipe runs: from_pretrained(dtype=bf16) loads
+    every weight in bf16 (the linear ones quantized as they come), PEFT's
+    prepare_model_for_kbit_training then casts the others (embeddings, norms, the head) to
+    fp32 one at a time, and only then does get_peft_model make the fp32 LoRA factors."""
+    pytest.importorskip("transformers")
+    args = [LLAMA, "--batch", "2", "--seq-len", "32", "--precision", "amp-bf16", "--whole-run"]
+    header, evs = traced(
+        [*args, "--lora-rank", "8", "--lora-targets", "all-linear", "--lora-quant", "nf4"],
+        tmp_path,
+    )
+    peaks, made = phase_peaks(evs)
+    kept = [e for e in made["load"] if e["category"] == "parameter"]
+    table = 16000 * 64  # the embeddings' and the head's elements
+    order = lambda nbytes: [i for i, e in enumerate(kept) if e["bytes"] == nbytes]
+    in_bf16, in_fp32 = order(table * 2), order(table * 4)
+    assert len(in_bf16) == len(in_fp32) == 2, "each table loaded in bf16, then cast to fp32"
+    assert max(in_bf16) < min(in_fp32)
+    # After the last cast: the LoRA factors, PEFT's trainable parameters in fp32, and no more.
+    assert sum(e["bytes"] for e in kept[max(in_fp32) + 1 :]) == header["parameters"] * 4
+    # Casting the head: the fp32 embeddings, the bf16 head and its fp32 copy at once.
+    assert peaks["load"] >= table * (4 + 2 + 4)
+
+
+def test_trainer_in_16_bits_gets_fp32_outputs_and_tied_weights_load_once(tmp_path):
+    """Hugging Face's Trainer in bf16: accelerate returns the forward's outputs converted to
+    fp32, so each step makes fp32 logits twice, the loss's and the output's (a loop that holds
+    its outputs is not the Trainer's: the loss's alone). A model whose head is tied to its
+    embeddings reaches the GPU with that table once."""
+    pytest.importorskip("transformers")
+    batch, seq, vocab = 2, 32, 16000
+    tied = LLAMA[:-1] + ",tie_word_embeddings=true)"
+    args = [tied, "--batch", str(batch), "--seq-len", str(seq), "--precision", "bf16"]
+    fp32_logits = lambda evs: [
+        e
+        for e in allocs(evs, phase="forward", op="_to_copy")
+        if e["bytes"] == batch * seq * vocab * 4
+    ]
+    _, trainer = traced(args, tmp_path)
+    _, kept = traced([*args, "--outputs", "kept"], tmp_path)
+    assert len(fp32_logits(trainer)) == 2 * len(fp32_logits(kept)) > 0
+    _, evs = traced([*args, "--whole-run"], tmp_path)
+    _, made = phase_peaks(evs)
+    assert sum(e["bytes"] == vocab * 64 * 2 for e in made["load"]) == 1
 
 
 def test_whole_run_fsdp_save_gathers_as_pytorch_state_dicts_do(tmp_path):

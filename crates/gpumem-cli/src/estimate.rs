@@ -488,14 +488,19 @@ fn print_estimate(model: &str, batch: u64, iterations: u32, profile: &GpuProfile
         (false, _) => "does NOT fit: out of memory",
     };
     println!("verdict      {verdict}");
-    for p in &est.phases {
+    // The parts after the peak's inherit its cache: the peak is in the first that reaches it.
+    let peak_part = est
+        .phases
+        .iter()
+        .position(|p| p.peak_bytes == est.peak_bytes);
+    for (i, p) in est.phases.iter().enumerate() {
         println!(
             "  {:<10} {:>10.1} MiB   (reserved {:.1}, allocated {:.1}){}",
             p.name.name(),
             bytes_to_mib(p.peak_bytes),
             bytes_to_mib(p.reserved_bytes),
             bytes_to_mib(p.allocated_bytes),
-            if p.peak_bytes == est.peak_bytes {
+            if Some(i) == peak_part {
                 "   the run's peak"
             } else {
                 ""

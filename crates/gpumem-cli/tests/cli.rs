@@ -1150,7 +1150,7 @@ fn a_whole_run_reports_each_part_and_peaks_in_evaluation_when_logits_pile_up() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("a whole run (--whole-run, --eval-*) is sized by estimate"),
+        err.contains("a whole run (--whole-run, --eval-*, --save, --resume) is sized by estimate"),
         "{err}"
     );
 }

@@ -94,6 +94,7 @@ enum Shape {
         index: u32,
     },
     RunPhase(RunPhase),
+    EmptyCache,
     Workspace {
         conv: String,
         pass: u8,
@@ -187,6 +188,7 @@ fn shapes(t: &Trace, detail: Detail) -> Vec<Shape> {
             },
             Event::Iteration { index } => Shape::Iteration { index },
             Event::RunPhase { phase } => Shape::RunPhase(phase),
+            Event::EmptyCache => Shape::EmptyCache,
             Event::Workspace {
                 conv,
                 pass,
@@ -318,7 +320,10 @@ pub(crate) fn numbers(e: &Event) -> [u64; 3] {
             ..
         } => [flops, bytes_read, bytes_written],
         Event::Workspace { n, .. } => [n, 0, 0],
-        Event::Free { .. } | Event::Iteration { .. } | Event::RunPhase { .. } => [0; 3],
+        Event::Free { .. }
+        | Event::Iteration { .. }
+        | Event::RunPhase { .. }
+        | Event::EmptyCache => [0; 3],
     }
 }
 
@@ -716,6 +721,7 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
             Event::Op { op, .. } => out.op(tr.op_name(op), a, b, c),
             Event::Iteration { .. } => out.iteration_end(),
             Event::RunPhase { phase } => out.run_phase(phase),
+            Event::EmptyCache => out.empty_cache(),
             Event::Workspace {
                 conv, pass, phase, ..
             } => out.workspace(tr.op_name(conv), a, pass, phase, module.as_deref()),

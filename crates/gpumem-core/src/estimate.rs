@@ -550,12 +550,19 @@ impl Replay {
                     continue;
                 }
                 Event::RunPhase { phase } => {
-                    // A part starts with what the parts before left reserved and allocated.
+                    // A part starts with what the parts before left reserved and allocated
+                    // (read here: `now` was last set at a malloc, before the frees since).
+                    let s = alloc.stats();
                     (now.run_phase, now.event) = (Some(phase), n);
+                    (now.allocated, now.reserved) = (s.allocated, s.reserved);
                     peaks.reach_in_part(&now);
                     continue;
                 }
                 Event::Op { .. } => continue,
+                Event::EmptyCache => {
+                    alloc.release_cached_blocks();
+                    continue;
+                }
                 Event::Workspace {
                     conv,
                     n: batch,
@@ -734,7 +741,10 @@ impl Estimator for LiveTensors {
                 }
                 Event::Iteration { .. } => iteration += 1,
                 // Not tensors: FakeTensor never sees them.
-                Event::Op { .. } | Event::Workspace { .. } | Event::RunPhase { .. } => {}
+                Event::Op { .. }
+                | Event::Workspace { .. }
+                | Event::RunPhase { .. }
+                | Event::EmptyCache => {}
             }
         }
         let mut est =
@@ -784,6 +794,27 @@ mod tests {
     use crate::trace::{TraceBuilder, TraceHeader};
     use crate::units::MIB;
 
+    /// `torch.cuda.empty_cache()` gives back the segments with nothing allocated in them: a
+    /// part after it starts with only what is live reserved.
+    #[test]
+    fn empty_cache_gives_back_what_nothing_holds() {
+        let mut b = TraceBuilder::new(TraceHeader::new("t", 1));
+        b.run_phase(RunPhase::Train);
+        b.alloc(100 * MIB, Category::Parameter, Phase::Setup, "op");
+        let act = b.alloc(60 * MIB, Category::Activation, Phase::Forward, "op");
+        b.free(act);
+        b.run_phase(RunPhase::Evaluate);
+        b.empty_cache();
+        b.run_phase(RunPhase::Save);
+        let t = b.finish();
+        let e = Replay::default()
+            .estimate(&t, &builtin("a100-40gb").unwrap())
+            .unwrap();
+        let reserved: Vec<_> = e.phases.iter().map(|p| p.reserved_bytes / MIB).collect();
+        // Evaluation starts with the freed 60 MiB cached; the save, after the emptying, without.
+        assert_eq!(reserved, [160, 160, 100]);
+    }
+
     /// A whole run's parts each report their own peak: the load holds the weights, training
     /// adds its step's tensors, and evaluation starts with training's cache still reserved.
     #[test]
@@ -802,6 +833,8 @@ mod tests {
         let more = alloc(&mut b, 40 * MIB, Category::Activation, Phase::Forward);
         b.free(logits);
         b.free(more);
+        // A part that allocates nothing holds what is left: the weights, in the cache.
+        b.run_phase(RunPhase::Save);
         let t = b.finish();
         assert!(t.is_whole_run());
         let profile = builtin("a100-40gb").unwrap();
@@ -818,6 +851,7 @@ mod tests {
                 (RunPhase::Train, 160, 160),
                 // 30 MiB fits training's freed 60 MiB segment; 40 more does not.
                 (RunPhase::Evaluate, 170, 200),
+                (RunPhase::Save, 100, 200),
             ]
         );
         let fixed = e.peak_bytes - e.allocator.unwrap().peak_reserved;

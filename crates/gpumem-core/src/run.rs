@@ -211,6 +211,7 @@ impl<'a> StepSequence<'a> {
                 } => b.workspace(trace.op_name(conv), n, pass, phase, trace.module(module)),
                 Event::Iteration { .. } => b.iteration_end(),
                 Event::RunPhase { phase } => b.run_phase(phase),
+                Event::EmptyCache => b.empty_cache(),
                 Event::Alloc { .. } | Event::Free { .. } => unreachable!("walk parts them"),
             },
         })?;

@@ -179,6 +179,7 @@ enum SymEvent {
     RunPhase {
         phase: RunPhase,
     },
+    EmptyCache,
     Workspace {
         conv: u32,
         n: Affine,
@@ -202,7 +203,10 @@ impl SymEvent {
                 ..
             } => Some([flops, bytes_read, bytes_written]),
             SymEvent::Workspace { n, .. } => Some([n, zero, zero]),
-            SymEvent::Free { .. } | SymEvent::Iteration { .. } | SymEvent::RunPhase { .. } => None,
+            SymEvent::Free { .. }
+            | SymEvent::Iteration { .. }
+            | SymEvent::RunPhase { .. }
+            | SymEvent::EmptyCache => None,
         }
     }
 
@@ -248,6 +252,7 @@ impl SymEvent {
             Event::Free { slot } => SymEvent::Free { slot },
             Event::Iteration { index } => SymEvent::Iteration { index },
             Event::RunPhase { phase } => SymEvent::RunPhase { phase },
+            Event::EmptyCache => SymEvent::EmptyCache,
         }
     }
 }
@@ -318,7 +323,10 @@ fn likeness(t: &Trace, e: &Event) -> Option<Likeness> {
             phase,
             module: generic_module(t, module),
         },
-        Event::Free { .. } | Event::Iteration { .. } | Event::RunPhase { .. } => return None,
+        Event::Free { .. }
+        | Event::Iteration { .. }
+        | Event::RunPhase { .. }
+        | Event::EmptyCache => return None,
     })
 }
 
@@ -422,6 +430,12 @@ impl SymbolicTrace {
                         return Err(SymbolicError::KindDiffers { event: k + 1 });
                     }
                     SymEvent::RunPhase { phase }
+                }
+                Event::EmptyCache => {
+                    if !traces.iter().all(|t| t.events()[k] == e) {
+                        return Err(SymbolicError::KindDiffers { event: k + 1 });
+                    }
+                    SymEvent::EmptyCache
                 }
                 Event::Workspace { conv, pass, phase, module, .. } => {
                     let ok = traces.iter().all(|t| matches!(t.events()[k], Event::Workspace { conv: c, pass: p, phase: ph, module: m, .. } if c == conv && p == pass && ph == phase && m == module));
@@ -572,6 +586,7 @@ impl SymbolicTrace {
                 SymEvent::Free { slot } => Event::Free { slot },
                 SymEvent::Iteration { index } => Event::Iteration { index },
                 SymEvent::RunPhase { phase } => Event::RunPhase { phase },
+                SymEvent::EmptyCache => Event::EmptyCache,
                 SymEvent::Workspace {
                     conv,
                     n,
@@ -699,6 +714,7 @@ fn validated(t: &Trace) -> Result<(), SymbolicError> {
             } => b.op(name(op)?, flops, bytes_read, bytes_written),
             Event::Iteration { .. } => b.iteration_end(),
             Event::RunPhase { phase } => b.run_phase(phase),
+            Event::EmptyCache => b.empty_cache(),
             Event::Workspace {
                 conv,
                 n,

@@ -180,6 +180,9 @@ pub enum Event {
     Iteration { index: u32 },
     /// The events that follow belong to this part of the whole run (until the next such event).
     RunPhase { phase: RunPhase },
+    /// `torch.cuda.empty_cache()`: the allocator gives its unused cached segments back (Hugging
+    /// Face's evaluation loop does after each move of what it kept to the host).
+    EmptyCache,
     /// The workspaces a convolution kernel takes and gives back before it returns. Their sizes
     /// depend on the GPU and cuDNN, so the trace names the convolution (`conv`, interned: its
     /// configuration without the batch; `n`: the batch) and the replay sizes them from the
@@ -585,6 +588,10 @@ impl TraceBuilder {
         self.events.push(Event::RunPhase { phase });
     }
 
+    pub fn empty_cache(&mut self) {
+        self.events.push(Event::EmptyCache);
+    }
+
     pub fn is_live(&self, id: u64) -> bool {
         self.live.contains_key(&id)
     }
@@ -733,11 +740,12 @@ impl Trace {
                     b.workspace(&conv, batch, pass, phase, l.module.as_deref());
                 }
                 "run_phase" => b.run_phase(need(l.name, n, "run_phase", "name")?),
+                "empty_cache" => b.empty_cache(),
                 other => {
                     return Err(err(
                         n,
                         format!(
-                            "unknown event `{other}` (expected alloc, free, op, iteration, workspace or run_phase)"
+                            "unknown event `{other}` (expected alloc, free, op, iteration, workspace, run_phase or empty_cache)"
                         ),
                     ));
                 }
@@ -797,6 +805,10 @@ impl Trace {
                 Event::RunPhase { phase } => Line {
                     ev: "run_phase",
                     name: Some(phase),
+                    ..Default::default()
+                },
+                Event::EmptyCache => Line {
+                    ev: "empty_cache",
                     ..Default::default()
                 },
                 Event::Workspace {
@@ -959,6 +971,7 @@ mod tests {
         );
         b.iteration_end();
         b.run_phase(RunPhase::Save);
+        b.empty_cache();
         b.free(a);
         let t = b.finish();
         let mut out = Vec::new();

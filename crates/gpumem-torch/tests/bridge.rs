@@ -719,6 +719,7 @@ fn allocation_sequence(t: &gpumem_core::trace::Trace) -> Vec<String> {
             }
             Event::Iteration { index } => Some(format!("iteration {index}")),
             Event::RunPhase { phase } => Some(format!("run phase {}", phase.name())),
+            Event::EmptyCache => Some("empty cache".into()),
             Event::Op { .. } => None,
         })
         .collect()

@@ -63,7 +63,7 @@ pub enum WorkloadError {
     )]
     OneLength(&'static str),
     #[error(
-        "{0} searches the training step's batch size; a whole run (--whole-run, --eval-*) is sized by estimate, one batch size at a time"
+        "{0} searches the training step's batch size; a whole run (--whole-run, --eval-*, --save, --resume) is sized by estimate, one batch size at a time"
     )]
     WholeRun(&'static str),
     /// A run's steps could not be joined (the loop keeps different tensors across steps at

@@ -6,7 +6,7 @@ use gpumem_core::job::{
 use serde_json::Value;
 
 use super::{
-    ATTN, CLIP, COMPILE, Class, Doc, EVAL, LIGER, OFFLOAD_ACT, PACKED, SAVE, Table, TrainConfig,
+    ATTN, CLIP, COMPILE, Class, Doc, EVAL, LIGER, OFFLOAD_ACT, PACKED, Table, TrainConfig,
     TrainConfigError, hf,
 };
 
@@ -16,11 +16,8 @@ pub(crate) const TABLE: Table = &[
     ("eval_sample_packing", Class::Not(EVAL)),
     ("eval_table_size", Class::Not(EVAL)),
     ("do_bench_eval", Class::Not(EVAL)),
-    ("saves_per_epoch", Class::Not(SAVE)),
-    ("save_steps", Class::Not(SAVE)),
-    ("save_strategy", Class::Not(SAVE)),
-    ("save_first_step", Class::Not(SAVE)),
-    ("save_safetensors", Class::Not(SAVE)),
+    ("save_first_step", Class::No),
+    ("save_safetensors", Class::No),
     ("torch_compile", Class::Not(COMPILE)),
     ("torch_compile_backend", Class::Not(COMPILE)),
     (
@@ -283,6 +280,9 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         && let super::Layout::Launcher { bucket_cap_mb } = &mut out.layout
     {
         *bucket_cap_mb = doc.count32("ddp_bucket_cap_mb")?.unwrap_or(*bucket_cap_mb);
+    }
+    if let Some(save) = hf::saving(doc, &out.layout)? {
+        out.whole_run.get_or_insert_with(WholeRun::default).save = Some(save);
     }
     Ok(TABLE)
 }

@@ -1,7 +1,7 @@
 //! Hugging Face `TrainingArguments` and TRL's `SFTConfig` (with TRL's `ModelConfig`, as `trl sft
 //! --config` and the alignment handbook's recipes state them), as JSON or YAML of the arguments.
 
-use gpumem_core::job::{AttentionMask, Evaluation, HalfDtype, Precision, Quant4, WholeRun};
+use gpumem_core::job::{AttentionMask, Evaluation, HalfDtype, Precision, Quant4, Save, WholeRun};
 use serde_json::Value;
 
 use super::{
@@ -27,11 +27,9 @@ pub(crate) const TABLE: Table = &[
     ("load_best_model_at_end", Class::Not(SAVE)),
     ("metric_for_best_model", Class::Not(EVAL)),
     ("greater_is_better", Class::No),
-    ("save_strategy", Class::Not(SAVE)),
-    ("save_steps", Class::Not(SAVE)),
     ("save_only_model", Class::Not(SAVE)),
-    ("save_safetensors", Class::Not(SAVE)),
-    ("save_on_each_node", Class::Not(SAVE)),
+    ("save_safetensors", Class::No),
+    ("save_on_each_node", Class::No),
     ("save_total_limit", Class::No),
     // Loop pieces that change memory, not modelled.
     ("torch_compile", Class::Not(COMPILE)),
@@ -242,11 +240,6 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     read_peft(doc, out)?;
     let evaluation = evaluation(doc)?;
     let resume = doc.resumes("resume_from_checkpoint")?;
-    out.whole_run = (evaluation.is_some() || resume).then_some(WholeRun {
-        evaluation,
-        resume,
-        ..WholeRun::default()
-    });
     // Ranks: a DeepSpeed config, FSDP, or DDP under the launcher.
     let bucket = doc.count32("ddp_bucket_cap_mb")?;
     out.layout = Layout::Launcher {
@@ -261,7 +254,73 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         }
         out.layout = layout;
     }
+    let save = saving(doc, &out.layout)?;
+    out.whole_run = (evaluation.is_some() || resume || save.is_some()).then_some(WholeRun {
+        evaluation,
+        save,
+        resume,
+    });
     Ok(TABLE)
+}
+
+/// The Trainer's checkpoints, where the config names them (`save_strategy` other than `no`,
+/// or `save_steps`; axolotl's `saves_per_epoch` too): on one GPU, under DDP and DeepSpeed
+/// (each rank's files) `torch.save` copies every tensor to the host and nothing more is on the
+/// GPU (measured on an H200: docs/run.md); under FSDP accelerate writes the full state dicts,
+/// gathered onto rank 0's host as they come (`offload_to_cpu`), unless `state_dict_type` is
+/// sharded — its default is full for FSDP1, sharded for FSDP2 (`fsdp_version: 2`).
+pub(crate) fn saving(doc: &mut Doc, layout: &Layout) -> Result<Option<Save>, TrainConfigError> {
+    let mut named = false;
+    for key in ["save_steps", "saves_per_epoch"] {
+        named |= doc.take(key).is_some();
+    }
+    if let Some(s) = doc.text("save_strategy")? {
+        named = match s.as_str() {
+            "no" => false,
+            "steps" | "epoch" | "best" => true,
+            other => {
+                return Err(doc.err(
+                    "save_strategy",
+                    format!("`{other}` is not no, steps, epoch or best"),
+                ));
+            }
+        };
+    }
+    if !named {
+        return Ok(None);
+    }
+    if !matches!(layout, Layout::Fsdp { .. }) {
+        return Ok(Some(Save::Sharded));
+    }
+    let version = [
+        "fsdp_config.version",
+        "fsdp_config.fsdp_version",
+        "fsdp_version",
+    ]
+    .iter()
+    .find_map(|k| doc.get(k).and_then(Value::as_u64));
+    for key in [
+        "fsdp_config.state_dict_type",
+        "fsdp_config.fsdp_state_dict_type",
+    ] {
+        if let Some(t) = doc.text(key)? {
+            return match t.as_str() {
+                "FULL_STATE_DICT" => Ok(Some(Save::FullOffload)),
+                "SHARDED_STATE_DICT" | "LOCAL_STATE_DICT" => Ok(Some(Save::Sharded)),
+                other => Err(doc.err(
+                    key,
+                    format!(
+                        "`{other}` is not FULL_STATE_DICT, SHARDED_STATE_DICT or LOCAL_STATE_DICT"
+                    ),
+                )),
+            };
+        }
+    }
+    Ok(Some(if version == Some(2) {
+        Save::Sharded
+    } else {
+        Save::FullOffload
+    }))
 }
 
 /// The Trainer's default `per_device_eval_batch_size`.

@@ -133,7 +133,12 @@ fn hf_training_arguments_json() {
             ..gpumem_core::job::Evaluation::of(2)
         })
     );
-    assert!(used(&c, "per_device_eval_batch_size") && not_modelled(&c, "save_steps"));
+    assert!(used(&c, "per_device_eval_batch_size") && used(&c, "save_steps"));
+    // It saves checkpoints: on one GPU (or DDP) torch.save's, nothing more on the GPU.
+    assert_eq!(
+        c.whole_run.and_then(|r| r.save),
+        Some(gpumem_core::job::Save::Sharded)
+    );
     // One GPU, or DDP over the launcher's ranks.
     assert_eq!(c.strategy(None).unwrap(), None);
     assert_eq!(c.strategy(Some(4)).unwrap().unwrap().name(), "ddp");
@@ -666,6 +671,56 @@ fn trainer_spellings_of_modelled_optimizers() {
     .unwrap_err()
     .to_string();
     assert!(e.starts_with("c.yaml: `optimizer`: "), "{e}");
+}
+
+/// The Trainer's checkpoints as a config names them: none unless saving is named; under FSDP
+/// accelerate's full state dict (gathered to the host) unless it is sharded, FSDP2's default.
+#[test]
+fn checkpoint_saving_as_the_trainer_does_it() {
+    use gpumem_core::job::Save;
+    let save = |kind, text: &str| {
+        read_text("c.yaml", text, Path::new("."), Some(kind))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .whole_run
+            .and_then(|r| r.save)
+    };
+    let hf = |text: &str| save(TrainerKind::HfTrainer, text);
+    let fsdp = "fsdp: full_shard\nfsdp_config: {min_num_params: 1}\n";
+    assert_eq!(hf("save_strategy: 'no'\n"), None);
+    assert_eq!(hf("save_strategy: steps\n"), Some(Save::Sharded));
+    assert_eq!(
+        hf(&format!("{fsdp}save_steps: 100\n")),
+        Some(Save::FullOffload)
+    );
+    assert_eq!(
+        hf(
+            "fsdp: full_shard\nfsdp_config: {state_dict_type: SHARDED_STATE_DICT}\nsave_strategy: epoch\n"
+        ),
+        Some(Save::Sharded)
+    );
+    assert_eq!(
+        hf("fsdp: full_shard\nfsdp_config: {version: 2}\nsave_strategy: epoch\n"),
+        Some(Save::Sharded)
+    );
+    assert_eq!(
+        save(
+            TrainerKind::Axolotl,
+            "base_model: m\nsaves_per_epoch: 1\nfsdp_config: {fsdp_state_dict_type: FULL_STATE_DICT}\n"
+        ),
+        Some(Save::FullOffload)
+    );
+    let bad = read_text(
+        "c.yaml",
+        "save_strategy: sometimes\n",
+        Path::new("."),
+        Some(TrainerKind::HfTrainer),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        bad.contains("save_strategy") && bad.contains("sometimes"),
+        "{bad}"
+    );
 }
 
 /// An optimizer by gpumem's name.
