@@ -22,6 +22,7 @@ MIB = 1 << 20
 ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 LLAMA8B = "hf:LlamaForCausalLM(hidden_size=4096,intermediate_size=14336,num_hidden_layers=32,num_attention_heads=32,num_key_value_heads=8,vocab_size=128256,max_position_embeddings=8192,rope_theta=500000.0)"
 MISTRAL7B = "hf:MistralForCausalLM(hidden_size=4096,intermediate_size=14336,num_hidden_layers=32,num_attention_heads=32,num_key_value_heads=8,vocab_size=32000,max_position_embeddings=32768)"
+LLAMA1B = "hf:LlamaForCausalLM(hidden_size=2048,intermediate_size=8192,num_hidden_layers=16,num_attention_heads=32,num_key_value_heads=8,vocab_size=128256,max_position_embeddings=8192,rope_theta=500000.0,tie_word_embeddings=true)"
 QWEN05B = "hf:Qwen2ForCausalLM(hidden_size=896,intermediate_size=4864,num_hidden_layers=24,num_attention_heads=14,num_key_value_heads=2,vocab_size=151936,max_position_embeddings=32768,tie_word_embeddings=true)"
 # The jobs of whole-run-h200.sh in gpumem's words. PEFT's prepare_model_for_kbit_training turns
 # on transformers' gradient checkpointing with torch's default (reentrant) and casts the rest to
@@ -63,6 +64,11 @@ JOBS = {
         "2",
         "--eval-logits",
     ],
+    "qlora-llama1b": [LLAMA1B, "--batch", "4", "--seq-len", "1024", "--precision", "amp-bf16",
+                      "--checkpointing=full-reentrant",
+                      f"--lora=r=16,alpha=32,dropout=0.05,targets={ALL_LINEAR},quant=nf4",
+                      "--eval-batches", "8", "--eval-batch-size", "4", "--eval-logits",
+                      "--eval-accumulation-steps", "2"],
     "lora-qwen05b": [
         QWEN05B,
         "--batch",

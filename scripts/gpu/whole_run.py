@@ -211,9 +211,10 @@ def run(directory, job_json):
     trainer.train()
     parts.end()
 
-    for accumulation in job.get("eval_accumulation", [None]):
+    # The first evaluation is the run's; the others start with its cache (their rows say so).
+    for i, accumulation in enumerate(job.get("eval_accumulation", [None])):
         trainer.args.eval_accumulation_steps = accumulation
-        parts.begin("evaluate" if accumulation is None else f"evaluate-acc{accumulation}")
+        parts.begin("evaluate" if i == 0 else f"evaluate-acc{accumulation}")
         try:
             trainer.evaluate()
             parts.end(eval_accumulation_steps=accumulation)
