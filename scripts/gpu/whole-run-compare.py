@@ -26,64 +26,24 @@ LLAMA1B = "hf:LlamaForCausalLM(hidden_size=2048,intermediate_size=8192,num_hidde
 QWEN05B = "hf:Qwen2ForCausalLM(hidden_size=896,intermediate_size=4864,num_hidden_layers=24,num_attention_heads=14,num_key_value_heads=2,vocab_size=151936,max_position_embeddings=32768,tie_word_embeddings=true)"
 # The jobs of whole-run-h200.sh in gpumem's words. PEFT's prepare_model_for_kbit_training turns
 # on transformers' gradient checkpointing with torch's default (reentrant) and casts the rest to
-# fp32 under the Trainer's bf16 autocast: amp-bf16. The Qwen job loads in bf16: pure bf16.
+# fp32 under the Trainer's bf16 autocast: amp-bf16 (QLORA). The Qwen job loads in bf16: pure
+# bf16.
+QLORA = "--precision amp-bf16 --checkpointing=full-reentrant --eval-logits --lora=quant=nf4,"
 JOBS = {
-    "qlora-llama8b": [
-        LLAMA8B,
-        "--batch",
-        "4",
-        "--seq-len",
-        "1024",
-        "--precision",
-        "amp-bf16",
-        "--checkpointing=full-reentrant",
-        f"--lora=r=16,alpha=32,dropout=0.05,targets={ALL_LINEAR},quant=nf4",
-        "--eval-batches",
-        "8",
-        "--eval-batch-size",
-        "4",
-        "--eval-logits",
-    ],
-    "qlora-mistral7b": [
-        MISTRAL7B,
-        "--batch",
-        "2",
-        "--seq-len",
-        "2048",
-        "--grad-accum",
-        "2",
-        "--optimizer",
-        "adamw8bit",
-        "--precision",
-        "amp-bf16",
-        "--checkpointing=full-reentrant",
-        f"--lora=r=64,alpha=16,dropout=0.1,targets={ALL_LINEAR},quant=nf4",
-        "--eval-batches",
-        "4",
-        "--eval-batch-size",
-        "2",
-        "--eval-logits",
-    ],
-    "qlora-llama1b": [LLAMA1B, "--batch", "4", "--seq-len", "1024", "--precision", "amp-bf16",
-                      "--checkpointing=full-reentrant",
-                      f"--lora=r=16,alpha=32,dropout=0.05,targets={ALL_LINEAR},quant=nf4",
-                      "--eval-batches", "8", "--eval-batch-size", "4", "--eval-logits",
-                      "--eval-accumulation-steps", "2"],
-    "lora-qwen05b": [
-        QWEN05B,
-        "--batch",
-        "4",
-        "--seq-len",
-        "1024",
-        "--precision",
-        "bf16",
-        "--lora=r=16,alpha=32,targets=q_proj,v_proj",
-        "--eval-batches",
-        "20",
-        "--eval-batch-size",
-        "4",
-        "--eval-logits",
-    ],
+    job: flags.split()
+    for job, flags in {
+        "qlora-llama8b": f"{LLAMA8B} --batch 4 --seq-len 1024 --eval-batches 8"
+        f" --eval-batch-size 4 {QLORA}r=16,alpha=32,dropout=0.05,targets={ALL_LINEAR}",
+        "qlora-mistral7b": f"{MISTRAL7B} --batch 2 --seq-len 2048 --grad-accum 2"
+        " --optimizer adamw8bit --eval-batches 4 --eval-batch-size 2"
+        f" {QLORA}r=64,alpha=16,dropout=0.1,targets={ALL_LINEAR}",
+        "qlora-llama1b": f"{LLAMA1B} --batch 4 --seq-len 1024 --eval-batches 8"
+        " --eval-batch-size 4 --eval-accumulation-steps 2"
+        f" {QLORA}r=16,alpha=32,dropout=0.05,targets={ALL_LINEAR}",
+        "lora-qwen05b": f"{QWEN05B} --batch 4 --seq-len 1024 --precision bf16"
+        " --lora=r=16,alpha=32,targets=q_proj,v_proj --eval-batches 20 --eval-batch-size 4"
+        " --eval-logits",
+    }.items()
 }
 
 

@@ -14,6 +14,7 @@ The figures are set beside `gpumem estimate … --whole-run` of the same jobs
 
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -228,22 +229,31 @@ def run(directory, job_json):
 
 
 def context():
-    """What the device holds outside PyTorch's allocator (NVML's used minus reserved) as a
-    fine-tune's libraries come in, one step at a time: the fixed cost a profile's context is."""
-    points = []
+    """What the device holds outside PyTorch's allocator as a fine-tune's libraries come in,
+    one step at a time — the fixed cost a profile's context is — in each sense of "in use":
+    NVML's used (``torch.cuda.device_memory_used``, which counts the driver's reserved memory),
+    ``mem_get_info``'s total − free, and nvidia-smi's used and reserved."""
 
     def point(name):
         torch.cuda.synchronize()
-        used = nvml_used()
-        points.append(
-            {
-                "at": name,
-                "used": used,
-                "reserved": torch.cuda.memory_reserved(),
-                "outside": used - torch.cuda.memory_reserved(),
-            }
-        )
-        print(json.dumps(points[-1]), flush=True)
+        free, total = torch.cuda.mem_get_info()
+        smi = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=memory.used,memory.reserved",
+                "--format=csv,noheader,nounits",
+            ],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        row = {
+            "at": name,
+            "nvml_used": nvml_used(),
+            "total_minus_free": total - free,
+            "reserved": torch.cuda.memory_reserved(),
+            "nvidia_smi_used_reserved_mib": smi,
+        }
+        print(json.dumps(row), flush=True)
 
     torch.zeros(1, device="cuda")
     point("torch context")
