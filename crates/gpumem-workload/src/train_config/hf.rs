@@ -194,8 +194,11 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     }
     // Precision: bf16/fp16 are autocast over fp32 weights; a model loaded in a 16-bit dtype
     // (TRL's model_init_kwargs or ModelConfig's dtype) trains its weights in it.
-    let bf16 = doc.flag("bf16")?.unwrap_or(false);
+    // TRL's SFTConfig trains in bf16 unless told fp16 (0.19 on) and checkpoints its
+    // activations, non-reentrant (0.22 on), where the config does not say.
+    let trl = out.kind == TrainerKind::TrlSft;
     let fp16 = doc.flag("fp16")?.unwrap_or(false);
+    let bf16 = doc.flag("bf16")?.unwrap_or(trl && !fp16);
     if bf16 && fp16 {
         return Err(doc.err("fp16", "bf16 and fp16 are both true"));
     }
@@ -234,7 +237,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     if let Some(o) = doc.text("optim")? {
         out.optimizer = Some(super::optimizer(doc, "optim", &o, None)?);
     }
-    if let Some(on) = doc.flag("gradient_checkpointing")? {
+    if let Some(on) = doc.flag("gradient_checkpointing")?.or(trl.then_some(true)) {
         out.checkpointing = Some(super::hf_checkpointing(doc, on)?);
     }
     read_peft(doc, out)?;

@@ -723,6 +723,32 @@ fn checkpoint_saving_as_the_trainer_does_it() {
     );
 }
 
+/// TRL's SFTConfig differs from TrainingArguments where a config is silent: bf16 unless fp16,
+/// and non-reentrant gradient checkpointing on.
+#[test]
+fn trl_defaults_bf16_and_checkpointing_where_unsaid() {
+    let read = |kind, text: &str| {
+        let c = read_text("c.yaml", text, Path::new("."), Some(kind)).unwrap();
+        (c.precision, c.checkpointing)
+    };
+    let text = "per_device_train_batch_size: 2\n";
+    assert_eq!(
+        read(TrainerKind::TrlSft, text),
+        (Some(Precision::AmpBf16), Some(Checkpointing::Full))
+    );
+    assert_eq!(
+        read(TrainerKind::HfTrainer, text),
+        (Some(Precision::Fp32), None)
+    );
+    assert_eq!(
+        read(
+            TrainerKind::TrlSft,
+            "fp16: true\ngradient_checkpointing: false\n"
+        ),
+        (Some(Precision::AmpFp16), Some(Checkpointing::Off))
+    );
+}
+
 /// An optimizer by gpumem's name.
 fn o(name: &str) -> Optimizer {
     Optimizer::parse(name).unwrap()
