@@ -266,6 +266,7 @@ def evaluate(evaluation, next_batch, batch, forward_and_loss, end_autocast, mode
             loss = logits = None
             if steps and (step + 1) % steps == 0:
                 kept.clear()  # moved to the host: the GPU's copies die
+                batch[:] = [None] * len(batch)  # `del losses, logits, labels, inputs`
                 rec.empty_cache()  # and the Trainer empties the allocator's cache
     kept.clear()
     rec.kernels = True
@@ -442,7 +443,7 @@ def trace_training(opts: TraceOptions, out_path: str):
                 later = {id(p) for p in lora.factors(model)}
                 with lora.loading_in_4bit(stage):
                     to_device_keeping_ties(model, loaded, only=lambda t: id(t) not in later)
-                lora.cast_as_prepare_model_for_kbit_training(model)
+                lora.cast_as_prepare_model_for_kbit_training(model, rec.empty_cache)
                 to_device_keeping_ties(model, only=lambda t: id(t) in later)
             else:
                 with lora.loading_in_4bit(stage if whole_run else None):

@@ -1,5 +1,6 @@
 """Tests of gpumem_trace: traces are valid, CUDA behaviour is applied, errors are clear."""
 
+import inspect
 import json
 import math
 import os
@@ -1620,6 +1621,15 @@ def test_whole_run_qlora_under_autocast_loads_as_its_recipe_does(tmp_path):
     assert sum(e["bytes"] for e in kept[max(in_fp32) + 1 :]) == header["parameters"] * 4
     # Casting the head: the fp32 embeddings, the bf16 head and its fp32 copy at once.
     assert peaks["load"] >= table * (4 + 2 + 4)
+    # PEFT 0.21.2 on empties the allocator's cache after the casts (auto_clear_cache).
+    try:
+        from peft import prepare_model_for_kbit_training as prepare
+    except ImportError:
+        clears = False
+    else:
+        clears = "auto_clear_cache" in inspect.signature(prepare).parameters
+    load = evs[: next(i for i, e in enumerate(evs) if e.get("name") == "train")]
+    assert any(e["ev"] == "empty_cache" for e in load) == clears
 
 
 def test_trainer_in_16_bits_gets_fp32_outputs_and_tied_weights_load_once(tmp_path):

@@ -2,7 +2,10 @@
 data/h200/whole-run/) beside `gpumem estimate --whole-run` of the same jobs, part by part, and
 prints a Markdown table.
 
-    python3 scripts/gpu/whole-run-compare.py [GPUMEM] > data/h200/whole-run/comparison.md
+    GPUMEM_PYTHON=… python3 scripts/gpu/whole-run-compare.py [GPUMEM] > data/h200/whole-run/comparison.md
+
+(GPUMEM_PYTHON: a Python with the measured PEFT, 0.21.0, whose prepare_model_for_kbit_training
+the trace follows.)
 
 The estimate uses the H200's calibrated profile (data/h200/h200-probed.toml: the one calibration
 run). Measured "as nvidia-smi shows it" is PyTorch's most reserved in the part plus what the

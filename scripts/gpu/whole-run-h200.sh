@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 34's GPU check: two fine-tunes' whole runs for real (scripts/gpu/whole_run.py: load,
+# Issue 34's GPU check: four fine-tunes' whole runs for real (scripts/gpu/whole_run.py: load,
 # PEFT's prepare, Trainer steps, Trainer evaluation with metrics — with and without
 # eval_accumulation_steps — and the Trainer's checkpoint save), each part's PyTorch peaks and
 # device memory, to set beside `gpumem estimate … --whole-run` of the same jobs.
@@ -20,14 +20,12 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 W=scripts/gpu/whole_run.py
 CK=${CHECKPOINTS:-/tmp/whole-run}
 LLAMA8B='{"model_type":"llama","hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256,"max_position_embeddings":8192,"rope_theta":500000.0,"tie_word_embeddings":false}'
-QWEN05B='{"model_type":"qwen2","hidden_size":896,"intermediate_size":4864,"num_hidden_layers":24,"num_attention_heads":14,"num_key_value_heads":2,"vocab_size":151936,"max_position_embeddings":32768,"tie_word_embeddings":true}'
-QMISTRAL7B='{"model_type":"mistral","hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":32000,"max_position_embeddings":32768,"tie_word_embeddings":false}'
+QLORA='{"name":"qlora-llama8b","quant":"nf4","r":16,"alpha":32,"dropout":0.05,"targets":["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"],"batch":4,"seq":1024,"eval_batch":4,"eval_batches":8,"eval_accumulation":[null,2]}'
+MISTRAL7B='{"model_type":"mistral","hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":32000,"max_position_embeddings":32768,"tie_word_embeddings":false}'
 QLORA_MISTRAL='{"name":"qlora-mistral7b","quant":"nf4","r":64,"alpha":16,"dropout":0.1,"targets":["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"],"batch":2,"seq":2048,"grad_accum":2,"optim":"adamw_bnb_8bit","eval_batch":2,"eval_batches":4}'
 LLAMA1B='{"model_type":"llama","hidden_size":2048,"intermediate_size":8192,"num_hidden_layers":16,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256,"max_position_embeddings":8192,"rope_theta":500000.0,"tie_word_embeddings":true}'
 QLORA_1B='{"name":"qlora-llama1b","quant":"nf4","r":16,"alpha":32,"dropout":0.05,"targets":["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"],"batch":4,"seq":1024,"eval_batch":4,"eval_batches":8,"eval_accumulation":[2]}'
-LORA='{"name":"qlora-llama8b","quant":"nf4","r":16,"alpha":32,"dropout":0.05,"targets":["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"],"batch":4,"seq":1024,"eval_batch":4,"eval_batches":8,"eval_accumulation":[null,2]}'
-MISTRAL7B='{"model_type":"mistral","hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":32000,"max_position_embeddings":32768,"tie_word_embeddings":false}'
-QLORA_MISTRAL='{"name":"qlora-mistral7b","quant":"nf4","r":64,"alpha":16,"dropout":0.1,"targets":["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"],"batch":2,"seq":2048,"grad_accum":2,"optim":"adamw_bnb_8bit","eval_batch":2,"eval_batches":4}'
+QWEN05B='{"model_type":"qwen2","hidden_size":896,"intermediate_size":4864,"num_hidden_layers":24,"num_attention_heads":14,"num_key_value_heads":2,"vocab_size":151936,"max_position_embeddings":32768,"tie_word_embeddings":true}'
 LORA='{"name":"lora-qwen05b","r":16,"alpha":32,"targets":["q_proj","v_proj"],"batch":4,"seq":1024,"eval_batch":4,"eval_batches":20,"eval_accumulation":[null,4,2]}'
 $PY -c 'import torch, transformers, peft, accelerate, bitsandbytes as b; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__, "accelerate", accelerate.__version__, "bitsandbytes", b.__version__)' | tee "$OUT/versions.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/versions.txt"

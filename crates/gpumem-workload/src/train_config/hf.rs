@@ -5,7 +5,7 @@ use gpumem_core::job::{AttentionMask, Evaluation, HalfDtype, Precision, Quant4, 
 use serde_json::Value;
 
 use super::{
-    CLIP, COMPILE, Class, Doc, EVAL, LIGER, Layout, PACKED, SAVE, Table, TrainConfig,
+    CLIP, COMPILE, Class, Doc, EVAL, LIGER, Layout, PACKED, TRAINER_SAVE, Table, TrainConfig,
     TrainConfigError, TrainerKind,
 };
 use crate::deepspeed;
@@ -24,10 +24,10 @@ pub(crate) const TABLE: Table = &[
     ("bf16_full_eval", Class::Not(EVAL)),
     ("fp16_full_eval", Class::Not(EVAL)),
     ("eval_packing", Class::Not(EVAL)),
-    ("load_best_model_at_end", Class::Not(SAVE)),
+    ("load_best_model_at_end", Class::Not(TRAINER_SAVE)),
     ("metric_for_best_model", Class::Not(EVAL)),
     ("greater_is_better", Class::No),
-    ("save_only_model", Class::Not(SAVE)),
+    ("save_only_model", Class::Not(TRAINER_SAVE)),
     ("save_safetensors", Class::No),
     ("save_on_each_node", Class::No),
     ("save_total_limit", Class::No),
@@ -271,7 +271,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
 /// (each rank's files) `torch.save` copies every tensor to the host and nothing more is on the
 /// GPU (measured on an H200: docs/run.md); under FSDP accelerate writes the full state dicts,
 /// gathered onto rank 0's host as they come (`offload_to_cpu`), unless `state_dict_type` is
-/// sharded — its default is full for FSDP1, sharded for FSDP2 (`fsdp_version: 2`).
+/// sharded (transformers hands accelerate `FULL_STATE_DICT` where it is unset, FSDP2 too).
 pub(crate) fn saving(doc: &mut Doc, layout: &Layout) -> Result<Option<Save>, TrainConfigError> {
     let mut named = false;
     for key in ["save_steps", "saves_per_epoch"] {
@@ -295,13 +295,6 @@ pub(crate) fn saving(doc: &mut Doc, layout: &Layout) -> Result<Option<Save>, Tra
     if !matches!(layout, Layout::Fsdp { .. }) {
         return Ok(Some(Save::Sharded));
     }
-    let version = [
-        "fsdp_config.version",
-        "fsdp_config.fsdp_version",
-        "fsdp_version",
-    ]
-    .iter()
-    .find_map(|k| doc.get(k).and_then(Value::as_u64));
     for key in [
         "fsdp_config.state_dict_type",
         "fsdp_config.fsdp_state_dict_type",
@@ -319,11 +312,7 @@ pub(crate) fn saving(doc: &mut Doc, layout: &Layout) -> Result<Option<Save>, Tra
             };
         }
     }
-    Ok(Some(if version == Some(2) {
-        Save::Sharded
-    } else {
-        Save::FullOffload
-    }))
+    Ok(Some(Save::FullOffload))
 }
 
 /// The Trainer's default `per_device_eval_batch_size`.

@@ -423,7 +423,10 @@ pub(crate) type Table = &'static [(&'static str, Class)];
 
 /// Reasons shared across kinds.
 pub(crate) const EVAL: &str = "this evaluation setting is not modelled: the whole run's evaluation is Hugging Face Trainer's loop (docs/run.md)";
-pub(crate) const SAVE: &str = "checkpoints are sized from save_strategy/save_steps and FSDP's state_dict_type alone: saving the model without the optimizer, or reading the best one back, is not modelled (docs/run.md)";
+pub(crate) const SAVE: &str =
+    "a config's checkpoint saving is not read yet: give --save to size it (docs/run.md)";
+/// The Hugging Face Trainer's saving keys beyond those read (`hf::saving`).
+pub(crate) const TRAINER_SAVE: &str = "checkpoints are sized from save_strategy/save_steps and FSDP's state_dict_type alone: saving the model without the optimizer, or reading the best one back, is not modelled (docs/run.md)";
 pub(crate) const COMPILE: &str = "torch.compile fuses kernels and changes what activations are kept; gpumem traces the eager step";
 pub(crate) const PACKED: &str = "packed batches (several sequences per row) are not in the job vocabulary yet; sized as one sequence of the full length per row, without a mask";
 /// Hugging Face's checkpointing (HF Trainer, TRL, axolotl): `gradient_checkpointing` `on`, with

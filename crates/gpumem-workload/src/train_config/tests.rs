@@ -698,9 +698,10 @@ fn checkpoint_saving_as_the_trainer_does_it() {
         ),
         Some(Save::Sharded)
     );
+    // transformers gives accelerate FULL_STATE_DICT where it is unset, FSDP2 too.
     assert_eq!(
         hf("fsdp: full_shard\nfsdp_config: {version: 2}\nsave_strategy: epoch\n"),
-        Some(Save::Sharded)
+        Some(Save::FullOffload)
     );
     assert_eq!(
         save(
