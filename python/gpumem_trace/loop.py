@@ -436,7 +436,7 @@ def trace_training(opts: TraceOptions, out_path: str):
                 with rec.labelled("temporary"):
                     return torch.empty(shape, dtype=loaded, device=DEVICE)
 
-            if whole_run and autocast_dtype is not None and lora.quantized(model):
+            if whole_run and autocast_dtype is not None and opts.lora and opts.lora.quant:
                 # QLoRA under autocast, as its recipe runs: from_pretrained(dtype=16 bits)
                 # loads every weight in 16 bits, PEFT's prepare_model_for_kbit_training casts
                 # those not 4-bit to fp32, and only then does get_peft_model add the factors.

@@ -193,11 +193,6 @@ class LoraLayer(torch.nn.Module):
         return result.to(result_dtype)
 
 
-def quantized(model):
-    """Whether ``model`` was loaded in 4 bits."""
-    return any(isinstance(m, Linear4bit) for m in model.modules())
-
-
 def factors(model):
     """The LoRA factors' parameters."""
     return [
@@ -214,7 +209,7 @@ def cast_as_prepare_model_for_kbit_training(model, empty_cache):
     that is not 4-bit (embeddings, norms, the output head) cast to fp32 in place, one at a time
     (``param.data = param.data.to(torch.float32)``: the fp32 copy made, then the 16-bit one
     freed); then ``empty_cache()`` where the installed PEFT empties the allocator's cache after
-    the casts (its ``auto_clear_cache``, 0.21.2 on; 0.21.0 did not, as measured on an H200)."""
+    the casts (its ``auto_clear_cache``, in PEFT 0.21 and later)."""
     for p in model.parameters():
         if p.dtype in (torch.float16, torch.bfloat16):
             p.data = p.data.to(torch.float32)

@@ -1621,7 +1621,7 @@ def test_whole_run_qlora_under_autocast_loads_as_its_recipe_does(tmp_path):
     assert sum(e["bytes"] for e in kept[max(in_fp32) + 1 :]) == header["parameters"] * 4
     # Casting the head: the fp32 embeddings, the bf16 head and its fp32 copy at once.
     assert peaks["load"] >= table * (4 + 2 + 4)
-    # PEFT 0.21.2 on empties the allocator's cache after the casts (auto_clear_cache).
+    # PEFT (0.21 and later) empties the allocator's cache after the casts (auto_clear_cache).
     try:
         from peft import prepare_model_for_kbit_training as prepare
     except ImportError:
