@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils.checkpoint
 
-from . import ac, amp, cuda, distributed, lora, losses, optimizers, sdpa, zero
+from . import ac, amp, cuda, distributed, hf_trainer, lora, losses, optimizers, sdpa, standin, zero
 from .device import DEVICE, to_device_keeping_ties
 from .models import ReferenceError_, outputs_in_fp32, resolve
 from .parallel import DataParallel
@@ -545,12 +545,38 @@ def trace_training(opts: TraceOptions, out_path: str):
                     end_autocast()
             rec.kernels = True
         evaluation = (opts.whole_run or {}).get("evaluation")
+        evaluated_by = None
         if evaluation:
             # Hugging Face's Trainer zeroes the gradients (to None) after every step.
             rec.phase = "zero_grad"
             optimizer.zero_grad(set_to_none=True)
             rec.run_phase("evaluate")
             outputs = loss = None
+        if (
+            evaluation
+            and job.inputs
+            and runner is model
+            and not parallel
+            and hf_trainer.available()
+        ):
+            # One GPU's Hugging Face job: the Trainer's own evaluation loop, on the stand-in
+            # CUDA. The last step's batch dies first: the loop rebinds its names.
+            batch = None
+            rec.phase = "forward"
+            rec.kernels = False
+            evaluated_by = hf_trainer.evaluate(
+                job,
+                model,
+                evaluation,
+                opts.precision,
+                evaluation.get("batch_size") or opts.batch,
+                weights_dtype or torch.float32,
+                standin.StandinGpu.with_capability(opts.gpu_capability),
+                rec,
+            )
+            rec.kernels = True
+            model.train()
+        elif evaluation:
             batch = evaluate(
                 evaluation,
                 lambda old: next_batch(
@@ -594,5 +620,8 @@ def trace_training(opts: TraceOptions, out_path: str):
         header["largest_layer_parameters"] = zero.largest_layer_parameters(model)
     if rec.sized_by_parameters:
         header["sized_by_parameters"] = sorted(rec.sized_by_parameters)
+    if evaluation:
+        # Whose evaluation loop ran: the trainer's own code, or gpumem's restatement of it.
+        header["evaluation_loop"] = evaluated_by or "gpumem (Hugging Face Trainer's, restated)"
     rec.write(out_path, header)
     return header

@@ -33,6 +33,7 @@ class Job:
         keeps_outputs=True,
         specs_at=None,
         trainer_outputs_fp32=False,
+        inputs=None,
     ):
         self.model = model
         # Whether the usual loop for this kind of model holds its output through backward.
@@ -46,6 +47,9 @@ class Job:
         self.specs_at = specs_at
         self.loss = loss  # (output, batch tensors) -> scalar
         self.forward = forward or (lambda m, b: m(b[0]))
+        # batch tensors -> the model's keyword inputs, for a model whose trainer calls it as
+        # `model(**inputs)` (Hugging Face's): what that trainer's data collator would hand it.
+        self.inputs = inputs
         self.seq_len = seq_len
         self.input_shape = input_shape
 
@@ -496,7 +500,7 @@ def hf_job(spec, ref, seq_len, attention_mask="none", attention=None):
             and "for" not in lower
         ):
             specs = lambda b: [ids(b), ((b, *image), torch.float32)]
-            forward = lambda m, b: m(
+            inputs = lambda b: dict(
                 input_ids=b[0], pixel_values=b[1], return_loss=True, **_mask(b, 2)
             )
         elif (
@@ -506,10 +510,10 @@ def hf_job(spec, ref, seq_len, attention_mask="none", attention=None):
         ):
             # A text head over an image too (GIT's captions, ViLT's masked words): both inputs.
             specs = lambda b: [ids(b), label(b), ((b, *image), torch.float32)]
-            forward = lambda m, b: m(input_ids=b[0], labels=b[1], pixel_values=b[2], **_mask(b, 3))
+            inputs = lambda b: dict(input_ids=b[0], labels=b[1], pixel_values=b[2], **_mask(b, 3))
         else:
             specs = lambda b: [x(b), label(b)]
-            forward = lambda m, b: m(**{main: b[0]}, labels=b[1], **_mask(b, 2))
+            inputs = lambda b: {main: b[0], "labels": b[1], **_mask(b, 2)}
         if attention_mask == "padded":
             if seq is None:
                 raise ReferenceError_(
@@ -517,9 +521,9 @@ def hf_job(spec, ref, seq_len, attention_mask="none", attention=None):
                 )
             base = specs
             specs = lambda b: base(b) + [ids(b)]
-        return specs, forward, seq, image, main
+        return specs, inputs, seq, image, main
 
-    specs, forward, seq, image, main = at_length(seq)
+    specs, inputs, seq, image, main = at_length(seq)
     if seq is None:
         specs_at = None  # the model reads no token ids: its input has no sequence length
     else:
@@ -529,7 +533,8 @@ def hf_job(spec, ref, seq_len, attention_mask="none", attention=None):
         model,
         specs,
         lambda out, batch: out.loss,
-        forward=forward,
+        forward=lambda m, b: m(**inputs(b)),
+        inputs=inputs,
         seq_len=seq,
         input_shape=image if main == "pixel_values" else None,
         keeps_outputs=False,

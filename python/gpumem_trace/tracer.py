@@ -65,6 +65,9 @@ class Recorder:
             False  # what runs now runs on the host (CPU offload): its memory is not the GPU's
         )
         self.sized_by_parameters = set()  # see parameter_sized
+        # Storage keys of meta tensors that stand for no memory at all (see storageless).
+        self.no_memory = set()
+        self.making_no_memory = False
 
     def alloc(self, key, nbytes, op, category=None, module=""):
         i = self.next_id
@@ -131,6 +134,17 @@ class Recorder:
             yield
         finally:
             self.host, self.kernels = saved
+
+    @contextlib.contextmanager
+    def storageless(self):
+        """Tensors made inside are meta tensors as library code means them (a model's skeleton
+        before its weights load, accelerate's offloaded weights): no memory anywhere, and what
+        is computed from them alone holds none either (the stand-in CUDA, standin.py)."""
+        saved, self.making_no_memory = self.making_no_memory, True
+        try:
+            yield
+        finally:
+            self.making_no_memory = saved
 
     def op(self, name, flops, bytes_read, bytes_written):
         if not self.kernels:
@@ -428,11 +442,24 @@ class TraceMode(TorchDispatchMode):
             self.r.untracked.add(key)
             weakref.finalize(st, self.r.untracked.discard, key)
             return
+        if self.r.making_no_memory:
+            if key not in self.r.no_memory:
+                self.r.no_memory.add(key)
+                weakref.finalize(st, self.r.no_memory.discard, key)
+            return
         self.r.alloc(key, st.nbytes(), op, module=self.modules.current())
         weakref.finalize(st, self.r.free, key)
 
+    def _from_no_memory(self, args):
+        """Whether an op reads a tensor that stands for no memory and none the GPU holds."""
+        keys = [t.untyped_storage()._cdata for t in _tensors(args) if t.device.type == self.device]
+        return any(k in self.r.no_memory for k in keys) and not any(k in self.r.live for k in keys)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.r.no_memory and not self.r.making_no_memory and self._from_no_memory(args):
+            with self.r.storageless():
+                return self.__torch_dispatch__(func, types, args, kwargs)
         if in_place_on_gpu(func, args, kwargs, self.r.phase, self.last_op):
             # While a Python dispatch mode is active, PyTorch treats every tensor as a subclass
             # (`isTensorSubclassLike`) and takes out-of-place paths: the autograd engine sums

@@ -1518,7 +1518,8 @@ def phase_peaks(evs):
 
 
 def test_whole_run_evaluation_keeps_logits_until_accumulation_moves_them(tmp_path):
-    """Hugging Face Trainer's evaluation loop after the steps: without metrics each batch's
+    """Hugging Face Trainer's own evaluation loop after the steps (transformers' Trainer run on
+    the stand-in CUDA): without metrics each batch's
     loss alone is kept, and the evaluation's peak does not grow with its batches; with metrics
     the logits of every batch are concatenated on the GPU (transformers' nested_concat), so it
     grows with them — unless eval_accumulation_steps moves them to the host, which keeps it
@@ -1546,6 +1547,12 @@ def test_whole_run_evaluation_keeps_logits_until_accumulation_moves_them(tmp_pat
 
     header, (peaks, _) = evaluate()
     assert header["options"]["whole_run"] == {} and "evaluate" not in peaks
+    header, _ = evaluate("--eval-batches", "1")
+    # One GPU's Hugging Face job: the Trainer's own evaluate() ran, on the stand-in CUDA.
+    assert header["evaluation_loop"].startswith("transformers.Trainer ")
+    # A rank of a multi-GPU job: gpumem's restatement, its gathers as world-sized tensors.
+    header, _ = evaluate("--eval-batches", "1", "--strategy", "ddp", "--world-size", "2")
+    assert header["evaluation_loop"].startswith("gpumem ")
     # fp32: the Trainer in 16 bits gets its outputs from accelerate converted to fp32.
     logits = batch * seq * vocab * 4
     _, (loss_4, _) = evaluate("--eval-batches", "4")

@@ -232,6 +232,10 @@ pub struct TraceHeader {
     /// not show them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sized_by_parameters: Vec<String>,
+    /// A whole run's evaluation: whose loop the trace ran (`transformers.Trainer 5.24.0`, the
+    /// trainer's own code on the tracer's stand-in CUDA, or gpumem's restatement of it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation_loop: Option<String>,
     pub iterations: u32,
 }
 
@@ -251,6 +255,7 @@ impl TraceHeader {
             blocks: None,
             depth: None,
             sized_by_parameters: Vec::new(),
+            evaluation_loop: None,
             iterations: 0,
         }
     }
@@ -295,6 +300,8 @@ struct HeaderDoc {
     depth: Option<u32>,
     #[serde(default)]
     sized_by_parameters: Vec<String>,
+    #[serde(default)]
+    evaluation_loop: Option<String>,
     iterations: u32,
 }
 
@@ -391,6 +398,7 @@ impl TryFrom<HeaderDoc> for TraceHeader {
             blocks: d.blocks,
             depth: d.depth,
             sized_by_parameters: d.sized_by_parameters,
+            evaluation_loop: d.evaluation_loop,
             iterations: d.iterations,
         })
     }

@@ -22,7 +22,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 23] = [
+const SOURCES: [(&str, &str); 25] = [
     (
         "__init__.py",
         include_str!("../../../python/gpumem_trace/__init__.py"),
@@ -55,6 +55,10 @@ const SOURCES: [(&str, &str); 23] = [
     (
         "families.py",
         include_str!("../../../python/gpumem_trace/families.py"),
+    ),
+    (
+        "hf_trainer.py",
+        include_str!("../../../python/gpumem_trace/hf_trainer.py"),
     ),
     (
         "loop.py",
@@ -103,6 +107,10 @@ const SOURCES: [(&str, &str); 23] = [
     (
         "sdpa.py",
         include_str!("../../../python/gpumem_trace/sdpa.py"),
+    ),
+    (
+        "standin.py",
+        include_str!("../../../python/gpumem_trace/standin.py"),
     ),
     (
         "tracer.py",
