@@ -78,6 +78,63 @@ pub fn gpu_count<'a>(flag: &str, spec: &'a str, max: usize) -> CliResult<(usize,
         })
 }
 
+/// The whole run a job states (docs/run.md): the command-line form of [`WholeRun`], shared by
+/// `estimate`, `max-batch` and `plan`.
+#[derive(Args, Clone)]
+pub struct WholeRunArgs {
+    /// Size the whole run (docs/run.md), not the training step alone: the model's load (a
+    /// QLoRA model quantized as it loads), the steps, and the evaluation --eval-batches states;
+    /// each part's peak is reported.
+    #[arg(long)]
+    whole_run: bool,
+    /// The whole run ends with Hugging Face Trainer's evaluation loop of N batches (implies
+    /// --whole-run).
+    #[arg(long, value_name = "N")]
+    eval_batches: Option<u32>,
+    /// Samples per evaluation batch (per_device_eval_batch_size; default: --batch).
+    #[arg(long, value_name = "B", requires = "eval_batches")]
+    eval_batch_size: Option<u64>,
+    /// Every K evaluation batches the kept predictions move to the host
+    /// (eval_accumulation_steps; default: they stay on the GPU to the end).
+    #[arg(long, value_name = "K", requires = "eval_batches")]
+    eval_accumulation_steps: Option<u32>,
+    /// The evaluation keeps each batch's logits and labels for metrics (a Trainer with a
+    /// compute_metrics); without it, the losses only.
+    #[arg(long, requires = "eval_batches")]
+    eval_logits: bool,
+    /// The whole run ends with a checkpoint's save (implies --whole-run): sharded (each rank
+    /// its own; on one GPU, torch.save: nothing more on the GPU), full (FSDP2's full state
+    /// dicts, gathered on every rank's GPU) or full-offload (each gathered tensor sent to the
+    /// host as it is gathered).
+    #[arg(long, value_parser = Save::parse, value_name = "HOW")]
+    save: Option<Save>,
+    /// The run resumes from a checkpoint (implies --whole-run): the optimizer state is read in
+    /// during the load, beside the live model — on one GPU and under DDP as torch.load onto
+    /// the GPU (Hugging Face's Trainer), under FSDP2 as torch.distributed.checkpoint's sharded
+    /// load.
+    #[arg(long)]
+    resume: bool,
+}
+
+impl WholeRunArgs {
+    /// The whole run the flags state: `--whole-run`, or any `--eval-*`, `--save` or `--resume`.
+    pub fn whole_run(&self) -> Option<WholeRun> {
+        let evaluation = self.eval_batches.map(|batches| Evaluation {
+            batches,
+            batch_size: self.eval_batch_size,
+            accumulation_steps: self.eval_accumulation_steps,
+            logits: self.eval_logits,
+        });
+        (self.whole_run || evaluation.is_some() || self.save.is_some() || self.resume).then_some(
+            WholeRun {
+                evaluation,
+                save: self.save,
+                resume: self.resume,
+            },
+        )
+    }
+}
+
 /// The training loop around a model: the command-line form of [`Options`].
 #[derive(Args, Clone)]
 pub struct WorkloadArgs {
@@ -139,38 +196,8 @@ pub struct WorkloadArgs {
     /// CEWithChunkedOutputLoss; it uses 8), in place of the model's own loss.
     #[arg(long, value_name = "N")]
     chunked_ce: Option<u32>,
-    /// Size the whole run (docs/run.md), not the training step alone: the model's load (a
-    /// QLoRA model quantized as it loads), the steps, and the evaluation --eval-batches states;
-    /// each part's peak is reported.
-    #[arg(long)]
-    whole_run: bool,
-    /// The whole run ends with Hugging Face Trainer's evaluation loop of N batches (implies
-    /// --whole-run).
-    #[arg(long, value_name = "N")]
-    eval_batches: Option<u32>,
-    /// Samples per evaluation batch (per_device_eval_batch_size; default: --batch).
-    #[arg(long, value_name = "B", requires = "eval_batches")]
-    eval_batch_size: Option<u64>,
-    /// Every K evaluation batches the kept predictions move to the host
-    /// (eval_accumulation_steps; default: they stay on the GPU to the end).
-    #[arg(long, value_name = "K", requires = "eval_batches")]
-    eval_accumulation_steps: Option<u32>,
-    /// The evaluation keeps each batch's logits and labels for metrics (a Trainer with a
-    /// compute_metrics); without it, the losses only.
-    #[arg(long, requires = "eval_batches")]
-    eval_logits: bool,
-    /// The whole run ends with a checkpoint's save (implies --whole-run): sharded (each rank
-    /// its own; on one GPU, torch.save: nothing more on the GPU), full (FSDP2's full state
-    /// dicts, gathered on every rank's GPU) or full-offload (each gathered tensor sent to the
-    /// host as it is gathered).
-    #[arg(long, value_parser = Save::parse, value_name = "HOW")]
-    save: Option<Save>,
-    /// The run resumes from a checkpoint (implies --whole-run): the optimizer state is read in
-    /// during the load, beside the live model — on one GPU and under DDP as torch.load onto
-    /// the GPU (Hugging Face's Trainer), under FSDP2 as torch.distributed.checkpoint's sharded
-    /// load.
-    #[arg(long)]
-    resume: bool,
+    #[command(flatten)]
+    whole_run: WholeRunArgs,
     /// GPUs of a torch.nn.DataParallel job (PyTorch models): --batch is then the whole batch
     /// the wrapper splits, and the estimate is GPU 0's, the most loaded.
     #[arg(long, default_value_t = 1)]
@@ -376,23 +403,6 @@ impl StrategyArgs {
 
 impl WorkloadArgs {
     /// `--seq-len N`.
-    /// The whole run the flags state: `--whole-run`, or any `--eval-*` or `--save` flag.
-    fn whole_run(&self) -> Option<WholeRun> {
-        let evaluation = self.eval_batches.map(|batches| Evaluation {
-            batches,
-            batch_size: self.eval_batch_size,
-            accumulation_steps: self.eval_accumulation_steps,
-            logits: self.eval_logits,
-        });
-        (self.whole_run || evaluation.is_some() || self.save.is_some() || self.resume).then_some(
-            WholeRun {
-                evaluation,
-                save: self.save,
-                resume: self.resume,
-            },
-        )
-    }
-
     fn fixed_seq_len(&self) -> CliResult<Option<u64>> {
         match &self.seq_len {
             Some(t) if !t.contains("..") => t.trim().parse::<u64>().map(Some).map_err(|_| {
@@ -510,7 +520,7 @@ impl WorkloadArgs {
             strategy: None,
             optimizer_in_backward: self.optimizer_in_backward,
             chunked_ce: self.chunked_ce,
-            whole_run: self.whole_run(),
+            whole_run: self.whole_run.whole_run(),
         };
         if let Some(config) = self.train_config()? {
             let named = if self.strategy.strategy.is_some() {

@@ -36,9 +36,7 @@ pub fn max_batch(a: MaxBatchArgs) -> CliResult {
     let name = model.to_string();
     // One symbolic source answers every batch size: no re-tracing during the search.
     let sym = a.workload.workload(model, 1)?.symbolic(&profile)?;
-    let best = sym
-        .max_batch(&profile, est.as_ref())
-        .map_err(CliError::input)?;
+    let best = sym.max_batch(&profile, est.as_ref())?;
     match best {
         None => {
             if a.json {

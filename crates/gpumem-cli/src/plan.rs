@@ -8,7 +8,9 @@ use gpumem_workload::plan::{Interconnect, Plan, Setup, Space, plan as search};
 use gpumem_workload::{Checkpointing, InputShape, Strategy};
 use serde_json::json;
 
-use crate::args::{EstimatorArgs, GpuChoice, ModelArg, StrategyArgs, gpu_count, lora, mib};
+use crate::args::{
+    EstimatorArgs, GpuChoice, ModelArg, StrategyArgs, WholeRunArgs, gpu_count, lora, mib,
+};
 use crate::{CliError, CliResult};
 
 #[derive(Args)]
@@ -58,6 +60,10 @@ pub struct PlanArgs {
     /// With --strategy, plan one rank of a multi-GPU job; --global-batch is then over all ranks.
     #[command(flatten)]
     strategy: StrategyArgs,
+    /// Plan the whole run (load, steps, evaluation, save; docs/run.md): only setups whose whole
+    /// run fits are kept. Each micro-batch tried is then traced whole, a tracer run each.
+    #[command(flatten)]
+    whole_run: WholeRunArgs,
     #[command(flatten)]
     estimator: EstimatorArgs,
     /// Setups to print, fastest first.
@@ -201,6 +207,7 @@ pub fn plan(a: PlanArgs) -> CliResult {
         input,
         lora: a.lora.as_deref().map(lora).transpose()?,
         strategy,
+        whole_run: a.whole_run.whole_run(),
         ..OptionValues::default()
     }
     .check()

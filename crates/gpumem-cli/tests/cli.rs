@@ -1154,3 +1154,87 @@ fn a_whole_run_reports_each_part_and_peaks_in_evaluation_when_logits_pile_up() {
         "{err}"
     );
 }
+
+/// `max-batch` and `plan` over a whole run: each batch tried is traced whole, so a run whose
+/// evaluation keeps every batch's logits on the GPU answers a smaller batch than its step
+/// alone; the answer fits with its bound and the next batch does not; `plan` lists only setups
+/// whose whole run fits.
+#[test]
+fn max_batch_and_plan_size_the_whole_run_when_it_is_stated() {
+    if !common::torch("searching a whole run's batch size") {
+        return;
+    }
+    // A 1.5 GiB Ampere-class GPU: the search stops after a few small batches.
+    let profile = write(
+        "small-gpu.toml",
+        "[[gpu]]\nname = \"small\"\ndisplay = \"small\"\ncompute_capability = \"8.0\"\ncapacity_mib = 1536\nsm_count = 40\ntflops = { fp32 = 8.1, tf32 = 8.1, fp16 = 65.0, bf16 = 65.0 }\nmemory_bandwidth_gbs = 320.0\npower_w = 70.0\nidle_power_w = 10.0\ncuda_context_mib = 400.0\n",
+    );
+    let profile = profile.to_str().unwrap();
+    let model = "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=4,vocab_size=32000)";
+    let job = [
+        "--seq-len",
+        "128",
+        "--precision",
+        "bf16",
+        "--profile",
+        profile,
+    ];
+    let run = ["--eval-batches", "8", "--eval-logits"];
+    let json = |args: &[&str]| {
+        let o = gpumem(args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let max_batch = |extra: &[&str]| {
+        let mut args = vec!["max-batch", model, "--json"];
+        args.extend_from_slice(&job);
+        args.extend_from_slice(extra);
+        json(&args)["max_batch"].as_u64().unwrap()
+    };
+    let (step, whole) = (max_batch(&[]), max_batch(&run));
+    assert!(whole >= 1 && whole < step, "whole run {whole}, step {step}");
+    let estimate = |batch: u64| {
+        let b = batch.to_string();
+        let mut args = vec!["estimate", model, "--batch", &b, "--json"];
+        args.extend_from_slice(&job);
+        args.extend_from_slice(&run);
+        let v = json(&args);
+        v["fits"].as_bool().unwrap()
+            && v["upper_bound_mib"].as_f64().unwrap() <= v["capacity_mib"].as_f64().unwrap()
+    };
+    assert!(
+        estimate(whole) && !estimate(whole + 1),
+        "{whole} is the largest"
+    );
+    let mut args = vec![
+        "plan",
+        model,
+        "--precisions",
+        "bf16",
+        "--checkpointing",
+        "off",
+        "--json",
+    ];
+    args.extend_from_slice(&job[..2]);
+    args.extend_from_slice(&job[4..]);
+    args.extend_from_slice(&run);
+    let plan = json(&args);
+    let micro: Vec<u64> = plan["setups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["micro_batch"].as_u64().unwrap())
+        .collect();
+    assert!(
+        !micro.is_empty() && micro.iter().all(|&m| m <= whole),
+        "{micro:?} against {whole}"
+    );
+    assert!(
+        plan["too_big"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["micro_batch"].as_u64().unwrap() > whole),
+        "{plan}"
+    );
+}

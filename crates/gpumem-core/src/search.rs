@@ -27,20 +27,21 @@ pub fn max_batch(
     estimator: &dyn Estimator,
 ) -> Result<Option<(u64, Estimate)>, SearchError> {
     max_batch_with(
-        &mut |b| model.trace(&JobOptions { batch: b, ..*job }),
+        &mut |b| Ok::<_, SearchError>(model.trace(&JobOptions { batch: b, ..*job })?),
         profile,
         estimator,
     )
 }
 
-/// The same search over any source of traces by batch size (a symbolic trace, say).
-pub fn max_batch_with<E: Into<SearchError>>(
+/// The same search over any source of traces by batch size (a symbolic trace, or a tracer run
+/// per batch size), failing with that source's error.
+pub fn max_batch_with<E: From<EstimateError>>(
     trace_at: &mut dyn FnMut(u64) -> Result<Trace, E>,
     profile: &GpuProfile,
     estimator: &dyn Estimator,
-) -> Result<Option<(u64, Estimate)>, SearchError> {
-    let mut fits = |b: u64| -> Result<Option<Estimate>, SearchError> {
-        let trace = trace_at(b).map_err(Into::into)?;
+) -> Result<Option<(u64, Estimate)>, E> {
+    let mut fits = |b: u64| -> Result<Option<Estimate>, E> {
+        let trace = trace_at(b)?;
         let e = estimator.estimate(&trace, profile)?;
         Ok((e.fits && e.upper_bound_bytes <= e.capacity_bytes).then_some(e))
     };

@@ -16,7 +16,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::profile::GpuProfile;
-use crate::trace::{Event, Trace};
+use crate::trace::{Event, RunPhase, Trace};
 
 /// Run-average DCGM profiling fields, fractions 0–1.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -123,14 +123,24 @@ fn peak_flops(profile: &GpuProfile, unit: Unit, precision: &str) -> f64 {
     tflops.max(1e-3) * 1e12
 }
 
-/// Per-step utilization of `trace` on `profile`.
+/// Per-step utilization of `trace` on `profile`: of its training steps alone where it is a whole
+/// run's (the load, the evaluation and the save are not steps).
 pub fn physical(trace: &Trace, profile: &GpuProfile, host: &HostModel) -> Utilization {
     let bandwidth = profile.memory_bandwidth_gbs.max(1e-3) * 1e9;
     let sms = f64::from(profile.sm_count.max(1));
     let precision = trace.header.options.precision.name();
     let (mut busy, mut sm_busy, mut occupied, mut dram, mut fp32, mut kernels, mut host_ops) =
         (0.0, 0.0, 0.0, 0.0, 0.0, 0u64, 0u64);
+    // Outside a whole run every op is the steps'; inside one, those after `RunPhase::Train`
+    // until the next part begins.
+    let mut stepping = !trace.is_whole_run();
     for ev in trace.events() {
+        if let Event::RunPhase { phase } = *ev {
+            stepping = phase == RunPhase::Train;
+        }
+        if !stepping {
+            continue;
+        }
         let Event::Op {
             op,
             flops,
@@ -242,6 +252,30 @@ mod tests {
         let a100 = util(spec, 1024, "a100-40gb");
         let h100 = util(spec, 1024, "h100-80gb-sxm");
         assert!(h100.step_s < a100.step_s, "{a100:?} {h100:?}");
+    }
+
+    /// A whole run's step time is its training steps': the load's, the evaluation's and the
+    /// save's ops do not lengthen it.
+    #[test]
+    fn a_whole_run_is_timed_by_its_training_steps() {
+        use crate::trace::{TraceBuilder, TraceHeader};
+        let a100 = builtin("a100-40gb").unwrap();
+        let timed = |whole: bool| {
+            let mut b = TraceBuilder::new(TraceHeader::new("m", 8));
+            if whole {
+                b.run_phase(RunPhase::Load);
+                b.op("mm", 1 << 40, 1 << 30, 1 << 30);
+                b.run_phase(RunPhase::Train);
+            }
+            b.op("mm", 1 << 36, 1 << 26, 1 << 26);
+            b.iteration_end();
+            if whole {
+                b.run_phase(RunPhase::Evaluate);
+                b.op("mm", 1 << 40, 1 << 30, 1 << 30);
+            }
+            physical(&b.finish(), &a100, &HostModel::default())
+        };
+        assert_eq!(timed(true), timed(false));
     }
 
     #[test]

@@ -62,10 +62,6 @@ pub enum WorkloadError {
         "{0} needs one sequence length, and this job's varies by step: give --seq-len N (the run's longest, for a bound of its steps)"
     )]
     OneLength(&'static str),
-    #[error(
-        "{0} searches the training step's batch size; a whole run (--whole-run, --eval-*, --save, --resume) is sized by estimate, one batch size at a time"
-    )]
-    WholeRun(&'static str),
     /// A run's steps could not be joined (the loop keeps different tensors across steps at
     /// different lengths).
     #[error(transparent)]
@@ -83,7 +79,6 @@ impl WorkloadError {
             | WorkloadError::Native(_)
             | WorkloadError::Batch(_)
             | WorkloadError::OneLength(_)
-            | WorkloadError::WholeRun(_)
             | WorkloadError::Tracer(BridgeError::Reference(_)) => true,
             WorkloadError::Row { source, .. } => source.is_input(),
             WorkloadError::Tracer(_) | WorkloadError::Run(_) => false,
@@ -404,20 +399,23 @@ impl Workload {
     }
 
     /// Traces of this job at any batch size: the native families build each directly; a
-    /// PyTorch model is traced once into a batch-symbolic trace.
+    /// PyTorch model is traced once into a batch-symbolic trace, and a whole run by a tracer
+    /// run at each batch size asked.
     pub fn symbolic(&self, profile: &GpuProfile) -> Result<Symbolic, WorkloadError> {
         if self.options.seq_lens.is_some() {
             return Err(WorkloadError::OneLength(
                 "a batch-size search (max-batch, plan)",
             ));
         }
-        if self.options.whole_run.is_some() {
-            return Err(WorkloadError::WholeRun(
-                "a batch-size search (max-batch, plan)",
-            ));
-        }
         Ok(match &self.model {
             ModelRef::Native(spec) => Symbolic::Native(spec.clone(), self.native_job(profile)),
+            // Traced at its own batch size first, so that a job the tracer refuses is refused
+            // here, as a batch-symbolic trace's would be.
+            ModelRef::Torch(_) if self.options.whole_run.is_some() => Symbolic::PerBatch {
+                trainable: self.trace(profile)?.header.parameters,
+                job: Box::new(self.clone()),
+                profile: profile.clone(),
+            },
             ModelRef::Torch(_) => {
                 let req = self
                     .request(profile)
@@ -440,6 +438,14 @@ pub enum Symbolic {
         trace: SymbolicTrace,
         gpus: u64,
     },
+    /// A whole run, whose parts (the load, an evaluation of batches that follow the training
+    /// batch, a save) no batch-symbolic trace carries: `job` traced whole at each batch size
+    /// asked, every trace cached as `estimate`'s is.
+    PerBatch {
+        job: Box<Workload>,
+        profile: GpuProfile,
+        trainable: Option<u64>,
+    },
 }
 
 impl Symbolic {
@@ -448,14 +454,20 @@ impl Symbolic {
         match self {
             Symbolic::Native(..) => None,
             Symbolic::Torch { trace, .. } => trace.header().parameters,
+            Symbolic::PerBatch { trainable, .. } => *trainable,
         }
     }
 
     /// The trace at `batch` (the whole batch).
-    pub fn at(&self, batch: u64) -> Result<Trace, SearchError> {
+    pub fn at(&self, batch: u64) -> Result<Trace, SizeError> {
         Ok(match self {
-            Symbolic::Native(spec, job) => spec.trace(&JobOptions { batch, ..*job })?,
+            Symbolic::Native(spec, job) => spec
+                .trace(&JobOptions { batch, ..*job })
+                .map_err(SearchError::from)?,
             Symbolic::Torch { trace, .. } => trace.at(batch)?,
+            Symbolic::PerBatch { job, profile, .. } => {
+                Workload::new(job.model.clone(), batch, job.options.clone())?.trace(profile)?
+            }
         })
     }
 
@@ -466,10 +478,11 @@ impl Symbolic {
         &self,
         profile: &GpuProfile,
         estimator: &dyn Estimator,
-    ) -> Result<Option<(u64, Estimate)>, SearchError> {
+    ) -> Result<Option<(u64, Estimate)>, SizeError> {
         let gpus = match self {
             Symbolic::Native(..) => 1,
             Symbolic::Torch { gpus, .. } => *gpus,
+            Symbolic::PerBatch { job, .. } => u64::from(job.options.data_parallel),
         };
         let best = search::max_batch_with(&mut |b| self.at(b * gpus), profile, estimator)?;
         Ok(best.map(|(b, e)| (b * gpus, e)))
