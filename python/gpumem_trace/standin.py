@@ -16,6 +16,7 @@ tracer's meta device, where the ``TraceMode`` records it.
   values may run here (evaluation loops, loading, saving), never a user's branch on a value.
 - Checks that library code caches (transformers' ``is_torch_cuda_available``, accelerate's
   process state) are cleared on the way in and out, so they ask the stand-in and forget it.
+- bitsandbytes quantizes a ``Params4bit`` moved onto the stand-in, as it does on a GPU.
 """
 
 import contextlib
@@ -29,6 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .device import DEVICE, to_device_keeping_ties
+from .tracer import storage_key
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,23 @@ class _CudaOnMeta(TorchFunctionMode):
     def __init__(self, rec):
         super().__init__()
         self.rec = rec
+        self.meta_is_gpu = False
+
+    @contextlib.contextmanager
+    def meta_is_the_gpu(self):
+        """Inside, library code that names meta means the GPU: it makes tensors on the device
+        of a tensor that is on the stand-in (``device=weight.device``)."""
+        saved, self.meta_is_gpu = self.meta_is_gpu, True
+        try:
+            yield
+        finally:
+            self.meta_is_gpu = saved
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _is_meta(kwargs.get("device")) or (
-            func is torch.Tensor.to and any(_is_meta(a) for a in args[1:])
+        if not self.meta_is_gpu and (
+            _is_meta(kwargs.get("device"))
+            or (func is torch.Tensor.to and any(_is_meta(a) for a in args[1:]))
         ):
             with self.rec.storageless():
                 return func(*args, **kwargs)
@@ -186,6 +200,49 @@ def _accelerate_moves():
         ) is real:
             stack.enter_context(patched(mod, set_module_tensor_to_device=move))
     return stack
+
+
+@contextlib.contextmanager
+def _bitsandbytes_quantizes(rec, mode):
+    """bitsandbytes quantizes a ``Params4bit`` when it is moved to a device other than meta —
+    transformers' 4-bit loader hands it each weight with ``.to(weight.device)``. On the stand-in
+    the GPU is meta: a ``Params4bit`` moved there that holds the GPU's memory (not a skeleton's)
+    is quantized there, by bitsandbytes' own ``_quantize`` and its ops' meta kernels. Inside it,
+    meta is the GPU (bitsandbytes makes its codebooks on the weight's device); the codebook it
+    caches for the process is forgotten on the way out, as the stand-in's GPU is."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        yield
+        return
+    try:
+        import bitsandbytes.functional as functional
+        from bitsandbytes.nn import Params4bit
+    except Exception:  # an install that cannot load: library code will say so itself
+        yield
+        return
+    real = Params4bit.to
+
+    @functools.wraps(real)
+    def to(self, *args, **kwargs):
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if (
+            device is not None
+            and device.type == DEVICE
+            and not self.bnb_quantized
+            and storage_key(self) in rec.live
+        ):
+            with mode.meta_is_the_gpu():
+                return self._quantize(device)
+        return real(self, *args, **kwargs)
+
+    cached = dict(functional.name2qmap)
+    try:
+        with patched(Params4bit, to=to):
+            yield
+    finally:
+        functional.name2qmap.clear()
+        functional.name2qmap.update(cached)
 
 
 @contextlib.contextmanager
@@ -313,7 +370,9 @@ def cuda(gpu: StandinGpu, rec):
         # would put its tensors on a CUDA the worker threads do not see stood in.
         stack.enter_context(_environ(HF_DEACTIVATE_ASYNC_LOAD="1"))
         stack.enter_context(_accelerate_moves())
+        on_meta = _CudaOnMeta(rec)
+        stack.enter_context(_bitsandbytes_quantizes(rec, on_meta))
         _caches_cleared()
         stack.callback(_caches_cleared)
-        stack.enter_context(_CudaOnMeta(rec))
+        stack.enter_context(on_meta)
         yield stats

@@ -147,3 +147,61 @@ def test_from_pretrained_places_each_module_where_the_device_map_says(checkpoint
     if len(device_map) > 1:
         everything = sum(2 * p.numel() for p in named.values())
         assert placed < everything - 2 * 64 * 128 * 3  # layer 1's MLP is not on the GPU
+
+
+def test_a_4bit_load_holds_the_quantized_model_and_one_16bit_weight_at_a_time(checkpoint):
+    """transformers' own 4-bit load (nf4, double quantization) on the stand-in, bitsandbytes
+    quantizing each weight with its own code: every linear layer but the head ends 4-bit; the
+    load stages each linear weight on the GPU in 16 bits once, one at a time, and holds at its
+    peak the quantized model so far, that one weight and its block statistics; what it leaves
+    is what gpumem's restatement of the load (lora.Linear4bit) holds."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    from gpumem_trace import lora
+
+    # A training job's process: bitsandbytes has made no codebook yet (it caches one per process).
+    bnb.functional.name2qmap.clear()
+    rec, mode = recording()
+    four_bit = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    with mode, standin.cuda(GPU, rec), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = LlamaForCausalLM.from_pretrained(
+            checkpoint, dtype=torch.bfloat16, device_map={"": 0}, quantization_config=four_bit
+        )
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) == 2 * 7
+    assert all(m.weight.bnb_quantized and m.weight.dtype == torch.uint8 for m in layers)
+    weights = sorted(2 * m.in_features * m.out_features for m in layers)
+    # Each linear weight reaches the GPU in bf16 once (a `_to_copy`), and dies before the next.
+    staged, at_once, most = [], set(), 0
+    sizes = set(weights)
+    for e in rec.events:
+        if e["ev"] == "alloc" and e["op"] == "_to_copy" and e["bytes"] in sizes:
+            staged.append(e["bytes"])
+            at_once.add(e["id"])
+            most = max(most, len(at_once))
+        elif e["ev"] == "free":
+            at_once.discard(e["id"])
+    assert sorted(staged) == weights and most == 1 and not at_once
+    live, peak = live_and_peak(rec.events)
+    # At the peak: the model so far, one staged weight, and its fp32 absmax (a float per 64
+    # elements) with its offset-shifted copy, before double quantization makes them bytes.
+    largest = weights[-1]
+    assert live < peak <= live + largest + 2 * (largest // 2 // 64) * 4
+    # gpumem's restatement of the same load holds the same bytes, bitsandbytes' codebooks
+    # included (each layer's QuantState holds its own copies).
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(LlamaConfig.from_pretrained(checkpoint))
+    lora.quantize(skeleton, lora.Lora(rank=8, alpha=16, targets=("q_proj",), quant="nf4"))
+    # Its parameters (embeddings, norms, head) load in bf16; its byte buffers are the 4-bit
+    # layers' (the rotary embedding's frequencies are computed on meta: no GPU memory).
+    restated = sum(2 * p.numel() for p in skeleton.parameters()) + sum(
+        b.numel() for b in skeleton.buffers() if b.dtype == torch.uint8
+    )
+    assert restated == live
