@@ -98,6 +98,13 @@ def flags():
         "--eval-logits", action="store_true", help="the evaluation keeps logits for metrics"
     )
     p.add_argument(
+        "--generate-tokens",
+        type=int,
+        metavar="N",
+        help="after the evaluation, the model generates N tokens after each prompt",
+    )
+    p.add_argument("--generate-batch-size", type=int, metavar="B")
+    p.add_argument(
         "--save",
         choices=["sharded", "full", "full-offload"],
         help="the run ends with a checkpoint's save, as the job's engine saves it",

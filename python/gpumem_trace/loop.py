@@ -20,6 +20,7 @@ import torch.utils.checkpoint
 
 from . import ac, amp, cuda, distributed, hf_trainer, lora, losses, optimizers, sdpa, standin, zero
 from .device import DEVICE, to_device_keeping_ties
+from .generation import generate
 from .models import ReferenceError_, outputs_in_fp32, resolve
 from .parallel import DataParallel
 from .sdpa import Stack
@@ -589,6 +590,15 @@ def trace_training(opts: TraceOptions, out_path: str):
                 rec,
                 opts.world_size if opts.strategy else 1,
             )
+        generation = (opts.whole_run or {}).get("generation")
+        if generation:
+            if not evaluation:
+                rec.phase = "zero_grad"
+                optimizer.zero_grad(set_to_none=True)  # as after every step
+            rec.run_phase("generate")
+            batch = outputs = loss = None
+            prompts = job.batch_specs(generation.get("batch_size") or opts.batch)[0][0]
+            generate(model, prompts, generation["new_tokens"], autocast, rec)
         how = (opts.whole_run or {}).get("save")
         if how:
             rec.run_phase("save")

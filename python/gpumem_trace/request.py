@@ -95,8 +95,9 @@ def trace_options(request):
 
 
 def whole_run_document(a):
-    """The whole run the command line states (`--whole-run`, an `--eval-*` flag, `--save` or `--resume`), as the
-    job vocabulary spells it; None for the training steps alone."""
+    """The whole run the command line states (`--whole-run`, an `--eval-*` or `--generate-*` flag,
+    `--save` or `--resume`), as the job vocabulary spells it; None for the training steps
+    alone."""
     evaluation = None
     if a.eval_batches is not None:
         evaluation = {"batches": a.eval_batches, "logits": a.eval_logits}
@@ -104,9 +105,19 @@ def whole_run_document(a):
             evaluation["batch_size"] = a.eval_batch_size
         if a.eval_accumulation_steps is not None:
             evaluation["accumulation_steps"] = a.eval_accumulation_steps
-    if not (a.whole_run or evaluation or a.save or a.resume):
+    generation = None
+    if a.generate_tokens is not None:
+        generation = {"new_tokens": a.generate_tokens}
+        if a.generate_batch_size is not None:
+            generation["batch_size"] = a.generate_batch_size
+    if not (a.whole_run or evaluation or generation or a.save or a.resume):
         return None
-    doc = {"evaluation": evaluation, "save": a.save, "resume": a.resume or None}
+    doc = {
+        "evaluation": evaluation,
+        "generation": generation,
+        "save": a.save,
+        "resume": a.resume or None,
+    }
     return {k: v for k, v in doc.items() if v is not None}
 
 

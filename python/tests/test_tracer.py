@@ -1726,3 +1726,44 @@ def test_whole_run_resume_reads_the_optimizer_state_in_at_the_load(tmp_path):
             # On one GPU the load's peak is the model and the state read in beside it. (An FSDP2
             # rank's load peaks earlier, the whole model built before it is sharded.)
             assert peaks["load"] - fresh_peaks["load"] >= 0.99 * adamw
+
+
+def test_whole_run_generation_grows_the_models_own_key_value_cache(tmp_path):
+    """--generate-tokens: model.generate()'s loop after the steps, through the model's own
+    DynamicCache: the generation's peak grows with the tokens by at least the cache they add
+    (keys and values, every layer, in bf16), and each token's sampling holds the last position's
+    logits in fp32 and their probabilities."""
+    pytest.importorskip("transformers")
+    batch, seq, vocab = 4, 32, 16000
+    layers, kv_heads, head_dim = 2, 4, 16
+
+    def generate(tokens):
+        header, evs = traced(
+            [
+                LLAMA,
+                "--batch",
+                str(batch),
+                "--seq-len",
+                str(seq),
+                "--precision",
+                "bf16",
+                "--generate-tokens",
+                str(tokens),
+            ],
+            tmp_path,
+        )
+        check_valid([header, *evs])
+        assert [e["name"] for e in evs if e["ev"] == "run_phase"] == ["load", "train", "generate"]
+        assert header["options"]["whole_run"] == {"generation": {"new_tokens": tokens}}
+        peaks, made = phase_peaks(evs)
+        return peaks["generate"], made["generate"]
+
+    short, made = generate(16)
+    long, _ = generate(80)
+    per_token = 2 * layers * batch * kv_heads * head_dim * 2
+    assert long - short >= 64 * per_token
+    scores = batch * vocab * 4
+    assert sum(e["bytes"] == scores for e in made) >= 3 * 16  # copy, scores, probabilities
+    assert any(
+        e["op"] == "cat" and e["bytes"] == per_token // layers // 2 * (seq + 1) for e in made
+    )

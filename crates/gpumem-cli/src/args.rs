@@ -10,7 +10,7 @@ use gpumem_core::dataset::Measurement;
 use gpumem_core::estimate::Estimator;
 use gpumem_core::hub::{HubCache, HubError, HubSource};
 use gpumem_core::job::{
-    EngineKind, Evaluation, LengthSchedule, Optimizer, OptionValues, Precision, Save,
+    EngineKind, Evaluation, Generation, LengthSchedule, Optimizer, OptionValues, Precision, Save,
     StrategyValues, WholeRun,
 };
 use gpumem_core::model::ModelError;
@@ -102,6 +102,14 @@ pub struct WholeRunArgs {
     /// compute_metrics); without it, the losses only.
     #[arg(long, requires = "eval_batches")]
     eval_logits: bool,
+    /// After the evaluation, the model generates N tokens after each prompt of --seq-len tokens
+    /// (implies --whole-run): model.generate() as TRL's rollouts run it, through the model's own
+    /// key/value cache.
+    #[arg(long, value_name = "N")]
+    generate_tokens: Option<u32>,
+    /// Prompts per generation batch (default: --batch).
+    #[arg(long, value_name = "B", requires = "generate_tokens")]
+    generate_batch_size: Option<u64>,
     /// The whole run ends with a checkpoint's save (implies --whole-run): sharded (each rank
     /// its own; on one GPU, torch.save: nothing more on the GPU), full (FSDP2's full state
     /// dicts, gathered on every rank's GPU) or full-offload (each gathered tensor sent to the
@@ -117,7 +125,8 @@ pub struct WholeRunArgs {
 }
 
 impl WholeRunArgs {
-    /// The whole run the flags state: `--whole-run`, or any `--eval-*`, `--save` or `--resume`.
+    /// The whole run the flags state: `--whole-run`, or any `--eval-*`, `--generate-*`, `--save`
+    /// or `--resume`.
     pub fn whole_run(&self) -> Option<WholeRun> {
         let evaluation = self.eval_batches.map(|batches| Evaluation {
             batches,
@@ -125,13 +134,17 @@ impl WholeRunArgs {
             accumulation_steps: self.eval_accumulation_steps,
             logits: self.eval_logits,
         });
-        (self.whole_run || evaluation.is_some() || self.save.is_some() || self.resume).then_some(
-            WholeRun {
-                evaluation,
-                save: self.save,
-                resume: self.resume,
-            },
-        )
+        let generation = self.generate_tokens.map(|new_tokens| Generation {
+            new_tokens,
+            batch_size: self.generate_batch_size,
+        });
+        let stated = evaluation.is_some() || generation.is_some();
+        (self.whole_run || stated || self.save.is_some() || self.resume).then_some(WholeRun {
+            evaluation,
+            generation,
+            save: self.save,
+            resume: self.resume,
+        })
     }
 }
 

@@ -1140,18 +1140,12 @@ fn a_whole_run_reports_each_part_and_peaks_in_evaluation_when_logits_pile_up() {
     let fresh = estimate(&["--optimizer", "adamw", "--whole-run"]);
     let resumed = estimate(&["--optimizer", "adamw", "--resume"]);
     assert!(load(&resumed) >= 3 * load(&fresh) * 99 / 100, "{resumed}");
-    let o = gpumem(&[
-        "max-batch",
-        "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=4,vocab_size=32000)",
-        "--seq-len",
-        "128",
-        "--whole-run",
-    ]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(
-        err.contains("a whole run (--whole-run, --eval-*, --save, --resume) is sized by estimate"),
-        "{err}"
+    // Generation after the steps: its own part, its key/value cache in it.
+    let generated = estimate(&["--generate-tokens", "64", "--generate-batch-size", "4"]);
+    assert!(part(&generated, "generate")["allocated_bytes"].as_u64() > Some(0));
+    bad_input(
+        &["estimate", "hf:gpt2", "--generate-tokens", "0"],
+        "generation new_tokens (--generate-tokens) 0 is out of range",
     );
 }
 

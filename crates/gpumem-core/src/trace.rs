@@ -93,7 +93,7 @@ impl Phase {
 }
 
 /// A part of the whole run (docs/run.md): the model's load, the training steps, the trainer's
-/// evaluation loop, a checkpoint's save. A trace with no [`Event::RunPhase`] is the training
+/// evaluation loop, generation, a checkpoint's save. A trace with no [`Event::RunPhase`] is the training
 /// steps alone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
 #[serde(rename_all = "snake_case")]
@@ -101,14 +101,16 @@ pub enum RunPhase {
     Load,
     Train,
     Evaluate,
+    Generate,
     Save,
 }
 
 impl RunPhase {
-    pub const ALL: [RunPhase; 4] = [
+    pub const ALL: [RunPhase; 5] = [
         RunPhase::Load,
         RunPhase::Train,
         RunPhase::Evaluate,
+        RunPhase::Generate,
         RunPhase::Save,
     ];
 
@@ -117,6 +119,7 @@ impl RunPhase {
             RunPhase::Load => "load",
             RunPhase::Train => "train",
             RunPhase::Evaluate => "evaluate",
+            RunPhase::Generate => "generate",
             RunPhase::Save => "save",
         }
     }

@@ -22,7 +22,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 25] = [
+const SOURCES: [(&str, &str); 26] = [
     (
         "__init__.py",
         include_str!("../../../python/gpumem_trace/__init__.py"),
@@ -55,6 +55,10 @@ const SOURCES: [(&str, &str); 25] = [
     (
         "families.py",
         include_str!("../../../python/gpumem_trace/families.py"),
+    ),
+    (
+        "generation.py",
+        include_str!("../../../python/gpumem_trace/generation.py"),
     ),
     (
         "hf_trainer.py",

@@ -30,7 +30,7 @@ pub use optim::{
     Adafactor, Bnb, BnbAlgorithm, BnbBits, Implementation, Loop, NoImplementation, Optimizer,
     Torchao,
 };
-pub use whole_run::{Evaluation, EvaluationError, WholeRun};
+pub use whole_run::{Evaluation, EvaluationError, Generation, GenerationError, WholeRun};
 
 /// Prefixes of model references only the PyTorch tracer can resolve.
 pub const TORCH_PREFIXES: [&str; 6] =
@@ -492,6 +492,8 @@ pub enum OptionError {
     GradAccum,
     #[error(transparent)]
     Evaluation(#[from] EvaluationError),
+    #[error(transparent)]
+    Generation(#[from] GenerationError),
     #[error(
         "whole_run (--whole-run) is sized at one sequence length; seq_lens (--seq-len MIN..MAX) is not yet taken with it"
     )]
@@ -614,6 +616,9 @@ impl OptionValues {
         if let Some(run) = &self.whole_run {
             if let Some(e) = &run.evaluation {
                 e.check()?;
+            }
+            if let Some(g) = &run.generation {
+                g.check()?;
             }
             if self.seq_lens.is_some() {
                 return Err(OptionError::WholeRunOneLength);

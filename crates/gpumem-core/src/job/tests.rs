@@ -444,4 +444,20 @@ fn a_whole_run_is_stated_and_checked_as_the_job_document_spells_it() {
     assert!(resumed.whole_run.unwrap().resume);
     let zero = zero.replace(r#""save":"full""#, r#""resume":true"#);
     assert!(refused(&zero).contains("reading a ZeRO checkpoint back"));
+    let generating: Options =
+        serde_json::from_str(r#"{"whole_run":{"generation":{"new_tokens":256,"batch_size":8}}}"#)
+            .unwrap();
+    let generation = generating.whole_run.unwrap().generation.unwrap();
+    assert_eq!(
+        (generation.new_tokens, generation.batch_size),
+        (256, Some(8))
+    );
+    assert!(
+        refused(r#"{"whole_run":{"generation":{"new_tokens":0}}}"#)
+            .contains("generation new_tokens (--generate-tokens) 0 is out of range")
+    );
+    assert!(
+        refused(r#"{"whole_run":{"generation":{"new_tokens":8,"batch_size":0}}}"#)
+            .contains("--generate-batch-size")
+    );
 }

@@ -1,5 +1,5 @@
 //! The whole run around the training steps (docs/run.md): the model's load, the steps, the
-//! trainer's evaluation loop after them, the checkpoint's save — and, resumed, the checkpoint's
+//! trainer's evaluation loop after them, generation, the checkpoint's save — and, resumed, the checkpoint's
 //! optimizer state read in at the load. A job states it with [`WholeRun`]; absent, gpumem sizes
 //! the training steps alone, as it always has.
 
@@ -22,6 +22,10 @@ pub struct WholeRun {
     /// none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub evaluation: Option<Evaluation>,
+    /// Generation after the evaluation (`model.generate()`: TRL's rollouts, a
+    /// `predict_with_generate` evaluation); absent, none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub generation: Option<Generation>,
     /// The checkpoint saved at the end (`sharded`, `full`, `full-offload`); absent, none.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(with = "Option<String>")]
@@ -87,6 +91,47 @@ impl Evaluation {
         }
         if self.accumulation_steps == Some(0) {
             return Err(EvaluationError::AccumulationSteps);
+        }
+        Ok(())
+    }
+}
+
+/// Most tokens one generation may add to a prompt.
+pub const MAX_NEW_TOKENS: u32 = 1 << 20;
+
+/// Generation as `model.generate()` runs it — TRL's rollouts, Seq2SeqTrainer's
+/// `predict_with_generate` — after the training steps and any evaluation: a batch of prompts of
+/// the job's sequence length run through the model once (its key/value cache filled, the last
+/// position's logits kept), then `new_tokens` tokens added one at a time through that cache,
+/// each chosen from the last position's logits in fp32 (sampling: their softmax), in eval mode
+/// under `torch.no_grad()`. Every prompt runs to `new_tokens` (the longest generation: the
+/// bound).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Generation {
+    /// Tokens generated after each prompt (`max_new_tokens`, TRL's `max_completion_length`).
+    pub new_tokens: u32,
+    /// Prompts per batch; absent, the training batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<u64>,
+}
+
+/// Why a generation is refused; each message names the field and its flag.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum GenerationError {
+    #[error("generation new_tokens (--generate-tokens) {0} is out of range (1..={MAX_NEW_TOKENS})")]
+    NewTokens(u32),
+    #[error("generation batch_size (--generate-batch-size) must be at least 1")]
+    BatchSize,
+}
+
+impl Generation {
+    pub fn check(&self) -> Result<(), GenerationError> {
+        if self.new_tokens == 0 || self.new_tokens > MAX_NEW_TOKENS {
+            return Err(GenerationError::NewTokens(self.new_tokens));
+        }
+        if self.batch_size == Some(0) {
+            return Err(GenerationError::BatchSize);
         }
         Ok(())
     }

@@ -262,6 +262,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         evaluation,
         save,
         resume,
+        ..WholeRun::default()
     });
     Ok(TABLE)
 }

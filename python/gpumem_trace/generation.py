@@ -1,0 +1,60 @@
+"""Generation as ``model.generate()`` runs it — TRL's rollouts, Seq2SeqTrainer's
+``predict_with_generate`` — for a whole run's ``generate`` part, with the model's own forward
+and its own key/value cache (transformers' ``DynamicCache``, which grows by a ``torch.cat`` per
+layer and token: the old and the longer copy alive at once).
+
+transformers' ``_sample`` loop, as memory sees it: the prompt runs through the model once
+(``logits_to_keep=1``: the last position's logits only), then for each new token the last
+position's logits are copied in fp32 (``.to(copy=True, dtype=torch.float32)``), divided by the
+temperature, turned into probabilities (softmax) and sampled (``torch.multinomial``); the token
+is appended to the ids (``torch.cat``) and run through the model with the cache. The loop's own
+stopping test reads values (``unfinished_sequences.max() == 0``), which a trace has none of:
+every prompt runs to its ``new_tokens``, the longest generation. Top-k/top-p's sorted copies of
+the logits are not modelled.
+"""
+
+import contextlib
+import inspect
+
+import torch
+
+from .device import DEVICE
+from .models import ReferenceError_
+
+
+def generate(model, prompt_shape, new_tokens, autocast, rec):
+    """``model.generate(prompts, max_new_tokens=new_tokens, do_sample=True)`` in eval mode under
+    ``torch.no_grad()`` (and ``autocast``, where training runs under it): prompts of
+    ``prompt_shape`` (batch, length) token ids made on the GPU, then ``new_tokens`` tokens."""
+    params = inspect.signature(model.forward).parameters
+    if "use_cache" not in params or not hasattr(model, "generate"):
+        raise ReferenceError_(
+            f"generation (--generate-tokens) applies to Hugging Face generative models; {type(model).__name__} has no key/value cache"
+        )
+    # transformers 5.24 renamed `past_key_values` to `cache`; earlier releases take the old name.
+    cache_name = "cache" if "cache" in params else "past_key_values"
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    model.eval()
+    rec.kernels = False
+    with torch.no_grad(), autocast if autocast is not None else contextlib.nullcontext():
+        ids = torch.empty(prompt_shape, dtype=torch.long, device=DEVICE)
+        rec.phase = "forward"
+        out = model(input_ids=ids, use_cache=True, **keep)
+        for step in range(new_tokens):
+            logits = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
+            cache = getattr(out, cache_name, None) or out.past_key_values
+            out = None  # `del outputs`: the model's logits and hidden states go
+            scores = logits / 1.0  # the temperature's processor: a new tensor
+            probs = torch.softmax(scores, dim=-1)
+            tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+            logits = scores = probs = None
+            ids = torch.cat([ids, tokens[:, None]], dim=-1)
+            if step + 1 < new_tokens:
+                out = model(
+                    input_ids=tokens[:, None], use_cache=True, **{cache_name: cache}, **keep
+                )
+            if autocast is not None:
+                autocast.clear()
+        out = cache = ids = tokens = None
+    rec.kernels = True
+    model.train()
