@@ -104,6 +104,7 @@ def flags():
         help="after the evaluation, the model generates N tokens after each prompt",
     )
     p.add_argument("--generate-batch-size", type=int, metavar="B")
+    p.add_argument("--generate-prompt-len", type=int, metavar="L")
     p.add_argument(
         "--save",
         choices=["sharded", "full", "full-offload"],

@@ -598,6 +598,7 @@ def trace_training(opts: TraceOptions, out_path: str):
             rec.run_phase("generate")
             batch = outputs = loss = None
             prompts = job.batch_specs(generation.get("batch_size") or opts.batch)[0][0]
+            prompts = (prompts[0], generation.get("prompt_len") or prompts[-1])
             generate(model, prompts, generation["new_tokens"], autocast, rec)
         how = (opts.whole_run or {}).get("save")
         if how:

@@ -110,6 +110,8 @@ def whole_run_document(a):
         generation = {"new_tokens": a.generate_tokens}
         if a.generate_batch_size is not None:
             generation["batch_size"] = a.generate_batch_size
+        if a.generate_prompt_len is not None:
+            generation["prompt_len"] = a.generate_prompt_len
     if not (a.whole_run or evaluation or generation or a.save or a.resume):
         return None
     doc = {

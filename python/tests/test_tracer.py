@@ -1737,7 +1737,7 @@ def test_whole_run_generation_grows_the_models_own_key_value_cache(tmp_path):
     batch, seq, vocab = 4, 32, 16000
     layers, kv_heads, head_dim = 2, 4, 16
 
-    def generate(tokens):
+    def generate(tokens, *extra):
         header, evs = traced(
             [
                 LLAMA,
@@ -1749,12 +1749,13 @@ def test_whole_run_generation_grows_the_models_own_key_value_cache(tmp_path):
                 "bf16",
                 "--generate-tokens",
                 str(tokens),
+                *extra,
             ],
             tmp_path,
         )
         check_valid([header, *evs])
         assert [e["name"] for e in evs if e["ev"] == "run_phase"] == ["load", "train", "generate"]
-        assert header["options"]["whole_run"] == {"generation": {"new_tokens": tokens}}
+        assert header["options"]["whole_run"]["generation"]["new_tokens"] == tokens
         peaks, made = phase_peaks(evs)
         return peaks["generate"], made["generate"]
 
@@ -1764,6 +1765,8 @@ def test_whole_run_generation_grows_the_models_own_key_value_cache(tmp_path):
     assert long - short >= 64 * per_token
     scores = batch * vocab * 4
     assert sum(e["bytes"] == scores for e in made) >= 3 * 16  # copy, scores, probabilities
-    assert any(
-        e["op"] == "cat" and e["bytes"] == per_token // layers // 2 * (seq + 1) for e in made
-    )
+    one_layer_key = per_token // layers // 2
+    assert any(e["op"] == "cat" and e["bytes"] == one_layer_key * (seq + 1) for e in made)
+    # Prompts of their own length (TRL's max_prompt_length): the cache starts from it.
+    _, made = generate(16, "--generate-prompt-len", "8")
+    assert any(e["op"] == "cat" and e["bytes"] == one_layer_key * 9 for e in made)

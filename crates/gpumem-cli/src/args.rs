@@ -102,14 +102,17 @@ pub struct WholeRunArgs {
     /// compute_metrics); without it, the losses only.
     #[arg(long, requires = "eval_batches")]
     eval_logits: bool,
-    /// After the evaluation, the model generates N tokens after each prompt of --seq-len tokens
-    /// (implies --whole-run): model.generate() as TRL's rollouts run it, through the model's own
+    /// After the evaluation, the model generates N tokens after each prompt (implies
+    /// --whole-run): model.generate() as TRL's rollouts run it, through the model's own
     /// key/value cache.
     #[arg(long, value_name = "N")]
     generate_tokens: Option<u32>,
     /// Prompts per generation batch (default: --batch).
     #[arg(long, value_name = "B", requires = "generate_tokens")]
     generate_batch_size: Option<u64>,
+    /// Tokens per prompt (default: --seq-len).
+    #[arg(long, value_name = "L", requires = "generate_tokens")]
+    generate_prompt_len: Option<u64>,
     /// The whole run ends with a checkpoint's save (implies --whole-run): sharded (each rank
     /// its own; on one GPU, torch.save: nothing more on the GPU), full (FSDP2's full state
     /// dicts, gathered on every rank's GPU) or full-offload (each gathered tensor sent to the
@@ -137,6 +140,7 @@ impl WholeRunArgs {
         let generation = self.generate_tokens.map(|new_tokens| Generation {
             new_tokens,
             batch_size: self.generate_batch_size,
+            prompt_len: self.generate_prompt_len,
         });
         let stated = evaluation.is_some() || generation.is_some();
         (self.whole_run || stated || self.save.is_some() || self.resume).then_some(WholeRun {

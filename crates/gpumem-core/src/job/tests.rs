@@ -460,4 +460,8 @@ fn a_whole_run_is_stated_and_checked_as_the_job_document_spells_it() {
         refused(r#"{"whole_run":{"generation":{"new_tokens":8,"batch_size":0}}}"#)
             .contains("--generate-batch-size")
     );
+    assert!(
+        refused(r#"{"whole_run":{"generation":{"new_tokens":8,"prompt_len":0}}}"#)
+            .contains("--generate-prompt-len")
+    );
 }

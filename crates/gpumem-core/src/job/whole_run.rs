@@ -100,8 +100,8 @@ impl Evaluation {
 pub const MAX_NEW_TOKENS: u32 = 1 << 20;
 
 /// Generation as `model.generate()` runs it — TRL's rollouts, Seq2SeqTrainer's
-/// `predict_with_generate` — after the training steps and any evaluation: a batch of prompts of
-/// the job's sequence length run through the model once (its key/value cache filled, the last
+/// `predict_with_generate` — after the training steps and any evaluation: a batch of prompts
+/// run through the model once (its key/value cache filled, the last
 /// position's logits kept), then `new_tokens` tokens added one at a time through that cache,
 /// each chosen from the last position's logits in fp32 (sampling: their softmax), in eval mode
 /// under `torch.no_grad()`. Every prompt runs to `new_tokens` (the longest generation: the
@@ -114,6 +114,9 @@ pub struct Generation {
     /// Prompts per batch; absent, the training batch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch_size: Option<u64>,
+    /// Tokens per prompt (TRL's `max_prompt_length`); absent, the job's sequence length.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_len: Option<u64>,
 }
 
 /// Why a generation is refused; each message names the field and its flag.
@@ -123,6 +126,8 @@ pub enum GenerationError {
     NewTokens(u32),
     #[error("generation batch_size (--generate-batch-size) must be at least 1")]
     BatchSize,
+    #[error("generation prompt_len (--generate-prompt-len) must be at least 1")]
+    PromptLen,
 }
 
 impl Generation {
@@ -132,6 +137,9 @@ impl Generation {
         }
         if self.batch_size == Some(0) {
             return Err(GenerationError::BatchSize);
+        }
+        if self.prompt_len == Some(0) {
+            return Err(GenerationError::PromptLen);
         }
         Ok(())
     }

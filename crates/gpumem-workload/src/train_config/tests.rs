@@ -791,3 +791,25 @@ fn attention_implementations_as_trainers_name_them() {
     assert_eq!(flex.attention, None);
     assert!(not_modelled(&flex, "attn_implementation"));
 }
+
+/// TRL's GRPO generates each GPU's completions with the model it trains, before it trains on
+/// them: a whole run with that generation, at the config's prompt and completion lengths; the
+/// step trains on both. DPO's `max_completion_length` (a truncation) generates nothing; nor
+/// does a config whose completions vLLM serves, which says so.
+#[test]
+fn trl_grpo_generates_its_completions_before_it_trains() {
+    let grpo = "model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct\nbf16: true\nper_device_train_batch_size: 8\ngradient_accumulation_steps: 2\nnum_generations: 8\nmax_prompt_length: 256\nmax_completion_length: 512\nbeta: 0.04\n";
+    let read = |text: &str| read_text("config.yaml", text, &examples(), None).unwrap();
+    let c = read(grpo);
+    let g = c.whole_run.and_then(|r| r.generation).unwrap();
+    assert_eq!(
+        (g.new_tokens, g.batch_size, g.prompt_len, c.seq_len),
+        (512, Some(16), Some(256), Some(768))
+    );
+    assert!(used(&c, "num_generations") && not_modelled(&c, "beta"));
+    let dpo =
+        read("model_name_or_path: x\nper_device_train_batch_size: 2\nmax_completion_length: 128\n");
+    assert!(dpo.whole_run.and_then(|r| r.generation).is_none());
+    let served = read(&format!("{grpo}use_vllm: true\n"));
+    assert!(served.whole_run.is_none() && not_modelled(&served, "use_vllm"));
+}
