@@ -74,10 +74,13 @@ class _CudaOnMeta(TorchFunctionMode):
     meta device themselves (a model's skeleton, accelerate's offloaded weights) make tensors
     that hold no memory, which the recorder leaves out."""
 
-    def __init__(self, rec):
+    def __init__(self, rec, once_bitsandbytes_loads):
         super().__init__()
         self.rec = rec
         self.meta_is_gpu = False
+        # Called once bitsandbytes is imported (transformers imports it for a 4-bit load, inside
+        # the stand-in): not imported here for every evaluation, which takes seconds.
+        self.once_bitsandbytes_loads = once_bitsandbytes_loads
 
     @contextlib.contextmanager
     def meta_is_the_gpu(self):
@@ -91,6 +94,9 @@ class _CudaOnMeta(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.once_bitsandbytes_loads is not None and "bitsandbytes.nn" in sys.modules:
+            loaded, self.once_bitsandbytes_loads = self.once_bitsandbytes_loads, None
+            loaded()
         if not self.meta_is_gpu and (
             _is_meta(kwargs.get("device"))
             or (func is torch.Tensor.to and any(_is_meta(a) for a in args[1:]))
@@ -210,11 +216,6 @@ def _bitsandbytes_quantizes(rec, mode):
     is quantized there, by bitsandbytes' own ``_quantize`` and its ops' meta kernels. Inside it,
     meta is the GPU (bitsandbytes makes its codebooks on the weight's device); the codebook it
     caches for the process is forgotten on the way out, as the stand-in's GPU is."""
-    import importlib.util
-
-    if importlib.util.find_spec("bitsandbytes") is None:
-        yield
-        return
     try:
         import bitsandbytes.functional as functional
         from bitsandbytes.nn import Params4bit
@@ -370,8 +371,9 @@ def cuda(gpu: StandinGpu, rec):
         # would put its tensors on a CUDA the worker threads do not see stood in.
         stack.enter_context(_environ(HF_DEACTIVATE_ASYNC_LOAD="1"))
         stack.enter_context(_accelerate_moves())
-        on_meta = _CudaOnMeta(rec)
-        stack.enter_context(_bitsandbytes_quantizes(rec, on_meta))
+        on_meta = _CudaOnMeta(
+            rec, lambda: stack.enter_context(_bitsandbytes_quantizes(rec, on_meta))
+        )
         _caches_cleared()
         stack.callback(_caches_cleared)
         stack.enter_context(on_meta)

@@ -34,7 +34,8 @@ pub fn max_batch(a: MaxBatchArgs) -> CliResult {
     )?;
     let est = a.estimator.estimator(&a.estimator.models()?)?;
     let name = model.to_string();
-    // One symbolic source answers every batch size: no re-tracing during the search.
+    // One source answers every batch size: a batch-symbolic trace (no re-tracing during the
+    // search), or for a whole run a tracer run per batch size tried.
     let sym = a.workload.workload(model, 1)?.symbolic(&profile)?;
     let best = sym.max_batch(&profile, est.as_ref())?;
     match best {
