@@ -608,11 +608,9 @@ def trace_training(opts: TraceOptions, out_path: str):
             if opts.strategy == "fsdp":
                 with rec.labelled("temporary"):
                     distributed.fsdp_state_dicts(model, optimizer, how)
-            elif opts.zero is not None and how != "sharded":
-                raise ReferenceError_(
-                    "a ZeRO job's full checkpoint (DeepSpeed's consolidation) is not modelled: --save sharded saves each rank's partitions"
-                )
-            # Else torch.save of the state dicts (one GPU, DDP's rank 0, DeepSpeed's per-rank
+            elif opts.zero is not None and how == "full":
+                engine.consolidated_16bit_state_dict()
+            # And torch.save of the state dicts (one GPU, DDP's rank 0, DeepSpeed's per-rank
             # files): serialization copies each storage to the host; nothing more on the GPU.
     header = {
         "model": opts.model,

@@ -278,6 +278,21 @@ class Engine:
         self._release(m)
         return _mark(out, lambda: self._fetch(m))
 
+    def consolidated_16bit_state_dict(self):
+        """DeepSpeed's ``_zero3_consolidated_16bit_state_dict`` (the model's save with
+        ``stage3_gather_16bit_weights_on_model_save``): module by module, its own parameters
+        all-gathered (``GatheredParameters``), copied to the host on rank 0, and partitioned
+        again. Stages 1 and 2 hold the whole 16-bit model already: their state dict adds
+        nothing on the GPU."""
+        if self.cfg.stage != 3:
+            return
+        for m in self.modules:
+            missing = [p for p in self._own(m) if id(p) not in self.gathered]
+            self._gather(missing)
+            for p in missing:  # `.cpu()` of each is the host's; the gathered blocks go
+                del self.gathered[id(p)]
+                self.live -= p.numel()
+
     # -- gradients ---------------------------------------------------------------------------
 
     def backward_start(self):

@@ -1699,6 +1699,38 @@ def test_whole_run_fsdp_save_gathers_as_pytorch_state_dicts_do(tmp_path):
     assert peak - base <= 2 * max(e["bytes"] for e in made) < full_model
 
 
+def test_whole_run_zero3_full_save_gathers_one_module_at_a_time(tmp_path):
+    """DeepSpeed ZeRO-3's consolidated 16-bit save (stage3_gather_16bit_weights_on_model_save)
+    at world size 4: module by module its own parameters are gathered whole on the GPU, copied
+    to the host and partitioned again — one module's at a time, never the model; parameters
+    under param_persistence_threshold stay gathered from the steps. Its per-rank save
+    (sharded) gathers nothing."""
+    pytest.importorskip("transformers")
+    common = [LLAMA, "--batch", "2", "--seq-len", "32", "--precision", "bf16"]
+    common += ["--optimizer", "adamw", "--strategy", "zero3", "--world-size", "4"]
+
+    def save(how):
+        header, evs = traced([*common, "--save", how], tmp_path)
+        check_valid([header, *evs])
+        saving, gathered, live, most = False, [], set(), 0
+        for e in evs:
+            if e["ev"] == "run_phase":
+                saving = e["name"] == "save"
+            elif saving and e["ev"] == "alloc" and e["op"] == "zero3_gathered":
+                gathered.append(e["bytes"])
+                live.add(e["id"])
+                most = max(most, len(live))
+            elif e["ev"] == "free":
+                live.discard(e["id"])
+        return gathered, most
+
+    assert save("sharded") == ([], 0)
+    gathered, most = save("full")
+    # The embeddings and the head (16000 x 64 each, above the threshold), whole, in bf16, one
+    # at a time; the layers' small weights were gathered already.
+    assert gathered == [64 * 16000 * 2] * 2 and most == 1
+
+
 def test_whole_run_resume_reads_the_optimizer_state_in_at_the_load(tmp_path):
     """Resumed, the checkpoint's optimizer state is read in during the load beside the live
     model — on one GPU as torch.load onto the GPU (Hugging Face's Trainer), under FSDP2 at world

@@ -115,8 +115,9 @@ pub struct WholeRunArgs {
     generate_prompt_len: Option<u64>,
     /// The whole run ends with a checkpoint's save (implies --whole-run): sharded (each rank
     /// its own; on one GPU, torch.save: nothing more on the GPU), full (FSDP2's full state
-    /// dicts, gathered on every rank's GPU) or full-offload (each gathered tensor sent to the
-    /// host as it is gathered).
+    /// dicts, gathered on every rank's GPU; ZeRO-3's consolidated 16-bit weights, gathered
+    /// module by module) or full-offload (each gathered tensor sent to the host as it is
+    /// gathered).
     #[arg(long, value_parser = Save::parse, value_name = "HOW")]
     save: Option<Save>,
     /// The run resumes from a checkpoint (implies --whole-run): the optimizer state is read in

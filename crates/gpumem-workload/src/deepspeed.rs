@@ -20,6 +20,9 @@ pub struct DeepSpeedJob {
     pub stated: LoopSettings,
     /// `train_batch_size / (micro-batch × accumulation)`, where all three are stated.
     pub world_size: Option<u32>,
+    /// Stage 3 saves the model's 16-bit weights consolidated
+    /// (`stage3_gather_16bit_weights_on_model_save`), gathered module by module.
+    pub gathers_16bit_on_save: bool,
 }
 
 impl DeepSpeedJob {
@@ -154,6 +157,15 @@ pub fn read_config(text: &str) -> Result<DeepSpeedJob, LaunchConfigError> {
         Some(v) => flag(v, "zero_optimization.cpu_offload")?.unwrap_or(false),
         None => false,
     };
+    let mut gathers_16bit_on_save = false;
+    for key in [
+        "stage3_gather_16bit_weights_on_model_save",
+        "gather_16bit_weights_on_model_save",
+    ] {
+        if let Some(v) = z.get(key) {
+            gathers_16bit_on_save |= flag(v, &format!("zero_optimization.{key}"))?.unwrap_or(false);
+        }
+    }
     zero.offload_optimizer = legacy || offload(&z, "offload_optimizer")?;
     zero.offload_param = offload(&z, "offload_param")?;
     if zero.offload_param && stage != ZeroStage::Three {
@@ -244,6 +256,7 @@ pub fn read_config(text: &str) -> Result<DeepSpeedJob, LaunchConfigError> {
             grad_accum,
         },
         world_size,
+        gathers_16bit_on_save: gathers_16bit_on_save && stage == ZeroStage::Three,
     })
 }
 

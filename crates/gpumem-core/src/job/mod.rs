@@ -285,7 +285,8 @@ spelled!(
         Sharded = "sharded",
         /// FSDP2's full state dicts (`get_model_state_dict` and `get_optimizer_state_dict` with
         /// `full_state_dict=True`): every parameter and optimizer state gathered whole onto
-        /// every rank's GPU and held there until it is written.
+        /// every rank's GPU and held there until it is written. Under ZeRO-3, DeepSpeed's
+        /// consolidated 16-bit weights, gathered module by module (ZeRO-1/2: nothing more).
         Full = "full",
         /// The same with `cpu_offload=True`: each gathered tensor sent to the host (rank 0's)
         /// as soon as it is gathered.
@@ -499,7 +500,7 @@ pub enum OptionError {
     )]
     WholeRunOneLength,
     #[error(
-        "save (--save) full: a ZeRO job's consolidated checkpoint is not modelled; --save sharded is DeepSpeed's per-rank save"
+        "save (--save) full-offload: a ZeRO job saves its partitions (--save sharded) or its consolidated 16-bit weights, gathered module by module (--save full)"
     )]
     ZeroFullSave,
     #[error(
@@ -623,7 +624,7 @@ impl OptionValues {
             if self.seq_lens.is_some() {
                 return Err(OptionError::WholeRunOneLength);
             }
-            if run.save.is_some_and(|s| s != Save::Sharded)
+            if run.save == Some(Save::FullOffload)
                 && self.strategy.is_some_and(|s| s.zero_stage().is_some())
             {
                 return Err(OptionError::ZeroFullSave);

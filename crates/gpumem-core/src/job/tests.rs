@@ -436,13 +436,16 @@ fn a_whole_run_is_stated_and_checked_as_the_job_document_spells_it() {
         refused(r#"{"whole_run":{},"seq_lens":{"min":64,"max":512}}"#)
             .contains("one sequence length")
     );
-    let zero = r#"{"optimizer":"adamw","strategy":{"kind":"zero","mesh":{"shard":4},"stage":3},"whole_run":{"save":"full"}}"#;
-    assert!(refused(zero).contains("--save sharded is DeepSpeed's per-rank save"));
-    let sharded: Options = serde_json::from_str(&zero.replace("full", "sharded")).unwrap();
-    assert_eq!(sharded.whole_run.unwrap().save, Some(Save::Sharded));
+    let zero = r#"{"optimizer":"adamw","strategy":{"kind":"zero","mesh":{"shard":4},"stage":3},"whole_run":{"save":"full-offload"}}"#;
+    assert!(refused(zero).contains("gathered module by module (--save full)"));
+    for (spelled, save) in [("sharded", Save::Sharded), ("full", Save::Full)] {
+        let zero_save: Options =
+            serde_json::from_str(&zero.replace("full-offload", spelled)).unwrap();
+        assert_eq!(zero_save.whole_run.unwrap().save, Some(save));
+    }
     let resumed: Options = serde_json::from_str(r#"{"whole_run":{"resume":true}}"#).unwrap();
     assert!(resumed.whole_run.unwrap().resume);
-    let zero = zero.replace(r#""save":"full""#, r#""resume":true"#);
+    let zero = zero.replace(r#""save":"full-offload""#, r#""resume":true"#);
     assert!(refused(&zero).contains("reading a ZeRO checkpoint back"));
     let generating: Options =
         serde_json::from_str(r#"{"whole_run":{"generation":{"new_tokens":256,"batch_size":8}}}"#)

@@ -297,8 +297,11 @@ pub(crate) fn saving(doc: &mut Doc, layout: &Layout) -> Result<Option<Save>, Tra
     if !named {
         return Ok(None);
     }
-    if !matches!(layout, Layout::Fsdp { .. }) {
-        return Ok(Some(Save::Sharded));
+    match layout {
+        Layout::Fsdp { .. } => {}
+        // DeepSpeed's consolidated 16-bit save (the Trainer saves the model through it).
+        Layout::Zero { job, .. } if job.gathers_16bit_on_save => return Ok(Some(Save::Full)),
+        _ => return Ok(Some(Save::Sharded)),
     }
     for key in [
         "fsdp_config.state_dict_type",

@@ -35,14 +35,6 @@ pub(crate) const DEEPSPEED: Table = &[
     ),
     ("zero_optimization.sub_group_size", Class::Not(NOT_BUCKETS)),
     (
-        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-        Class::Not(SAVE),
-    ),
-    (
-        "zero_optimization.gather_16bit_weights_on_model_save",
-        Class::Not(SAVE),
-    ),
-    (
         "activation_checkpointing.*",
         Class::Not(
             "DeepSpeed's own activation checkpointing is not modelled: give --checkpointing",
@@ -72,6 +64,9 @@ pub(crate) fn deepspeed(
         "zero_optimization.cpu_offload",
         "zero_optimization.offload_optimizer.device",
         "zero_optimization.offload_param.device",
+        // Read for the trainer's save (a Hugging Face config that names one: `hf::saving`).
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "zero_optimization.gather_16bit_weights_on_model_save",
         "bf16.enabled",
         "bfloat16.enabled",
         "fp16.enabled",

@@ -813,3 +813,24 @@ fn trl_grpo_generates_its_completions_before_it_trains() {
     let served = read(&format!("{grpo}use_vllm: true\n"));
     assert!(served.whole_run.is_none() && not_modelled(&served, "use_vllm"));
 }
+
+/// A Hugging Face config that saves under ZeRO-3 with `stage3_gather_16bit_weights_on_model_save`
+/// saves DeepSpeed's consolidated 16-bit weights (`--save full`); without it each rank's
+/// partitions (`sharded`).
+#[test]
+fn zero3_saves_consolidated_weights_where_the_deepspeed_config_gathers_them() {
+    let config = |gather: bool| {
+        format!(
+            r#"{{"model_name_or_path": "gpt2", "per_device_train_batch_size": 2, "save_strategy": "steps",
+               "deepspeed": {{"zero_optimization": {{"stage": 3, "stage3_gather_16bit_weights_on_model_save": {gather}}}}}}}"#
+        )
+    };
+    let save = |gather| {
+        read_text("args.json", &config(gather), &examples(), None)
+            .unwrap()
+            .whole_run
+            .and_then(|r| r.save)
+    };
+    assert_eq!(save(true), Some(gpumem_core::job::Save::Full));
+    assert_eq!(save(false), Some(gpumem_core::job::Save::Sharded));
+}
