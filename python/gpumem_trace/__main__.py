@@ -98,6 +98,12 @@ def flags():
         "--eval-logits", action="store_true", help="the evaluation keeps logits for metrics"
     )
     p.add_argument(
+        "--eval-inputs", action="store_true", help="with --eval-logits, the inputs are kept too"
+    )
+    p.add_argument(
+        "--eval-no-concat", action="store_true", help="what is kept stays a list of batches"
+    )
+    p.add_argument(
         "--generate-tokens",
         type=int,
         metavar="N",

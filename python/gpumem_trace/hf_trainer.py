@@ -94,6 +94,8 @@ def evaluate(job, model, evaluation, precision, batch_size, floats, gpu, rec):
                 eval_accumulation_steps=evaluation.get("accumulation_steps"),
                 bf16=half[0],
                 fp16=half[1],
+                include_for_metrics=["inputs"] if evaluation.get("inputs") else [],
+                eval_do_concat_batches=not evaluation.get("as_list"),
                 report_to=[],
                 disable_tqdm=True,
                 remove_unused_columns=False,

@@ -234,7 +234,9 @@ def evaluate(evaluation, next_batch, batch, forward_and_loss, end_autocast, mode
     to what the loop holds (``EvalLoopContainer.add`` → transformers' ``nested_concat``, run
     here where transformers is installed); every ``accumulation_steps`` batches what it holds
     moves to the host (``to_cpu_and_numpy``) and leaves the GPU, and the loop calls
-    ``torch.cuda.empty_cache()``. Returns the last batch."""
+    ``torch.cuda.empty_cache()``. With ``inputs`` the batch's inputs are kept too; with
+    ``as_list`` (``eval_do_concat_batches=False``) what is kept is a list of batches, never
+    concatenated. Returns the last batch."""
     concat = _nested_concat()
     kept = {}  # name -> the tensor the loop holds on the GPU
 
@@ -243,7 +245,10 @@ def evaluate(evaluation, next_batch, batch, forward_and_loss, end_autocast, mode
             tensor = torch.empty(
                 (tensor.shape[0] * world, *tensor.shape[1:]), dtype=tensor.dtype, device=DEVICE
             )
-        kept[name] = tensor if name not in kept else concat(kept[name], tensor)
+        if evaluation.get("as_list"):  # eval_do_concat_batches=False: a list of batches
+            kept.setdefault(name, []).append(tensor)
+        else:
+            kept[name] = tensor if name not in kept else concat(kept[name], tensor)
 
     model.eval()
     rec.kernels = False
@@ -264,6 +269,8 @@ def evaluate(evaluation, next_batch, batch, forward_and_loss, end_autocast, mode
                 add("preds", logits.detach())
                 if len(batch) > 1:
                     add("labels", batch[1])
+                if evaluation.get("inputs"):  # include_for_metrics=["inputs"]
+                    add("inputs", batch[0])
             loss = logits = None
             if steps and (step + 1) % steps == 0:
                 kept.clear()  # moved to the host: the GPU's copies die

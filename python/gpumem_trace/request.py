@@ -101,6 +101,10 @@ def whole_run_document(a):
     evaluation = None
     if a.eval_batches is not None:
         evaluation = {"batches": a.eval_batches, "logits": a.eval_logits}
+        if a.eval_inputs:
+            evaluation["inputs"] = True
+        if a.eval_no_concat:
+            evaluation["as_list"] = True
         if a.eval_batch_size is not None:
             evaluation["batch_size"] = a.eval_batch_size
         if a.eval_accumulation_steps is not None:

@@ -1578,6 +1578,18 @@ def test_whole_run_evaluation_keeps_logits_until_accumulation_moves_them(tmp_pat
     # A larger evaluation batch than the training's raises the evaluation's peak.
     _, (wide, _) = evaluate("--eval-batches", "2", "--eval-batch-size", str(4 * batch))
     assert wide["evaluate"] > loss_4["evaluate"]
+    # include_for_metrics=["inputs"]: each batch's token ids are kept too (seven batches' of
+    # them beside the eighth batch's logits).
+    _, (inputs_8, _) = evaluate("--eval-batches", "8", "--eval-logits", "--eval-inputs")
+    assert inputs_8["evaluate"] - kept_8["evaluate"] >= 7 * batch * seq * 8
+    # eval_do_concat_batches=False: a list of batches, never the old and the longer copy at
+    # once — the Trainer's own loop, and the restatement a DDP rank gets.
+    _, (listed_8, _) = evaluate("--eval-batches", "8", "--eval-logits", "--eval-no-concat")
+    assert kept_4["evaluate"] < listed_8["evaluate"] < kept_8["evaluate"]
+    ddp = ["--strategy", "ddp", "--world-size", "2"]
+    _, (ddp_kept, _) = evaluate("--eval-batches", "8", "--eval-logits", *ddp)
+    _, (ddp_listed, _) = evaluate("--eval-batches", "8", "--eval-logits", "--eval-no-concat", *ddp)
+    assert ddp_listed["evaluate"] < ddp_kept["evaluate"]
 
 
 def test_whole_run_loads_a_4bit_model_one_16bit_weight_at_a_time(tmp_path):

@@ -102,6 +102,12 @@ pub struct WholeRunArgs {
     /// compute_metrics); without it, the losses only.
     #[arg(long, requires = "eval_batches")]
     eval_logits: bool,
+    /// With --eval-logits, each batch's inputs are kept too (include_for_metrics=["inputs"]).
+    #[arg(long, requires = "eval_logits")]
+    eval_inputs: bool,
+    /// What the evaluation keeps stays a list of batches (eval_do_concat_batches=False).
+    #[arg(long, requires = "eval_batches")]
+    eval_no_concat: bool,
     /// After the evaluation, the model generates N tokens after each prompt (implies
     /// --whole-run): model.generate() as TRL's rollouts run it, through the model's own
     /// key/value cache.
@@ -137,6 +143,8 @@ impl WholeRunArgs {
             batch_size: self.eval_batch_size,
             accumulation_steps: self.eval_accumulation_steps,
             logits: self.eval_logits,
+            inputs: self.eval_inputs,
+            as_list: self.eval_no_concat,
         });
         let generation = self.generate_tokens.map(|new_tokens| Generation {
             new_tokens,

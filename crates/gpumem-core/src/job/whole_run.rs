@@ -58,6 +58,13 @@ pub struct Evaluation {
     /// without metrics).
     #[serde(default)]
     pub logits: bool,
+    /// With `logits`, each batch's inputs are kept too (`include_for_metrics: ["inputs"]`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub inputs: bool,
+    /// What is kept stays a list of batches, never concatenated
+    /// (`eval_do_concat_batches: false`): no old-and-new copy at each batch.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub as_list: bool,
 }
 
 /// Why an evaluation is refused; each message names the field and its flag.
@@ -79,6 +86,8 @@ impl Evaluation {
             batch_size: None,
             accumulation_steps: None,
             logits: false,
+            inputs: false,
+            as_list: false,
         }
     }
 

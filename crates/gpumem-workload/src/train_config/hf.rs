@@ -19,10 +19,6 @@ pub(crate) const TABLE: Table = &[
     ("eval_steps", Class::No),
     ("eval_delay", Class::No),
     ("eval_on_start", Class::No),
-    (
-        "eval_do_concat_batches",
-        Class::Not("kept predictions as a list of batches, not concatenated: not modelled"),
-    ),
     ("bf16_full_eval", Class::Not(EVAL)),
     ("fp16_full_eval", Class::Not(EVAL)),
     ("eval_packing", Class::Not(EVAL)),
@@ -347,10 +343,26 @@ fn evaluation(doc: &mut Doc) -> Result<Option<Evaluation>, TrainConfigError> {
     }
     let batch_size = doc.positive("per_device_eval_batch_size")?;
     let accumulation_steps = doc.count32("eval_accumulation_steps")?;
-    doc.flag("prediction_loss_only")?;
+    let loss_only = doc.flag("prediction_loss_only")?.unwrap_or(false);
+    // What compute_metrics is given (`inputs`, `loss`) says there is one: the logits are kept.
+    let mut inputs = None;
+    if let Some(v) = doc.get("include_for_metrics").cloned() {
+        let Some(list) = v.as_array() else {
+            return Err(doc.err("include_for_metrics", "is not a list"));
+        };
+        doc.used("include_for_metrics");
+        inputs = Some(list.iter().any(|x| x.as_str() == Some("inputs")));
+    }
+    if let Some(on) = doc.flag("include_inputs_for_metrics")? {
+        inputs = Some(on || inputs.unwrap_or(false)); // its spelling before transformers 4.46
+    }
+    let as_list = doc.flag("eval_do_concat_batches")? == Some(false);
     Ok(on.then(|| Evaluation {
         batch_size: Some(batch_size.unwrap_or(EVAL_BATCH_SIZE)),
         accumulation_steps,
+        logits: inputs.is_some() && !loss_only,
+        inputs: inputs.unwrap_or(false) && !loss_only,
+        as_list,
         ..Evaluation::of(EVAL_BATCHES)
     }))
 }

@@ -834,3 +834,30 @@ fn zero3_saves_consolidated_weights_where_the_deepspeed_config_gathers_them() {
     assert_eq!(save(true), Some(gpumem_core::job::Save::Full));
     assert_eq!(save(false), Some(gpumem_core::job::Save::Sharded));
 }
+
+/// What a config gives compute_metrics (`include_for_metrics`) says it has one: the evaluation
+/// keeps the logits, and the inputs where listed; `eval_do_concat_batches: false` keeps a list;
+/// `prediction_loss_only` keeps the losses alone whatever else is said.
+#[test]
+fn the_evaluation_keeps_what_compute_metrics_is_given() {
+    let evaluation = |extra: &str| {
+        let text = format!(
+            r#"{{"model_name_or_path": "gpt2", "per_device_train_batch_size": 2, "eval_strategy": "steps"{extra}}}"#
+        );
+        read_text("args.json", &text, &examples(), None)
+            .unwrap()
+            .whole_run
+            .and_then(|r| r.evaluation)
+            .unwrap()
+    };
+    let plain = evaluation("");
+    assert!(!plain.logits && !plain.inputs && !plain.as_list);
+    let e = evaluation(
+        r#", "include_for_metrics": ["inputs", "loss"], "eval_do_concat_batches": false"#,
+    );
+    assert!(e.logits && e.inputs && e.as_list);
+    let e = evaluation(r#", "include_for_metrics": ["loss"], "prediction_loss_only": true"#);
+    assert!(!e.logits && !e.inputs);
+    let e = evaluation(r#", "include_inputs_for_metrics": true"#);
+    assert!(e.logits && e.inputs);
+}
