@@ -6,7 +6,7 @@ layer and token: the old and the longer copy alive at once).
 transformers' ``_sample`` loop, as memory sees it: the prompt runs through the model once
 (``logits_to_keep=1``: the last position's logits only), then for each new token the last
 position's logits are copied in fp32 (``.to(copy=True, dtype=torch.float32)``), divided by the
-temperature, turned into probabilities (softmax) and sampled (``torch.multinomial``); the token
+temperature (a new tensor, counted even where the temperature is 1), turned into probabilities (softmax) and sampled (``torch.multinomial``); the token
 is appended to the ids (``torch.cat``) and run through the model with the cache. The loop's own
 stopping test reads values (``unfinished_sequences.max() == 0``), which a trace has none of:
 every prompt runs to its ``new_tokens``, the longest generation. Top-k/top-p's sorted copies of
@@ -44,7 +44,9 @@ def generate(model, prompt_shape, new_tokens, autocast, rec):
             logits = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
             cache = getattr(out, cache_name, None) or out.past_key_values
             out = None  # `del outputs`: the model's logits and hidden states go
-            scores = logits / 1.0  # the temperature's processor: a new tensor
+            # The temperature's processor (a temperature other than 1): a new tensor, kept
+            # here whatever the temperature, for the bound.
+            scores = logits / 1.0
             probs = torch.softmax(scores, dim=-1)
             tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
             logits = scores = probs = None
