@@ -1,16 +1,17 @@
-"""Generation as ``model.generate()`` runs it — TRL's rollouts, Seq2SeqTrainer's
-``predict_with_generate`` — for a whole run's ``generate`` part, with the model's own forward
-and its own key/value cache (transformers' ``DynamicCache``, which grows by a ``torch.cat`` per
+"""Generation as ``model.generate()`` runs it — TRL's rollouts, a decoder-only model's
+generating evaluation — for a whole run's ``generate`` part, with the model's own forward and
+its own key/value cache (transformers' ``DynamicCache``, which grows by a ``torch.cat`` per
 layer and token: the old and the longer copy alive at once).
 
 transformers' ``_sample`` loop, as memory sees it: the prompt runs through the model once
 (``logits_to_keep=1``: the last position's logits only), then for each new token the last
 position's logits are copied in fp32 (``.to(copy=True, dtype=torch.float32)``), divided by the
-temperature (a new tensor, counted even where the temperature is 1), turned into probabilities (softmax) and sampled (``torch.multinomial``); the token
-is appended to the ids (``torch.cat``) and run through the model with the cache. The loop's own
-stopping test reads values (``unfinished_sequences.max() == 0``), which a trace has none of:
-every prompt runs to its ``new_tokens``, the longest generation. Top-k/top-p's sorted copies of
-the logits are not modelled.
+temperature (a new tensor, counted even where the temperature is 1), turned into
+probabilities (softmax) and sampled (``torch.multinomial``); the token is appended to the ids
+(``torch.cat``) and run through the model with the cache. The loop's own stopping test reads
+values (``unfinished_sequences.max() == 0``), which a trace has none of: every prompt runs to
+its ``new_tokens``, the longest generation. Top-k/top-p's sorted copies of the logits and
+encoder-decoder models are not modelled.
 """
 
 import contextlib

@@ -22,8 +22,7 @@ pub struct WholeRun {
     /// none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub evaluation: Option<Evaluation>,
-    /// Generation after the evaluation (`model.generate()`: TRL's rollouts, a
-    /// `predict_with_generate` evaluation); absent, none.
+    /// Generation after the evaluation (`model.generate()`: TRL's rollouts); absent, none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub generation: Option<Generation>,
     /// The checkpoint saved at the end (`sharded`, `full`, `full-offload`); absent, none.
@@ -108,8 +107,8 @@ impl Evaluation {
 /// Most tokens one generation may add to a prompt.
 pub const MAX_NEW_TOKENS: u32 = 1 << 20;
 
-/// Generation as `model.generate()` runs it — TRL's rollouts, Seq2SeqTrainer's
-/// `predict_with_generate` — after the training steps and any evaluation: a batch of prompts
+/// Generation as `model.generate()` runs it — TRL's rollouts, a decoder-only model's generating
+/// evaluation — after the training steps and any evaluation: a batch of prompts
 /// run through the model once (its key/value cache filled, the last
 /// position's logits kept), then `new_tokens` tokens added one at a time through that cache,
 /// each chosen from the last position's logits in fp32 (sampling: their softmax), in eval mode
