@@ -599,12 +599,22 @@ pub(crate) fn fsdp(
     {
         doc.not_modelled(&k, "FSDP's own activation checkpointing is sized as gradient_checkpointing: give that key instead");
     }
+    // Rank 0 loads the model and broadcasts it parameter by parameter: each rank's GPU holds
+    // one whole parameter beside its shards while it loads (accelerate's
+    // fsdp2_load_full_state_dict). The steps are the same; the load part does not model it.
+    for name in ["cpu_ram_efficient_loading", "sync_module_states"] {
+        for k in [c(name), c(&format!("fsdp_{name}"))] {
+            match doc.flag(&k)? {
+                Some(true) => doc.not_modelled(&k, "the load's broadcast of each whole parameter from rank 0 is not modelled (the load part holds the shards alone)"),
+                Some(false) => doc.no_memory(&k),
+                None => {}
+            }
+        }
+    }
     for name in [
         "auto_wrap_policy",
         "transformer_layer_cls_to_wrap",
         "state_dict_type",
-        "cpu_ram_efficient_loading",
-        "sync_module_states",
         "use_orig_params",
         "limit_all_gathers",
         "backward_prefetch",

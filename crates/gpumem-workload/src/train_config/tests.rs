@@ -547,8 +547,14 @@ fn deepspeed_and_accelerate_as_trainer_configs() {
             "mixed_precision",
             "fsdp_config.fsdp_offload_params",
             "fsdp_config.fsdp_activation_checkpointing",
+            // The load's broadcast from rank 0: listed, not hidden.
+            "fsdp_config.fsdp_cpu_ram_efficient_loading",
         ],
     );
+    assert!(not_modelled(
+        &acc,
+        "fsdp_config.fsdp_cpu_ram_efficient_loading"
+    ));
 }
 
 #[test]
@@ -860,4 +866,25 @@ fn the_evaluation_keeps_what_compute_metrics_is_given() {
     assert!(!e.logits && !e.inputs);
     let e = evaluation(r#", "include_inputs_for_metrics": true"#);
     assert!(e.logits && e.inputs);
+}
+
+/// An FSDP config that loads on rank 0 and broadcasts (`cpu_ram_efficient_loading`,
+/// `sync_module_states`) says so among what is not modelled; off, it is nothing to memory.
+#[test]
+fn an_fsdp_broadcast_load_is_listed_as_not_modelled() {
+    let read = |on: bool| {
+        let text = format!(
+            r#"{{"model_name_or_path": "gpt2", "per_device_train_batch_size": 2, "fsdp": "full_shard auto_wrap",
+               "fsdp_config": {{"version": 2, "cpu_ram_efficient_loading": {on}}}}}"#
+        );
+        read_text("args.json", &text, &examples(), None).unwrap()
+    };
+    assert!(not_modelled(
+        &read(true),
+        "fsdp_config.cpu_ram_efficient_loading"
+    ));
+    assert!(!not_modelled(
+        &read(false),
+        "fsdp_config.cpu_ram_efficient_loading"
+    ));
 }
