@@ -553,11 +553,13 @@ def trace_training(opts: TraceOptions, out_path: str):
                     end_autocast()
             rec.kernels = True
         evaluation = (opts.whole_run or {}).get("evaluation")
+        generation = (opts.whole_run or {}).get("generation")
         evaluated_by = None
-        if evaluation:
+        if evaluation or generation:
             # Hugging Face's Trainer zeroes the gradients (to None) after every step.
             rec.phase = "zero_grad"
             optimizer.zero_grad(set_to_none=True)
+        if evaluation:
             rec.run_phase("evaluate")
             outputs = loss = None
         if (
@@ -597,11 +599,7 @@ def trace_training(opts: TraceOptions, out_path: str):
                 rec,
                 opts.world_size if opts.strategy else 1,
             )
-        generation = (opts.whole_run or {}).get("generation")
         if generation:
-            if not evaluation:
-                rec.phase = "zero_grad"
-                optimizer.zero_grad(set_to_none=True)  # as after every step
             rec.run_phase("generate")
             batch = outputs = loss = None
             prompts = job.batch_specs(generation.get("batch_size") or opts.batch)[0][0]

@@ -93,8 +93,8 @@ impl Phase {
 }
 
 /// A part of the whole run (docs/run.md): the model's load, the training steps, the trainer's
-/// evaluation loop, generation, a checkpoint's save. A trace with no [`Event::RunPhase`] is the training
-/// steps alone.
+/// evaluation loop, generation, a checkpoint's save. A trace with no [`Event::RunPhase`] is the
+/// training steps alone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
 #[serde(rename_all = "snake_case")]
 pub enum RunPhase {

@@ -1,7 +1,7 @@
 //! The whole run around the training steps (docs/run.md): the model's load, the steps, the
-//! trainer's evaluation loop after them, generation, the checkpoint's save — and, resumed, the checkpoint's
-//! optimizer state read in at the load. A job states it with [`WholeRun`]; absent, gpumem sizes
-//! the training steps alone, as it always has.
+//! trainer's evaluation loop after them, generation, the checkpoint's save — and, resumed, the
+//! checkpoint's optimizer state read in at the load. A job states it with [`WholeRun`]; absent,
+//! gpumem sizes the training steps alone, as it always has.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -108,12 +108,11 @@ impl Evaluation {
 pub const MAX_NEW_TOKENS: u32 = 1 << 20;
 
 /// Generation as `model.generate()` runs it — TRL's rollouts, a decoder-only model's generating
-/// evaluation — after the training steps and any evaluation: a batch of prompts
-/// run through the model once (its key/value cache filled, the last
-/// position's logits kept), then `new_tokens` tokens added one at a time through that cache,
-/// each chosen from the last position's logits in fp32 (sampling: their softmax), in eval mode
-/// under `torch.no_grad()`. Every prompt runs to `new_tokens` (the longest generation: the
-/// bound).
+/// evaluation — after the training steps and any evaluation: a batch of prompts run through the
+/// model once (its key/value cache filled, the last position's logits kept), then `new_tokens`
+/// tokens added one at a time through that cache, each chosen from the last position's logits
+/// in fp32 (sampling: their softmax), in eval mode under `torch.no_grad()`. Every prompt runs
+/// to `new_tokens` (the longest generation: the bound).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Generation {

@@ -345,14 +345,9 @@ fn evaluation(doc: &mut Doc) -> Result<Option<Evaluation>, TrainConfigError> {
     let accumulation_steps = doc.count32("eval_accumulation_steps")?;
     let loss_only = doc.flag("prediction_loss_only")?.unwrap_or(false);
     // What compute_metrics is given (`inputs`, `loss`) says there is one: the logits are kept.
-    let mut inputs = None;
-    if let Some(v) = doc.get("include_for_metrics").cloned() {
-        let Some(list) = v.as_array() else {
-            return Err(doc.err("include_for_metrics", "is not a list"));
-        };
-        doc.used("include_for_metrics");
-        inputs = Some(list.iter().any(|x| x.as_str() == Some("inputs")));
-    }
+    let mut inputs = doc
+        .names("include_for_metrics")?
+        .map(|given| given.iter().any(|g| g == "inputs"));
     if let Some(on) = doc.flag("include_inputs_for_metrics")? {
         inputs = Some(on || inputs.unwrap_or(false)); // its spelling before transformers 4.46
     }
