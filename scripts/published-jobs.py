@@ -19,12 +19,17 @@ RULES (stated once; every row follows them)
     head->lm_head; torchtune "Q and V" -> q_proj,v_proj; "all linear" -> all-linear). QLoRA ->
     `quant=nf4`, double quantization unless the framework's NF4 has none (litgpt `bnb.nf4`,
     torchtune NF4Tensor -> `double_quant=false`). Rank/alpha as stated, else the framework default.
+    litgpt quantizes through Lightning Fabric's BitsandbytesPrecision -> `loader=fabric`; its
+    releases of 2024 pinned bitsandbytes 0.42.0 (pyproject.toml, 2024-03-11 to 2024-12-28) ->
+    `bnb=0.42` for rows of 2024.
  R3 checkpointing. on / full / per-Block -> `--checkpointing`; per-op SAC -> `--selective-checkpointing`;
     "not stated" -> the framework's default config of the time where the row's notes name it,
     else off.
  R4 optimizer. AdamW (any implementation: HF default, fused, foreach) -> `adamw`; bitsandbytes
     8-bit -> `adamw8bit`, paged -> `paged-adamw8bit`; Adafactor -> `adafactor` (refused by gpumem
-    builds without it: recorded as a gpumem refusal, not re-mapped).
+    builds without it: recorded as a gpumem refusal, not re-mapped). litgpt with `--quantize
+    bnb.*` swaps an AdamW for bitsandbytes' PagedAdamW (instantiate_bnb_optimizer) ->
+    `paged_adamw_32bit`.
  R5 lengths. A dataset truncated/padded to a stated maximum -> `--seq-len MAX` (the run's peak
     step is its longest batch); tagged `varlen` where lengths vary per batch. Packing -> the packed
     length, no tag.
@@ -57,6 +62,8 @@ RULES (stated once; every row follows them)
     on an Ampere or newer GPU). Else a source from before transformers made SDPA its default
     (v4.36, December 2023: a release v4.0x-v4.35 or a year up to 2023 in the source) ->
     `--attention eager`, the only implementation transformers had then.
+ R14 training loop. litgpt's scripts keep the model's output (`logits = model(input_ids)`)
+    until the next forward returns -> `--outputs kept`.
 """
 import csv
 import os
@@ -309,16 +316,21 @@ def litgpt(n, r):
         elif "DDP" in s:
             st = "ddp"
         return run(m, "a100-40gb", r["micro_batch"], "allocated", seq=2048, precision="bf16", ckpt="off",
-                   strategy=st, world=r["n_gpus"] if st else None, tags=["framework-model"] + (["fsdp1"] if st == "fsdp" else []))
+                   strategy=st, world=r["n_gpus"] if st else None, extra=["--outputs", "kept"],  # R14
+                   tags=["framework-model"] + (["fsdp1"] if st == "fsdp" else []))
     meas = "oom" if r["what_measured"].startswith("OOM") else "allocated"
     tags = ["framework-model", "varlen", "whole-run"]
-    quant = ",quant=nf4,double_quant=false" if "nf4" in r["precision"] else ""
+    loop = ["--outputs", "kept"]  # R14
+    qlora = "nf4" in r["precision"]
+    # R2: Fabric's quantizer on the bitsandbytes litgpt pinned in 2024 (the README's runs).
+    quant = ",quant=nf4,double_quant=false,loader=fabric,bnb=0.42" if qlora else ""
     lora = litgpt_lora_targets(o, m) + quant if "lora" in s else None
     gpu = "a10"  # A10G 24GB (config_hub README's GPU)
     if "FSDP" in s:
         return run(m, gpu, r["micro_batch"], meas, seq=512, ckpt="full", strategy="fsdp", world=r["n_gpus"],
-                   tags=tags + ["fsdp1"])
-    return run(m, gpu, r["micro_batch"], meas, seq=512, lora=lora, ckpt="off", tags=tags)
+                   extra=loop, tags=tags + ["fsdp1"])
+    return run(m, gpu, r["micro_batch"], meas, seq=512, lora=lora, ckpt="off", extra=loop,
+               optimizer="paged_adamw_32bit" if qlora else "adamw", tags=tags)
 
 
 def swift(n, r):
@@ -418,7 +430,7 @@ def toml_value(v):
 def main():
     rows = list(csv.DictReader(open(CSV, newline="")))
     out = ["# gpumem jobs of the published dev rows: written by scripts/published-jobs.py (its docstring",
-           "# states the mapping rules R1-R13). `line` is the row's line in published_runs_dev.csv;",
+           "# states the mapping rules R1-R14). `line` is the row's line in published_runs_dev.csv;",
            "# `status = \"no\"` rows carry the missing mechanism as `reason`.", ""]
     for i, r in enumerate(rows):
         n = i + 2

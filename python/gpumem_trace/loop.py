@@ -440,9 +440,9 @@ def trace_training(opts: TraceOptions, out_path: str):
             # in the dtype it is loaded in (the training's 16 bits) and is quantized there.
             loaded = weights_dtype or autocast_dtype or torch.float32
 
-            def stage(shape):
+            def stage(shape, dtype):
                 with rec.labelled("temporary"):
-                    return torch.empty(shape, dtype=loaded, device=DEVICE)
+                    return torch.empty(shape, dtype=dtype or loaded, device=DEVICE)
 
             if whole_run and autocast_dtype is not None and opts.lora and opts.lora.quant:
                 # QLoRA under autocast, as its recipe runs: from_pretrained(dtype=16 bits)
@@ -482,6 +482,8 @@ def trace_training(opts: TraceOptions, out_path: str):
             with rec.labelled("temporary"):
                 if opts.strategy == "fsdp":
                     distributed.fsdp_resume(model, optimizer)
+                elif engine:
+                    engine.load_checkpoint()
                 else:
                     optimizers.resume_as_torch_load(optimizer, rec)
             for t, category in optimizers.state_tensors(optimizer, DEVICE):
@@ -527,6 +529,10 @@ def trace_training(opts: TraceOptions, out_path: str):
                 (scaler.scale(loss) if scaler else loss).backward()
                 if engine:
                     engine.backward_end()
+                if not keep_outputs:
+                    # Hugging Face's training_step returns the loss detached: the step's
+                    # autograd graph (and what its nodes hold beyond backward) dies here.
+                    loss = loss.detach()
                 for p in model.parameters():
                     if p.grad is not None:
                         rec.relabel(p.grad, "gradient")

@@ -14,8 +14,10 @@ Targets match as PEFT matches ``target_modules``: a module whose name is a targe
 QLoRA (``quant``): the model is loaded in 4 bits first, as transformers' ``BitsAndBytesConfig(
 load_in_4bit=True, bnb_4bit_quant_type="nf4"|"fp4", bnb_4bit_use_double_quant=…)`` does —
 every linear layer but the output embeddings becomes bitsandbytes' ``Linear4bit`` — and LoRA
-then wraps its targets. bitsandbytes need not be installed (``Linear4bit`` below holds what its
-0.50 release holds).
+then wraps its targets. With ``loader`` fabric, Lightning Fabric's ``BitsandbytesPrecision``
+(litgpt's ``--quantize bnb.nf4``) does it instead: every linear layer, the output head too,
+quantized from fp16. bitsandbytes need not be installed (``Linear4bit`` below holds what its
+0.50 release holds, and what earlier releases the job names held).
 """
 
 import contextlib
@@ -35,19 +37,31 @@ class Lora:
     dropout: float = 0.0
     quant: str = None  # "nf4" or "fp4": QLoRA's 4-bit base weights
     double_quant: bool = True
+    loader: str = "transformers"  # or "fabric": what quantizes the model as it loads
+    # The bitsandbytes release, (major, minor, patch); None: the one restated here (0.50).
+    bitsandbytes: tuple = None
 
     @classmethod
     def from_document(cls, doc):
         """A LoRA as the job vocabulary spells it (gpumem's request; checked where it was made)."""
-        quant = doc.get("quant")
+        quant = doc.get("quant") or {}
+        release = quant.get("bitsandbytes")
         return cls(
             rank=doc["rank"],
             alpha=doc["alpha"],
             targets=tuple(doc["targets"]),
             dropout=doc.get("dropout", 0.0),
-            quant=None if quant is None else ("nf4" if quant["nf4"] else "fp4"),
-            double_quant=True if quant is None else quant["double_quant"],
+            quant=None if not quant else ("nf4" if quant["nf4"] else "fp4"),
+            double_quant=quant.get("double_quant", True),
+            loader=quant.get("loader", "transformers"),
+            bitsandbytes=None if release is None else tuple(int(p) for p in release.split(".")),
         )
+
+    def keeps_matmul_input(self):
+        """bitsandbytes before 0.43.2 kept each 4-bit layer's input for backward
+        (``MatMul4Bit``'s ``ctx.tensors = (A, B)``), though only the weight's dequantization is
+        used there; 0.43.2 dropped it (bitsandbytes#1270)."""
+        return self.bitsandbytes is not None and self.bitsandbytes < (0, 43, 2)
 
 
 class Linear4bit(torch.nn.Module):
@@ -57,13 +71,17 @@ class Linear4bit(torch.nn.Module):
     an fp32 offset — and the 16-entry fp32 code of nf4/fp4 (``quantize_4bit``'s QuantState).
     The statistics are kept as byte buffers of their size, so casting the model's floating-point
     tensors (pure bf16 training) leaves them as bitsandbytes keeps them. ``matmul_4bit``
-    dequantizes the whole weight into the input's dtype for the product, in forward and again in
-    backward (the weight is frozen: only the input's gradient), and saves nothing else."""
+    dequantizes the whole weight for the product, in forward and again in backward (the weight
+    is frozen: only the input's gradient), into the dtype it was quantized from
+    (``state_dtype``; None: the input's) and then casts it to the input's, and saves nothing
+    else — but for the input itself, before 0.43.2 (``keeps_input``), held by the autograd node
+    as long as its graph lives."""
 
     BLOCK, NESTED_BLOCK = 64, 256
 
-    def __init__(self, base, double_quant):
+    def __init__(self, base, double_quant, state_dtype=None, keeps_input=False):
         super().__init__()
+        self.state_dtype, self.keeps_input = state_dtype, keeps_input
         w = base.weight
         self.in_features, self.out_features = (
             (w.shape[0], w.shape[1])
@@ -96,16 +114,20 @@ class Linear4bit(torch.nn.Module):
         the copy dies — one 16-bit weight at a time beside the quantized model."""
         if Linear4bit.stage is None:
             return super()._apply(fn, recurse)
-        staged = Linear4bit.stage((self.out_features, self.in_features))
+        staged = Linear4bit.stage((self.out_features, self.in_features), self.state_dtype)
         out = super()._apply(fn, recurse)
         del staged
         return out
 
     def dequantize(self, dtype):
-        """The weight, (out, in), in ``dtype`` (a kernel writes every element)."""
-        return torch.zeros(
-            (self.out_features, self.in_features), dtype=dtype, device=self.weight_packed.device
+        """The weight, (out, in), in ``dtype``: ``dequantize_4bit(…).to(dtype)`` (a kernel
+        writes every element of the first copy; the second exists only where dtypes differ)."""
+        w = torch.zeros(
+            (self.out_features, self.in_features),
+            dtype=self.state_dtype or dtype,
+            device=self.weight_packed.device,
         )
+        return w.to(dtype)
 
     def forward(self, x):
         bias = self.bias.to(x.dtype) if self.bias is not None else None
@@ -116,6 +138,8 @@ class _MatMul4bit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, layer, bias):
         ctx.layer = layer
+        if layer.keeps_input and ctx.needs_input_grad[0]:
+            ctx.input = x  # an attribute, as bitsandbytes kept it: not freed by backward
         w = layer.dequantize(x.dtype)
         return torch.nn.functional.linear(x, w, bias)
 
@@ -128,8 +152,8 @@ class _MatMul4bit(torch.autograd.Function):
 @contextlib.contextmanager
 def loading_in_4bit(stage):
     """Within: moving a model to the GPU stages each ``Linear4bit`` weight first, as a 4-bit load
-    does — ``stage(shape)`` makes that copy on the GPU (``None``: buffers alone, as the training
-    step's trace has them)."""
+    does — ``stage(shape, dtype)`` makes that copy on the GPU, in ``dtype`` where the quantizer
+    casts to one (``None``: buffers alone, as the training step's trace has them)."""
     saved, Linear4bit.stage = Linear4bit.stage, stage
     try:
         yield
@@ -139,16 +163,25 @@ def loading_in_4bit(stage):
 
 def quantize(model, lora: Lora):
     """Loads ``model`` in 4 bits: every linear layer but the output embeddings becomes a
-    ``Linear4bit`` (transformers' default ``llm_int8_skip_modules``)."""
+    ``Linear4bit`` (transformers' default ``llm_int8_skip_modules``) — or every one, from fp16,
+    as Lightning Fabric's ``BitsandbytesPrecision`` replaces ``torch.nn.Linear`` and quantizes
+    ``weight.to(torch.half)``."""
     linear = (torch.nn.Linear,) + _conv1d_types()
-    output = _output_embeddings(model)
+    fabric = lora.loader == "fabric"
+    output = None if fabric else _output_embeddings(model)
     chosen = [
         (n, m) for n, m in model.named_modules() if n and isinstance(m, linear) and m is not output
     ]
     for module_name, module in chosen:
         parent_name, _, child = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Linear4bit(module, lora.double_quant))
+        layer = Linear4bit(
+            module,
+            lora.double_quant,
+            state_dtype=torch.float16 if fabric else None,
+            keeps_input=lora.keeps_matmul_input(),
+        )
+        setattr(parent, child, layer)
 
 
 def _conv1d_types():

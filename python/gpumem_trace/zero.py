@@ -364,6 +364,19 @@ class Engine:
             self.accumulated = self.partition_grads
         self.partition_grads = None
 
+    def load_checkpoint(self):
+        """DeepSpeed's ``load_checkpoint`` at resume, for this rank (the checkpoint read with
+        ``map_location="cpu"``): the base optimizer's ``load_state_dict`` puts each state tensor
+        of the partition on the GPU beside the live one (made at construction), and the old ones
+        die when the state is replaced; the fp32 master partition (and stage 3's 16-bit one) is
+        copied into in place, and the module's weights too. Offloaded, the state is the host's."""
+        if self.cfg.offload_optimizer:
+            return
+        self.moments = [
+            _empty(self.partition, torch.float32, self.rec, "optimizer_state", "zero_load_state")
+            for _ in self.moments
+        ]
+
     def zero_grad(self, set_to_none=True):
         for p in self.params:
             p.grad = None

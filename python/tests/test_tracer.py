@@ -793,6 +793,54 @@ def test_4bit_layers_hold_what_bitsandbytes_holds(double_quant):
         ), shape
 
 
+@pytest.mark.parametrize("outputs", ["dropped", "kept"])
+def test_fabric_qlora_on_bitsandbytes_before_0_43_2_keeps_each_layers_input(tmp_path, outputs):
+    """litgpt's QLoRA as its 2024 releases ran it: Fabric's quantizer makes the output head 4-bit
+    too (dequantized to fp16, then cast), and bitsandbytes 0.42's matmul keeps the input of every
+    4-bit layer whose input needs a gradient until the step's graph dies — after backward where
+    the loop drops its outputs (Hugging Face's), only once the next forward has returned where
+    it keeps them (litgpt's `logits`)."""
+    from gpumem_trace import loop
+    from gpumem_trace.lora import Lora
+
+    ref = "hf:LlamaForCausalLM(hidden_size=256,intermediate_size=688,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=4,vocab_size=1000)"
+
+    def trace(**quant):
+        opts = loop.TraceOptions(
+            model=ref,
+            batch=2,
+            seq_len=32,
+            precision="bf16",
+            outputs=outputs,
+            lora=Lora(8, 16.0, ("q_proj", "v_proj"), 0.05, "nf4", False, **quant),
+        )
+        path = tmp_path / "trace.jsonl"
+        loop.trace_training(opts, str(path))
+        return live_and_peak([json.loads(line) for line in path.read_text().splitlines()[1:]])
+
+    hf_end, hf_peak = trace()
+    fabric_end, fabric_peak = trace(loader="fabric")
+    old_end, old_peak = trace(loader="fabric", bitsandbytes=(0, 42, 0))
+    # The head (1000 x 256) in 4 bits: packed, an fp32 absmax per 64 weights, the fp32 code.
+    head = 1000 * 256
+    assert hf_end - fabric_end == 2 * head - (head // 2 + head // 64 * 4 + 16 * 4)
+    # Kept per step (bf16, 64 tokens), beyond what autograd saves anyway: layer 0's gate/up
+    # (one input) and down_proj inputs (its q/k/v input comes from the frozen embedding: no
+    # gradient), layer 1's q/k/v input too, and the head's; o_proj's input is a view of the
+    # attention's output, which SDPA saves itself.
+    tokens = 2 * 32
+    kept = 2 * tokens * ((256 + 688) + (256 + 256 + 688) + 256)
+    if outputs == "dropped":
+        assert old_peak - fabric_peak == kept
+        assert old_end == fabric_end
+    else:
+        # Two steps' worth at the next forward's end, and more: once backward has released
+        # SDPA's saved output, the o_proj input (a view of it) still keeps it whole.
+        assert 2 * kept < old_peak - fabric_peak < 3 * kept
+        # At the end the last step's graph is still held.
+        assert kept < old_end - fabric_end < 2 * kept
+
+
 def test_qlora_loads_the_model_in_4_bits(tmp_path):
     """--lora-quant nf4: every linear layer but the output head holds 4 bits per weight (and its
     block statistics) instead of bf16's 16; LoRA trains the same factors on top."""
@@ -1770,6 +1818,27 @@ def test_whole_run_resume_reads_the_optimizer_state_in_at_the_load(tmp_path):
             # On one GPU the load's peak is the model and the state read in beside it. (An FSDP2
             # rank's load peaks earlier, the whole model built before it is sharded.)
             assert peaks["load"] - fresh_peaks["load"] >= 0.99 * adamw
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_whole_run_zero_resume_reads_the_state_in_beside_the_live_one(tmp_path, stage):
+    """DeepSpeed's load_checkpoint under ZeRO at world size 4: the base optimizer's
+    load_state_dict reads the rank's moments in beside those DeepSpeed made at construction,
+    which die once they are replaced — the load allocates the moments once more and its peak
+    grows by at most them, while the steps, whose state was there already, are unchanged."""
+    pytest.importorskip("transformers")
+    common = [LLAMA, "--batch", "2", "--seq-len", "32", "--precision", "bf16"]
+    common += ["--optimizer", "adamw", "--strategy", stage, "--world-size", "4"]
+    runs = {}
+    for resumed in (False, True):
+        header, evs = traced([*common, "--resume" if resumed else "--whole-run"], tmp_path)
+        runs[resumed] = phase_peaks(evs)
+    (fresh_peaks, fresh_made), (peaks, made) = runs[False], runs[True]
+    moments = sum(e["bytes"] for e in fresh_made["load"] if e["op"] == "zero_optimizer_state")
+    read = [e["bytes"] for e in made["load"] if e["op"] == "zero_load_state"]
+    assert len(read) == 2 and sum(read) == moments > 0
+    assert 0 < peaks["load"] - fresh_peaks["load"] <= moments
+    assert peaks["train"] == fresh_peaks["train"]
 
 
 def test_whole_run_generation_grows_the_models_own_key_value_cache(tmp_path):

@@ -252,7 +252,8 @@ pub struct WorkloadArgs {
     /// adapter_config.json. The model's own weights are frozen: no gradients, no optimizer state.
     /// `quant=nf4` (or fp4) is QLoRA: the model loaded in 4 bits first (bitsandbytes' Linear4bit
     /// for every linear layer but the output head; `double_quant=false` without QLoRA's double
-    /// quantization).
+    /// quantization; `loader=fabric`: Lightning Fabric's quantizer, litgpt's, head included;
+    /// `bnb=0.42`: the bitsandbytes release, whose 4-bit layers kept their inputs before 0.43.2).
     #[arg(long)]
     lora: Option<String>,
     #[command(flatten)]

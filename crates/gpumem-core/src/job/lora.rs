@@ -40,6 +40,99 @@ pub struct LoraValues {
 pub struct Quant4 {
     pub nf4: bool,
     pub double_quant: bool,
+    /// What quantizes the model as it loads.
+    #[serde(default, skip_serializing_if = "QuantLoader::is_transformers")]
+    pub loader: QuantLoader,
+    /// The bitsandbytes release the job runs (its 4-bit matmul's saved tensors changed in
+    /// 0.43.2); absent: the release gpumem restates (0.50).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bitsandbytes: Option<Release>,
+}
+
+impl Quant4 {
+    /// As transformers' `BitsAndBytesConfig` loads it, on the release gpumem restates.
+    pub fn new(nf4: bool, double_quant: bool) -> Quant4 {
+        Quant4 {
+            nf4,
+            double_quant,
+            loader: QuantLoader::Transformers,
+            bitsandbytes: None,
+        }
+    }
+}
+
+/// What turns the model's linear layers into bitsandbytes' 4-bit ones as it loads.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum QuantLoader {
+    /// transformers' bitsandbytes quantizer: every linear layer but the output embeddings,
+    /// quantized from the dtype the weights load in.
+    #[default]
+    Transformers,
+    /// Lightning Fabric's `BitsandbytesPrecision` (litgpt's `--quantize bnb.*`): every linear
+    /// layer, the output head too, quantized from fp16 (so each use dequantizes to fp16 first).
+    Fabric,
+}
+
+impl QuantLoader {
+    fn is_transformers(&self) -> bool {
+        *self == QuantLoader::Transformers
+    }
+}
+
+/// A library release, `MAJOR.MINOR[.PATCH]`, ordered as releases are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Release(pub u32, pub u32, pub u32);
+
+impl std::str::FromStr for Release {
+    type Err = LoraError;
+
+    fn from_str(s: &str) -> Result<Release, LoraError> {
+        let bad = || LoraError::Release(s.to_string());
+        let mut parts = s.split('.').map(|p| p.parse::<u32>().map_err(|_| bad()));
+        let (major, minor) = (
+            parts.next().ok_or_else(bad)??,
+            parts.next().ok_or_else(bad)??,
+        );
+        let patch = parts.next().transpose()?.unwrap_or(0);
+        match parts.next() {
+            None => Ok(Release(major, minor, patch)),
+            Some(_) => Err(bad()),
+        }
+    }
+}
+
+impl std::fmt::Display for Release {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}.{}", self.0, self.1, self.2)
+    }
+}
+
+impl Serialize for Release {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Release {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Release, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+impl JsonSchema for Release {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Release".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": "string",
+            "pattern": "^[0-9]+\\.[0-9]+(\\.[0-9]+)?$"
+        })
+    }
 }
 
 /// Why a LoRA setting is refused; each message names the setting.
@@ -55,9 +148,13 @@ pub enum LoraError {
         "lora targets: give targets=NAME[,NAME…] (module names such as q_proj,v_proj, or all-linear)"
     )]
     Targets,
-    #[error("lora: `{0}` is not key=value (r, alpha, targets, dropout, quant, double_quant)")]
+    #[error(
+        "lora: `{0}` is not key=value (r, alpha, targets, dropout, quant, double_quant, loader, bnb)"
+    )]
     NotKeyValue(String),
-    #[error("lora: unknown key `{0}` (r, alpha, targets, dropout, quant, double_quant)")]
+    #[error(
+        "lora: unknown key `{0}` (r, alpha, targets, dropout, quant, double_quant, loader, bnb)"
+    )]
     UnknownKey(String),
     #[error("lora {key} `{value}` is not a number")]
     NotNumber { key: String, value: String },
@@ -67,8 +164,12 @@ pub enum LoraError {
     Quant(String),
     #[error("lora double_quant `{0}` is not true or false")]
     NotBool(String),
-    #[error("lora double_quant needs quant=nf4 or quant=fp4")]
-    DoubleQuantAlone,
+    #[error("lora {0} needs quant=nf4 or quant=fp4")]
+    QuantKeyAlone(&'static str),
+    #[error("lora loader `{0}` is not transformers or fabric")]
+    Loader(String),
+    #[error("release `{0}` is not MAJOR.MINOR[.PATCH]")]
+    Release(String),
     #[error("adapter config is not JSON: {0}")]
     Json(#[from] serde_json::Error),
     #[error("adapter config's peft_type is {0}; gpumem models LORA")]
@@ -147,12 +248,13 @@ impl Lora {
         self.quant
     }
 
-    /// `r=16,alpha=32,targets=q_proj,v_proj[,dropout=0.05][,quant=nf4|fp4[,double_quant=false]]`
-    /// (a bare word after `targets=` is one more target). PEFT's defaults: r 8, alpha 8, dropout
-    /// 0; targets are required; QLoRA's double quantization unless turned off.
+    /// `r=16,alpha=32,targets=q_proj,v_proj[,dropout=0.05][,quant=nf4|fp4[,double_quant=false]
+    /// [,loader=transformers|fabric][,bnb=RELEASE]]` (a bare word after `targets=` is one more
+    /// target). PEFT's defaults: r 8, alpha 8, dropout 0; targets are required; QLoRA's double
+    /// quantization unless turned off, by transformers, on the release gpumem restates.
     pub fn parse(spec: &str) -> Result<Lora, LoraError> {
         let (mut rank, mut alpha, mut dropout, mut targets) = (8u32, 8f64, 0f64, Vec::new());
-        let (mut quant, mut double_quant) = (None, None);
+        let (mut quant, mut double_quant, mut loader, mut release) = (None, None, None, None);
         let mut after_targets = false;
         for part in spec.split(',').map(str::trim) {
             let (key, value) = match part.split_once('=') {
@@ -189,17 +291,35 @@ impl Lora {
                             .map_err(|_| LoraError::NotBool(value.to_string()))?,
                     )
                 }
+                "loader" => {
+                    loader = Some(match value {
+                        "transformers" => QuantLoader::Transformers,
+                        "fabric" => QuantLoader::Fabric,
+                        other => return Err(LoraError::Loader(other.to_string())),
+                    })
+                }
+                "bnb" | "bitsandbytes" => release = Some(value.parse::<Release>()?),
                 other => return Err(LoraError::UnknownKey(other.to_string())),
             }
             after_targets = matches!(key, "targets" | "target_modules");
         }
-        let quant = match (quant, double_quant) {
-            (Some(nf4), d) => Some(Quant4 {
-                nf4,
-                double_quant: d.unwrap_or(true),
+        let quant = match quant {
+            Some(nf4) => Some(Quant4 {
+                loader: loader.unwrap_or_default(),
+                bitsandbytes: release,
+                ..Quant4::new(nf4, double_quant.unwrap_or(true))
             }),
-            (None, Some(_)) => return Err(LoraError::DoubleQuantAlone),
-            (None, None) => None,
+            None => {
+                let stray = [
+                    ("double_quant", double_quant.is_some()),
+                    ("loader", loader.is_some()),
+                    ("bnb", release.is_some()),
+                ];
+                if let Some((key, _)) = stray.into_iter().find(|(_, set)| *set) {
+                    return Err(LoraError::QuantKeyAlone(key));
+                }
+                None
+            }
         };
         Lora::new(rank, alpha, targets, dropout, quant)
     }
@@ -300,19 +420,25 @@ mod tests {
         // QLoRA: 4-bit base weights, double-quantized unless turned off.
         assert_eq!(
             Lora::parse("targets=all-linear,quant=nf4").unwrap().quant(),
+            Some(Quant4::new(true, true))
+        );
+        // litgpt's QLoRA as its 2024 releases ran it: Fabric's quantizer, bitsandbytes 0.42.
+        assert_eq!(
+            Lora::parse("targets=q,quant=nf4,double_quant=false,loader=fabric,bnb=0.42")
+                .unwrap()
+                .quant(),
             Some(Quant4 {
-                nf4: true,
-                double_quant: true
+                loader: QuantLoader::Fabric,
+                bitsandbytes: Some(Release(0, 42, 0)),
+                ..Quant4::new(true, false)
             })
         );
+        assert!(Release(0, 43, 1) < Release(0, 43, 2) && Release(0, 44, 0) > Release(0, 43, 2));
         assert_eq!(
             Lora::parse("targets=q,quant=fp4,double_quant=false")
                 .unwrap()
                 .quant(),
-            Some(Quant4 {
-                nf4: false,
-                double_quant: false
-            })
+            Some(Quant4::new(false, false))
         );
         let json = r#"{"peft_type": "LORA", "r": 16, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj"], "bias": "none"}"#;
         assert_eq!(
@@ -338,6 +464,16 @@ mod tests {
                 "double_quant needs quant=nf4",
             ),
             ("targets=q,quant=nf4,double_quant=2", "not true or false"),
+            ("targets=q,loader=fabric", "loader needs quant=nf4"),
+            (
+                "targets=q,quant=nf4,loader=tf",
+                "loader `tf` is not transformers",
+            ),
+            (
+                "targets=q,quant=nf4,bnb=0.x",
+                "release `0.x` is not MAJOR.MINOR",
+            ),
+            ("targets=q,quant=nf4,bnb=1.2.3.4", "release `1.2.3.4`"),
         ] {
             let e = Lora::parse(bad).unwrap_err().to_string();
             assert!(e.contains(needle), "{bad}: {e}");
@@ -355,6 +491,20 @@ mod tests {
         assert!(
             e.contains("lora alpha -2 is not a positive finite number"),
             "{e}"
+        );
+        // The release travels as its text and back; an old document (no loader, no release)
+        // reads as before.
+        let fabric = Lora::parse("targets=q,quant=nf4,loader=fabric,bnb=0.42.0").unwrap();
+        let json = serde_json::to_string(&fabric).unwrap();
+        assert!(
+            json.contains(r#""loader":"fabric","bitsandbytes":"0.42.0""#),
+            "{json}"
+        );
+        assert_eq!(serde_json::from_str::<Lora>(&json).unwrap(), fabric);
+        let plain = Lora::parse("targets=q,quant=nf4").unwrap();
+        assert_eq!(
+            serde_json::to_string(&plain).unwrap(),
+            r#"{"rank":8,"alpha":8.0,"targets":["q"],"dropout":0.0,"quant":{"nf4":true,"double_quant":true}}"#
         );
     }
 }

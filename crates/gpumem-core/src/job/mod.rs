@@ -21,7 +21,7 @@ pub mod optim;
 pub mod whole_run;
 
 pub use lengths::{LengthError, LengthSchedule, LengthSource, LengthSummary};
-pub use lora::{Lora, LoraError, LoraValues, Quant4};
+pub use lora::{Lora, LoraError, LoraValues, Quant4, QuantLoader, Release};
 pub use mesh::{
     DDP_BUCKET_CAP_MB, Engine, EngineKind, HalfDtype, MAX_WORLD_SIZE, Mesh, MeshDim, MeshValues,
     Strategy, StrategyValues, Zero, ZeroStage,
@@ -503,10 +503,6 @@ pub enum OptionError {
         "save (--save) full-offload: a ZeRO job saves its partitions (--save sharded) or its consolidated 16-bit weights, gathered module by module (--save full)"
     )]
     ZeroFullSave,
-    #[error(
-        "resume (--resume): reading a ZeRO checkpoint back (DeepSpeed's load_checkpoint) is not modelled"
-    )]
-    ZeroResume,
     #[error("chunked_ce (--chunked-ce) {0} is out of range (1..={MAX_CE_CHUNKS})")]
     CeChunks(u32),
     #[error("optimizer_in_backward (--optimizer-in-backward) cannot go with {0}")]
@@ -628,9 +624,6 @@ impl OptionValues {
                 && self.strategy.is_some_and(|s| s.zero_stage().is_some())
             {
                 return Err(OptionError::ZeroFullSave);
-            }
-            if run.resume && self.strategy.is_some_and(|s| s.zero_stage().is_some()) {
-                return Err(OptionError::ZeroResume);
             }
         }
         if self.optimizer_in_backward {

@@ -445,8 +445,11 @@ fn a_whole_run_is_stated_and_checked_as_the_job_document_spells_it() {
     }
     let resumed: Options = serde_json::from_str(r#"{"whole_run":{"resume":true}}"#).unwrap();
     assert!(resumed.whole_run.unwrap().resume);
-    let zero = zero.replace(r#""save":"full-offload""#, r#""resume":true"#);
-    assert!(refused(&zero).contains("reading a ZeRO checkpoint back"));
+    // DeepSpeed's load_checkpoint is sized too (python/tests: the ZeRO resume test).
+    let zero_resume: Options =
+        serde_json::from_str(&zero.replace(r#""save":"full-offload""#, r#""resume":true"#))
+            .unwrap();
+    assert!(zero_resume.whole_run.unwrap().resume);
     let generating: Options =
         serde_json::from_str(r#"{"whole_run":{"generation":{"new_tokens":256,"batch_size":8}}}"#)
             .unwrap();

@@ -239,10 +239,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             }
             let rank = rank.ok_or_else(|| doc.err("lora_r", "missing (adapter is set)"))?;
             // axolotl's QLoRA: nf4 with double quantization (its BitsAndBytesConfig).
-            let quant = four.then_some(Quant4 {
-                nf4: true,
-                double_quant: true,
-            });
+            let quant = four.then_some(Quant4::new(true, true));
             out.lora = Some(super::lora(
                 doc,
                 "lora_target_modules",

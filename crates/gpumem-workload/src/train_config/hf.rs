@@ -459,10 +459,10 @@ fn read_peft(doc: &mut Doc, out: &mut TrainConfig) -> Result<(), TrainConfigErro
         return Ok(());
     }
     let quant = if four {
-        Some(Quant4 {
-            nf4: quant_type.as_deref() != Some("fp4"),
-            double_quant: double.unwrap_or(false),
-        })
+        Some(Quant4::new(
+            quant_type.as_deref() != Some("fp4"),
+            double.unwrap_or(false),
+        ))
     } else {
         None
     };

@@ -172,13 +172,7 @@ fn trl_sft_config_yaml_with_qlora() {
         (lora.rank(), lora.alpha(), lora.targets().len()),
         (16, 16.0, 7)
     );
-    assert_eq!(
-        lora.quant(),
-        Some(Quant4 {
-            nf4: true,
-            double_quant: false
-        })
-    );
+    assert_eq!(lora.quant(), Some(Quant4::new(true, false)));
     assert!(used(&c, "gradient_checkpointing_kwargs.use_reentrant"));
     assert_eq!(c.attention, Some(Attention::Flash));
     assert!(used(&c, "attn_implementation"));

@@ -161,10 +161,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         let alpha = doc.number("model.lora_alpha")?.unwrap_or(16.0);
         let dropout = doc.number("model.lora_dropout")?.unwrap_or(0.0);
         // torchtune's QLoRA: torchao's NF4 with its scalers quantized again.
-        let quant = qlora.then_some(Quant4 {
-            nf4: true,
-            double_quant: true,
-        });
+        let quant = qlora.then_some(Quant4::new(true, true));
         out.lora = Some(super::lora(
             doc,
             "model.lora_attn_modules",
