@@ -121,6 +121,11 @@ def flags():
         action="store_true",
         help="the run resumes from a checkpoint: the optimizer state is read in at the load",
     )
+    p.add_argument(
+        "--broadcast-load",
+        action="store_true",
+        help="FSDP: the model loads on rank 0 and is broadcast one whole parameter at a time",
+    )
     p.add_argument("--outputs", choices=["kept", "dropped"])
     p.add_argument("--attention-mask", default="none", choices=["none", "padded"])
     p.add_argument(

@@ -201,6 +201,19 @@ def _offload_on_meta(_fsdp_param, _fsdp_param_group):
     cls.all_gather_inputs = property(all_gather_inputs)
 
 
+def broadcast_load(model, device):
+    """The model's load from rank 0 onto a sharded model, as accelerate's
+    ``fsdp2_load_full_state_dict`` does it (``cpu_ram_efficient_loading``; FSDP's
+    ``sync_module_states`` broadcasts the same way): for each entry of the state dict in turn,
+    rank 0 copies the whole tensor to its GPU and every other rank receives it into a whole
+    tensor of its own, which ``distribute_tensor`` cuts to the rank's shard before the next
+    arrives — one whole parameter (or buffer) at a time beside the shards, on every rank, even
+    where the shards live on the host."""
+    for t in model.state_dict().values():
+        whole = torch.empty(t.shape, dtype=t.dtype, device=device)
+        del whole
+
+
 def fsdp(
     model,
     blocks,

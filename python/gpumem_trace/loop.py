@@ -431,6 +431,9 @@ def trace_training(opts: TraceOptions, out_path: str):
                     replicas=opts.replicas,
                     cpu_offload=opts.cpu_offload,
                 )
+            if (opts.whole_run or {}).get("broadcast_load"):
+                with rec.labelled("temporary"):
+                    distributed.broadcast_load(model, DEVICE)
         elif opts.zero is not None:
             engine = zero.Engine(
                 model, opts.zero, opts.optimizer, weights_dtype or torch.float32, rec

@@ -96,8 +96,8 @@ def trace_options(request):
 
 def whole_run_document(a):
     """The whole run the command line states (`--whole-run`, an `--eval-*` or `--generate-*` flag,
-    `--save` or `--resume`), as the job vocabulary spells it; None for the training steps
-    alone."""
+    `--save`, `--resume` or `--broadcast-load`), as the job vocabulary spells it; None for the
+    training steps alone."""
     evaluation = None
     if a.eval_batches is not None:
         evaluation = {"batches": a.eval_batches, "logits": a.eval_logits}
@@ -116,13 +116,15 @@ def whole_run_document(a):
             generation["batch_size"] = a.generate_batch_size
         if a.generate_prompt_len is not None:
             generation["prompt_len"] = a.generate_prompt_len
-    if not (a.whole_run or evaluation or generation or a.save or a.resume):
+    load = a.resume or a.broadcast_load
+    if not (a.whole_run or evaluation or generation or a.save or load):
         return None
     doc = {
         "evaluation": evaluation,
         "generation": generation,
         "save": a.save,
         "resume": a.resume or None,
+        "broadcast_load": a.broadcast_load or None,
     }
     return {k: v for k, v in doc.items() if v is not None}
 

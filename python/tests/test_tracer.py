@@ -1841,6 +1841,36 @@ def test_whole_run_zero_resume_reads_the_state_in_beside_the_live_one(tmp_path, 
     assert peaks["train"] == fresh_peaks["train"]
 
 
+def test_whole_run_broadcast_load_holds_one_whole_parameter_beside_the_shards(tmp_path):
+    """FSDP2 at world size 4 loading from rank 0 (accelerate's cpu_ram_efficient_loading):
+    every entry of the state dict arrives whole on each rank's GPU, one at a time, beside the
+    rank's shards — the largest being the embeddings (16000 x 64, fp32). The load's peak stays
+    where it was: fully_shard's own split of each whole parameter is as large."""
+    pytest.importorskip("transformers")
+    common = [LLAMA, "--batch", "2", "--seq-len", "32", "--optimizer", "adamw"]
+    common += ["--strategy", "fsdp", "--world-size", "4"]
+    runs = {}
+    for broadcast in (False, True):
+        header, evs = traced(
+            [*common, "--broadcast-load" if broadcast else "--whole-run"], tmp_path
+        )
+        runs[broadcast] = (phase_peaks(evs), evs)
+    ((fresh_peaks, fresh_made), _), ((peaks, made), evs) = runs[False], runs[True]
+    whole = made["load"][len(fresh_made["load"]) :]
+    assert {(e["op"], e["category"]) for e in whole} == {("empty", "temporary")}
+    # 2 layers of 9 entries (4 attention and 3 MLP weights, 2 norms), the final norm, the
+    # embeddings and the head.
+    assert len(whole) == 2 * 9 + 3 and max(e["bytes"] for e in whole) == 64 * 16000 * 4
+    ids = {e["id"] for e in whole}
+    alive = most = 0
+    for e in evs:
+        if e.get("id") in ids:
+            alive += 1 if e["ev"] == "alloc" else -1
+            most = max(most, alive)
+    assert most == 1
+    assert peaks == fresh_peaks
+
+
 def test_whole_run_generation_grows_the_models_own_key_value_cache(tmp_path):
     """--generate-tokens: model.generate()'s loop after the steps, through the model's own
     DynamicCache: the generation's peak grows with the tokens by at least the cache they add

@@ -132,11 +132,15 @@ pub struct WholeRunArgs {
     /// load.
     #[arg(long)]
     resume: bool,
+    /// FSDP: the model loads on rank 0 and is broadcast one whole parameter at a time
+    /// (accelerate's cpu_ram_efficient_loading, sync_module_states; implies --whole-run).
+    #[arg(long)]
+    broadcast_load: bool,
 }
 
 impl WholeRunArgs {
-    /// The whole run the flags state: `--whole-run`, or any `--eval-*`, `--generate-*`, `--save`
-    /// or `--resume`.
+    /// The whole run the flags state: `--whole-run`, or any `--eval-*`, `--generate-*`, `--save`,
+    /// `--resume` or `--broadcast-load`.
     pub fn whole_run(&self) -> Option<WholeRun> {
         let evaluation = self.eval_batches.map(|batches| Evaluation {
             batches,
@@ -152,11 +156,13 @@ impl WholeRunArgs {
             prompt_len: self.generate_prompt_len,
         });
         let stated = evaluation.is_some() || generation.is_some();
-        (self.whole_run || stated || self.save.is_some() || self.resume).then_some(WholeRun {
+        let load = self.resume || self.broadcast_load;
+        (self.whole_run || stated || self.save.is_some() || load).then_some(WholeRun {
             evaluation,
             generation,
             save: self.save,
             resume: self.resume,
+            broadcast_load: self.broadcast_load,
         })
     }
 }

@@ -500,6 +500,10 @@ pub enum OptionError {
     )]
     WholeRunOneLength,
     #[error(
+        "broadcast_load (--broadcast-load): a load broadcast from rank 0 is FSDP's (--strategy fsdp)"
+    )]
+    BroadcastLoad,
+    #[error(
         "save (--save) full-offload: a ZeRO job saves its partitions (--save sharded) or its consolidated 16-bit weights, gathered module by module (--save full)"
     )]
     ZeroFullSave,
@@ -619,6 +623,13 @@ impl OptionValues {
             }
             if self.seq_lens.is_some() {
                 return Err(OptionError::WholeRunOneLength);
+            }
+            if run.broadcast_load
+                && !self
+                    .strategy
+                    .is_some_and(|s| s.engine().kind() == EngineKind::Fsdp)
+            {
+                return Err(OptionError::BroadcastLoad);
             }
             if run.save == Some(Save::FullOffload)
                 && self.strategy.is_some_and(|s| s.zero_stage().is_some())

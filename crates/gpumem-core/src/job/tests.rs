@@ -450,6 +450,17 @@ fn a_whole_run_is_stated_and_checked_as_the_job_document_spells_it() {
         serde_json::from_str(&zero.replace(r#""save":"full-offload""#, r#""resume":true"#))
             .unwrap();
     assert!(zero_resume.whole_run.unwrap().resume);
+    // A load broadcast from rank 0 is FSDP's.
+    let broadcast = r#"{"whole_run":{"broadcast_load":true}"#;
+    assert!(refused(&format!("{broadcast}}}")).contains("broadcast_load (--broadcast-load)"));
+    let on_zero =
+        format!(r#"{broadcast},"strategy":{{"kind":"zero","mesh":{{"shard":4}},"stage":2}}}}"#);
+    assert!(refused(&on_zero).contains("FSDP's"));
+    let fsdp: Options = serde_json::from_str(&format!(
+        r#"{broadcast},"strategy":{{"kind":"fsdp","mesh":{{"shard":4}}}}}}"#
+    ))
+    .unwrap();
+    assert!(fsdp.whole_run.unwrap().broadcast_load);
     let generating: Options =
         serde_json::from_str(r#"{"whole_run":{"generation":{"new_tokens":256,"batch_size":8}}}"#)
             .unwrap();

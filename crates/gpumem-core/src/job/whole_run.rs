@@ -34,6 +34,11 @@ pub struct WholeRun {
     /// in place).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub resume: bool,
+    /// FSDP: the model loads on rank 0 and is broadcast parameter by parameter
+    /// (accelerate's `cpu_ram_efficient_loading`, FSDP's `sync_module_states`): each rank's GPU
+    /// holds one whole parameter beside its shards while it loads.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub broadcast_load: bool,
 }
 
 /// Hugging Face Trainer's evaluation loop (`Trainer.evaluate`): the model in eval mode under

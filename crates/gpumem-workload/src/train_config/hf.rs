@@ -7,8 +7,8 @@ use gpumem_core::job::{
 use serde_json::Value;
 
 use super::{
-    CLIP, COMPILE, Class, Doc, EVAL, LIGER, Layout, PACKED, TRAINER_SAVE, Table, TrainConfig,
-    TrainConfigError, TrainerKind,
+    BROADCAST_LOAD, CLIP, COMPILE, Class, Doc, EVAL, LIGER, Layout, PACKED, TRAINER_SAVE, Table,
+    TrainConfig, TrainConfigError, TrainerKind,
 };
 use crate::deepspeed;
 
@@ -263,6 +263,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         generation,
         save,
         resume,
+        broadcast_load: false,
     });
     Ok(TABLE)
 }
@@ -596,11 +597,11 @@ pub(crate) fn fsdp(
     }
     // Rank 0 loads the model and broadcasts it parameter by parameter: each rank's GPU holds
     // one whole parameter beside its shards while it loads (accelerate's
-    // fsdp2_load_full_state_dict). The steps are the same; the load part does not model it.
+    // fsdp2_load_full_state_dict). The steps are the same.
     for name in ["cpu_ram_efficient_loading", "sync_module_states"] {
         for k in [c(name), c(&format!("fsdp_{name}"))] {
             match doc.flag(&k)? {
-                Some(true) => doc.not_modelled(&k, "the load's broadcast of each whole parameter from rank 0 is not modelled (the load part holds the shards alone)"),
+                Some(true) => doc.not_modelled(&k, BROADCAST_LOAD),
                 Some(false) => doc.no_memory(&k),
                 None => {}
             }

@@ -91,10 +91,6 @@ pub(crate) fn deepspeed(
     Ok(DEEPSPEED)
 }
 
-/// accelerate's FSDP load from rank 0 (where on): each rank's GPU holds one whole parameter beside
-/// its shards while it loads.
-const BROADCAST_LOAD: &str = "the load's broadcast of each whole parameter from rank 0 (where on) is not modelled: the load part holds the shards alone";
-
 pub(crate) const ACCELERATE: Table = &[
     ("compute_environment", Class::No),
     ("machine_rank", Class::No),
@@ -118,11 +114,11 @@ pub(crate) const ACCELERATE: Table = &[
     ("fsdp_config.fsdp_state_dict_type", Class::No),
     (
         "fsdp_config.fsdp_cpu_ram_efficient_loading",
-        Class::Not(BROADCAST_LOAD),
+        Class::Not(super::BROADCAST_LOAD),
     ),
     (
         "fsdp_config.fsdp_sync_module_states",
-        Class::Not(BROADCAST_LOAD),
+        Class::Not(super::BROADCAST_LOAD),
     ),
     ("fsdp_config.fsdp_use_orig_params", Class::No),
     ("fsdp_config.fsdp_min_num_params", Class::No),
