@@ -307,6 +307,7 @@ def litgpt_lora_targets(o, mid):
 def litgpt(n, r):
     s, o = r["strategy"], r["other_settings"]
     m = hub(r)
+    loop = ["--outputs", "kept"]  # R14
     if "thunder" in r["source"]:
         if "Thunder" in o:
             return no("thunder-compiler", "Lightning Thunder executors (nvFuser, torch.compile)")
@@ -316,14 +317,14 @@ def litgpt(n, r):
         elif "DDP" in s:
             st = "ddp"
         return run(m, "a100-40gb", r["micro_batch"], "allocated", seq=2048, precision="bf16", ckpt="off",
-                   strategy=st, world=r["n_gpus"] if st else None, extra=["--outputs", "kept"],  # R14
+                   strategy=st, world=r["n_gpus"] if st else None, extra=loop,
                    tags=["framework-model"] + (["fsdp1"] if st == "fsdp" else []))
     meas = "oom" if r["what_measured"].startswith("OOM") else "allocated"
     tags = ["framework-model", "varlen", "whole-run"]
-    loop = ["--outputs", "kept"]  # R14
     qlora = "nf4" in r["precision"]
-    # R2: Fabric's quantizer on the bitsandbytes litgpt pinned in 2024 (the README's runs).
-    quant = ",quant=nf4,double_quant=false,loader=fabric,bnb=0.42" if qlora else ""
+    # R2: Fabric's quantizer, on the bitsandbytes litgpt pinned through 2024 for rows of 2024.
+    pinned = ",bnb=0.42" if "(2024-" in r["source"] else ""
+    quant = ",quant=nf4,double_quant=false,loader=fabric" + pinned if qlora else ""
     lora = litgpt_lora_targets(o, m) + quant if "lora" in s else None
     gpu = "a10"  # A10G 24GB (config_hub README's GPU)
     if "FSDP" in s:

@@ -427,11 +427,11 @@ pub(crate) const SAVE: &str =
     "a config's checkpoint saving is not read yet: give --save to size it (docs/run.md)";
 /// The Hugging Face Trainer's saving keys beyond those read (`hf::saving`).
 pub(crate) const TRAINER_SAVE: &str = "checkpoints are sized from save_strategy/save_steps and FSDP's state_dict_type alone: saving the model without the optimizer, or reading the best one back, is not modelled (docs/run.md)";
-/// FSDP's load from rank 0 (where on; accelerate's and Hugging Face's configs): each rank's GPU holds one whole parameter beside
-/// its shards while it loads — sized in a whole run with --broadcast-load; a config does not
-/// turn the whole run on for it (the step's peak is above it but for the smallest batches).
+/// FSDP's load from rank 0 (where on; accelerate's and Hugging Face's configs): each rank's GPU
+/// holds one whole parameter beside its shards while it loads — sized in a whole run with
+/// --broadcast-load; a config does not turn the whole run on for it (the step's peak is above
+/// it but for the smallest batches).
 pub(crate) const BROADCAST_LOAD: &str = "the load's broadcast of each whole parameter from rank 0 is sized only with --broadcast-load (a whole run)";
-
 pub(crate) const COMPILE: &str = "torch.compile fuses kernels and changes what activations are kept; gpumem traces the eager step";
 pub(crate) const PACKED: &str = "packed batches (several sequences per row) are not in the job vocabulary yet; sized as one sequence of the full length per row, without a mask";
 /// Hugging Face's checkpointing (HF Trainer, TRL, axolotl): `gradient_checkpointing` `on`, with
