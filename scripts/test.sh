@@ -24,6 +24,7 @@ NEWEST="torch==2.15.0 torchvision==0.29.2 $COMMON"
 # libraries, which stay unused).
 TITAN="torch==2.10.0 torchtitan==0.2.2 torchtune==0.6.1 torchao==0.13.0 torchdata==0.11.0 datasets==5.2.0 tokenizers==0.23.3 tomli==2.5.0 fsspec==2026.9.0 tyro==1.0.17 tensorboard==2.21.0 einops==0.8.2 pillow==13.0.0 huggingface_hub==2.4.0 safetensors==0.8.0 kagglehub==1.0.3 sentencepiece==0.2.3 tiktoken==0.14.0 blobfile==3.3.0 omegaconf==2.4.0 psutil==7.2.2 pytest==9.2.0 numpy==2.4.6 jsonschema==4.25.1"
 RUFF="0.17.6"
+MATURIN="maturin==1.16.0"
 
 # venv PACKAGES [MODULES]: the cached environment's interpreter, installed on first use (and
 # again unless MODULES import); empty if the install failed.
@@ -68,6 +69,7 @@ if [ -z "${GPUMEM_PYTHON:-}" ]; then
   prefetch "$NEWEST"
 fi
 prefetch "$TITAN" "torch, torchtitan, torchtune, pytest"
+prefetch "$MATURIN" "maturin"
 
 # Lints, before anything slow: formatting, clippy (a dev-profile check build of every target,
 # warnings as errors), and ruff (lint and format, configured in python/pyproject.toml) from a
@@ -170,3 +172,26 @@ fi
 
 echo "== Rust tests (bridge against ${GPUMEM_PYTHON:-nothing})"
 cargo test --release --workspace
+
+# The gpumem-estimate wheel (scripts/wheel.sh: maturin over the same target/), installed into a
+# fresh virtual environment as a user installs it, torch taken from the pinned environment (a
+# .pth file: nothing downloaded again); its API tests (python/tests/test_api.py) run there, from
+# outside python/ so that `gpumem` is the installed package.
+if [ -n "${GPUMEM_PYTHON:-}" ]; then
+  awaited "$MATURIN" "maturin"
+  [ -n "$got" ] || { echo "FAILED: could not install $MATURIN"; exit 1; }
+  echo "== the gpumem-estimate wheel: build, install into a fresh venv, API tests"
+  wheels="$(mktemp -d)"
+  MATURIN="$(dirname "$got")/maturin" scripts/wheel.sh "$wheels" > /dev/null
+  fresh="$wheels/venv"
+  python3 -m venv "$fresh"
+  "$GPUMEM_PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+    > "$("$fresh/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch-from-pinned.pth"
+  "$fresh/bin/pip" install -q --no-deps --disable-pip-version-check "$wheels"/gpumem_estimate-*.whl
+  tests="$PWD/python/tests/test_api.py"
+  (cd "$wheels" && env -u GPUMEM_PYTHON GPUMEM_TEST_REQUIRE_WHEEL=1 PYTHONDONTWRITEBYTECODE=1 \
+    "$fresh/bin/python" -m pytest -q -p no:cacheprovider "$tests")
+  rm -rf "$wheels"
+else
+  echo "SKIPPED: the wheel's API tests (no PyTorch)"
+fi

@@ -258,7 +258,11 @@ def run(request):
                 raise TimedOut from e
             if isinstance(e, ReferenceError_):
                 return Failure("reference", str(e))
-            tb = traceback.extract_tb(e.__traceback__)  # the model's own failure
+            # The model's own failure, where the model's code is: the innermost frame outside
+            # torch and this tracer (else the innermost).
+            tb = traceback.extract_tb(e.__traceback__)
+            ours = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+            tb = [f for f in tb if not f.filename.startswith(ours)] or tb
             first_line = str(e).splitlines()[0] if str(e) else ""
             return Failure(
                 "model",

@@ -11,6 +11,7 @@ import importlib.util
 import inspect
 import json
 import re
+import sys
 
 import torch
 import torch.nn as nn
@@ -433,6 +434,12 @@ def hf_job(spec, ref, seq_len, attention_mask="none", attention=None):
         # constructor, stale ones kept as attributes the model does not read.
         mapped[k2] = v
     config = config_cls(**mapped)
+    _hf_config_defaults(config, name)
+    return hf_model_job(tr, name, ref, config, build(lambda: cls(config)), seq_len, attention_mask)
+
+
+def _hf_config_defaults(config, name):
+    """What a batch of several sequences needs of a config, as pretrained configs set it."""
     lower = name.lower()
     text = getattr(config, "text_config", None) or config
     for c in (config,) if text is config else (config, text):
@@ -449,7 +456,13 @@ def hf_job(spec, ref, seq_len, attention_mask="none", attention=None):
         config.decoder_start_token_id = (
             config.pad_token_id
         )  # labels are shifted right behind it, as pretrained configs set
-    model = build(lambda: cls(config))
+
+
+def hf_model_job(tr, name, ref, config, model, seq_len, attention_mask):
+    """The job of a built transformers model of class ``name``: trained the way its head trains,
+    on the input it reads (see ``hf_job``)."""
+    lower = name.lower()
+    text = getattr(config, "text_config", None) or config
     if (
         hasattr(model, "set_default_language")
         and getattr(config, "default_language", None) is None
@@ -649,6 +662,82 @@ def py_job(spec, ref, batch_hint):
     return Job(model, specs, lambda out, b: loss(out, b if len(b) > 1 else b[0]))
 
 
+# Live models: ``live:KEY`` names a model object the Python process holding it registered
+# (the gpumem package's ``estimate``), with the example batch it was given, if any. The tracer
+# runs in a fork of that process, where the object is.
+LIVE = {}
+
+
+def meta_copy(module):
+    """A copy of ``module`` whose parameters and buffers are meta tensors of the same shapes,
+    dtypes and sharing (tied weights stay tied); the original is not touched, nor its weights
+    copied."""
+    import copy
+
+    memo = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in memo:
+            meta = torch.empty_like(t, device="meta")
+            if isinstance(t, nn.Parameter):
+                meta = nn.Parameter(meta, requires_grad=t.requires_grad)
+            memo[id(t)] = meta
+    return copy.deepcopy(module, memo)
+
+
+def _example_job(model, example):
+    """A model of the user's own, trained on batches shaped like ``example`` (a tensor or a
+    tuple of them, batch first), its loss the mean of its first output tensor."""
+    tensors = [example] if isinstance(example, torch.Tensor) else list(example)
+
+    def first(out):
+        if isinstance(out, torch.Tensor):
+            return out
+        return first(next(iter(out.values())) if isinstance(out, dict) else out[0])
+
+    return Job(
+        model,
+        lambda b: [((b, *t.shape[1:]), t.dtype) for t in tensors],
+        lambda out, batch: first(out).float().mean(),
+        forward=lambda m, b: m(*b),
+    )
+
+
+def live_job(key, ref, input_shape, seq_len, attention_mask, attention):
+    """``live:KEY``: the registered model, copied to meta, trained as its library trains it
+    (Hugging Face, timm, torchvision) or on its example batch."""
+    if key not in LIVE:
+        raise ReferenceError_(f"{ref}: no live model of this key in this process")
+    module, example = LIVE[key]
+    model = meta_copy(module)
+    if attention:
+        raise ReferenceError_(
+            f"{ref}: --attention applies to references; set the live model's own attn_implementation"
+        )
+    if example is not None:
+        return _example_job(model, example)
+    tr = importlib.import_module("transformers") if "transformers" in sys.modules else None
+    if tr is not None and isinstance(model, tr.PreTrainedModel):
+        name = type(model).__name__
+        _hf_config_defaults(model.config, name)
+        return hf_model_job(tr, name, ref, model.config, model, seq_len, attention_mask)
+    if attention_mask != "none":
+        raise ReferenceError_(f"--attention-mask applies to Hugging Face models, not `{ref}`")
+    cfg = getattr(model, "pretrained_cfg", None)
+    if isinstance(cfg, dict) and type(model).__module__.startswith("timm."):
+        shape = input_shape or tuple(cfg.get("input_size", (3, 224, 224)))
+        return _classification(model, shape, getattr(model, "num_classes", 1000) or 1000)
+    where = type(model).__module__
+    if where.startswith("torchvision.models"):
+        if ".segmentation." in where:
+            return _segmentation(model, input_shape or (3, 520, 520))
+        if ".video." in where:
+            return _classification(model, input_shape or (3, 16, 112, 112), 400)
+        return _classification(model, input_shape or (3, 224, 224), 1000)
+    raise ReferenceError_(
+        f"{type(module).__name__} is not a Hugging Face, timm or torchvision model: give input= (an example batch)"
+    )
+
+
 def resolve(
     ref, input_shape=None, seq_len=None, batch_hint=2, attention_mask="none", attention=None
 ):
@@ -658,7 +747,7 @@ def resolve(
             f"`{ref}` is not a model reference (torchvision:NAME, timm:NAME, hf:CLASS(...), smp:ARCH(...), torchtitan:MODEL(flavor=...), py:FILE:FUNCTION)"
         )
     for flag, given in (("--attention-mask", attention_mask != "none"), ("--attention", attention)):
-        if given and kind != "hf":
+        if given and kind not in ("hf", "live"):
             raise ReferenceError_(f"{flag} applies to Hugging Face models (hf:), not `{ref}`")
     if kind == "torchvision":
         return torchvision_job(spec, ref, input_shape)
@@ -672,6 +761,8 @@ def resolve(
         return py_job(spec, ref, batch_hint)
     if kind == "torchtitan":
         return torchtitan_job(spec, ref, seq_len)
+    if kind == "live":
+        return live_job(spec, ref, input_shape, seq_len, attention_mask, attention)
     raise ReferenceError_(
         f"unknown model source `{kind}` in `{ref}` (expected torchvision, timm, hf, smp, torchtitan or py)"
     )

@@ -17,7 +17,6 @@ use gpumem_core::model::ModelError;
 use gpumem_core::profile::{self, GpuProfile};
 use gpumem_core::search::SearchError;
 use gpumem_core::trace::Trace;
-use gpumem_core::units::bytes_to_mib;
 use gpumem_learn::{Hybrid, LearnedModel};
 use gpumem_torch::{BridgeError, TorchTracer};
 use gpumem_workload::deepspeed;
@@ -897,10 +896,7 @@ pub fn read_rows(path: &Path) -> CliResult<gpumem_core::dataset::Rows> {
         .map_err(CliError::input)
 }
 
-/// Bytes as MiB rounded to 0.1, for JSON output.
-pub fn mib(b: u64) -> f64 {
-    (bytes_to_mib(b) * 10.0).round() / 10.0
-}
+pub use gpumem_core::units::mib;
 
 /// The trace of a measured row's job (its own options over `defaults`). `Err(reason)` inside
 /// `Ok` means the row cannot be modelled here and is skipped: its model is not one gpumem can

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use gpumem_core::estimate::{Breakdown, Estimate, Estimator, PeakAt, Replay};
+use gpumem_core::estimate::{Breakdown, Estimate, Estimator, Replay};
 use gpumem_core::families::ModelSpec;
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::trace::Trace;
@@ -12,6 +12,7 @@ use gpumem_core::utilization::{HostModel, Utilization, physical};
 use gpumem_core::workspace::WorkspaceSource;
 use gpumem_learn::{LearnedModel, Sample, Target};
 use gpumem_workload::ModelRef;
+use gpumem_workload::report::EstimateReport;
 use serde::Serialize;
 
 use crate::args::{EstimatorArgs, GpuChoice, ModelArg, WorkloadArgs, mib};
@@ -102,135 +103,6 @@ fn learned(
     Ok(out)
 }
 
-/// The stable JSON output of `estimate`.
-#[derive(Serialize)]
-struct EstimateJson<'a> {
-    model: String,
-    batch_size: u64,
-    estimator: &'a str,
-    gpu: &'a str,
-    peak_mib: f64,
-    peak_bytes: u64,
-    upper_bound_mib: f64,
-    upper_bound_bytes: u64,
-    capacity_mib: f64,
-    fits: bool,
-    upper_bound_fits: bool,
-    breakdown: serde_json::Map<String, serde_json::Value>,
-    breakdown_bytes: &'a gpumem_core::estimate::Breakdown,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    peak_at: Option<&'a PeakAt>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    reserved_peak: Option<MomentJson<'a>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    allocator: Option<&'a gpumem_core::allocator::AllocatorStats>,
-    /// Where the convolution workspaces' sizes came from: probed, fitted or default.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    workspace_source: Option<gpumem_core::workspace::WorkspaceSource>,
-    /// bitsandbytes' paged optimizer state (CUDA managed memory), outside the peak.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    host_backed_mib: Option<f64>,
-    /// Run-average DCGM fields (physical model, or learned models where given).
-    utilization: UtilizationJson,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    learned: Vec<LearnedJson>,
-    /// Present where the spec means more than one network: each reading, sized; the answer
-    /// above is the largest (its bound, the largest bound).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    ambiguity: Option<AmbiguityJson>,
-    /// A ZeRO-2/3 job: DeepSpeed's own model-state figure, beside this estimate.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    deepspeed: Option<DeepSpeedJson>,
-    /// A job whose sequence length varies by step: its lengths and the run's reserved memory
-    /// against its longest step's and the bound over any order.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    run: Option<&'a gpumem_core::run::RunReport>,
-    /// A whole run (--whole-run): each part's peak, in the order the run reaches them.
-    #[serde(skip_serializing_if = "<[_]>::is_empty")]
-    phases: &'a [gpumem_core::estimate::PhasePeak],
-    /// --train-config: its kind, and every key used, not modelled (why) or not bearing on memory.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    train_config: Option<serde_json::Value>,
-}
-
-/// What DeepSpeed's `estimate_zero*_model_states_mem_needs` gives for the job: model states
-/// only (no activations, buffers or allocator), for comparison.
-#[derive(Serialize)]
-struct DeepSpeedJson {
-    formula: &'static str,
-    gpu_mib: f64,
-    gpu_bytes: u64,
-    cpu_mib: f64,
-    cpu_bytes: u64,
-}
-
-fn deepspeed_json(
-    strategy: Option<gpumem_workload::Strategy>,
-    header: &gpumem_core::trace::TraceHeader,
-) -> Option<DeepSpeedJson> {
-    let strategy = strategy?;
-    let states = gpumem_workload::deepspeed::model_states(
-        strategy,
-        header.parameters?,
-        header.largest_layer_parameters.unwrap_or(0),
-    )?;
-    let formula = if strategy.name() == "zero2" {
-        "estimate_zero2_model_states_mem_needs"
-    } else {
-        "estimate_zero3_model_states_mem_needs"
-    };
-    Some(DeepSpeedJson {
-        formula,
-        gpu_mib: mib(states.gpu_bytes),
-        gpu_bytes: states.gpu_bytes,
-        cpu_mib: mib(states.cpu_bytes),
-        cpu_bytes: states.cpu_bytes,
-    })
-}
-
-/// Why a spec is ambiguous, and what each of its readings needs.
-#[derive(Serialize)]
-struct AmbiguityJson {
-    note: &'static str,
-    readings: Vec<ReadingJson>,
-}
-
-#[derive(Serialize)]
-struct ReadingJson {
-    model: String,
-    peak_mib: f64,
-    upper_bound_mib: f64,
-}
-
-const DENSE_AMBIGUITY: &str = "a dense CNN without pool_every: the seed's runs drew the transition interval at random (5 or the depth rule); both networks are sized and the larger is given (add pool_every=5 or pool_every=0 to choose)";
-
-/// The breakdown at the peak of reserved memory, where it is not the allocated peak's.
-#[derive(Serialize)]
-struct MomentJson<'a> {
-    peak_at: &'a PeakAt,
-    allocated_mib: f64,
-    reserved_mib: f64,
-    breakdown: serde_json::Map<String, serde_json::Value>,
-    breakdown_bytes: &'a Breakdown,
-}
-
-fn breakdown_mib(b: &Breakdown) -> serde_json::Map<String, serde_json::Value> {
-    b.items()
-        .iter()
-        .map(|(k, v)| (format!("{k}_mib"), serde_json::json!(mib(*v))))
-        .collect()
-}
-
-#[derive(Serialize)]
-struct UtilizationJson {
-    smact: f64,
-    smocc: f64,
-    gract: f64,
-    dram: f64,
-    fp32: f64,
-    step_ms: f64,
-}
-
 pub fn estimate(a: EstimateArgs) -> CliResult {
     let profile = a.gpu.load()?;
     let batch = a.batch.or(a.workload.stated_batch()?);
@@ -291,18 +163,6 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             )
         }
     };
-    let deepspeed = deepspeed_json(strategy, &trace.header);
-    let ambiguity = (readings.len() > 1).then(|| AmbiguityJson {
-        note: DENSE_AMBIGUITY,
-        readings: readings
-            .iter()
-            .map(|r| ReadingJson {
-                model: r.model.clone(),
-                peak_mib: mib(r.peak_bytes),
-                upper_bound_mib: mib(r.upper_bound_bytes),
-            })
-            .collect(),
-    });
     if !models.is_empty() && native.is_none() {
         return Err(learned_needs_native());
     }
@@ -325,50 +185,17 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
         Some(spec) => learned(&models, spec, &trace, &profile, &mut util)?,
         None => Vec::new(),
     };
+    let mut report = EstimateReport::new(&trace, &est, &util, strategy, &readings, run);
     if a.json {
-        let out = EstimateJson {
-            model: model_name,
-            batch_size: trace.header.batch_size,
-            estimator: est.estimator,
-            gpu: &est.gpu,
-            peak_mib: mib(est.peak_bytes),
-            peak_bytes: est.peak_bytes,
-            upper_bound_mib: mib(est.upper_bound_bytes),
-            upper_bound_bytes: est.upper_bound_bytes,
-            capacity_mib: mib(est.capacity_bytes),
-            fits: est.fits,
-            upper_bound_fits: est.upper_bound_bytes <= est.capacity_bytes,
-            breakdown: breakdown_mib(&est.breakdown),
-            breakdown_bytes: &est.breakdown,
-            peak_at: est.peak_at.as_ref(),
-            reserved_peak: est.reserved_peak.as_ref().map(|m| MomentJson {
-                peak_at: &m.at,
-                allocated_mib: mib(m.allocated),
-                reserved_mib: mib(m.reserved),
-                breakdown: breakdown_mib(&m.breakdown),
-                breakdown_bytes: &m.breakdown,
-            }),
-            allocator: est.allocator.as_ref(),
-            workspace_source: est.workspace_source,
-            host_backed_mib: (est.host_backed_bytes > 0).then(|| mib(est.host_backed_bytes)),
-            utilization: UtilizationJson {
-                smact: util.smact,
-                smocc: util.smocc,
-                gract: util.gract,
-                dram: util.dram,
-                fp32: util.fp32,
-                step_ms: util.step_s * 1e3,
-            },
-            phases: &est.phases,
-            learned,
-            ambiguity,
-            deepspeed,
-            run: run.as_ref(),
-            train_config: a.workload.train_config_json(&overrides)?,
-        };
+        report.learned = learned
+            .iter()
+            .map(serde_json::to_value)
+            .collect::<Result<_, _>>()
+            .map_err(CliError::other)?;
+        report.train_config = a.workload.train_config_json(&overrides)?;
         println!(
             "{}",
-            serde_json::to_string_pretty(&out).map_err(CliError::other)?
+            serde_json::to_string_pretty(&report).map_err(CliError::other)?
         );
         return Ok(());
     }
@@ -379,10 +206,10 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
         &profile,
         &est,
     );
-    if let Some(r) = &run {
+    if let Some(r) = &report.run {
         print_run(r);
     }
-    if let Some(a) = &ambiguity {
+    if let Some(a) = &report.ambiguity {
         println!("note         {}", a.note);
         for r in &a.readings {
             println!(
@@ -391,7 +218,7 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             );
         }
     }
-    if let Some(d) = &deepspeed {
+    if let Some(d) = &report.deepspeed {
         println!(
             "deepspeed    {}: {:.1} MiB per GPU (model states only), {:.1} MiB host",
             d.formula, d.gpu_mib, d.cpu_mib

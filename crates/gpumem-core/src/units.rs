@@ -19,3 +19,8 @@ pub fn whole_mib(bytes: u64) -> u64 {
 pub fn bytes_to_mib(bytes: u64) -> f64 {
     bytes as f64 / MIB as f64
 }
+
+/// Bytes to MiB to one decimal: the MiB figures of machine output (beside the exact bytes).
+pub fn mib(bytes: u64) -> f64 {
+    (bytes_to_mib(bytes) * 10.0).round() / 10.0
+}

@@ -11,7 +11,7 @@ use std::fs;
 use std::io::{BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, UNIX_EPOCH};
 
 use gpumem_core::depth;
 use gpumem_core::job::Options;
@@ -128,6 +128,27 @@ const SOURCES: [(&str, &str); 26] = [
 
 mod pool;
 pub mod probe;
+
+/// The tracer of the process gpumem runs in, where that process is Python (the `gpumem`
+/// package's): it traces a request in a fork of itself, where the user's live model objects
+/// are (`live:` references), as the pool traces in forks of its own. Set once, by the host.
+pub trait HostTracer: Send + Sync {
+    /// Runs the tracer's `request` with its output into `log`: its exit code (`None`: a signal
+    /// ended it), or `None` where it outlived `deadline` and was killed.
+    fn run(
+        &self,
+        request: &serde_json::Value,
+        log: &Path,
+        deadline: Duration,
+    ) -> Option<Option<i32>>;
+}
+
+static HOST: std::sync::OnceLock<Box<dyn HostTracer>> = std::sync::OnceLock::new();
+
+/// Makes `tracer` this process's host tracer; `false` where one is set already.
+pub fn set_host_tracer(tracer: Box<dyn HostTracer>) -> bool {
+    HOST.set(tracer).is_ok()
+}
 
 /// What to trace: a PyTorch reference at a batch size, the typed options of its loop, and what
 /// the tracer needs of the target GPU. Built from a workload (`gpumem-workload`), or directly by
@@ -376,12 +397,20 @@ fn tail(text: &str, lines: usize) -> String {
 }
 
 impl TorchTracer {
-    /// Interpreter from `GPUMEM_PYTHON` (else `python3`); cache under `GPUMEM_CACHE`, else
-    /// `$XDG_CACHE_HOME/gpumem`, else `~/.cache/gpumem`.
+    /// Interpreter from `GPUMEM_PYTHON`, else the `python` beside this program (the virtual
+    /// environment the gpumem-estimate wheel installed it into), else `python3`; cache under
+    /// `GPUMEM_CACHE`, else `$XDG_CACHE_HOME/gpumem`, else `~/.cache/gpumem`.
     pub fn from_env() -> Self {
+        let beside = || {
+            let exe = std::env::current_exe().ok()?;
+            let python = exe.parent()?.join("python");
+            let venv = exe.parent()?.parent()?.join("pyvenv.cfg");
+            (venv.exists() && python.exists()).then(|| python.to_string_lossy().into_owned())
+        };
         let python = std::env::var("GPUMEM_PYTHON")
             .ok()
             .filter(|s| !s.is_empty())
+            .or_else(beside)
             .unwrap_or_else(|| "python3".into());
         let cache_dir = std::env::var_os("GPUMEM_CACHE")
             .map(PathBuf::from)
@@ -878,7 +907,17 @@ impl TorchTracer {
                 std::io::Error::new(std::io::ErrorKind::InvalidData, e),
             )
         })?;
-        let pooled = self.pool().and_then(|p| p.run(&doc, &log, deadline).ok());
+        let pooled = if req.model.starts_with(gpumem_core::job::LIVE_PREFIX) {
+            let host = HOST.get().ok_or_else(|| {
+                BridgeError::Reference(format!(
+                    "{}: a live model is traced only by the Python process that holds it (the gpumem package's estimate)",
+                    req.model
+                ))
+            })?;
+            Some(host.run(&doc, &log, deadline))
+        } else {
+            self.pool().and_then(|p| p.run(&doc, &log, deadline).ok())
+        };
         let ended = match pooled {
             Some(ended) => {
                 let stderr = fs::read_to_string(&log).unwrap_or_default();

@@ -28,6 +28,7 @@ pub mod accelerate;
 pub mod deepspeed;
 pub mod launch;
 pub mod plan;
+pub mod report;
 pub mod train_config;
 
 /// Why a workload could not be made or traced.
@@ -112,6 +113,25 @@ pub struct Sizing {
     pub trace: Trace,
     pub estimate: Estimate,
     pub readings: Vec<Reading>,
+}
+
+impl Sizing {
+    /// The machine report of the sizing on `profile` (utilization by the physical model).
+    pub fn report(&self, profile: &GpuProfile) -> report::EstimateReport {
+        let util = gpumem_core::utilization::physical(
+            &self.trace,
+            profile,
+            &gpumem_core::utilization::HostModel::default(),
+        );
+        report::EstimateReport::new(
+            &self.trace,
+            &self.estimate,
+            &util,
+            self.workload.options().strategy,
+            &self.readings,
+            None,
+        )
+    }
 }
 
 /// A run of steps whose sequence length varies, sized (see [`Workload::run`]).

@@ -32,9 +32,20 @@ pub use optim::{
 };
 pub use whole_run::{Evaluation, EvaluationError, Generation, GenerationError, WholeRun};
 
-/// Prefixes of model references only the PyTorch tracer can resolve.
-pub const TORCH_PREFIXES: [&str; 6] =
-    ["torchvision:", "timm:", "hf:", "smp:", "py:", "torchtitan:"];
+/// Prefixes of model references only the PyTorch tracer can resolve. `live:` names a model
+/// object in the Python process that asks (the Python API's), traced there and nowhere else.
+pub const TORCH_PREFIXES: [&str; 7] = [
+    "torchvision:",
+    "timm:",
+    "hf:",
+    "smp:",
+    "py:",
+    "torchtitan:",
+    LIVE_PREFIX,
+];
+
+/// The prefix of a live model: `live:KEY`, KEY its fingerprint in the process that holds it.
+pub const LIVE_PREFIX: &str = "live:";
 
 /// The native families' spec prefixes (before the `:`): the models gpumem builds itself.
 pub const NATIVE_FAMILIES: [&str; 3] = ["mlp", "cnn", "transformer"];

@@ -1,0 +1,291 @@
+"""gpumem: how much GPU memory a training job will take, as nvidia-smi will show it, before it
+touches a GPU — from Python, in-process.
+
+    import gpumem, torchvision
+    est = gpumem.estimate(torchvision.models.resnet50(), batch=64, gpu="h100-80gb-sxm")
+    est.peak, est.upper_bound, est.fits, est.breakdown
+
+``model`` is a live ``torch.nn.Module`` (on any device: a meta copy of it is traced, in a fork
+of this process, and the model itself is never touched), a model reference as the ``gpumem``
+command takes it (``torchvision:resnet50``, ``timm:...``, ``hf:CLASS(...)``, ``py:FILE:FN``), a
+Hugging Face Hub id or a ``config.json`` path. The answer is the one ``gpumem estimate --json``
+gives for the same job, to the byte: the same Rust core sizes it, in this process (the
+interpreter's lock released meanwhile). docs/python.md has the whole API.
+"""
+
+import builtins
+import html
+import json
+import os
+import sys
+
+from . import _host, _native
+
+__version__ = _native.__version__
+__all__ = [
+    "Estimate",
+    "estimate",
+    "max_batch",
+    "gpus",
+    "Error",
+    "InputError",
+    "ModelError",
+    "TimeoutError",
+    "PythonError",
+]
+
+
+class Error(Exception):
+    """Every failure gpumem raises."""
+
+
+class InputError(Error, ValueError):
+    """The job as stated is wrong: its model, an option, the GPU."""
+
+
+class ModelError(Error):
+    """The model failed while it was traced (the message says where)."""
+
+
+class TimeoutError(Error, builtins.TimeoutError):  # noqa: A001 - gpumem.TimeoutError by design
+    """The trace outlived its deadline (GPUMEM_TRACE_TIMEOUT seconds, 900 by default)."""
+
+
+class PythonError(Error):
+    """This interpreter cannot trace: torch missing or too old."""
+
+
+_ERRORS = {
+    "input": InputError,
+    "model": ModelError,
+    "timeout": TimeoutError,
+    "python": PythonError,
+    "other": Error,
+}
+
+# References are traced by this interpreter (in a process of its own, as the command does);
+# live models in forks of this process (``_host.run``).
+os.environ.setdefault("GPUMEM_PYTHON", sys.executable)
+_native.set_host_tracer(_host.run)
+
+
+def _call(fn, *args):
+    try:
+        return json.loads(fn(*args))
+    except _native.NativeError as e:
+        kind, message = e.args
+        raise _ERRORS[kind](message) from None
+
+
+DEFAULT_GPU = "a100-40gb"  # the command's default
+
+
+class Estimate:
+    """One job's estimate: ``peak`` (bytes, as nvidia-smi will show it), ``upper_bound``
+    (bytes: the true peak should not exceed it), ``fits``, ``breakdown`` (bytes by category at
+    the peak), ``peak_at`` (where in the step), ``to_dict()`` (``gpumem estimate --json``)."""
+
+    def __init__(self, report):
+        self._report = report
+
+    @property
+    def peak(self):
+        return self._report["peak_bytes"]
+
+    @property
+    def upper_bound(self):
+        return self._report["upper_bound_bytes"]
+
+    @property
+    def fits(self):
+        return self._report["fits"]
+
+    @property
+    def upper_bound_fits(self):
+        return self._report["upper_bound_fits"]
+
+    @property
+    def gpu(self):
+        return self._report["gpu"]
+
+    @property
+    def capacity_mib(self):
+        return self._report["capacity_mib"]
+
+    @property
+    def breakdown(self):
+        return dict(self._report["breakdown_bytes"])
+
+    @property
+    def peak_at(self):
+        return self._report.get("peak_at")
+
+    def to_dict(self):
+        return json.loads(json.dumps(self._report))
+
+    def __repr__(self):
+        mib = 1 << 20
+        return (
+            f"Estimate(peak={self.peak / mib:.1f} MiB, upper_bound={self.upper_bound / mib:.1f} MiB, "
+            f"gpu={self.gpu!r} ({self.capacity_mib:.0f} MiB), fits={self.fits})"
+        )
+
+    def _repr_html_(self):
+        """The breakdown at the peak as a bar chart, for notebooks."""
+        mib = 1 << 20
+        parts = [(k, v) for k, v in self._report["breakdown_bytes"].items() if v > 0]
+        largest = max((v for _, v in parts), default=1)
+        rows = "".join(
+            f"<tr><td>{html.escape(k)}</td><td style='text-align:right'>{v / mib:,.1f} MiB</td>"
+            f"<td><div style='background:#4c78a8;height:0.8em;width:{200 * v / largest:.0f}px'>"
+            "</div></td></tr>"
+            for k, v in parts
+        )
+        verdict = "fits" if self.fits else "does NOT fit"
+        return (
+            f"<div><b>{html.escape(self._report['model'])}</b>, batch {self._report['batch_size']}"
+            f" on {html.escape(self.gpu)}: peak <b>{self.peak / mib:,.1f} MiB</b>, upper bound "
+            f"{self.upper_bound / mib:,.1f} MiB of {self.capacity_mib:,.0f} MiB — {verdict}"
+            f"<table>{rows}</table></div>"
+        )
+
+
+def _job(
+    model, input, seq_len, optimizer, precision, strategy, world_size, lora, checkpointing, options
+):
+    """The model's reference and the job document's options of a call."""
+    doc = {"optimizer": optimizer, "precision": precision, "checkpointing": checkpointing}
+    example = None
+    if input is not None:
+        if isinstance(input, (tuple, list)) and input and all(isinstance(n, int) for n in input):
+            doc["input"] = "x".join(str(n) for n in input)
+        else:
+            example = input
+    if seq_len is not None:
+        doc["seq_len"] = seq_len
+    if lora is not None:
+        doc["lora"] = lora
+    if strategy is not None:
+        doc["strategy"] = _strategy(strategy, world_size)
+    elif world_size not in (None, 1):
+        raise InputError(f"world_size={world_size} without a strategy (ddp, fsdp, zero1..zero3)")
+    doc.update(options or {})
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if isinstance(model, str):
+        if example is not None:
+            raise InputError("input= as an example batch applies to a live model, not a reference")
+        reference = model
+    else:
+        import torch
+
+        if not isinstance(model, torch.nn.Module):
+            raise InputError(
+                f"model must be a torch.nn.Module, a reference or a Hub id, not {type(model).__name__}"
+            )
+        try:
+            reference = _host.register(model, example)
+        except ValueError as e:
+            raise InputError(str(e)) from None
+    return reference, json.dumps(doc)
+
+
+def _strategy(strategy, world_size):
+    """``ddp``, ``fsdp``, ``zero1``..``zero3`` over ``world_size`` ranks, or the job document's
+    own strategy table (a dict)."""
+    if isinstance(strategy, dict):
+        return strategy
+    if world_size is None:
+        raise InputError(f"strategy={strategy!r} needs world_size")
+    name = str(strategy)
+    if name.startswith("zero") and name[4:].isdigit():
+        return {"kind": "zero", "stage": int(name[4:]), "world_size": world_size}
+    return {"kind": name, "world_size": world_size}
+
+
+def _profile(profile):
+    if profile is None:
+        return None
+    try:
+        with open(profile) as f:
+            return f.read()
+    except OSError as e:
+        raise InputError(f"profile {profile}: {e.strerror}") from None
+
+
+def estimate(
+    model,
+    *,
+    batch,
+    seq_len=None,
+    input=None,
+    optimizer="adamw",
+    precision="fp32",
+    gpu=DEFAULT_GPU,
+    profile=None,
+    strategy=None,
+    world_size=None,
+    lora=None,
+    checkpointing=False,
+    options=None,
+):
+    """The job's peak on ``gpu`` (a built-in profile, see ``gpus()``; ``profile``: a profile
+    TOML, such as ``gpumem calibrate`` writes, instead). ``batch`` is one rank's batch.
+    ``input``: an image model's ``(C, H, W)``, or for a live model of your own an example batch
+    (a tensor or tuple of tensors, batch first), which it is trained on with the mean of its first
+    output as the loss. ``strategy``: ``ddp``, ``fsdp``, ``zero1``..``zero3`` with
+    ``world_size``, or the job document's strategy table. ``lora``: the job document's LoRA
+    table (``{"rank": 16, "alpha": 32, "targets": ["q_proj", "v_proj"]}``). ``options``: any
+    other job-document options (``grad_accum``, ``outputs``, ``whole_run``, …; docs/json.md)."""
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise InputError(f"batch must be a positive whole number, not {batch!r}")
+    reference, doc = _job(
+        model,
+        input,
+        seq_len,
+        optimizer,
+        precision,
+        strategy,
+        world_size,
+        lora,
+        checkpointing,
+        options,
+    )
+    return Estimate(_call(_native.estimate, reference, batch, doc, gpu, _profile(profile)))
+
+
+def max_batch(
+    model,
+    *,
+    seq_len=None,
+    input=None,
+    optimizer="adamw",
+    precision="fp32",
+    gpu=DEFAULT_GPU,
+    profile=None,
+    strategy=None,
+    world_size=None,
+    lora=None,
+    checkpointing=False,
+    options=None,
+):
+    """The largest per-rank batch whose upper bound fits on ``gpu`` (0: not even one); the
+    job's other options as ``estimate`` takes them."""
+    reference, doc = _job(
+        model,
+        input,
+        seq_len,
+        optimizer,
+        precision,
+        strategy,
+        world_size,
+        lora,
+        checkpointing,
+        options,
+    )
+    return _call(_native.max_batch, reference, doc, gpu, _profile(profile))["max_batch"]
+
+
+def gpus():
+    """The built-in GPU profiles, as ``gpumem gpus --json`` lists them."""
+    return _call(_native.gpus)

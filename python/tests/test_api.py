@@ -1,0 +1,204 @@
+"""The gpumem package as a user installs it (the gpumem-estimate wheel, scripts/wheel.sh): its
+API answers what the `gpumem` command in the same wheel answers for the same job, to the byte;
+live model objects are sized as their references are and left untouched; failures are typed.
+
+Run from outside python/ with the wheel's environment (scripts/test.sh does), so that `gpumem`
+is the installed package; elsewhere these tests skip, unless GPUMEM_TEST_REQUIRE_WHEEL is set."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+if os.environ.get("GPUMEM_TEST_REQUIRE_WHEEL"):
+    import gpumem
+else:
+    gpumem = pytest.importorskip("gpumem", reason="the gpumem wheel is not installed here")
+torch = pytest.importorskip("torch")
+
+GPT2 = "n_layer=2,n_embd=128,n_head=4,vocab_size=1000,n_positions=256"
+LORA = {"rank": 8, "alpha": 16, "targets": ["c_attn"]}
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test traces afresh (the command and the package share this cache)."""
+    monkeypatch.setenv("GPUMEM_CACHE", str(tmp_path / "cache"))
+
+
+def command(*args):
+    """The `gpumem` command the wheel installed beside this interpreter, its JSON answer."""
+    exe = os.path.join(os.path.dirname(sys.executable), "gpumem")
+    out = subprocess.run([exe, *args, "--json"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_the_wheel_installs_the_real_command_and_the_installed_package():
+    exe = shutil.which("gpumem", path=os.path.dirname(sys.executable))
+    with open(exe, "rb") as f:
+        assert f.read(4) == b"\x7fELF"  # the Rust binary, not a Python shim
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert not gpumem.__file__.startswith(here)  # the wheel's, not python/gpumem
+    assert any(g["name"] == "h100-80gb-sxm" for g in gpumem.gpus())
+
+
+CASES = [
+    (
+        "torchvision:resnet18",
+        dict(batch=8, optimizer="adam", strategy="ddp", world_size=2),
+        ["--batch", "8", "--optimizer", "adam", "--strategy", "ddp", "--world-size", "2"],
+    ),
+    (
+        "timm:resnet18",
+        dict(batch=4, optimizer="sgd", precision="amp-bf16", gpu="h100-80gb-sxm"),
+        ["--batch", "4", "--optimizer", "sgd", "--precision", "amp-bf16"]
+        + ["--gpu", "h100-80gb-sxm"],
+    ),
+    (
+        f"hf:GPT2LMHeadModel({GPT2})",
+        dict(batch=4, seq_len=128, lora=LORA, strategy="fsdp", world_size=2),
+        ["--batch", "4", "--seq-len", "128", "--lora", "r=8,alpha=16,targets=c_attn"]
+        + ["--strategy", "fsdp", "--world-size", "2", "--optimizer", "adamw"],
+    ),
+]
+
+
+@pytest.mark.parametrize("ref,kwargs,flags", CASES, ids=[c[0].split("(")[0] for c in CASES])
+def test_estimate_equals_the_command_to_the_byte(ref, kwargs, flags):
+    assert gpumem.estimate(ref, **kwargs).to_dict() == command("estimate", ref, *flags)
+
+
+def live(ref):
+    """The model a user would hold for the reference: built on the CPU, weights initialised."""
+    if ref.startswith("torchvision:"):
+        import torchvision
+
+        return torchvision.models.resnet18()
+    if ref.startswith("timm:"):
+        import timm
+
+        return timm.create_model("resnet18")
+    import transformers
+
+    keys = dict(kv.split("=") for kv in GPT2.split(","))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(**{k: int(v) for k, v in keys.items()})
+    )
+
+
+@pytest.mark.parametrize("ref,kwargs,flags", CASES, ids=[c[0].split("(")[0] for c in CASES])
+def test_a_live_model_is_sized_as_its_reference_and_left_untouched(ref, kwargs, flags):
+    model = live(ref)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {k: p.requires_grad for k, p in model.named_parameters()}
+    got = gpumem.estimate(model, **kwargs).to_dict()
+    want = gpumem.estimate(ref, **kwargs).to_dict()
+    assert got.pop("model").startswith("live:") and want.pop("model") == ref
+    assert got == want
+    after = model.state_dict()
+    assert all(v.device.type == "cpu" and torch.equal(v, before[k]) for k, v in after.items())
+    assert {k: p.requires_grad for k, p in model.named_parameters()} == grads
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, width=256):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, width), torch.nn.Linear(width, 10)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_model_of_ones_own_trains_on_its_example_batch():
+    small = gpumem.estimate(Mlp(), batch=64, input=torch.randn(2, 64))
+    large = gpumem.estimate(Mlp(), batch=4096, input=torch.randn(2, 64))
+    # At the peak, in backward through the ReLU: each sample's 64 inputs, the 256 ReLU outputs
+    # kept for backward, and the 2 × 256 gradients flowing back, 4 bytes each.
+    grow = lambda part: large.breakdown[part] - small.breakdown[part]
+    assert grow("input_batch") == 4032 * 64 * 4
+    assert grow("activations") >= 4032 * 256 * 4 and grow("temporaries") >= 4032 * 512 * 4
+    assert large.peak - small.peak >= 4032 * (64 + 256 + 512) * 4
+    wider = gpumem.estimate(Mlp(4096), batch=64, input=torch.randn(2, 64))
+    assert (
+        wider.breakdown["parameters"] >= (64 * 4096 + 4096 * 10) * 4 > small.breakdown["parameters"]
+    )
+
+
+def test_max_batch_equals_the_command():
+    kwargs = dict(optimizer="adam", gpu="t4")
+    got = gpumem.max_batch("torchvision:resnet18", **kwargs)
+    want = command("max-batch", "torchvision:resnet18", "--optimizer", "adam", "--gpu", "t4")
+    assert got == want["max_batch"] > 0
+    at = gpumem.estimate("torchvision:resnet18", batch=got, **kwargs)
+    over = gpumem.estimate("torchvision:resnet18", batch=got + 1, **kwargs)
+    assert at.upper_bound_fits and not over.upper_bound_fits
+
+
+class Broken(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x).view(-1, 7)  # 8 does not divide by 7
+
+
+def test_each_failure_has_its_own_exception():
+    with pytest.raises(gpumem.InputError, match="nosuchnet"):
+        gpumem.estimate("torchvision:nosuchnet", batch=1)
+    with pytest.raises(gpumem.InputError, match="no-such-gpu"):
+        gpumem.estimate("torchvision:resnet18", batch=1, gpu="no-such-gpu")
+    with pytest.raises(gpumem.InputError, match="optimizer"):
+        gpumem.estimate("torchvision:resnet18", batch=1, optimizer="nosuchopt")
+    with pytest.raises(gpumem.InputError, match="input="):
+        gpumem.estimate(Mlp(), batch=1)  # a model of one's own needs its example batch
+    with pytest.raises(gpumem.ModelError, match="test_api.py"):
+        gpumem.estimate(Broken(), batch=4, input=torch.randn(4, 8))
+    with pytest.raises(gpumem.InputError):
+        gpumem.estimate("torchvision:resnet18", batch=0)
+    assert issubclass(gpumem.TimeoutError, TimeoutError)
+    assert all(
+        issubclass(e, gpumem.Error)
+        for e in (gpumem.InputError, gpumem.ModelError, gpumem.TimeoutError, gpumem.PythonError)
+    )
+
+
+def test_a_trace_past_its_deadline_raises_timeout(monkeypatch):
+    monkeypatch.setenv("GPUMEM_TRACE_TIMEOUT", "1")
+
+    class Slow(Mlp):
+        def forward(self, x):
+            time.sleep(30)
+            return super().forward(x)
+
+    started = time.monotonic()
+    with pytest.raises(gpumem.TimeoutError):
+        gpumem.estimate(Slow(), batch=2, input=torch.randn(2, 64))
+    assert time.monotonic() - started < 25
+
+
+def test_the_interpreter_lock_is_released_while_a_job_is_sized():
+    ticks, done = [0], threading.Event()
+
+    def count():
+        while not done.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        started = time.monotonic()
+        gpumem.estimate("torchvision:resnet18", batch=2)  # traced in a process of its own
+        took = time.monotonic() - started
+    finally:
+        done.set()
+        t.join()
+    # Held throughout, the counter would not have moved while the trace ran (seconds).
+    assert took > 0.5 and ticks[0] > took * 100
