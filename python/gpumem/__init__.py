@@ -26,6 +26,8 @@ __all__ = [
     "Estimate",
     "estimate",
     "max_batch",
+    "Plan",
+    "plan",
     "gpus",
     "Error",
     "InputError",
@@ -284,6 +286,90 @@ def max_batch(
         options,
     )
     return _call(_native.max_batch, reference, doc, gpu, _profile(profile))["max_batch"]
+
+
+class Plan:
+    """A job's fastest setups that fit (``gpumem plan --json``): ``setups`` fastest first,
+    ``best`` (the first, or ``None`` where nothing fits), ``too_big`` (per setup kind, the
+    smallest micro-batch that does not fit), ``skipped`` (setups that could not be planned, with
+    why), ``to_dict()``."""
+
+    def __init__(self, report):
+        self._report = report
+
+    @property
+    def setups(self):
+        return list(self._report["setups"])
+
+    @property
+    def best(self):
+        return self._report["setups"][0] if self._report["setups"] else None
+
+    @property
+    def too_big(self):
+        return list(self._report["too_big"])
+
+    @property
+    def skipped(self):
+        return list(self._report["skipped"])
+
+    def to_dict(self):
+        return json.loads(json.dumps(self._report))
+
+    def __repr__(self):
+        b = self.best
+        if b is None:
+            return f"Plan({self._report['model']!r} on {self._report['gpu']!r}: nothing fits)"
+        setup = " + ".join(
+            str(v) for v in (b["strategy"], b["precision"], b["checkpointing"]) if v is not None
+        )
+        return (
+            f"Plan(best={setup}, micro_batch={b['micro_batch']}, grad_accum={b['grad_accum']}, "
+            f"upper_bound={b['upper_bound_mib']:.1f} MiB on {self._report['gpu']!r}; "
+            f"{len(self._report['setups'])} setups fit)"
+        )
+
+
+def plan(
+    model,
+    *,
+    gpu=DEFAULT_GPU,
+    gpus=None,
+    strategies=None,
+    precisions=None,
+    checkpointing="both",
+    global_batch=None,
+    bus_gbs=None,
+    seq_len=None,
+    input=None,
+    optimizer="adamw",
+    profile=None,
+    strategy=None,
+    world_size=None,
+    lora=None,
+    options=None,
+):
+    """The fastest setups of the job that fit ``gpu``, as ``gpumem plan`` searches them:
+    precision (``precisions``; by default fp32, amp-bf16 where the GPU has it, amp-fp16) ×
+    activation checkpointing (``checkpointing``: ``both``, ``all``, ``on`` or one mode) ×
+    micro-batch (powers of two, or the divisors of ``global_batch`` with gradient accumulation
+    making up the rest) and, over ``gpus`` GPUs, the multi-GPU ``strategies`` (ddp, fsdp,
+    zero1..zero3; all by default), timed by the physical model (``bus_gbs``: the collectives'
+    bandwidth per rank). ``strategy`` and ``world_size`` instead plan one rank of that job. The
+    model and the other options as ``estimate`` takes them."""
+    reference, doc = _job(
+        model, input, seq_len, optimizer, "fp32", strategy, world_size, lora, False, options
+    )
+    request = {
+        "gpus": gpus,
+        "strategies": list(strategies or []),
+        "precisions": list(precisions or []),
+        "checkpointing": checkpointing,
+        "global_batch": global_batch,
+        "bus_gbs": bus_gbs,
+    }
+    report = _call(_native.plan, reference, doc, gpu, json.dumps(request), _profile(profile))
+    return Plan(report)
 
 
 def gpus():

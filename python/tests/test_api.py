@@ -140,6 +140,25 @@ def test_max_batch_equals_the_command():
     assert at.upper_bound_fits and not over.upper_bound_fits
 
 
+def test_plan_equals_the_command():
+    mlp = "mlp:input=784,output=10,depth=3,arch=uniform,act=relu"
+    got = gpumem.plan(mlp, optimizer="adam", gpu="t4", global_batch=512)
+    want = command("plan", mlp, "--optimizer", "adam", "--gpu", "t4", "--global-batch", "512")
+    assert got.to_dict() == want and got.best == want["setups"][0]
+    spread = dict(gpus=2, strategies=["ddp", "fsdp"], precisions=["amp-bf16"], checkpointing="off")
+    got = gpumem.plan("torchvision:resnet18", gpu="a100-40gb", **spread)
+    want = command(
+        "plan", "torchvision:resnet18", "--optimizer", "adamw", "--gpus", "2xa100-40gb",
+        "--strategies", "ddp,fsdp", "--precisions", "amp-bf16", "--checkpointing", "off",
+    )  # fmt: skip
+    assert got.to_dict() == want
+    assert {s["strategy"] for s in got.setups} == {"ddp", "fsdp"}
+    with pytest.raises(gpumem.InputError, match="strategies need gpus"):
+        gpumem.plan("torchvision:resnet18", strategies=["ddp"])
+    with pytest.raises(gpumem.InputError, match="global_batch 3 must be a positive multiple"):
+        gpumem.plan("torchvision:resnet18", gpus=2, global_batch=3)
+
+
 class Broken(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -3,10 +3,9 @@
 //! batch) — with why the others lose (gpumem-workload's `plan` does the search).
 
 use clap::Args;
-use gpumem_core::job::{Optimizer, OptionValues, Precision, StrategyValues};
-use gpumem_workload::plan::{Interconnect, Plan, Setup, Space, plan as search};
+use gpumem_core::job::{Optimizer, OptionValues, Precision};
+use gpumem_workload::plan::{Interconnect, Plan, PlanRequest, Setup, plan as search};
 use gpumem_workload::{Checkpointing, InputShape, Strategy};
-use serde_json::json;
 
 use crate::args::{
     EstimatorArgs, GpuChoice, ModelArg, StrategyArgs, WholeRunArgs, gpu_count, lora, mib,
@@ -74,15 +73,6 @@ pub struct PlanArgs {
     json: bool,
 }
 
-fn setup_json(s: &Setup) -> serde_json::Value {
-    json!({
-        "strategy": s.strategy.map(|s| s.name()), "world_size": s.strategy.map(|s| s.world_size()),
-        "precision": s.precision.name(), "checkpointing": s.checkpointing.name(), "micro_batch": s.micro_batch, "grad_accum": s.grad_accum,
-        "peak_mib": mib(s.estimate.peak_bytes), "upper_bound_mib": mib(s.estimate.upper_bound_bytes),
-        "step_s": s.step_s, "comm_s": s.comm_s, "samples_per_s": if s.step_s > 0.0 { s.micro_batch as f64 / s.step_s } else { 0.0 },
-    })
-}
-
 fn label(strategy: Option<Strategy>, precision: Precision, checkpointing: Checkpointing) -> String {
     let on = strategy
         .map(|s| format!("{} · ", s.name()))
@@ -96,103 +86,19 @@ fn label(strategy: Option<Strategy>, precision: Precision, checkpointing: Checkp
     format!("{on}{}{ckpt}", precision.name())
 }
 
-/// `--strategies` over `world` ranks (all five where none are listed).
-fn strategies(names: &[String], world: u32) -> CliResult<Vec<Option<Strategy>>> {
-    let all = ["ddp", "fsdp", "zero1", "zero2", "zero3"];
-    let names: Vec<&str> = if names.is_empty() {
-        all.to_vec()
-    } else {
-        names.iter().map(String::as_str).collect()
-    };
-    names
-        .into_iter()
-        .map(|n| {
-            let strategy = match StrategyValues::named(n, world) {
-                Some(named) if all.contains(&n) => Strategy::try_from(named),
-                _ => {
-                    return Err(CliError::input(format!(
-                        "--strategies: `{n}` is not ddp, fsdp, zero1, zero2 or zero3"
-                    )));
-                }
-            };
-            strategy.map(Some).map_err(CliError::input)
-        })
-        .collect()
-}
-
 pub fn plan(a: PlanArgs) -> CliResult {
     let (gpus, profile) = match &a.gpus {
         Some(spec) => {
             let (n, gpu) = gpu_count("--gpus", spec, gpumem_core::job::MAX_WORLD_SIZE as usize)?;
-            (n as u32, GpuChoice::new(gpu, None).load()?)
+            (Some(n as u32), GpuChoice::new(gpu, None).load()?)
         }
-        None => (1, a.gpu.load()?),
+        None => (None, a.gpu.load()?),
     };
     let model = ModelArg::load(&a.model)?.model(
         &a.model,
         "plan needs a model, not a trace file (a trace fixes its setup)",
     )?;
     let estimator = a.estimator.estimator(&a.estimator.models()?)?;
-    let precisions: Vec<Precision> = if a.precisions.is_empty() {
-        let bf16 = profile.cc_major() >= 8;
-        [Precision::Fp32, Precision::AmpBf16, Precision::AmpFp16]
-            .into_iter()
-            .filter(|p| bf16 || *p != Precision::AmpBf16)
-            .collect()
-    } else {
-        a.precisions
-            .iter()
-            .map(|p| Precision::parse(p).map_err(|e| CliError::input(format!("--precisions: {e}"))))
-            .collect::<CliResult<_>>()?
-    };
-    use Checkpointing::{Full, Off, Selective};
-    let checkpointing = match a.checkpointing.as_str() {
-        "both" | "all" if model.is_native() => vec![Off],
-        "both" => vec![Off, Full],
-        "all" => vec![Off, Full, Selective],
-        "on" | "full" => vec![Full],
-        "selective" => vec![Selective],
-        "off" => vec![Off],
-        other => match Checkpointing::parse(other) {
-            Ok(mode) => vec![mode],
-            Err(_) => {
-                return Err(CliError::input(format!(
-                    "--checkpointing `{other}` is not both, all, on, or one mode ({})",
-                    Checkpointing::EXPECTED
-                )));
-            }
-        },
-    };
-    let strategy = a.strategy.strategy()?;
-    let world = u64::from(strategy.map_or(gpus, |s| s.world_size()));
-    let searched = match a.gpus {
-        Some(_) if model.is_native() => {
-            return Err(CliError::input(
-                "--gpus plans multi-GPU strategies, which apply to PyTorch models",
-            ));
-        }
-        Some(_) if gpus == 1 => vec![None],
-        Some(_) => strategies(&a.strategies, gpus)?,
-        None => Vec::new(),
-    };
-    if let Some(bus) = a.bus_gbs
-        && !(bus.is_finite() && bus > 0.0)
-    {
-        return Err(CliError::input(format!(
-            "--bus-gbs {bus} must be a positive number"
-        )));
-    }
-    let link = a.bus_gbs.map_or_else(
-        || Interconnect::for_gpu(&profile.name),
-        |bus_gbs| Interconnect { bus_gbs },
-    );
-    if let Some(g) = a.global_batch
-        && (g == 0 || g % world != 0)
-    {
-        return Err(CliError::input(format!(
-            "--global-batch {g} must be a positive multiple of the world size ({world})"
-        )));
-    }
     let input = a
         .input
         .as_deref()
@@ -206,7 +112,7 @@ pub fn plan(a: PlanArgs) -> CliResult {
         seq_len: a.seq_len,
         input,
         lora: a.lora.as_deref().map(lora).transpose()?,
-        strategy,
+        strategy: a.strategy.strategy()?,
         whole_run: a.whole_run.whole_run(),
         ..OptionValues::default()
     }
@@ -214,12 +120,17 @@ pub fn plan(a: PlanArgs) -> CliResult {
     .map_err(CliError::input)?;
     let name = model.to_string();
     let base = gpumem_workload::Workload::new(model, 1, options)?;
-    let space = Space {
-        strategies: searched,
-        precisions,
-        checkpointing,
+    let request = PlanRequest {
+        gpus,
+        strategies: a.strategies,
+        precisions: a.precisions,
+        checkpointing: Some(a.checkpointing),
         global_batch: a.global_batch,
+        bus_gbs: a.bus_gbs,
     };
+    let (space, link, world) = request
+        .space(&base, &profile)
+        .map_err(|e| CliError::input(e.as_flag()))?;
     // A cold plan traces the model once per setup (seconds to minutes each): say how far it is.
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
@@ -238,12 +149,7 @@ pub fn plan(a: PlanArgs) -> CliResult {
     )?;
     bar.finish_and_clear();
     if a.json {
-        let out = json!({
-            "model": name, "gpu": profile.name, "capacity_mib": profile.capacity_mib, "global_batch": a.global_batch, "world_size": world, "bus_gbs": link.bus_gbs,
-            "setups": p.fits.iter().map(setup_json).collect::<Vec<_>>(),
-            "too_big": p.too_big.iter().map(setup_json).collect::<Vec<_>>(),
-            "skipped": p.skipped.iter().map(|s| json!({"strategy": s.strategy.map(|s| s.name()), "precision": s.precision.name(), "checkpointing": s.checkpointing.name(), "reason": s.reason.to_string()})).collect::<Vec<_>>(),
-        });
+        let out = p.to_json(&name, &profile, &space, world, link);
         println!(
             "{}",
             serde_json::to_string_pretty(&out).map_err(CliError::other)?

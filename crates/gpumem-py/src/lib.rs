@@ -12,6 +12,7 @@ use std::time::Duration;
 use gpumem_core::profile::{self, GpuProfile};
 use gpumem_core::utilization::{HostModel, physical};
 use gpumem_torch::{BridgeError, HostTracer};
+use gpumem_workload::plan::PlanRequest;
 use gpumem_workload::report::EstimateReport;
 use gpumem_workload::{ModelRef, Options, SizeError, Workload, WorkloadError};
 use pyo3::exceptions::PyException;
@@ -187,6 +188,40 @@ fn max_batch(
         .map_err(Failure::into_py)
 }
 
+fn plan_report(
+    model: &str,
+    options: &str,
+    gpu: &str,
+    toml: Option<&str>,
+    request: &str,
+) -> Result<String, Failure> {
+    let profile = load_profile(gpu, toml)?;
+    let request: PlanRequest =
+        serde_json::from_str(request).map_err(|e| Failure::Input(format!("plan: {e}")))?;
+    let base = workload(model, 1, options)?;
+    let (space, link, world) = request
+        .space(&base, &profile)
+        .map_err(|e| Failure::Input(e.as_argument()))?;
+    let plan =
+        gpumem_workload::plan::plan(&base, &profile, replay().as_ref(), &space, link, &|_, _| {})?;
+    json(&plan.to_json(&base.model().to_string(), &profile, &space, world, link))
+}
+
+/// `gpumem plan --json` of the job: the fastest setups that fit, as a JSON text.
+#[pyfunction]
+#[pyo3(signature = (model, options, gpu, request, profile=None))]
+fn plan(
+    py: Python<'_>,
+    model: String,
+    options: String,
+    gpu: String,
+    request: String,
+    profile: Option<String>,
+) -> PyResult<String> {
+    py.detach(move || plan_report(&model, &options, &gpu, profile.as_deref(), &request))
+        .map_err(Failure::into_py)
+}
+
 /// The built-in GPU profiles (`gpumem gpus --json`), as a JSON text.
 #[pyfunction]
 fn gpus() -> PyResult<String> {
@@ -235,6 +270,7 @@ fn set_host_tracer(runner: Bound<'_, PyAny>) -> bool {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(estimate, m)?)?;
     m.add_function(wrap_pyfunction!(max_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(gpus, m)?)?;
     m.add_function(wrap_pyfunction!(set_host_tracer, m)?)?;
     m.add("NativeError", m.py().get_type::<NativeError>())?;

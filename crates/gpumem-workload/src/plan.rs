@@ -679,3 +679,210 @@ mod tests {
         );
     }
 }
+
+/// A plan as its callers state it (the command's flags, the package's arguments), before it
+/// is checked against the model and the GPU: [`PlanRequest::space`] turns it into a [`Space`].
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PlanRequest {
+    /// GPUs of the job: every strategy of `strategies` is planned over all of them (`None`:
+    /// one GPU, or the base job's own strategy).
+    pub gpus: Option<u32>,
+    /// With `gpus`: ddp, fsdp, zero1, zero2, zero3 (empty: all five).
+    pub strategies: Vec<String>,
+    /// Empty: fp32, amp-bf16 where the GPU has bf16, amp-fp16.
+    pub precisions: Vec<String>,
+    /// both (off and full), all (and selective), on, or one mode (`None`: both).
+    pub checkpointing: Option<String>,
+    /// Samples per optimizer step over every rank.
+    pub global_batch: Option<u64>,
+    /// NCCL bus bandwidth per rank, GB/s (`None`: the GPU's usual link).
+    pub bus_gbs: Option<f64>,
+}
+
+/// A [`PlanRequest`] field that is wrong: `field` as the package spells it (`global_batch`),
+/// `rest` the message after it; each caller names the field its own way.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanInputError {
+    pub field: &'static str,
+    pub rest: String,
+}
+
+impl PlanInputError {
+    fn new(field: &'static str, rest: impl Into<String>) -> PlanInputError {
+        PlanInputError {
+            field,
+            rest: rest.into(),
+        }
+    }
+
+    /// The message, the field named as a command-line flag (`--global-batch`).
+    pub fn as_flag(&self) -> String {
+        format!("--{}{}", self.field.replace('_', "-"), self.rest)
+    }
+
+    /// The message, the field named as the package's argument (`global_batch`).
+    pub fn as_argument(&self) -> String {
+        format!("{}{}", self.field, self.rest)
+    }
+}
+
+impl PlanRequest {
+    /// What to search for `base` on `profile` (each of the job's GPUs), how fast its ranks
+    /// talk, and the job's world size.
+    pub fn space(
+        &self,
+        base: &Workload,
+        profile: &GpuProfile,
+    ) -> Result<(Space, Interconnect, u64), PlanInputError> {
+        let native = base.model().is_native();
+        let precisions: Vec<Precision> = if self.precisions.is_empty() {
+            let bf16 = profile.cc_major() >= 8;
+            [Precision::Fp32, Precision::AmpBf16, Precision::AmpFp16]
+                .into_iter()
+                .filter(|p| bf16 || *p != Precision::AmpBf16)
+                .collect()
+        } else {
+            self.precisions
+                .iter()
+                .map(|p| {
+                    Precision::parse(p)
+                        .map_err(|e| PlanInputError::new("precisions", format!(": {e}")))
+                })
+                .collect::<Result<_, _>>()?
+        };
+        use Checkpointing::{Full, Off, Selective};
+        let checkpointing = match self.checkpointing.as_deref().unwrap_or("both") {
+            "both" | "all" if native => vec![Off],
+            "both" => vec![Off, Full],
+            "all" => vec![Off, Full, Selective],
+            "on" | "full" => vec![Full],
+            "selective" => vec![Selective],
+            "off" => vec![Off],
+            other => match Checkpointing::parse(other) {
+                Ok(mode) => vec![mode],
+                Err(_) => {
+                    return Err(PlanInputError::new(
+                        "checkpointing",
+                        format!(
+                            " `{other}` is not both, all, on, or one mode ({})",
+                            Checkpointing::EXPECTED
+                        ),
+                    ));
+                }
+            },
+        };
+        let gpus = self.gpus.unwrap_or(1);
+        if !(1..=gpumem_core::job::MAX_WORLD_SIZE).contains(&gpus) {
+            return Err(PlanInputError::new(
+                "gpus",
+                format!(" {gpus} is not 1 to {}", gpumem_core::job::MAX_WORLD_SIZE),
+            ));
+        }
+        let world = u64::from(base.options().strategy.map_or(gpus, |s| s.world_size()));
+        let strategies = match self.gpus {
+            Some(_) if base.options().strategy.is_some() => {
+                return Err(PlanInputError::new(
+                    "gpus",
+                    " plans the strategies over the GPUs: not with the job's own strategy",
+                ));
+            }
+            Some(_) if native => {
+                return Err(PlanInputError::new(
+                    "gpus",
+                    " plans multi-GPU strategies, which apply to PyTorch models",
+                ));
+            }
+            Some(1) => vec![None],
+            Some(n) => named_strategies(&self.strategies, n)?,
+            None if !self.strategies.is_empty() => {
+                return Err(PlanInputError::new("strategies", " need gpus"));
+            }
+            None => Vec::new(),
+        };
+        if let Some(bus) = self.bus_gbs
+            && !(bus.is_finite() && bus > 0.0)
+        {
+            return Err(PlanInputError::new(
+                "bus_gbs",
+                format!(" {bus} must be a positive number"),
+            ));
+        }
+        let link = self.bus_gbs.map_or_else(
+            || Interconnect::for_gpu(&profile.name),
+            |bus_gbs| Interconnect { bus_gbs },
+        );
+        if let Some(g) = self.global_batch
+            && (g == 0 || g % world != 0)
+        {
+            return Err(PlanInputError::new(
+                "global_batch",
+                format!(" {g} must be a positive multiple of the world size ({world})"),
+            ));
+        }
+        let space = Space {
+            strategies,
+            precisions,
+            checkpointing,
+            global_batch: self.global_batch,
+        };
+        Ok((space, link, world))
+    }
+}
+
+/// `strategies` over `world` ranks (all five where none are listed).
+fn named_strategies(names: &[String], world: u32) -> Result<Vec<Option<Strategy>>, PlanInputError> {
+    let all = ["ddp", "fsdp", "zero1", "zero2", "zero3"];
+    let names: Vec<&str> = if names.is_empty() {
+        all.to_vec()
+    } else {
+        names.iter().map(String::as_str).collect()
+    };
+    let refused = |rest: String| PlanInputError::new("strategies", rest);
+    names
+        .into_iter()
+        .map(
+            |n| match gpumem_core::job::StrategyValues::named(n, world) {
+                Some(named) if all.contains(&n) => Strategy::try_from(named)
+                    .map(Some)
+                    .map_err(|e| refused(format!(": {e}"))),
+                _ => Err(refused(format!(
+                    ": `{n}` is not ddp, fsdp, zero1, zero2 or zero3"
+                ))),
+            },
+        )
+        .collect()
+}
+
+impl Setup {
+    /// The setup as `gpumem plan --json` lists it.
+    pub fn to_json(&self) -> serde_json::Value {
+        let mib = gpumem_core::units::mib;
+        serde_json::json!({
+            "strategy": self.strategy.map(|s| s.name()), "world_size": self.strategy.map(|s| s.world_size()),
+            "precision": self.precision.name(), "checkpointing": self.checkpointing.name(), "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+            "peak_mib": mib(self.estimate.peak_bytes), "upper_bound_mib": mib(self.estimate.upper_bound_bytes),
+            "step_s": self.step_s, "comm_s": self.comm_s,
+            "samples_per_s": if self.step_s > 0.0 { self.micro_batch as f64 / self.step_s } else { 0.0 },
+        })
+    }
+}
+
+impl Plan {
+    /// `gpumem plan --json`: the plan of `model` on `profile` for a job of `world` ranks.
+    pub fn to_json(
+        &self,
+        model: &str,
+        profile: &GpuProfile,
+        space: &Space,
+        world: u64,
+        link: Interconnect,
+    ) -> serde_json::Value {
+        serde_json::json!({
+            "model": model, "gpu": profile.name, "capacity_mib": profile.capacity_mib, "global_batch": space.global_batch, "world_size": world, "bus_gbs": link.bus_gbs,
+            "setups": self.fits.iter().map(Setup::to_json).collect::<Vec<_>>(),
+            "too_big": self.too_big.iter().map(Setup::to_json).collect::<Vec<_>>(),
+            "skipped": self.skipped.iter().map(|s| serde_json::json!({"strategy": s.strategy.map(|s| s.name()), "precision": s.precision.name(), "checkpointing": s.checkpointing.name(), "reason": s.reason.to_string()})).collect::<Vec<_>>(),
+        })
+    }
+}
