@@ -320,8 +320,8 @@ class Plan:
         b = self.best
         if b is None:
             return f"Plan({self._report['model']!r} on {self._report['gpu']!r}: nothing fits)"
-        setup = " + ".join(
-            str(v) for v in (b["strategy"], b["precision"], b["checkpointing"]) if v is not None
+        setup = (
+            f"{b['strategy'] or 'one GPU'}, {b['precision']}, checkpointing {b['checkpointing']}"
         )
         return (
             f"Plan(best={setup}, micro_batch={b['micro_batch']}, grad_accum={b['grad_accum']}, "

@@ -7,6 +7,7 @@ is the installed package; elsewhere these tests skip, unless GPUMEM_TEST_REQUIRE
 
 import json
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -157,6 +158,15 @@ def test_plan_equals_the_command():
         gpumem.plan("torchvision:resnet18", strategies=["ddp"])
     with pytest.raises(gpumem.InputError, match="global_batch 3 must be a positive multiple"):
         gpumem.plan("torchvision:resnet18", gpus=2, global_batch=3)
+
+
+def test_the_documented_example_runs(capsys):
+    example = os.path.join(
+        os.path.dirname(__file__), "..", "..", "docs", "examples", "python-api.py"
+    )
+    runpy.run_path(example, run_name="__main__")
+    out = capsys.readouterr().out
+    assert "max batch on a T4:" in out and "InputError: unknown GPU" in out
 
 
 class Broken(torch.nn.Module):
