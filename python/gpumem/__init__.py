@@ -28,6 +28,8 @@ __all__ = [
     "max_batch",
     "Plan",
     "plan",
+    "track",
+    "Tracked",
     "gpus",
     "Error",
     "InputError",
@@ -370,6 +372,82 @@ def plan(
     }
     report = _call(_native.plan, reference, doc, gpu, json.dumps(request), _profile(profile))
     return Plan(report)
+
+
+class Tracked:
+    """What ``with gpumem.track(model, optimizer) as t:`` recorded of the code inside:
+    ``t.estimate(gpu=..., profile=...)`` sizes it (as ``gpumem estimate`` sizes a trace file),
+    ``t.save(path)`` writes its trace for the command (``gpumem estimate PATH``)."""
+
+    def __init__(self, model, optimizers, gpu, batch):
+        self._args = (model, optimizers, gpu, batch)
+        self._tracker = None
+        self._trace = None
+
+    def __enter__(self):
+        from gpumem_trace import track as _track
+
+        model, optimizers, gpu, batch = self._args
+        known = {g["name"]: g for g in gpus()}
+        if gpu not in known:
+            raise InputError(f"unknown GPU `{gpu}`; known: {', '.join(known)}")
+        g = known[gpu]
+        try:
+            deadline = float(os.environ.get("GPUMEM_TRACE_TIMEOUT", "900"))
+        except ValueError:
+            raise InputError("GPUMEM_TRACE_TIMEOUT must be a number of seconds") from None
+        where = _track.Gpu(g["display"], g["compute_capability"], g["capacity_mib"])
+        try:
+            self._tracker = _track.Tracker(model, optimizers, where, deadline, batch)
+        except TypeError as e:
+            raise InputError(str(e)) from None
+        self._tracker.__enter__()
+        return self
+
+    def __exit__(self, kind, error, tb):
+        from gpumem_trace import track as _track
+
+        self._tracker.__exit__(kind, error, tb)
+        if isinstance(error, _track.Timeout):
+            raise TimeoutError(str(error)) from None
+        if error is None:
+            self._trace = _track.trace_text(self._tracker)
+        return False
+
+    def _recorded(self):
+        if self._trace is None:
+            raise InputError(
+                "nothing recorded: estimate once the `with gpumem.track(...)` block has ended"
+            )
+        return self._trace
+
+    def estimate(self, gpu=None, profile=None):
+        """The recorded code's peak on ``gpu`` (default: the GPU tracked for) or a profile TOML."""
+        gpu = gpu or self._args[2]
+        return Estimate(_call(_native.estimate_trace, self._recorded(), gpu, _profile(profile)))
+
+    def save(self, path):
+        """Writes the recorded trace to ``path`` (docs/trace-format.md)."""
+        with open(path, "w") as f:
+            f.write(self._recorded())
+
+
+def track(model, optimizer=None, *, gpu=DEFAULT_GPU, batch=None):
+    """Records your own training step: ``with gpumem.track(model, optimizer) as t:`` around
+    your code (your loop, loss, ``GradScaler``, checkpointing), then ``t.estimate()``. Inside,
+    CUDA is gpumem's stand-in for ``gpu``: the model's parameters and buffers are on it (meta
+    tensors, recorded as the parameters), ``.cuda()`` / ``.to("cuda")`` of your batch puts it
+    there, and ``optimizer`` (one, or a list: an iteration ends once each has stepped) steps
+    there from an empty state. Nothing real moves to a GPU, and your model and optimizers are
+    as they were once the block ends. Values computed inside are placeholders (``.item()`` is
+    0). ``batch`` names the batch size in the estimate (default: the first batch's length)."""
+    if optimizer is None:
+        optimizers = []
+    elif isinstance(optimizer, (list, tuple)):
+        optimizers = list(optimizer)
+    else:
+        optimizers = [optimizer]
+    return Tracked(model, optimizers, gpu, batch)
 
 
 def gpus():

@@ -326,6 +326,8 @@ def cuda(gpu: StandinGpu, rec):
         empty_cache=rec.empty_cache,
         manual_seed=nothing,
         manual_seed_all=nothing,
+        # torch.optim's step asks before it runs (a captured step takes other paths).
+        is_current_stream_capturing=lambda: False,
     )
     accelerator = getattr(torch, "accelerator", None)
     with contextlib.ExitStack() as stack:

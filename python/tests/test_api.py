@@ -233,3 +233,129 @@ def test_the_interpreter_lock_is_released_while_a_job_is_sized():
         t.join()
     # Held throughout, the counter would not have moved while the trace ran (seconds).
     assert took > 0.5 and ticks[0] > took * 100
+
+
+# -- gpumem.track: your own step --------------------------------------------------------------
+
+torchvision = pytest.importorskip("torchvision")
+F = torch.nn.functional
+
+
+def own_loop(model, optimizer, x, y, steps=3, scaler=None, second_forward=False):
+    """A training loop as people write it: each batch from the loader (here the same one) moved
+    to the GPU (rebinding the loop's names frees the last one first)."""
+    for xb, yb in [(x, y)] * steps:
+        xb, yb = xb.cuda(), yb.to("cuda")
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16, enabled=scaler is not None):
+            out = model(xb)
+            loss = F.cross_entropy(out, yb)
+            if second_forward:
+                loss = loss + F.cross_entropy(model(xb), yb)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp-fp16"])
+def test_track_around_ones_own_loop_equals_the_built_in_loop(precision):
+    model = torchvision.models.resnet18()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    x, y = torch.randn(16, 3, 224, 224), torch.randint(0, 1000, (16,))
+    with gpumem.track(model, opt, gpu="l4") as t:
+        scaler = torch.amp.GradScaler("cuda") if precision == "amp-fp16" else None
+        own_loop(model, opt, x, y, scaler=scaler)
+    got = t.estimate()
+    want = gpumem.estimate(
+        "torchvision:resnet18", batch=16, optimizer="adamw", precision=precision, gpu="l4"
+    )
+    assert abs(got.peak / want.peak - 1) <= 0.005, (got, want)
+    assert got.breakdown["optimizer_state"] == want.breakdown["optimizer_state"] > 0
+    # The model and its optimizer are as they were: its own parameters, on the host, unchanged.
+    assert list(model.parameters()) == params and not opt.state
+    assert opt.param_groups[0]["params"] == params
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+class Square(torch.autograd.Function):
+    """x², keeping 64 copies of its input for backward: what no built-in loop makes."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x.repeat(1, 64))
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (kept,) = ctx.saved_tensors
+        return 2 * g * kept[:, : g.shape[1]]
+
+
+def test_track_records_what_the_built_in_loop_does_not():
+    model = torchvision.models.resnet18()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 3, 224, 224), torch.randint(0, 1000, (16,))
+    with gpumem.track(model, opt) as once:
+        own_loop(model, opt, x, y)
+    with gpumem.track(model, opt) as twice:
+        own_loop(model, opt, x, y, second_forward=True)
+    # A second forward kept for the same backward: a second copy of the activations.
+    more = twice.estimate().breakdown["activations"] - once.estimate().breakdown["activations"]
+    assert more > 0.8 * once.estimate().breakdown["activations"]
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 10))
+    first, second = (
+        torch.optim.SGD(mlp[0].parameters(), lr=0.1),
+        torch.optim.Adam(mlp[1].parameters()),
+    )
+    x = torch.randn(256, 512)
+
+    def step(custom):
+        with gpumem.track(mlp, [first, second]) as t:
+            for _ in range(3):
+                h = mlp[0](x.cuda())
+                loss = mlp[1](Square.apply(h) if custom else h).mean()
+                loss.backward()
+                first.step()
+                second.step()
+                first.zero_grad()
+                second.zero_grad()
+        return t.estimate()
+
+    plain, custom = step(False), step(True)
+    assert plain.breakdown["optimizer_state"] == 2 * (10 * 1024 + 10) * 4  # Adam's, second's only
+    assert custom.peak - plain.peak >= 32 << 20  # the function's 64 MiB kept for backward
+
+
+def test_a_tracked_step_is_a_trace_the_command_sizes(tmp_path):
+    model = Mlp()
+    opt = torch.optim.Adam(model.parameters())
+    with gpumem.track(model, opt, gpu="t4") as t:
+        for _ in range(2):
+            loss = model(torch.randn(32, 64).cuda()).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    t.save(tmp_path / "step.jsonl")
+    assert t.estimate().to_dict() == command(
+        "estimate", str(tmp_path / "step.jsonl"), "--gpu", "t4"
+    )
+    assert t.estimate().to_dict()["batch_size"] == 32
+
+
+def test_tracked_code_past_its_deadline_raises_timeout(monkeypatch):
+    monkeypatch.setenv("GPUMEM_TRACE_TIMEOUT", "1")
+    model = Mlp()
+    weight = model.a.weight
+    with pytest.raises(gpumem.TimeoutError), gpumem.track(model) as t:
+        model(torch.randn(4, 64).cuda())
+        time.sleep(10)
+    assert model.a.weight is weight and weight.device.type == "cpu"
+    with pytest.raises(gpumem.InputError, match="nothing recorded"):
+        t.estimate()

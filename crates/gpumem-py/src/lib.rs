@@ -10,6 +10,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use gpumem_core::profile::{self, GpuProfile};
+use gpumem_core::trace::Trace;
 use gpumem_core::utilization::{HostModel, physical};
 use gpumem_torch::{BridgeError, HostTracer};
 use gpumem_workload::plan::PlanRequest;
@@ -222,6 +223,29 @@ fn plan(
         .map_err(Failure::into_py)
 }
 
+fn trace_report(trace: &str, gpu: &str, toml: Option<&str>) -> Result<String, Failure> {
+    let profile = load_profile(gpu, toml)?;
+    let trace = Trace::read(trace.as_bytes()).map_err(|e| Failure::Input(format!("trace: {e}")))?;
+    let est = replay()
+        .estimate(&trace, &profile)
+        .map_err(|e| Failure::Input(e.to_string()))?;
+    let util = physical(&trace, &profile, &HostModel::default());
+    json(&EstimateReport::new(&trace, &est, &util, None, &[], None))
+}
+
+/// `gpumem estimate TRACE --json` of a trace's text (the one `gpumem.track` records).
+#[pyfunction]
+#[pyo3(signature = (trace, gpu, profile=None))]
+fn estimate_trace(
+    py: Python<'_>,
+    trace: String,
+    gpu: String,
+    profile: Option<String>,
+) -> PyResult<String> {
+    py.detach(move || trace_report(&trace, &gpu, profile.as_deref()))
+        .map_err(Failure::into_py)
+}
+
 /// The built-in GPU profiles (`gpumem gpus --json`), as a JSON text.
 #[pyfunction]
 fn gpus() -> PyResult<String> {
@@ -271,6 +295,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(estimate, m)?)?;
     m.add_function(wrap_pyfunction!(max_batch, m)?)?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
+    m.add_function(wrap_pyfunction!(estimate_trace, m)?)?;
     m.add_function(wrap_pyfunction!(gpus, m)?)?;
     m.add_function(wrap_pyfunction!(set_host_tracer, m)?)?;
     m.add("NativeError", m.py().get_type::<NativeError>())?;
