@@ -36,6 +36,7 @@ __all__ = [
     "ModelError",
     "TimeoutError",
     "PythonError",
+    "DoesNotFit",
 ]
 
 
@@ -53,6 +54,10 @@ class ModelError(Error):
 
 class TimeoutError(Error, builtins.TimeoutError):  # noqa: A001 - gpumem.TimeoutError by design
     """The trace outlived its deadline (GPUMEM_TRACE_TIMEOUT seconds, 900 by default)."""
+
+
+class DoesNotFit(Error):
+    """A job stopped before it starts (``stop_if_over``): its upper bound exceeds the GPU."""
 
 
 class PythonError(Error):
@@ -207,6 +212,22 @@ def _strategy(strategy, world_size):
     return {"kind": name, "world_size": world_size}
 
 
+def _train_config(config, kind):
+    """A trainer's config as the native module reads it: a path's text, or a mapping as JSON."""
+    if config is None:
+        return None
+    if isinstance(config, dict):
+        file, text = "train_config", json.dumps(config, default=str)
+    else:
+        file = os.fspath(config)
+        try:
+            with open(file) as f:
+                text = f.read()
+        except OSError as e:
+            raise InputError(f"train_config {file}: {e.strerror}") from None
+    return json.dumps({"file": file, "text": text, "kind": kind})
+
+
 def _profile(profile):
     if profile is None:
         return None
@@ -232,6 +253,8 @@ def estimate(
     lora=None,
     checkpointing=False,
     options=None,
+    train_config=None,
+    train_config_kind=None,
 ):
     """The job's peak on ``gpu`` (a built-in profile, see ``gpus()``; ``profile``: a profile
     TOML, such as ``gpumem calibrate`` writes, instead). ``batch`` is one rank's batch.
@@ -240,7 +263,11 @@ def estimate(
     output as the loss. ``strategy``: ``ddp``, ``fsdp``, ``zero1``..``zero3`` with
     ``world_size``, or the job document's strategy table. ``lora``: the job document's LoRA
     table (``{"rank": 16, "alpha": 32, "targets": ["q_proj", "v_proj"]}``). ``options``: any
-    other job-document options (``grad_accum``, ``outputs``, ``whole_run``, …; docs/json.md)."""
+    other job-document options (``grad_accum``, ``outputs``, ``whole_run``, …; docs/json.md).
+    ``train_config``: a trainer's config (a path, or a mapping such as
+    ``TrainingArguments.to_dict()``; its kind detected, or ``train_config_kind``:
+    ``hf-trainer``, ``trl-sft``, ``axolotl``, …), whose stated values win over the call's, as
+    ``gpumem estimate --train-config`` reads it (docs/intake.md)."""
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise InputError(f"batch must be a positive whole number, not {batch!r}")
     reference, doc = _job(
@@ -255,7 +282,8 @@ def estimate(
         checkpointing,
         options,
     )
-    return Estimate(_call(_native.estimate, reference, batch, doc, gpu, _profile(profile)))
+    config = _train_config(train_config, train_config_kind)
+    return Estimate(_call(_native.estimate, reference, batch, doc, gpu, _profile(profile), config))
 
 
 def max_batch(
@@ -272,6 +300,8 @@ def max_batch(
     lora=None,
     checkpointing=False,
     options=None,
+    train_config=None,
+    train_config_kind=None,
 ):
     """The largest per-rank batch whose upper bound fits on ``gpu`` (0: not even one); the
     job's other options as ``estimate`` takes them."""
@@ -287,7 +317,8 @@ def max_batch(
         checkpointing,
         options,
     )
-    return _call(_native.max_batch, reference, doc, gpu, _profile(profile))["max_batch"]
+    config = _train_config(train_config, train_config_kind)
+    return _call(_native.max_batch, reference, doc, gpu, _profile(profile), config)["max_batch"]
 
 
 class Plan:

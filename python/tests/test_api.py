@@ -359,3 +359,70 @@ def test_tracked_code_past_its_deadline_raises_timeout(monkeypatch):
     assert model.a.weight is weight and weight.device.type == "cpu"
     with pytest.raises(gpumem.InputError, match="nothing recorded"):
         t.estimate()
+
+
+# -- gpumem.integrations.hf: the Trainer's callback -------------------------------------------
+
+
+def tiny_trainer(tmp_path, callback, batch=4):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=256
+    )
+    data = [{"input_ids": torch.randint(0, 1000, (64,))} for _ in range(16)]
+    data = [dict(d, labels=d["input_ids"]) for d in data]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=batch,
+        max_steps=2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+
+
+def test_the_trainer_callback_logs_the_estimate_of_the_trainers_job(tmp_path, caplog):
+    from gpumem.integrations.hf import GpumemCallback
+
+    callback = GpumemCallback(gpu="t4")
+    trainer = tiny_trainer(tmp_path, callback)
+    with caplog.at_level("INFO", logger="gpumem"):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    assert repr(callback.estimate) in caplog.text
+    # The command, given the Trainer's arguments as a file and the model as a reference (as
+    # the Trainer trains it: it turns the model's key/value cache off).
+    (tmp_path / "args.json").write_text(trainer.args.to_json_string())
+    want = command(
+        "estimate", f"hf:GPT2LMHeadModel({GPT2},use_cache=False)", "--batch", "4", "--seq-len", "64",
+        "--train-config", str(tmp_path / "args.json"), "--gpu", "t4",
+    )  # fmt: skip
+    got = callback.estimate.to_dict()
+    for d in (got, want):
+        d.pop("model")
+        d["train_config"].pop("file")
+    assert got == want
+
+
+def test_the_trainer_callback_stops_a_job_that_does_not_fit_before_its_first_step(tmp_path):
+    from gpumem.integrations.hf import GpumemCallback
+
+    small = tmp_path / "small.toml"
+    small.write_text(
+        '[[gpu]]\nname = "small"\ndisplay = "Small"\ncompute_capability = "8.0"\n'
+        "capacity_mib = 520\nsm_count = 8\ntflops = { fp32 = 8.0, tf32 = 8.0, fp16 = 30.0, "
+        "bf16 = 30.0 }\nmemory_bandwidth_gbs = 300.0\npower_w = 70.0\nidle_power_w = 10.0\n"
+        "cuda_context_mib = 400.0\n"
+    )
+    trainer = tiny_trainer(tmp_path, GpumemCallback(profile=str(small), stop_if_over=True), 16)
+    with pytest.raises(gpumem.DoesNotFit, match="the largest that fits is") as stopped:
+        trainer.train()
+    assert trainer.state.global_step == 0
+    best = int(str(stopped.value).rsplit(" ", 1)[1])
+    job = dict(seq_len=64, profile=str(small), train_config=trainer.args.to_dict())
+    assert 0 < best < 16
+    assert gpumem.estimate(trainer.model, batch=best, **job).upper_bound_fits
+    assert not gpumem.estimate(trainer.model, batch=best + 1, **job).upper_bound_fits

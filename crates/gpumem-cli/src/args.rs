@@ -564,6 +564,7 @@ impl WorkloadArgs {
                 .over(OptionValues::default(), self.strategy.world_size)
                 .map_err(|e| CliError::input(format!("--train-config {e}")))?;
             let mut overrides = Vec::new();
+            // What a flag changed of what the config states (not what it leaves unstated).
             let mut note = |flag: &str, given: String, stated: String| {
                 if given != stated {
                     overrides.push(format!("{flag} {given} over the config's {stated}"));
@@ -579,12 +580,16 @@ impl WorkloadArgs {
                 v.precision = p;
             }
             if let Some(n) = options.seq_len {
-                note("--seq-len", n.to_string(), format!("{:?}", v.seq_len));
+                if v.seq_len.is_some() || v.seq_lens.is_some() {
+                    note("--seq-len", n.to_string(), format!("{:?}", v.seq_len));
+                }
                 v.seq_len = Some(n);
                 v.seq_lens = None;
             }
             if let Some(l) = &options.seq_lens {
-                note("--seq-len", format!("{l:?}"), format!("{:?}", v.seq_len));
+                if v.seq_len.is_some() || v.seq_lens.is_some() {
+                    note("--seq-len", format!("{l:?}"), format!("{:?}", v.seq_len));
+                }
                 v.seq_lens = Some(l.clone());
                 v.seq_len = None;
             }
@@ -597,7 +602,9 @@ impl WorkloadArgs {
                 v.grad_accum = g;
             }
             if let Some(l) = lora {
-                note("--lora", format!("{l:?}"), format!("{:?}", v.lora));
+                if v.lora.is_some() {
+                    note("--lora", format!("{l:?}"), format!("{:?}", v.lora));
+                }
                 v.lora = Some(l);
             }
             if let Some(s) = named {
@@ -631,7 +638,9 @@ impl WorkloadArgs {
                 v.optimizer_in_backward = true;
             }
             if let Some(n) = self.chunked_ce {
-                note("--chunked-ce", n.to_string(), format!("{:?}", v.chunked_ce));
+                if v.chunked_ce.is_some() {
+                    note("--chunked-ce", n.to_string(), format!("{:?}", v.chunked_ce));
+                }
                 v.chunked_ce = Some(n);
             }
             if let Some(run) = options.whole_run {
@@ -686,16 +695,7 @@ impl WorkloadArgs {
 
     /// What --train-config said, as `--json` carries it (`None` without one).
     pub fn train_config_json(&self, overrides: &[String]) -> CliResult<Option<serde_json::Value>> {
-        Ok(self.train_config()?.map(|c| {
-            serde_json::json!({
-                "kind": c.kind.name(),
-                "file": c.file,
-                "used": c.fields.used,
-                "not_modelled": c.fields.not_modelled,
-                "no_memory": c.fields.no_memory,
-                "overrides": overrides,
-            })
-        }))
+        Ok(self.train_config()?.map(|c| c.to_json(overrides)))
     }
 
     /// What --train-config did not model and what flags overrode, as text lines.

@@ -15,6 +15,7 @@ use gpumem_core::utilization::{HostModel, physical};
 use gpumem_torch::{BridgeError, HostTracer};
 use gpumem_workload::plan::PlanRequest;
 use gpumem_workload::report::EstimateReport;
+use gpumem_workload::train_config::{self, TrainConfig, TrainerKind};
 use gpumem_workload::{ModelRef, Options, SizeError, Workload, WorkloadError};
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -91,11 +92,50 @@ fn load_profile(gpu: &str, toml: Option<&str>) -> Result<GpuProfile, Failure> {
     }
 }
 
+/// A trainer's config as the package hands it over: its text, the name errors give it, its
+/// kind where the caller knows it (`hf-trainer` for a Trainer's own arguments).
+#[derive(serde::Deserialize)]
+struct StatedConfig {
+    file: String,
+    text: String,
+    kind: Option<String>,
+}
+
+fn train_config(config: Option<&str>) -> Result<Option<TrainConfig>, Failure> {
+    let Some(config) = config else {
+        return Ok(None);
+    };
+    let c: StatedConfig =
+        serde_json::from_str(config).map_err(|e| Failure::Input(format!("train_config: {e}")))?;
+    let kind = c
+        .kind
+        .as_deref()
+        .map(TrainerKind::parse)
+        .transpose()
+        .map_err(|e| Failure::Input(e.to_string()))?;
+    let dir = std::env::current_dir().unwrap_or_default();
+    train_config::read_text(&c.file, &c.text, &dir, kind)
+        .map(Some)
+        .map_err(|e| Failure::Input(e.to_string()))
+}
+
 /// The job: `model` (a reference, Hub id or config path) at `batch` with the job document's
-/// `options` (JSON), checked as every entry point checks them.
-fn workload(model: &str, batch: u64, options: &str) -> Result<Workload, Failure> {
-    let options: Options =
+/// `options` (JSON) and what a trainer's config states over them, checked as every entry
+/// point checks them.
+fn workload(
+    model: &str,
+    batch: u64,
+    options: &str,
+    config: Option<&TrainConfig>,
+) -> Result<Workload, Failure> {
+    let mut options: Options =
         serde_json::from_str(options).map_err(|e| Failure::Input(format!("options: {e}")))?;
+    if let Some(c) = config {
+        let world = options.strategy.map(|s| s.world_size());
+        options = c
+            .over(options.values(), world)
+            .map_err(|e| Failure::Input(e.to_string()))?;
+    }
     let model = ModelRef::parse(model.trim()).map_err(|e| Failure::Input(e.to_string()))?;
     Ok(Workload::new(model, batch, options)?)
 }
@@ -114,12 +154,14 @@ fn estimate_report(
     options: &str,
     gpu: &str,
     toml: Option<&str>,
+    config: Option<&str>,
 ) -> Result<String, Failure> {
     let profile = load_profile(gpu, toml)?;
-    let job = workload(model, batch, options)?;
+    let config = train_config(config)?;
+    let job = workload(model, batch, options, config.as_ref())?;
     // As `gpumem estimate` sizes it: a run whose lengths vary through one allocator, else
     // every reading of the model (fitting its batch-symbolic trace for the next batch size).
-    let report = match job.run(&profile, replay().as_ref())? {
+    let mut report = match job.run(&profile, replay().as_ref())? {
         Some(run) => {
             let util = physical(&run.trace, &profile, &HostModel::default());
             let strategy = job.options().strategy;
@@ -136,12 +178,13 @@ fn estimate_report(
             .size(&profile, replay().as_ref(), Workload::trace_for_reestimates)?
             .report(&profile),
     };
+    report.train_config = config.map(|c| c.to_json(&[]));
     json(&report)
 }
 
 /// `gpumem estimate --json` of the job, as a JSON text.
 #[pyfunction]
-#[pyo3(signature = (model, batch, options, gpu, profile=None))]
+#[pyo3(signature = (model, batch, options, gpu, profile=None, train_config=None))]
 fn estimate(
     py: Python<'_>,
     model: String,
@@ -149,9 +192,19 @@ fn estimate(
     options: String,
     gpu: String,
     profile: Option<String>,
+    train_config: Option<String>,
 ) -> PyResult<String> {
-    py.detach(move || estimate_report(&model, batch, &options, &gpu, profile.as_deref()))
-        .map_err(Failure::into_py)
+    py.detach(move || {
+        estimate_report(
+            &model,
+            batch,
+            &options,
+            &gpu,
+            profile.as_deref(),
+            train_config.as_deref(),
+        )
+    })
+    .map_err(Failure::into_py)
 }
 
 fn max_batch_report(
@@ -159,9 +212,11 @@ fn max_batch_report(
     options: &str,
     gpu: &str,
     toml: Option<&str>,
+    config: Option<&str>,
 ) -> Result<String, Failure> {
     let profile = load_profile(gpu, toml)?;
-    let sym = workload(model, 1, options)?.symbolic(&profile)?;
+    let config = train_config(config)?;
+    let sym = workload(model, 1, options, config.as_ref())?.symbolic(&profile)?;
     let best = sym.max_batch(&profile, replay().as_ref())?;
     json(&match best {
         None => serde_json::json!({"gpu": profile.name, "max_batch": 0}),
@@ -177,16 +232,25 @@ fn max_batch_report(
 
 /// `gpumem max-batch` of the job: the largest batch whose upper bound fits, as a JSON text.
 #[pyfunction]
-#[pyo3(signature = (model, options, gpu, profile=None))]
+#[pyo3(signature = (model, options, gpu, profile=None, train_config=None))]
 fn max_batch(
     py: Python<'_>,
     model: String,
     options: String,
     gpu: String,
     profile: Option<String>,
+    train_config: Option<String>,
 ) -> PyResult<String> {
-    py.detach(move || max_batch_report(&model, &options, &gpu, profile.as_deref()))
-        .map_err(Failure::into_py)
+    py.detach(move || {
+        max_batch_report(
+            &model,
+            &options,
+            &gpu,
+            profile.as_deref(),
+            train_config.as_deref(),
+        )
+    })
+    .map_err(Failure::into_py)
 }
 
 fn plan_report(
@@ -199,7 +263,7 @@ fn plan_report(
     let profile = load_profile(gpu, toml)?;
     let request: PlanRequest =
         serde_json::from_str(request).map_err(|e| Failure::Input(format!("plan: {e}")))?;
-    let base = workload(model, 1, options)?;
+    let base = workload(model, 1, options, None)?;
     let (space, link, world) = request
         .space(&base, &profile)
         .map_err(|e| Failure::Input(e.as_argument()))?;

@@ -341,6 +341,19 @@ impl TrainConfig {
         Ok((model, batch, self.over(base, world)?))
     }
 
+    /// What the config said, as `estimate --json` carries it (`overrides`: what the caller
+    /// stated over the config's values, one line each).
+    pub fn to_json(&self, overrides: &[String]) -> Value {
+        serde_json::json!({
+            "kind": self.kind.name(),
+            "file": self.file,
+            "used": self.fields.used,
+            "not_modelled": self.fields.not_modelled,
+            "no_memory": self.fields.no_memory,
+            "overrides": overrides,
+        })
+    }
+
     /// What the config states over `base` (the defaults or the caller's values), on `world`
     /// ranks, checked.
     pub fn over(
