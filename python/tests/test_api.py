@@ -426,3 +426,98 @@ def test_the_trainer_callback_stops_a_job_that_does_not_fit_before_its_first_ste
     assert 0 < best < 16
     assert gpumem.estimate(trainer.model, batch=best, **job).upper_bound_fits
     assert not gpumem.estimate(trainer.model, batch=best + 1, **job).upper_bound_fits
+
+
+# -- gpumem run: your unmodified script --------------------------------------------------------
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+
+
+def gpumem_run(*argv, gpu="t4"):
+    """`gpumem run --json -- python SCRIPT ARGS…` with this interpreter; its process."""
+    exe = os.path.join(os.path.dirname(sys.executable), "gpumem")
+    script = [sys.executable, os.path.join(SCRIPTS, argv[0]), *argv[1:]]
+    return subprocess.run(
+        [exe, "run", "--gpu", gpu, "--json", "--", *script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def run_peak(*argv):
+    out = gpumem_run(*argv)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def near(a, b, within=0.01):
+    return abs(a / b - 1) <= within
+
+
+def test_gpumem_run_sizes_an_imagenet_style_script_as_estimate_does():
+    got = run_peak("imagenet.py", "-b", "16")
+    want = command(
+        "estimate",
+        "torchvision:resnet18",
+        "--batch",
+        "16",
+        "--optimizer",
+        "sgd-momentum",
+        "--gpu",
+        "t4",
+    )
+    assert got["batch_size"] == 16
+    assert near(got["peak_bytes"], want["peak_bytes"]), (got["peak_mib"], want["peak_mib"])
+
+
+def test_gpumem_run_sizes_a_hugging_face_trainer_script_as_estimate_does(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    flags = ["--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size", "4"]
+    flags += ["--max_steps", "10", "--report_to", "none", "--save_strategy", "no"]
+    got = run_peak("hf_trainer.py", *flags)
+    (args,) = transformers.HfArgumentParser(
+        transformers.TrainingArguments
+    ).parse_args_into_dataclasses(flags)
+    (tmp_path / "args.json").write_text(args.to_json_string())
+    want = command(
+        "estimate", f"hf:GPT2LMHeadModel({GPT2},use_cache=False)", "--batch", "4", "--seq-len", "64",
+        "--train-config", str(tmp_path / "args.json"), "--gpu", "t4",
+    )  # fmt: skip
+    assert near(got["peak_bytes"], want["peak_bytes"]), (got["peak_mib"], want["peak_mib"])
+
+
+def test_gpumem_run_sizes_an_mnist_style_script_as_track_does():
+    got = run_peak("mnist_cnn.py", "--batch-size", "64")
+    mnist = runpy.run_path(os.path.join(SCRIPTS, "mnist_cnn.py"))
+    model = mnist["Net"]()
+    opt = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    data = torch.utils.data.TensorDataset(torch.randn(192, 1, 28, 28), torch.randint(0, 10, (192,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=64)
+    args = type("Args", (), {"log_interval": 1})
+    with gpumem.track(model, opt, gpu="t4") as t:
+        mnist["train"](args, model, torch.device("cuda"), loader, opt, 1)
+    assert got["breakdown_bytes"]["optimizer_state"] > 0  # Adadelta's, as the script makes it
+    assert near(got["peak_bytes"], t.estimate().peak)
+
+
+def test_gpumem_run_sizes_a_script_that_updates_its_weights_by_hand():
+    out = gpumem_run("word_lm.py")  # no optimizer: stopped at its third backward pass
+    assert out.returncode == 0, out.stderr
+    assert "| batch   1 |" in out.stderr and "| batch   2 |" not in out.stderr
+    got = json.loads(out.stdout)
+    assert got["breakdown_bytes"].get("optimizer_state", 0) == 0
+    lm = runpy.run_path(os.path.join(SCRIPTS, "word_lm.py"))
+    model = lm["RNNModel"](10000, 200, 200, 2)
+    args = type("Args", (), {"batch_size": 20, "bptt": 35, "clip": 0.25, "lr": 20})
+    with gpumem.track(model, gpu="t4") as t:
+        data = lm["batchify"](torch.randint(0, 10000, (3 * 35 * 20 + 20,)), 20, "cuda")
+        lm["train"](model, data, args)
+    assert near(got["peak_bytes"], t.estimate().peak)
+
+
+def test_gpumem_run_stops_where_a_script_branches_on_a_value():
+    out = gpumem_run("branches_on_loss.py")
+    assert out.returncode != 0
+    assert "branches_on_loss.py:13" in out.stderr and "decides a branch" in out.stderr
+    assert len([line for line in out.stderr.splitlines() if line.startswith("error:")]) == 1

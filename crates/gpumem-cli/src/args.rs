@@ -48,6 +48,14 @@ impl GpuChoice {
         }
     }
 
+    /// The flags that choose this GPU again.
+    pub fn flags(&self) -> Vec<String> {
+        match &self.profile {
+            Some(path) => vec!["--profile".into(), path.display().to_string()],
+            None => vec!["--gpu".into(), self.gpu.clone()],
+        }
+    }
+
     pub fn load(&self) -> CliResult<GpuProfile> {
         match &self.profile {
             Some(path) => {

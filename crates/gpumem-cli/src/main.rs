@@ -21,6 +21,7 @@ mod plan;
 mod plot;
 mod probe;
 mod ray;
+mod run;
 mod serve;
 mod simulate;
 mod slurm;
@@ -78,6 +79,9 @@ struct Cli {
 enum Command {
     /// Estimate peak GPU memory (as nvidia-smi shows it) with a breakdown and an upper bound.
     Estimate(estimate::EstimateArgs),
+    /// Run your unmodified training script with CUDA stood in for, and estimate its steps:
+    /// gpumem run [--steps 3] [--gpu NAME] -- python train.py ARGS…
+    Run(run::RunArgs),
     /// Find the largest batch size whose upper bound fits on the GPU.
     MaxBatch(max_batch::MaxBatchArgs),
     /// The fastest setup that fits one GPU: precision × checkpointing × micro-batch (×
@@ -179,6 +183,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Estimate(a) => estimate::estimate(a),
+        Command::Run(a) => run::run(a),
         Command::MaxBatch(a) => max_batch::max_batch(a),
         Command::Plan(a) => plan::plan(a),
         Command::RayResources(a) => ray::ray_resources(a),

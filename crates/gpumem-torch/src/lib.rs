@@ -22,7 +22,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 26] = [
+const SOURCES: [(&str, &str); 28] = [
     (
         "__init__.py",
         include_str!("../../../python/gpumem_trace/__init__.py"),
@@ -109,6 +109,10 @@ const SOURCES: [(&str, &str); 26] = [
         include_str!("../../../python/gpumem_trace/run.py"),
     ),
     (
+        "script.py",
+        include_str!("../../../python/gpumem_trace/script.py"),
+    ),
+    (
         "sdpa.py",
         include_str!("../../../python/gpumem_trace/sdpa.py"),
     ),
@@ -119,6 +123,10 @@ const SOURCES: [(&str, &str); 26] = [
     (
         "tracer.py",
         include_str!("../../../python/gpumem_trace/tracer.py"),
+    ),
+    (
+        "track.py",
+        include_str!("../../../python/gpumem_trace/track.py"),
     ),
     (
         "zero.py",
@@ -254,6 +262,25 @@ struct TracerAnswer {
     message: Option<String>,
     #[serde(rename = "where")]
     at: Option<String>,
+}
+
+impl TracerAnswer {
+    /// A failed answer's error (`model` and `timeout_s` name a timeout).
+    fn into_error(self, model: &str, timeout_s: u64) -> BridgeError {
+        let message = self.message.unwrap_or_default();
+        match self.kind {
+            Some(FailureKind::Reference) => BridgeError::Reference(message),
+            Some(FailureKind::Timeout) => BridgeError::Timeout {
+                model: model.to_string(),
+                seconds: timeout_s,
+            },
+            Some(FailureKind::Python) => BridgeError::NoTorch(message),
+            Some(FailureKind::Model) | None => BridgeError::Model {
+                message,
+                at: self.at,
+            },
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -971,19 +998,83 @@ impl TorchTracer {
                 tail: tail(&stderr, 3),
             });
         };
-        let message = answer.message.unwrap_or_default();
-        Err(match answer.kind {
-            Some(FailureKind::Reference) => BridgeError::Reference(message),
-            Some(FailureKind::Timeout) => BridgeError::Timeout {
-                model: req.model.clone(),
+        Err(answer.into_error(&req.model, self.timeout_s))
+    }
+
+    /// `gpumem run`: `command` — `python SCRIPT ARGS…` or `python -m MODULE ARGS…`, run by
+    /// that interpreter, unmodified — with CUDA stood in for as `gpu` (its display name,
+    /// capability and memory), stopped after `steps` optimizer steps (backward passes where it
+    /// makes no optimizer), and its trace. The script's output goes to this process's stderr;
+    /// it is killed with what it started past the tracer's deadline.
+    pub fn run_script(
+        &self,
+        command: &[String],
+        steps: u32,
+        gpu: &gpumem_core::profile::GpuProfile,
+    ) -> Result<Trace, BridgeError> {
+        let not_python = || {
+            BridgeError::Reference(
+                "gpumem run runs `python SCRIPT ARGS…` or `python -m MODULE ARGS…`".into(),
+            )
+        };
+        let (python, script) = command.split_first().ok_or_else(not_python)?;
+        let name = Path::new(python).file_name().and_then(|n| n.to_str());
+        if script.is_empty() || !name.is_some_and(|n| n.starts_with("python")) {
+            return Err(not_python());
+        }
+        let tracer = TorchTracer {
+            python: python.clone(),
+            ..self.clone()
+        };
+        let dir = self.cache_dir.join("traces");
+        fs::create_dir_all(&dir).map_err(|e| self.io(&dir, e))?;
+        let scratch = |what: &str| dir.join(format!("run.{}.{what}", temp_suffix()));
+        let (out, result) = (scratch("trace.jsonl"), scratch("answer.json"));
+        let stand_in = serde_json::json!({
+            "display": gpu.display, "capability": gpu.compute_capability, "capacity_mib": gpu.capacity_mib,
+        });
+        let mut cmd = tracer.module_command("gpumem_trace.script")?;
+        cmd.arg("--steps")
+            .arg(steps.to_string())
+            .arg("--gpu")
+            .arg(stand_in.to_string())
+            .arg("--out")
+            .arg(&out)
+            .arg("--result")
+            .arg(&result)
+            .arg("--timeout")
+            .arg(self.timeout_s.max(1).to_string())
+            .arg("--")
+            .args(script);
+        let deadline = std::time::Duration::from_secs(self.timeout_s.max(1) + DEADLINE_GRACE_S);
+        let ended = status_within(cmd, deadline).map_err(|source| BridgeError::Spawn {
+            python: python.clone(),
+            source,
+        })?;
+        let answer = fs::read(&result)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<TracerAnswer>(&b).ok());
+        let _ = fs::remove_file(&result);
+        let trace = read_trace(&out);
+        let _ = fs::remove_file(&out);
+        let model = format!("run:{}", script.join(" "));
+        match (ended, answer, trace) {
+            (None, ..) => Err(BridgeError::Timeout {
+                model,
                 seconds: self.timeout_s,
-            },
-            Some(FailureKind::Python) => BridgeError::NoTorch(message),
-            Some(FailureKind::Model) | None => BridgeError::Model {
-                message,
-                at: answer.at,
-            },
-        })
+            }),
+            (Some(_), Some(a), Some(t)) if a.status == AnswerStatus::Ok => Ok(t),
+            (Some(_), Some(a), _) if a.status == AnswerStatus::Failed => {
+                Err(a.into_error(&model, self.timeout_s))
+            }
+            (Some(status), ..) => Err(BridgeError::Crashed {
+                what: "gpumem run",
+                how: status
+                    .code()
+                    .map_or("ended by a signal".into(), |c| format!("exit status {c}")),
+                tail: "its output is above".into(),
+            }),
+        }
     }
 
     /// This interpreter's tracer pool, started at its first trace.
@@ -1035,15 +1126,7 @@ pub(crate) fn output_within(
 ) -> std::io::Result<Option<std::process::Output>> {
     use std::os::unix::process::CommandExt;
     use std::process::Stdio;
-    #[cfg(target_os = "linux")]
-    // SAFETY: prctl(2) is async-signal-safe; nothing else runs between fork and exec.
-    unsafe {
-        // Its own group is out of reach of a terminal's Ctrl-C: it dies with this process.
-        cmd.pre_exec(|| {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            Ok(())
-        });
-    }
+    dies_with_this_process(&mut cmd);
     let mut child = cmd
         .process_group(0)
         .stdout(Stdio::piped())
@@ -1059,18 +1142,7 @@ pub(crate) fn output_within(
     };
     let read_out = drain(Box::new(child.stdout.take().expect("piped")));
     let read_err = drain(Box::new(child.stderr.take().expect("piped")));
-    let start = std::time::Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait()? {
-            break Some(status);
-        }
-        if start.elapsed() > limit {
-            kill_group(child.id());
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
+    let status = wait_within(&mut child, limit)?;
     // A killed group's pipes close with it (a straggler holding them is killed too).
     let (stdout, stderr) = (
         read_out.join().unwrap_or_default(),
@@ -1081,6 +1153,53 @@ pub(crate) fn output_within(
         stdout,
         stderr,
     }))
+}
+
+/// `cmd`'s exit status, its output on this process's stderr (stdout too: this process's own
+/// stdout stays its answer's), `None` where it outlived `limit` and was killed with its group.
+fn status_within(
+    mut cmd: Command,
+    limit: std::time::Duration,
+) -> std::io::Result<Option<std::process::ExitStatus>> {
+    use std::os::fd::AsFd;
+    use std::os::unix::process::CommandExt;
+    let stderr = std::io::stderr().as_fd().try_clone_to_owned()?;
+    dies_with_this_process(&mut cmd);
+    let mut child = cmd.process_group(0).stdout(stderr).spawn()?;
+    wait_within(&mut child, limit)
+}
+
+/// A child in a group of its own is out of reach of a terminal's Ctrl-C: it dies with this
+/// process instead.
+fn dies_with_this_process(cmd: &mut Command) {
+    #[cfg(target_os = "linux")]
+    // SAFETY: prctl(2) is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+}
+
+/// The child's exit status, or `None` where it outlived `limit` (then its group is killed).
+fn wait_within(
+    child: &mut std::process::Child,
+    limit: std::time::Duration,
+) -> std::io::Result<Option<std::process::ExitStatus>> {
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(Some(status));
+        }
+        if start.elapsed() > limit {
+            kill_group(child.id());
+            let _ = child.wait();
+            return Ok(None);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }
 
 /// SIGKILL to the process group `pid` leads.
