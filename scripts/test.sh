@@ -188,6 +188,10 @@ if [ -n "${GPUMEM_PYTHON:-}" ]; then
   "$GPUMEM_PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
     > "$("$fresh/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch-from-pinned.pth"
   "$fresh/bin/pip" install -q --no-deps --disable-pip-version-check "$wheels"/gpumem_estimate-*.whl
+  # Lightning, for its callback and a Lightning script under `gpumem run` (its other
+  # requirements come with the pinned environment).
+  "$fresh/bin/pip" install -q --no-deps --disable-pip-version-check \
+    lightning==2.6.6 lightning-utilities==0.15.2 torchmetrics==1.8.2
   tests="$PWD/python/tests/test_api.py"
   (cd "$wheels" && env -u GPUMEM_PYTHON GPUMEM_TEST_REQUIRE_WHEEL=1 PYTHONDONTWRITEBYTECODE=1 \
     "$fresh/bin/python" -m pytest -q -p no:cacheprovider "$tests")

@@ -407,9 +407,8 @@ def test_the_trainer_callback_logs_the_estimate_of_the_trainers_job(tmp_path, ca
     assert got == want
 
 
-def test_the_trainer_callback_stops_a_job_that_does_not_fit_before_its_first_step(tmp_path):
-    from gpumem.integrations.hf import GpumemCallback
-
+def small_gpu(tmp_path):
+    """A profile of a GPU with 120 MiB beside its CUDA context."""
     small = tmp_path / "small.toml"
     small.write_text(
         '[[gpu]]\nname = "small"\ndisplay = "Small"\ncompute_capability = "8.0"\n'
@@ -417,6 +416,13 @@ def test_the_trainer_callback_stops_a_job_that_does_not_fit_before_its_first_ste
         "bf16 = 30.0 }\nmemory_bandwidth_gbs = 300.0\npower_w = 70.0\nidle_power_w = 10.0\n"
         "cuda_context_mib = 400.0\n"
     )
+    return str(small)
+
+
+def test_the_trainer_callback_stops_a_job_that_does_not_fit_before_its_first_step(tmp_path):
+    from gpumem.integrations.hf import GpumemCallback
+
+    small = small_gpu(tmp_path)
     trainer = tiny_trainer(tmp_path, GpumemCallback(profile=str(small), stop_if_over=True), 16)
     with pytest.raises(gpumem.DoesNotFit, match="the largest that fits is") as stopped:
         trainer.train()
@@ -521,3 +527,85 @@ def test_gpumem_run_stops_where_a_script_branches_on_a_value():
     assert out.returncode != 0
     assert "branches_on_loss.py:13" in out.stderr and "decides a branch" in out.stderr
     assert len([line for line in out.stderr.splitlines() if line.startswith("error:")]) == 1
+
+
+# -- gpumem.integrations.lightning: Lightning's callback --------------------------------------
+
+
+def lit_trainer(callback, rows=256, batch=32, width=256):
+    L = pytest.importorskip("lightning")
+
+    class Lit(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Mlp(width)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, index):
+            (x,) = batch
+            loss = self(x).float().mean()
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self):
+            data = torch.utils.data.TensorDataset(torch.randn(rows, 64))
+            return torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True)
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    return trainer, Lit()
+
+
+def test_the_lightning_callback_logs_the_estimate_of_the_fit(caplog):
+    from gpumem.integrations.lightning import GpumemCallback
+
+    callback = GpumemCallback(gpu="t4")
+    trainer, module = lit_trainer(callback)
+    with caplog.at_level("INFO", logger="gpumem"):
+        trainer.fit(module)
+    assert trainer.global_step == 2
+    assert repr(callback.estimate) in caplog.text
+    want = gpumem.estimate(module, batch=32, input=torch.randn(32, 64), optimizer="adamw", gpu="t4")
+    assert near(callback.estimate.peak, want.peak, 0.005), (callback.estimate, want)
+    assert callback.estimate.breakdown["optimizer_state"] == want.breakdown["optimizer_state"]
+
+
+def test_the_lightning_callback_stops_a_fit_that_does_not_fit_before_its_first_step(tmp_path):
+    from gpumem.integrations.lightning import GpumemCallback, _resized
+
+    callback = GpumemCallback(profile=small_gpu(tmp_path), stop_if_over=True)
+    trainer, module = lit_trainer(callback, rows=4096, batch=2048, width=4096)
+    with pytest.raises(gpumem.DoesNotFit, match="the largest that fits is") as stopped:
+        trainer.fit(module)
+    assert trainer.global_step == 0
+    best = int(str(stopped.value).rsplit(" ", 1)[1])
+    assert 0 < best < 2048
+    batch = (torch.randn(2048, 64),)
+    assert callback.size(trainer, module, _resized(batch, best)).upper_bound_fits
+    assert not callback.size(trainer, module, _resized(batch, best + 1)).upper_bound_fits
+
+
+def test_gpumem_run_sizes_a_lightning_script_as_the_lightning_callback_does():
+    pytest.importorskip("lightning")
+    from gpumem.integrations.lightning import GpumemCallback
+
+    got = run_peak("lightning_mlp.py")
+    lit = runpy.run_path(os.path.join(SCRIPTS, "lightning_mlp.py"))
+    module = lit["LitClassifier"]()
+    trainer = type("Fit", (), {"precision": "32-true"})
+    trainer.optimizers = [torch.optim.Adam(module.parameters(), lr=1e-3)]
+    batch = (torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,)))
+    want = GpumemCallback(gpu="t4").size(trainer, module, batch)
+    assert near(got["peak_bytes"], want.peak), (got["peak_mib"], want)

@@ -1,2 +1,3 @@
 """gpumem inside the trainers: ``gpumem.integrations.hf.GpumemCallback`` for Hugging Face's
-``Trainer`` (each module imports its trainer only when imported itself)."""
+``Trainer``, ``gpumem.integrations.lightning.GpumemCallback`` for Lightning's (each module
+imports its trainer only when imported itself)."""
