@@ -441,6 +441,8 @@ class Tracked:
         self._tracker.__exit__(kind, error, tb)
         if isinstance(error, _track.Timeout):
             raise TimeoutError(str(error)) from None
+        if isinstance(error, _track.ValueDecides):  # the message names the line
+            raise ModelError(str(error)) from None
         if error is None:
             self._trace = _track.trace_text(self._tracker)
         return False
@@ -470,8 +472,9 @@ def track(model, optimizer=None, *, gpu=DEFAULT_GPU, batch=None):
     tensors, recorded as the parameters), ``.cuda()`` / ``.to("cuda")`` of your batch puts it
     there, and ``optimizer`` (one, or a list: an iteration ends once each has stepped) steps
     there from an empty state. Nothing real moves to a GPU, and your model and optimizers are
-    as they were once the block ends. Values computed inside are placeholders (``.item()`` is
-    0). ``batch`` names the batch size in the estimate (default: the first batch's length)."""
+    as they were once the block ends. Values computed inside are placeholders (``.item()``
+    prints as ``?``); where your code branches on one, ``ModelError`` names the line.
+    ``batch`` names the batch size in the estimate (default: the first batch's length)."""
     if optimizer is None:
         optimizers = []
     elif isinstance(optimizer, (list, tuple)):

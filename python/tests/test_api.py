@@ -361,6 +361,15 @@ def test_tracked_code_past_its_deadline_raises_timeout(monkeypatch):
         t.estimate()
 
 
+def test_tracked_code_that_branches_on_a_value_is_stopped_at_its_line():
+    model = Mlp()
+    with pytest.raises(gpumem.ModelError, match=r"decides a branch.*test_api\.py:\d+"):
+        with gpumem.track(model):
+            if model(torch.randn(4, 64).cuda()).sum() > 0:
+                pass
+    assert model.a.weight.device.type == "cpu"
+
+
 # -- gpumem.integrations.hf: the Trainer's callback -------------------------------------------
 
 
