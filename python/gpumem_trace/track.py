@@ -13,7 +13,8 @@ optimizers, ``GradScaler``, checkpointing) records what it allocates on the stan
   given optimizer has stepped an iteration ends. torch.optim's default implementation is the
   one it picks for CUDA tensors (foreach), not its CPU fallback.
 - Values are placeholders. Read by the user's own code, ``.item()`` is a ``Placeholder``
-  (printed as ``?``, NaN as a float) and a branch, index or size decided by a value stops the
+  (printed as ``?``, NaN as a float; ``.tolist()`` and ``.numpy()`` give them in the tensor's
+  shape) and a branch, index or size decided by a value stops the
   run with ``ValueDecides``, naming the line; read by an installed library (transformers'
   packed-sequence check), the tracer answers as inside a model (tracer.data_dependent). A
   ``GradScaler`` steps as in a healthy run (its inf/NaN check has no value here).
@@ -32,6 +33,7 @@ import threading
 import time
 import traceback
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -162,8 +164,22 @@ class Placeholder:
         return "?"
 
 
+# The most values a tensor read whole to the host becomes placeholders of (one reference each).
+MOST_PLACEHOLDERS = 1 << 22
+
+
+def _placeholders(t, as_list):
+    """``t.tolist()`` / ``t.numpy()`` of a stand-in tensor: placeholders of its shape."""
+    if t.numel() > MOST_PLACEHOLDERS:
+        raise ValueDecides(f"is read whole to the host ({t.numel()} values)")
+    values = np.full(tuple(t.shape), Placeholder(), dtype=object)
+    return values.tolist() if as_list else values
+
+
 # What reads a tensor's value.
 _READS = (
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
     torch.Tensor.item,
     torch.Tensor.__bool__,
     torch.Tensor.__int__,
@@ -195,6 +211,8 @@ class _Values(TorchFunctionMode):
                 return math.nan
             if func is torch.Tensor.__format__:
                 return "?" if t.dim() == 0 else func(*args, **kwargs)
+            if func in (torch.Tensor.tolist, torch.Tensor.numpy):
+                return _placeholders(t, func is torch.Tensor.tolist)
         if (
             func in (torch.Tensor.to, torch.Tensor.cuda)
             and t is not None

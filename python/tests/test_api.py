@@ -368,6 +368,11 @@ def test_tracked_code_that_branches_on_a_value_is_stopped_at_its_line():
             if model(torch.randn(4, 64).cuda()).sum() > 0:
                 pass
     assert model.a.weight.device.type == "cpu"
+    with gpumem.track(model):  # read, printed, averaged: placeholders, no branch
+        out = model(torch.randn(4, 64).cuda())
+        labels, loss = out.argmax(1).tolist(), out.mean().item()
+        text = f"{loss:.4f} {sum(labels) / len(labels)} {out.detach().numpy().mean()}"
+    assert len(labels) == 4 and text == "? ? ?"
 
 
 # -- gpumem.integrations.hf: the Trainer's callback -------------------------------------------
