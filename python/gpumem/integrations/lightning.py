@@ -13,8 +13,12 @@ Automatic optimization only (a module that steps its own optimizers is not sized
 import contextlib
 import logging
 
-import lightning.pytorch as pl
 import torch
+
+try:
+    import lightning.pytorch as pl
+except ImportError:  # the package's older name
+    import pytorch_lightning as pl
 
 import gpumem
 
