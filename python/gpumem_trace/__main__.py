@@ -24,7 +24,7 @@ import sys
 import traceback
 
 from . import ac
-from .request import OK, VERSION, Failure, from_flags, trace_options, write_answer
+from .request import OK, VERSION, Failure, from_flags, model_failure, trace_options, write_answer
 
 # The oldest torch release the tracer is tested on (scripts/test.sh runs the pinned and newest).
 OLDEST_TORCH = (2, 4)
@@ -258,17 +258,7 @@ def run(request):
                 raise TimedOut from e
             if isinstance(e, ReferenceError_):
                 return Failure("reference", str(e))
-            # The model's own failure, where the model's code is: the innermost frame outside
-            # torch and this tracer (else the innermost).
-            tb = traceback.extract_tb(e.__traceback__)
-            ours = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
-            tb = [f for f in tb if not f.filename.startswith(ours)] or tb
-            first_line = str(e).splitlines()[0] if str(e) else ""
-            return Failure(
-                "model",
-                f"{model} failed while tracing: {type(e).__name__}: {first_line}",
-                f"{tb[-1].filename}:{tb[-1].lineno}" if tb else None,
-            )
+            return model_failure(e, f"{model} failed while tracing")
         return None
 
     if timeout > 0:

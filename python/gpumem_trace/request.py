@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import traceback
 from dataclasses import dataclass
 
 from . import ac
@@ -40,6 +41,22 @@ class Failure:
 
 
 OK = {"status": "ok", "kind": None, "message": None, "where": None}
+
+
+def model_failure(e, what):
+    """``e``, raised by the user's code (a model, a script), as the failure of ``what``: where
+    that code is — the innermost frame outside torch and this tracer (else the innermost)."""
+    import torch
+
+    tb = traceback.extract_tb(e.__traceback__)
+    ours = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    tb = [f for f in tb if not f.filename.startswith(ours)] or tb
+    first_line = str(e).splitlines()[0] if str(e) else ""
+    return Failure(
+        "model",
+        f"{what}: {type(e).__name__}: {first_line}",
+        f"{tb[-1].filename}:{tb[-1].lineno}" if tb else None,
+    )
 
 
 def write_answer(path, answer):

@@ -16,11 +16,10 @@ import json
 import os
 import runpy
 import sys
-import traceback
 
 import torch
 
-from .request import OK, Failure, write_answer
+from .request import OK, Failure, model_failure, write_answer
 from .track import Gpu, Recording, Timeout, ValueDecides, standin
 
 
@@ -101,16 +100,6 @@ def run_script(argv, run):
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def failure_of(e, script):
-    """The script's own failure, where its code is."""
-    tb = traceback.extract_tb(e.__traceback__)
-    ours = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
-    mine = [f for f in tb if not f.filename.startswith(ours)] or tb
-    first = str(e).splitlines()[0] if str(e) else ""
-    where = f"{mine[-1].filename}:{mine[-1].lineno}" if mine else None
-    return Failure("model", f"{script} failed: {type(e).__name__}: {first}", where)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m gpumem_trace.script")
     p.add_argument("--steps", type=int, default=3)
@@ -149,7 +138,7 @@ def main(argv=None):
         if e.code not in (None, 0):
             failure = Failure("model", f"{script[0]} exited with status {e.code} before its step")
     except Exception as e:
-        failure = failure_of(e, script[0])
+        failure = model_failure(e, f"{script[0]} failed")
     if failure is None and run.done == 0:
         failure = Failure(
             "model", f"{script[0]} ended without a training step on the GPU (no backward pass)"
