@@ -140,6 +140,12 @@ def flags():
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--fsdp-param-dtype", choices=["bf16", "fp16"])
     p.add_argument("--replicas", type=int, default=1)
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: alone, a job of that many; with --strategy fsdp, within --world-size",
+    )
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--zero", default="{}", help="ZeRO: a JSON object of zero_optimization settings")
     p.add_argument("--lora-rank", type=int)

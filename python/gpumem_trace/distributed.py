@@ -15,6 +15,7 @@ its bucket, which is all-reduced and divided by the world size in place, and cop
 """
 
 import contextlib
+import re
 
 import torch
 import torch.distributed as dist
@@ -214,15 +215,151 @@ def broadcast_load(model, device):
         del whole
 
 
+def device_mesh(world_size, replicas=1, tensor=1):
+    """The job's ranks as PyTorch's ``DeviceMesh`` on the fake group, rank 0's view, with the
+    dimensions the job document names — ``replicate`` (HSDP's groups), ``shard`` (FSDP's ranks)
+    and ``tensor`` — in torchtitan's order (tensor parallelism innermost: its ranks are one
+    machine's). A dimension of degree 1 is there too; a job's wrapper takes the sub-mesh of its
+    own dimensions."""
+    fake_world(world_size)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shard = world_size // (replicas * tensor)
+    return init_device_mesh(
+        "cpu", (replicas, shard, tensor), mesh_dim_names=("replicate", "shard", "tensor")
+    )
+
+
+def data_parallel_mesh(mesh):
+    """FSDP's part of ``device_mesh``'s mesh: its ``shard`` ranks, within ``replicate`` groups
+    where there are more than one (HSDP)."""
+    return mesh["replicate", "shard"] if mesh["replicate"].size() > 1 else mesh["shard"]
+
+
+# transformers' plan styles, as torchtitan lays them out with sequence parallelism.
+_COLUMN, _ROW, _REPLICATED = "colwise", "rowwise", "replicated_with_grad_allreduce"
+
+
+def tensor_parallel(model, mesh, name):
+    """Tensor parallelism over ``mesh`` (1-D) as torchtitan applies it to a Llama-like decoder,
+    on the layers the Hugging Face model's own plan (``config.base_model_tp_plan``) names
+    column-wise and row-wise, with PyTorch's ``parallelize_module``:
+
+    - each column-wise linear layer ``ColwiseParallel`` (its output features sharded: each rank
+      computes its heads, its MLP columns), each row-wise one ``RowwiseParallel`` reduce-
+      scattering its output over the sequence (``Shard(1)``), as torchtitan's plan does;
+    - sequence parallelism: between blocks the residual stream is each rank's 1/N of the
+      sequence, the blocks' norms and the final norm ``SequenceParallel``, and each attention
+      and MLP all-gathers the sequence at its input (torchtitan's ``PrepareModuleInput``);
+    - the input embedding row-wise (vocabulary sharded, output sharded over the sequence), the
+      head column-wise with its logits gathered whole on every rank (transformers'
+      ``colwise_gather_output``; torchtitan's loss parallelism, which keeps them sharded, is
+      not modelled);
+    - layers the plan replicates (``replicated_with_grad_allreduce``: Qwen3's per-head norms)
+      stay whole on every rank.
+
+    Refused in one line: a model without a plan, a plan style other than these, heads that do
+    not divide over the ranks, a layer that is not a plain Linear (LoRA's)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    config = getattr(model, "config", None)
+    plan = getattr(config, "base_model_tp_plan", None)
+    base = getattr(model, "base_model", None)
+    if not plan or base is None:
+        raise ReferenceError_(
+            f"{name}: tensor parallelism needs the model's tensor-parallel plan (a Hugging Face model's base_model_tp_plan); this model has none"
+        )
+    n = mesh.size()
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if heads is not None and heads % n:
+            raise ReferenceError_(
+                f"{name}: {key}={heads} does not divide over {n} tensor-parallel ranks"
+            )
+    patterns = [
+        (re.compile(re.escape(k).replace(r"\*", r"[^.]+") + "$"), k, v) for k, v in plan.items()
+    ]
+    styles, gathers = {}, set()
+    for path, module in base.named_modules():
+        for pattern, key, style in patterns:
+            if not pattern.match(path):
+                continue
+            if style == _REPLICATED:
+                break
+            if style not in (_COLUMN, _ROW):
+                raise ReferenceError_(
+                    f"{name}: tensor parallelism of `{style}` layers ({key}) is not modelled"
+                )
+            if type(module) is not torch.nn.Linear:
+                raise ReferenceError_(
+                    f"{name}: {path} is a {type(module).__name__}, not a Linear: tensor parallelism of it (LoRA's layers) is not modelled"
+                )
+            if style == _COLUMN:
+                styles[path] = ColwiseParallel()
+                gathers.add(path.rpartition(".")[0])
+            else:
+                styles[path] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+            break
+    if not styles:
+        raise ReferenceError_(f"{name}: its tensor-parallel plan names none of its layers")
+    is_norm = lambda m: "Norm" in type(m).__name__
+    blocks = {g.rpartition(".")[0] for g in gathers}
+    modules = dict(base.named_modules())
+    for block in blocks:
+        for child, m in modules[block].named_children():
+            if is_norm(m):
+                styles[f"{block}.{child}"] = SequenceParallel()
+    for child, m in base.named_children():
+        if is_norm(m):
+            styles[child] = SequenceParallel(use_local_output=True)
+    embedding = base.get_input_embeddings()
+    styles[_path_of(base, embedding)] = RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+    )
+    parallelize_module(base, mesh, styles)
+    for path in gathers:
+        modules[path].register_forward_pre_hook(_gathered, with_kwargs=True)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        tied = head.weight is embedding.weight
+        parallelize_module(
+            head, mesh, ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        )
+        if tied:  # one parameter, sharded over the vocabulary for both
+            head.weight = embedding.weight
+    return model
+
+
+def _path_of(root, module):
+    return next(p for p, m in root.named_modules() if m is module)
+
+
+def _gathered(module, args, kwargs):
+    """An attention's or MLP's input gathered over the sequence and handed on as the rank's
+    local tensor (``PrepareModuleInput(Shard(1) -> Replicate(), use_local_output=True)``, for
+    an input given by position or by name)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    whole = lambda t: (
+        t.redistribute(placements=[Replicate()]).to_local() if isinstance(t, DTensor) else t
+    )
+    return tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
+
+
 def fsdp(
     model,
     blocks,
-    world_size,
+    mesh,
     reshard_after_forward,
     on_alloc,
     on_free,
     param_dtype=None,
-    replicas=1,
     cpu_offload=False,
 ):
     """``fully_shard`` on each block, then on the model, as rank 0 of ``world_size`` (FSDP2),
@@ -234,13 +371,12 @@ def fsdp(
     ``all_gather_inputs`` makes them), gradients are reduce-scattered on the GPU and sent to the
     host; the optimizer steps there. Pinning is the host's business (``pin_memory`` needs a GPU
     here and changes nothing on it).
-    ``replicas`` > 1 is HSDP: a (replicas, world_size / replicas) mesh, sharded along the second
-    dimension and replicated along the first (gradients reduce-scattered in the group, then
-    all-reduced across groups).
+    ``mesh`` is ``data_parallel_mesh``'s: a 2-D one is HSDP, sharded along its second dimension
+    and replicated along its first (gradients reduce-scattered in the group, then all-reduced
+    across groups); parameters tensor parallelism made DTensors are sharded again over it.
     FSDP2 frees a layer's gathered parameters by resizing their storage to nothing and gathers
     them again into the same storage: ``on_free(tensor)`` and ``on_alloc(tensor)`` hear of each
     (a storage that is resized is not a tensor that dies)."""
-    fake_world(world_size)
     try:
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.fsdp._fully_shard import (
@@ -254,8 +390,6 @@ def fsdp(
         raise ReferenceError_(
             f"tracing FSDP2 needs torch 2.6 or newer, where fully_shard is public (this is {torch.__version__})"
         ) from e
-    from torch.distributed.device_mesh import init_device_mesh
-
     real = _fsdp_param_group._get_device_handle
     handle = lambda kind: _MetaDevice if kind == "meta" else real(kind)
     for m in (_fsdp_collectives, _fsdp_param_group, _fsdp_state):
@@ -278,13 +412,6 @@ def fsdp(
     _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-    mesh = (
-        init_device_mesh("cpu", (world_size,))
-        if replicas == 1
-        else init_device_mesh(
-            "cpu", (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard")
-        )
-    )
     policy = dict(
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,

@@ -69,6 +69,7 @@ class TraceOptions:
     reshard_after_forward: bool = True  # FSDP2's
     fsdp_param_dtype: str = None  # FSDP2's MixedPrecisionPolicy param_dtype: "bf16" or "fp16"
     replicas: int = 1  # FSDP2 over a 2-D mesh (HSDP): replicated this many times
+    tensor: int = 1  # tensor-parallel ranks (distributed.tensor_parallel), within world_size
     cpu_offload: bool = (
         False  # FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the host
     )
@@ -310,6 +311,14 @@ def trace_training(opts: TraceOptions, out_path: str):
         lora.apply(model, opts.lora, opts.model)
     if opts.chunked_ce:
         job = losses.chunked_output(job, model, opts.chunked_ce, opts.model)
+    ranks = None  # the job's DeviceMesh, where it is a multi-GPU job that needs one
+    if opts.tensor > 1 or opts.strategy == "fsdp":
+        ranks = distributed.device_mesh(opts.world_size, opts.replicas, opts.tensor)
+    if opts.tensor > 1:
+        # As torchtitan orders it: tensor parallelism first, then checkpointing, then FSDP.
+        distributed.tensor_parallel(model, ranks["tensor"], opts.model)
+    # FSDP applies where its dimensions have ranks to shard over (torchtitan: dp_shard > 1).
+    sharded = opts.strategy == "fsdp" and opts.world_size > opts.tensor
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the whole model's
     # DataParallel's coalesced broadcasts span blocks too, and its replicas split the batch.
     cut = (
@@ -328,7 +337,7 @@ def trace_training(opts: TraceOptions, out_path: str):
     autocast = amp.Autocast(autocast_dtype) if autocast_dtype else None
     # FSDP2's units are the blocks as checkpointing leaves them: a block a wrapper module
     # replaced (torchtitan's checkpoint_wrapper) is sharded as that wrapper, as torchtitan does.
-    units = repeated_blocks(model, opts.model, "FSDP") if opts.strategy == "fsdp" else None
+    units = repeated_blocks(model, opts.model, "FSDP") if sharded else None
     wrappers, _ = enable_checkpointing(model, opts.model, opts.checkpointing, autocast)
     rec = Recorder()
     paths = ModulePaths(model)
@@ -352,7 +361,7 @@ def trace_training(opts: TraceOptions, out_path: str):
     if opts.zero is not None and opts.zero.stage == 3:
         # zero.Init: the model is built partitioned; only each rank's partitions reach the GPU.
         to_device_keeping_ties(model, weights_dtype)
-    if opts.strategy == "fsdp":
+    if sharded:
         # FSDP2 as one applies it: fully_shard on each layer, then on the model, before anything
         # reaches the GPU (the model is built on meta or the host; only shards move).
         units = [wrappers.get(u, u) for u in units]
@@ -415,20 +424,19 @@ def trace_training(opts: TraceOptions, out_path: str):
         if whole_run:
             rec.run_phase("load")
         rec.phase = "setup"
-        if opts.strategy == "fsdp":
+        if sharded:
             # Offloaded, the model is sharded where it was loaded: on the host.
             with rec.on_host() if opts.cpu_offload else contextlib.nullcontext():
                 distributed.fsdp(
                     model,
                     units,
-                    opts.world_size,
+                    distributed.data_parallel_mesh(ranks),
                     opts.reshard_after_forward,
                     on_alloc=lambda t: mode.track(t, "fsdp_all_gather"),
                     on_free=lambda t: rec.free(storage_key(t)),
                     param_dtype={None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[
                         opts.fsdp_param_dtype
                     ],
-                    replicas=opts.replicas,
                     cpu_offload=opts.cpu_offload,
                 )
             if (opts.whole_run or {}).get("broadcast_load"):

@@ -165,6 +165,7 @@ def strategy_options(strategy):
             strategy="fsdp",
             world_size=world,
             replicas=mesh.get("replicate", 1),
+            tensor=mesh.get("tensor", 1),
             reshard_after_forward=strategy.get("reshard_after_forward", True),
             fsdp_param_dtype=strategy.get("param_dtype"),
             cpu_offload=strategy.get("cpu_offload", False),
@@ -224,6 +225,14 @@ def from_flags(a):
         raise ValueError(
             f"--replicas {a.replicas} must divide --world-size {a.world_size} into groups of at least 2 ranks"
         )
+    if a.tp < 1 or (a.tp > 1 and a.strategy not in (None, "fsdp")):
+        raise ValueError(f"--tp {a.tp}: at least 1, and tensor parallelism composes with fsdp")
+    if a.tp > 1 and not a.strategy:
+        a.strategy, a.world_size = "fsdp", a.tp
+    if a.world_size % (a.replicas * a.tp):
+        raise ValueError(
+            f"--world-size {a.world_size} is not a multiple of --replicas {a.replicas} x --tp {a.tp}"
+        )
     strategy = None
     if a.strategy in ("ddp", "fsdp"):
         if a.strategy == "ddp":
@@ -234,9 +243,11 @@ def from_flags(a):
                 "bucket_view": a.gradient_as_bucket_view,
             }
         else:
-            mesh = {"shard": a.world_size // a.replicas}
+            mesh = {"shard": a.world_size // (a.replicas * a.tp)}
             if a.replicas > 1:
                 mesh["replicate"] = a.replicas
+            if a.tp > 1:
+                mesh["tensor"] = a.tp
             strategy = {
                 "kind": "fsdp",
                 "mesh": mesh,

@@ -12,6 +12,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .sdpa import KERNEL_BUFFERS
 
 try:
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except ImportError:  # a torch built without distributed
+    _DTENSOR = None
+
+try:
     from torch.utils.flop_counter import flop_registry
 except ImportError:  # older torch
     flop_registry = {}
@@ -456,6 +461,11 @@ class TraceMode(TorchDispatchMode):
         return any(k in self.r.no_memory for k in keys) and not any(k in self.r.live for k in keys)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _DTENSOR is not None and any(issubclass(t, _DTENSOR) for t in types):
+            # A DTensor (FSDP2's shards, tensor parallelism's layers): its own dispatch runs the
+            # op on the rank's local tensors, and redistributes them first where the layouts ask
+            # — those ops come back here, in the rank's shapes.
+            return NotImplemented
         kwargs = kwargs or {}
         if self.r.no_memory and not self.r.making_no_memory and self._from_no_memory(args):
             with self.r.storageless():

@@ -954,6 +954,74 @@ def test_ddp_rank_holds_its_gradient_buckets(tmp_path):
     )
 
 
+def test_tensor_parallel_rank_holds_its_share(tmp_path):
+    """One rank of tensor parallelism (PyTorch's parallelize_module on the model's own plan, as
+    torchtitan lays it out, on a fake process group): at the end of a step it holds 1/N of each
+    sharded weight (every linear layer, the embedding, the head) and of Adam's two states on
+    them, plus the norms whole on every rank; the same of the gradients but the embedding's,
+    which PyTorch's DTensor leaves whole (embedding_dense_backward has no row-wise strategy, so
+    the gradient of the vocabulary-sharded table is replicated). Composed with FSDP2 on a 2-D
+    mesh (and HSDP on a 3-D one) FSDP shards each rank's share again, the norms and that
+    gradient included. Sequence parallelism keeps the residual stream 1/N: the peak falls."""
+    import torch
+
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6):
+        return  # FSDP2 and the DTensor plans as the tracer uses them
+    layers, hidden, inter, vocab = 2, 64, 128, 1000
+    ref = (
+        f"hf:LlamaForCausalLM(hidden_size={hidden},intermediate_size={inter},"
+        f"num_hidden_layers={layers},num_attention_heads=8,num_key_value_heads=4,vocab_size={vocab})"
+    )
+    norms = hidden * (2 * layers + 1)
+    embedding = vocab * hidden
+
+    def held(*extra):
+        header, evs = traced([ref, "--batch", "2", "--seq-len", "32", *extra], tmp_path)
+        sizes, live = {}, {}
+        for e in evs:
+            if e["ev"] == "alloc":
+                sizes[e["id"]] = (e["bytes"], e["category"])
+            elif e["ev"] == "free":
+                del sizes[e["id"]]
+        for nbytes, category in sizes.values():
+            live[category] = live.get(category, 0) + nbytes
+        return header, live, live_and_peak(evs)[1]
+
+    header, single, single_peak = held()
+    sharded = header["parameters"] - norms
+    buffers = single["parameter"] - 4 * header["parameters"]  # the rotary table
+    for n in (2, 4):
+        h, rank, peak = held("--tp", str(n))
+        assert h["options"]["strategy"]["mesh"] == {"shard": 1, "tensor": n}
+        share = sharded // n + norms
+        assert rank["parameter"] == 4 * share + buffers, (n, rank)
+        assert rank["optimizer_state"] == 8 * share, (n, rank)
+        assert rank["gradient"] == 4 * (share + embedding - embedding // n), (n, rank)
+        assert peak < single_peak
+    for extra in (("--world-size", "4"), ("--world-size", "8", "--replicas", "2")):
+        h, rank, _ = held("--strategy", "fsdp", *extra, "--tp", "2")
+        mesh = h["options"]["strategy"]["mesh"]
+        assert (mesh["shard"], mesh["tensor"], mesh.get("replicate", 1)) == (
+            2,
+            2,
+            int(extra[-1]) if len(extra) > 2 else 1,
+        )
+        share = sharded // 4 + norms // 2
+        assert (rank["parameter"], rank["optimizer_state"], rank["gradient"]) == (
+            4 * share,
+            8 * share,
+            4 * share,
+        ), rank
+    for bad, needle in (
+        (["--tp", "3"], "num_attention_heads=8 does not divide over 3 tensor-parallel ranks"),
+        (["--strategy", "ddp", "--world-size", "4", "--tp", "2"], "composes with fsdp"),
+    ):
+        p, _ = run([ref, "--batch", "2", *bad], tmp_path)
+        assert p.returncode == 2 and needle in p.stderr, p.stderr
+    p, _ = run(["hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2)", "--tp", "2"], tmp_path)
+    assert p.returncode == 2 and "needs the model's tensor-parallel plan" in p.stderr, p.stderr
+
+
 def test_fsdp_rank_holds_its_shards(tmp_path):
     """One rank of FSDP2 (fully_shard per block, then the model), PyTorch's own code on a fake
     process group: at the end of a step it holds a single GPU's bytes less (N-1)/N of the

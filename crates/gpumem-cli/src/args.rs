@@ -10,8 +10,8 @@ use gpumem_core::dataset::Measurement;
 use gpumem_core::estimate::Estimator;
 use gpumem_core::hub::{HubCache, HubError, HubSource};
 use gpumem_core::job::{
-    EngineKind, Evaluation, Generation, LengthSchedule, Optimizer, OptionValues, Precision, Save,
-    StrategyValues, WholeRun,
+    EngineKind, Evaluation, Generation, LengthSchedule, MeshValues, Optimizer, OptionValues,
+    Precision, Save, StrategyValues, WholeRun,
 };
 use gpumem_core::model::ModelError;
 use gpumem_core::profile::{self, GpuProfile};
@@ -305,6 +305,12 @@ pub struct StrategyArgs {
     /// Machines of an hsdp job (FSDP2 sharded within a machine, replicated across them).
     #[arg(long)]
     nodes: Option<u32>,
+    /// Tensor-parallel ranks (docs/parallelism.md): each layer split over N ranks with
+    /// PyTorch's DTensor plans as torchtitan applies them, sequence parallelism between layers.
+    /// Alone, a job of N ranks; with --strategy fsdp or hsdp, N of --world-size's ranks, FSDP
+    /// sharding over the rest. Hugging Face decoders (their base_model_tp_plan).
+    #[arg(long, conflicts_with_all = ["deepspeed", "accelerate"])]
+    pub tp: Option<u32>,
     /// DDP's gradient bucket size, MiB.
     #[arg(long, default_value_t = gpumem_core::job::DDP_BUCKET_CAP_MB)]
     bucket_cap_mb: u32,
@@ -390,13 +396,22 @@ impl StrategyArgs {
     /// The strategy --strategy and its flags name (no launch config), in the job document's
     /// spelling: checked as a job file's or an API request's strategy is.
     fn named(&self) -> CliResult<Option<Strategy>> {
-        let Some(world_size) = self.world_size else {
-            return Ok(None); // --strategy requires --world-size (clap)
-        };
-        let Some(name) = self.strategy.as_deref() else {
-            return Err(CliError::input(
-                "--world-size needs --strategy or --deepspeed",
-            ));
+        let (name, world_size) = match (self.strategy.as_deref(), self.world_size, self.tp) {
+            // Tensor parallelism alone: FSDP's engine over no shard ranks.
+            (None, None, Some(tp)) => ("fsdp", tp),
+            (None, Some(_), Some(tp)) => {
+                return Err(CliError::input(format!(
+                    "--tp {tp} with --world-size needs --strategy fsdp or hsdp (how the other ranks share the model)"
+                )));
+            }
+            (None, Some(_), None) => {
+                return Err(CliError::input(
+                    "--world-size needs --strategy or --deepspeed",
+                ));
+            }
+            (Some(name), Some(w), _) => (name, w),
+            // --strategy requires --world-size (clap).
+            (_, None, _) => return Ok(None),
         };
         let named = StrategyValues::named(name, world_size).ok_or_else(|| {
             CliError::input(format!(
@@ -404,6 +419,11 @@ impl StrategyArgs {
             ))
         })?;
         let fsdp = named.kind == EngineKind::Fsdp;
+        if self.tp.is_some() && !fsdp {
+            return Err(CliError::input(format!(
+                "--tp composes with --strategy fsdp or hsdp, not {name}"
+            )));
+        }
         if self.fsdp_cpu_offload && !fsdp {
             return Err(CliError::input(
                 "--fsdp-cpu-offload is for --strategy fsdp or hsdp",
@@ -435,10 +455,36 @@ impl StrategyArgs {
             },
             EngineKind::Zero => named,
         };
+        let values = match self.tp {
+            Some(tp) => StrategyValues {
+                mesh: Some(tensor_mesh(world_size, values.replicas.unwrap_or(1), tp)?),
+                world_size: None,
+                replicas: None,
+                ..values
+            },
+            None => values,
+        };
         Strategy::try_from(values)
             .map(Some)
             .map_err(CliError::input)
     }
+}
+
+/// The mesh of `world_size` ranks with `tp` of them tensor-parallel, FSDP sharding over the
+/// rest within `replicas` groups.
+fn tensor_mesh(world_size: u32, replicas: u32, tp: u32) -> CliResult<MeshValues> {
+    let group = replicas.saturating_mul(tp);
+    if tp == 0 || !world_size.is_multiple_of(group) {
+        return Err(CliError::input(format!(
+            "--tp {tp} must divide --world-size {world_size} (with --nodes {replicas} groups)"
+        )));
+    }
+    Ok(MeshValues {
+        replicate: Some(replicas),
+        shard: Some(world_size / group),
+        tensor: Some(tp),
+        ..MeshValues::default()
+    })
 }
 
 impl WorkloadArgs {

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use clap::Args;
 use gpumem_core::estimate::{Breakdown, Estimate, Estimator, Replay};
 use gpumem_core::families::ModelSpec;
+use gpumem_core::job::{MeshDim, Strategy};
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::trace::Trace;
 use gpumem_core::units::bytes_to_mib;
@@ -206,6 +207,9 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
         &profile,
         &est,
     );
+    if let Some(s) = &report.strategy {
+        print_ranks(s);
+    }
     if let Some(r) = &report.run {
         print_run(r);
     }
@@ -289,6 +293,22 @@ fn print_run(r: &gpumem_core::run::RunReport) {
         mib(r.longest_step_reserved_bytes),
         r.traced_lengths.last().copied().unwrap_or(0),
         mib(r.any_order.reserved_bytes)
+    );
+}
+
+/// A multi-GPU job's mesh, whose one rank the estimate is.
+fn print_ranks(s: &Strategy) {
+    let mesh = s.mesh();
+    let dims: Vec<String> = MeshDim::ALL
+        .into_iter()
+        .filter(|d| mesh.degree(*d) > 1)
+        .map(|d| format!("{} {}", d.name(), mesh.degree(d)))
+        .collect();
+    println!(
+        "ranks        {}: {} = {} GPUs (the estimate is one rank's)",
+        s.name(),
+        dims.join(" × "),
+        s.world_size()
     );
 }
 

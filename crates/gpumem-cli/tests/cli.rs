@@ -237,6 +237,40 @@ fn bad_inputs_exit_2_with_one_line() {
             "estimate",
             "hf:gpt2",
             "--strategy",
+            "ddp",
+            "--world-size",
+            "4",
+            "--tp",
+            "2",
+        ],
+        "--tp composes with --strategy fsdp or hsdp, not ddp",
+    );
+    bad_input(
+        &[
+            "estimate",
+            "hf:gpt2",
+            "--strategy",
+            "fsdp",
+            "--world-size",
+            "8",
+            "--tp",
+            "3",
+        ],
+        "--tp 3 must divide --world-size 8",
+    );
+    bad_input(
+        &["estimate", "hf:gpt2", "--world-size", "8", "--tp", "2"],
+        "--tp 2 with --world-size needs --strategy fsdp or hsdp",
+    );
+    bad_input(
+        &["estimate", "hf:gpt2", "--tp", "2", "--fsdp-cpu-offload"],
+        "strategy.cpu_offload is FSDP's, and this mesh has no ranks to shard over",
+    );
+    bad_input(
+        &[
+            "estimate",
+            "hf:gpt2",
+            "--strategy",
             "hsdp",
             "--world-size",
             "8",
@@ -1147,6 +1181,42 @@ fn a_whole_run_reports_each_part_and_peaks_in_evaluation_when_logits_pile_up() {
         &["estimate", "hf:gpt2", "--generate-tokens", "0"],
         "generation new_tokens (--generate-tokens) 0 is out of range",
     );
+}
+
+/// Tensor parallelism alone and composed with FSDP2 on one mesh (docs/parallelism.md): one
+/// rank of PyTorch's own plans, traced; the JSON states the mesh; a rank of TP 2 holds less
+/// than the one-GPU job, and FSDP over 2 of those less again.
+#[test]
+fn tensor_parallel_ranks_are_sized_on_one_mesh() {
+    if !common::torch("tracing tensor-parallel ranks") {
+        return;
+    }
+    // The weights dominate (a short sequence, a small vocabulary), so FSDP's gathered layer and
+    // buffers are less than the half of a rank's states it saves.
+    let model = "hf:LlamaForCausalLM(hidden_size=1024,intermediate_size=4096,num_hidden_layers=2,num_attention_heads=8,num_key_value_heads=4,vocab_size=1000)";
+    let estimate = |extra: &[&str]| {
+        let mut args = vec![
+            "estimate",
+            model,
+            "--batch",
+            "1",
+            "--seq-len",
+            "64",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let o = gpumem(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        (v["peak_bytes"].as_u64().unwrap(), v["strategy"].clone())
+    };
+    let (one, none) = estimate(&[]);
+    assert!(none.is_null());
+    let (tp, s) = estimate(&["--tp", "2"]);
+    assert_eq!(s["mesh"], serde_json::json!({"tensor": 2}));
+    let (two_d, s) = estimate(&["--strategy", "fsdp", "--world-size", "4", "--tp", "2"]);
+    assert_eq!(s["mesh"], serde_json::json!({"shard": 2, "tensor": 2}));
+    assert!(two_d < tp && tp < one, "{two_d} {tp} {one}");
 }
 
 /// `max-batch` and `plan` over a whole run: each batch tried is traced whole, so a run whose

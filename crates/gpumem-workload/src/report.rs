@@ -50,6 +50,9 @@ pub struct EstimateReport {
     /// above is the largest (its bound, the largest bound).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ambiguity: Option<Ambiguity>,
+    /// A multi-GPU job's layout (its engine and mesh): the estimate is one rank's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<Strategy>,
     /// A ZeRO-2/3 job: DeepSpeed's own model-state figure, beside this estimate.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub deepspeed: Option<DeepSpeedFigure>,
@@ -177,6 +180,7 @@ impl EstimateReport {
                     })
                     .collect(),
             }),
+            strategy,
             deepspeed: deepspeed_figure(strategy, &trace.header),
             run,
             phases: est.phases.clone(),

@@ -20,6 +20,8 @@ pub enum MeshDim {
     Replicate,
     /// Data parallel, the model states sharded over the ranks (FSDP, ZeRO).
     Shard,
+    /// Tensor parallel: each layer's weights split over the ranks (PyTorch's DTensor plans,
+    /// with sequence parallelism between layers), under FSDP's engine.
     Tensor,
     Pipeline,
     Context,
@@ -303,9 +305,13 @@ impl EngineKind {
 /// How a multi-GPU job is laid out: its mesh and its data-parallel engine; the trace is one
 /// rank's, the batch that rank's. Invariant (checked by [`Strategy::new`], through which every
 /// strategy is made — flags, job files, JSON, trace headers): 2 to [`MAX_WORLD_SIZE`] ranks;
-/// the mesh has only the data-parallel dimensions gpumem models (replicate, shard); DDP only
-/// replicates; FSDP shards (HSDP: at least 2 ranks in each group); ZeRO only shards; DDP's
-/// buckets and ZeRO's reduce bucket are not empty; ZeRO offloads parameters only at stage 3.
+/// the mesh has only the dimensions gpumem models (replicate, shard, tensor); DDP only
+/// replicates; FSDP shards (HSDP: at least 2 ranks in each group), and is the engine tensor
+/// parallelism composes with — with a tensor dimension its shard dimension may be 1 (tensor
+/// parallelism alone: no FSDP applied, as torchtitan applies none at `dp_shard` 1), and then
+/// its own settings (CPU offload, a mixed-precision dtype) are refused; ZeRO only shards;
+/// DDP's buckets and ZeRO's reduce bucket are not empty; ZeRO offloads parameters only at
+/// stage 3.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(try_from = "StrategyValues", into = "StrategyValues")]
 pub struct Strategy {
@@ -316,17 +322,33 @@ pub struct Strategy {
 impl Strategy {
     pub fn new(mesh: Mesh, engine: Engine) -> Result<Strategy, OptionError> {
         let world_size = mesh.world_size();
-        for dim in [
-            MeshDim::Tensor,
-            MeshDim::Pipeline,
-            MeshDim::Context,
-            MeshDim::Expert,
-        ] {
+        for dim in [MeshDim::Pipeline, MeshDim::Context, MeshDim::Expert] {
             if mesh.degree(dim) > 1 {
                 return Err(OptionError::NotModelled(dim.name()));
             }
         }
         let (replicate, shard) = (mesh.degree(MeshDim::Replicate), mesh.degree(MeshDim::Shard));
+        let tensor = mesh.degree(MeshDim::Tensor);
+        match engine {
+            Engine::Ddp { .. } | Engine::Zero { .. } if tensor > 1 => {
+                return Err(OptionError::EngineDim {
+                    engine: engine.kind().name(),
+                    dim: "tensor",
+                });
+            }
+            Engine::Fsdp {
+                param_dtype,
+                cpu_offload,
+                ..
+            } if replicate * shard == 1 && (param_dtype.is_some() || cpu_offload) => {
+                return Err(OptionError::NoShards(if cpu_offload {
+                    "cpu_offload"
+                } else {
+                    "param_dtype"
+                }));
+            }
+            _ => {}
+        }
         match engine {
             Engine::Ddp { .. } if shard > 1 => {
                 return Err(OptionError::EngineDim {
@@ -428,9 +450,17 @@ impl Strategy {
         }
     }
 
-    /// The name a person uses: `ddp`, `fsdp`, `hsdp`, `zero1`, `zero2`, `zero3`.
+    /// The tensor-parallel ranks (1 where the job has none).
+    pub fn tensor_parallel(&self) -> u32 {
+        self.mesh.degree(MeshDim::Tensor)
+    }
+
+    /// The name a person uses: `ddp`, `fsdp`, `hsdp`, `zero1`, `zero2`, `zero3`, and `tp` for
+    /// tensor parallelism alone (with FSDP it is `fsdp` or `hsdp`; the mesh says the rest).
     pub fn name(&self) -> &'static str {
+        let data_parallel = self.mesh.degree(MeshDim::Replicate) * self.mesh.degree(MeshDim::Shard);
         match self.engine {
+            Engine::Fsdp { .. } if data_parallel == 1 => "tp",
             Engine::Ddp { .. } => "ddp",
             Engine::Fsdp { .. } if self.replicas() > 1 => "hsdp",
             Engine::Fsdp { .. } => "fsdp",

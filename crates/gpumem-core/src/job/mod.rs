@@ -543,6 +543,14 @@ pub enum OptionError {
         engine: &'static str,
         dim: &'static str,
     },
+    #[error(
+        "strategy.{0} is FSDP's, and this mesh has no ranks to shard over (tensor parallelism alone)"
+    )]
+    NoShards(&'static str),
+    #[error(
+        "whole_run (--whole-run) with tensor parallelism (strategy.mesh.tensor) is not sized yet"
+    )]
+    WholeRunTensor,
     #[error("strategy needs a mesh (or world_size)")]
     NoMesh,
     #[error("strategy states a mesh and world_size or replicas: give one")]
@@ -634,6 +642,9 @@ impl OptionValues {
             }
             if self.seq_lens.is_some() {
                 return Err(OptionError::WholeRunOneLength);
+            }
+            if self.strategy.is_some_and(|s| s.tensor_parallel() > 1) {
+                return Err(OptionError::WholeRunTensor);
             }
             if run.broadcast_load
                 && !self

@@ -190,6 +190,28 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
         (new.name(), new.world_size(), new.replicas()),
         ("hsdp", 8, 2)
     );
+    // Tensor parallelism composes with FSDP on one mesh; alone it is FSDP's engine over no
+    // shard ranks (torchtitan applies no FSDP at dp_shard 1).
+    let two_d: Strategy =
+        serde_json::from_str(r#"{"kind":"fsdp","mesh":{"shard":4,"tensor":2}}"#).unwrap();
+    assert_eq!(
+        (two_d.name(), two_d.world_size(), two_d.tensor_parallel()),
+        ("fsdp", 8, 2)
+    );
+    let tp: Strategy = serde_json::from_str(r#"{"kind":"fsdp","mesh":{"tensor":4}}"#).unwrap();
+    assert_eq!((tp.name(), tp.world_size()), ("tp", 4));
+    let json = serde_json::to_string(&tp).unwrap();
+    assert_eq!(
+        serde_json::from_str::<Strategy>(&json).unwrap(),
+        tp,
+        "{json}"
+    );
+    let e = serde_json::from_str::<Options>(
+        r#"{"strategy":{"kind":"fsdp","mesh":{"tensor":2}},"whole_run":{"save":"sharded"}}"#,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("with tensor parallelism"), "{e}");
     let zero: Strategy =
         serde_json::from_str(r#"{"kind":"zero","stage":3,"world_size":4,"zero":{}}"#).unwrap();
     assert_eq!(
@@ -211,7 +233,19 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
         ),
         (
             r#"{"kind":"ddp","mesh":{"replicate":2,"tensor":2}}"#,
-            "does not size tensor-parallel jobs yet",
+            "strategy.mesh.tensor: ddp",
+        ),
+        (
+            r#"{"kind":"zero","stage":1,"mesh":{"shard":2,"tensor":2}}"#,
+            "strategy.mesh.tensor: zero",
+        ),
+        (
+            r#"{"kind":"fsdp","mesh":{"tensor":2},"cpu_offload":true}"#,
+            "strategy.cpu_offload is FSDP's, and this mesh has no ranks to shard over",
+        ),
+        (
+            r#"{"kind":"fsdp","mesh":{"shard":2,"pipeline":2}}"#,
+            "does not size pipeline-parallel jobs yet",
         ),
         (
             r#"{"kind":"ddp","mesh":{"shard":4}}"#,

@@ -417,7 +417,7 @@ fn torchtitan_refuses_tensor_parallel_as_not_modelled() {
     .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "t.toml: `parallelism.tensor_parallel_degree`: strategy.mesh.tensor: gpumem does not size tensor-parallel jobs yet"
+        "t.toml: `parallelism.tensor_parallel_degree`: tensor parallelism of torchtitan's own models is not sized yet (--tp sizes a Hugging Face model's)"
     );
     let every2 = read_text(
         "t.toml",

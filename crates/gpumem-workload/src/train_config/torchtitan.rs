@@ -326,6 +326,14 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         ("expert_parallel_degree", MeshDim::Expert),
     ] {
         let d = degree(doc, key)?;
+        if d > 1 && dim == MeshDim::Tensor {
+            // gpumem lays tensor parallelism out on a Hugging Face model's own plan; torchtitan's
+            // models carry theirs in torchtitan's parallelize functions.
+            return Err(doc.err(
+                &format!("parallelism.{key}"),
+                "tensor parallelism of torchtitan's own models is not sized yet (--tp sizes a Hugging Face model's)",
+            ));
+        }
         if d > 1 {
             let why = Mesh::new(&[(dim, d as u32)])
                 .and_then(|m| {

@@ -194,6 +194,13 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             if let Some(n) = doc.count32(key)?
                 && n > 1
             {
+                if dim == gpumem_core::job::MeshDim::Tensor {
+                    // torchtune's recipes apply their own models' plans.
+                    return Err(doc.err(
+                        key,
+                        "tensor parallelism in torchtune's recipes is not sized yet (--tp sizes a Hugging Face model's)",
+                    ));
+                }
                 let e = gpumem_core::job::Mesh::new(&[(dim, n)])
                     .and_then(|m| {
                         gpumem_core::job::Strategy::new(
