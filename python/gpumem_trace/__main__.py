@@ -146,6 +146,11 @@ def flags():
         default=1,
         help="tensor-parallel ranks: alone, a job of that many; with --strategy fsdp, within --world-size",
     )
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (composes as --tp does)")
+    p.add_argument("--pp-rank", type=int, default=0, help="which stage's rank to trace")
+    p.add_argument("--schedule", default="1f1b", help="the pipeline schedule")
+    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--virtual-stages", type=int, default=1)
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--zero", default="{}", help="ZeRO: a JSON object of zero_optimization settings")
     p.add_argument("--lora-rank", type=int)

@@ -215,18 +215,20 @@ def broadcast_load(model, device):
         del whole
 
 
-def device_mesh(world_size, replicas=1, tensor=1):
+def device_mesh(world_size, replicas=1, tensor=1, pipeline=1):
     """The job's ranks as PyTorch's ``DeviceMesh`` on the fake group, rank 0's view, with the
-    dimensions the job document names — ``replicate`` (HSDP's groups), ``shard`` (FSDP's ranks)
-    and ``tensor`` — in torchtitan's order (tensor parallelism innermost: its ranks are one
-    machine's). A dimension of degree 1 is there too; a job's wrapper takes the sub-mesh of its
-    own dimensions."""
+    dimensions the job document names — ``pipeline``, ``replicate`` (HSDP's groups), ``shard``
+    (FSDP's ranks) and ``tensor`` — in torchtitan's order (pipeline outermost, tensor
+    parallelism innermost: its ranks are one machine's). A dimension of degree 1 is there too;
+    a job's wrapper takes the sub-mesh of its own dimensions."""
     fake_world(world_size)
     from torch.distributed.device_mesh import init_device_mesh
 
-    shard = world_size // (replicas * tensor)
+    shard = world_size // (pipeline * replicas * tensor)
     return init_device_mesh(
-        "cpu", (replicas, shard, tensor), mesh_dim_names=("replicate", "shard", "tensor")
+        "cpu",
+        (pipeline, replicas, shard, tensor),
+        mesh_dim_names=("pipeline", "replicate", "shard", "tensor"),
     )
 
 

@@ -18,7 +18,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils.checkpoint
 
-from . import ac, amp, cuda, distributed, hf_trainer, lora, losses, optimizers, sdpa, standin, zero
+from . import (
+    ac,
+    amp,
+    cuda,
+    distributed,
+    hf_trainer,
+    lora,
+    losses,
+    optimizers,
+    pipeline,
+    sdpa,
+    standin,
+    zero,
+)
 from .device import DEVICE, to_device_keeping_ties
 from .generation import generate
 from .models import ReferenceError_, outputs_in_fp32, resolve
@@ -70,6 +83,11 @@ class TraceOptions:
     fsdp_param_dtype: str = None  # FSDP2's MixedPrecisionPolicy param_dtype: "bf16" or "fp16"
     replicas: int = 1  # FSDP2 over a 2-D mesh (HSDP): replicated this many times
     tensor: int = 1  # tensor-parallel ranks (distributed.tensor_parallel), within world_size
+    pipeline: int = 1  # pipeline stages (pipeline.py), within world_size
+    pipeline_rank: int = 0  # which stage's rank the trace is
+    schedule: str = None  # pipeline.SCHEDULES
+    microbatches: int = 1  # the rank's batch split into this many for the schedule
+    virtual_stages: int = 1  # chunks per pipeline rank (interleaved schedules)
     cpu_offload: bool = (
         False  # FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the host
     )
@@ -312,13 +330,13 @@ def trace_training(opts: TraceOptions, out_path: str):
     if opts.chunked_ce:
         job = losses.chunked_output(job, model, opts.chunked_ce, opts.model)
     ranks = None  # the job's DeviceMesh, where it is a multi-GPU job that needs one
-    if opts.tensor > 1 or opts.strategy == "fsdp":
-        ranks = distributed.device_mesh(opts.world_size, opts.replicas, opts.tensor)
+    if opts.strategy == "fsdp":
+        ranks = distributed.device_mesh(opts.world_size, opts.replicas, opts.tensor, opts.pipeline)
     if opts.tensor > 1:
         # As torchtitan orders it: tensor parallelism first, then checkpointing, then FSDP.
         distributed.tensor_parallel(model, ranks["tensor"], opts.model)
     # FSDP applies where its dimensions have ranks to shard over (torchtitan: dp_shard > 1).
-    sharded = opts.strategy == "fsdp" and opts.world_size > opts.tensor
+    sharded = opts.strategy == "fsdp" and opts.world_size > opts.tensor * opts.pipeline
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the whole model's
     # DataParallel's coalesced broadcasts span blocks too, and its replicas split the batch.
     cut = (
@@ -327,6 +345,8 @@ def trace_training(opts: TraceOptions, out_path: str):
         and (opts.cut_spanning or opts.strategy not in SPANS_BLOCKS)
         # Layer-wise checkpointing treats every Nth block apart: no one block repeats.
         and not ac.changes_by_block(opts.checkpointing)
+        # A pipeline rank holds its share of the blocks: cut, it would hold another share.
+        and opts.pipeline == 1
     )
     blocks = cut_blocks(model, opts.model, opts.depth) if cut else None
     if opts.precision not in PRECISIONS:
@@ -340,6 +360,28 @@ def trace_training(opts: TraceOptions, out_path: str):
     units = repeated_blocks(model, opts.model, "FSDP") if sharded else None
     wrappers, _ = enable_checkpointing(model, opts.model, opts.checkpointing, autocast)
     rec = Recorder()
+    schedule = None
+    if opts.pipeline > 1:
+        # The rank's chunks after checkpointing (a wrapped block is held as its wrapper) and
+        # before FSDP, which shards each chunk as torchtitan shards each model part.
+        hidden = model.config.hidden_size
+        model = pipeline.split(
+            model,
+            opts.model,
+            opts.pipeline,
+            opts.virtual_stages,
+            opts.pipeline_rank,
+            ranks["tensor"] if opts.tensor > 1 else None,
+        )
+        schedule = pipeline.Schedule(
+            model,
+            opts.schedule,
+            opts.pipeline_rank,
+            opts.pipeline,
+            opts.microbatches,
+            rec,
+            weights_dtype or torch.float32,
+        )
     paths = ModulePaths(model)
     mode = TraceMode(rec, paths, DEVICE)
     specs = job.batch_specs(opts.batch)
@@ -365,6 +407,11 @@ def trace_training(opts: TraceOptions, out_path: str):
         # FSDP2 as one applies it: fully_shard on each layer, then on the model, before anything
         # reaches the GPU (the model is built on meta or the host; only shards move).
         units = [wrappers.get(u, u) for u in units]
+        # FSDP's roots: the model, or each pipeline chunk the rank holds (with its own blocks).
+        roots = [
+            (root, [u for u in units if any(u is m for m in root.modules())])
+            for root in (model.chunks if schedule else [model])
+        ]
         if weights_dtype is not None:
             model.to(weights_dtype)
     if opts.strategy and parallel:
@@ -427,18 +474,19 @@ def trace_training(opts: TraceOptions, out_path: str):
         if sharded:
             # Offloaded, the model is sharded where it was loaded: on the host.
             with rec.on_host() if opts.cpu_offload else contextlib.nullcontext():
-                distributed.fsdp(
-                    model,
-                    units,
-                    distributed.data_parallel_mesh(ranks),
-                    opts.reshard_after_forward,
-                    on_alloc=lambda t: mode.track(t, "fsdp_all_gather"),
-                    on_free=lambda t: rec.free(storage_key(t)),
-                    param_dtype={None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[
-                        opts.fsdp_param_dtype
-                    ],
-                    cpu_offload=opts.cpu_offload,
-                )
+                for root, units_of_root in roots:
+                    distributed.fsdp(
+                        root,
+                        units_of_root,
+                        distributed.data_parallel_mesh(ranks),
+                        opts.reshard_after_forward,
+                        on_alloc=lambda t: mode.track(t, "fsdp_all_gather"),
+                        on_free=lambda t: rec.free(storage_key(t)),
+                        param_dtype={None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[
+                            opts.fsdp_param_dtype
+                        ],
+                        cpu_offload=opts.cpu_offload,
+                    )
             if (opts.whole_run or {}).get("broadcast_load"):
                 with rec.labelled("temporary"):
                     distributed.broadcast_load(model, DEVICE)
@@ -524,6 +572,17 @@ def trace_training(opts: TraceOptions, out_path: str):
                 if micro == 0:
                     rec.phase = "zero_grad"
                     optimizer.zero_grad(set_to_none=True)
+                if schedule:
+                    # The rank's micro-batches, forward and backward in its schedule's order.
+                    with autocast if autocast is not None else contextlib.nullcontext():
+                        schedule.step(batch[0], hidden, opts.tensor)
+                    end_autocast()
+                    for h in hooks if it == 0 else ():
+                        h.remove()
+                    for p in model.parameters():
+                        if p.grad is not None:
+                            rec.relabel(p.grad, "gradient")
+                    continue
                 rec.phase = "forward"
                 outputs, loss = forward_and_loss(batch)
                 if not keep_outputs:

@@ -15,7 +15,7 @@ import re
 import traceback
 from dataclasses import dataclass
 
-from . import ac
+from . import ac, pipeline
 
 # The request format this tracer reads (the Rust side's `TracerRequest::VERSION`).
 VERSION = 1
@@ -88,6 +88,7 @@ def trace_options(request):
         optimizer=o.get("optimizer", "adam"),
         precision=o.get("precision", "fp32"),
         iterations=len(seq_lens) if seq_lens else request.get("iterations", 3),
+        pipeline_rank=request.get("pipeline_rank", 0),
         input_shape=tuple(int(x) for x in input_shape.split("x")) if input_shape else None,
         seq_len=o.get("seq_len"),
         seq_lens=seq_lens,
@@ -166,6 +167,10 @@ def strategy_options(strategy):
             world_size=world,
             replicas=mesh.get("replicate", 1),
             tensor=mesh.get("tensor", 1),
+            pipeline=mesh.get("pipeline", 1),
+            schedule=strategy.get("schedule"),
+            microbatches=strategy.get("microbatches", 1),
+            virtual_stages=strategy.get("virtual_stages", 1),
             reshard_after_forward=strategy.get("reshard_after_forward", True),
             fsdp_param_dtype=strategy.get("param_dtype"),
             cpu_offload=strategy.get("cpu_offload", False),
@@ -225,13 +230,19 @@ def from_flags(a):
         raise ValueError(
             f"--replicas {a.replicas} must divide --world-size {a.world_size} into groups of at least 2 ranks"
         )
-    if a.tp < 1 or (a.tp > 1 and a.strategy not in (None, "fsdp")):
-        raise ValueError(f"--tp {a.tp}: at least 1, and tensor parallelism composes with fsdp")
-    if a.tp > 1 and not a.strategy:
-        a.strategy, a.world_size = "fsdp", a.tp
-    if a.world_size % (a.replicas * a.tp):
+    if min(a.tp, a.pp) < 1 or (max(a.tp, a.pp) > 1 and a.strategy not in (None, "fsdp")):
         raise ValueError(
-            f"--world-size {a.world_size} is not a multiple of --replicas {a.replicas} x --tp {a.tp}"
+            f"--tp {a.tp}, --pp {a.pp}: at least 1, and tensor and pipeline parallelism compose with fsdp"
+        )
+    if a.pp > 1 and (a.schedule not in pipeline.SCHEDULES or not 0 <= a.pp_rank < a.pp):
+        raise ValueError(
+            f"--pp {a.pp}: --schedule one of {', '.join(pipeline.SCHEDULES)}, --pp-rank below {a.pp}"
+        )
+    if (a.tp > 1 or a.pp > 1) and not a.strategy:
+        a.strategy, a.world_size = "fsdp", a.tp * a.pp
+    if a.world_size % (a.replicas * a.tp * a.pp):
+        raise ValueError(
+            f"--world-size {a.world_size} is not a multiple of --replicas {a.replicas} x --tp {a.tp} x --pp {a.pp}"
         )
     strategy = None
     if a.strategy in ("ddp", "fsdp"):
@@ -243,11 +254,13 @@ def from_flags(a):
                 "bucket_view": a.gradient_as_bucket_view,
             }
         else:
-            mesh = {"shard": a.world_size // (a.replicas * a.tp)}
+            mesh = {"shard": a.world_size // (a.replicas * a.tp * a.pp)}
             if a.replicas > 1:
                 mesh["replicate"] = a.replicas
             if a.tp > 1:
                 mesh["tensor"] = a.tp
+            if a.pp > 1:
+                mesh["pipeline"] = a.pp
             strategy = {
                 "kind": "fsdp",
                 "mesh": mesh,
@@ -255,6 +268,12 @@ def from_flags(a):
                 "param_dtype": a.fsdp_param_dtype,
                 "cpu_offload": a.cpu_offload,
             }
+            if a.pp > 1:
+                strategy.update(
+                    schedule=a.schedule,
+                    microbatches=a.microbatches,
+                    virtual_stages=a.virtual_stages,
+                )
     elif a.strategy:
         strategy = {
             "kind": "zero",
@@ -296,6 +315,7 @@ def from_flags(a):
         "sdpa": a.sdpa,
         "iterations": len(a.seq_lens) if a.seq_lens else a.iterations,
         "seq_lens": a.seq_lens,
+        "pipeline_rank": a.pp_rank,
         "depths": a.depths or [],
         "slopes": a.slopes,
         "every_iteration": a.every_iteration,

@@ -1014,12 +1014,87 @@ def test_tensor_parallel_rank_holds_its_share(tmp_path):
         ), rank
     for bad, needle in (
         (["--tp", "3"], "num_attention_heads=8 does not divide over 3 tensor-parallel ranks"),
-        (["--strategy", "ddp", "--world-size", "4", "--tp", "2"], "composes with fsdp"),
+        (["--strategy", "ddp", "--world-size", "4", "--tp", "2"], "compose with fsdp"),
     ):
         p, _ = run([ref, "--batch", "2", *bad], tmp_path)
         assert p.returncode == 2 and needle in p.stderr, p.stderr
     p, _ = run(["hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2)", "--tp", "2"], tmp_path)
     assert p.returncode == 2 and "needs the model's tensor-parallel plan" in p.stderr, p.stderr
+
+
+def test_pipeline_stage_holds_its_layers_and_its_schedules_micro_batches(tmp_path):
+    """One rank of pipeline parallelism (pipeline.py): stage k holds exactly its layers (the
+    embedding with the first, the final norm and head with the last; with virtual stages the
+    looped chunks k, k + stages), and what it keeps for backward is its schedule's in-flight
+    micro-batches: GPipe all M, 1F1B min(M, stages - k) — beside PyTorch's receive buffers, one
+    per micro-batch, kept from the first step. Composed with FSDP2, a stage's share is sharded
+    again."""
+    import torch
+
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6):
+        return  # FSDP2 and PyTorch's pipelining schedules as the tracer uses them
+    hidden, inter, vocab, heads, kv = 64, 128, 1000, 8, 4
+    ref = (
+        f"hf:LlamaForCausalLM(hidden_size={hidden},intermediate_size={inter},num_hidden_layers=4,"
+        f"num_attention_heads={heads},num_key_value_heads={kv},vocab_size={vocab})"
+    )
+    head_dim = hidden // heads
+    layer = 2 * hidden * hidden + 2 * hidden * kv * head_dim + 3 * hidden * inter + 2 * hidden
+    embedding = head = vocab * hidden
+    seq, micro = 32, 2
+
+    def run_stage(stage, schedule, m, *extra):
+        args = [ref, "--batch", str(micro * m), "--seq-len", str(seq), "--pp", "2"]
+        args += ["--pp-rank", str(stage), "--schedule", schedule, "--microbatches", str(m)]
+        header, evs = traced([*args, *extra], tmp_path)
+        sizes, live, acts, peak = {}, {}, 0, 0
+        for e in evs:
+            if e["ev"] == "alloc":
+                sizes[e["id"]] = (e["bytes"], e["category"])
+                if e["category"] == "activation":
+                    acts += e["bytes"]
+                    peak = max(peak, acts)
+            elif e["ev"] == "free":
+                nbytes, category = sizes.pop(e["id"])
+                if category == "activation":
+                    acts -= nbytes
+        for nbytes, category in sizes.values():
+            live[category] = live.get(category, 0) + nbytes
+        return header, live, peak
+
+    buffer = micro * seq * hidden * 4  # one micro-batch's activations (or their gradients)
+    rotary = 2 * 4 * (head_dim // 2)  # the rotary tables inv_freq and original_inv_freq
+    share = {0: embedding + 2 * layer, 1: 2 * layer + hidden + head}
+    for stage in (0, 1):
+        one_f_one_b = [run_stage(stage, "1f1b", m) for m in (1, 2, 4)]
+        h, live, _ = one_f_one_b[1]
+        assert h["options"]["strategy"]["mesh"] == {"shard": 1, "pipeline": 2}
+        assert live["parameter"] == 4 * share[stage] + rotary, (stage, live)
+        assert live["optimizer_state"] == 8 * share[stage], (stage, live)
+        assert live["activation"] == 2 * buffer  # M receive buffers, kept
+        one_f_one_b = [peak for _, _, peak in one_f_one_b]
+        # One micro-batch runs the same under both schedules.
+        gpipe = [one_f_one_b[0]] + [run_stage(stage, "gpipe", m)[2] for m in (2, 4)]
+        assert gpipe[2] - gpipe[1] == 2 * (gpipe[1] - gpipe[0]) > 2 * buffer, (stage, gpipe)
+        # In flight: min(M, 2 - stage); beyond that only the receive buffers grow.
+        if stage == 0:
+            assert one_f_one_b[1] - one_f_one_b[0] == gpipe[1] - gpipe[0]
+        assert one_f_one_b[2] - one_f_one_b[1] == 2 * buffer, (stage, one_f_one_b)
+        assert one_f_one_b[2] < gpipe[2]
+    # Interleaved: rank 0 holds chunks 0 and 2 of 4 (one layer each), the embedding with the
+    # first; each non-first chunk receives activations, each non-last chunk their gradients.
+    _, live, _ = run_stage(0, "interleaved-1f1b", 4, "--virtual-stages", "2")
+    assert live["parameter"] == 4 * (embedding + 2 * layer) + rotary
+    assert live["activation"] == 3 * 4 * buffer
+    # FSDP2 over 2 ranks of each stage: the stage's share halved (every size divides).
+    _, live, _ = run_stage(1, "1f1b", 2, "--strategy", "fsdp", "--world-size", "4")
+    assert live["optimizer_state"] == 8 * share[1] // 2, live
+    for bad, needle in (
+        (["--pp", "8", "--schedule", "1f1b"], "4 layers do not fill 8 pipeline stages"),
+        (["--pp", "2", "--microbatches", "3"], "does not split into 3 equal micro-batches"),
+    ):
+        p, _ = run([ref, "--batch", "4", *bad], tmp_path)
+        assert p.returncode == 2 and needle in p.stderr, p.stderr
 
 
 def test_fsdp_rank_holds_its_shards(tmp_path):

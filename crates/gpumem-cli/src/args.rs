@@ -11,7 +11,7 @@ use gpumem_core::estimate::Estimator;
 use gpumem_core::hub::{HubCache, HubError, HubSource};
 use gpumem_core::job::{
     EngineKind, Evaluation, Generation, LengthSchedule, MeshValues, Optimizer, OptionValues,
-    Precision, Save, StrategyValues, WholeRun,
+    Precision, Save, Schedule, StrategyValues, WholeRun,
 };
 use gpumem_core::model::ModelError;
 use gpumem_core::profile::{self, GpuProfile};
@@ -311,6 +311,21 @@ pub struct StrategyArgs {
     /// sharding over the rest. Hugging Face decoders (their base_model_tp_plan).
     #[arg(long, conflicts_with_all = ["deepspeed", "accelerate"])]
     pub tp: Option<u32>,
+    /// Pipeline stages (docs/parallelism.md): the decoder's layers cut into N consecutive
+    /// stages, one rank each, micro-batches through them in --pp-schedule's order; every
+    /// stage's rank is sized and the worst answers. Alone, a job of N ranks (× --tp); with
+    /// --strategy fsdp or hsdp, within --world-size. Hugging Face decoders.
+    #[arg(long, conflicts_with_all = ["deepspeed", "accelerate"])]
+    pub pp: Option<u32>,
+    /// The pipeline schedule: gpipe, 1f1b (default) or interleaved-1f1b.
+    #[arg(long, requires = "pp")]
+    pp_schedule: Option<String>,
+    /// Micro-batches each rank's --batch is split into (default: the stages).
+    #[arg(long, requires = "pp")]
+    microbatches: Option<u32>,
+    /// Chunks of layers per pipeline rank (interleaved-1f1b; default 2).
+    #[arg(long, requires = "pp")]
+    virtual_stages: Option<u32>,
     /// DDP's gradient bucket size, MiB.
     #[arg(long, default_value_t = gpumem_core::job::DDP_BUCKET_CAP_MB)]
     bucket_cap_mb: u32,
@@ -396,13 +411,17 @@ impl StrategyArgs {
     /// The strategy --strategy and its flags name (no launch config), in the job document's
     /// spelling: checked as a job file's or an API request's strategy is.
     fn named(&self) -> CliResult<Option<Strategy>> {
-        let (name, world_size) = match (self.strategy.as_deref(), self.world_size, self.tp) {
-            // Tensor parallelism alone: FSDP's engine over no shard ranks.
-            (None, None, Some(tp)) => ("fsdp", tp),
-            (None, Some(_), Some(tp)) => {
-                return Err(CliError::input(format!(
-                    "--tp {tp} with --world-size needs --strategy fsdp or hsdp (how the other ranks share the model)"
-                )));
+        let model_parallel = match (self.tp, self.pp) {
+            (None, None) => None,
+            (tp, pp) => Some(tp.unwrap_or(1).saturating_mul(pp.unwrap_or(1))),
+        };
+        let (name, world_size) = match (self.strategy.as_deref(), self.world_size, model_parallel) {
+            // Tensor or pipeline parallelism alone: FSDP's engine over no shard ranks.
+            (None, None, Some(ranks)) => ("fsdp", ranks),
+            (None, Some(_), Some(_)) => {
+                return Err(CliError::input(
+                    "--tp or --pp with --world-size needs --strategy fsdp or hsdp (how the other ranks share the model)",
+                ));
             }
             (None, Some(_), None) => {
                 return Err(CliError::input(
@@ -419,9 +438,9 @@ impl StrategyArgs {
             ))
         })?;
         let fsdp = named.kind == EngineKind::Fsdp;
-        if self.tp.is_some() && !fsdp {
+        if model_parallel.is_some() && !fsdp {
             return Err(CliError::input(format!(
-                "--tp composes with --strategy fsdp or hsdp, not {name}"
+                "--tp and --pp compose with --strategy fsdp or hsdp, not {name}"
             )));
         }
         if self.fsdp_cpu_offload && !fsdp {
@@ -455,11 +474,29 @@ impl StrategyArgs {
             },
             EngineKind::Zero => named,
         };
-        let values = match self.tp {
-            Some(tp) => StrategyValues {
-                mesh: Some(tensor_mesh(world_size, values.replicas.unwrap_or(1), tp)?),
+        let values = match model_parallel {
+            Some(_) => StrategyValues {
+                mesh: Some(model_parallel_mesh(
+                    world_size,
+                    values.replicas.unwrap_or(1),
+                    self.tp.unwrap_or(1),
+                    self.pp.unwrap_or(1),
+                )?),
                 world_size: None,
                 replicas: None,
+                schedule: self
+                    .pp_schedule
+                    .as_deref()
+                    .map(|name| {
+                        Schedule::parse(name).ok_or_else(|| {
+                            CliError::input(format!(
+                                "--pp-schedule `{name}` is not gpipe, 1f1b or interleaved-1f1b"
+                            ))
+                        })
+                    })
+                    .transpose()?,
+                microbatches: self.microbatches,
+                virtual_stages: self.virtual_stages,
                 ..values
             },
             None => values,
@@ -470,19 +507,25 @@ impl StrategyArgs {
     }
 }
 
-/// The mesh of `world_size` ranks with `tp` of them tensor-parallel, FSDP sharding over the
-/// rest within `replicas` groups.
-fn tensor_mesh(world_size: u32, replicas: u32, tp: u32) -> CliResult<MeshValues> {
-    let group = replicas.saturating_mul(tp);
-    if tp == 0 || !world_size.is_multiple_of(group) {
+/// The mesh of `world_size` ranks in `pp` pipeline stages of `tp` tensor-parallel ranks each,
+/// FSDP sharding over the rest within `replicas` groups.
+fn model_parallel_mesh(world_size: u32, replicas: u32, tp: u32, pp: u32) -> CliResult<MeshValues> {
+    let group = replicas.saturating_mul(tp).saturating_mul(pp);
+    if group == 0 || !world_size.is_multiple_of(group) {
+        let nodes = if replicas > 1 {
+            format!(" × --nodes {replicas}")
+        } else {
+            String::new()
+        };
         return Err(CliError::input(format!(
-            "--tp {tp} must divide --world-size {world_size} (with --nodes {replicas} groups)"
+            "--world-size {world_size} is not a multiple of --tp {tp} × --pp {pp}{nodes}"
         )));
     }
     Ok(MeshValues {
         replicate: Some(replicas),
         shard: Some(world_size / group),
         tensor: Some(tp),
+        pipeline: Some(pp),
         ..MeshValues::default()
     })
 }

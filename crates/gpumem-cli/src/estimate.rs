@@ -210,6 +210,12 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
     if let Some(s) = &report.strategy {
         print_ranks(s);
     }
+    for s in &report.stages {
+        println!(
+            "stage {:<6} peak {:>10.1} MiB, upper bound {:.1} MiB",
+            s.stage, s.peak_mib, s.upper_bound_mib
+        );
+    }
     if let Some(r) = &report.run {
         print_run(r);
     }
@@ -304,11 +310,28 @@ fn print_ranks(s: &Strategy) {
         .filter(|d| mesh.degree(*d) > 1)
         .map(|d| format!("{} {}", d.name(), mesh.degree(d)))
         .collect();
+    let pipeline = s.pipeline().map_or(String::new(), |p| {
+        format!(
+            ", {} over {} micro-batches{}",
+            p.schedule().name(),
+            p.microbatches(),
+            if p.virtual_stages() > 1 {
+                format!(", {} chunks per rank", p.virtual_stages())
+            } else {
+                String::new()
+            }
+        )
+    });
     println!(
-        "ranks        {}: {} = {} GPUs (the estimate is one rank's)",
+        "ranks        {}: {} = {} GPUs{pipeline} (the estimate is one rank's{})",
         s.name(),
         dims.join(" × "),
-        s.world_size()
+        s.world_size(),
+        if pipeline.is_empty() {
+            ""
+        } else {
+            ": the worst stage's"
+        }
     );
 }
 

@@ -243,7 +243,7 @@ fn bad_inputs_exit_2_with_one_line() {
             "--tp",
             "2",
         ],
-        "--tp composes with --strategy fsdp or hsdp, not ddp",
+        "--tp and --pp compose with --strategy fsdp or hsdp, not ddp",
     );
     bad_input(
         &[
@@ -256,11 +256,11 @@ fn bad_inputs_exit_2_with_one_line() {
             "--tp",
             "3",
         ],
-        "--tp 3 must divide --world-size 8",
+        "--world-size 8 is not a multiple of --tp 3 × --pp 1",
     );
     bad_input(
         &["estimate", "hf:gpt2", "--world-size", "8", "--tp", "2"],
-        "--tp 2 with --world-size needs --strategy fsdp or hsdp",
+        "--tp or --pp with --world-size needs --strategy fsdp or hsdp",
     );
     bad_input(
         &["estimate", "hf:gpt2", "--tp", "2", "--fsdp-cpu-offload"],
@@ -1217,6 +1217,53 @@ fn tensor_parallel_ranks_are_sized_on_one_mesh() {
     let (two_d, s) = estimate(&["--strategy", "fsdp", "--world-size", "4", "--tp", "2"]);
     assert_eq!(s["mesh"], serde_json::json!({"shard": 2, "tensor": 2}));
     assert!(two_d < tp && tp < one, "{two_d} {tp} {one}");
+}
+
+/// Pipeline stages (docs/parallelism.md): every stage's rank is traced and sized, the worst
+/// answers; --json lists the stages worst first and states the schedule.
+#[test]
+fn every_pipeline_stage_is_sized_and_the_worst_answers() {
+    if !common::torch("tracing pipeline stages") {
+        return;
+    }
+    let model = "hf:LlamaForCausalLM(hidden_size=256,intermediate_size=512,num_hidden_layers=4,num_attention_heads=8,num_key_value_heads=4,vocab_size=32000)";
+    let o = gpumem(&[
+        "estimate",
+        model,
+        "--batch",
+        "4",
+        "--seq-len",
+        "128",
+        "--pp",
+        "2",
+        "--pp-schedule",
+        "gpipe",
+        "--microbatches",
+        "4",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let stages = v["stages"].as_array().unwrap();
+    let peaks: Vec<u64> = stages
+        .iter()
+        .map(|s| s["peak_bytes"].as_u64().unwrap())
+        .collect();
+    assert_eq!(stages.len(), 2);
+    assert!(peaks[0] >= peaks[1] && v["peak_bytes"].as_u64() == Some(peaks[0]));
+    // The last stage computes the 32,000-word logits: it is the worst.
+    assert_eq!(stages[0]["stage"], 1);
+    assert_eq!(v["strategy"]["schedule"], "gpipe");
+    assert_eq!(v["strategy"]["microbatches"], 4);
+    assert!(v.get("ambiguity").is_none());
+    bad_input(
+        &["estimate", model, "--pp", "2", "--pp-schedule", "zb"],
+        "--pp-schedule `zb` is not gpipe, 1f1b or interleaved-1f1b",
+    );
+    bad_input(
+        &["estimate", model, "--pp", "2", "--precision", "amp-fp16"],
+        "pipeline parallelism (strategy.mesh.pipeline) with amp-fp16 (GradScaler) is not sized yet",
+    );
 }
 
 /// `max-batch` and `plan` over a whole run: each batch tried is traced whole, so a run whose

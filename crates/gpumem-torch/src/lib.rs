@@ -22,7 +22,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 28] = [
+const SOURCES: [(&str, &str); 29] = [
     (
         "__init__.py",
         include_str!("../../../python/gpumem_trace/__init__.py"),
@@ -87,6 +87,10 @@ const SOURCES: [(&str, &str); 28] = [
     (
         "parallel.py",
         include_str!("../../../python/gpumem_trace/parallel.py"),
+    ),
+    (
+        "pipeline.py",
+        include_str!("../../../python/gpumem_trace/pipeline.py"),
     ),
     (
         "pool.py",
@@ -177,6 +181,8 @@ pub struct TraceRequest {
     /// traced as the loop runs it; `iterations` is then their count). Empty: every iteration at
     /// the options' own length.
     pub seq_lens: Vec<u64>,
+    /// Which pipeline stage's rank is traced (0 where the job has no pipeline stages).
+    pub pipeline_rank: u32,
 }
 
 impl TraceRequest {
@@ -190,6 +196,7 @@ impl TraceRequest {
             sdpa: None,
             iterations: 3,
             seq_lens: Vec::new(),
+            pipeline_rank: 0,
         }
     }
 
@@ -228,6 +235,8 @@ pub struct TracerRequest {
     pub iterations: u32,
     /// One sequence length per iteration, in this order (empty: the options' own length).
     pub seq_lens: Vec<u64>,
+    /// Which pipeline stage's rank to trace (`options.strategy`'s pipeline; 0 where none).
+    pub pipeline_rank: u32,
     /// Trace the model cut to each of these depths of its repeated blocks (into `OUT.depthK`)
     /// where it has enough of them; else whole.
     pub depths: Vec<u32>,
@@ -567,12 +576,12 @@ impl TorchTracer {
     }
 
     /// Batch sizes a symbolic trace of `req` is fitted at, besides `with` where given: whole
-    /// multiples of a DataParallel job's GPU count (every GPU gets the same rows), so the fit is
-    /// exact at any multiple.
+    /// multiples of the job's batch unit ([`Options::batch_unit`]: a DataParallel job's GPUs,
+    /// a pipeline's micro-batches), so the fit is exact at any multiple.
     fn fit_batches(req: &TraceRequest, with: Option<u64>) -> Vec<u64> {
-        let gpus = u64::from(req.options.data_parallel.max(1));
+        let unit = req.options.batch_unit();
         let mut batches: Vec<u64> = with.into_iter().collect();
-        for b in SymbolicTrace::FIT_BATCHES.map(|b| b * gpus) {
+        for b in SymbolicTrace::FIT_BATCHES.map(|b| b * unit) {
             if batches.len() < SymbolicTrace::FIT_BATCHES.len() && !batches.contains(&b) {
                 batches.push(b);
             }
@@ -598,9 +607,7 @@ impl TorchTracer {
         if !req.seq_lens.is_empty() || req.options.whole_run.is_some() {
             return self.trace_in_order(req, &torch);
         }
-        let symbolic_ok = req
-            .batch
-            .is_multiple_of(u64::from(req.options.data_parallel.max(1)));
+        let symbolic_ok = req.batch.is_multiple_of(req.options.batch_unit());
         if symbolic_ok
             && let Some(sym) = self.cached_symbolic(req, &torch)
             && let Ok(t) = sym.at(req.batch)
@@ -895,6 +902,7 @@ impl TorchTracer {
             sdpa: req.sdpa,
             iterations: req.iterations,
             seq_lens: req.seq_lens.clone(),
+            pipeline_rank: req.pipeline_rank,
             depths: if cut {
                 depth::DEPTHS.to_vec()
             } else {

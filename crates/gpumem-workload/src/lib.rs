@@ -10,6 +10,7 @@
 use gpumem_core::dataset::Measurement;
 use gpumem_core::estimate::{Estimate, EstimateError, Estimator};
 use gpumem_core::families::{JobOptions, MAX_BATCH, ModelSpec};
+use gpumem_core::job::MeshDim;
 pub use gpumem_core::job::{
     Attention, AttentionMask, Checkpointing, HalfDtype, InputShape, LengthSchedule, LengthSource,
     Lora, OptionError, OptionOverrides, OptionValues, Options, Outputs, Strategy, TORCH_PREFIXES,
@@ -152,6 +153,8 @@ struct RunLengths {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Reading {
     pub model: String,
+    /// A pipeline job's stage (its rank along the pipeline) this reading is.
+    pub stage: Option<u32>,
     pub peak_bytes: u64,
     pub upper_bound_bytes: u64,
 }
@@ -164,6 +167,9 @@ pub struct Workload {
     model: ModelRef,
     batch: u64,
     options: Options,
+    /// Which of a pipeline job's stages is traced (0 where it has none): set by
+    /// [`Workload::alternatives`], one job per stage.
+    pipeline_rank: u32,
 }
 
 impl Workload {
@@ -178,6 +184,7 @@ impl Workload {
             model,
             batch,
             options,
+            pipeline_rank: 0,
         })
     }
 
@@ -218,9 +225,18 @@ impl Workload {
         self.batch
     }
 
-    /// The jobs this one may be: itself, or one per reading of an ambiguous native spec (a
-    /// dense CNN without `pool_every`). Sizing takes the largest.
+    /// The jobs this one may be: itself, one per reading of an ambiguous native spec (a
+    /// dense CNN without `pool_every`), or one per stage of a pipeline job (each stage's rank
+    /// holds other layers). Sizing takes the largest.
     pub fn alternatives(&self) -> Vec<Workload> {
+        if let Some(strategy) = self.options.strategy.filter(|s| s.pipeline().is_some()) {
+            return (0..strategy.mesh().degree(MeshDim::Pipeline))
+                .map(|pipeline_rank| Workload {
+                    pipeline_rank,
+                    ..self.clone()
+                })
+                .collect();
+        }
         match &self.model {
             ModelRef::Native(spec) => spec
                 .alternatives()
@@ -250,11 +266,15 @@ impl Workload {
     ) -> Result<Sizing, SizeError> {
         let mut largest: Option<Sizing> = None;
         let mut readings = Vec::new();
-        for w in self.alternatives() {
-            let t = trace(&w, profile)?;
+        let alternatives = self.alternatives();
+        let staged = alternatives.len() > 1 && !self.model.is_native();
+        let traces = side_by_side(&alternatives, |w| trace(w, profile));
+        for (w, t) in alternatives.into_iter().zip(traces) {
+            let t = t?;
             let est = estimator.estimate(&t, profile)?;
             readings.push(Reading {
                 model: t.header.model.clone(),
+                stage: staged.then_some(w.pipeline_rank),
                 peak_bytes: est.peak_bytes,
                 upper_bound_bytes: est.upper_bound_bytes,
             });
@@ -292,12 +312,10 @@ impl Workload {
     /// The tracer's request for a PyTorch model on `profile`'s GPU; `None` for a native one.
     pub fn request(&self, profile: &GpuProfile) -> Option<TraceRequest> {
         match &self.model {
-            ModelRef::Torch(r) => Some(TraceRequest::for_gpu(
-                r,
-                self.batch,
-                self.options.clone(),
-                profile,
-            )),
+            ModelRef::Torch(r) => Some(TraceRequest {
+                pipeline_rank: self.pipeline_rank,
+                ..TraceRequest::for_gpu(r, self.batch, self.options.clone(), profile)
+            }),
             ModelRef::Native(_) => None,
         }
     }

@@ -50,6 +50,9 @@ pub struct EstimateReport {
     /// above is the largest (its bound, the largest bound).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ambiguity: Option<Ambiguity>,
+    /// A pipeline job: each stage's rank, the worst first (the estimate is that one's).
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    pub stages: Vec<StageReport>,
     /// A multi-GPU job's layout (its engine and mesh): the estimate is one rank's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub strategy: Option<Strategy>,
@@ -66,6 +69,16 @@ pub struct EstimateReport {
     /// A trainer config's kind, and every key used, not modelled (why) or not bearing on memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub train_config: Option<serde_json::Value>,
+}
+
+/// One pipeline stage's rank, sized.
+#[derive(Debug, Clone, Serialize)]
+pub struct StageReport {
+    pub stage: u32,
+    pub peak_mib: f64,
+    pub peak_bytes: u64,
+    pub upper_bound_mib: f64,
+    pub upper_bound_bytes: u64,
 }
 
 /// What DeepSpeed's `estimate_zero*_model_states_mem_needs` gives for the job: model states
@@ -169,7 +182,8 @@ impl EstimateReport {
                 step_ms: util.step_s * 1e3,
             },
             learned: Vec::new(),
-            ambiguity: (readings.len() > 1).then(|| Ambiguity {
+            stages: stages(readings),
+            ambiguity: (readings.len() > 1 && readings[0].stage.is_none()).then(|| Ambiguity {
                 note: DENSE_AMBIGUITY,
                 readings: readings
                     .iter()
@@ -187,6 +201,24 @@ impl EstimateReport {
             train_config: None,
         }
     }
+}
+
+/// The stages among `readings`, the worst (largest peak) first.
+fn stages(readings: &[Reading]) -> Vec<StageReport> {
+    let mut out: Vec<StageReport> = readings
+        .iter()
+        .filter_map(|r| {
+            Some(StageReport {
+                stage: r.stage?,
+                peak_mib: mib(r.peak_bytes),
+                peak_bytes: r.peak_bytes,
+                upper_bound_mib: mib(r.upper_bound_bytes),
+                upper_bound_bytes: r.upper_bound_bytes,
+            })
+        })
+        .collect();
+    out.sort_by_key(|s| (std::cmp::Reverse(s.peak_bytes), s.stage));
+    out
 }
 
 fn deepspeed_figure(strategy: Option<Strategy>, header: &TraceHeader) -> Option<DeepSpeedFigure> {

@@ -23,6 +23,8 @@ pub enum MeshDim {
     /// Tensor parallel: each layer's weights split over the ranks (PyTorch's DTensor plans,
     /// with sequence parallelism between layers), under FSDP's engine.
     Tensor,
+    /// Pipeline parallel: consecutive layers on each rank, micro-batches through them in a
+    /// [`Schedule`]'s order.
     Pipeline,
     Context,
     Expert,
@@ -161,6 +163,105 @@ impl From<Mesh> for MeshValues {
             context: at(MeshDim::Context),
             expert: at(MeshDim::Expert),
         }
+    }
+}
+
+/// Most micro-batches a pipeline schedule is traced with.
+pub const MAX_MICROBATCHES: u32 = 4096;
+
+/// A pipeline schedule: the order in which a rank runs its micro-batches' forwards and
+/// backwards (PyTorch's schedules of those names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum Schedule {
+    /// Every forward, then every backward: M micro-batches' activations in flight.
+    #[serde(rename = "gpipe")]
+    Gpipe,
+    /// One backward per forward after a warm-up: min(M, stages − k) in flight on stage k.
+    #[serde(rename = "1f1b")]
+    OneForwardOneBackward,
+    /// 1F1B over several chunks per rank (virtual stages), in PyTorch's order.
+    #[serde(rename = "interleaved-1f1b")]
+    Interleaved,
+}
+
+impl Schedule {
+    pub const ALL: [Schedule; 3] = [
+        Schedule::Gpipe,
+        Schedule::OneForwardOneBackward,
+        Schedule::Interleaved,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Schedule::Gpipe => "gpipe",
+            Schedule::OneForwardOneBackward => "1f1b",
+            Schedule::Interleaved => "interleaved-1f1b",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Schedule> {
+        Schedule::ALL.into_iter().find(|s| s.name() == name)
+    }
+}
+
+/// How a pipeline-parallel job steps: its schedule, the micro-batches each rank's batch is
+/// split into, and the chunks (virtual stages) each rank holds. Invariant (checked by
+/// [`Pipeline::new`]): 1 to [`MAX_MICROBATCHES`] micro-batches; interleaved schedules hold at
+/// least 2 chunks per rank, the others exactly 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Pipeline {
+    schedule: Schedule,
+    microbatches: u32,
+    virtual_stages: u32,
+}
+
+impl Pipeline {
+    pub fn new(
+        schedule: Schedule,
+        microbatches: u32,
+        virtual_stages: u32,
+    ) -> Result<Pipeline, OptionError> {
+        if !(1..=MAX_MICROBATCHES).contains(&microbatches) {
+            return Err(OptionError::Microbatches(microbatches));
+        }
+        let interleaved = schedule == Schedule::Interleaved;
+        if interleaved != (virtual_stages >= 2) || virtual_stages == 0 {
+            return Err(OptionError::VirtualStages {
+                schedule: schedule.name(),
+                virtual_stages,
+                needs: if interleaved {
+                    "at least 2 chunks"
+                } else {
+                    "exactly 1 chunk"
+                },
+            });
+        }
+        Ok(Pipeline {
+            schedule,
+            microbatches,
+            virtual_stages,
+        })
+    }
+
+    /// 1F1B with as many micro-batches as stages: torchtitan's default.
+    fn default_for(stages: u32) -> Pipeline {
+        Pipeline {
+            schedule: Schedule::OneForwardOneBackward,
+            microbatches: stages.min(MAX_MICROBATCHES),
+            virtual_stages: 1,
+        }
+    }
+
+    pub fn schedule(&self) -> Schedule {
+        self.schedule
+    }
+
+    pub fn microbatches(&self) -> u32 {
+        self.microbatches
+    }
+
+    pub fn virtual_stages(&self) -> u32 {
+        self.virtual_stages
     }
 }
 
@@ -317,23 +418,25 @@ impl EngineKind {
 pub struct Strategy {
     mesh: Mesh,
     engine: Engine,
+    /// Present exactly where the mesh has pipeline stages.
+    pipeline: Option<Pipeline>,
 }
 
 impl Strategy {
     pub fn new(mesh: Mesh, engine: Engine) -> Result<Strategy, OptionError> {
         let world_size = mesh.world_size();
-        for dim in [MeshDim::Pipeline, MeshDim::Context, MeshDim::Expert] {
+        for dim in [MeshDim::Context, MeshDim::Expert] {
             if mesh.degree(dim) > 1 {
                 return Err(OptionError::NotModelled(dim.name()));
             }
         }
         let (replicate, shard) = (mesh.degree(MeshDim::Replicate), mesh.degree(MeshDim::Shard));
-        let tensor = mesh.degree(MeshDim::Tensor);
+        let (tensor, stages) = (mesh.degree(MeshDim::Tensor), mesh.degree(MeshDim::Pipeline));
         match engine {
-            Engine::Ddp { .. } | Engine::Zero { .. } if tensor > 1 => {
+            Engine::Ddp { .. } | Engine::Zero { .. } if tensor > 1 || stages > 1 => {
                 return Err(OptionError::EngineDim {
                     engine: engine.kind().name(),
-                    dim: "tensor",
+                    dim: if tensor > 1 { "tensor" } else { "pipeline" },
                 });
             }
             Engine::Fsdp {
@@ -390,8 +493,29 @@ impl Strategy {
             Engine::Zero { stage, zero } if zero.offload_param && stage != ZeroStage::Three => {
                 Err(OptionError::OffloadParam)
             }
-            _ => Ok(Strategy { mesh, engine }),
+            _ => Ok(Strategy {
+                mesh,
+                engine,
+                pipeline: (stages > 1).then(|| Pipeline::default_for(stages)),
+            }),
         }
+    }
+
+    /// This strategy stepping its pipeline stages as `pipeline` says; refused where the mesh
+    /// has no pipeline stages.
+    pub fn with_pipeline(self, pipeline: Pipeline) -> Result<Strategy, OptionError> {
+        match self.pipeline {
+            Some(_) => Ok(Strategy {
+                pipeline: Some(pipeline),
+                ..self
+            }),
+            None => Err(OptionError::PipelineSetting("schedule")),
+        }
+    }
+
+    /// The pipeline's stages, schedule and micro-batches, where the mesh has stages.
+    pub fn pipeline(&self) -> Option<Pipeline> {
+        self.pipeline
     }
 
     /// DDP over `world_size` ranks.
@@ -459,7 +583,13 @@ impl Strategy {
     /// tensor parallelism alone (with FSDP it is `fsdp` or `hsdp`; the mesh says the rest).
     pub fn name(&self) -> &'static str {
         let data_parallel = self.mesh.degree(MeshDim::Replicate) * self.mesh.degree(MeshDim::Shard);
+        let (tensor, stages) = (
+            self.mesh.degree(MeshDim::Tensor) > 1,
+            self.mesh.degree(MeshDim::Pipeline) > 1,
+        );
         match self.engine {
+            Engine::Fsdp { .. } if data_parallel == 1 && stages && tensor => "pp+tp",
+            Engine::Fsdp { .. } if data_parallel == 1 && stages => "pp",
             Engine::Fsdp { .. } if data_parallel == 1 => "tp",
             Engine::Ddp { .. } => "ddp",
             Engine::Fsdp { .. } if self.replicas() > 1 => "hsdp",
@@ -523,6 +653,15 @@ pub struct StrategyValues {
     /// ZeRO: `zero_optimization`'s settings (DeepSpeed's defaults where absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zero: Option<Zero>,
+    /// Pipeline stages: the schedule (default 1f1b).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<Schedule>,
+    /// Pipeline stages: micro-batches per rank's batch (default: the stages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub microbatches: Option<u32>,
+    /// Pipeline stages: chunks per rank (interleaved schedules: default 2; the others 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub virtual_stages: Option<u32>,
 }
 
 impl StrategyValues {
@@ -540,6 +679,9 @@ impl StrategyValues {
             cpu_offload: None,
             stage: None,
             zero: None,
+            schedule: None,
+            microbatches: None,
+            virtual_stages: None,
         }
     }
 
@@ -617,7 +759,30 @@ impl TryFrom<StrategyValues> for Strategy {
             (None, Some(world_size)) => Mesh::of_ranks(kind, world_size, v.replicas.unwrap_or(1))?,
             (None, None) => return Err(OptionError::NoMesh),
         };
-        Strategy::new(mesh, engine)
+        let strategy = Strategy::new(mesh, engine)?;
+        let Some(default) = strategy.pipeline else {
+            for (setting, set) in [
+                ("schedule", v.schedule.is_some()),
+                ("microbatches", v.microbatches.is_some()),
+                ("virtual_stages", v.virtual_stages.is_some()),
+            ] {
+                if set {
+                    return Err(OptionError::PipelineSetting(setting));
+                }
+            }
+            return Ok(strategy);
+        };
+        let schedule = v.schedule.unwrap_or(default.schedule);
+        let interleaved = if schedule == Schedule::Interleaved {
+            2
+        } else {
+            1
+        };
+        strategy.with_pipeline(Pipeline::new(
+            schedule,
+            v.microbatches.unwrap_or(default.microbatches),
+            v.virtual_stages.unwrap_or(interleaved),
+        )?)
     }
 }
 
@@ -648,6 +813,11 @@ impl From<Strategy> for StrategyValues {
                 v.stage = Some(stage.number());
                 v.zero = Some(zero);
             }
+        }
+        if let Some(p) = s.pipeline {
+            v.schedule = Some(p.schedule);
+            v.microbatches = Some(p.microbatches);
+            v.virtual_stages = Some(p.virtual_stages);
         }
         v
     }

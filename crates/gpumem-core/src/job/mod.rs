@@ -23,8 +23,8 @@ pub mod whole_run;
 pub use lengths::{LengthError, LengthSchedule, LengthSource, LengthSummary};
 pub use lora::{Lora, LoraError, LoraValues, Quant4, QuantLoader, Release};
 pub use mesh::{
-    DDP_BUCKET_CAP_MB, Engine, EngineKind, HalfDtype, MAX_WORLD_SIZE, Mesh, MeshDim, MeshValues,
-    Strategy, StrategyValues, Zero, ZeroStage,
+    DDP_BUCKET_CAP_MB, Engine, EngineKind, HalfDtype, MAX_MICROBATCHES, MAX_WORLD_SIZE, Mesh,
+    MeshDim, MeshValues, Pipeline, Schedule, Strategy, StrategyValues, Zero, ZeroStage,
 };
 pub use optim::{
     Adafactor, Bnb, BnbAlgorithm, BnbBits, Implementation, Loop, NoImplementation, Optimizer,
@@ -547,10 +547,20 @@ pub enum OptionError {
         "strategy.{0} is FSDP's, and this mesh has no ranks to shard over (tensor parallelism alone)"
     )]
     NoShards(&'static str),
+    #[error("strategy.{0} is a pipeline setting, and this mesh has no pipeline stages (--pp)")]
+    PipelineSetting(&'static str),
+    #[error("strategy.microbatches (--microbatches) {0} is out of range (1..={MAX_MICROBATCHES})")]
+    Microbatches(u32),
     #[error(
-        "whole_run (--whole-run) with tensor parallelism (strategy.mesh.tensor) is not sized yet"
+        "strategy.virtual_stages (--virtual-stages) {virtual_stages}: {schedule} holds {needs} per rank"
     )]
-    WholeRunTensor,
+    VirtualStages {
+        schedule: &'static str,
+        virtual_stages: u32,
+        needs: &'static str,
+    },
+    #[error("{0} with {1} is not sized yet")]
+    NotSizedWith(&'static str, &'static str),
     #[error("strategy needs a mesh (or world_size)")]
     NoMesh,
     #[error("strategy states a mesh and world_size or replicas: give one")]
@@ -644,7 +654,10 @@ impl OptionValues {
                 return Err(OptionError::WholeRunOneLength);
             }
             if self.strategy.is_some_and(|s| s.tensor_parallel() > 1) {
-                return Err(OptionError::WholeRunTensor);
+                return Err(OptionError::NotSizedWith(
+                    "whole_run (--whole-run)",
+                    "tensor parallelism (strategy.mesh.tensor)",
+                ));
             }
             if run.broadcast_load
                 && !self
@@ -685,12 +698,46 @@ impl OptionValues {
             if self.data_parallel > 1 {
                 return Err(OptionError::TwoWrappers);
             }
+            if strategy.pipeline().is_some() {
+                // The stages run their own loop (pipeline.py): what it does not run is refused.
+                let clash = if self.whole_run.is_some() {
+                    Some("whole_run (--whole-run)")
+                } else if self.seq_lens.is_some() {
+                    Some("seq_lens (--seq-len MIN..MAX)")
+                } else if self.precision == Precision::AmpFp16 {
+                    Some("amp-fp16 (GradScaler)")
+                } else if self.chunked_ce.is_some() {
+                    Some("chunked_ce (--chunked-ce)")
+                } else if self.validate != Validate::None {
+                    Some("validate (--validate)")
+                } else if self.attention_mask != AttentionMask::None {
+                    Some("attention_mask (--attention-mask)")
+                } else {
+                    None
+                };
+                if let Some(clash) = clash {
+                    return Err(OptionError::NotSizedWith(
+                        "pipeline parallelism (strategy.mesh.pipeline)",
+                        clash,
+                    ));
+                }
+            }
         }
         Ok(Options(self))
     }
 }
 
 impl Options {
+    /// The batch sizes this job splits evenly are its multiples: a DataParallel job's GPUs each
+    /// get the same rows, a pipeline's micro-batches the same share.
+    pub fn batch_unit(&self) -> u64 {
+        let microbatches = self
+            .strategy
+            .and_then(|s| s.pipeline())
+            .map_or(1, |p| p.microbatches());
+        u64::from(self.data_parallel.max(1)) * u64::from(microbatches)
+    }
+
     /// A copy of the values, to change and check again.
     pub fn values(&self) -> OptionValues {
         self.0.clone()

@@ -206,6 +206,74 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
         tp,
         "{json}"
     );
+    // Pipeline stages: the schedule's settings, defaults where unstated (1F1B over as many
+    // micro-batches as stages), written whole.
+    let pp: Strategy =
+        serde_json::from_str(r#"{"kind":"fsdp","mesh":{"pipeline":4,"tensor":2}}"#).unwrap();
+    let p = pp.pipeline().unwrap();
+    assert_eq!(
+        (
+            pp.name(),
+            p.schedule(),
+            p.microbatches(),
+            p.virtual_stages()
+        ),
+        ("pp+tp", Schedule::OneForwardOneBackward, 4, 1)
+    );
+    let interleaved: Strategy = serde_json::from_str(
+        r#"{"kind":"fsdp","mesh":{"shard":2,"pipeline":2},"schedule":"interleaved-1f1b","microbatches":8}"#,
+    )
+    .unwrap();
+    assert_eq!(interleaved.pipeline().unwrap().virtual_stages(), 2);
+    let json = serde_json::to_string(&interleaved).unwrap();
+    assert!(
+        json.contains(r#""schedule":"interleaved-1f1b","microbatches":8,"virtual_stages":2"#),
+        "{json}"
+    );
+    assert_eq!(
+        serde_json::from_str::<Strategy>(&json).unwrap(),
+        interleaved
+    );
+    for (bad, needle) in [
+        (
+            r#"{"kind":"fsdp","mesh":{"shard":2},"schedule":"gpipe"}"#,
+            "strategy.schedule is a pipeline setting, and this mesh has no pipeline stages",
+        ),
+        (
+            r#"{"kind":"fsdp","mesh":{"pipeline":2},"schedule":"gpipe","virtual_stages":2}"#,
+            "gpipe holds exactly 1 chunk per rank",
+        ),
+        (
+            r#"{"kind":"fsdp","mesh":{"pipeline":2},"schedule":"interleaved-1f1b","virtual_stages":1}"#,
+            "interleaved-1f1b holds at least 2 chunks per rank",
+        ),
+        (
+            r#"{"kind":"fsdp","mesh":{"pipeline":2},"microbatches":0}"#,
+            "strategy.microbatches (--microbatches) 0 is out of range",
+        ),
+        (
+            r#"{"kind":"ddp","mesh":{"replicate":2,"pipeline":2}}"#,
+            "strategy.mesh.pipeline: ddp",
+        ),
+        (
+            r#"{"kind":"fsdp","mesh":{"pipeline":2},"schedule":"zb"}"#,
+            "unknown variant",
+        ),
+    ] {
+        let e = serde_json::from_str::<Strategy>(bad)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(needle), "{bad}: {e}");
+    }
+    let e = serde_json::from_str::<Options>(
+        r#"{"precision":"amp-fp16","strategy":{"kind":"fsdp","mesh":{"pipeline":2}}}"#,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("pipeline parallelism (strategy.mesh.pipeline) with amp-fp16 (GradScaler) is not sized yet"),
+        "{e}"
+    );
     let e = serde_json::from_str::<Options>(
         r#"{"strategy":{"kind":"fsdp","mesh":{"tensor":2}},"whole_run":{"save":"sharded"}}"#,
     )
@@ -244,8 +312,8 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
             "strategy.cpu_offload is FSDP's, and this mesh has no ranks to shard over",
         ),
         (
-            r#"{"kind":"fsdp","mesh":{"shard":2,"pipeline":2}}"#,
-            "does not size pipeline-parallel jobs yet",
+            r#"{"kind":"fsdp","mesh":{"shard":2,"context":2}}"#,
+            "does not size context-parallel jobs yet",
         ),
         (
             r#"{"kind":"ddp","mesh":{"shard":4}}"#,

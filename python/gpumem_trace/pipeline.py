@@ -1,0 +1,222 @@
+"""One rank of pipeline parallelism: the stages of the model it holds, and its schedule's order of
+forward and backward micro-batches, run on ``meta`` tensors.
+
+The model's repeated blocks are cut into ``stages × virtual_stages`` consecutive chunks, as
+torchtitan's ``pipeline_module_split`` cuts them (evenly by layer count, the embedding with the
+first chunk, the final norm, head and loss with the last); rank ``k`` holds chunks
+``k, k + stages, …`` (the looped placement of PyTorch's interleaved schedules). Only its chunks'
+weights reach its GPU.
+
+The order of actions is the schedule's own: GPipe (every forward, then every backward) and 1F1B
+(``min(M, stages − k)`` forwards in flight, then one backward per forward) as PyTorch's
+``ScheduleGPipe`` and ``Schedule1F1B`` step them; interleaved 1F1B from PyTorch's own
+``ScheduleInterleaved1F1B.pipeline_order``. What crosses between ranks is what PyTorch's
+``PipelineStage`` allocates: one receive buffer per micro-batch for the activations (every
+chunk but the first) and one for their gradients (every chunk but the last), made at the first
+step and kept; a chunk's output and its inputs stay alive until that micro-batch's backward.
+Sends and receives move no bytes here (the fake process group); the memory is where they land.
+"""
+
+import types
+
+import torch
+
+from .models import ReferenceError_
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def split_sizes(count, parts):
+    """``count`` layers over ``parts`` chunks, the first chunks one larger where it does not
+    divide (torchtitan's even split)."""
+    return [count // parts + (1 if i < count % parts else 0) for i in range(parts)]
+
+
+def actions(schedule, rank, stages, microbatches, virtual_stages):
+    """Rank ``rank``'s actions in order: ``(kind, chunk, microbatch)``, kind ``F`` or ``B``,
+    chunk the rank's own index (0 … virtual_stages − 1)."""
+    n, m = stages, microbatches
+    if schedule == "gpipe":
+        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
+    if schedule == "1f1b":
+        warmup = min(m, n - rank)
+        out = [("F", 0, i) for i in range(warmup)]
+        forward, backward = warmup, 0
+        while True:
+            out.append(("B", 0, backward))
+            backward += 1
+            if forward == m:
+                break
+            out.append(("F", 0, forward))
+            forward += 1
+        return out + [("B", 0, i) for i in range(backward, m)]
+    from torch.distributed.pipelining import schedules
+
+    # PyTorch's own order, from the schedule's rank-by-rank plan; it reads only each stage's
+    # placement (the stages are stand-ins: nothing runs through them).
+    placed = [
+        types.SimpleNamespace(
+            num_stages=n * virtual_stages,
+            group_size=n,
+            group_rank=rank,
+            stage_index=rank + n * v,
+            is_first=rank + n * v == 0,
+            is_last=rank + n * v == n * virtual_stages - 1,
+            submod=torch.nn.Module(),
+        )
+        for v in range(virtual_stages)
+    ]
+    plan = schedules.ScheduleInterleaved1F1B(placed, m, loss_fn=lambda out, target: out)
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+    out = []
+    for a in plan.pipeline_order[rank]:
+        if a is None:
+            continue
+        kind = kinds.get(a.computation_type.name)
+        if kind is None:
+            raise ReferenceError_(
+                f"{schedule}: PyTorch's order has a {a} action gpumem does not run"
+            )
+        out.append((kind, (a.stage_index - rank) // n, a.microbatch_index))
+    return out
+
+
+class Chunk(torch.nn.Module):
+    """A consecutive run of a Hugging Face decoder's layers: the embedding before them where it
+    is the first chunk, the final norm, head and the model's loss after them where it is the
+    last (torchtitan's split keeps the same; the rotary table is every chunk's)."""
+
+    def __init__(self, model, layers, first, last, tensor_mesh=None):
+        super().__init__()
+        # With tensor parallelism, what crosses between stages is each rank's sequence shard
+        # (sequence parallelism's residual stream), sent as a plain tensor (torchtitan's).
+        self.tensor_mesh = tensor_mesh
+        base = model.base_model
+        self.embed = base.get_input_embeddings() if first else None
+        self.layers = torch.nn.ModuleList(layers)
+        self.rotary = getattr(base, "rotary_emb", None)
+        self.norm = base.norm if last else None
+        self.head = model.get_output_embeddings() if last else None
+        # Functions, not modules: the whole model must not become a submodule.
+        self._loss = (model.loss_function, model.config.vocab_size) if last else None
+
+    def forward(self, x, labels=None):
+        if self.embed is not None:
+            h = self.embed(x)
+        elif self.tensor_mesh is not None:
+            from torch.distributed.tensor import DTensor, Shard
+
+            h = DTensor.from_local(x, self.tensor_mesh, [Shard(1)], run_check=False)
+        else:
+            h = x
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        rotary = self.rotary(h, position_ids) if self.rotary is not None else None
+        for layer in self.layers:
+            h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=rotary)
+            if isinstance(h, tuple):  # older transformers return (hidden_states, …)
+                h = h[0]
+        if self._loss is None:
+            return h.to_local() if self.tensor_mesh is not None else h
+        loss, vocab = self._loss
+        return loss(logits=self.head(self.norm(h)), labels=labels, vocab_size=vocab)
+
+
+class Stages(torch.nn.Module):
+    """The chunks one rank holds (its ``model``: only their weights are its)."""
+
+    def __init__(self, chunks):
+        super().__init__()
+        self.chunks = torch.nn.ModuleList(chunks)
+
+
+def split(model, name, stages, virtual_stages, rank, tensor_mesh=None):
+    """Rank ``rank``'s chunks of a Hugging Face decoder, as ``Stages`` (``tensor_mesh``: the
+    model's layers are tensor-parallel over it); refused in one line for a model without a
+    decoder's layers, norm and head, or with fewer layers than chunks."""
+    base = getattr(model, "base_model", None)
+    layers = getattr(base, "layers", None)
+    if (
+        not isinstance(layers, torch.nn.ModuleList)
+        or getattr(base, "norm", None) is None
+        or model.get_output_embeddings() is None
+    ):
+        raise ReferenceError_(
+            f"{name}: pipeline parallelism splits a Hugging Face decoder (its base model's layers, norm and head); this model is not one"
+        )
+    count = stages * virtual_stages
+    if len(layers) < count:
+        raise ReferenceError_(
+            f"{name}: {len(layers)} layers do not fill {count} pipeline stages (stages x virtual stages)"
+        )
+    sizes = split_sizes(len(layers), count)
+    starts = [sum(sizes[:i]) for i in range(count)]
+    chunks = []
+    for v in range(virtual_stages):
+        s = rank + stages * v
+        held = list(layers)[starts[s] : starts[s] + sizes[s]]
+        chunks.append(Chunk(model, held, s == 0, s == count - 1, tensor_mesh))
+    return Stages(chunks)
+
+
+class Schedule:
+    """One training step of rank ``rank``'s chunks, micro-batch by micro-batch in the schedule's
+    order. ``activation_dtype``: what flows between stages (the residual stream's: the weights'
+    dtype)."""
+
+    def __init__(self, stages, schedule, rank, count, microbatches, rec, activation_dtype):
+        self.chunks = list(stages.chunks)
+        self.order = actions(schedule, rank, count, microbatches, len(self.chunks))
+        self.microbatches = microbatches
+        self.rec = rec
+        self.dtype = activation_dtype
+        self.received = None  # per chunk, per micro-batch: (activations, gradients) buffers
+
+    def _buffers(self, shape, device):
+        """PyTorch's PipelineStage's receive buffers, made once at the first step."""
+        with self.rec.labelled("activation"):
+            self.received = [
+                (
+                    None
+                    if c.embed is not None
+                    else [
+                        torch.empty(shape, dtype=self.dtype, device=device).requires_grad_(True)
+                        for _ in range(self.microbatches)
+                    ],
+                    None
+                    if c._loss is not None
+                    else [
+                        torch.empty(shape, dtype=self.dtype, device=device)
+                        for _ in range(self.microbatches)
+                    ],
+                )
+                for c in self.chunks
+            ]
+
+    def step(self, input_ids, hidden_size, sequence_shards=1):
+        """Every micro-batch of ``input_ids`` (the rank's batch: the labels too) through the
+        rank's chunks, forward and backward in the schedule's order."""
+        if input_ids.shape[0] % self.microbatches:
+            raise ReferenceError_(
+                f"a batch of {input_ids.shape[0]} does not split into {self.microbatches} equal micro-batches"
+            )
+        ids = input_ids.tensor_split(self.microbatches)
+        if self.received is None:
+            batch, seq = ids[0].shape
+            self._buffers((batch, seq // sequence_shards, hidden_size), input_ids.device)
+        cache = {}
+        for kind, c, m in self.order:
+            chunk, (acts, grads) = self.chunks[c], self.received[c]
+            if kind == "F":
+                self.rec.phase = "forward"
+                x = ids[m] if acts is None else acts[m]
+                cache[c, m] = (chunk(x, labels=ids[m]), x)
+            else:
+                self.rec.phase = "backward"
+                out, x = cache.pop((c, m))
+                if grads is None:
+                    out.backward()
+                else:
+                    torch.autograd.backward(out, grad_tensors=grads[m])
+                del out
+                if acts is not None:
+                    x.grad = None  # sent to the previous stage
