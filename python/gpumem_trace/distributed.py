@@ -262,6 +262,8 @@ def tensor_parallel(model, mesh, name):
 
     Refused in one line: a model without a plan, a plan style other than these, heads that do
     not divide over the ranks, a layer that is not a plain Linear (LoRA's)."""
+    if type(model).__module__.startswith("torchtitan.models."):
+        return _torchtitan_tensor_parallel(model, mesh, name)
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -336,6 +338,40 @@ def tensor_parallel(model, mesh, name):
         if tied:  # one parameter, sharded over the vocabulary for both
             head.weight = embedding.weight
     return model
+
+
+def _torchtitan_tensor_parallel(model, mesh, name):
+    """torchtitan's own ``apply_tp`` for its model (``torchtitan.models.FAMILY.infra.
+    parallelize``), with its defaults: loss parallelism (the logits stay sharded over the
+    vocabulary into the loss, which the caller runs under ``loss_parallel()``), no float8."""
+    import importlib
+    import inspect
+
+    family = type(model).__module__.split(".")[2]
+    try:
+        apply_tp = importlib.import_module(f"torchtitan.models.{family}.infra.parallelize").apply_tp
+    except (ImportError, AttributeError) as e:
+        raise ReferenceError_(
+            f"{name}: torchtitan's {family} has no apply_tp gpumem can call ({e})"
+        ) from e
+    given = {"loss_parallel": True, "enable_float8_tensorwise_tp": False}
+    params = inspect.signature(apply_tp).parameters
+    if not set(given) <= set(params):
+        raise ReferenceError_(
+            f"{name}: torchtitan's {family} apply_tp takes ({', '.join(params)}), not the mesh, loss_parallel and enable_float8_tensorwise_tp gpumem gives"
+        )
+    apply_tp(model, mesh, **given)
+    return model
+
+
+def loss_parallel(model):
+    """The context the step runs in: PyTorch's ``loss_parallel()`` where the model's tensor
+    parallelism keeps the logits sharded into the loss (torchtitan's), else nothing."""
+    if type(model).__module__.startswith("torchtitan.models."):
+        from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
+
+        return parallel_loss()
+    return contextlib.nullcontext()
 
 
 def _path_of(root, module):

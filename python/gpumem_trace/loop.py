@@ -332,9 +332,11 @@ def trace_training(opts: TraceOptions, out_path: str):
     ranks = None  # the job's DeviceMesh, where it is a multi-GPU job that needs one
     if opts.strategy == "fsdp":
         ranks = distributed.device_mesh(opts.world_size, opts.replicas, opts.tensor, opts.pipeline)
+    sharded_loss = contextlib.nullcontext()
     if opts.tensor > 1:
         # As torchtitan orders it: tensor parallelism first, then checkpointing, then FSDP.
         distributed.tensor_parallel(model, ranks["tensor"], opts.model)
+        sharded_loss = distributed.loss_parallel(model)
     # FSDP applies where its dimensions have ranks to shard over (torchtitan: dp_shard > 1).
     sharded = opts.strategy == "fsdp" and opts.world_size > opts.tensor * opts.pipeline
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the whole model's
@@ -466,6 +468,7 @@ def trace_training(opts: TraceOptions, out_path: str):
         paths,
         mode,
         autocast.under_checkpoint() if autocast else contextlib.nullcontext(),
+        sharded_loss,
     ):
         whole_run = opts.whole_run is not None
         if whole_run:

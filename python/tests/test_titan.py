@@ -254,3 +254,52 @@ def test_the_estimate_moves_with_selective_ac_option_by_the_saved_bytes(tmp_path
         ("selective-op", "selective-layer:2"),
     ]:
         assert live[a] - live[b] == kept[a] - kept[b], (a, b, live, kept)
+
+
+def test_tensor_parallel_is_torchtitans_own_apply_tp(tmp_path):
+    """``--tp`` on a torchtitan model runs torchtitan's own ``apply_tp`` (its plan, sequence
+    parallelism, loss parallelism: the step runs under ``loss_parallel()``): a TP=2 rank holds
+    half of every sharded weight and of Adam's states on them, the norms whole, and — as with
+    Hugging Face models — the embedding's gradient whole (DTensor's); FSDP2 over 2 shards it
+    again."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def held(*extra):
+        out = tmp_path / "t.jsonl"
+        p = subprocess.run(
+            [sys.executable, "-m", "gpumem_trace", REF, "--batch", "2", "--seq-len", "64"]
+            + [*extra, "--out", str(out)],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])),
+            timeout=300,
+        )
+        assert p.returncode == 0, p.stderr
+        lines = out.read_text().splitlines()
+        header, sizes, live = json.loads(lines[0]), {}, Counter()
+        for e in map(json.loads, lines[1:]):
+            if e["ev"] == "alloc":
+                sizes[e["id"]] = (e["bytes"], e["category"])
+            elif e["ev"] == "free":
+                del sizes[e["id"]]
+        for nbytes, category in sizes.values():
+            live[category] += nbytes
+        return header, live
+
+    header, single = held()
+    model = importlib.import_module("gpumem_trace.models").resolve(REF, seq_len=64).model
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    embedding = model.tok_embeddings.weight.numel()
+    sharded = header["parameters"] - norms
+    buffers = single["parameter"] - 4 * header["parameters"]  # freqs_cis
+    _, rank = held("--tp", "2")
+    share = sharded // 2 + norms
+    assert rank["parameter"] == 4 * share + buffers, rank
+    assert rank["optimizer_state"] == 8 * share, rank
+    assert rank["gradient"] == 4 * (share + embedding // 2), rank
+    _, rank = held("--strategy", "fsdp", "--world-size", "4", "--tp", "2")
+    share = sharded // 4 + norms // 2
+    assert (rank["parameter"], rank["optimizer_state"]) == (4 * share, 8 * share), rank

@@ -1261,6 +1261,10 @@ fn every_pipeline_stage_is_sized_and_the_worst_answers() {
         "--pp-schedule `zb` is not gpipe, 1f1b or interleaved-1f1b",
     );
     bad_input(
+        &["max-batch", model, "--pp", "2"],
+        "a batch-size search (max-batch, plan) of a pipeline-parallel job is not sized yet",
+    );
+    bad_input(
         &["estimate", model, "--pp", "2", "--precision", "amp-fp16"],
         "pipeline parallelism (strategy.mesh.pipeline) with amp-fp16 (GradScaler) is not sized yet",
     );

@@ -64,6 +64,11 @@ pub enum WorkloadError {
         "{0} needs one sequence length, and this job's varies by step: give --seq-len N (the run's longest, for a bound of its steps)"
     )]
     OneLength(&'static str),
+    /// A batch-size search over a pipeline job's stages (each stage's rank its own trace).
+    #[error(
+        "a batch-size search (max-batch, plan) of a pipeline-parallel job is not sized yet: estimate each --batch (every stage is sized)"
+    )]
+    PipelineSearch,
     /// A run's steps could not be joined (the loop keeps different tensors across steps at
     /// different lengths).
     #[error(transparent)]
@@ -81,6 +86,7 @@ impl WorkloadError {
             | WorkloadError::Native(_)
             | WorkloadError::Batch(_)
             | WorkloadError::OneLength(_)
+            | WorkloadError::PipelineSearch
             | WorkloadError::Tracer(BridgeError::Reference(_)) => true,
             WorkloadError::Row { source, .. } => source.is_input(),
             WorkloadError::Tracer(_) | WorkloadError::Run(_) => false,
@@ -444,6 +450,13 @@ impl Workload {
             return Err(WorkloadError::OneLength(
                 "a batch-size search (max-batch, plan)",
             ));
+        }
+        if self
+            .options
+            .strategy
+            .is_some_and(|s| s.pipeline().is_some())
+        {
+            return Err(WorkloadError::PipelineSearch);
         }
         Ok(match &self.model {
             ModelRef::Native(spec) => Symbolic::Native(spec.clone(), self.native_job(profile)),

@@ -639,6 +639,7 @@ pub(crate) fn fsdp(
     Ok(Some(Layout::Fsdp {
         replicate: 1,
         shard: None,
+        tensor: 1,
         reshard_after_forward: reshard,
         param_dtype,
         cpu_offload,

@@ -216,6 +216,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             Layout::Fsdp {
                 replicate: 1,
                 shard: world,
+                tensor: 1,
                 reshard_after_forward: reshard,
                 param_dtype: half,
                 cpu_offload: cpu,

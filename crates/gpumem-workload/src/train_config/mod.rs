@@ -132,11 +132,12 @@ pub enum Layout {
     Single,
     /// A strategy over ranks the config fixes.
     Fixed(Strategy),
-    /// FSDP2 (HSDP with `replicate` > 1); `shard` `None`: the ranks left over (torchtitan's
-    /// `-1`).
+    /// FSDP2 (HSDP with `replicate` > 1) over `tensor`-parallel groups (1: none); `shard`
+    /// `None`: the ranks left over (torchtitan's `-1`).
     Fsdp {
         replicate: u32,
         shard: Option<u32>,
+        tensor: u32,
         reshard_after_forward: bool,
         param_dtype: Option<HalfDtype>,
         cpu_offload: bool,
@@ -242,27 +243,31 @@ impl TrainConfig {
             Layout::Fsdp {
                 replicate,
                 shard,
+                tensor,
                 reshard_after_forward,
                 param_dtype,
                 cpu_offload,
                 field,
             } => {
+                let group = replicate * tensor;
                 let shard = match (shard, world) {
-                    (Some(s), Some(w)) if s * replicate != w => {
+                    (Some(s), Some(w)) if s * group != w => {
                         return Err(field_err(
                             field,
                             format!(
-                                "{} ranks ({replicate} × {s}), not --world-size {w}",
-                                s * replicate
+                                "{} ranks ({replicate} × {s} × {tensor}), not --world-size {w}",
+                                s * group
                             ),
                         ));
                     }
                     (Some(s), _) => *s,
-                    (None, Some(w)) if w % replicate == 0 => w / replicate,
+                    (None, Some(w)) if w % group == 0 => w / group,
                     (None, Some(w)) => {
                         return Err(field_err(
                             field,
-                            format!("--world-size {w} is not a multiple of {replicate} replicas"),
+                            format!(
+                                "--world-size {w} is not a multiple of {replicate} replicas × {tensor} tensor-parallel ranks"
+                            ),
                         ));
                     }
                     (None, None) => {
@@ -273,16 +278,23 @@ impl TrainConfig {
                         ));
                     }
                 };
-                if shard * replicate == 1 {
+                let sharded = shard * replicate > 1;
+                if !sharded && *tensor == 1 {
                     return Ok(None);
                 }
+                // Tensor parallelism alone: no FSDP, so none of its own settings (torchtitan
+                // then trains under autocast: see `over`).
                 let engine = Engine::Fsdp {
                     reshard_after_forward: *reshard_after_forward,
-                    param_dtype: *param_dtype,
-                    cpu_offload: *cpu_offload,
+                    param_dtype: param_dtype.filter(|_| sharded),
+                    cpu_offload: *cpu_offload && sharded,
                 };
-                let mesh = Mesh::new(&[(MeshDim::Replicate, *replicate), (MeshDim::Shard, shard)])
-                    .map_err(|e| field_err(field, e.to_string()))?;
+                let mesh = Mesh::new(&[
+                    (MeshDim::Replicate, *replicate),
+                    (MeshDim::Shard, shard),
+                    (MeshDim::Tensor, *tensor),
+                ])
+                .map_err(|e| field_err(field, e.to_string()))?;
                 Strategy::new(mesh, engine)
                     .map(Some)
                     .map_err(|e| field_err(field, e.to_string()))
@@ -363,15 +375,19 @@ impl TrainConfig {
     ) -> Result<Options, TrainConfigError> {
         let strategy = self.strategy(world)?;
         let mut precision = self.precision;
-        // FSDP's mixed-precision policy on one GPU is autocast (torchtitan's `maybe_enable_amp`).
+        // FSDP's mixed-precision policy without FSDP (one GPU, or tensor parallelism alone) is
+        // autocast (torchtitan's `maybe_enable_amp`).
+        let unsharded = strategy.is_none_or(|s| {
+            s.mesh().degree(MeshDim::Replicate) * s.mesh().degree(MeshDim::Shard) == 1
+        });
         if let (
-            None,
+            true,
             Layout::Fsdp {
                 param_dtype: Some(d),
                 ..
             },
             Some(Precision::Fp32),
-        ) = (strategy, &self.layout, precision)
+        ) = (unsharded, &self.layout, precision)
         {
             precision = Some(match d {
                 HalfDtype::Bf16 => Precision::AmpBf16,

@@ -407,17 +407,40 @@ fn torchtitan_toml() {
 }
 
 #[test]
-fn torchtitan_refuses_tensor_parallel_as_not_modelled() {
+fn torchtitan_tensor_parallel_is_a_mesh_dimension_and_pipelines_are_refused() {
+    let c = read_text(
+        "t.toml",
+        "[parallelism]\ndata_parallel_shard_degree = 4\ntensor_parallel_degree = 2\ndisable_loss_parallel = true\n",
+        Path::new("."),
+        None,
+    )
+    .unwrap();
+    let s = c.strategy(None).unwrap().unwrap();
+    assert_eq!(
+        (s.name(), s.world_size(), s.tensor_parallel()),
+        ("fsdp", 8, 2)
+    );
+    assert!(used(&c, "parallelism.tensor_parallel_degree"));
+    assert!(not_modelled(&c, "parallelism.disable_loss_parallel"));
+    // Tensor parallelism alone: no FSDP; its mixed-precision policy is autocast then.
+    let c = read_text(
+        "t.toml",
+        "[parallelism]\ndata_parallel_shard_degree = 1\ntensor_parallel_degree = 4\n",
+        Path::new("."),
+        None,
+    )
+    .unwrap();
+    assert_eq!(c.strategy(None).unwrap().unwrap().name(), "tp");
     let e = read_text(
         "t.toml",
-        "[parallelism]\ndata_parallel_shard_degree = 4\ntensor_parallel_degree = 2\n",
+        "[parallelism]\ndata_parallel_shard_degree = 4\npipeline_parallel_degree = 2\n",
         Path::new("."),
         None,
     )
     .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "t.toml: `parallelism.tensor_parallel_degree`: tensor parallelism of torchtitan's own models is not sized yet (--tp sizes a Hugging Face model's)"
+        "t.toml: `parallelism.pipeline_parallel_degree`: pipeline parallelism of torchtitan's own models is not sized yet (--pp sizes a Hugging Face decoder's)"
     );
     let every2 = read_text(
         "t.toml",

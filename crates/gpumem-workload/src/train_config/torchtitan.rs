@@ -326,15 +326,14 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         ("expert_parallel_degree", MeshDim::Expert),
     ] {
         let d = degree(doc, key)?;
-        if d > 1 && dim == MeshDim::Tensor {
-            // gpumem lays tensor parallelism out on a Hugging Face model's own plan; torchtitan's
-            // models carry theirs in torchtitan's parallelize functions.
+        // Tensor parallelism: torchtitan's own apply_tp on its model (the tracer's).
+        if d > 1 && dim == MeshDim::Pipeline {
             return Err(doc.err(
                 &format!("parallelism.{key}"),
-                "tensor parallelism of torchtitan's own models is not sized yet (--tp sizes a Hugging Face model's)",
+                "pipeline parallelism of torchtitan's own models is not sized yet (--pp sizes a Hugging Face decoder's)",
             ));
         }
-        if d > 1 {
+        if d > 1 && dim != MeshDim::Tensor {
             let why = Mesh::new(&[(dim, d as u32)])
                 .and_then(|m| {
                     Strategy::new(
@@ -350,6 +349,35 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
                 .map(|e| e.to_string())
                 .unwrap_or_default();
             return Err(doc.err(&format!("parallelism.{key}"), why));
+        }
+    }
+    let tensor_degree = degree(doc, "tensor_parallel_degree")?;
+    let tensor_degree = u32::try_from(tensor_degree)
+        .ok()
+        .filter(|t| *t >= 1)
+        .ok_or_else(|| {
+            doc.err(
+                "parallelism.tensor_parallel_degree",
+                format!("{tensor_degree} is not a degree"),
+            )
+        })?;
+    if tensor_degree > 1 {
+        // What torchtitan's apply_tp takes beyond the mesh: the tracer runs its defaults.
+        if doc.flag("parallelism.disable_loss_parallel")? == Some(true) {
+            doc.not_modelled(
+                "parallelism.disable_loss_parallel",
+                "tensor parallelism is traced with torchtitan's default loss parallelism (the logits kept sharded)",
+            );
+        }
+        doc.off_or_not_modelled(
+            "parallelism.enable_async_tensor_parallel",
+            "async tensor parallelism's symmetric-memory buffers are not modelled",
+        );
+        if doc.flag("parallelism.enable_sequence_parallel")? == Some(false) {
+            doc.not_modelled(
+                "parallelism.enable_sequence_parallel",
+                "tensor parallelism is traced with sequence parallelism, torchtitan's default",
+            );
         }
     }
     let replicate = degree(doc, "data_parallel_replicate_degree")?;
@@ -385,6 +413,12 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             ));
         }
     };
+    if tensor_degree > 1 && shard == Some(1) && replicate > 1 {
+        return Err(doc.err(
+            "parallelism.data_parallel_replicate_degree",
+            "DDP over tensor-parallel groups (no shard ranks) is not sized yet",
+        ));
+    }
     out.layout = if shard == Some(1) && replicate > 1 {
         Layout::Fixed(
             Strategy::ddp(replicate, gpumem_core::job::DDP_BUCKET_CAP_MB, false).map_err(|e| {
@@ -395,6 +429,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         Layout::Fsdp {
             replicate,
             shard,
+            tensor: tensor_degree,
             reshard_after_forward: reshard,
             param_dtype: if pure { None } else { param },
             cpu_offload: false,
