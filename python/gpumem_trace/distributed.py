@@ -434,6 +434,22 @@ def fsdp(
         m._get_device_handle = handle
     _fully_shard._get_device_from_mesh = lambda mesh: torch.device("meta")
     _fsdp_param_group.FSDPParamGroup._validate_no_meta_params = lambda self: None
+    group = _fsdp_param_group.FSDPParamGroup
+    if not hasattr(group, "_gpumem_finalize"):
+        # A stray prefetch's event (a pipeline stage's backward prefetches a layer it never
+        # runs) is waited on through torch.accelerator, which would start CUDA: the meta
+        # device's stream instead, for that call.
+        group._gpumem_finalize = group.finalize_backward
+
+        def finalize_backward(self):
+            current = torch.accelerator.current_stream
+            torch.accelerator.current_stream = lambda *a, **k: _MetaStream()
+            try:
+                group._gpumem_finalize(self)
+            finally:
+                torch.accelerator.current_stream = current
+
+        group.finalize_backward = finalize_backward
     alloc_storage, free_storage = getattr(
         _fsdp_param, "_gpumem_storage", (_fsdp_param.alloc_storage, _fsdp_param.free_storage)
     )

@@ -9,8 +9,12 @@ weights reach its GPU.
 
 The order of actions is the schedule's own: GPipe (every forward, then every backward) and 1F1B
 (``min(M, stages − k)`` forwards in flight, then one backward per forward) as PyTorch's
-``ScheduleGPipe`` and ``Schedule1F1B`` step them; interleaved 1F1B from PyTorch's own
-``ScheduleInterleaved1F1B.pipeline_order``. What crosses between ranks is what PyTorch's
+``ScheduleGPipe`` and ``Schedule1F1B`` step them; interleaved 1F1B and zero bubble from PyTorch's
+own ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble.pipeline_order``. Zero bubble
+splits each backward as PyTorch's stage does, with PyTorch's own functions: the input's
+gradients first (``stage_backward_input``, which keeps what the weights' need), the weights'
+later (``stage_backward_weight``); the first stage, whose input needs none, runs its whole
+backward at the weights' turn. What crosses between ranks is what PyTorch's
 ``PipelineStage`` allocates: one receive buffer per micro-batch for the activations (every
 chunk but the first) and one for their gradients (every chunk but the last), made at the first
 step and kept; a chunk's output and its inputs stay alive until that micro-batch's backward.
@@ -23,7 +27,7 @@ import torch
 
 from .models import ReferenceError_
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
 def split_sizes(count, parts):
@@ -33,8 +37,8 @@ def split_sizes(count, parts):
 
 
 def actions(schedule, rank, stages, microbatches, virtual_stages):
-    """Rank ``rank``'s actions in order: ``(kind, chunk, microbatch)``, kind ``F`` or ``B``,
-    chunk the rank's own index (0 … virtual_stages − 1)."""
+    """Rank ``rank``'s actions in order: ``(kind, chunk, microbatch)``, kind ``F``, ``B`` or
+    (zero bubble) ``I`` and ``W``, chunk the rank's own index (0 … virtual_stages − 1)."""
     n, m = stages, microbatches
     if schedule == "gpipe":
         return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
@@ -66,8 +70,12 @@ def actions(schedule, rank, stages, microbatches, virtual_stages):
         )
         for v in range(virtual_stages)
     ]
-    plan = schedules.ScheduleInterleaved1F1B(placed, m, loss_fn=lambda out, target: out)
-    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+    order = {
+        "interleaved-1f1b": schedules.ScheduleInterleaved1F1B,
+        "zero-bubble": schedules.ScheduleInterleavedZeroBubble,
+    }[schedule]
+    plan = order(placed, m, loss_fn=lambda out, target: out)
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
     out = []
     for a in plan.pipeline_order[rank]:
         if a is None:
@@ -203,20 +211,42 @@ class Schedule:
         if self.received is None:
             batch, seq = ids[0].shape
             self._buffers((batch, seq // sequence_shards, hidden_size), input_ids.device)
-        cache = {}
+        from torch.distributed.pipelining import _backward
+
+        cache, weights_later = {}, {}
         for kind, c, m in self.order:
             chunk, (acts, grads) = self.chunks[c], self.received[c]
             if kind == "F":
                 self.rec.phase = "forward"
                 x = ids[m] if acts is None else acts[m]
                 cache[c, m] = (chunk(x, labels=ids[m]), x)
-            else:
-                self.rec.phase = "backward"
-                out, x = cache.pop((c, m))
-                if grads is None:
-                    out.backward()
+                continue
+            self.rec.phase = "backward"
+            if kind == "W":
+                later = weights_later.pop((c, m))
+                if acts is None:  # the first stage: its whole backward, deferred to here
+                    self._backward(*later, grads and grads[m])
                 else:
-                    torch.autograd.backward(out, grad_tensors=grads[m])
-                del out
-                if acts is not None:
-                    x.grad = None  # sent to the previous stage
+                    _backward.stage_backward_weight(chunk.parameters(), later)
+                continue
+            out, x = cache.pop((c, m))
+            if kind == "B":
+                self._backward(out, x, grads and grads[m])
+            elif acts is None:
+                weights_later[c, m] = (out, x)
+            else:
+                _, later = _backward.stage_backward_input(
+                    [out], None if grads is None else [grads[m]], [x], chunk.parameters()
+                )
+                weights_later[c, m] = later
+            del out
+            if acts is not None:
+                x.grad = None  # sent to the previous stage
+
+    @staticmethod
+    def _backward(out, x, grad):
+        """A whole backward: from the loss (the last chunk) or from the received gradient."""
+        if grad is None:
+            out.backward()
+        else:
+            torch.autograd.backward(out, grad_tensors=grad)

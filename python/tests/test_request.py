@@ -71,8 +71,18 @@ def test_every_strategy_setting_the_schema_names_is_read():
             "cpu_offload": True,
         },
         {"kind": "zero", "mesh": {"shard": 8}, "stage": 2, "zero": {"offload_optimizer": True}},
+        {
+            "kind": "fsdp",
+            "mesh": {"shard": 2, "tensor": 2, "pipeline": 4},
+            "schedule": "interleaved-1f1b",
+            "microbatches": 8,
+            "virtual_stages": 2,
+        },
     ]
     assert set().union(*(set(s) - {"kind"} for s in strategies)) == stated
     fsdp = strategy_options(strategies[1])
     assert (fsdp["world_size"], fsdp["replicas"], fsdp["reshard_after_forward"]) == (8, 2, False)
+    pp = strategy_options(strategies[3])
+    assert (pp["world_size"], pp["tensor"], pp["pipeline"]) == (16, 2, 4)
+    assert (pp["schedule"], pp["microbatches"], pp["virtual_stages"]) == ("interleaved-1f1b", 8, 2)
     assert set(definition("Zero")["properties"]) >= set(strategies[2]["zero"])

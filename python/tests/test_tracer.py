@@ -1027,8 +1027,8 @@ def test_pipeline_stage_holds_its_layers_and_its_schedules_micro_batches(tmp_pat
     embedding with the first, the final norm and head with the last; with virtual stages the
     looped chunks k, k + stages), and what it keeps for backward is its schedule's in-flight
     micro-batches: GPipe all M, 1F1B min(M, stages - k) — beside PyTorch's receive buffers, one
-    per micro-batch, kept from the first step. Composed with FSDP2, a stage's share is sharded
-    again."""
+    per micro-batch, kept from the first step; zero bubble keeps more. Composed with FSDP2, a
+    stage's share is sharded again."""
     import torch
 
     if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6):
@@ -1066,13 +1066,13 @@ def test_pipeline_stage_holds_its_layers_and_its_schedules_micro_batches(tmp_pat
     rotary = 2 * 4 * (head_dim // 2)  # the rotary tables inv_freq and original_inv_freq
     share = {0: embedding + 2 * layer, 1: 2 * layer + hidden + head}
     for stage in (0, 1):
-        one_f_one_b = [run_stage(stage, "1f1b", m) for m in (1, 2, 4)]
-        h, live, _ = one_f_one_b[1]
+        runs = [run_stage(stage, "1f1b", m) for m in (1, 2, 4)]
+        h, live, _ = runs[1]
         assert h["options"]["strategy"]["mesh"] == {"shard": 1, "pipeline": 2}
         assert live["parameter"] == 4 * share[stage] + rotary, (stage, live)
         assert live["optimizer_state"] == 8 * share[stage], (stage, live)
         assert live["activation"] == 2 * buffer  # M receive buffers, kept
-        one_f_one_b = [peak for _, _, peak in one_f_one_b]
+        one_f_one_b = [peak for _, _, peak in runs]
         # One micro-batch runs the same under both schedules.
         gpipe = [one_f_one_b[0]] + [run_stage(stage, "gpipe", m)[2] for m in (2, 4)]
         assert gpipe[2] - gpipe[1] == 2 * (gpipe[1] - gpipe[0]) > 2 * buffer, (stage, gpipe)
@@ -1081,6 +1081,12 @@ def test_pipeline_stage_holds_its_layers_and_its_schedules_micro_batches(tmp_pat
             assert one_f_one_b[1] - one_f_one_b[0] == gpipe[1] - gpipe[0]
         assert one_f_one_b[2] - one_f_one_b[1] == 2 * buffer, (stage, one_f_one_b)
         assert one_f_one_b[2] < gpipe[2]
+        # Zero bubble: the same gradients, each weights' half of a backward run later than its
+        # input's, which keeps what the weights' gradients need in between (PyTorch's
+        # stage_backward_input/weight) — more than 1F1B's, at the last stage.
+        _, zb_live, zb_peak = run_stage(stage, "zero-bubble", 4)
+        assert zb_live["gradient"] == runs[2][1]["gradient"] == 4 * share[stage]
+        assert zb_peak >= one_f_one_b[2] if stage == 0 else zb_peak > one_f_one_b[2]
     # Interleaved: rank 0 holds chunks 0 and 2 of 4 (one layer each), the embedding with the
     # first; each non-first chunk receives activations, each non-last chunk their gradients.
     _, live, _ = run_stage(0, "interleaved-1f1b", 4, "--virtual-stages", "2")

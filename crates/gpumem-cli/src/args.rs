@@ -317,13 +317,14 @@ pub struct StrategyArgs {
     /// --strategy fsdp or hsdp, within --world-size. Hugging Face decoders.
     #[arg(long, conflicts_with_all = ["deepspeed", "accelerate"])]
     pub pp: Option<u32>,
-    /// The pipeline schedule: gpipe, 1f1b (default) or interleaved-1f1b.
+    /// The pipeline schedule: gpipe, 1f1b (default), interleaved-1f1b or zero-bubble.
     #[arg(long, requires = "pp")]
     pp_schedule: Option<String>,
     /// Micro-batches each rank's --batch is split into (default: the stages).
     #[arg(long, requires = "pp")]
     microbatches: Option<u32>,
-    /// Chunks of layers per pipeline rank (interleaved-1f1b; default 2).
+    /// Chunks of layers per pipeline rank (interleaved-1f1b: at least 2, its default;
+    /// zero-bubble: default 1).
     #[arg(long, requires = "pp")]
     virtual_stages: Option<u32>,
     /// DDP's gradient bucket size, MiB.
@@ -490,7 +491,7 @@ impl StrategyArgs {
                     .map(|name| {
                         Schedule::parse(name).ok_or_else(|| {
                             CliError::input(format!(
-                                "--pp-schedule `{name}` is not gpipe, 1f1b or interleaved-1f1b"
+                                "--pp-schedule `{name}` is not gpipe, 1f1b, interleaved-1f1b or zero-bubble"
                             ))
                         })
                     })

@@ -35,9 +35,11 @@ pub fn max_batch(a: MaxBatchArgs) -> CliResult {
     let est = a.estimator.estimator(&a.estimator.models()?)?;
     let name = model.to_string();
     // One source answers every batch size: a batch-symbolic trace (no re-tracing during the
-    // search), or for a whole run a tracer run per batch size tried.
-    let sym = a.workload.workload(model, 1)?.symbolic(&profile)?;
-    let best = sym.max_batch(&profile, est.as_ref())?;
+    // search; a pipeline's stages one each), or for a whole run a tracer run per batch size.
+    let best = a
+        .workload
+        .workload(model, 1)?
+        .max_batch(&profile, est.as_ref())?;
     match best {
         None => {
             if a.json {

@@ -1256,13 +1256,86 @@ fn every_pipeline_stage_is_sized_and_the_worst_answers() {
     assert_eq!(v["strategy"]["schedule"], "gpipe");
     assert_eq!(v["strategy"]["microbatches"], 4);
     assert!(v.get("ambiguity").is_none());
-    bad_input(
-        &["estimate", model, "--pp", "2", "--pp-schedule", "zb"],
-        "--pp-schedule `zb` is not gpipe, 1f1b or interleaved-1f1b",
+    // The 3-D mesh torchtitan runs: stages of FSDP2 over tensor-parallel groups, a middle
+    // stage (neither embedding nor head) among them.
+    let o = gpumem(&[
+        "estimate",
+        model,
+        "--batch",
+        "4",
+        "--seq-len",
+        "128",
+        "--strategy",
+        "fsdp",
+        "--world-size",
+        "16",
+        "--tp",
+        "2",
+        "--pp",
+        "4",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["stages"].as_array().unwrap().len(), 4);
+    assert_eq!(
+        v["strategy"]["mesh"],
+        serde_json::json!({"shard": 2, "tensor": 2, "pipeline": 4})
     );
     bad_input(
-        &["max-batch", model, "--pp", "2"],
-        "a batch-size search (max-batch, plan) of a pipeline-parallel job is not sized yet",
+        &["estimate", model, "--pp", "2", "--pp-schedule", "zb"],
+        "--pp-schedule `zb` is not gpipe, 1f1b, interleaved-1f1b or zero-bubble",
+    );
+    // max-batch: the least of the stages' largest batches, a multiple of the micro-batches.
+    let o = gpumem(&[
+        "max-batch",
+        model,
+        "--seq-len",
+        "128",
+        "--pp",
+        "2",
+        "--microbatches",
+        "2",
+        "--gpu",
+        "t4",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let best = v["max_batch"].as_u64().unwrap();
+    assert!(best >= 2 && best.is_multiple_of(2), "{v}");
+    let worst = |batch: u64| {
+        let o = gpumem(&[
+            "estimate",
+            model,
+            "--batch",
+            &batch.to_string(),
+            "--seq-len",
+            "128",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--gpu",
+            "t4",
+            "--json",
+        ]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["upper_bound_fits"].as_bool().unwrap()
+    };
+    assert!(worst(best) && !worst(best + 2), "{best}");
+    bad_input(
+        &[
+            "estimate",
+            model,
+            "--pp",
+            "2",
+            "--tp",
+            "2",
+            "--pp-schedule",
+            "zero-bubble",
+        ],
+        "with the zero-bubble schedule and tensor parallelism (--tp) is not sized yet",
     );
     bad_input(
         &["estimate", model, "--pp", "2", "--precision", "amp-fp16"],

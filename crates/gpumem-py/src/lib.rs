@@ -216,8 +216,8 @@ fn max_batch_report(
 ) -> Result<String, Failure> {
     let profile = load_profile(gpu, toml)?;
     let config = train_config(config)?;
-    let sym = workload(model, 1, options, config.as_ref())?.symbolic(&profile)?;
-    let best = sym.max_batch(&profile, replay().as_ref())?;
+    let best =
+        workload(model, 1, options, config.as_ref())?.max_batch(&profile, replay().as_ref())?;
     json(&match best {
         None => serde_json::json!({"gpu": profile.name, "max_batch": 0}),
         Some((batch, e)) => serde_json::json!({

@@ -64,9 +64,9 @@ pub enum WorkloadError {
         "{0} needs one sequence length, and this job's varies by step: give --seq-len N (the run's longest, for a bound of its steps)"
     )]
     OneLength(&'static str),
-    /// A batch-size search over a pipeline job's stages (each stage's rank its own trace).
+    /// A plan over a pipeline job's stages (each stage's rank its own trace).
     #[error(
-        "a batch-size search (max-batch, plan) of a pipeline-parallel job is not sized yet: estimate each --batch (every stage is sized)"
+        "a plan of a pipeline-parallel job is not sized yet: estimate or max-batch it (every stage is sized)"
     )]
     PipelineSearch,
     /// A run's steps could not be joined (the loop keeps different tensors across steps at
@@ -451,13 +451,52 @@ impl Workload {
                 "a batch-size search (max-batch, plan)",
             ));
         }
-        if self
-            .options
-            .strategy
-            .is_some_and(|s| s.pipeline().is_some())
-        {
+        if self.is_pipeline() {
             return Err(WorkloadError::PipelineSearch);
         }
+        self.one_rank_symbolic(profile)
+    }
+
+    fn is_pipeline(&self) -> bool {
+        self.options
+            .strategy
+            .is_some_and(|s| s.pipeline().is_some())
+    }
+
+    /// The largest batch whose upper bound fits on `profile`'s GPU on every rank this job
+    /// sizes, and the estimate of its worst rank there; `None` if even the smallest does not.
+    /// A pipeline job's is the least of its stages' (each stage's memory grows with the batch),
+    /// each stage searched on its own batch-symbolic trace.
+    pub fn max_batch(
+        &self,
+        profile: &GpuProfile,
+        estimator: &dyn Estimator,
+    ) -> Result<Option<(u64, Estimate)>, SizeError> {
+        if !self.is_pipeline() {
+            return self.symbolic(profile)?.max_batch(profile, estimator);
+        }
+        let stages = side_by_side(&self.alternatives(), |w| w.one_rank_symbolic(profile))
+            .into_iter()
+            .collect::<Result<Vec<Symbolic>, _>>()?;
+        let mut least = u64::MAX;
+        for s in &stages {
+            match s.max_batch(profile, estimator)? {
+                Some((b, _)) => least = least.min(b),
+                None => return Ok(None),
+            }
+        }
+        let mut worst: Option<Estimate> = None;
+        for s in &stages {
+            let e = estimator.estimate(&s.at(least)?, profile)?;
+            if worst.as_ref().is_none_or(|w| e.peak_bytes > w.peak_bytes) {
+                worst = Some(e);
+            }
+        }
+        Ok(worst.map(|e| (least, e)))
+    }
+
+    /// [`Workload::symbolic`] of this job's own rank (a pipeline's: `pipeline_rank`'s).
+    fn one_rank_symbolic(&self, profile: &GpuProfile) -> Result<Symbolic, WorkloadError> {
         Ok(match &self.model {
             ModelRef::Native(spec) => Symbolic::Native(spec.clone(), self.native_job(profile)),
             // Traced at its own batch size first, so that a job the tracer refuses is refused
@@ -473,7 +512,7 @@ impl Workload {
                     .expect("a PyTorch model has a request");
                 Symbolic::Torch {
                     trace: TorchTracer::from_env().symbolic(&req)?,
-                    gpus: u64::from(self.options.data_parallel),
+                    unit: self.options.batch_unit(),
                 }
             }
         })
@@ -484,10 +523,11 @@ impl Workload {
 #[derive(Debug, Clone)]
 pub enum Symbolic {
     Native(ModelSpec, JobOptions),
-    /// `gpus`: a DataParallel job's GPU count; its batch sizes are whole multiples of it.
+    /// `unit`: [`Options::batch_unit`] (a DataParallel job's GPUs, a pipeline's
+    /// micro-batches); its batch sizes are whole multiples of it.
     Torch {
         trace: SymbolicTrace,
-        gpus: u64,
+        unit: u64,
     },
     /// A whole run, whose parts (the load, an evaluation of batches that follow the training
     /// batch, a save) no batch-symbolic trace carries: `job` traced whole at each batch size
@@ -523,20 +563,20 @@ impl Symbolic {
     }
 
     /// The largest batch that fits on `profile`'s GPU with its upper bound, and its estimate;
-    /// `None` if even the smallest does not. A DataParallel job is searched by rows per GPU,
-    /// so its answer is a whole multiple of its GPU count.
+    /// `None` if even the smallest does not. A job is searched by whole multiples of its
+    /// batch unit (a DataParallel job's rows per GPU, a pipeline's micro-batches).
     pub fn max_batch(
         &self,
         profile: &GpuProfile,
         estimator: &dyn Estimator,
     ) -> Result<Option<(u64, Estimate)>, SizeError> {
-        let gpus = match self {
+        let unit = match self {
             Symbolic::Native(..) => 1,
-            Symbolic::Torch { gpus, .. } => *gpus,
-            Symbolic::PerBatch { job, .. } => u64::from(job.options.data_parallel),
+            Symbolic::Torch { unit, .. } => *unit,
+            Symbolic::PerBatch { job, .. } => job.options.batch_unit(),
         };
-        let best = search::max_batch_with(&mut |b| self.at(b * gpus), profile, estimator)?;
-        Ok(best.map(|(b, e)| (b * gpus, e)))
+        let best = search::max_batch_with(&mut |b| self.at(b * unit), profile, estimator)?;
+        Ok(best.map(|(b, e)| (b * unit, e)))
     }
 }
 

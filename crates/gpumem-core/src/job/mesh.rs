@@ -182,13 +182,19 @@ pub enum Schedule {
     /// 1F1B over several chunks per rank (virtual stages), in PyTorch's order.
     #[serde(rename = "interleaved-1f1b")]
     Interleaved,
+    /// Zero bubble: each backward split into its input's gradients (sent on at once) and its
+    /// weights' (run later), over one or more chunks per rank, in PyTorch's order
+    /// (`ScheduleInterleavedZeroBubble`).
+    #[serde(rename = "zero-bubble")]
+    ZeroBubble,
 }
 
 impl Schedule {
-    pub const ALL: [Schedule; 3] = [
+    pub const ALL: [Schedule; 4] = [
         Schedule::Gpipe,
         Schedule::OneForwardOneBackward,
         Schedule::Interleaved,
+        Schedule::ZeroBubble,
     ];
 
     pub fn name(self) -> &'static str {
@@ -196,6 +202,7 @@ impl Schedule {
             Schedule::Gpipe => "gpipe",
             Schedule::OneForwardOneBackward => "1f1b",
             Schedule::Interleaved => "interleaved-1f1b",
+            Schedule::ZeroBubble => "zero-bubble",
         }
     }
 
@@ -206,8 +213,8 @@ impl Schedule {
 
 /// How a pipeline-parallel job steps: its schedule, the micro-batches each rank's batch is
 /// split into, and the chunks (virtual stages) each rank holds. Invariant (checked by
-/// [`Pipeline::new`]): 1 to [`MAX_MICROBATCHES`] micro-batches; interleaved schedules hold at
-/// least 2 chunks per rank, the others exactly 1.
+/// [`Pipeline::new`]): 1 to [`MAX_MICROBATCHES`] micro-batches; interleaved 1F1B holds at least
+/// 2 chunks per rank, zero bubble at least 1, the others exactly 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Pipeline {
     schedule: Schedule,
@@ -224,16 +231,16 @@ impl Pipeline {
         if !(1..=MAX_MICROBATCHES).contains(&microbatches) {
             return Err(OptionError::Microbatches(microbatches));
         }
-        let interleaved = schedule == Schedule::Interleaved;
-        if interleaved != (virtual_stages >= 2) || virtual_stages == 0 {
+        let (least, most, needs) = match schedule {
+            Schedule::Interleaved => (2, u32::MAX, "at least 2 chunks"),
+            Schedule::ZeroBubble => (1, u32::MAX, "at least 1 chunk"),
+            Schedule::Gpipe | Schedule::OneForwardOneBackward => (1, 1, "exactly 1 chunk"),
+        };
+        if !(least..=most).contains(&virtual_stages) {
             return Err(OptionError::VirtualStages {
                 schedule: schedule.name(),
                 virtual_stages,
-                needs: if interleaved {
-                    "at least 2 chunks"
-                } else {
-                    "exactly 1 chunk"
-                },
+                needs,
             });
         }
         Ok(Pipeline {

@@ -712,6 +712,12 @@ impl OptionValues {
                     Some("validate (--validate)")
                 } else if self.attention_mask != AttentionMask::None {
                     Some("attention_mask (--attention-mask)")
+                } else if strategy.tensor_parallel() > 1
+                    && strategy.pipeline().map(|p| p.schedule()) == Some(Schedule::ZeroBubble)
+                {
+                    // Its split backward detaches each stage's output in place, which a tensor-
+                    // parallel stage's (a view of its shard) cannot be.
+                    Some("the zero-bubble schedule and tensor parallelism (--tp)")
                 } else {
                     None
                 };
