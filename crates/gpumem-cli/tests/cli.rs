@@ -1287,43 +1287,22 @@ fn every_pipeline_stage_is_sized_and_the_worst_answers() {
         "--pp-schedule `zb` is not gpipe, 1f1b, interleaved-1f1b or zero-bubble",
     );
     // max-batch: the least of the stages' largest batches, a multiple of the micro-batches.
-    let o = gpumem(&[
-        "max-batch",
-        model,
-        "--seq-len",
-        "128",
-        "--pp",
-        "2",
-        "--microbatches",
-        "2",
-        "--gpu",
-        "t4",
-        "--json",
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    let best = v["max_batch"].as_u64().unwrap();
-    assert!(best >= 2 && best.is_multiple_of(2), "{v}");
-    let worst = |batch: u64| {
-        let o = gpumem(&[
-            "estimate",
-            model,
-            "--batch",
-            &batch.to_string(),
-            "--seq-len",
-            "128",
-            "--pp",
-            "2",
-            "--microbatches",
-            "2",
-            "--gpu",
-            "t4",
-            "--json",
-        ]);
-        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        v["upper_bound_fits"].as_bool().unwrap()
+    let on_t4 = |command: &str, batch: &[&str]| {
+        let job = ["--seq-len", "128", "--pp", "2", "--microbatches", "2"];
+        let mut args = vec![command, model, "--gpu", "t4", "--json"];
+        args.extend(job.iter().chain(batch));
+        let o = gpumem(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
     };
-    assert!(worst(best) && !worst(best + 2), "{best}");
+    let best = on_t4("max-batch", &[])["max_batch"].as_u64().unwrap();
+    assert!(best >= 2 && best.is_multiple_of(2), "{best}");
+    let fits = |batch: u64| {
+        on_t4("estimate", &["--batch", &batch.to_string()])["upper_bound_fits"]
+            .as_bool()
+            .unwrap()
+    };
+    assert!(fits(best) && !fits(best + 2), "{best}");
     bad_input(
         &[
             "estimate",

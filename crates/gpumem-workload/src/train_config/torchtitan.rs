@@ -351,16 +351,17 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             return Err(doc.err(&format!("parallelism.{key}"), why));
         }
     }
-    let tensor_degree = degree(doc, "tensor_parallel_degree")?;
-    let tensor_degree = u32::try_from(tensor_degree)
-        .ok()
-        .filter(|t| *t >= 1)
-        .ok_or_else(|| {
+    // A degree the mesh takes: a whole number of ranks, at least 1.
+    let ranks = |doc: &mut Doc, key: &str| -> Result<u32, TrainConfigError> {
+        let d = degree(doc, key)?;
+        u32::try_from(d).ok().filter(|r| *r >= 1).ok_or_else(|| {
             doc.err(
-                "parallelism.tensor_parallel_degree",
-                format!("{tensor_degree} is not a degree"),
+                &format!("parallelism.{key}"),
+                format!("{d} is not a degree"),
             )
-        })?;
+        })
+    };
+    let tensor_degree = ranks(doc, "tensor_parallel_degree")?;
     if tensor_degree > 1 {
         // What torchtitan's apply_tp takes beyond the mesh: the tracer runs its defaults.
         if doc.flag("parallelism.disable_loss_parallel")? == Some(true) {
@@ -380,16 +381,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             );
         }
     }
-    let replicate = degree(doc, "data_parallel_replicate_degree")?;
-    let replicate = u32::try_from(replicate)
-        .ok()
-        .filter(|r| *r >= 1)
-        .ok_or_else(|| {
-            doc.err(
-                "parallelism.data_parallel_replicate_degree",
-                format!("{replicate} is not a degree"),
-            )
-        })?;
+    let replicate = ranks(doc, "data_parallel_replicate_degree")?;
     let shard = match doc.whole("parallelism.data_parallel_shard_degree")? {
         None | Some(-1) => None,
         Some(n) if n >= 1 => Some(n as u32),
