@@ -99,6 +99,7 @@ class Chunk(torch.nn.Module):
         # With tensor parallelism, what crosses between stages is each rank's sequence shard
         # (sequence parallelism's residual stream), sent as a plain tensor (torchtitan's).
         self.tensor_mesh = tensor_mesh
+        self.first, self.last = first, last
         base = model.base_model
         self.embed = base.get_input_embeddings() if first else None
         self.layers = torch.nn.ModuleList(layers)
@@ -185,13 +186,13 @@ class Schedule:
             self.received = [
                 (
                     None
-                    if c.embed is not None
+                    if c.first
                     else [
                         torch.empty(shape, dtype=self.dtype, device=device).requires_grad_(True)
                         for _ in range(self.microbatches)
                     ],
                     None
-                    if c._loss is not None
+                    if c.last
                     else [
                         torch.empty(shape, dtype=self.dtype, device=device)
                         for _ in range(self.microbatches)
@@ -224,27 +225,27 @@ class Schedule:
             self.rec.phase = "backward"
             if kind == "W":
                 later = weights_later.pop((c, m))
-                if acts is None:  # the first stage: its whole backward, deferred to here
-                    self._backward(*later, grads and grads[m])
+                if chunk.first:  # its whole backward, deferred to here (no input gradient)
+                    self._backward(later, grads and grads[m])
                 else:
                     _backward.stage_backward_weight(chunk.parameters(), later)
                 continue
             out, x = cache.pop((c, m))
             if kind == "B":
-                self._backward(out, x, grads and grads[m])
-            elif acts is None:
-                weights_later[c, m] = (out, x)
+                self._backward(out, grads and grads[m])
+            elif chunk.first:
+                weights_later[c, m] = out
             else:
                 _, later = _backward.stage_backward_input(
                     [out], None if grads is None else [grads[m]], [x], chunk.parameters()
                 )
                 weights_later[c, m] = later
             del out
-            if acts is not None:
+            if not chunk.first:
                 x.grad = None  # sent to the previous stage
 
     @staticmethod
-    def _backward(out, x, grad):
+    def _backward(out, grad):
         """A whole backward: from the loss (the last chunk) or from the received gradient."""
         if grad is None:
             out.backward()
