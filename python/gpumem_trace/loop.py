@@ -385,7 +385,7 @@ def trace_training(opts: TraceOptions, out_path: str):
             weights_dtype or torch.float32,
         )
     paths = ModulePaths(model)
-    mode = TraceMode(rec, paths, DEVICE)
+    mode = TraceMode(rec, paths, DEVICE, dtensor_dispatch=opts.tensor > 1)
     specs = job.batch_specs(opts.batch)
     if opts.seq_lens:
         if job.specs_at is None:

@@ -427,13 +427,15 @@ class ModulePaths(TorchFunctionMode):
 class TraceMode(TorchDispatchMode):
     """Sees every ATen op below autograd; records new device storages and their deaths."""
 
-    def __init__(self, recorder, modules, device="meta"):
+    def __init__(self, recorder, modules, device="meta", dtensor_dispatch=False):
         super().__init__()
         self.r = recorder
         self.device = device
         self.modules = modules
         self.last_op = None
         self.memo = META_MEMO if device == "meta" else None
+        # Tensor parallelism's DTensors redistribute inside their own dispatch: see there.
+        self.dtensor_dispatch = dtensor_dispatch and _DTENSOR is not None
 
     def track(self, t, op):
         if t.device.type != self.device:
@@ -461,10 +463,12 @@ class TraceMode(TorchDispatchMode):
         return any(k in self.r.no_memory for k in keys) and not any(k in self.r.live for k in keys)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _DTENSOR is not None and any(issubclass(t, _DTENSOR) for t in types):
-            # A DTensor (FSDP2's shards, tensor parallelism's layers): its own dispatch runs the
-            # op on the rank's local tensors, and redistributes them first where the layouts ask
-            # — those ops come back here, in the rank's shapes.
+        if self.dtensor_dispatch and any(issubclass(t, _DTENSOR) for t in types):
+            # A tensor-parallel DTensor: its own dispatch runs the op on the rank's local
+            # tensors, and redistributes them first where the layouts ask — those ops come back
+            # here, in the rank's shapes. (FSDP2's shards alone need none of this: their ops
+            # run as one, output tracked by its local tensor, as the FSDPMemTracker comparison
+            # and the cut traces' periodicity were measured.)
             return NotImplemented
         kwargs = kwargs or {}
         if self.r.no_memory and not self.r.making_no_memory and self._from_no_memory(args):
