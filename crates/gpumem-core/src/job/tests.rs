@@ -234,37 +234,6 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
         serde_json::from_str::<Strategy>(&json).unwrap(),
         interleaved
     );
-    for (bad, needle) in [
-        (
-            r#"{"kind":"fsdp","mesh":{"shard":2},"schedule":"gpipe"}"#,
-            "strategy.schedule is a pipeline setting, and this mesh has no pipeline stages",
-        ),
-        (
-            r#"{"kind":"fsdp","mesh":{"pipeline":2},"schedule":"gpipe","virtual_stages":2}"#,
-            "gpipe holds exactly 1 chunk per rank",
-        ),
-        (
-            r#"{"kind":"fsdp","mesh":{"pipeline":2},"schedule":"interleaved-1f1b","virtual_stages":1}"#,
-            "interleaved-1f1b holds at least 2 chunks per rank",
-        ),
-        (
-            r#"{"kind":"fsdp","mesh":{"pipeline":2},"microbatches":0}"#,
-            "strategy.microbatches (--microbatches) 0 is out of range",
-        ),
-        (
-            r#"{"kind":"ddp","mesh":{"replicate":2,"pipeline":2}}"#,
-            "strategy.mesh.pipeline: ddp",
-        ),
-        (
-            r#"{"kind":"fsdp","mesh":{"pipeline":2},"schedule":"zb"}"#,
-            "unknown variant",
-        ),
-    ] {
-        let e = serde_json::from_str::<Strategy>(bad)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains(needle), "{bad}: {e}");
-    }
     let e = serde_json::from_str::<Options>(
         r#"{"precision":"amp-fp16","strategy":{"kind":"fsdp","mesh":{"pipeline":2}}}"#,
     )
@@ -343,6 +312,30 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
         (
             r#"{"kind":"ddp","world_size":4,"bucket_cap_mb":0}"#,
             "bucket_cap_mb (--bucket-cap-mb) must be at least 1",
+        ),
+        (
+            r#"{"kind":"fsdp","mesh":{"shard":2},"schedule":"gpipe"}"#,
+            "strategy.schedule is a pipeline setting, and this mesh has no pipeline stages",
+        ),
+        (
+            r#"{"kind":"fsdp","mesh":{"pipeline":2},"schedule":"gpipe","virtual_stages":2}"#,
+            "gpipe holds exactly 1 chunk per rank",
+        ),
+        (
+            r#"{"kind":"fsdp","mesh":{"pipeline":2},"schedule":"interleaved-1f1b","virtual_stages":1}"#,
+            "interleaved-1f1b holds at least 2 chunks per rank",
+        ),
+        (
+            r#"{"kind":"fsdp","mesh":{"pipeline":2},"microbatches":0}"#,
+            "strategy.microbatches (--microbatches) 0 is out of range",
+        ),
+        (
+            r#"{"kind":"ddp","mesh":{"replicate":2,"pipeline":2}}"#,
+            "strategy.mesh.pipeline: ddp",
+        ),
+        (
+            r#"{"kind":"fsdp","mesh":{"pipeline":2},"schedule":"zb"}"#,
+            "unknown variant",
         ),
     ] {
         let e = serde_json::from_str::<Strategy>(bad)
