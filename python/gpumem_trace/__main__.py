@@ -147,6 +147,18 @@ def flags():
         help="tensor-parallel ranks: alone, a job of that many; with --strategy fsdp, within --world-size",
     )
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (composes as --tp does)")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks of a torchtitan MoE model, borrowed from --strategy fsdp's",
+    )
+    p.add_argument(
+        "--routing-imbalance",
+        type=float,
+        default=1.0,
+        help="the router's stand-in: the traced rank's experts get this many times their even share (1: balanced)",
+    )
     p.add_argument("--pp-rank", type=int, default=0, help="which stage's rank to trace")
     p.add_argument("--schedule", default="1f1b", help="the pipeline schedule")
     p.add_argument("--microbatches", type=int, default=1)

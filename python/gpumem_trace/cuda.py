@@ -4,9 +4,12 @@
   keep a noise tensor of the input's dtype.
 - Scaled dot-product attention: CUDA picks a kernel by torch release, GPU and inputs
   (sdpa.py), each with its own saved tensors and buffers.
+- Triton kernels (torchtitan's MoE index fill) write into tensors their callers allocated:
+  launched on meta tensors, they do nothing.
 """
 
 import contextlib
+import sys
 import types
 
 import torch
@@ -54,12 +57,32 @@ def make_sdpa(stack):
                 scale=scale,
                 enable_gqa=enable_gqa,
             )
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(query, dtensor):
+            # Tensor parallelism's heads (torchtitan's plans keep them DTensors through a
+            # per-head norm): each rank attends over its own, as DTensor's own SDPA strategy
+            # runs it, in the kernel on the rank's local tensors.
+            local = lambda t: t.to_local() if isinstance(t, dtensor) else t
+            out = sdpa(
+                *map(local, (query, key, value, attn_mask)),
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
+            return dtensor.from_local(out, query.device_mesh, query.placements, run_check=False)
         return attention.run(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, stack, _orig_sdpa
         )
 
     sdpa.autocast_low = True
     return sdpa
+
+
+def _dtensor_type():
+    """PyTorch's DTensor where this torch has one and a job brought it in, else None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 _meta_lib = None
@@ -108,9 +131,22 @@ def patches(stack):
     shim = not hasattr(torch, "meta")
     if shim:
         torch.meta = types.SimpleNamespace(_initialized=False, device_count=lambda: 0)
+    # Only where the job's code brought triton in: importing it costs a trace seconds.
+    jit = sys.modules.get("triton.runtime.jit")
+    launch = jit.JITFunction.run if jit else None
+    if jit:
+
+        def run(self, *args, **kwargs):
+            if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args):
+                return None
+            return launch(self, *args, **kwargs)
+
+        jit.JITFunction.run = run
     try:
         yield
     finally:
         F.dropout, F.scaled_dot_product_attention = saved
         if shim:
             del torch.meta
+        if jit:
+            jit.JITFunction.run = launch

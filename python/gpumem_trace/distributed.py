@@ -232,6 +232,66 @@ def device_mesh(world_size, replicas=1, tensor=1, pipeline=1):
     )
 
 
+def expert_mesh(world_size, replicas=1, tensor=1, pipeline=1, expert=1):
+    """The ranks as torchtitan's expert layers see them (``ParallelDims``' sparse mesh, with
+    no tensor parallelism inside the experts): ``pipeline``, ``replicate``, ``efsdp`` and
+    ``ep``, where expert parallelism borrows its ranks from FSDP's and tensor parallelism's
+    (``efsdp = shard × tensor / ep``): the experts are split over ``ep`` and what remains of
+    FSDP shards them further."""
+    fake_world(world_size)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    efsdp = world_size // (pipeline * replicas * expert)
+    return init_device_mesh(
+        "cpu",
+        (pipeline, replicas, efsdp, expert),
+        mesh_dim_names=("pipeline", "replicate", "efsdp", "ep"),
+    )
+
+
+def expert_parallel(model, tensor_mesh, experts_mesh, name):
+    """torchtitan's own ``apply_moe_ep_tp`` on its mixture-of-experts model: the routed
+    experts split over ``experts_mesh["ep"]`` (each rank its ``E / ep`` experts, the tokens
+    sent to them and back by all-to-all, ``ExpertParallel``) where it has more than one rank,
+    and the MoE layers' tensor parallelism (router replicated, shared experts column/row-wise,
+    tokens split over the tensor ranks) where ``tensor_mesh`` is given. Returns the routed
+    experts' modules (FSDP shards them over ``efsdp``). Refused in one line for a model with
+    no MoE layers or not torchtitan's."""
+    import importlib
+    import inspect
+
+    layers = getattr(model, "layers", None)
+    moe = [
+        b
+        for b in (layers.values() if layers is not None else ())
+        if getattr(b, "moe_enabled", False)
+    ]
+    if not type(model).__module__.startswith("torchtitan.models.") or not moe:
+        raise ReferenceError_(
+            f"{name}: expert parallelism is traced with torchtitan's own code, on its mixture-of-experts models (torchtitan:qwen3, deepseek_v3, llama4)"
+        )
+    family = type(model).__module__.split(".")[2]
+    parallelize = importlib.import_module(f"torchtitan.models.{family}.infra.parallelize")
+    apply = getattr(parallelize, "apply_moe_ep_tp", None)
+    if apply is None:
+        raise ReferenceError_(
+            f"{name}: torchtitan's {family} has no apply_moe_ep_tp gpumem can call"
+        )
+    ep = experts_mesh["ep"] if experts_mesh is not None and experts_mesh["ep"].size() > 1 else None
+    # No tensor parallelism inside the experts (ETP = 1), in each family's spelling.
+    given = dict(
+        tp_mesh=tensor_mesh, ep_mesh=ep, etp_mesh=None, ep_etp_mesh=None, etp_enabled=False
+    )
+    params = inspect.signature(apply).parameters
+    needed = [k for k, v in params.items() if k != "model" and v.default is inspect.Parameter.empty]
+    if not set(needed) <= set(given):
+        raise ReferenceError_(
+            f"{name}: torchtitan's {family} apply_moe_ep_tp takes ({', '.join(params)}), not what gpumem gives"
+        )
+    apply(model, **{k: v for k, v in given.items() if k in params})
+    return [b.moe.experts for b in moe] if ep is not None else []
+
+
 def data_parallel_mesh(mesh):
     """FSDP's part of ``device_mesh``'s mesh: its ``shard`` ranks, within ``replicate`` groups
     where there are more than one (HSDP)."""
@@ -341,26 +401,32 @@ def tensor_parallel(model, mesh, name):
 
 
 def _torchtitan_tensor_parallel(model, mesh, name):
-    """torchtitan's own ``apply_tp`` for its model (``torchtitan.models.FAMILY.infra.
-    parallelize``), with its defaults: loss parallelism (the logits stay sharded over the
-    vocabulary into the loss, which the caller runs under ``loss_parallel()``), no float8."""
+    """torchtitan's own tensor parallelism for its model (``torchtitan.models.FAMILY.infra.
+    parallelize``'s ``apply_tp``, or ``apply_non_moe_tp`` for its mixture-of-experts families,
+    whose MoE layers ``expert_parallel`` parallelizes), with its defaults: loss parallelism
+    (the logits stay sharded over the vocabulary into the loss, which the caller runs under
+    ``loss_parallel()``), no float8, no async TP, no context parallelism."""
     import importlib
     import inspect
 
     family = type(model).__module__.split(".")[2]
-    try:
-        apply_tp = importlib.import_module(f"torchtitan.models.{family}.infra.parallelize").apply_tp
-    except (ImportError, AttributeError) as e:
+    parallelize = importlib.import_module(f"torchtitan.models.{family}.infra.parallelize")
+    apply = getattr(parallelize, "apply_tp", None) or getattr(parallelize, "apply_non_moe_tp", None)
+    if apply is None:
+        raise ReferenceError_(f"{name}: torchtitan's {family} has no apply_tp gpumem can call")
+    given = {
+        "loss_parallel": True,
+        "enable_float8_tensorwise_tp": False,
+        "enable_async_tp": False,
+        "cp_enabled": False,
+    }
+    params = list(inspect.signature(apply).parameters.values())[2:]
+    needed = {p.name for p in params if p.default is inspect.Parameter.empty}
+    if not needed <= set(given) or "loss_parallel" not in {p.name for p in params}:
         raise ReferenceError_(
-            f"{name}: torchtitan's {family} has no apply_tp gpumem can call ({e})"
-        ) from e
-    given = {"loss_parallel": True, "enable_float8_tensorwise_tp": False}
-    params = inspect.signature(apply_tp).parameters
-    if not set(given) <= set(params):
-        raise ReferenceError_(
-            f"{name}: torchtitan's {family} apply_tp takes ({', '.join(params)}), not the mesh, loss_parallel and enable_float8_tensorwise_tp gpumem gives"
+            f"{name}: torchtitan's {family} {apply.__name__} takes ({', '.join(p.name for p in params)}), not the mesh and {', '.join(given)} gpumem gives"
         )
-    apply_tp(model, mesh, **given)
+    apply(model, mesh, **{p.name: given[p.name] for p in params if p.name in given})
     return model
 
 
@@ -399,6 +465,8 @@ def fsdp(
     on_free,
     param_dtype=None,
     cpu_offload=False,
+    experts=(),
+    experts_mesh=None,
 ):
     """``fully_shard`` on each block, then on the model, as rank 0 of ``world_size`` (FSDP2),
     with ``MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=float32)`` where a
@@ -412,6 +480,9 @@ def fsdp(
     ``mesh`` is ``data_parallel_mesh``'s: a 2-D one is HSDP, sharded along its second dimension
     and replicated along its first (gradients reduce-scattered in the group, then all-reduced
     across groups); parameters tensor parallelism made DTensors are sharded again over it.
+    ``experts``: expert parallelism's routed experts, each sharded apart before its block over
+    ``experts_mesh`` (``expert_mesh``'s ``efsdp`` ranks, within ``replicate`` groups), on their
+    second dimension where ``efsdp × ep`` outnumbers the experts (torchtitan's ``apply_fsdp``).
     FSDP2 frees a layer's gathered parameters by resizing their storage to nothing and gathers
     them again into the same storage: ``on_free(tensor)`` and ``on_alloc(tensor)`` hear of each
     (a storage that is resized is not a tensor that dies)."""
@@ -476,7 +547,23 @@ def fsdp(
     )
     if cpu_offload:
         _offload_on_meta(_fsdp_param, _fsdp_param_group)
+    if experts:
+        from torch.distributed.tensor import Shard
+
+        edp = (
+            experts_mesh["replicate", "efsdp"]
+            if experts_mesh["replicate"].size() > 1
+            else experts_mesh["efsdp"]
+        )
+        wide = experts_mesh["efsdp"].size() * experts_mesh["ep"].size() > experts[0].num_experts
     for b in blocks:
+        for e in experts:
+            if any(e is m for m in b.modules()):
+                fully_shard(
+                    e,
+                    **{**policy, "mesh": edp},
+                    shard_placement_fn=(lambda p: Shard(1)) if wide else None,
+                )
         fully_shard(b, **policy)
     fully_shard(model, **policy)
     return model

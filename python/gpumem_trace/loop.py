@@ -28,6 +28,7 @@ from . import (
     losses,
     optimizers,
     pipeline,
+    routing,
     sdpa,
     standin,
     zero,
@@ -83,6 +84,10 @@ class TraceOptions:
     fsdp_param_dtype: str = None  # FSDP2's MixedPrecisionPolicy param_dtype: "bf16" or "fp16"
     replicas: int = 1  # FSDP2 over a 2-D mesh (HSDP): replicated this many times
     tensor: int = 1  # tensor-parallel ranks (distributed.tensor_parallel), within world_size
+    # Expert-parallel ranks (distributed.expert_parallel), borrowed from FSDP's and tensor
+    # parallelism's, and the router's stand-in imbalance (routing.py).
+    expert: int = 1
+    routing_imbalance: float = 1.0
     pipeline: int = 1  # pipeline stages (pipeline.py), within world_size
     pipeline_rank: int = 0  # which stage's rank the trace is
     schedule: str = None  # pipeline.SCHEDULES
@@ -137,6 +142,14 @@ class GradScaler:
         del inv
         optimizer.step()
         torch._amp_update_scale_(self.scale_t, self.growth, found, 2.0, 0.5, 2000)
+
+
+def _has_moe(model):
+    """Whether ``model`` has mixture-of-experts layers (torchtitan's ``moe_enabled`` blocks)."""
+    layers = getattr(model, "layers", None)
+    return layers is not None and any(
+        getattr(b, "moe_enabled", False) for b in getattr(layers, "values", lambda: layers)()
+    )
 
 
 def repeated_blocks(model, name, purpose):
@@ -321,6 +334,7 @@ def trace_training(opts: TraceOptions, out_path: str):
         batch_hint=opts.batch,
         attention_mask=opts.attention_mask,
         attention=opts.attention,
+        gpu_capability=opts.gpu_capability,
     )
     model = job.model
     model.train()
@@ -337,6 +351,16 @@ def trace_training(opts: TraceOptions, out_path: str):
         # As torchtitan orders it: tensor parallelism first, then checkpointing, then FSDP.
         distributed.tensor_parallel(model, ranks["tensor"], opts.model)
         sharded_loss = distributed.loss_parallel(model)
+    experts, experts_mesh = [], None
+    if opts.expert > 1 or (opts.tensor > 1 and _has_moe(model)):
+        # torchtitan's order: the MoE layers' expert and tensor parallelism after the rest's.
+        if opts.expert > 1:
+            experts_mesh = distributed.expert_mesh(
+                opts.world_size, opts.replicas, opts.tensor, opts.pipeline, opts.expert
+            )
+        experts = distributed.expert_parallel(
+            model, ranks["tensor"] if opts.tensor > 1 else None, experts_mesh, opts.model
+        )
     # FSDP applies where its dimensions have ranks to shard over (torchtitan: dp_shard > 1).
     sharded = opts.strategy == "fsdp" and opts.world_size > opts.tensor * opts.pipeline
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the whole model's
@@ -385,7 +409,13 @@ def trace_training(opts: TraceOptions, out_path: str):
             weights_dtype or torch.float32,
         )
     paths = ModulePaths(model)
-    mode = TraceMode(rec, paths, DEVICE, dtensor_dispatch=opts.tensor > 1)
+    mode = TraceMode(
+        rec,
+        paths,
+        DEVICE,
+        dtensor_dispatch=opts.tensor > 1 or opts.expert > 1,
+        routing=routing.Routing(opts.expert, opts.routing_imbalance),
+    )
     specs = job.batch_specs(opts.batch)
     if opts.seq_lens:
         if job.specs_at is None:
@@ -489,6 +519,8 @@ def trace_training(opts: TraceOptions, out_path: str):
                             opts.fsdp_param_dtype
                         ],
                         cpu_offload=opts.cpu_offload,
+                        experts=experts,
+                        experts_mesh=experts_mesh,
                     )
             if (opts.whole_run or {}).get("broadcast_load"):
                 with rec.labelled("temporary"):

@@ -556,13 +556,15 @@ def hf_model_job(tr, name, ref, config, model, seq_len, attention_mask):
     )
 
 
-def torchtitan_job(spec, ref, seq_len):
+def torchtitan_job(spec, ref, seq_len, gpu_capability):
     """``torchtitan:MODEL(flavor=FLAVOR,key=value,...)``: torchtitan's own model as its Trainer
     builds it — its train spec's model class from the flavor's model args (other keys override
     those args), ``update_from_config`` with the job's sequence length — trained as its
     ``forward_backward_step`` runs (torchtitan 0.2.x): ``pred = model(tokens)``, its own loss
     (``build_loss_fn``: cross-entropy on the logits cast to fp32, summed) divided by the
-    count of valid tokens, ``del pred``, backward. Needs torchtitan installed."""
+    count of valid tokens, ``del pred``, backward. Needs torchtitan installed.
+    ``gpu_capability``: the GPU the job runs on, which ``update_from_config`` asks (its MoE
+    experts' grouped GEMMs need SM90; below, a loop over the experts)."""
     try:
         train_spec = importlib.import_module("torchtitan.protocols.train_spec")
         job_config_mod = importlib.import_module("torchtitan.config.job_config")
@@ -603,7 +605,21 @@ def torchtitan_job(spec, ref, seq_len):
     seq_len = seq_len or 2048
     config.training.seq_len = seq_len
     config.model.name, config.model.flavor = name, flavor
-    args.update_from_config(config)
+    args_module = sys.modules[type(args).__module__]
+    asked = getattr(args_module, "has_cuda_capability", None)
+    target = tuple(int(x) for x in str(gpu_capability).split("."))
+    if asked is not None:
+        args_module.has_cuda_capability = lambda major, minor: target >= (major, minor)
+    try:
+        args.update_from_config(config)
+    finally:
+        if asked is not None:
+            args_module.has_cuda_capability = asked
+    moe = getattr(args, "moe_args", None)
+    if moe is not None and getattr(args, "moe_enabled", True) and not moe.use_grouped_mm:
+        raise ReferenceError_(
+            f"{ref}: below SM90 (this GPU: {gpu_capability}) torchtitan runs its MoE experts in a loop sized by the router's values, which gpumem does not trace; size it for an SM90 GPU"
+        )
     model = build(lambda: ts.model_cls(args))
     loss_fn = ts.build_loss_fn(config)
     ignore = getattr(importlib.import_module("torchtitan.components.loss"), "IGNORE_INDEX", -100)
@@ -739,7 +755,13 @@ def live_job(key, ref, input_shape, seq_len, attention_mask, attention):
 
 
 def resolve(
-    ref, input_shape=None, seq_len=None, batch_hint=2, attention_mask="none", attention=None
+    ref,
+    input_shape=None,
+    seq_len=None,
+    batch_hint=2,
+    attention_mask="none",
+    attention=None,
+    gpu_capability="8.0",
 ):
     kind, sep, spec = ref.partition(":")
     if not sep:
@@ -760,7 +782,7 @@ def resolve(
     if kind == "py":
         return py_job(spec, ref, batch_hint)
     if kind == "torchtitan":
-        return torchtitan_job(spec, ref, seq_len)
+        return torchtitan_job(spec, ref, seq_len, gpu_capability)
     if kind == "live":
         return live_job(spec, ref, input_shape, seq_len, attention_mask, attention)
     raise ReferenceError_(

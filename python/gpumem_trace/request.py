@@ -89,6 +89,7 @@ def trace_options(request):
         precision=o.get("precision", "fp32"),
         iterations=len(seq_lens) if seq_lens else request.get("iterations", 3),
         pipeline_rank=request.get("pipeline_rank", 0),
+        routing_imbalance=request.get("routing_imbalance", 1.0),
         input_shape=tuple(int(x) for x in input_shape.split("x")) if input_shape else None,
         seq_len=o.get("seq_len"),
         seq_lens=seq_lens,
@@ -152,7 +153,8 @@ def strategy_options(strategy):
     if not strategy:
         return {}
     mesh = strategy["mesh"]
-    world = math.prod(mesh.values())
+    # Expert parallelism borrows its ranks from the others' (torchtitan's and Megatron's way).
+    world = math.prod(n for dim, n in mesh.items() if dim != "expert")
     kind = strategy["kind"]
     if kind == "ddp":
         return dict(
@@ -168,6 +170,7 @@ def strategy_options(strategy):
             replicas=mesh.get("replicate", 1),
             tensor=mesh.get("tensor", 1),
             pipeline=mesh.get("pipeline", 1),
+            expert=mesh.get("expert", 1),
             schedule=strategy.get("schedule"),
             microbatches=strategy.get("microbatches", 1),
             virtual_stages=strategy.get("virtual_stages", 1),
@@ -234,6 +237,14 @@ def from_flags(a):
         raise ValueError(
             f"--tp {a.tp}, --pp {a.pp}: at least 1, and tensor and pipeline parallelism compose with fsdp"
         )
+    if a.ep < 1 or (a.ep > 1 and a.strategy != "fsdp") or not a.routing_imbalance >= 1:
+        raise ValueError(
+            f"--ep {a.ep}, --routing-imbalance {a.routing_imbalance}: at least 1, and expert parallelism borrows --strategy fsdp's ranks"
+        )
+    if a.ep > 1 and (a.world_size // (a.replicas * a.pp)) % a.ep:
+        raise ValueError(
+            f"--ep {a.ep} does not divide the {a.world_size // (a.replicas * a.pp)} FSDP and tensor-parallel ranks it borrows"
+        )
     if a.pp > 1 and (a.schedule not in pipeline.SCHEDULES or not 0 <= a.pp_rank < a.pp):
         raise ValueError(
             f"--pp {a.pp}: --schedule one of {', '.join(pipeline.SCHEDULES)}, --pp-rank below {a.pp}"
@@ -261,6 +272,8 @@ def from_flags(a):
                 mesh["tensor"] = a.tp
             if a.pp > 1:
                 mesh["pipeline"] = a.pp
+            if a.ep > 1:
+                mesh["expert"] = a.ep
             strategy = {
                 "kind": "fsdp",
                 "mesh": mesh,
@@ -316,6 +329,7 @@ def from_flags(a):
         "iterations": len(a.seq_lens) if a.seq_lens else a.iterations,
         "seq_lens": a.seq_lens,
         "pipeline_rank": a.pp_rank,
+        "routing_imbalance": a.routing_imbalance,
         "depths": a.depths or [],
         "slopes": a.slopes,
         "every_iteration": a.every_iteration,

@@ -427,9 +427,11 @@ class ModulePaths(TorchFunctionMode):
 class TraceMode(TorchDispatchMode):
     """Sees every ATen op below autograd; records new device storages and their deaths."""
 
-    def __init__(self, recorder, modules, device="meta", dtensor_dispatch=False):
+    def __init__(self, recorder, modules, device="meta", dtensor_dispatch=False, routing=None):
         super().__init__()
         self.r = recorder
+        # A mixture-of-experts router's stand-in counts (routing.Routing), or None.
+        self.routing = routing
         self.device = device
         self.modules = modules
         self.last_op = None
@@ -483,11 +485,28 @@ class TraceMode(TorchDispatchMode):
             if self.r.phase == "forward":
                 self.r.workspace("main", lt=True)  # linear's bias: addmm, through cuBLASLt
             return aten.alias(args[0])
-        if (
-            func is aten._to_copy.default
-            and args[0].device.type == self.device
-            and torch.device(kwargs.get("device") or self.device).type == "cpu"
-        ):
+        copy = func is aten.copy_.default
+        to_host = (
+            (copy or func is aten._to_copy.default)
+            and args[1 if copy else 0].device.type == self.device
+            and (
+                args[0].device.type == "cpu"
+                if copy
+                else torch.device(kwargs.get("device") or self.device).type == "cpu"
+            )
+        )
+        if to_host and self.routing is not None:
+            # A router's counts read on the host: their stand-in values.
+            counts = self.routing.on_host(args[1 if copy else 0])
+            if counts is not None:
+                if copy:
+                    return args[0].copy_(counts)
+                return counts.to(kwargs.get("dtype") or counts.dtype)
+        if self.routing is not None and func is aten._local_scalar_dense.default:
+            value = self.routing.scalar(args[0])
+            if value is not None:
+                return value
+        if to_host and func is aten._to_copy.default:
             # Sent to the host (FSDP2's offloaded gradients): host memory, a meta tensor here.
             out = torch.empty(
                 args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=args[0].device
@@ -518,6 +537,8 @@ class TraceMode(TorchDispatchMode):
                 ):
                     raise
                 out = func(*moved[0], **moved[1])
+        if self.routing is not None:
+            self.routing.after(func, args, kwargs, out)
         name = func.overloadpacket.__name__
         if name not in VIEW_OPS:
             self.last_op = name

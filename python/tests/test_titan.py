@@ -256,31 +256,37 @@ def test_the_estimate_moves_with_selective_ac_option_by_the_saved_bytes(tmp_path
         assert live[a] - live[b] == kept[a] - kept[b], (a, b, live, kept)
 
 
+def _traced(tmp_path, ref, *flags):
+    """The header and events of the tracer run as a person runs it on ``ref`` (batch 2)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "t.jsonl"
+    p = subprocess.run(
+        [sys.executable, "-m", "gpumem_trace", ref, "--batch", "2", *flags, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])),
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    lines = out.read_text().splitlines()
+    return json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
+
+
 def test_tensor_parallel_is_torchtitans_own_apply_tp(tmp_path):
     """``--tp`` on a torchtitan model runs torchtitan's own ``apply_tp`` (its plan, sequence
     parallelism, loss parallelism: the step runs under ``loss_parallel()``): a TP=2 rank holds
     half of every sharded weight and of Adam's states on them, the norms whole, and — as with
     Hugging Face models — the embedding's gradient whole (DTensor's); FSDP2 over 2 shards it
     again."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     def held(*extra):
-        out = tmp_path / "t.jsonl"
-        p = subprocess.run(
-            [sys.executable, "-m", "gpumem_trace", REF, "--batch", "2", "--seq-len", "64"]
-            + [*extra, "--out", str(out)],
-            capture_output=True,
-            text=True,
-            env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])),
-            timeout=300,
-        )
-        assert p.returncode == 0, p.stderr
-        lines = out.read_text().splitlines()
-        header, sizes, live = json.loads(lines[0]), {}, Counter()
-        for e in map(json.loads, lines[1:]):
+        header, events = _traced(tmp_path, REF, "--seq-len", "64", *extra)
+        sizes, live = {}, Counter()
+        for e in events:
             if e["ev"] == "alloc":
                 sizes[e["id"]] = (e["bytes"], e["category"])
             elif e["ev"] == "free":
@@ -303,3 +309,58 @@ def test_tensor_parallel_is_torchtitans_own_apply_tp(tmp_path):
     _, rank = held("--strategy", "fsdp", "--world-size", "4", "--tp", "2")
     share = sharded // 4 + norms // 2
     assert (rank["parameter"], rank["optimizer_state"]) == (4 * share, 8 * share), rank
+
+
+def _received(events, layer):
+    """The largest all-to-all answer in a MoE layer's experts in forward: the tokens the traced
+    rank's experts received (bytes)."""
+    return max(
+        e["bytes"]
+        for e in events
+        if e["ev"] == "alloc"
+        and e["op"] == "all_to_all_single"
+        and e.get("module") == f"layers.{layer}.moe.experts"
+        and e["phase"] == "forward"
+    )
+
+
+def test_expert_parallel_rank_receives_its_experts_tokens_and_the_bound_grows_with_imbalance(
+    tmp_path,
+):
+    """``--ep`` runs torchtitan's own ``apply_moe_ep_tp`` (``ExpertParallel``: experts split
+    over the ranks, tokens dispatched by all-to-all) and its FSDP wrapping. The router's
+    stand-in decides the all-to-all's sizes: balanced, a rank receives as many token-expert
+    choices as its ranks route (2 × 64 tokens × top-3); at imbalance F its experts get F times
+    that, up to the most top-k routing allows (each token picks an expert once: at most 2 of
+    its 3 choices land on a rank of 2 experts, 8/3 of the even share with 4 ranks)."""
+    ref = "torchtitan:deepseek_v3(flavor=debugmodel)"
+    flags = ("--seq-len", "64", "--gpu-capability", "9.0", "--strategy", "fsdp")
+    flags += ("--world-size", "4", "--ep", "4")
+    row = 256 * 4  # dim, fp32
+    received = {}
+    for f in ("1", "2", "4"):
+        _, events = _traced(tmp_path, ref, *flags, "--routing-imbalance", f)
+        received[f] = _received(events, 1)
+    assert received["1"] == 2 * 64 * 3 * row, received
+    assert received["2"] == 2 * received["1"], received
+    assert received["4"] == 2 * 64 * 3 * row * 8 // 3, received
+
+
+def test_expert_parallel_rank_gathers_its_share_of_the_experts(tmp_path):
+    """An EP=N rank holds E/N of each MoE layer's experts: FSDP (over the ranks EP leaves,
+    torchtitan's ``efsdp``) all-gathers each expert weight at 1/N of the whole one a rank of
+    FSDP alone gathers (Qwen3-MoE's debug shape: 64 experts of 768 × 256, fp32)."""
+    ref = "torchtitan:qwen3(flavor=debugmodel_moe)"
+    flags = ("--seq-len", "32", "--gpu-capability", "9.0", "--strategy", "fsdp")
+    whole = 64 * 768 * 256 * 4
+
+    def expert_gathers(*extra):
+        _, events = _traced(tmp_path, ref, *flags, "--world-size", "4", *extra)
+        return {
+            e["bytes"]
+            for e in events
+            if e["ev"] == "alloc" and e["op"] == "fsdp_all_gather" and e["bytes"] >= whole // 8
+        }
+
+    assert expert_gathers() == {whole}
+    assert expert_gathers("--ep", "2") == {whole // 2}

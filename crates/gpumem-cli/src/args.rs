@@ -11,7 +11,7 @@ use gpumem_core::estimate::Estimator;
 use gpumem_core::hub::{HubCache, HubError, HubSource};
 use gpumem_core::job::{
     EngineKind, Evaluation, Generation, LengthSchedule, MeshValues, Optimizer, OptionValues,
-    Precision, Save, Schedule, StrategyValues, WholeRun,
+    Precision, RoutingImbalance, Save, Schedule, StrategyValues, WholeRun,
 };
 use gpumem_core::model::ModelError;
 use gpumem_core::profile::{self, GpuProfile};
@@ -317,6 +317,17 @@ pub struct StrategyArgs {
     /// --strategy fsdp or hsdp, within --world-size. Hugging Face decoders.
     #[arg(long, conflicts_with_all = ["deepspeed", "accelerate"])]
     pub pp: Option<u32>,
+    /// Expert-parallel ranks (docs/parallelism.md): a torchtitan mixture-of-experts model's
+    /// routed experts split over N ranks borrowed from --strategy fsdp's (and --tp's), tokens
+    /// sent to them by all-to-all, with torchtitan's own apply_moe_ep_tp. The estimate routes
+    /// tokens evenly over the experts.
+    #[arg(long, requires = "strategy", conflicts_with_all = ["deepspeed", "accelerate"])]
+    pub ep: Option<u32>,
+    /// The router imbalance the upper bound assumes (with --ep; default 1, balanced): each
+    /// rank's experts get F times their even share of the tokens, as far as top-k routing
+    /// allows. Traced on its own beside the estimate's balanced trace.
+    #[arg(long, requires = "ep")]
+    routing_imbalance: Option<f64>,
     /// The pipeline schedule: gpipe, 1f1b (default), interleaved-1f1b or zero-bubble.
     #[arg(long, requires = "pp")]
     pp_schedule: Option<String>,
@@ -475,14 +486,28 @@ impl StrategyArgs {
             },
             EngineKind::Zero => named,
         };
-        let values = match model_parallel {
+        if self.ep.is_some() && !fsdp {
+            return Err(CliError::input(format!(
+                "--ep borrows the ranks of --strategy fsdp or hsdp, not {name}"
+            )));
+        }
+        let routing_imbalance = self
+            .routing_imbalance
+            .map(RoutingImbalance::new)
+            .transpose()
+            .map_err(CliError::input)?;
+        let values = match model_parallel.or(self.ep) {
             Some(_) => StrategyValues {
-                mesh: Some(model_parallel_mesh(
-                    world_size,
-                    values.replicas.unwrap_or(1),
-                    self.tp.unwrap_or(1),
-                    self.pp.unwrap_or(1),
-                )?),
+                mesh: Some(MeshValues {
+                    expert: self.ep,
+                    ..model_parallel_mesh(
+                        world_size,
+                        values.replicas.unwrap_or(1),
+                        self.tp.unwrap_or(1),
+                        self.pp.unwrap_or(1),
+                    )?
+                }),
+                routing_imbalance,
                 world_size: None,
                 replicas: None,
                 schedule: self

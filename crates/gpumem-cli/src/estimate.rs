@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::Args;
 use gpumem_core::estimate::{Breakdown, Estimate, Estimator, Replay};
 use gpumem_core::families::ModelSpec;
-use gpumem_core::job::{MeshDim, Strategy};
+use gpumem_core::job::{MeshDim, RoutingImbalance, Strategy};
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::trace::Trace;
 use gpumem_core::units::bytes_to_mib;
@@ -216,6 +216,12 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             s.stage, s.peak_mib, s.upper_bound_mib
         );
     }
+    if let Some(r) = &report.routing {
+        println!(
+            "routing      at imbalance {}× (this rank's experts get that many times their even share of tokens) the rank peaks at {:.1} MiB, upper bound {:.1} MiB: the upper bound above covers it",
+            r.imbalance, r.peak_mib, r.upper_bound_mib
+        );
+    }
     if let Some(r) = &report.run {
         print_run(r);
     }
@@ -305,11 +311,23 @@ fn print_run(r: &gpumem_core::run::RunReport) {
 /// A multi-GPU job's mesh, whose one rank the estimate is.
 fn print_ranks(s: &Strategy) {
     let mesh = s.mesh();
+    // Expert parallelism borrows its ranks: said apart, not multiplied in.
     let dims: Vec<String> = MeshDim::ALL
         .into_iter()
-        .filter(|d| mesh.degree(*d) > 1)
+        .filter(|d| mesh.degree(*d) > 1 && *d != MeshDim::Expert)
         .map(|d| format!("{} {}", d.name(), mesh.degree(d)))
         .collect();
+    let experts = s.routing_imbalance().map_or(String::new(), |r| {
+        format!(
+            ", experts split over {} of them (the estimate routes tokens evenly; {})",
+            s.expert_parallel(),
+            if r == RoutingImbalance::BALANCED {
+                "so does the bound: --routing-imbalance F bounds an uneven router".to_string()
+            } else {
+                format!("the bound at {}× imbalance", r.factor())
+            }
+        )
+    });
     let pipeline = s.pipeline().map_or(String::new(), |p| {
         format!(
             ", {} over {} micro-batches{}",
@@ -323,7 +341,7 @@ fn print_ranks(s: &Strategy) {
         )
     });
     println!(
-        "ranks        {}: {} = {} GPUs{pipeline} (the estimate is one rank's{})",
+        "ranks        {}: {} = {} GPUs{experts}{pipeline} (the estimate is one rank's{})",
         s.name(),
         dims.join(" × "),
         s.world_size(),

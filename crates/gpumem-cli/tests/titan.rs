@@ -132,3 +132,100 @@ fn checkpointing_modes_are_checked_in_one_line() {
         "PyTorch models",
     );
 }
+
+/// Expert parallelism on torchtitan's DeepSeek-V3 debug shape (8 experts, top-3): the estimate
+/// routes tokens evenly, the bound is traced again at the stated imbalance and covers it, and
+/// the rank's mesh says EP borrows FSDP's ranks (4 GPUs, not 16).
+#[test]
+fn an_expert_parallel_job_is_estimated_balanced_and_bounded_at_its_imbalance() {
+    let Some(python) = titan_python() else {
+        return;
+    };
+    let run = |extra: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args([
+                "estimate",
+                "torchtitan:deepseek_v3(flavor=debugmodel)",
+                "--batch",
+                "2",
+                "--seq-len",
+                "256",
+                "--gpu",
+                "h100-80gb-sxm",
+                "--strategy",
+                "fsdp",
+                "--world-size",
+                "4",
+                "--ep",
+                "4",
+            ])
+            .args(extra)
+            .env("GPUMEM_PYTHON", &python)
+            .env("GPUMEM_CACHE", scratch("titan-ep", "cache"))
+            .output()
+            .expect("gpumem runs");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let balanced: serde_json::Value = serde_json::from_str(&run(&["--json"])).unwrap();
+    assert_eq!(balanced["strategy"]["mesh"]["expert"], 4);
+    assert!(balanced.get("routing").is_none(), "{balanced}");
+    let bounded: serde_json::Value =
+        serde_json::from_str(&run(&["--routing-imbalance", "2", "--json"])).unwrap();
+    let routing = &bounded["routing"];
+    assert_eq!(routing["imbalance"], 2.0);
+    // The estimate is the balanced router's; the imbalanced rank peaks higher, under the bound.
+    assert_eq!(bounded["peak_bytes"], balanced["peak_bytes"]);
+    let (peak, imbalanced) = (
+        bounded["peak_bytes"].as_u64().unwrap(),
+        routing["peak_bytes"].as_u64().unwrap(),
+    );
+    assert!(imbalanced > peak, "{bounded}");
+    assert!(
+        bounded["upper_bound_bytes"].as_u64().unwrap()
+            >= routing["upper_bound_bytes"].as_u64().unwrap()
+    );
+    assert!(
+        bounded["upper_bound_bytes"].as_u64().unwrap()
+            > balanced["upper_bound_bytes"].as_u64().unwrap()
+    );
+    let text = run(&["--routing-imbalance", "2"]);
+    assert!(
+        text.contains("fsdp: shard 4 = 4 GPUs, experts split over 4 of them"),
+        "{text}"
+    );
+    assert!(text.contains("routing      at imbalance 2×"), "{text}");
+}
+
+/// Expert parallelism is torchtitan's: a model without MoE layers, a strategy it cannot borrow
+/// ranks from, and an imbalance without expert ranks are refused in one line.
+#[test]
+fn expert_parallel_jobs_are_checked_in_one_line() {
+    for (args, needle) in [
+        (
+            &["--strategy", "fsdp", "--world-size", "4", "--ep", "3"][..],
+            "strategy.mesh.expert (--ep) 3 must divide the 4 shard × tensor ranks it borrows",
+        ),
+        (
+            &["--strategy", "ddp", "--world-size", "4", "--ep", "2"][..],
+            "--ep borrows the ranks of --strategy fsdp or hsdp, not ddp",
+        ),
+        (
+            &[
+                "--strategy",
+                "fsdp",
+                "--world-size",
+                "4",
+                "--ep",
+                "2",
+                "--routing-imbalance",
+                "0.5",
+            ][..],
+            "--routing-imbalance) 0.5 is out of range",
+        ),
+    ] {
+        let mut all = vec!["estimate", "hf:LlamaForCausalLM(num_hidden_layers=2)"];
+        all.extend_from_slice(args);
+        bad_input(&all, needle);
+    }
+}

@@ -14,7 +14,7 @@ use std::process::Command;
 use std::time::{Duration, UNIX_EPOCH};
 
 use gpumem_core::depth;
-use gpumem_core::job::Options;
+use gpumem_core::job::{Options, RoutingImbalance};
 use gpumem_core::profile::SdpaBackend;
 use gpumem_core::symbolic::{SymbolicError, SymbolicTrace};
 use gpumem_core::trace::{Trace, TraceError};
@@ -22,7 +22,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 29] = [
+const SOURCES: [(&str, &str); 30] = [
     (
         "__init__.py",
         include_str!("../../../python/gpumem_trace/__init__.py"),
@@ -109,6 +109,10 @@ const SOURCES: [(&str, &str); 29] = [
         include_str!("../../../python/gpumem_trace/request.py"),
     ),
     (
+        "routing.py",
+        include_str!("../../../python/gpumem_trace/routing.py"),
+    ),
+    (
         "run.py",
         include_str!("../../../python/gpumem_trace/run.py"),
     ),
@@ -183,6 +187,9 @@ pub struct TraceRequest {
     pub seq_lens: Vec<u64>,
     /// Which pipeline stage's rank is traced (0 where the job has no pipeline stages).
     pub pipeline_rank: u32,
+    /// The router's stand-in for this trace: balanced (the estimate's), or the imbalance the
+    /// strategy's upper bound assumes (its own trace).
+    pub routing_imbalance: RoutingImbalance,
 }
 
 impl TraceRequest {
@@ -197,6 +204,7 @@ impl TraceRequest {
             iterations: 3,
             seq_lens: Vec::new(),
             pipeline_rank: 0,
+            routing_imbalance: RoutingImbalance::BALANCED,
         }
     }
 
@@ -237,6 +245,9 @@ pub struct TracerRequest {
     pub seq_lens: Vec<u64>,
     /// Which pipeline stage's rank to trace (`options.strategy`'s pipeline; 0 where none).
     pub pipeline_rank: u32,
+    /// The router's stand-in: the traced expert-parallel rank's experts get this many times
+    /// their even share of the token-expert choices (1: balanced; the tracer's routing.py).
+    pub routing_imbalance: RoutingImbalance,
     /// Trace the model cut to each of these depths of its repeated blocks (into `OUT.depthK`)
     /// where it has enough of them; else whole.
     pub depths: Vec<u32>,
@@ -903,6 +914,7 @@ impl TorchTracer {
             iterations: req.iterations,
             seq_lens: req.seq_lens.clone(),
             pipeline_rank: req.pipeline_rank,
+            routing_imbalance: req.routing_imbalance,
             depths: if cut {
                 depth::DEPTHS.to_vec()
             } else {

@@ -10,12 +10,12 @@
 use gpumem_core::dataset::Measurement;
 use gpumem_core::estimate::{Estimate, EstimateError, Estimator};
 use gpumem_core::families::{JobOptions, MAX_BATCH, ModelSpec};
-use gpumem_core::job::MeshDim;
 pub use gpumem_core::job::{
     Attention, AttentionMask, Checkpointing, HalfDtype, InputShape, LengthSchedule, LengthSource,
     Lora, OptionError, OptionOverrides, OptionValues, Options, Outputs, Strategy, TORCH_PREFIXES,
     TorchOnly, Validate, Zero, ZeroStage,
 };
+use gpumem_core::job::{MeshDim, RoutingImbalance};
 use gpumem_core::model::ModelError;
 pub use gpumem_core::model::ModelRef;
 use gpumem_core::profile::GpuProfile;
@@ -64,11 +64,12 @@ pub enum WorkloadError {
         "{0} needs one sequence length, and this job's varies by step: give --seq-len N (the run's longest, for a bound of its steps)"
     )]
     OneLength(&'static str),
-    /// A plan over a pipeline job's stages (each stage's rank its own trace).
+    /// A plan over a job sized by several traces: a pipeline's stages (each stage's rank its
+    /// own), or an expert-parallel job bounded at a router imbalance (its own trace).
     #[error(
-        "a plan of a pipeline-parallel job is not sized yet: estimate or max-batch it (every stage is sized)"
+        "a plan of a pipeline-parallel job, or of one bounded at a routing imbalance, is not sized yet: estimate or max-batch it (every stage and both routings are sized)"
     )]
-    PipelineSearch,
+    SeveralReadings,
     /// A run's steps could not be joined (the loop keeps different tensors across steps at
     /// different lengths).
     #[error(transparent)]
@@ -86,7 +87,7 @@ impl WorkloadError {
             | WorkloadError::Native(_)
             | WorkloadError::Batch(_)
             | WorkloadError::OneLength(_)
-            | WorkloadError::PipelineSearch
+            | WorkloadError::SeveralReadings
             | WorkloadError::Tracer(BridgeError::Reference(_)) => true,
             WorkloadError::Row { source, .. } => source.is_input(),
             WorkloadError::Tracer(_) | WorkloadError::Run(_) => false,
@@ -161,6 +162,9 @@ pub struct Reading {
     pub model: String,
     /// A pipeline job's stage (its rank along the pipeline) this reading is.
     pub stage: Option<u32>,
+    /// The router's stand-in of this reading: balanced (the estimate's), or the imbalance the
+    /// upper bound assumes.
+    pub routing: RoutingImbalance,
     pub peak_bytes: u64,
     pub upper_bound_bytes: u64,
 }
@@ -176,6 +180,9 @@ pub struct Workload {
     /// Which of a pipeline job's stages is traced (0 where it has none): set by
     /// [`Workload::alternatives`], one job per stage.
     pipeline_rank: u32,
+    /// The router's stand-in traced: balanced, or (set by [`Workload::alternatives`]) the
+    /// imbalance an expert-parallel strategy's upper bound assumes.
+    routing: RoutingImbalance,
 }
 
 impl Workload {
@@ -191,6 +198,7 @@ impl Workload {
             batch,
             options,
             pipeline_rank: 0,
+            routing: RoutingImbalance::BALANCED,
         })
     }
 
@@ -232,15 +240,23 @@ impl Workload {
     }
 
     /// The jobs this one may be: itself, one per reading of an ambiguous native spec (a
-    /// dense CNN without `pool_every`), or one per stage of a pipeline job (each stage's rank
-    /// holds other layers). Sizing takes the largest.
+    /// dense CNN without `pool_every`), one per stage of a pipeline job (each stage's rank
+    /// holds other layers), and each of those again at the router imbalance an expert-parallel
+    /// strategy's upper bound assumes. Sizing takes the largest (the estimate the largest
+    /// balanced one).
     pub fn alternatives(&self) -> Vec<Workload> {
+        let imbalance = self
+            .options
+            .strategy
+            .and_then(|s| s.routing_imbalance())
+            .filter(|&r| r != RoutingImbalance::BALANCED);
         if let Some(strategy) = self.options.strategy.filter(|s| s.pipeline().is_some()) {
             return (0..strategy.mesh().degree(MeshDim::Pipeline))
                 .map(|pipeline_rank| Workload {
                     pipeline_rank,
                     ..self.clone()
                 })
+                .flat_map(|w| w.with_routings(imbalance))
                 .collect();
         }
         match &self.model {
@@ -252,8 +268,18 @@ impl Workload {
                     ..self.clone()
                 })
                 .collect(),
-            ModelRef::Torch(_) => vec![self.clone()],
+            ModelRef::Torch(_) => self.with_routings(imbalance),
         }
+    }
+
+    /// This job, and again at `imbalance` where there is one.
+    fn with_routings(&self, imbalance: Option<RoutingImbalance>) -> Vec<Workload> {
+        std::iter::once(self.clone())
+            .chain(imbalance.map(|routing| Workload {
+                routing,
+                ..self.clone()
+            }))
+            .collect()
     }
 
     pub fn options(&self) -> &Options {
@@ -273,7 +299,7 @@ impl Workload {
         let mut largest: Option<Sizing> = None;
         let mut readings = Vec::new();
         let alternatives = self.alternatives();
-        let staged = alternatives.len() > 1 && !self.model.is_native();
+        let staged = self.is_pipeline();
         let traces = side_by_side(&alternatives, |w| trace(w, profile));
         for (w, t) in alternatives.into_iter().zip(traces) {
             let t = t?;
@@ -281,12 +307,15 @@ impl Workload {
             readings.push(Reading {
                 model: t.header.model.clone(),
                 stage: staged.then_some(w.pipeline_rank),
+                routing: w.routing,
                 peak_bytes: est.peak_bytes,
                 upper_bound_bytes: est.upper_bound_bytes,
             });
-            if largest
-                .as_ref()
-                .is_none_or(|l| est.peak_bytes > l.estimate.peak_bytes)
+            // The estimate is a balanced router's; the imbalanced readings raise the bound.
+            if w.routing == RoutingImbalance::BALANCED
+                && largest
+                    .as_ref()
+                    .is_none_or(|l| est.peak_bytes > l.estimate.peak_bytes)
             {
                 largest = Some(Sizing {
                     workload: w,
@@ -320,6 +349,7 @@ impl Workload {
         match &self.model {
             ModelRef::Torch(r) => Some(TraceRequest {
                 pipeline_rank: self.pipeline_rank,
+                routing_imbalance: self.routing,
                 ..TraceRequest::for_gpu(r, self.batch, self.options.clone(), profile)
             }),
             ModelRef::Native(_) => None,
@@ -451,8 +481,8 @@ impl Workload {
                 "a batch-size search (max-batch, plan)",
             ));
         }
-        if self.is_pipeline() {
-            return Err(WorkloadError::PipelineSearch);
+        if self.several_readings() {
+            return Err(WorkloadError::SeveralReadings);
         }
         self.one_rank_symbolic(profile)
     }
@@ -461,6 +491,11 @@ impl Workload {
         self.options
             .strategy
             .is_some_and(|s| s.pipeline().is_some())
+    }
+
+    /// Whether this PyTorch job is sized by several traces (see [`Workload::alternatives`]).
+    fn several_readings(&self) -> bool {
+        !self.model.is_native() && self.alternatives().len() > 1
     }
 
     /// The largest batch whose upper bound fits on `profile`'s GPU on every rank this job
@@ -472,21 +507,26 @@ impl Workload {
         profile: &GpuProfile,
         estimator: &dyn Estimator,
     ) -> Result<Option<(u64, Estimate)>, SizeError> {
-        if !self.is_pipeline() {
+        if !self.several_readings() {
             return self.symbolic(profile)?.max_batch(profile, estimator);
         }
-        let stages = side_by_side(&self.alternatives(), |w| w.one_rank_symbolic(profile))
+        let alternatives = self.alternatives();
+        let readings = side_by_side(&alternatives, |w| w.one_rank_symbolic(profile))
             .into_iter()
             .collect::<Result<Vec<Symbolic>, _>>()?;
         let mut least = u64::MAX;
-        for s in &stages {
+        for s in &readings {
             match s.max_batch(profile, estimator)? {
                 Some((b, _)) => least = least.min(b),
                 None => return Ok(None),
             }
         }
+        // The estimate there is the worst balanced reading's (the bound fitted every one).
         let mut worst: Option<Estimate> = None;
-        for s in &stages {
+        for (w, s) in alternatives.iter().zip(&readings) {
+            if w.routing != RoutingImbalance::BALANCED {
+                continue;
+            }
             let e = estimator.estimate(&s.at(least)?, profile)?;
             if worst.as_ref().is_none_or(|w| e.peak_bytes > w.peak_bytes) {
                 worst = Some(e);

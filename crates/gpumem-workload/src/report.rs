@@ -12,6 +12,7 @@ use gpumem_core::workspace::WorkspaceSource;
 use serde::Serialize;
 
 use crate::{Reading, Strategy};
+use gpumem_core::job::RoutingImbalance;
 
 /// One job's estimate as machine output: MiB figures (to 0.1) beside the exact bytes.
 #[derive(Debug, Clone, Serialize)]
@@ -53,6 +54,10 @@ pub struct EstimateReport {
     /// A pipeline job: each stage's rank, the worst first (the estimate is that one's).
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
     pub stages: Vec<StageReport>,
+    /// An expert-parallel job bounded at a router imbalance: its worst rank at that imbalance
+    /// (the estimate routes evenly; the upper bound covers this).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routing: Option<RoutingReport>,
     /// A multi-GPU job's layout (its engine and mesh): the estimate is one rank's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub strategy: Option<Strategy>,
@@ -75,6 +80,16 @@ pub struct EstimateReport {
 #[derive(Debug, Clone, Serialize)]
 pub struct StageReport {
     pub stage: u32,
+    pub peak_mib: f64,
+    pub peak_bytes: u64,
+    pub upper_bound_mib: f64,
+    pub upper_bound_bytes: u64,
+}
+
+/// An expert-parallel job's worst rank with its router at the imbalance the bound assumes.
+#[derive(Debug, Clone, Serialize)]
+pub struct RoutingReport {
+    pub imbalance: f64,
     pub peak_mib: f64,
     pub peak_bytes: u64,
     pub upper_bound_mib: f64,
@@ -183,7 +198,22 @@ impl EstimateReport {
             },
             learned: Vec::new(),
             stages: stages(readings),
-            ambiguity: (readings.len() > 1 && readings[0].stage.is_none()).then(|| Ambiguity {
+            routing: readings
+                .iter()
+                .filter(|r| r.routing != RoutingImbalance::BALANCED)
+                .max_by_key(|r| r.peak_bytes)
+                .map(|r| RoutingReport {
+                    imbalance: r.routing.factor(),
+                    peak_mib: mib(r.peak_bytes),
+                    peak_bytes: r.peak_bytes,
+                    upper_bound_mib: mib(r.upper_bound_bytes),
+                    upper_bound_bytes: r.upper_bound_bytes,
+                }),
+            ambiguity: (readings.len() > 1
+                && readings
+                    .iter()
+                    .all(|r| r.stage.is_none() && r.routing == RoutingImbalance::BALANCED))
+            .then(|| Ambiguity {
                 note: DENSE_AMBIGUITY,
                 readings: readings
                     .iter()
@@ -203,10 +233,11 @@ impl EstimateReport {
     }
 }
 
-/// The stages among `readings`, the worst (largest peak) first.
+/// The stages among `readings` (their balanced routing's), the worst (largest peak) first.
 fn stages(readings: &[Reading]) -> Vec<StageReport> {
     let mut out: Vec<StageReport> = readings
         .iter()
+        .filter(|r| r.routing == RoutingImbalance::BALANCED)
         .filter_map(|r| {
             Some(StageReport {
                 stage: r.stage?,

@@ -27,6 +27,9 @@ pub enum MeshDim {
     /// [`Schedule`]'s order.
     Pipeline,
     Context,
+    /// Expert parallel: a mixture-of-experts model's routed experts split over the ranks, the
+    /// tokens sent to their experts and back by all-to-all. Its ranks are borrowed from the
+    /// shard and tensor dimensions (torchtitan's and Megatron's way), not added to them.
     Expert,
 }
 
@@ -54,8 +57,8 @@ impl MeshDim {
 }
 
 /// The ranks of a job as a mesh: the degree of each dimension (1 where the job does not split
-/// along it). Invariant: every degree is at least 1 and their product, the world size, is at
-/// most [`MAX_WORLD_SIZE`].
+/// along it). Invariant: every degree is at least 1 and their product but the expert
+/// dimension's (which borrows its ranks), the world size, is at most [`MAX_WORLD_SIZE`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Mesh {
     degrees: [u32; 6],
@@ -71,8 +74,8 @@ impl Mesh {
             }
             degrees[dim as usize] = degree;
         }
-        let world: u64 = degrees.iter().map(|&d| u64::from(d)).product();
-        if world > u64::from(MAX_WORLD_SIZE) {
+        let world: u64 = Mesh::ranks(&degrees).product();
+        if world > u64::from(MAX_WORLD_SIZE) || degrees[MeshDim::Expert as usize] > MAX_WORLD_SIZE {
             return Err(OptionError::WorldSize(
                 u32::try_from(world).unwrap_or(u32::MAX),
             ));
@@ -110,9 +113,16 @@ impl Mesh {
         self.degrees[dim as usize]
     }
 
-    /// All ranks: the product of the degrees.
+    /// All ranks: the product of the degrees that add ranks (all but the expert dimension's).
     pub fn world_size(&self) -> u32 {
-        self.degrees.iter().product()
+        Mesh::ranks(&self.degrees).map(|d| d as u32).product()
+    }
+
+    fn ranks(degrees: &[u32; 6]) -> impl Iterator<Item = u64> + '_ {
+        MeshDim::ALL
+            .into_iter()
+            .filter(|&d| d != MeshDim::Expert)
+            .map(|d| u64::from(degrees[d as usize]))
     }
 }
 
@@ -272,6 +282,62 @@ impl Pipeline {
     }
 }
 
+/// Most a router's imbalance is stated as (the configuration caps what it can mean anyway).
+pub const MAX_ROUTING_IMBALANCE: f64 = 1024.0;
+
+/// How unevenly a mixture-of-experts router spreads its tokens, as the upper bound assumes:
+/// the traced rank's experts get this many times their even share of the token-expert
+/// choices (as far as the choices allow; the tracer's `routing.py`). 1 is balanced, the
+/// estimate's stand-in. Invariant: 1 to [`MAX_ROUTING_IMBALANCE`], held in thousandths so that
+/// a strategy stays `Eq` and `Hash`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "f64", into = "f64")]
+pub struct RoutingImbalance(u32);
+
+impl RoutingImbalance {
+    pub const BALANCED: RoutingImbalance = RoutingImbalance(1000);
+
+    pub fn new(factor: f64) -> Result<RoutingImbalance, OptionError> {
+        if !(1.0..=MAX_ROUTING_IMBALANCE).contains(&factor) {
+            return Err(OptionError::RoutingImbalance(factor));
+        }
+        Ok(RoutingImbalance((factor * 1000.0).round() as u32))
+    }
+
+    pub fn factor(self) -> f64 {
+        f64::from(self.0) / 1000.0
+    }
+}
+
+impl TryFrom<f64> for RoutingImbalance {
+    type Error = OptionError;
+
+    fn try_from(factor: f64) -> Result<RoutingImbalance, OptionError> {
+        RoutingImbalance::new(factor)
+    }
+}
+
+impl From<RoutingImbalance> for f64 {
+    fn from(r: RoutingImbalance) -> f64 {
+        r.factor()
+    }
+}
+
+impl JsonSchema for RoutingImbalance {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "RoutingImbalance".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "description": "The traced rank's experts' share of the router's choices, as a multiple of their even share (1: balanced).",
+            "type": "number",
+            "minimum": 1.0,
+            "maximum": MAX_ROUTING_IMBALANCE,
+        })
+    }
+}
+
 /// A 16-bit floating-point dtype.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
@@ -427,23 +493,37 @@ pub struct Strategy {
     engine: Engine,
     /// Present exactly where the mesh has pipeline stages.
     pipeline: Option<Pipeline>,
+    /// Present exactly where the mesh has expert-parallel ranks: the upper bound's routing.
+    routing: Option<RoutingImbalance>,
 }
 
 impl Strategy {
     pub fn new(mesh: Mesh, engine: Engine) -> Result<Strategy, OptionError> {
         let world_size = mesh.world_size();
-        for dim in [MeshDim::Context, MeshDim::Expert] {
-            if mesh.degree(dim) > 1 {
-                return Err(OptionError::NotModelled(dim.name()));
-            }
+        if mesh.degree(MeshDim::Context) > 1 {
+            return Err(OptionError::NotModelled(MeshDim::Context.name()));
         }
         let (replicate, shard) = (mesh.degree(MeshDim::Replicate), mesh.degree(MeshDim::Shard));
         let (tensor, stages) = (mesh.degree(MeshDim::Tensor), mesh.degree(MeshDim::Pipeline));
+        let expert = mesh.degree(MeshDim::Expert);
         match engine {
-            Engine::Ddp { .. } | Engine::Zero { .. } if tensor > 1 || stages > 1 => {
+            Engine::Ddp { .. } | Engine::Zero { .. } if tensor > 1 || stages > 1 || expert > 1 => {
                 return Err(OptionError::EngineDim {
                     engine: engine.kind().name(),
-                    dim: if tensor > 1 { "tensor" } else { "pipeline" },
+                    dim: if tensor > 1 {
+                        "tensor"
+                    } else if stages > 1 {
+                        "pipeline"
+                    } else {
+                        "expert"
+                    },
+                });
+            }
+            // torchtitan's rule (its ParallelDims, no tensor parallelism inside the experts).
+            Engine::Fsdp { .. } if !(shard * tensor).is_multiple_of(expert) => {
+                return Err(OptionError::ExpertRanks {
+                    expert,
+                    borrowed: shard * tensor,
                 });
             }
             Engine::Fsdp {
@@ -504,8 +584,34 @@ impl Strategy {
                 mesh,
                 engine,
                 pipeline: (stages > 1).then(|| Pipeline::default_for(stages)),
+                routing: (expert > 1).then_some(RoutingImbalance::BALANCED),
             }),
         }
+    }
+
+    /// This strategy bounding its expert-parallel ranks' memory with `routing`'s imbalance;
+    /// refused where the mesh has no expert-parallel ranks.
+    pub fn with_routing_imbalance(
+        self,
+        routing: RoutingImbalance,
+    ) -> Result<Strategy, OptionError> {
+        match self.routing {
+            Some(_) => Ok(Strategy {
+                routing: Some(routing),
+                ..self
+            }),
+            None => Err(OptionError::NoExperts),
+        }
+    }
+
+    /// The router imbalance the upper bound assumes, where the mesh has expert-parallel ranks.
+    pub fn routing_imbalance(&self) -> Option<RoutingImbalance> {
+        self.routing
+    }
+
+    /// The expert-parallel ranks (1 where the job has none).
+    pub fn expert_parallel(&self) -> u32 {
+        self.mesh.degree(MeshDim::Expert)
     }
 
     /// This strategy stepping its pipeline stages as `pipeline` says; refused where the mesh
@@ -669,6 +775,10 @@ pub struct StrategyValues {
     /// Pipeline stages: chunks per rank (interleaved schedules: default 2; the others 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub virtual_stages: Option<u32>,
+    /// Expert-parallel ranks: the router imbalance the upper bound assumes (default 1,
+    /// balanced, as the estimate).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routing_imbalance: Option<RoutingImbalance>,
 }
 
 impl StrategyValues {
@@ -689,6 +799,7 @@ impl StrategyValues {
             schedule: None,
             microbatches: None,
             virtual_stages: None,
+            routing_imbalance: None,
         }
     }
 
@@ -766,7 +877,10 @@ impl TryFrom<StrategyValues> for Strategy {
             (None, Some(world_size)) => Mesh::of_ranks(kind, world_size, v.replicas.unwrap_or(1))?,
             (None, None) => return Err(OptionError::NoMesh),
         };
-        let strategy = Strategy::new(mesh, engine)?;
+        let mut strategy = Strategy::new(mesh, engine)?;
+        if let Some(routing) = v.routing_imbalance {
+            strategy = strategy.with_routing_imbalance(routing)?;
+        }
         let Some(default) = strategy.pipeline else {
             for (setting, set) in [
                 ("schedule", v.schedule.is_some()),
@@ -821,6 +935,7 @@ impl From<Strategy> for StrategyValues {
                 v.zero = Some(zero);
             }
         }
+        v.routing_imbalance = s.routing.filter(|&r| r != RoutingImbalance::BALANCED);
         if let Some(p) = s.pipeline {
             v.schedule = Some(p.schedule);
             v.microbatches = Some(p.microbatches);

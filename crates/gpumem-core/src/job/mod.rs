@@ -23,8 +23,9 @@ pub mod whole_run;
 pub use lengths::{LengthError, LengthSchedule, LengthSource, LengthSummary};
 pub use lora::{Lora, LoraError, LoraValues, Quant4, QuantLoader, Release};
 pub use mesh::{
-    DDP_BUCKET_CAP_MB, Engine, EngineKind, HalfDtype, MAX_MICROBATCHES, MAX_WORLD_SIZE, Mesh,
-    MeshDim, MeshValues, Pipeline, Schedule, Strategy, StrategyValues, Zero, ZeroStage,
+    DDP_BUCKET_CAP_MB, Engine, EngineKind, HalfDtype, MAX_MICROBATCHES, MAX_ROUTING_IMBALANCE,
+    MAX_WORLD_SIZE, Mesh, MeshDim, MeshValues, Pipeline, RoutingImbalance, Schedule, Strategy,
+    StrategyValues, Zero, ZeroStage,
 };
 pub use optim::{
     Adafactor, Bnb, BnbAlgorithm, BnbBits, Implementation, Loop, NoImplementation, Optimizer,
@@ -538,6 +539,18 @@ pub enum OptionError {
     MeshDegree(&'static str),
     #[error("strategy.mesh.{0}: gpumem does not size {0}-parallel jobs yet")]
     NotModelled(&'static str),
+    #[error(
+        "strategy.mesh.expert (--ep) {expert} must divide the {borrowed} shard × tensor ranks it borrows"
+    )]
+    ExpertRanks { expert: u32, borrowed: u32 },
+    #[error(
+        "strategy.routing_imbalance (--routing-imbalance) is expert parallelism's, and this mesh has no expert ranks (--ep): without them a rank computes all its tokens' experts, however they are routed"
+    )]
+    NoExperts,
+    #[error(
+        "strategy.routing_imbalance (--routing-imbalance) {0} is out of range (1..={MAX_ROUTING_IMBALANCE})"
+    )]
+    RoutingImbalance(f64),
     #[error("strategy.mesh.{dim}: {engine} does not split its ranks that way")]
     EngineDim {
         engine: &'static str,

@@ -249,6 +249,36 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("with tensor parallelism"), "{e}");
+    // Expert parallelism borrows its ranks from FSDP's and tensor parallelism's: it adds none,
+    // and bounds the rank at the router imbalance stated (balanced, as the estimate, unless
+    // stated; written only where stated).
+    let ep: Strategy = serde_json::from_str(
+        r#"{"kind":"fsdp","mesh":{"shard":4,"tensor":2,"expert":8},"routing_imbalance":1.5}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            ep.name(),
+            ep.world_size(),
+            ep.expert_parallel(),
+            ep.routing_imbalance().map(|r| r.factor())
+        ),
+        ("fsdp", 8, 8, Some(1.5))
+    );
+    let json = serde_json::to_string(&ep).unwrap();
+    assert!(json.contains(r#""routing_imbalance":1.5"#), "{json}");
+    assert_eq!(serde_json::from_str::<Strategy>(&json).unwrap(), ep);
+    let balanced: Strategy =
+        serde_json::from_str(r#"{"kind":"fsdp","mesh":{"shard":4,"expert":2}}"#).unwrap();
+    assert_eq!(
+        balanced.routing_imbalance(),
+        Some(RoutingImbalance::BALANCED)
+    );
+    assert!(
+        !serde_json::to_string(&balanced)
+            .unwrap()
+            .contains("routing_imbalance")
+    );
     let zero: Strategy =
         serde_json::from_str(r#"{"kind":"zero","stage":3,"world_size":4,"zero":{}}"#).unwrap();
     assert_eq!(
@@ -336,6 +366,22 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
         (
             r#"{"kind":"fsdp","mesh":{"pipeline":2},"schedule":"zb"}"#,
             "unknown variant",
+        ),
+        (
+            r#"{"kind":"fsdp","mesh":{"shard":4,"expert":3}}"#,
+            "strategy.mesh.expert (--ep) 3 must divide the 4 shard × tensor ranks it borrows",
+        ),
+        (
+            r#"{"kind":"ddp","mesh":{"replicate":4,"expert":2}}"#,
+            "strategy.mesh.expert: ddp",
+        ),
+        (
+            r#"{"kind":"fsdp","mesh":{"shard":4},"routing_imbalance":2}"#,
+            "this mesh has no expert ranks (--ep)",
+        ),
+        (
+            r#"{"kind":"fsdp","mesh":{"shard":4,"expert":2},"routing_imbalance":0.5}"#,
+            "strategy.routing_imbalance (--routing-imbalance) 0.5 is out of range",
         ),
     ] {
         let e = serde_json::from_str::<Strategy>(bad)

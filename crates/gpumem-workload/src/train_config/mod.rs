@@ -132,12 +132,14 @@ pub enum Layout {
     Single,
     /// A strategy over ranks the config fixes.
     Fixed(Strategy),
-    /// FSDP2 (HSDP with `replicate` > 1) over `tensor`-parallel groups (1: none); `shard`
-    /// `None`: the ranks left over (torchtitan's `-1`).
+    /// FSDP2 (HSDP with `replicate` > 1) over `tensor`-parallel groups (1: none), its MoE
+    /// experts split over `expert` of the shard × tensor ranks (1: none); `shard` `None`: the
+    /// ranks left over (torchtitan's `-1`).
     Fsdp {
         replicate: u32,
         shard: Option<u32>,
         tensor: u32,
+        expert: u32,
         reshard_after_forward: bool,
         param_dtype: Option<HalfDtype>,
         cpu_offload: bool,
@@ -244,6 +246,7 @@ impl TrainConfig {
                 replicate,
                 shard,
                 tensor,
+                expert,
                 reshard_after_forward,
                 param_dtype,
                 cpu_offload,
@@ -293,6 +296,7 @@ impl TrainConfig {
                     (MeshDim::Replicate, *replicate),
                     (MeshDim::Shard, shard),
                     (MeshDim::Tensor, *tensor),
+                    (MeshDim::Expert, *expert),
                 ])
                 .map_err(|e| field_err(field, e.to_string()))?;
                 Strategy::new(mesh, engine)

@@ -431,6 +431,36 @@ fn torchtitan_tensor_parallel_is_a_mesh_dimension_and_pipelines_are_refused() {
     )
     .unwrap();
     assert_eq!(c.strategy(None).unwrap().unwrap().name(), "tp");
+    // Expert parallelism borrows FSDP's ranks: 4 GPUs, experts over all 4 (ETP above 1 is
+    // listed as not modelled).
+    let c = read_text(
+        "t.toml",
+        "[parallelism]\ndata_parallel_shard_degree = 4\nexpert_parallel_degree = 4\nexpert_tensor_parallel_degree = 2\n",
+        Path::new("."),
+        None,
+    )
+    .unwrap();
+    let s = c.strategy(None).unwrap().unwrap();
+    assert_eq!((s.world_size(), s.expert_parallel()), (4, 4));
+    assert!(used(&c, "parallelism.expert_parallel_degree"));
+    assert!(not_modelled(
+        &c,
+        "parallelism.expert_tensor_parallel_degree"
+    ));
+    let e = read_text(
+        "t.toml",
+        "[parallelism]\ndata_parallel_shard_degree = 4\nexpert_parallel_degree = 3\n",
+        Path::new("."),
+        None,
+    )
+    .unwrap()
+    .strategy(None)
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("must divide the 4 shard × tensor ranks"),
+        "{e}"
+    );
     let e = read_text(
         "t.toml",
         "[parallelism]\ndata_parallel_shard_degree = 4\npipeline_parallel_degree = 2\n",

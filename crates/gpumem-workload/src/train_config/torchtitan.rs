@@ -333,7 +333,8 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
                 "pipeline parallelism of torchtitan's own models is not sized yet (--pp sizes a Hugging Face decoder's)",
             ));
         }
-        if d > 1 && dim != MeshDim::Tensor {
+        // Expert parallelism: torchtitan's own apply_moe_ep_tp on its MoE model (the tracer's).
+        if d > 1 && !matches!(dim, MeshDim::Tensor | MeshDim::Expert) {
             let why = Mesh::new(&[(dim, d as u32)])
                 .and_then(|m| {
                     Strategy::new(
@@ -381,6 +382,17 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             );
         }
     }
+    let expert_degree = ranks(doc, "expert_parallel_degree")?;
+    if expert_degree > 1
+        && doc
+            .whole("parallelism.expert_tensor_parallel_degree")?
+            .is_some_and(|etp| etp > 1)
+    {
+        doc.not_modelled(
+            "parallelism.expert_tensor_parallel_degree",
+            "tensor parallelism inside the experts is not modelled: they are traced with ETP 1, torchtitan's default",
+        );
+    }
     let replicate = ranks(doc, "data_parallel_replicate_degree")?;
     let shard = match doc.whole("parallelism.data_parallel_shard_degree")? {
         None | Some(-1) => None,
@@ -422,6 +434,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             replicate,
             shard,
             tensor: tensor_degree,
+            expert: expert_degree,
             reshard_after_forward: reshard,
             param_dtype: if pure { None } else { param },
             cpu_offload: false,

@@ -233,6 +233,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             replicate,
             shard,
             tensor: 1,
+            expert: 1,
             reshard_after_forward: doc.flag("fsdp_reshard_after_forward")?.unwrap_or(true),
             param_dtype: None,
             cpu_offload: doc.flag("fsdp_cpu_offload")?.unwrap_or(false),
