@@ -148,6 +148,12 @@ def flags():
     )
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (composes as --tp does)")
     p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel ranks of a torchtitan model (composes as --tp does)",
+    )
+    p.add_argument(
         "--ep",
         type=int,
         default=1,

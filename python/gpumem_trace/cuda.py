@@ -58,10 +58,12 @@ def make_sdpa(stack):
                 enable_gqa=enable_gqa,
             )
         dtensor = _dtensor_type()
-        if dtensor is not None and isinstance(query, dtensor):
+        if dtensor is not None and isinstance(query, dtensor) and _heads_only(query):
             # Tensor parallelism's heads (torchtitan's plans keep them DTensors through a
             # per-head norm): each rank attends over its own, as DTensor's own SDPA strategy
-            # runs it, in the kernel on the rank's local tensors.
+            # runs it, in the kernel on the rank's local tensors. (Context parallelism's,
+            # sharded over the sequence, go to the kernel as DTensors: its ring attention
+            # answers for them there.)
             local = lambda t: t.to_local() if isinstance(t, dtensor) else t
             out = sdpa(
                 *map(local, (query, key, value, attn_mask)),
@@ -77,6 +79,11 @@ def make_sdpa(stack):
 
     sdpa.autocast_low = True
     return sdpa
+
+
+def _heads_only(t):
+    """Whether DTensor ``t`` (batch, heads, sequence, head dim) is split over its heads alone."""
+    return all(not p.is_shard() or p.dim == 1 for p in t.placements)
 
 
 def _dtensor_type():

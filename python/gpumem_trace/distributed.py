@@ -56,9 +56,12 @@ def fake_world(world_size):
         ) from e
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     _library = torch.library.Library("c10d", "IMPL")
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
     for name in _META_OPS:
         op = getattr(torch.ops.c10d, name, None)
-        if op is not None:
+        # PyTorch's own (torch.distributed._tools.fake_collectives, which context
+        # parallelism's modules import) answer the same way where they came first.
+        if op is not None and not has(f"c10d::{name}", "Meta"):
             _library.impl(name, _on_meta(op.default, name in _RETURN_INPUTS), "Meta")
 
 
@@ -215,20 +218,25 @@ def broadcast_load(model, device):
         del whole
 
 
-def device_mesh(world_size, replicas=1, tensor=1, pipeline=1):
+def device_mesh(world_size, replicas=1, tensor=1, pipeline=1, context=1):
     """The job's ranks as PyTorch's ``DeviceMesh`` on the fake group, rank 0's view, with the
     dimensions the job document names — ``pipeline``, ``replicate`` (HSDP's groups), ``shard``
-    (FSDP's ranks) and ``tensor`` — in torchtitan's order (pipeline outermost, tensor
-    parallelism innermost: its ranks are one machine's). A dimension of degree 1 is there too;
-    a job's wrapper takes the sub-mesh of its own dimensions."""
+    (FSDP's ranks), ``context`` and ``tensor`` — in torchtitan's order (pipeline outermost,
+    tensor parallelism innermost: its ranks are one machine's). A dimension of degree 1 is
+    there too; a job's wrapper takes the sub-mesh of its own dimensions."""
+    if context > 1:
+        # Context parallelism's modules bring PyTorch's own meta collectives in: first, so
+        # that fake_world leaves those to them (they answer as its own do).
+        with contextlib.suppress(ImportError):
+            import torch.distributed._tools.fake_collectives  # noqa: F401
     fake_world(world_size)
     from torch.distributed.device_mesh import init_device_mesh
 
-    shard = world_size // (pipeline * replicas * tensor)
+    shard = world_size // (pipeline * replicas * tensor * context)
     return init_device_mesh(
         "cpu",
-        (pipeline, replicas, shard, tensor),
-        mesh_dim_names=("pipeline", "replicate", "shard", "tensor"),
+        (pipeline, replicas, shard, context, tensor),
+        mesh_dim_names=("pipeline", "replicate", "shard", "context", "tensor"),
     )
 
 
@@ -293,9 +301,43 @@ def expert_parallel(model, tensor_mesh, experts_mesh, name):
 
 
 def data_parallel_mesh(mesh):
-    """FSDP's part of ``device_mesh``'s mesh: its ``shard`` ranks, within ``replicate`` groups
-    where there are more than one (HSDP)."""
-    return mesh["replicate", "shard"] if mesh["replicate"].size() > 1 else mesh["shard"]
+    """FSDP's part of ``device_mesh``'s mesh: its ``shard`` ranks — with context parallelism,
+    its ranks too, flattened into one dimension as torchtitan's ``dp_shard_cp`` — within
+    ``replicate`` groups where there are more than one (HSDP)."""
+    if mesh["context"].size() == 1:
+        return mesh["replicate", "shard"] if mesh["replicate"].size() > 1 else mesh["shard"]
+    flat = mesh["shard", "context"]._flatten("shard_context")
+    return mesh["replicate", "shard_context"] if mesh["replicate"].size() > 1 else flat
+
+
+def context_parallel(model, mesh, name):
+    """torchtitan's own context parallelism on its model: ``apply_cp_to_attention_module`` on
+    each block's attention (PyTorch's ``_ContextParallel``: queries, keys and values become
+    sequence-sharded DTensors, whose attention kernel PyTorch answers with ring attention — the
+    keys and values of the other ranks' chunks gathered, its ``rotate_method``'s default), and
+    the batch's inputs and labels cut to the rank's chunks of the sequence (torchtitan's
+    ``prepare_context_parallel_input``, head-tail load balancing, with the positions it passes
+    the model). Returns that cut: ``(inputs, labels) -> (inputs, labels, model kwargs)``.
+    Refused in one line for a model not torchtitan's."""
+    if not type(model).__module__.startswith("torchtitan.models."):
+        raise ReferenceError_(
+            f"{name}: context parallelism is traced with torchtitan's own code, on its models (torchtitan:llama3, qwen3, llama4, deepseek_v3)"
+        )
+    from torchtitan.distributed.context_parallel import (
+        apply_cp_to_attention_module,
+        prepare_context_parallel_input,
+    )
+
+    attentions = [b.attention for b in model.layers.values()]
+    kinds = {getattr(a, "attn_type", "sdpa") for a in attentions}
+    if kinds != {"sdpa"}:
+        raise ReferenceError_(
+            f"{name}: context parallelism of {', '.join(sorted(kinds - {'sdpa'}))} attention is not traced (the loop builds no block mask): give the model attn_type=sdpa"
+        )
+    apply_cp_to_attention_module([a.inner_attention for a in attentions], mesh, "sdpa")
+    return lambda inputs, labels: prepare_context_parallel_input(
+        inputs, labels, {}, mesh, inputs.device, "headtail"
+    )
 
 
 # transformers' plan styles, as torchtitan lays them out with sequence parallelism.

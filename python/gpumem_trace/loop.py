@@ -88,6 +88,7 @@ class TraceOptions:
     # parallelism's, and the router's stand-in imbalance (routing.py).
     expert: int = 1
     routing_imbalance: float = 1.0
+    context: int = 1  # context-parallel ranks (distributed.context_parallel), within world_size
     pipeline: int = 1  # pipeline stages (pipeline.py), within world_size
     pipeline_rank: int = 0  # which stage's rank the trace is
     schedule: str = None  # pipeline.SCHEDULES
@@ -345,12 +346,24 @@ def trace_training(opts: TraceOptions, out_path: str):
         job = losses.chunked_output(job, model, opts.chunked_ce, opts.model)
     ranks = None  # the job's DeviceMesh, where it is a multi-GPU job that needs one
     if opts.strategy == "fsdp":
-        ranks = distributed.device_mesh(opts.world_size, opts.replicas, opts.tensor, opts.pipeline)
+        ranks = distributed.device_mesh(
+            opts.world_size, opts.replicas, opts.tensor, opts.pipeline, opts.context
+        )
     sharded_loss = contextlib.nullcontext()
     if opts.tensor > 1:
         # As torchtitan orders it: tensor parallelism first, then checkpointing, then FSDP.
         distributed.tensor_parallel(model, ranks["tensor"], opts.model)
         sharded_loss = distributed.loss_parallel(model)
+    if opts.context > 1:
+        # torchtitan's order: context parallelism after tensor parallelism. Each step's batch
+        # is cut to the rank's chunks of the sequence before the model sees it.
+        cut_batch = distributed.context_parallel(model, ranks["context"], opts.model)
+
+        def forward_on_chunks(m, b):
+            b[0], b[1], kwargs = cut_batch(b[0], b[1])
+            return m(b[0], **kwargs)
+
+        job.forward = forward_on_chunks
     experts, experts_mesh = [], None
     if opts.expert > 1 or (opts.tensor > 1 and _has_moe(model)):
         # torchtitan's order: the MoE layers' expert and tensor parallelism after the rest's.
@@ -413,7 +426,7 @@ def trace_training(opts: TraceOptions, out_path: str):
         rec,
         paths,
         DEVICE,
-        dtensor_dispatch=opts.tensor > 1 or opts.expert > 1,
+        dtensor_dispatch=opts.tensor > 1 or opts.context > 1,
         routing=routing.Routing(opts.expert, opts.routing_imbalance),
     )
     specs = job.batch_specs(opts.batch)

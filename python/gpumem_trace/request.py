@@ -171,6 +171,7 @@ def strategy_options(strategy):
             tensor=mesh.get("tensor", 1),
             pipeline=mesh.get("pipeline", 1),
             expert=mesh.get("expert", 1),
+            context=mesh.get("context", 1),
             schedule=strategy.get("schedule"),
             microbatches=strategy.get("microbatches", 1),
             virtual_stages=strategy.get("virtual_stages", 1),
@@ -233,9 +234,11 @@ def from_flags(a):
         raise ValueError(
             f"--replicas {a.replicas} must divide --world-size {a.world_size} into groups of at least 2 ranks"
         )
-    if min(a.tp, a.pp) < 1 or (max(a.tp, a.pp) > 1 and a.strategy not in (None, "fsdp")):
+    if min(a.tp, a.pp, a.cp) < 1 or (
+        max(a.tp, a.pp, a.cp) > 1 and a.strategy not in (None, "fsdp")
+    ):
         raise ValueError(
-            f"--tp {a.tp}, --pp {a.pp}: at least 1, and tensor and pipeline parallelism compose with fsdp"
+            f"--tp {a.tp}, --pp {a.pp}, --cp {a.cp}: at least 1, and tensor, pipeline and context parallelism compose with fsdp"
         )
     if a.ep < 1 or (a.ep > 1 and a.strategy != "fsdp") or not a.routing_imbalance >= 1:
         raise ValueError(
@@ -249,11 +252,12 @@ def from_flags(a):
         raise ValueError(
             f"--pp {a.pp}: --schedule one of {', '.join(pipeline.SCHEDULES)}, --pp-rank below {a.pp}"
         )
-    if (a.tp > 1 or a.pp > 1) and not a.strategy:
-        a.strategy, a.world_size = "fsdp", a.tp * a.pp
-    if a.world_size % (a.replicas * a.tp * a.pp):
+    model_parallel = a.tp * a.pp * a.cp
+    if model_parallel > 1 and not a.strategy:
+        a.strategy, a.world_size = "fsdp", model_parallel
+    if a.world_size % (a.replicas * model_parallel):
         raise ValueError(
-            f"--world-size {a.world_size} is not a multiple of --replicas {a.replicas} x --tp {a.tp} x --pp {a.pp}"
+            f"--world-size {a.world_size} is not a multiple of --replicas {a.replicas} x --tp {a.tp} x --pp {a.pp} x --cp {a.cp}"
         )
     strategy = None
     if a.strategy in ("ddp", "fsdp"):
@@ -265,11 +269,13 @@ def from_flags(a):
                 "bucket_view": a.gradient_as_bucket_view,
             }
         else:
-            mesh = {"shard": a.world_size // (a.replicas * a.tp * a.pp)}
+            mesh = {"shard": a.world_size // (a.replicas * model_parallel)}
             if a.replicas > 1:
                 mesh["replicate"] = a.replicas
             if a.tp > 1:
                 mesh["tensor"] = a.tp
+            if a.cp > 1:
+                mesh["context"] = a.cp
             if a.pp > 1:
                 mesh["pipeline"] = a.pp
             if a.ep > 1:

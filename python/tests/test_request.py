@@ -59,8 +59,15 @@ def test_requests_validate_against_the_schema(argv):
 
 def test_every_strategy_setting_the_schema_names_is_read():
     """The loader reads each of a strategy's settings the schema states (the older spelling,
-    world_size and replicas, is gpumem's to read; it never sends it)."""
-    stated = set(definition("StrategyValues")["properties"]) - {"world_size", "replicas", "kind"}
+    world_size and replicas, is gpumem's to read; it never sends it; routing_imbalance is the
+    bound's, which gpumem traces apart: the request's own routing_imbalance says which trace
+    this is)."""
+    stated = set(definition("StrategyValues")["properties"]) - {
+        "world_size",
+        "replicas",
+        "kind",
+        "routing_imbalance",
+    }
     strategies = [
         {"kind": "ddp", "mesh": {"replicate": 4}, "bucket_cap_mb": 25, "bucket_view": True},
         {
@@ -78,6 +85,7 @@ def test_every_strategy_setting_the_schema_names_is_read():
             "microbatches": 8,
             "virtual_stages": 2,
         },
+        {"kind": "fsdp", "mesh": {"shard": 8, "tensor": 2, "expert": 4}},
     ]
     assert set().union(*(set(s) - {"kind"} for s in strategies)) == stated
     fsdp = strategy_options(strategies[1])
@@ -85,4 +93,7 @@ def test_every_strategy_setting_the_schema_names_is_read():
     pp = strategy_options(strategies[3])
     assert (pp["world_size"], pp["tensor"], pp["pipeline"]) == (16, 2, 4)
     assert (pp["schedule"], pp["microbatches"], pp["virtual_stages"]) == ("interleaved-1f1b", 8, 2)
+    # Expert parallelism borrows its ranks: 16 GPUs, experts over 4 of them.
+    ep = strategy_options(strategies[4])
+    assert (ep["world_size"], ep["tensor"], ep["expert"]) == (16, 2, 4)
     assert set(definition("Zero")["properties"]) >= set(strategies[2]["zero"])

@@ -364,3 +364,52 @@ def test_expert_parallel_rank_gathers_its_share_of_the_experts(tmp_path):
 
     assert expert_gathers() == {whole}
     assert expert_gathers("--ep", "2") == {whole // 2}
+
+
+def _live_at_backward(events):
+    """Bytes live per category when the second iteration's backward first allocates."""
+    live, iteration = {}, 0
+    for e in events:
+        iteration += e["ev"] == "iteration"
+        if e["ev"] == "alloc":
+            if e["phase"] == "backward" and iteration >= 2:
+                break
+            live[e["id"]] = (e["bytes"], e["category"])
+        elif e["ev"] == "free":
+            live.pop(e["id"], None)
+    held = Counter()
+    for nbytes, category in live.values():
+        held[category] += nbytes
+    return held
+
+
+def test_context_parallel_rank_holds_its_chunks_and_gathers_the_keys_and_values(tmp_path):
+    """``--cp N`` runs torchtitan's own ``apply_cp_to_attention_module`` and cuts each batch
+    to the rank's chunks (``prepare_context_parallel_input``); FSDP shards over the CP ranks.
+    At the end of forward a CP=N rank over S tokens holds what one GPU holds over S/N (its
+    chunks' activations) plus at most one fp32 copy of each layer's attention output (ring
+    attention merges its chunks' outputs in fp32), and 1/N of the optimizer state; each
+    layer's forward all-gathers the whole sequence's keys and values (PyTorch's default
+    rotation), a buffer a formula of the chunks alone would miss."""
+    flags = ("--gpu-capability", "9.0", "--precision", "amp-bf16")
+    layers, dim, batch = 6, 256, 2  # llama3 debugmodel, no GQA
+    whole_header, whole = _traced(tmp_path, REF, *flags, "--seq-len", "1024")
+    whole = _live_at_backward(whole)
+    for n in (2, 4):
+        _, chunked = _traced(tmp_path, REF, *flags, "--seq-len", str(1024 // n))
+        chunked = _live_at_backward(chunked)
+        _, events = _traced(tmp_path, REF, *flags, "--seq-len", "1024", "--cp", str(n))
+        rank = _live_at_backward(events)
+        extra = rank["activation"] - chunked["activation"]
+        assert 0 < extra <= layers * batch * (1024 // n) * dim * 4, (n, extra)
+        assert rank["optimizer_state"] * n == whole["optimizer_state"], (n, rank)
+        gathers = [
+            e["bytes"]
+            for e in events
+            if e["ev"] == "alloc"
+            and e["op"] == "all_gather_into_tensor"
+            and e["phase"] == "forward"
+            and e.get("module", "").endswith("attention.inner_attention")
+        ]
+        assert set(gathers) == {2 * batch * 1024 * dim * 2}, (n, set(gathers))
+        assert len(gathers) == layers * whole_header["iterations"], (n, len(gathers))

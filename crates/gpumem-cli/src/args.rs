@@ -317,6 +317,12 @@ pub struct StrategyArgs {
     /// --strategy fsdp or hsdp, within --world-size. Hugging Face decoders.
     #[arg(long, conflicts_with_all = ["deepspeed", "accelerate"])]
     pub pp: Option<u32>,
+    /// Context-parallel ranks (docs/parallelism.md): each rank its chunks of the sequence,
+    /// attention over the whole of it by PyTorch's ring attention (keys and values gathered),
+    /// with torchtitan's own apply_cp_to_attention_module; FSDP shards over these ranks too.
+    /// Composes as --tp does. torchtitan's models.
+    #[arg(long, conflicts_with_all = ["deepspeed", "accelerate"])]
+    pub cp: Option<u32>,
     /// Expert-parallel ranks (docs/parallelism.md): a torchtitan mixture-of-experts model's
     /// routed experts split over N ranks borrowed from --strategy fsdp's (and --tp's), tokens
     /// sent to them by all-to-all, with torchtitan's own apply_moe_ep_tp. The estimate routes
@@ -423,16 +429,21 @@ impl StrategyArgs {
     /// The strategy --strategy and its flags name (no launch config), in the job document's
     /// spelling: checked as a job file's or an API request's strategy is.
     fn named(&self) -> CliResult<Option<Strategy>> {
-        let model_parallel = match (self.tp, self.pp) {
-            (None, None) => None,
-            (tp, pp) => Some(tp.unwrap_or(1).saturating_mul(pp.unwrap_or(1))),
+        let model_parallel = match (self.tp, self.pp, self.cp) {
+            (None, None, None) => None,
+            (tp, pp, cp) => Some(
+                [tp, pp, cp]
+                    .into_iter()
+                    .map(|d| d.unwrap_or(1))
+                    .fold(1u32, u32::saturating_mul),
+            ),
         };
         let (name, world_size) = match (self.strategy.as_deref(), self.world_size, model_parallel) {
             // Tensor or pipeline parallelism alone: FSDP's engine over no shard ranks.
             (None, None, Some(ranks)) => ("fsdp", ranks),
             (None, Some(_), Some(_)) => {
                 return Err(CliError::input(
-                    "--tp or --pp with --world-size needs --strategy fsdp or hsdp (how the other ranks share the model)",
+                    "--tp, --pp or --cp with --world-size needs --strategy fsdp or hsdp (how the other ranks share the model)",
                 ));
             }
             (None, Some(_), None) => {
@@ -452,7 +463,7 @@ impl StrategyArgs {
         let fsdp = named.kind == EngineKind::Fsdp;
         if model_parallel.is_some() && !fsdp {
             return Err(CliError::input(format!(
-                "--tp and --pp compose with --strategy fsdp or hsdp, not {name}"
+                "--tp, --pp and --cp compose with --strategy fsdp or hsdp, not {name}"
             )));
         }
         if self.fsdp_cpu_offload && !fsdp {
@@ -503,8 +514,11 @@ impl StrategyArgs {
                     ..model_parallel_mesh(
                         world_size,
                         values.replicas.unwrap_or(1),
-                        self.tp.unwrap_or(1),
-                        self.pp.unwrap_or(1),
+                        [
+                            self.tp.unwrap_or(1),
+                            self.pp.unwrap_or(1),
+                            self.cp.unwrap_or(1),
+                        ],
                     )?
                 }),
                 routing_imbalance,
@@ -533,10 +547,14 @@ impl StrategyArgs {
     }
 }
 
-/// The mesh of `world_size` ranks in `pp` pipeline stages of `tp` tensor-parallel ranks each,
-/// FSDP sharding over the rest within `replicas` groups.
-fn model_parallel_mesh(world_size: u32, replicas: u32, tp: u32, pp: u32) -> CliResult<MeshValues> {
-    let group = replicas.saturating_mul(tp).saturating_mul(pp);
+/// The mesh of `world_size` ranks in `pp` pipeline stages of `cp` context-parallel groups of
+/// `tp` tensor-parallel ranks each, FSDP sharding over the rest within `replicas` groups.
+fn model_parallel_mesh(
+    world_size: u32,
+    replicas: u32,
+    [tp, pp, cp]: [u32; 3],
+) -> CliResult<MeshValues> {
+    let group = [tp, pp, cp].into_iter().fold(replicas, u32::saturating_mul);
     if group == 0 || !world_size.is_multiple_of(group) {
         let nodes = if replicas > 1 {
             format!(" × --nodes {replicas}")
@@ -544,7 +562,7 @@ fn model_parallel_mesh(world_size: u32, replicas: u32, tp: u32, pp: u32) -> CliR
             String::new()
         };
         return Err(CliError::input(format!(
-            "--world-size {world_size} is not a multiple of --tp {tp} × --pp {pp}{nodes}"
+            "--world-size {world_size} is not a multiple of --tp {tp} × --pp {pp} × --cp {cp}{nodes}"
         )));
     }
     Ok(MeshValues {
@@ -552,6 +570,7 @@ fn model_parallel_mesh(world_size: u32, replicas: u32, tp: u32, pp: u32) -> CliR
         shard: Some(world_size / group),
         tensor: Some(tp),
         pipeline: Some(pp),
+        context: Some(cp),
         ..MeshValues::default()
     })
 }

@@ -21,7 +21,7 @@ pub struct PlanArgs {
     gpu: GpuChoice,
     /// The job's GPUs, COUNTxGPU (e.g. 8xh100-80gb-sxm): every strategy of --strategies is
     /// planned over all of them (overrides --gpu).
-    #[arg(long, conflicts_with_all = ["strategy", "world_size", "tp", "pp"])]
+    #[arg(long, conflicts_with_all = ["strategy", "world_size", "tp", "pp", "cp"])]
     gpus: Option<String>,
     /// Strategies to consider with --gpus (PyTorch models): ddp, fsdp, zero1, zero2, zero3
     /// (default: all of them; ZeRO with DeepSpeed's default settings).

@@ -204,7 +204,7 @@ fn expert_parallel_jobs_are_checked_in_one_line() {
     for (args, needle) in [
         (
             &["--strategy", "fsdp", "--world-size", "4", "--ep", "3"][..],
-            "strategy.mesh.expert (--ep) 3 must divide the 4 shard × tensor ranks it borrows",
+            "strategy.mesh.expert (--ep) 3 must divide the 4 shard × context × tensor ranks it borrows",
         ),
         (
             &["--strategy", "ddp", "--world-size", "4", "--ep", "2"][..],
@@ -222,6 +222,91 @@ fn expert_parallel_jobs_are_checked_in_one_line() {
                 "0.5",
             ][..],
             "--routing-imbalance) 0.5 is out of range",
+        ),
+    ] {
+        let mut all = vec!["estimate", "hf:LlamaForCausalLM(num_hidden_layers=2)"];
+        all.extend_from_slice(args);
+        bad_input(&all, needle);
+    }
+}
+
+/// Context parallelism on torchtitan's Llama debug shape at 8,192 tokens: each rank's chunks
+/// of the sequence (its activations fall with the ranks), FSDP over the CP ranks, on one mesh
+/// with FSDP and tensor parallelism.
+#[test]
+fn a_context_parallel_rank_holds_its_chunks() {
+    let Some(python) = titan_python() else {
+        return;
+    };
+    let run = |extra: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args([
+                "estimate",
+                TITAN,
+                "--batch",
+                "2",
+                "--seq-len",
+                "8192",
+                "--gpu",
+                "h100-80gb-sxm",
+                "--precision",
+                "amp-bf16",
+            ])
+            .args(extra)
+            .env("GPUMEM_PYTHON", &python)
+            .env("GPUMEM_CACHE", scratch("titan-cp", "cache"))
+            .output()
+            .expect("gpumem runs");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let json = |extra: &[&str]| -> serde_json::Value {
+        let mut all = extra.to_vec();
+        all.push("--json");
+        serde_json::from_str(&run(&all)).unwrap()
+    };
+    let activations = |v: &serde_json::Value| v["breakdown"]["activations_mib"].as_f64().unwrap();
+    let one = json(&[]);
+    let four = json(&["--cp", "4"]);
+    assert_eq!(four["strategy"]["mesh"]["context"], 4);
+    assert!(
+        activations(&four) < activations(&one) / 3.0,
+        "{} against {}",
+        activations(&four),
+        activations(&one)
+    );
+    assert!(four["peak_bytes"].as_u64() < one["peak_bytes"].as_u64());
+    let text = run(&[
+        "--strategy",
+        "fsdp",
+        "--world-size",
+        "8",
+        "--cp",
+        "2",
+        "--tp",
+        "2",
+    ]);
+    assert!(
+        text.contains("fsdp: shard 2 × tensor 2 × context 2 = 8 GPUs"),
+        "{text}"
+    );
+}
+
+/// Context parallelism is FSDP's and torchtitan's: refused in one line elsewhere.
+#[test]
+fn context_parallel_jobs_are_checked_in_one_line() {
+    for (args, needle) in [
+        (
+            &["--strategy", "ddp", "--world-size", "4", "--cp", "2"][..],
+            "--tp, --pp and --cp compose with --strategy fsdp or hsdp, not ddp",
+        ),
+        (
+            &["--cp", "2", "--pp", "2"][..],
+            "pipeline parallelism (strategy.mesh.pipeline) with context parallelism (--cp) is not sized yet",
+        ),
+        (
+            &["--cp", "2", "--whole-run"][..],
+            "whole_run (--whole-run) with context parallelism (strategy.mesh.context) is not sized yet",
         ),
     ] {
         let mut all = vec!["estimate", "hf:LlamaForCausalLM(num_hidden_layers=2)"];

@@ -26,6 +26,9 @@ pub enum MeshDim {
     /// Pipeline parallel: consecutive layers on each rank, micro-batches through them in a
     /// [`Schedule`]'s order.
     Pipeline,
+    /// Context parallel: each rank its chunks of the sequence (head-tail balanced), attention
+    /// over the whole sequence by ring attention (the other ranks' keys and values gathered),
+    /// under FSDP's engine, whose shard ranks it joins (torchtitan's `dp_shard_cp`).
     Context,
     /// Expert parallel: a mixture-of-experts model's routed experts split over the ranks, the
     /// tokens sent to their experts and back by all-to-all. Its ranks are borrowed from the
@@ -500,37 +503,38 @@ pub struct Strategy {
 impl Strategy {
     pub fn new(mesh: Mesh, engine: Engine) -> Result<Strategy, OptionError> {
         let world_size = mesh.world_size();
-        if mesh.degree(MeshDim::Context) > 1 {
-            return Err(OptionError::NotModelled(MeshDim::Context.name()));
-        }
         let (replicate, shard) = (mesh.degree(MeshDim::Replicate), mesh.degree(MeshDim::Shard));
         let (tensor, stages) = (mesh.degree(MeshDim::Tensor), mesh.degree(MeshDim::Pipeline));
-        let expert = mesh.degree(MeshDim::Expert);
+        let (context, expert) = (mesh.degree(MeshDim::Context), mesh.degree(MeshDim::Expert));
+        // FSDP's engine alone splits a model's layers, sequence or experts.
+        let beyond_data = [
+            MeshDim::Tensor,
+            MeshDim::Pipeline,
+            MeshDim::Context,
+            MeshDim::Expert,
+        ]
+        .into_iter()
+        .find(|&d| mesh.degree(d) > 1);
         match engine {
-            Engine::Ddp { .. } | Engine::Zero { .. } if tensor > 1 || stages > 1 || expert > 1 => {
+            Engine::Ddp { .. } | Engine::Zero { .. } if beyond_data.is_some() => {
                 return Err(OptionError::EngineDim {
                     engine: engine.kind().name(),
-                    dim: if tensor > 1 {
-                        "tensor"
-                    } else if stages > 1 {
-                        "pipeline"
-                    } else {
-                        "expert"
-                    },
+                    dim: beyond_data.map_or("", MeshDim::name),
                 });
             }
             // torchtitan's rule (its ParallelDims, no tensor parallelism inside the experts).
-            Engine::Fsdp { .. } if !(shard * tensor).is_multiple_of(expert) => {
+            Engine::Fsdp { .. } if !(shard * context * tensor).is_multiple_of(expert) => {
                 return Err(OptionError::ExpertRanks {
                     expert,
-                    borrowed: shard * tensor,
+                    borrowed: shard * context * tensor,
                 });
             }
+            // Context parallelism's ranks shard too (torchtitan's dp_shard_cp).
             Engine::Fsdp {
                 param_dtype,
                 cpu_offload,
                 ..
-            } if replicate * shard == 1 && (param_dtype.is_some() || cpu_offload) => {
+            } if replicate * shard * context == 1 && (param_dtype.is_some() || cpu_offload) => {
                 return Err(OptionError::NoShards(if cpu_offload {
                     "cpu_offload"
                 } else {
@@ -607,6 +611,11 @@ impl Strategy {
     /// The router imbalance the upper bound assumes, where the mesh has expert-parallel ranks.
     pub fn routing_imbalance(&self) -> Option<RoutingImbalance> {
         self.routing
+    }
+
+    /// The context-parallel ranks (1 where the job has none).
+    pub fn context_parallel(&self) -> u32 {
+        self.mesh.degree(MeshDim::Context)
     }
 
     /// The expert-parallel ranks (1 where the job has none).
@@ -695,7 +704,10 @@ impl Strategy {
     /// The name a person uses: `ddp`, `fsdp`, `hsdp`, `zero1`, `zero2`, `zero3`, and `tp` for
     /// tensor parallelism alone (with FSDP it is `fsdp` or `hsdp`; the mesh says the rest).
     pub fn name(&self) -> &'static str {
-        let data_parallel = self.mesh.degree(MeshDim::Replicate) * self.mesh.degree(MeshDim::Shard);
+        // Context parallelism's ranks are FSDP's too: with them, it is FSDP.
+        let data_parallel = self.mesh.degree(MeshDim::Replicate)
+            * self.mesh.degree(MeshDim::Shard)
+            * self.mesh.degree(MeshDim::Context);
         let (tensor, stages) = (
             self.mesh.degree(MeshDim::Tensor) > 1,
             self.mesh.degree(MeshDim::Pipeline) > 1,

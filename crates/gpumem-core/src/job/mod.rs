@@ -537,10 +537,8 @@ pub enum OptionError {
     WorldSize(u32),
     #[error("strategy.mesh.{0} has degree 0 (every mesh dimension has at least 1 rank)")]
     MeshDegree(&'static str),
-    #[error("strategy.mesh.{0}: gpumem does not size {0}-parallel jobs yet")]
-    NotModelled(&'static str),
     #[error(
-        "strategy.mesh.expert (--ep) {expert} must divide the {borrowed} shard × tensor ranks it borrows"
+        "strategy.mesh.expert (--ep) {expert} must divide the {borrowed} shard × context × tensor ranks it borrows"
     )]
     ExpertRanks { expert: u32, borrowed: u32 },
     #[error(
@@ -672,6 +670,12 @@ impl OptionValues {
                     "tensor parallelism (strategy.mesh.tensor)",
                 ));
             }
+            if self.strategy.is_some_and(|s| s.context_parallel() > 1) {
+                return Err(OptionError::NotSizedWith(
+                    "whole_run (--whole-run)",
+                    "context parallelism (strategy.mesh.context)",
+                ));
+            }
             if run.broadcast_load
                 && !self
                     .strategy
@@ -725,6 +729,9 @@ impl OptionValues {
                     Some("validate (--validate)")
                 } else if self.attention_mask != AttentionMask::None {
                     Some("attention_mask (--attention-mask)")
+                } else if strategy.context_parallel() > 1 {
+                    // The stages are Hugging Face decoders', context parallelism torchtitan's.
+                    Some("context parallelism (--cp)")
                 } else if strategy.tensor_parallel() > 1
                     && strategy.pipeline().map(|p| p.schedule()) == Some(Schedule::ZeroBubble)
                 {

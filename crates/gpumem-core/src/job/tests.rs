@@ -279,6 +279,22 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
             .unwrap()
             .contains("routing_imbalance")
     );
+    // Context parallelism adds ranks, which FSDP shards over too; experts may borrow them.
+    let cp: Strategy =
+        serde_json::from_str(r#"{"kind":"fsdp","mesh":{"context":4,"expert":4}}"#).unwrap();
+    assert_eq!(
+        (cp.name(), cp.world_size(), cp.context_parallel()),
+        ("fsdp", 4, 4)
+    );
+    let e = serde_json::from_str::<Options>(
+        r#"{"strategy":{"kind":"fsdp","mesh":{"shard":2,"pipeline":2,"context":2}}}"#,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("with context parallelism (--cp) is not sized yet"),
+        "{e}"
+    );
     let zero: Strategy =
         serde_json::from_str(r#"{"kind":"zero","stage":3,"world_size":4,"zero":{}}"#).unwrap();
     assert_eq!(
@@ -311,8 +327,8 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
             "strategy.cpu_offload is FSDP's, and this mesh has no ranks to shard over",
         ),
         (
-            r#"{"kind":"fsdp","mesh":{"shard":2,"context":2}}"#,
-            "does not size context-parallel jobs yet",
+            r#"{"kind":"zero","stage":3,"mesh":{"shard":2,"context":2}}"#,
+            "strategy.mesh.context: zero",
         ),
         (
             r#"{"kind":"ddp","mesh":{"shard":4}}"#,
@@ -369,7 +385,7 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
         ),
         (
             r#"{"kind":"fsdp","mesh":{"shard":4,"expert":3}}"#,
-            "strategy.mesh.expert (--ep) 3 must divide the 4 shard × tensor ranks it borrows",
+            "strategy.mesh.expert (--ep) 3 must divide the 4 shard × context × tensor ranks it borrows",
         ),
         (
             r#"{"kind":"ddp","mesh":{"replicate":4,"expert":2}}"#,

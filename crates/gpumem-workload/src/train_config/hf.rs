@@ -640,6 +640,7 @@ pub(crate) fn fsdp(
         replicate: 1,
         shard: None,
         tensor: 1,
+        context: 1,
         expert: 1,
         reshard_after_forward: reshard,
         param_dtype,

@@ -217,6 +217,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
                 replicate: 1,
                 shard: world,
                 tensor: 1,
+                context: 1,
                 expert: 1,
                 reshard_after_forward: reshard,
                 param_dtype: half,

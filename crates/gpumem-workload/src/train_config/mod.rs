@@ -132,13 +132,14 @@ pub enum Layout {
     Single,
     /// A strategy over ranks the config fixes.
     Fixed(Strategy),
-    /// FSDP2 (HSDP with `replicate` > 1) over `tensor`-parallel groups (1: none), its MoE
-    /// experts split over `expert` of the shard × tensor ranks (1: none); `shard` `None`: the
-    /// ranks left over (torchtitan's `-1`).
+    /// FSDP2 (HSDP with `replicate` > 1) over `context` × `tensor`-parallel groups (1: none),
+    /// its MoE experts split over `expert` of the shard × context × tensor ranks (1: none);
+    /// `shard` `None`: the ranks left over (torchtitan's `-1`).
     Fsdp {
         replicate: u32,
         shard: Option<u32>,
         tensor: u32,
+        context: u32,
         expert: u32,
         reshard_after_forward: bool,
         param_dtype: Option<HalfDtype>,
@@ -246,19 +247,20 @@ impl TrainConfig {
                 replicate,
                 shard,
                 tensor,
+                context,
                 expert,
                 reshard_after_forward,
                 param_dtype,
                 cpu_offload,
                 field,
             } => {
-                let group = replicate * tensor;
+                let group = replicate * context * tensor;
                 let shard = match (shard, world) {
                     (Some(s), Some(w)) if s * group != w => {
                         return Err(field_err(
                             field,
                             format!(
-                                "{} ranks ({replicate} × {s} × {tensor}), not --world-size {w}",
+                                "{} ranks ({replicate} × {s} × {context} × {tensor}), not --world-size {w}",
                                 s * group
                             ),
                         ));
@@ -269,7 +271,7 @@ impl TrainConfig {
                         return Err(field_err(
                             field,
                             format!(
-                                "--world-size {w} is not a multiple of {replicate} replicas × {tensor} tensor-parallel ranks"
+                                "--world-size {w} is not a multiple of {replicate} replicas × {context} context- × {tensor} tensor-parallel ranks"
                             ),
                         ));
                     }
@@ -281,7 +283,7 @@ impl TrainConfig {
                         ));
                     }
                 };
-                let sharded = shard * replicate > 1;
+                let sharded = shard * replicate * context > 1;
                 if !sharded && *tensor == 1 {
                     return Ok(None);
                 }
@@ -296,6 +298,7 @@ impl TrainConfig {
                     (MeshDim::Replicate, *replicate),
                     (MeshDim::Shard, shard),
                     (MeshDim::Tensor, *tensor),
+                    (MeshDim::Context, *context),
                     (MeshDim::Expert, *expert),
                 ])
                 .map_err(|e| field_err(field, e.to_string()))?;

@@ -447,6 +447,21 @@ fn torchtitan_tensor_parallel_is_a_mesh_dimension_and_pipelines_are_refused() {
         &c,
         "parallelism.expert_tensor_parallel_degree"
     ));
+    // Context parallelism adds ranks (FSDP shards over them too); a rotation other than the
+    // traced all-gather is listed as not modelled.
+    let c = read_text(
+        "t.toml",
+        "[parallelism]\ndata_parallel_shard_degree = 2\ncontext_parallel_degree = 4\ncontext_parallel_rotate_method = \"alltoall\"\n",
+        Path::new("."),
+        None,
+    )
+    .unwrap();
+    let s = c.strategy(None).unwrap().unwrap();
+    assert_eq!((s.world_size(), s.context_parallel()), (8, 4));
+    assert!(not_modelled(
+        &c,
+        "parallelism.context_parallel_rotate_method"
+    ));
     let e = read_text(
         "t.toml",
         "[parallelism]\ndata_parallel_shard_degree = 4\nexpert_parallel_degree = 3\n",
@@ -458,7 +473,7 @@ fn torchtitan_tensor_parallel_is_a_mesh_dimension_and_pipelines_are_refused() {
     .unwrap_err();
     assert!(
         e.to_string()
-            .contains("must divide the 4 shard × tensor ranks"),
+            .contains("must divide the 4 shard × context × tensor ranks"),
         "{e}"
     );
     let e = read_text(

@@ -333,8 +333,9 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
                 "pipeline parallelism of torchtitan's own models is not sized yet (--pp sizes a Hugging Face decoder's)",
             ));
         }
-        // Expert parallelism: torchtitan's own apply_moe_ep_tp on its MoE model (the tracer's).
-        if d > 1 && !matches!(dim, MeshDim::Tensor | MeshDim::Expert) {
+        // Tensor, context and expert parallelism: torchtitan's own apply_tp,
+        // apply_cp_to_attention_module and apply_moe_ep_tp on its model (the tracer's).
+        if d > 1 && !matches!(dim, MeshDim::Tensor | MeshDim::Context | MeshDim::Expert) {
             let why = Mesh::new(&[(dim, d as u32)])
                 .and_then(|m| {
                     Strategy::new(
@@ -379,6 +380,28 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             doc.not_modelled(
                 "parallelism.enable_sequence_parallel",
                 "tensor parallelism is traced with sequence parallelism, torchtitan's default",
+            );
+        }
+    }
+    let context_degree = ranks(doc, "context_parallel_degree")?;
+    if context_degree > 1 {
+        // What the tracer runs: PyTorch's default rotation (all-gather) and head-tail balancing.
+        if doc
+            .text("parallelism.context_parallel_rotate_method")?
+            .is_some_and(|m| m != "allgather")
+        {
+            doc.not_modelled(
+                "parallelism.context_parallel_rotate_method",
+                "context parallelism is traced with keys and values all-gathered (allgather, torchtitan's default)",
+            );
+        }
+        if doc
+            .text("parallelism.context_parallel_load_balancer")?
+            .is_some_and(|b| b != "headtail")
+        {
+            doc.not_modelled(
+                "parallelism.context_parallel_load_balancer",
+                "context parallelism is traced with head-tail load balancing, torchtitan's default",
             );
         }
     }
@@ -434,6 +457,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             replicate,
             shard,
             tensor: tensor_degree,
+            context: context_degree,
             expert: expert_degree,
             reshard_after_forward: reshard,
             param_dtype: if pure { None } else { param },

@@ -233,6 +233,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             replicate,
             shard,
             tensor: 1,
+            context: 1,
             expert: 1,
             reshard_after_forward: doc.flag("fsdp_reshard_after_forward")?.unwrap_or(true),
             param_dtype: None,
