@@ -758,6 +758,17 @@ def trace_training(opts: TraceOptions, out_path: str):
         header["largest_layer_parameters"] = zero.largest_layer_parameters(model)
     if rec.sized_by_parameters:
         header["sized_by_parameters"] = sorted(rec.sized_by_parameters)
+    if opts.strategy in ("ddp", "zero1", "zero2", "zero3"):
+        # DDP's all-reduce (a hook here) and DeepSpeed's collectives (modelled) run on the
+        # default group: one communicator of every rank.
+        c10d = torch.distributed.distributed_c10d
+        # ZeRO's run joins no fake group: the default group's name as PyTorch gives it.
+        default = c10d._get_default_group().group_name if c10d.is_initialized() else "0"
+        rec.communicators.setdefault(default, opts.world_size)
+    if rec.communicators:
+        header["communicators"] = [
+            {"name": name, "ranks": ranks} for name, ranks in sorted(rec.communicators.items())
+        ]
     if evaluation:
         # Whose evaluation loop ran: the trainer's own code, or gpumem's restatement of it.
         header["evaluation_loop"] = evaluated_by or "gpumem (Hugging Face Trainer's, restated)"

@@ -388,6 +388,42 @@ def probe_sdpa(torch):
     return out
 
 
+def probe_nccl(torch):
+    """NCCL's memory outside the allocator, on this GPU: a one-rank NCCL group's first
+    collective (NCCL's kernels and state loaded, its first communicator made), then a second
+    group's (one more communicator). One rank has no peers to hold buffers for, so the
+    second is a floor of a communicator's cost on a multi-GPU job (``ranks`` says so), while
+    the first less the second is NCCL's own, whatever the ranks. None where this torch has no
+    NCCL."""
+    import tempfile
+
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_nccl_available()) or dist.is_initialized():
+        return None
+    with tempfile.NamedTemporaryFile() as f:
+        dist.init_process_group(
+            "nccl", store=dist.FileStore(f.name, 1), rank=0, world_size=1, device_id=0
+        )
+        try:
+            x = torch.ones(1024, device="cuda")
+            torch.cuda.synchronize()
+            before = device_used(torch)
+            dist.all_reduce(x)
+            torch.cuda.synchronize()
+            first = device_used(torch)
+            dist.all_reduce(x, group=dist.new_group([0]))
+            torch.cuda.synchronize()
+            second = device_used(torch)
+        finally:
+            dist.destroy_process_group()
+    communicator = max(0, second - first)
+    return {
+        "ranks": 1,
+        "base_bytes": max(0, first - before - communicator),
+        "communicator_bytes": communicator,
+    }
+
+
 def stack_facts(torch):
     props = torch.cuda.get_device_properties(0)
     facts = {
@@ -425,6 +461,7 @@ def main(argv=None):
     )
     p.add_argument("--benchmark", choices=["off", "on", "both"], default="both")
     p.add_argument("--no-sdpa", action="store_true")
+    p.add_argument("--no-nccl", action="store_true")
     p.add_argument(
         "--seconds",
         type=float,
@@ -483,6 +520,9 @@ def main(argv=None):
         doc["context"].append(context_point(torch, "cudnn_benchmark" if bench else "cudnn"))
         save()
     torch.backends.cudnn.benchmark = False
+    if not a.no_nccl:
+        doc["nccl"] = probe_nccl(torch)
+        save()
     if not a.no_sdpa:
         doc["sdpa"] = probe_sdpa(torch)
         doc["context"].append(context_point(torch, "sdpa"))

@@ -70,6 +70,9 @@ class Recorder:
             False  # what runs now runs on the host (CPU offload): its memory is not the GPU's
         )
         self.sized_by_parameters = set()  # see parameter_sized
+        # The process groups this rank's collectives ran on, by name: their ranks (each is an
+        # NCCL communicator on a GPU, whose buffers live outside the allocator).
+        self.communicators = {}
         # Storage keys of meta tensors that stand for no memory at all (see storageless).
         self.no_memory = set()
         self.making_no_memory = False
@@ -459,12 +462,33 @@ class TraceMode(TorchDispatchMode):
         self.r.alloc(key, st.nbytes(), op, module=self.modules.current())
         weakref.finalize(st, self.r.free, key)
 
+    def _communicator(self, func, args, kwargs):
+        """Notes the process group a collective runs on (c10d's ops take the group, the
+        functional ones its name)."""
+        for i, a in enumerate(func._schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            if a.name == "process_group" and value is not None:
+                # The dispatcher hands the group over as its TorchScript object.
+                pg = torch.distributed.ProcessGroup
+                group = value if isinstance(value, pg) else pg.unbox(value)
+            elif a.name == "group_name" and isinstance(value, str):
+                from torch.distributed.distributed_c10d import _resolve_process_group
+
+                group = _resolve_process_group(value)
+            else:
+                continue
+            if group.size() > 1:
+                self.r.communicators[group.group_name] = group.size()
+            return
+
     def _from_no_memory(self, args):
         """Whether an op reads a tensor that stands for no memory and none the GPU holds."""
         keys = [t.untyped_storage()._cdata for t in _tensors(args) if t.device.type == self.device]
         return any(k in self.r.no_memory for k in keys) and not any(k in self.r.live for k in keys)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in _COLLECTIVES:
+            self._communicator(func, args, kwargs or {})
         if self.dtensor_dispatch and any(issubclass(t, _DTENSOR) for t in types):
             # A tensor-parallel DTensor: its own dispatch runs the op on the rank's local
             # tensors, and redistributes them first where the layouts ask — those ops come back
@@ -776,6 +800,9 @@ def _dense(t):
         expected *= size
     return True
 
+
+# The namespaces of collective ops (c10d's, and the functional collectives').
+_COLLECTIVES = ("c10d", "_c10d_functional")
 
 DATA_DEPENDENT_OPS = {
     aten.copy_,

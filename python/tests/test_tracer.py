@@ -1012,6 +1012,13 @@ def test_tensor_parallel_rank_holds_its_share(tmp_path):
             8 * share,
             4 * share,
         ), rank
+        # The rank's collectives ran on FSDP's group, the tensor-parallel one and, with HSDP,
+        # the replicas': each an NCCL communicator on a GPU.
+        sizes = sorted(c["ranks"] for c in h["communicators"])
+        assert sizes == ([2, 2, 2] if len(extra) > 2 else [2, 2]), h["communicators"]
+    h, _, _ = held("--strategy", "ddp", "--world-size", "4")
+    assert [c["ranks"] for c in h["communicators"]] == [4], h["communicators"]
+    assert "communicators" not in held()[0]
     for bad, needle in (
         (["--tp", "3"], "num_attention_heads=8 does not divide over 3 tensor-parallel ranks"),
         (["--strategy", "ddp", "--world-size", "4", "--tp", "2"], "compose with fsdp"),

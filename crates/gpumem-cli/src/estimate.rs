@@ -240,10 +240,20 @@ pub fn estimate(a: EstimateArgs) -> CliResult {
             d.formula, d.gpu_mib, d.cpu_mib
         );
     }
-    if trace.header.options.strategy.is_some() && profile.nccl_mib == 0.0 {
-        println!(
-            "note         NCCL's own buffers are not included (this profile states no nccl_mib)"
-        );
+    if trace.header.options.strategy.is_some() {
+        let communicators = trace.communicators();
+        if profile.nccl_mib == 0.0 && profile.nccl_communicator_mib == 0.0 {
+            println!(
+                "note         NCCL's own buffers are not included (this profile states no nccl_mib or nccl_communicator_mib); the rank uses {communicators} communicator(s)"
+            );
+        } else {
+            println!(
+                "nccl         {:.1} MiB outside the allocator: {:.1} MiB, and {communicators} communicator(s) × {:.1} MiB",
+                profile.nccl_mib + f64::from(communicators) * profile.nccl_communicator_mib,
+                profile.nccl_mib,
+                profile.nccl_communicator_mib
+            );
+        }
     }
     println!();
     println!(

@@ -98,7 +98,7 @@ pub fn probe(a: ProbeArgs) -> CliResult {
         .map_err(|e| CliError::other(format!("{}: {e}", a.out.display())))?;
     let s = &report.stack;
     println!(
-        "{}: {} (torch {}, CUDA {}, cuDNN {}): {} convolution configurations added, {} updated, {} refused by the GPU; table now {}; context {:.0} MiB; cuBLAS workspace {} MiB",
+        "{}: {} (torch {}, CUDA {}, cuDNN {}): {} convolution configurations added, {} updated, {} refused by the GPU; table now {}; context {:.0} MiB; cuBLAS workspace {} MiB; NCCL {:.0} MiB + {:.0} MiB per communicator",
         a.out.display(),
         s.gpu,
         s.torch,
@@ -110,6 +110,8 @@ pub fn probe(a: ProbeArgs) -> CliResult {
         profile.conv_workspace.len(),
         profile.cuda_context_mib,
         profile.cublas_workspace() / gpumem_core::units::MIB,
+        profile.nccl_mib,
+        profile.nccl_communicator_mib,
     );
     Ok(())
 }

@@ -643,10 +643,7 @@ impl Estimator for Replay {
     }
 
     fn estimate(&self, trace: &Trace, profile: &GpuProfile) -> Result<Estimate, EstimateError> {
-        let fixed = profile.fixed_bytes(
-            trace.runs_convolutions(),
-            trace.header.options.strategy.is_some(),
-        );
+        let fixed = profile.fixed_bytes(trace.runs_convolutions(), trace.communicators());
         let mut run = self.run(
             trace,
             profile,
@@ -954,10 +951,10 @@ mod tests {
         const C: &str = "in=64x56x56;w=64x64x3x3;stride=1x1;pad=1x1;dil=1x1;groups=1;dtype=float32;layout=contiguous";
         let mut profile = builtin("a100-40gb").unwrap();
         assert_eq!(
-            profile.fixed_bytes(true, false) - profile.fixed_bytes(false, false),
+            profile.fixed_bytes(true, 0) - profile.fixed_bytes(false, 0),
             290 * MIB
         );
-        profile.capacity_mib = (profile.fixed_bytes(true, false) / MIB) + 100;
+        profile.capacity_mib = (profile.fixed_bytes(true, 0) / MIB) + 100;
         let mut b = TraceBuilder::new(TraceHeader::new("t", 1));
         b.alloc_with_id(
             0,
@@ -981,7 +978,7 @@ mod tests {
         assert_eq!(e.workspace_source, Some(WorkspaceSource::Policy));
         assert_eq!(
             e.peak_bytes,
-            profile.fixed_bytes(true, false) + 60 * MIB + 14 * MIB,
+            profile.fixed_bytes(true, 0) + 60 * MIB + 14 * MIB,
             "the 8-batch workspace's 14 MiB segment"
         );
     }
@@ -1015,6 +1012,21 @@ mod tests {
             peak(&job(Some("fsdp")), &profile),
             peak(&job(None), &profile) + 400 * MIB
         );
+        // And each communicator its buffers: a trace that names its process groups (FSDP's
+        // and a tensor-parallel group) pays two; one that names none (older), one.
+        profile.nccl_communicator_mib = 100.0;
+        let mut two = job(Some("fsdp"));
+        two.header.communicators = ["17", "27"]
+            .map(|name| crate::trace::Communicator {
+                name: name.into(),
+                ranks: 4,
+            })
+            .to_vec();
+        assert_eq!(peak(&two, &profile), peak(&job(None), &profile) + 600 * MIB);
+        assert_eq!(
+            peak(&job(Some("ddp")), &profile),
+            peak(&job(None), &profile) + 500 * MIB
+        );
     }
 
     /// A job too large for the GPU is sized as the smallest GPU that holds it would run it:
@@ -1023,7 +1035,7 @@ mod tests {
     #[test]
     fn a_job_that_does_not_fit_is_sized_where_its_cache_would_be_freed() {
         let mut profile = builtin("l4").unwrap();
-        profile.capacity_mib = (profile.fixed_bytes(false, false) / MIB) + 100;
+        profile.capacity_mib = (profile.fixed_bytes(false, 0) / MIB) + 100;
         let mut b = TraceBuilder::new(TraceHeader::new("t", 1));
         let mut kept = b.alloc(20 * MIB, Category::Activation, Phase::Forward, "cat");
         for n in 2..=10 {
@@ -1035,7 +1047,7 @@ mod tests {
         let t = b.finish();
         let e = Replay::default().estimate(&t, &profile).unwrap();
         assert!(!e.fits, "200 + 180 MiB at once exceed 100");
-        let fixed = profile.fixed_bytes(false, false);
+        let fixed = profile.fixed_bytes(false, 0);
         let needs = e.peak_bytes - fixed;
         assert!(
             (380 * MIB..=400 * MIB).contains(&needs),

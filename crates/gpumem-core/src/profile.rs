@@ -100,11 +100,16 @@ pub struct GpuProfile {
     /// it, as a probed one does).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub cudnn_context_mib: f64,
-    /// What NCCL's communicators hold outside the allocator in each process of a distributed
-    /// job (DDP, FSDP, ZeRO), where measured on a machine with several of these GPUs (0: not
-    /// known, not included).
+    /// What NCCL holds outside the allocator in each process of a distributed job (DDP, FSDP,
+    /// ZeRO, …) once, whatever its communicators, where measured on a machine with several of
+    /// these GPUs (0: not known, not included).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub nccl_mib: f64,
+    /// What each NCCL communicator (a process group a rank's collectives run on: FSDP's, a
+    /// tensor-parallel group, HSDP's replicas, …) holds outside the allocator beyond
+    /// `nccl_mib`: its channels' buffers (0: not known, not included; docs/probe.md).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub nccl_communicator_mib: f64,
     /// Overrides the per-architecture cuBLAS workspace size (bytes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cublas_workspace_bytes: Option<u64>,
@@ -229,8 +234,9 @@ impl GpuProfile {
             .saturating_sub(self.context_bytes() + self.non_allocator_bytes())
     }
     /// Memory a job holds outside the allocator: the context, other fixed costs, cuDNN's share
-    /// where the job loads it, NCCL's where it is one process of a distributed job.
-    pub fn fixed_bytes(&self, loads_cudnn: bool, distributed: bool) -> u64 {
+    /// where the job loads it, NCCL's where it is one process of a distributed job (its own,
+    /// and each of its `communicators`' buffers).
+    pub fn fixed_bytes(&self, loads_cudnn: bool, communicators: u32) -> u64 {
         self.context_bytes()
             + self.non_allocator_bytes()
             + if loads_cudnn {
@@ -238,8 +244,9 @@ impl GpuProfile {
             } else {
                 0
             }
-            + if distributed {
+            + if communicators > 0 {
                 mib_to_bytes(self.nccl_mib)
+                    + u64::from(communicators) * mib_to_bytes(self.nccl_communicator_mib)
             } else {
                 0
             }
@@ -265,13 +272,14 @@ impl GpuProfile {
             self.non_allocator_mib,
             self.cudnn_context_mib,
             self.nccl_mib,
+            self.nccl_communicator_mib,
             self.bound_fixed_mib,
         ]
         .iter()
         .all(|&x| within(x, capacity))
         {
             return bad(
-                "non_allocator_mib, cudnn_context_mib, nccl_mib and bound_fixed_mib must be between 0 and capacity_mib",
+                "non_allocator_mib, cudnn_context_mib, nccl_mib, nccl_communicator_mib and bound_fixed_mib must be between 0 and capacity_mib",
             );
         }
         if !within(self.bound_relative, 10.0) || !within(self.conv_workspace_bound, 100.0) {

@@ -504,10 +504,7 @@ pub fn size_run(
     let longest_step_reserved_bytes = reserved_of(seq.shapes[longest].trace)?;
     let any_order = seq.any_order_bound(profile)?;
     let mut estimate = estimator.estimate(&trace, profile)?;
-    let fixed = profile.fixed_bytes(
-        trace.runs_convolutions(),
-        trace.header.options.strategy.is_some(),
-    );
+    let fixed = profile.fixed_bytes(trace.runs_convolutions(), trace.communicators());
     let covered = any_order.reserved_bytes.max(reserved_bytes);
     estimate.upper_bound_bytes = estimate.upper_bound_bytes.max(crate::estimate::upper_bound(
         profile,

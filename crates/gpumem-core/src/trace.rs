@@ -239,7 +239,19 @@ pub struct TraceHeader {
     /// trainer's own code on the tracer's stand-in CUDA, or gpumem's restatement of it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub evaluation_loop: Option<String>,
+    /// The process groups the traced rank's collectives ran on: each an NCCL communicator on a
+    /// GPU, whose buffers live outside the allocator (see [`Trace::communicators`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub communicators: Vec<Communicator>,
     pub iterations: u32,
+}
+
+/// A process group a rank's collectives ran on: PyTorch's name for it and its ranks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Communicator {
+    pub name: String,
+    pub ranks: u32,
 }
 
 impl TraceHeader {
@@ -259,6 +271,7 @@ impl TraceHeader {
             depth: None,
             sized_by_parameters: Vec::new(),
             evaluation_loop: None,
+            communicators: Vec::new(),
             iterations: 0,
         }
     }
@@ -305,6 +318,8 @@ struct HeaderDoc {
     sized_by_parameters: Vec<String>,
     #[serde(default)]
     evaluation_loop: Option<String>,
+    #[serde(default)]
+    communicators: Vec<Communicator>,
     iterations: u32,
 }
 
@@ -402,6 +417,7 @@ impl TryFrom<HeaderDoc> for TraceHeader {
             depth: d.depth,
             sized_by_parameters: d.sized_by_parameters,
             evaluation_loop: d.evaluation_loop,
+            communicators: d.communicators,
             iterations: d.iterations,
         })
     }
@@ -889,6 +905,16 @@ impl Trace {
     }
 
     /// The largest output (bytes written) of any kernel whose op name is in `names`.
+    /// The NCCL communicators the traced rank holds: one per process group its collectives
+    /// ran on, as the tracer saw them; a trace that names none (older, or a native family's)
+    /// holds one where it is a rank of a multi-GPU job, none otherwise.
+    pub fn communicators(&self) -> u32 {
+        match self.header.communicators.len() {
+            0 => u32::from(self.header.options.strategy.is_some()),
+            n => u32::try_from(n).unwrap_or(u32::MAX),
+        }
+    }
+
     /// Whether the job runs a convolution (and so loads cuDNN): the trace names its
     /// workspaces.
     pub fn runs_convolutions(&self) -> bool {

@@ -66,7 +66,7 @@ impl Prober for TorchProber {
             configs: configs.to_vec(),
             benchmark: "off".into(),
             seconds,
-            no_sdpa: true,
+            convolutions_only: true,
             ..Default::default()
         };
         Ok(self

@@ -24,6 +24,17 @@ pub struct ProbeReport {
     pub cublas: BTreeMap<String, Vec<u64>>,
     #[serde(default)]
     pub conv: ProbedConvs,
+    /// NCCL's memory outside the allocator, where this torch has NCCL.
+    #[serde(default)]
+    pub nccl: Option<ProbedNccl>,
+}
+
+/// NCCL measured on `ranks` GPUs: its own memory once, and one more communicator's.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ProbedNccl {
+    pub ranks: u32,
+    pub base_bytes: u64,
+    pub communicator_bytes: u64,
 }
 
 /// Device memory in use outside PyTorch's allocator at a point of the probe.
@@ -82,9 +93,16 @@ impl ProbeReport {
             .max()
     }
 
-    /// Writes the report into `profile`: stack, cuBLAS workspace, context and the
-    /// `cudnn.benchmark`-off workspace table (merged by configuration and batch).
+    /// Writes the report into `profile`: stack, cuBLAS workspace, context, NCCL's own memory
+    /// (and a communicator's, where measured with peers: one rank's holds no peer buffers)
+    /// and the `cudnn.benchmark`-off workspace table (merged by configuration and batch).
     pub fn apply(&self, profile: &mut GpuProfile) -> Applied {
+        if let Some(n) = &self.nccl {
+            profile.nccl_mib = n.base_bytes as f64 / MIB as f64;
+            if n.ranks > 1 {
+                profile.nccl_communicator_mib = n.communicator_bytes as f64 / MIB as f64;
+            }
+        }
         profile.stack = Some(self.stack.clone());
         if let Some(&ws) = self.cublas.get("mm").and_then(|v| v.first()) {
             profile.cublas_workspace_bytes = Some(ws);
@@ -137,8 +155,9 @@ pub struct ProbeRequest {
     pub seconds: u64,
     /// Exactly these convolutions (configuration, batch) instead of `models`' or the grid's.
     pub configs: Vec<(String, u64)>,
-    /// Skip the attention-kernel cases (a daemon's probe wants the convolutions only).
-    pub no_sdpa: bool,
+    /// Only the convolutions: skip the attention-kernel cases and NCCL (a daemon's probe of
+    /// one job, on a GPU other jobs share).
+    pub convolutions_only: bool,
 }
 
 impl TorchTracer {
@@ -167,8 +186,8 @@ impl TorchTracer {
         } else if !req.models.is_empty() {
             cmd.arg("--models").args(&req.models);
         }
-        if req.no_sdpa {
-            cmd.arg("--no-sdpa");
+        if req.convolutions_only {
+            cmd.args(["--no-sdpa", "--no-nccl"]);
         }
         if !req.benchmark.is_empty() {
             cmd.arg("--benchmark").arg(&req.benchmark);
@@ -221,6 +240,22 @@ mod tests {
         {"config":"B","n":32,"error":"RuntimeError: no engine"}],
        "benchmark":[{"config":"A","n":32,"fwd":[50],"search":{"fwd":900}}]},
       "sdpa":[{"dtype":"float16","head_dim":64,"mask":"none","gqa":false,"kernel":"cudnn"}]}"#;
+
+    /// NCCL's own memory goes into the profile from any probe; a communicator's only from one
+    /// with peers (a one-rank communicator holds no peer buffers).
+    #[test]
+    fn nccl_is_taken_as_far_as_the_probe_measured_it() {
+        let mut p = gpumem_core::profile::builtin("h200").unwrap();
+        let with = |nccl: &str| -> ProbeReport {
+            serde_json::from_str(&REPORT.replacen('{', &format!("{{\"nccl\":{nccl},"), 1)).unwrap()
+        };
+        with(r#"{"ranks":1,"base_bytes":209715200,"communicator_bytes":2097152}"#).apply(&mut p);
+        assert_eq!((p.nccl_mib, p.nccl_communicator_mib), (200.0, 0.0));
+        with(r#"{"ranks":8,"base_bytes":209715200,"communicator_bytes":314572800}"#).apply(&mut p);
+        assert_eq!((p.nccl_mib, p.nccl_communicator_mib), (200.0, 300.0));
+        let back = GpuProfile::from_toml(&p.to_toml()).unwrap();
+        assert_eq!(back.nccl_communicator_mib, 300.0);
+    }
 
     #[test]
     fn a_report_goes_into_the_profile_and_a_second_adds_to_its_table() {

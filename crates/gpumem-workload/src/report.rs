@@ -61,6 +61,10 @@ pub struct EstimateReport {
     /// A multi-GPU job's layout (its engine and mesh): the estimate is one rank's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub strategy: Option<Strategy>,
+    /// A multi-GPU job: the NCCL communicators its rank holds (the process groups its
+    /// collectives ran on), whose buffers the profile's NCCL facts size.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub communicators: Option<u32>,
     /// A ZeRO-2/3 job: DeepSpeed's own model-state figure, beside this estimate.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub deepspeed: Option<DeepSpeedFigure>,
@@ -225,6 +229,7 @@ impl EstimateReport {
                     .collect(),
             }),
             strategy,
+            communicators: strategy.map(|_| trace.communicators()),
             deepspeed: deepspeed_figure(strategy, &trace.header),
             run,
             phases: est.phases.clone(),
