@@ -2069,3 +2069,42 @@ def test_whole_run_generation_grows_the_models_own_key_value_cache(tmp_path):
     # Prompts of their own length (TRL's max_prompt_length): the cache starts from it.
     _, made = generate(16, "--generate-prompt-len", "8")
     assert any(e["op"] == "cat" and e["bytes"] == one_layer_key * 9 for e in made)
+
+
+def test_a_gpt_layers_activations_are_korthikantis_closed_form(tmp_path):
+    """Korthikanti et al. (arXiv 2205.05198, eq. 1): a GPT layer — multi-head attention without
+    GQA, LayerNorm, GELU, dropout on, no recomputation, trained as Megatron trains fp16 (model
+    and activations in fp16, master weights apart) — keeps s·b·h·(34 + 5·a·s/h) bytes for
+    backward. BioGPT is that layer (separate q/k/v projections, learned positions, eager
+    attention); its traced activations per layer, the difference of a 4- and a 2-layer model at
+    the end of forward, are within 2% of it at two sequence lengths, so both the s·b·h and the
+    attention's a·s²·b terms are checked. (Under torch's autocast the layout differs — an fp32
+    residual stream and softmax and autocast's fp16 copies: docs/parallelism.md.)"""
+    h, a, b = 512, 8, 2
+
+    def kept(layers, s):
+        ref = (
+            f"hf:BioGptForCausalLM(hidden_size={h},num_attention_heads={a},intermediate_size={4 * h},"
+            f"num_hidden_layers={layers},vocab_size=1024,max_position_embeddings=1024,"
+            "hidden_dropout_prob=0.1,attention_probs_dropout_prob=0.1,activation_dropout=0.0,layerdrop=0.0)"
+        )
+        _, evs = traced(
+            [ref, "--batch", str(b), "--seq-len", str(s), "--precision", "fp16"]
+            + ["--attention", "eager"],
+            tmp_path,
+        )
+        live, iteration = {}, 0
+        for e in evs:
+            iteration += e["ev"] == "iteration"
+            if e["ev"] == "alloc":
+                if e["phase"] == "backward" and iteration >= 2:
+                    break
+                live[e["id"]] = e["bytes"] if e["category"] == "activation" else 0
+            elif e["ev"] == "free":
+                live.pop(e["id"], None)
+        return sum(live.values())
+
+    for s in (256, 512):
+        per_layer = (kept(4, s) - kept(2, s)) / 2
+        formula = s * b * h * (34 + 5 * a * s / h)
+        assert abs(per_layer / formula - 1) < 0.02, (s, per_layer, formula)
