@@ -403,7 +403,8 @@ def trace_training(opts: TraceOptions, out_path: str):
     if opts.pipeline > 1:
         # The rank's chunks after checkpointing (a wrapped block is held as its wrapper) and
         # before FSDP, which shards each chunk as torchtitan shards each model part.
-        hidden = model.config.hidden_size
+        config = getattr(model, "config", None)
+        hidden = config.hidden_size if config is not None else model.model_args.dim
         model = pipeline.split(
             model,
             opts.model,
@@ -411,7 +412,12 @@ def trace_training(opts: TraceOptions, out_path: str):
             opts.virtual_stages,
             opts.pipeline_rank,
             ranks["tensor"] if opts.tensor > 1 else None,
+            loss=lambda out, labels: job.loss(out, [None, labels]),
         )
+        if sharded and isinstance(model.chunks[0], pipeline.TitanChunk):
+            # Each torchtitan part is a copy of the model: its own blocks (as checkpointing
+            # left them) are FSDP's units.
+            units = [b for c in model.chunks for b in c.part.layers.values()]
         schedule = pipeline.Schedule(
             model,
             opts.schedule,

@@ -130,6 +130,53 @@ class Chunk(torch.nn.Module):
         return loss(logits=self.head(self.norm(h)), labels=labels, vocab_size=vocab)
 
 
+class TitanChunk(torch.nn.Module):
+    """One model part of a torchtitan model, as torchtitan's ``pipeline_module_split`` makes it:
+    a copy of the model keeping only its part's modules (the others ``None`` or emptied, which
+    torchtitan's models' forward passes over), the job's own loss after the last."""
+
+    def __init__(self, part, first, last, loss):
+        super().__init__()
+        self.part, self.first, self.last = part, first, last
+        self._loss = loss if last else None
+
+    def forward(self, x, labels=None):
+        out = self.part(x)
+        return out if self._loss is None else self._loss(out, labels)
+
+
+def _titan_split(model, name, count, rank, stages, loss):
+    """Rank ``rank``'s chunks of a torchtitan model: torchtitan's own module names per model
+    part (``generate_llm_fqn_per_model_part`` with its default weights, the embedding and the
+    norm and head each counting as a layer), each part a copy of the model keeping those."""
+    import copy
+
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+
+    layers = model.layers
+    if len(layers) + 2 < count:
+        raise ReferenceError_(
+            f"{name}: {len(layers)} layers do not fill {count} pipeline stages (stages x virtual stages)"
+        )
+    names = generate_llm_fqn_per_model_part(count, len(layers), 1, 1)
+    chunks = []
+    for s in range(rank, count, stages):
+        keep = set(names[s])
+        part = copy.deepcopy(model)
+        for child, module in list(part.named_children()):
+            if isinstance(module, torch.nn.ModuleDict):
+                for key in list(module.keys()):
+                    if f"{child}.{key}" not in keep:
+                        del module[key]
+            elif isinstance(module, torch.nn.ModuleList):
+                held = [m for i, m in enumerate(module) if f"{child}.{i}" in keep]
+                setattr(part, child, torch.nn.ModuleList(held))
+            elif child not in keep:
+                setattr(part, child, None)
+        chunks.append(TitanChunk(part, s == 0, s == count - 1, loss))
+    return chunks
+
+
 class Stages(torch.nn.Module):
     """The chunks one rank holds (its ``model``: only their weights are its)."""
 
@@ -138,10 +185,17 @@ class Stages(torch.nn.Module):
         self.chunks = torch.nn.ModuleList(chunks)
 
 
-def split(model, name, stages, virtual_stages, rank, tensor_mesh=None):
+def split(model, name, stages, virtual_stages, rank, tensor_mesh=None, loss=None):
     """Rank ``rank``'s chunks of a Hugging Face decoder, as ``Stages`` (``tensor_mesh``: the
-    model's layers are tensor-parallel over it); refused in one line for a model without a
-    decoder's layers, norm and head, or with fewer layers than chunks."""
+    model's layers are tensor-parallel over it), or of a torchtitan model as torchtitan splits
+    it (``loss(output, labels)``: the job's, after its last part); refused in one line for a
+    model without a decoder's layers, norm and head, or with fewer layers than chunks."""
+    if type(model).__module__.startswith("torchtitan.models."):
+        if tensor_mesh is not None:
+            raise ReferenceError_(
+                f"{name}: pipeline and tensor parallelism of torchtitan's models together are not traced yet"
+            )
+        return Stages(_titan_split(model, name, stages * virtual_stages, rank, stages, loss))
     base = getattr(model, "base_model", None)
     layers = getattr(base, "layers", None)
     if (

@@ -413,3 +413,30 @@ def test_context_parallel_rank_holds_its_chunks_and_gathers_the_keys_and_values(
         ]
         assert set(gathers) == {2 * batch * 1024 * dim * 2}, (n, set(gathers))
         assert len(gathers) == layers * whole_header["iterations"], (n, len(gathers))
+
+
+def test_pipeline_stage_of_a_torchtitan_model_holds_its_model_part(tmp_path):
+    """``--pp`` on a torchtitan model cuts it as torchtitan does (its own
+    ``generate_llm_fqn_per_model_part``: the embedding and the norm with the head each weigh as a
+    layer), each part a copy of the model keeping its modules: stage k's rank holds exactly its
+    part's parameters (and Adam's two states on them), and every stage runs under the schedule."""
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+
+    model = importlib.import_module("gpumem_trace.models").resolve(REF, seq_len=64).model
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    parts = generate_llm_fqn_per_model_part(4, len(model.layers), 1, 1)
+    for k, names in enumerate(parts):
+        held = sum(n for p, n in sizes.items() if any(p.startswith(m + ".") for m in names))
+        _, events = _traced(
+            tmp_path, REF, "--seq-len", "64", "--batch", "4", "--pp", "4", "--pp-rank", str(k)
+        )
+        live, sizes_by_id = Counter(), {}
+        for e in events:
+            if e["ev"] == "alloc":
+                sizes_by_id[e["id"]] = (e["bytes"], e["category"])
+            elif e["ev"] == "free":
+                del sizes_by_id[e["id"]]
+        for nbytes, category in sizes_by_id.values():
+            live[category] += nbytes
+        assert live["optimizer_state"] == 8 * held, (k, names, live)
+        assert live["parameter"] >= 4 * held, (k, names, live)

@@ -314,3 +314,40 @@ fn context_parallel_jobs_are_checked_in_one_line() {
         bad_input(&all, needle);
     }
 }
+
+/// Pipeline stages of torchtitan's own model, cut as torchtitan cuts it: every stage sized, the
+/// worst answering.
+#[test]
+fn a_torchtitan_models_pipeline_stages_are_each_sized() {
+    let Some(python) = titan_python() else {
+        return;
+    };
+    let o = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args([
+            "estimate",
+            TITAN,
+            "--batch",
+            "4",
+            "--seq-len",
+            "512",
+            "--gpu",
+            "h100-80gb-sxm",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--json",
+        ])
+        .env("GPUMEM_PYTHON", &python)
+        .env("GPUMEM_CACHE", scratch("titan-pp", "cache"))
+        .output()
+        .expect("gpumem runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let stages = v["stages"].as_array().unwrap();
+    assert_eq!(stages.len(), 2, "{v}");
+    assert_eq!(
+        stages[0]["peak_bytes"], v["peak_bytes"],
+        "the worst answers"
+    );
+}

@@ -640,6 +640,8 @@ pub(crate) fn fsdp(
         replicate: 1,
         shard: None,
         tensor: 1,
+        pipeline: 1,
+        schedule: None,
         context: 1,
         expert: 1,
         reshard_after_forward: reshard,

@@ -217,6 +217,8 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
                 replicate: 1,
                 shard: world,
                 tensor: 1,
+                pipeline: 1,
+                schedule: None,
                 context: 1,
                 expert: 1,
                 reshard_after_forward: reshard,

@@ -16,7 +16,8 @@ use std::path::{Path, PathBuf};
 
 use gpumem_core::job::{
     Attention, AttentionMask, Checkpointing, Engine, HalfDtype, Implementation, Lora, Mesh,
-    MeshDim, Optimizer, OptionError, OptionValues, Options, Precision, Quant4, Strategy, WholeRun,
+    MeshDim, Optimizer, OptionError, OptionValues, Options, Pipeline, Precision, Quant4, Strategy,
+    WholeRun,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -139,6 +140,9 @@ pub enum Layout {
         replicate: u32,
         shard: Option<u32>,
         tensor: u32,
+        /// Pipeline stages, and how they step (present exactly where there are several).
+        pipeline: u32,
+        schedule: Option<Pipeline>,
         context: u32,
         expert: u32,
         reshard_after_forward: bool,
@@ -247,6 +251,8 @@ impl TrainConfig {
                 replicate,
                 shard,
                 tensor,
+                pipeline,
+                schedule,
                 context,
                 expert,
                 reshard_after_forward,
@@ -254,7 +260,7 @@ impl TrainConfig {
                 cpu_offload,
                 field,
             } => {
-                let group = replicate * context * tensor;
+                let group = replicate * pipeline * context * tensor;
                 let shard = match (shard, world) {
                     (Some(s), Some(w)) if s * group != w => {
                         return Err(field_err(
@@ -298,13 +304,19 @@ impl TrainConfig {
                     (MeshDim::Replicate, *replicate),
                     (MeshDim::Shard, shard),
                     (MeshDim::Tensor, *tensor),
+                    (MeshDim::Pipeline, *pipeline),
                     (MeshDim::Context, *context),
                     (MeshDim::Expert, *expert),
                 ])
                 .map_err(|e| field_err(field, e.to_string()))?;
-                Strategy::new(mesh, engine)
-                    .map(Some)
-                    .map_err(|e| field_err(field, e.to_string()))
+                let strategy =
+                    Strategy::new(mesh, engine).map_err(|e| field_err(field, e.to_string()))?;
+                match schedule {
+                    Some(p) => strategy.with_pipeline(*p),
+                    None => Ok(strategy),
+                }
+                .map(Some)
+                .map_err(|e| field_err(field, e.to_string()))
             }
             Layout::Zero { job, field } => {
                 let w = match (job.world_size, world) {

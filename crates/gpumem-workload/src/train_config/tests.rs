@@ -3,6 +3,7 @@ use std::path::{Path, PathBuf};
 
 use gpumem_core::job::{
     AttentionMask, Checkpointing, Engine, HalfDtype, Optimizer, OptionValues, Precision, Quant4,
+    Schedule,
 };
 use serde_json::Value;
 
@@ -476,16 +477,53 @@ fn torchtitan_tensor_parallel_is_a_mesh_dimension_and_pipelines_are_refused() {
             .contains("must divide the 4 shard × context × tensor ranks"),
         "{e}"
     );
+    // Pipeline stages as torchtitan steps them: its schedule's name, micro-batches of the
+    // local batch, two stages per rank for a multi-stage schedule; gathered layers kept across
+    // micro-batches (its default reshard policy with a pipeline); torchtitan's own model.
+    let c = read_text(
+        "t.toml",
+        "[model]\nname = \"llama3\"\nflavor = \"8B\"\nhf_assets_path = \"./assets/hf/Llama-3.1-8B\"\n[training]\nlocal_batch_size = 8\n[parallelism]\ndata_parallel_shard_degree = 4\npipeline_parallel_degree = 2\npipeline_parallel_schedule = \"Interleaved1F1B\"\npipeline_parallel_microbatch_size = 2\npipeline_parallel_first_stage_less_layers = 2\n",
+        Path::new("."),
+        None,
+    )
+    .unwrap();
+    let s = c.strategy(None).unwrap().unwrap();
+    let p = s.pipeline().unwrap();
+    assert_eq!(
+        (
+            s.world_size(),
+            p.schedule(),
+            p.microbatches(),
+            p.virtual_stages()
+        ),
+        (8, Schedule::Interleaved, 4, 2)
+    );
+    assert!(matches!(
+        s.engine(),
+        Engine::Fsdp {
+            reshard_after_forward: false,
+            ..
+        }
+    ));
+    assert_eq!(
+        c.model.as_ref().map(|m| m.0.as_str()),
+        Some("torchtitan:llama3(flavor=8B)")
+    );
+    assert!(not_modelled(
+        &c,
+        "parallelism.pipeline_parallel_first_stage_less_layers"
+    ));
     let e = read_text(
         "t.toml",
-        "[parallelism]\ndata_parallel_shard_degree = 4\npipeline_parallel_degree = 2\n",
+        "[training]\nlocal_batch_size = 8\n[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = \"DualPipeV\"\n",
         Path::new("."),
         None,
     )
     .unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "t.toml: `parallelism.pipeline_parallel_degree`: pipeline parallelism of torchtitan's own models is not sized yet (--pp sizes a Hugging Face decoder's)"
+    assert!(
+        e.to_string()
+            .contains("`DualPipeV` is not a schedule gpumem steps"),
+        "{e}"
     );
     let every2 = read_text(
         "t.toml",

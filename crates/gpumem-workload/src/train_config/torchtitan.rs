@@ -6,8 +6,8 @@
 //! left, `-1`).
 
 use gpumem_core::job::{
-    Checkpointing, Engine, HalfDtype, Implementation, LayerFrequency, Mesh, MeshDim, Precision,
-    Strategy,
+    Checkpointing, Engine, HalfDtype, Implementation, LayerFrequency, Mesh, MeshDim, Pipeline,
+    Precision, Schedule, Strategy,
 };
 use serde_json::Value;
 
@@ -107,7 +107,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         let name = doc.text("model.name")?;
         let flavor = doc.text("model.flavor")?;
         if let (Some(n), Some(f)) = (name, flavor) {
-            out.model = Some((format!("{n}:{f}"), "model.flavor".into()));
+            out.model = Some((format!("torchtitan:{n}(flavor={f})"), "model.flavor".into()));
         }
     } else {
         // name and flavor choose torchtitan's definition of what hf_assets_path holds.
@@ -326,16 +326,15 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         ("expert_parallel_degree", MeshDim::Expert),
     ] {
         let d = degree(doc, key)?;
-        // Tensor parallelism: torchtitan's own apply_tp on its model (the tracer's).
-        if d > 1 && dim == MeshDim::Pipeline {
-            return Err(doc.err(
-                &format!("parallelism.{key}"),
-                "pipeline parallelism of torchtitan's own models is not sized yet (--pp sizes a Hugging Face decoder's)",
-            ));
-        }
-        // Tensor, context and expert parallelism: torchtitan's own apply_tp,
-        // apply_cp_to_attention_module and apply_moe_ep_tp on its model (the tracer's).
-        if d > 1 && !matches!(dim, MeshDim::Tensor | MeshDim::Context | MeshDim::Expert) {
+        // Every one is torchtitan's own code on its model (the tracer's): apply_tp, its
+        // pipeline split, apply_cp_to_attention_module, apply_moe_ep_tp. A degree the mesh
+        // cannot take is refused in the mesh's words.
+        if d > 1
+            && !matches!(
+                dim,
+                MeshDim::Tensor | MeshDim::Pipeline | MeshDim::Context | MeshDim::Expert
+            )
+        {
             let why = Mesh::new(&[(dim, d as u32)])
                 .and_then(|m| {
                     Strategy::new(
@@ -416,6 +415,19 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             "tensor parallelism inside the experts is not modelled: they are traced with ETP 1, torchtitan's default",
         );
     }
+    let pipeline_degree = ranks(doc, "pipeline_parallel_degree")?;
+    let schedule = if pipeline_degree > 1 {
+        Some(pipeline(doc, out)?)
+    } else {
+        None
+    };
+    if context_degree > 1 || expert_degree > 1 || pipeline_degree > 1 {
+        // torchtitan's own split, context and expert parallelism run on its own model: the one
+        // name and flavor choose, not the assets' config.json (a Hugging Face model's).
+        if let (Some(n), Some(f)) = (doc.text("model.name")?, doc.text("model.flavor")?) {
+            out.model = Some((format!("torchtitan:{n}(flavor={f})"), "model.flavor".into()));
+        }
+    }
     let replicate = ranks(doc, "data_parallel_replicate_degree")?;
     let shard = match doc.whole("parallelism.data_parallel_shard_degree")? {
         None | Some(-1) => None,
@@ -431,7 +443,9 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         .text("parallelism.fsdp_reshard_after_forward")?
         .as_deref()
     {
-        None | Some("default" | "always") => true,
+        // torchtitan's default keeps a pipeline's gathered layers across its micro-batches.
+        None | Some("default") => pipeline_degree == 1,
+        Some("always") => true,
         Some("never") => false,
         Some(other) => {
             return Err(doc.err(
@@ -457,6 +471,8 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             replicate,
             shard,
             tensor: tensor_degree,
+            pipeline: pipeline_degree,
+            schedule,
             context: context_degree,
             expert: expert_degree,
             reshard_after_forward: reshard,
@@ -502,4 +518,68 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     // A dumped dataclass's class names it; what it configures is read by its fields.
     doc.no_memory_named("_class");
     Ok(TABLE)
+}
+
+/// A torchtitan pipeline's schedule as its config states it: `pipeline_parallel_schedule`
+/// (PyTorch's names, any case; 1F1B by default), micro-batches of
+/// `pipeline_parallel_microbatch_size` samples out of the local batch, and torchtitan's stages
+/// per rank (1 for a single-stage schedule, 2 for a multi-stage one). Its default split is the
+/// tracer's (torchtitan's own `generate_llm_fqn_per_model_part`); another is listed as not
+/// modelled.
+fn pipeline(doc: &mut Doc, out: &TrainConfig) -> Result<Pipeline, TrainConfigError> {
+    const KEY: &str = "parallelism.pipeline_parallel_schedule";
+    let name = doc.text(KEY)?.unwrap_or_else(|| "1F1B".into());
+    let (schedule, per_rank) = match name.to_ascii_lowercase().as_str() {
+        "gpipe" => (Schedule::Gpipe, 1),
+        "1f1b" => (Schedule::OneForwardOneBackward, 1),
+        "interleaved1f1b" => (Schedule::Interleaved, 2),
+        "interleavedzerobubble" => (Schedule::ZeroBubble, 2),
+        _ => {
+            return Err(doc.err(
+                KEY,
+                format!(
+                    "`{name}` is not a schedule gpumem steps (GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble)"
+                ),
+            ));
+        }
+    };
+    for (key, default) in [
+        ("parallelism.pipeline_parallel_first_stage_less_layers", 1),
+        ("parallelism.pipeline_parallel_last_stage_less_layers", 1),
+    ] {
+        if doc.whole(key)?.is_some_and(|v| v != default) {
+            doc.not_modelled(
+                key,
+                "the tracer splits the model as torchtitan does by default",
+            );
+        }
+    }
+    for key in [
+        "parallelism.pipeline_parallel_layers_per_stage",
+        "parallelism.module_fqns_per_model_part",
+        "parallelism.pipeline_parallel_split_points",
+    ] {
+        if doc.get(key).is_some_and(|v| !v.is_null()) {
+            doc.not_modelled(
+                key,
+                "the tracer splits the model as torchtitan does by default",
+            );
+        }
+    }
+    const SIZE: &str = "parallelism.pipeline_parallel_microbatch_size";
+    let size = doc.positive(SIZE)?.unwrap_or(1);
+    let local = out.micro_batch.as_ref().map(|(b, _)| *b).ok_or_else(|| {
+        doc.err(
+            "training.local_batch_size",
+            "missing: a pipeline's micro-batches are parts of it",
+        )
+    })?;
+    if local % size != 0 {
+        return Err(doc.err(
+            SIZE,
+            format!("{size} does not divide the local batch of {local}"),
+        ));
+    }
+    let microbatches = u32::try_from(local / size).unwrap_or(u32::MAX);
+    Pipeline::new(schedule, microbatches, per_rank).map_err(|e| doc.err(SIZE, e.to_string()))
 }

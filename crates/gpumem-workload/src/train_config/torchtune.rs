@@ -233,6 +233,8 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             replicate,
             shard,
             tensor: 1,
+            pipeline: 1,
+            schedule: None,
             context: 1,
             expert: 1,
             reshard_after_forward: doc.flag("fsdp_reshard_after_forward")?.unwrap_or(true),
