@@ -351,3 +351,45 @@ fn a_torchtitan_models_pipeline_stages_are_each_sized() {
         "the worst answers"
     );
 }
+
+/// The largest batch of an expert-parallel job bounded at a router imbalance fits both
+/// routings' bounds: no larger than the balanced one's, and its bound is the larger reading's.
+#[test]
+fn an_imbalanced_router_lowers_the_largest_batch() {
+    let Some(python) = titan_python() else {
+        return;
+    };
+    let largest = |extra: &[&str]| -> (u64, f64) {
+        let o = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args([
+                "max-batch",
+                "torchtitan:deepseek_v3(flavor=debugmodel)",
+                "--seq-len",
+                "8192",
+                "--gpu",
+                "h100-80gb-sxm",
+                "--strategy",
+                "fsdp",
+                "--world-size",
+                "4",
+                "--ep",
+                "4",
+                "--json",
+            ])
+            .args(extra)
+            .env("GPUMEM_PYTHON", &python)
+            .env("GPUMEM_CACHE", scratch("titan-ep-max", "cache"))
+            .output()
+            .expect("gpumem runs");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        (
+            v["max_batch"].as_u64().unwrap(),
+            v["upper_bound_mib"].as_f64().unwrap(),
+        )
+    };
+    let (balanced, _) = largest(&[]);
+    let (imbalanced, bound) = largest(&["--routing-imbalance", "4"]);
+    assert!(imbalanced < balanced, "{imbalanced} against {balanced}");
+    assert!(bound <= 81559.0, "{bound}");
+}

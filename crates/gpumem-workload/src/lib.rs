@@ -521,18 +521,23 @@ impl Workload {
                 None => return Ok(None),
             }
         }
-        // The estimate there is the worst balanced reading's (the bound fitted every one).
+        // The estimate there is the worst balanced reading's, its bound the largest of all
+        // (as `size` answers).
         let mut worst: Option<Estimate> = None;
+        let mut bound = 0;
         for (w, s) in alternatives.iter().zip(&readings) {
-            if w.routing != RoutingImbalance::BALANCED {
-                continue;
-            }
             let e = estimator.estimate(&s.at(least)?, profile)?;
-            if worst.as_ref().is_none_or(|w| e.peak_bytes > w.peak_bytes) {
+            bound = bound.max(e.upper_bound_bytes);
+            if w.routing == RoutingImbalance::BALANCED
+                && worst.as_ref().is_none_or(|w| e.peak_bytes > w.peak_bytes)
+            {
                 worst = Some(e);
             }
         }
-        Ok(worst.map(|e| (least, e)))
+        Ok(worst.map(|mut e| {
+            e.upper_bound_bytes = bound;
+            (least, e)
+        }))
     }
 
     /// [`Workload::symbolic`] of this job's own rank (a pipeline's: `pipeline_rank`'s).
