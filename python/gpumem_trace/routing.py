@@ -45,19 +45,14 @@ class Routing:
     def counts(self, ids, bins):
         """The stand-in count of each of ``bins`` experts among ``ids``' choices."""
         n = ids.numel()
+        local = max(1, bins // self.expert_ranks)  # the traced rank's experts: the first
+        if local >= bins:  # no expert parallelism: every expert is the rank's
+            return _even(n, bins)
         base = ids._base if ids._base is not None else ids
         top_k = base.shape[-1] if base.dim() == 2 else 1  # (tokens, k) viewed flat
-        local = max(1, bins // self.expert_ranks)
-        most = n * min(1.0, local / top_k)  # a token picks each expert once
-        hot = bins if local >= bins else local
-        to_hot = min(round(n * local / bins * self.imbalance), math.floor(most))
-        if hot == bins:
-            to_hot = n
-        out = torch.empty(bins, dtype=torch.long)
-        out[:hot] = _even(to_hot, hot)
-        if hot < bins:
-            out[hot:] = _even(n - to_hot, bins - hot)
-        return out
+        most = math.floor(n * min(1.0, local / top_k))  # a token picks each expert once
+        to_local = min(round(n * local / bins * self.imbalance), most)
+        return torch.cat((_even(to_local, local), _even(n - to_local, bins - local)))
 
     def after(self, func, args, kwargs, out):
         """Attaches stand-in values to ``out`` where ``func`` starts or carries a count."""

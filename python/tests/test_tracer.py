@@ -2108,3 +2108,22 @@ def test_a_gpt_layers_activations_are_korthikantis_closed_form(tmp_path):
         per_layer = (kept(4, s) - kept(2, s)) / 2
         formula = s * b * h * (34 + 5 * a * s / h)
         assert abs(per_layer / formula - 1) < 0.02, (s, per_layer, formula)
+
+
+def test_the_routers_stand_in_counts():
+    """routing.Routing's counts of 8 experts among 1,024 tokens' top-2 choices: even without
+    expert parallelism whatever the imbalance (every expert is the rank's); with 4 ranks the
+    traced rank's 2 experts get F times their share, up to every token's choices (a token picks
+    an expert once: at most 2 of its 2 choices on a rank of 2 experts), the rest evenly."""
+    import torch
+
+    from gpumem_trace.routing import Routing
+
+    ids = torch.empty(1024, 2, dtype=torch.long, device="meta").view(-1)
+    assert Routing(1, 4.0).counts(ids, 8).tolist() == [256] * 8
+    assert Routing(4, 1.0).counts(ids, 8).tolist() == [256] * 8
+    assert Routing(4, 2.0).counts(ids, 8).tolist() == [512, 512, 171, 171, 171, 171, 170, 170]
+    capped = Routing(4, 100.0).counts(ids, 8).tolist()
+    assert capped[:2] == [1024, 1024] and sum(capped) == 2048, capped
+    with pytest.raises(ValueError, match="not a number ≥ 1"):
+        Routing(4, 0.5)
