@@ -240,12 +240,12 @@ def device_mesh(world_size, replicas=1, tensor=1, pipeline=1, context=1):
     )
 
 
-def expert_mesh(world_size, replicas=1, tensor=1, pipeline=1, expert=1):
+def expert_mesh(world_size, replicas=1, pipeline=1, expert=1):
     """The ranks as torchtitan's expert layers see them (``ParallelDims``' sparse mesh, with
     no tensor parallelism inside the experts): ``pipeline``, ``replicate``, ``efsdp`` and
-    ``ep``, where expert parallelism borrows its ranks from FSDP's and tensor parallelism's
-    (``efsdp = shard × tensor / ep``): the experts are split over ``ep`` and what remains of
-    FSDP shards them further."""
+    ``ep``, where expert parallelism borrows its ranks from FSDP's, context parallelism's and
+    tensor parallelism's (``efsdp = shard × context × tensor / ep``): the experts are split
+    over ``ep`` and what remains of FSDP shards them further."""
     fake_world(world_size)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -344,7 +344,7 @@ def context_parallel(model, mesh, name):
 _COLUMN, _ROW, _REPLICATED = "colwise", "rowwise", "replicated_with_grad_allreduce"
 
 
-def tensor_parallel(model, mesh, name):
+def tensor_parallel(model, mesh, name, context_parallel=False):
     """Tensor parallelism over ``mesh`` (1-D) as torchtitan applies it to a Llama-like decoder,
     on the layers the Hugging Face model's own plan (``config.base_model_tp_plan``) names
     column-wise and row-wise, with PyTorch's ``parallelize_module``:
@@ -363,9 +363,10 @@ def tensor_parallel(model, mesh, name):
       stay whole on every rank.
 
     Refused in one line: a model without a plan, a plan style other than these, heads that do
-    not divide over the ranks, a layer that is not a plain Linear (LoRA's)."""
+    not divide over the ranks, a layer that is not a plain Linear (LoRA's).
+    ``context_parallel``: the job's sequence is split too (torchtitan's plans are told)."""
     if type(model).__module__.startswith("torchtitan.models."):
-        return _torchtitan_tensor_parallel(model, mesh, name)
+        return _torchtitan_tensor_parallel(model, mesh, name, context_parallel)
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -442,12 +443,12 @@ def tensor_parallel(model, mesh, name):
     return model
 
 
-def _torchtitan_tensor_parallel(model, mesh, name):
+def _torchtitan_tensor_parallel(model, mesh, name, context_parallel):
     """torchtitan's own tensor parallelism for its model (``torchtitan.models.FAMILY.infra.
     parallelize``'s ``apply_tp``, or ``apply_non_moe_tp`` for its mixture-of-experts families,
     whose MoE layers ``expert_parallel`` parallelizes), with its defaults: loss parallelism
     (the logits stay sharded over the vocabulary into the loss, which the caller runs under
-    ``loss_parallel()``), no float8, no async TP, no context parallelism."""
+    ``loss_parallel()``), no float8, no async TP; context parallelism as the job has it."""
     import importlib
     import inspect
 
@@ -460,7 +461,7 @@ def _torchtitan_tensor_parallel(model, mesh, name):
         "loss_parallel": True,
         "enable_float8_tensorwise_tp": False,
         "enable_async_tp": False,
-        "cp_enabled": False,
+        "cp_enabled": context_parallel,
     }
     params = list(inspect.signature(apply).parameters.values())[2:]
     needed = {p.name for p in params if p.default is inspect.Parameter.empty}

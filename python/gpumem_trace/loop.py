@@ -352,7 +352,7 @@ def trace_training(opts: TraceOptions, out_path: str):
     sharded_loss = contextlib.nullcontext()
     if opts.tensor > 1:
         # As torchtitan orders it: tensor parallelism first, then checkpointing, then FSDP.
-        distributed.tensor_parallel(model, ranks["tensor"], opts.model)
+        distributed.tensor_parallel(model, ranks["tensor"], opts.model, opts.context > 1)
         sharded_loss = distributed.loss_parallel(model)
     if opts.context > 1:
         # torchtitan's order: context parallelism after tensor parallelism. Each step's batch
@@ -369,7 +369,7 @@ def trace_training(opts: TraceOptions, out_path: str):
         # torchtitan's order: the MoE layers' expert and tensor parallelism after the rest's.
         if opts.expert > 1:
             experts_mesh = distributed.expert_mesh(
-                opts.world_size, opts.replicas, opts.tensor, opts.pipeline, opts.expert
+                opts.world_size, opts.replicas, opts.pipeline, opts.expert
             )
         experts = distributed.expert_parallel(
             model, ranks["tensor"] if opts.tensor > 1 else None, experts_mesh, opts.model
