@@ -29,6 +29,23 @@ fn titan_python() -> Option<String> {
     }
 }
 
+/// gpumem's output for `args` in the torchtitan interpreter, its cache under `suite`; a
+/// failure fails the test.
+fn titan_gpumem(python: &str, suite: &str, args: &[&str]) -> String {
+    let o = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args(args)
+        .env("GPUMEM_PYTHON", python)
+        .env("GPUMEM_CACHE", scratch(suite, "cache"))
+        .output()
+        .expect("gpumem runs");
+    assert!(
+        o.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout).unwrap()
+}
+
 /// The estimate's peak and activations (bytes, MiB) for one checkpointing mode.
 fn estimate(python: &str, mode: &str) -> (u64, f64) {
     let o = Command::new(env!("CARGO_BIN_EXE_gpumem"))
@@ -142,30 +159,24 @@ fn an_expert_parallel_job_is_estimated_balanced_and_bounded_at_its_imbalance() {
         return;
     };
     let run = |extra: &[&str]| {
-        let o = Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .args([
-                "estimate",
-                "torchtitan:deepseek_v3(flavor=debugmodel)",
-                "--batch",
-                "2",
-                "--seq-len",
-                "256",
-                "--gpu",
-                "h100-80gb-sxm",
-                "--strategy",
-                "fsdp",
-                "--world-size",
-                "4",
-                "--ep",
-                "4",
-            ])
-            .args(extra)
-            .env("GPUMEM_PYTHON", &python)
-            .env("GPUMEM_CACHE", scratch("titan-ep", "cache"))
-            .output()
-            .expect("gpumem runs");
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        String::from_utf8(o.stdout).unwrap()
+        let mut args = vec![
+            "estimate",
+            "torchtitan:deepseek_v3(flavor=debugmodel)",
+            "--batch",
+            "2",
+            "--seq-len",
+            "256",
+            "--gpu",
+            "h100-80gb-sxm",
+            "--strategy",
+            "fsdp",
+            "--world-size",
+            "4",
+            "--ep",
+            "4",
+        ];
+        args.extend_from_slice(extra);
+        titan_gpumem(&python, "titan-ep", &args)
     };
     let balanced: serde_json::Value = serde_json::from_str(&run(&["--json"])).unwrap();
     assert_eq!(balanced["strategy"]["mesh"]["expert"], 4);
@@ -197,10 +208,11 @@ fn an_expert_parallel_job_is_estimated_balanced_and_bounded_at_its_imbalance() {
     assert!(text.contains("routing      at imbalance 2×"), "{text}");
 }
 
-/// Expert parallelism is torchtitan's: a model without MoE layers, a strategy it cannot borrow
-/// ranks from, and an imbalance without expert ranks are refused in one line.
+/// Expert and context parallelism are FSDP's and torchtitan's: degrees the mesh cannot take, a
+/// strategy they cannot compose with, an imbalance out of range, a pipeline or whole run with
+/// context parallelism are refused in one line.
 #[test]
-fn expert_parallel_jobs_are_checked_in_one_line() {
+fn expert_and_context_parallel_jobs_are_checked_in_one_line() {
     for (args, needle) in [
         (
             &["--strategy", "fsdp", "--world-size", "4", "--ep", "3"][..],
@@ -223,6 +235,18 @@ fn expert_parallel_jobs_are_checked_in_one_line() {
             ][..],
             "--routing-imbalance) 0.5 is out of range",
         ),
+        (
+            &["--strategy", "ddp", "--world-size", "4", "--cp", "2"][..],
+            "--tp, --pp and --cp compose with --strategy fsdp or hsdp, not ddp",
+        ),
+        (
+            &["--cp", "2", "--pp", "2"][..],
+            "pipeline parallelism (strategy.mesh.pipeline) with context parallelism (--cp) is not sized yet",
+        ),
+        (
+            &["--cp", "2", "--whole-run"][..],
+            "whole_run (--whole-run) with context parallelism (strategy.mesh.context) is not sized yet",
+        ),
     ] {
         let mut all = vec!["estimate", "hf:LlamaForCausalLM(num_hidden_layers=2)"];
         all.extend_from_slice(args);
@@ -239,26 +263,20 @@ fn a_context_parallel_rank_holds_its_chunks() {
         return;
     };
     let run = |extra: &[&str]| {
-        let o = Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .args([
-                "estimate",
-                TITAN,
-                "--batch",
-                "2",
-                "--seq-len",
-                "8192",
-                "--gpu",
-                "h100-80gb-sxm",
-                "--precision",
-                "amp-bf16",
-            ])
-            .args(extra)
-            .env("GPUMEM_PYTHON", &python)
-            .env("GPUMEM_CACHE", scratch("titan-cp", "cache"))
-            .output()
-            .expect("gpumem runs");
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        String::from_utf8(o.stdout).unwrap()
+        let mut args = vec![
+            "estimate",
+            TITAN,
+            "--batch",
+            "2",
+            "--seq-len",
+            "8192",
+            "--gpu",
+            "h100-80gb-sxm",
+            "--precision",
+            "amp-bf16",
+        ];
+        args.extend_from_slice(extra);
+        titan_gpumem(&python, "titan-cp", &args)
     };
     let json = |extra: &[&str]| -> serde_json::Value {
         let mut all = extra.to_vec();
@@ -292,29 +310,6 @@ fn a_context_parallel_rank_holds_its_chunks() {
     );
 }
 
-/// Context parallelism is FSDP's and torchtitan's: refused in one line elsewhere.
-#[test]
-fn context_parallel_jobs_are_checked_in_one_line() {
-    for (args, needle) in [
-        (
-            &["--strategy", "ddp", "--world-size", "4", "--cp", "2"][..],
-            "--tp, --pp and --cp compose with --strategy fsdp or hsdp, not ddp",
-        ),
-        (
-            &["--cp", "2", "--pp", "2"][..],
-            "pipeline parallelism (strategy.mesh.pipeline) with context parallelism (--cp) is not sized yet",
-        ),
-        (
-            &["--cp", "2", "--whole-run"][..],
-            "whole_run (--whole-run) with context parallelism (strategy.mesh.context) is not sized yet",
-        ),
-    ] {
-        let mut all = vec!["estimate", "hf:LlamaForCausalLM(num_hidden_layers=2)"];
-        all.extend_from_slice(args);
-        bad_input(&all, needle);
-    }
-}
-
 /// Pipeline stages of torchtitan's own model, cut as torchtitan cuts it: every stage sized, the
 /// worst answering.
 #[test]
@@ -322,8 +317,10 @@ fn a_torchtitan_models_pipeline_stages_are_each_sized() {
     let Some(python) = titan_python() else {
         return;
     };
-    let o = Command::new(env!("CARGO_BIN_EXE_gpumem"))
-        .args([
+    let out = titan_gpumem(
+        &python,
+        "titan-pp",
+        &[
             "estimate",
             TITAN,
             "--batch",
@@ -337,13 +334,9 @@ fn a_torchtitan_models_pipeline_stages_are_each_sized() {
             "--microbatches",
             "4",
             "--json",
-        ])
-        .env("GPUMEM_PYTHON", &python)
-        .env("GPUMEM_CACHE", scratch("titan-pp", "cache"))
-        .output()
-        .expect("gpumem runs");
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        ],
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let stages = v["stages"].as_array().unwrap();
     assert_eq!(stages.len(), 2, "{v}");
     assert_eq!(
@@ -360,29 +353,24 @@ fn an_imbalanced_router_lowers_the_largest_batch() {
         return;
     };
     let largest = |extra: &[&str]| -> (u64, f64) {
-        let o = Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .args([
-                "max-batch",
-                "torchtitan:deepseek_v3(flavor=debugmodel)",
-                "--seq-len",
-                "8192",
-                "--gpu",
-                "h100-80gb-sxm",
-                "--strategy",
-                "fsdp",
-                "--world-size",
-                "4",
-                "--ep",
-                "4",
-                "--json",
-            ])
-            .args(extra)
-            .env("GPUMEM_PYTHON", &python)
-            .env("GPUMEM_CACHE", scratch("titan-ep-max", "cache"))
-            .output()
-            .expect("gpumem runs");
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let mut args = vec![
+            "max-batch",
+            "torchtitan:deepseek_v3(flavor=debugmodel)",
+            "--seq-len",
+            "8192",
+            "--gpu",
+            "h100-80gb-sxm",
+            "--strategy",
+            "fsdp",
+            "--world-size",
+            "4",
+            "--ep",
+            "4",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let v: serde_json::Value =
+            serde_json::from_str(&titan_gpumem(&python, "titan-ep-max", &args)).unwrap();
         (
             v["max_batch"].as_u64().unwrap(),
             v["upper_bound_mib"].as_f64().unwrap(),

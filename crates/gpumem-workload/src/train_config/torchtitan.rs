@@ -385,23 +385,21 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     let context_degree = ranks(doc, "context_parallel_degree")?;
     if context_degree > 1 {
         // What the tracer runs: PyTorch's default rotation (all-gather) and head-tail balancing.
-        if doc
-            .text("parallelism.context_parallel_rotate_method")?
-            .is_some_and(|m| m != "allgather")
-        {
-            doc.not_modelled(
+        for (key, traced, why) in [
+            (
                 "parallelism.context_parallel_rotate_method",
+                "allgather",
                 "context parallelism is traced with keys and values all-gathered (allgather, torchtitan's default)",
-            );
-        }
-        if doc
-            .text("parallelism.context_parallel_load_balancer")?
-            .is_some_and(|b| b != "headtail")
-        {
-            doc.not_modelled(
+            ),
+            (
                 "parallelism.context_parallel_load_balancer",
+                "headtail",
                 "context parallelism is traced with head-tail load balancing, torchtitan's default",
-            );
+            ),
+        ] {
+            if doc.text(key)?.is_some_and(|v| v != traced) {
+                doc.not_modelled(key, why);
+            }
         }
     }
     let expert_degree = ranks(doc, "expert_parallel_degree")?;
