@@ -559,7 +559,7 @@ def hf_model_job(tr, name, ref, config, model, seq_len, attention_mask):
 def torchtitan_job(spec, ref, seq_len, gpu_capability):
     """``torchtitan:MODEL(flavor=FLAVOR,key=value,...)``: torchtitan's own model as its Trainer
     builds it — its train spec's model class from the flavor's model args (other keys override
-    those args), ``update_from_config`` with the job's sequence length — trained as its
+    those args; a dotted key, ``moe_args.top_k=2``, a nested config's), ``update_from_config`` with the job's sequence length — trained as its
     ``forward_backward_step`` runs (torchtitan 0.2.x): ``pred = model(tokens)``, its own loss
     (``build_loss_fn``: cross-entropy on the logits cast to fp32, summed) divided by the
     count of valid tokens, ``del pred``, backward. Needs torchtitan installed.
@@ -594,13 +594,22 @@ def torchtitan_job(spec, ref, seq_len, gpu_capability):
             f"{ref}: torchtitan {name} has no flavor `{flavor}` (flavors: {', '.join(map(str, ts.model_args))})"
         )
     args = copy.deepcopy(ts.model_args[flavor])
-    fields = {f.name for f in dataclasses.fields(args)}
     for k, v in kw.items():
-        if k not in fields:
+        # A dotted key sets a field of a nested config (moe_args.num_experts=8).
+        *path, field = k.split(".")
+        owner = args
+        for part in path:
+            owner = getattr(owner, part, None)
+        fields = (
+            {f.name for f in dataclasses.fields(owner)}
+            if dataclasses.is_dataclass(owner)
+            else set()
+        )
+        if field not in fields:
             raise ReferenceError_(
-                f"{ref}: `{k}` is not a field of torchtitan's {type(args).__name__} (fields: {', '.join(sorted(fields))})"
+                f"{ref}: `{k}` is not a field of torchtitan's {type(owner).__name__} (fields: {', '.join(sorted(fields))})"
             )
-        setattr(args, k, v)
+        setattr(owner, field, v)
     config = job_config_mod.JobConfig()
     seq_len = seq_len or 2048
     config.training.seq_len = seq_len
