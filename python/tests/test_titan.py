@@ -332,7 +332,8 @@ def test_expert_parallel_rank_receives_its_experts_tokens_and_the_bound_grows_wi
     stand-in decides the all-to-all's sizes: balanced, a rank receives as many token-expert
     choices as its ranks route (2 × 64 tokens × top-3); at imbalance F its experts get F times
     that, up to the most top-k routing allows (each token picks an expert once: at most 2 of
-    its 3 choices land on a rank of 2 experts, 8/3 of the even share with 4 ranks)."""
+    its 3 choices land on a rank of 2 experts, 8/3 of the even share with 4 ranks). The same
+    on a Mixtral-shaped router."""
     ref = "torchtitan:deepseek_v3(flavor=debugmodel)"
     flags = ("--seq-len", "64", "--gpu-capability", "9.0", "--strategy", "fsdp")
     flags += ("--world-size", "4", "--ep", "4")
@@ -344,6 +345,19 @@ def test_expert_parallel_rank_receives_its_experts_tokens_and_the_bound_grows_wi
     assert received["1"] == 2 * 64 * 3 * row, received
     assert received["2"] == 2 * received["1"], received
     assert received["4"] == 2 * 64 * 3 * row * 8 // 3, received
+    # Mixtral's routing (8 experts, top-2, no shared one) over 8 ranks: a rank's one expert
+    # can take one of each token's two choices, four times the even share at most.
+    mixtral = (
+        "torchtitan:qwen3(flavor=debugmodel_moe,moe_args.num_experts=8,moe_args.top_k=2,"
+        "moe_args.num_shared_experts=0)"
+    )
+    flags = flags[:-4] + ("--world-size", "8", "--ep", "8")
+    received = {}
+    for f in ("1", "2", "8"):
+        _, events = _traced(tmp_path, mixtral, *flags, "--routing-imbalance", f)
+        received[f] = _received(events, 1)
+    assert received["1"] == 2 * 64 * 2 * row, received
+    assert (received["2"], received["8"]) == (2 * received["1"], 4 * received["1"]), received
 
 
 def test_expert_parallel_rank_gathers_its_share_of_the_experts(tmp_path):
