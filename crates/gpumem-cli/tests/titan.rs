@@ -308,6 +308,28 @@ fn a_context_parallel_rank_holds_its_chunks() {
         text.contains("fsdp: shard 2 × tensor 2 × context 2 = 8 GPUs"),
         "{text}"
     );
+    // Its largest batch: traced at each batch size tried (the input cut loops over the rows,
+    // so no batch-symbolic trace), the bound within the GPU there.
+    let largest: serde_json::Value = serde_json::from_str(&titan_gpumem(
+        &python,
+        "titan-cp",
+        &[
+            "max-batch",
+            TITAN,
+            "--seq-len",
+            "8192",
+            "--gpu",
+            "l4",
+            "--cp",
+            "4",
+            "--json",
+        ],
+    ))
+    .unwrap();
+    assert!(largest["max_batch"].as_u64().unwrap() >= 1, "{largest}");
+    assert!(
+        largest["upper_bound_mib"].as_f64().unwrap() <= largest["capacity_mib"].as_f64().unwrap()
+    );
 }
 
 /// Pipeline stages of torchtitan's own model, cut as torchtitan cuts it: every stage sized, the

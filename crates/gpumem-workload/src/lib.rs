@@ -546,11 +546,21 @@ impl Workload {
             ModelRef::Native(spec) => Symbolic::Native(spec.clone(), self.native_job(profile)),
             // Traced at its own batch size first, so that a job the tracer refuses is refused
             // here, as a batch-symbolic trace's would be.
-            ModelRef::Torch(_) if self.options.whole_run.is_some() => Symbolic::PerBatch {
-                trainable: self.trace(profile)?.header.parameters,
-                job: Box::new(self.clone()),
-                profile: profile.clone(),
-            },
+            // Context parallelism's input cut loops over the batch's rows (PyTorch's load
+            // balancer): its traces do not align across batch sizes either.
+            ModelRef::Torch(_)
+                if self.options.whole_run.is_some()
+                    || self
+                        .options
+                        .strategy
+                        .is_some_and(|s| s.context_parallel() > 1) =>
+            {
+                Symbolic::PerBatch {
+                    trainable: self.trace(profile)?.header.parameters,
+                    job: Box::new(self.clone()),
+                    profile: profile.clone(),
+                }
+            }
             ModelRef::Torch(_) => {
                 let req = self
                     .request(profile)
@@ -575,8 +585,9 @@ pub enum Symbolic {
         unit: u64,
     },
     /// A whole run, whose parts (the load, an evaluation of batches that follow the training
-    /// batch, a save) no batch-symbolic trace carries: `job` traced whole at each batch size
-    /// asked, every trace cached as `estimate`'s is.
+    /// batch, a save) no batch-symbolic trace carries, or a context-parallel job (whose input
+    /// cut loops over the rows): `job` traced whole at each batch size asked, every trace
+    /// cached as `estimate`'s is.
     PerBatch {
         job: Box<Workload>,
         profile: GpuProfile,
@@ -602,7 +613,13 @@ impl Symbolic {
                 .map_err(SearchError::from)?,
             Symbolic::Torch { trace, .. } => trace.at(batch)?,
             Symbolic::PerBatch { job, profile, .. } => {
-                Workload::new(job.model.clone(), batch, job.options.clone())?.trace(profile)?
+                // The reading's own job (its stage, its routing) at `batch`.
+                let at = Workload {
+                    pipeline_rank: job.pipeline_rank,
+                    routing: job.routing,
+                    ..Workload::new(job.model.clone(), batch, job.options.clone())?
+                };
+                at.trace(profile)?
             }
         })
     }
