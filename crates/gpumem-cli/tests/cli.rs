@@ -243,7 +243,7 @@ fn bad_inputs_exit_2_with_one_line() {
             "--tp",
             "2",
         ],
-        "--tp and --pp compose with --strategy fsdp or hsdp, not ddp",
+        "--tp, --pp and --cp compose with --strategy fsdp or hsdp, not ddp",
     );
     bad_input(
         &[
@@ -260,7 +260,7 @@ fn bad_inputs_exit_2_with_one_line() {
     );
     bad_input(
         &["estimate", "hf:gpt2", "--world-size", "8", "--tp", "2"],
-        "--tp or --pp with --world-size needs --strategy fsdp or hsdp",
+        "--tp, --pp or --cp with --world-size needs --strategy fsdp or hsdp",
     );
     bad_input(
         &["estimate", "hf:gpt2", "--tp", "2", "--fsdp-cpu-offload"],
