@@ -148,7 +148,10 @@ class TitanChunk(torch.nn.Module):
 def _titan_split(model, name, count, rank, stages, loss):
     """Rank ``rank``'s chunks of a torchtitan model: torchtitan's own module names per model
     part (``generate_llm_fqn_per_model_part`` with its default weights, the embedding and the
-    norm and head each counting as a layer), each part a copy of the model keeping those."""
+    norm and head each counting as a layer), each part a copy of the model's top module holding
+    only those. The parts share the model's modules (torchtitan deep-copies the model before it
+    parallelizes each part; here tensor parallelism and checkpointing already sit on the blocks,
+    and a part holds the same blocks, parallelized the same way)."""
     import copy
 
     from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
@@ -162,17 +165,18 @@ def _titan_split(model, name, count, rank, stages, loss):
     chunks = []
     for s in range(rank, count, stages):
         keep = set(names[s])
-        part = copy.deepcopy(model)
-        for child, module in list(part.named_children()):
+        part = copy.copy(model)
+        part._modules = dict(model._modules)
+        part._parameters, part._buffers = dict(model._parameters), dict(model._buffers)
+        for child, module in model.named_children():
             if isinstance(module, torch.nn.ModuleDict):
-                for key in list(module.keys()):
-                    if f"{child}.{key}" not in keep:
-                        del module[key]
+                held = {k: m for k, m in module.items() if f"{child}.{k}" in keep}
+                part._modules[child] = torch.nn.ModuleDict(held)
             elif isinstance(module, torch.nn.ModuleList):
                 held = [m for i, m in enumerate(module) if f"{child}.{i}" in keep]
-                setattr(part, child, torch.nn.ModuleList(held))
+                part._modules[child] = torch.nn.ModuleList(held)
             elif child not in keep:
-                setattr(part, child, None)
+                part._modules[child] = None
         chunks.append(TitanChunk(part, s == 0, s == count - 1, loss))
     return chunks
 
@@ -191,10 +195,6 @@ def split(model, name, stages, virtual_stages, rank, tensor_mesh=None, loss=None
     it (``loss(output, labels)``: the job's, after its last part); refused in one line for a
     model without a decoder's layers, norm and head, or with fewer layers than chunks."""
     if type(model).__module__.startswith("torchtitan.models."):
-        if tensor_mesh is not None:
-            raise ReferenceError_(
-                f"{name}: pipeline and tensor parallelism of torchtitan's models together are not traced yet"
-            )
         return Stages(_titan_split(model, name, stages * virtual_stages, rank, stages, loss))
     base = getattr(model, "base_model", None)
     layers = getattr(base, "layers", None)

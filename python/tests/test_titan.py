@@ -454,3 +454,36 @@ def test_pipeline_stage_of_a_torchtitan_model_holds_its_model_part(tmp_path):
             live[category] += nbytes
         assert live["optimizer_state"] == 8 * held, (k, names, live)
         assert live["parameter"] >= 4 * held, (k, names, live)
+
+
+def test_tensor_and_pipeline_parallel_rank_holds_its_share_of_its_part(tmp_path):
+    """``--tp 2 --pp 2`` on a torchtitan model: torchtitan's cut, then its ``apply_tp`` on each
+    part — stage k's rank holds half of each sharded weight of its part (and Adam's two states
+    on them), its norms whole; what crosses between the stages is each tensor rank's half of
+    the sequence."""
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+
+    model = importlib.import_module("gpumem_trace.models").resolve(REF, seq_len=64).model
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    parts = generate_llm_fqn_per_model_part(2, len(model.layers), 1, 1)
+    for k, names in enumerate(parts):
+        mine = {p: n for p, n in sizes.items() if any(p.startswith(m + ".") for m in names)}
+        share = sum(n if "norm" in p else n // 2 for p, n in mine.items())
+        _, events = _traced(
+            tmp_path,
+            REF,
+            *("--seq-len", "64", "--batch", "4", "--strategy", "fsdp", "--world-size", "4"),
+            *("--tp", "2", "--pp", "2", "--pp-rank", str(k), "--microbatches", "2"),
+        )
+        live, sizes_by_id = Counter(), {}
+        for e in events:
+            if e["ev"] == "alloc":
+                sizes_by_id[e["id"]] = (e["bytes"], e["category"])
+            elif e["ev"] == "free":
+                del sizes_by_id[e["id"]]
+        for nbytes, category in sizes_by_id.values():
+            live[category] += nbytes
+        assert live["optimizer_state"] == 8 * share, (k, names, live)
+        if k == 1:  # kept: stage 0's activations received, 2 micro-batches × 2 × 32 tokens in fp32
+            kept = [b for b, c in sizes_by_id.values() if c == "activation"]
+            assert kept == [2 * 32 * model.model_args.dim * 4] * 2, kept

@@ -447,6 +447,9 @@ pub(crate) struct Doc {
     pub root: Value,
     leaves: BTreeMap<String, Value>,
     fate: BTreeMap<String, (Fate, Option<String>)>,
+    /// Keys a trainer has moved between releases: the name readers ask for → the one this
+    /// document spells it with (reads, fates and errors then name the document's key).
+    moved: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -563,13 +566,27 @@ impl Doc {
             root,
             leaves,
             fate: BTreeMap::new(),
+            moved: BTreeMap::new(),
         }
+    }
+
+    /// Readers' `path` is `older` in this document, where it has `older` and not `path` (a
+    /// config written for an earlier release of its trainer).
+    pub fn moved(&mut self, path: &str, older: &str) {
+        if self.get(path).is_none() && self.get(older).is_some() {
+            self.moved.insert(path.into(), older.into());
+        }
+    }
+
+    /// `path` as this document spells it.
+    fn spelled<'a>(&'a self, path: &'a str) -> &'a str {
+        self.moved.get(path).map_or(path, String::as_str)
     }
 
     pub fn err(&self, field: &str, why: impl Into<String>) -> TrainConfigError {
         TrainConfigError::Field {
             file: self.file.clone(),
-            field: field.into(),
+            field: self.spelled(field).into(),
             why: why.into(),
         }
     }
@@ -577,13 +594,15 @@ impl Doc {
     /// The value at a dotted path (a leaf or a subtree).
     pub fn get(&self, path: &str) -> Option<&Value> {
         let mut v = &self.root;
-        for part in path.split('.') {
+        for part in self.spelled(path).split('.') {
             v = v.get(part)?;
         }
         Some(v)
     }
 
     fn mark(&mut self, path: &str, fate: Fate) {
+        let path = self.spelled(path).to_string();
+        let path = path.as_str();
         let keys: Vec<String> = self
             .leaves
             .keys()
@@ -600,6 +619,8 @@ impl Doc {
 
     /// The keys under `path` no reader has marked yet, read into the job.
     pub fn used_rest(&mut self, path: &str) {
+        let path = self.spelled(path).to_string();
+        let path = path.as_str();
         let keys: Vec<String> = self
             .leaves
             .keys()

@@ -539,6 +539,94 @@ fn torchtitan_tensor_parallel_is_a_mesh_dimension_and_pipelines_are_refused() {
     assert!(used(&every2, "activation_checkpoint.selective_ac_option"));
 }
 
+/// torchtitan's TOML of December 2024 (its published benchmarks' commit): the degrees under
+/// `[training]` and `[experimental]`, compile under `[training]`, float8 in its own section, and
+/// a pipeline's micro-batches as a count (one per pipeline rank by default).
+#[test]
+fn torchtitan_toml_of_2024() {
+    let name = "torchtitan-2024-llama3_405b.toml";
+    let c = read(name);
+    assert_eq!(c.kind, TrainerKind::TorchtitanToml);
+    assert_eq!(
+        c.model.as_ref().unwrap().0,
+        "torchtitan:llama3(flavor=405B)"
+    );
+    let s = c.strategy(Some(128)).unwrap().unwrap();
+    assert_eq!((s.world_size(), s.tensor_parallel()), (128, 8));
+    assert_eq!(c.checkpointing, Some(Checkpointing::Full));
+    assert!(used(&c, "training.tensor_parallel_degree"));
+    assert!(not_modelled(&c, "training.compile"));
+    assert!(not_modelled(&c, "float8"));
+    assert!(not_modelled(
+        &c,
+        "experimental.enable_async_tensor_parallel"
+    ));
+    accounted(
+        name,
+        &c,
+        &[
+            "training.batch_size",
+            "training.seq_len",
+            "training.data_parallel_shard_degree",
+            "training.tensor_parallel_degree",
+            "training.compile",
+            "experimental.pipeline_parallel_degree",
+            "experimental.context_parallel_degree",
+            "activation_checkpoint.mode",
+            "float8.enable_float8_linear",
+            "checkpoint.enable_checkpoint",
+        ],
+    );
+    // torchtitan's 405B benchmark in 3-D: FSDP 8 × TP 8 × PP 8, interleaved 1F1B over 32
+    // samples a rank; micro-batches one per pipeline rank unless counted.
+    let toml = |extra: &str| {
+        format!(
+            "[model]\nname = \"llama3\"\nflavor = \"405B\"\n[training]\nbatch_size = 32\nseq_len = 8192\ndata_parallel_shard_degree = -1\ntensor_parallel_degree = 8\n[experimental]\npipeline_parallel_degree = 8\npipeline_parallel_schedule = \"Interleaved1F1B\"\ncontext_parallel_degree = 1\n{extra}"
+        )
+    };
+    let c = read_text("t.toml", &toml(""), Path::new("."), None).unwrap();
+    let s = c.strategy(Some(512)).unwrap().unwrap();
+    let p = s.pipeline().unwrap();
+    assert_eq!(
+        (
+            s.tensor_parallel(),
+            p.schedule(),
+            p.microbatches(),
+            p.virtual_stages()
+        ),
+        (8, Schedule::Interleaved, 8, 2)
+    );
+    assert!(used(&c, "experimental.pipeline_parallel_degree"));
+    let c = read_text(
+        "t.toml",
+        &toml("pipeline_parallel_microbatches = 16\n"),
+        Path::new("."),
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        c.strategy(Some(512))
+            .unwrap()
+            .unwrap()
+            .pipeline()
+            .unwrap()
+            .microbatches(),
+        16
+    );
+    let e = read_text(
+        "t.toml",
+        &toml("pipeline_parallel_microbatches = 5\n"),
+        Path::new("."),
+        None,
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("experimental.pipeline_parallel_microbatches"),
+        "{e}"
+    );
+}
+
 /// A torchtitan Python config's result as `gpumem_trace.config` dumps it (the `Trainer.Config`
 /// of `docs/examples/train-configs/torchtitan_llama3_8b.py`, its fields abridged).
 #[test]

@@ -96,7 +96,66 @@ fn class_at(doc: &Doc, path: &str) -> Option<String> {
     Some(parts.into_iter().rev().collect::<Vec<_>>().join("."))
 }
 
+/// Keys torchtitan's TOML kept elsewhere before its `[parallelism]` and `[compile]` sections
+/// (its releases of 2024 to early 2025: `training.*_degree`, `experimental.*`,
+/// `training.compile`): where a config has the older key and not the newer, the older is read.
+const MOVED: &[(&str, &str)] = &[
+    (
+        "parallelism.data_parallel_replicate_degree",
+        "training.data_parallel_replicate_degree",
+    ),
+    (
+        "parallelism.data_parallel_shard_degree",
+        "training.data_parallel_shard_degree",
+    ),
+    (
+        "parallelism.tensor_parallel_degree",
+        "training.tensor_parallel_degree",
+    ),
+    (
+        "parallelism.disable_loss_parallel",
+        "training.disable_loss_parallel",
+    ),
+    (
+        "parallelism.enable_async_tensor_parallel",
+        "experimental.enable_async_tensor_parallel",
+    ),
+    (
+        "parallelism.pipeline_parallel_degree",
+        "experimental.pipeline_parallel_degree",
+    ),
+    (
+        "parallelism.pipeline_parallel_schedule",
+        "experimental.pipeline_parallel_schedule",
+    ),
+    (
+        "parallelism.pipeline_parallel_split_points",
+        "experimental.pipeline_parallel_split_points",
+    ),
+    (
+        "parallelism.context_parallel_degree",
+        "experimental.context_parallel_degree",
+    ),
+    (
+        "parallelism.context_parallel_rotate_method",
+        "experimental.context_parallel_rotate_method",
+    ),
+    (
+        "parallelism.enable_compiled_autograd",
+        "experimental.enable_compiled_autograd",
+    ),
+    ("compile.enable", "training.compile"),
+    ("checkpoint.enable", "checkpoint.enable_checkpoint"),
+];
+
+/// The number of micro-batches of those releases' pipelines (`None`: one per pipeline rank),
+/// where the newer ones state each micro-batch's size.
+const OLD_MICROBATCHES: &str = "experimental.pipeline_parallel_microbatches";
+
 pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainConfigError> {
+    for (path, older) in MOVED {
+        doc.moved(path, older);
+    }
     // The model: the Hugging Face assets directory (config.json beside the tokenizer).
     for key in ["model.hf_assets_path", "hf_assets_path"] {
         if let Some(p) = doc.text(key)? {
@@ -119,10 +178,20 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     {
         doc.not_modelled("model.converters", FP8);
     }
+    // The older releases chose the norm by name; the traced model's is RMSNorm.
+    match doc.text("model.norm_type")?.as_deref() {
+        None | Some("rmsnorm") => {}
+        Some(_) => doc.not_modelled(
+            "model.norm_type",
+            "torchtitan's model is traced with its RMSNorm",
+        ),
+    }
+    // The older releases switch float8 on in its own section.
     let converters = doc
         .get("model.converters")
         .and_then(Value::as_array)
-        .is_some_and(|a| !a.is_empty());
+        .is_some_and(|a| !a.is_empty())
+        || doc.get("float8.enable_float8_linear") == Some(&Value::Bool(true));
     for section in ["float8", "quantize", "mx"] {
         if doc.get(section).is_some() {
             if converters {
@@ -415,7 +484,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     }
     let pipeline_degree = ranks(doc, "pipeline_parallel_degree")?;
     let schedule = if pipeline_degree > 1 {
-        Some(pipeline(doc, out)?)
+        Some(pipeline(doc, out, pipeline_degree)?)
     } else {
         None
     };
@@ -524,7 +593,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
 /// per rank (1 for a single-stage schedule, 2 for a multi-stage one). Its default split is the
 /// tracer's (torchtitan's own `generate_llm_fqn_per_model_part`); another is listed as not
 /// modelled.
-fn pipeline(doc: &mut Doc, out: &TrainConfig) -> Result<Pipeline, TrainConfigError> {
+fn pipeline(doc: &mut Doc, out: &TrainConfig, degree: u32) -> Result<Pipeline, TrainConfigError> {
     const KEY: &str = "parallelism.pipeline_parallel_schedule";
     let name = doc.text(KEY)?.unwrap_or_else(|| "1F1B".into());
     let (schedule, per_rank) = match name.to_ascii_lowercase().as_str() {
@@ -565,13 +634,30 @@ fn pipeline(doc: &mut Doc, out: &TrainConfig) -> Result<Pipeline, TrainConfigErr
         }
     }
     const SIZE: &str = "parallelism.pipeline_parallel_microbatch_size";
-    let size = doc.positive(SIZE)?.unwrap_or(1);
     let local = out.micro_batch.as_ref().map(|(b, _)| *b).ok_or_else(|| {
         doc.err(
             "training.local_batch_size",
             "missing: a pipeline's micro-batches are parts of it",
         )
     })?;
+    if doc.get("experimental.pipeline_parallel_degree").is_some() {
+        // A config of torchtitan's older releases: their count of micro-batches (docs/intake.md:
+        // their split, by layer count alone, is traced as 0.2.2 splits).
+        let count = match doc.positive(OLD_MICROBATCHES)? {
+            Some(m) => m,
+            None => u64::from(degree),
+        };
+        if count == 0 || local % count != 0 {
+            return Err(doc.err(
+                OLD_MICROBATCHES,
+                format!("{count} micro-batches do not divide the local batch of {local}"),
+            ));
+        }
+        let microbatches = u32::try_from(count).unwrap_or(u32::MAX);
+        return Pipeline::new(schedule, microbatches, per_rank)
+            .map_err(|e| doc.err(OLD_MICROBATCHES, e.to_string()));
+    }
+    let size = doc.positive(SIZE)?.unwrap_or(1);
     if local % size != 0 {
         return Err(doc.err(
             SIZE,
