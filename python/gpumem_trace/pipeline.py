@@ -257,7 +257,10 @@ class Schedule:
 
     def step(self, input_ids, hidden_size, sequence_shards=1):
         """Every micro-batch of ``input_ids`` (the rank's batch: the labels too) through the
-        rank's chunks, forward and backward in the schedule's order."""
+        rank's chunks, forward and backward in the schedule's order. Each backward runs through
+        PyTorch's own ``backward_maybe_with_nosync`` (an FSDP chunk's gradients accumulate
+        unsharded, its layers stay gathered, until the last micro-batch), and the step ends with
+        each chunk's gradients reduced as PyTorch's stage finishes them."""
         if input_ids.shape[0] % self.microbatches:
             raise ReferenceError_(
                 f"a batch of {input_ids.shape[0]} does not split into {self.microbatches} equal micro-batches"
@@ -266,42 +269,109 @@ class Schedule:
         if self.received is None:
             batch, seq = ids[0].shape
             self._buffers((batch, seq // sequence_shards, hidden_size), input_ids.device)
-        from torch.distributed.pipelining import _backward
-
+        stages = [_stage(c, self.microbatches) for c in self.chunks]
+        # Each chunk's last backward action (a B, or a W: zero bubble's weights, or the first
+        # chunk's whole deferred backward), where PyTorch's stage passes ``last_backward``.
+        last = {c: i for i, (kind, c, _) in enumerate(self.order) if kind in "BW"}
         cache, weights_later = {}, {}
-        for kind, c, m in self.order:
-            chunk, (acts, grads) = self.chunks[c], self.received[c]
+        for i, (kind, c, m) in enumerate(self.order):
+            chunk, stage, (acts, grads) = self.chunks[c], stages[c], self.received[c]
             if kind == "F":
                 self.rec.phase = "forward"
+                _before_forward(chunk)
                 x = ids[m] if acts is None else acts[m]
                 cache[c, m] = (chunk(x, labels=ids[m]), x)
                 continue
             self.rec.phase = "backward"
+            final = i == last[c]
+            if final:  # what earlier micro-batches accumulated (releases before 2.10 reduce in it)
+                for grad in _unreduced_gradients(chunk):
+                    self.rec.relabel(grad, "gradient")
             if kind == "W":
                 later = weights_later.pop((c, m))
                 if chunk.first:  # its whole backward, deferred to here (no input gradient)
-                    self._backward(later, grads and grads[m])
+                    out, grad = later
+                    _backward(
+                        stage, "full", final, stage_output=out, output_grads=grad, input_values=[]
+                    )
                 else:
-                    _backward.stage_backward_weight(chunk.parameters(), later)
+                    _backward(stage, "weight", final, param_groups=later)
                 continue
             out, x = cache.pop((c, m))
+            # The loss (the last chunk's output), or the output and its received gradient.
+            grad = None if grads is None else grads[m]
+            inputs = [] if chunk.first else [x]
             if kind == "B":
-                self._backward(out, grads and grads[m])
+                _backward(
+                    stage, "full", final, stage_output=out, output_grads=grad, input_values=inputs
+                )
             elif chunk.first:
-                weights_later[c, m] = out
+                weights_later[c, m] = (out, grad)
             else:
-                _, later = _backward.stage_backward_input(
-                    [out], None if grads is None else [grads[m]], [x], chunk.parameters()
+                _, later = _backward(
+                    stage,
+                    "input",
+                    final,
+                    stage_output=[out],
+                    output_grads=None if grad is None else [grad],
+                    input_values=inputs,
                 )
                 weights_later[c, m] = later
             del out
-            if not chunk.first:
-                x.grad = None  # sent to the previous stage
+        self.rec.phase = "backward"
+        for stage in stages:
+            for grad in _unreduced_gradients(stage.submod):
+                self.rec.relabel(grad, "gradient")
+            if hasattr(stage, "perform_reduce_grad"):  # PyTorch 2.10 on: a step of its own
+                stage.perform_reduce_grad(1)
 
-    @staticmethod
-    def _backward(out, grad):
-        """A whole backward: from the loss (the last chunk) or from the received gradient."""
-        if grad is None:
-            out.backward()
-        else:
-            torch.autograd.backward(out, grad_tensors=grad)
+
+def _unreduced_gradients(chunk):
+    """An FSDP chunk's gradients still unsharded, accumulated over micro-batches: FSDP's fp32
+    accumulators, or its gathered parameters' own."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not isinstance(chunk, FSDPModule):
+        return []
+    out = []
+    for state in fully_shard.state(chunk)._state_ctx.all_states:
+        group = state._fsdp_param_group
+        for param in group.fsdp_params if group is not None else ():
+            grad = getattr(param, "unsharded_accumulated_grad", None)
+            if grad is None:
+                unsharded = getattr(param, "_unsharded_param", None)
+                grad = getattr(unsharded, "grad", None)
+            if grad is not None:
+                out.append(grad)
+    return out
+
+
+def _backward(stage, how, last, **kwargs):
+    """One backward action of ``stage``, as PyTorch's stage runs it (``how``: full, input or
+    weight; ``last``: the chunk's last backward of the step)."""
+    return stage.backward_maybe_with_nosync(how, kwargs, last_backward=last)
+
+
+def _stage(chunk, microbatches):
+    """What PyTorch's own pipeline stage methods read of a stage, for one chunk: its module (an
+    FSDP root where FSDP shards it), the micro-batches, and its gradient reduction."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    class Stage(_PipelineStageBase):
+        def __init__(self):  # not the base's, which makes communication buffers
+            self.submod, self.chunks, self.has_backward = chunk, microbatches, True
+            self._gradient_reduction_handle = None
+
+    # Its abstract methods (communication set-up, which differs by release) are never called:
+    # the order and the buffers are the Schedule's own.
+    Stage.__abstractmethods__ = frozenset()
+    return Stage()
+
+
+def _before_forward(chunk):
+    """What PyTorch's stage does to an FSDP chunk before its forward: from 2.15 on, the stage,
+    not autograd, finalizes each backward (``set_manual_backward_finalization``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(chunk, FSDPModule) and hasattr(chunk, "set_manual_backward_finalization"):
+        chunk.set_manual_backward_finalization(True)

@@ -17,6 +17,11 @@ except ImportError:  # a torch built without distributed
     _DTENSOR = None
 
 try:
+    from torch._subclasses.fake_tensor import FakeTensor as _FAKE
+except ImportError:  # older torch
+    _FAKE = None
+
+try:
     from torch.utils.flop_counter import flop_registry
 except ImportError:  # older torch
     flop_registry = {}
@@ -489,6 +494,11 @@ class TraceMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in _COLLECTIVES:
             self._communicator(func, args, kwargs or {})
+        if _FAKE is not None and any(issubclass(t, _FAKE) for t in types):
+            # A FakeTensorMode's own computation (DTensor's sharding propagation runs each op
+            # once on fake tensors of the global shape to learn its output's): no memory, no
+            # kernel.
+            return func(*args, **(kwargs or {}))
         if self.dtensor_dispatch and any(issubclass(t, _DTENSOR) for t in types):
             # A tensor-parallel DTensor: its own dispatch runs the op on the rank's local
             # tensors, and redistributes them first where the layouts ask — those ops come back

@@ -311,6 +311,27 @@ def test_tensor_parallel_is_torchtitans_own_apply_tp(tmp_path):
     assert (rank["parameter"], rank["optimizer_state"]) == (4 * share, 8 * share), rank
 
 
+def test_sharding_propagation_allocates_nothing(tmp_path):
+    """DTensor learns an op's output layout by running it once on fake tensors of the global
+    shape (its sharding propagation, cached afterwards): nothing a GPU allocates. With loss
+    parallelism the logits' gradient is cast back to bf16 in backward — on the rank, its share
+    of the vocabulary; the global tensor is the propagation's."""
+    _, events = _traced(
+        tmp_path,
+        REF,
+        *("--seq-len", "64", "--strategy", "fsdp", "--world-size", "4", "--tp", "2"),
+        *("--fsdp-param-dtype", "bf16", "--checkpointing", "full"),
+    )
+    model = importlib.import_module("gpumem_trace.models").resolve(REF, seq_len=64).model
+    share = 2 * 64 * model.model_args.vocab_size // 2 * 2  # the rank's bf16 logits
+    casts = Counter(
+        e["bytes"]
+        for e in events
+        if e["ev"] == "alloc" and e["phase"] == "backward" and e["op"] == "_to_copy"
+    )
+    assert casts and max(casts) == share, casts
+
+
 def _received(events, layer):
     """The largest all-to-all answer in a MoE layer's experts in forward: the tokens the traced
     rank's experts received (bytes)."""

@@ -1050,7 +1050,7 @@ def test_pipeline_stage_holds_its_layers_and_its_schedules_micro_batches(tmp_pat
     embedding = head = vocab * hidden
     seq, micro = 32, 2
 
-    def run_stage(stage, schedule, m, *extra):
+    def run_stage(stage, schedule, m, *extra, peak_of=("activation",)):
         args = [ref, "--batch", str(micro * m), "--seq-len", str(seq), "--pp", "2"]
         args += ["--pp-rank", str(stage), "--schedule", schedule, "--microbatches", str(m)]
         header, evs = traced([*args, *extra], tmp_path)
@@ -1058,12 +1058,12 @@ def test_pipeline_stage_holds_its_layers_and_its_schedules_micro_batches(tmp_pat
         for e in evs:
             if e["ev"] == "alloc":
                 sizes[e["id"]] = (e["bytes"], e["category"])
-                if e["category"] == "activation":
+                if e["category"] in peak_of:
                     acts += e["bytes"]
                     peak = max(peak, acts)
             elif e["ev"] == "free":
                 nbytes, category = sizes.pop(e["id"])
-                if category == "activation":
+                if category in peak_of:
                     acts -= nbytes
         for nbytes, category in sizes.values():
             live[category] = live.get(category, 0) + nbytes
@@ -1102,6 +1102,11 @@ def test_pipeline_stage_holds_its_layers_and_its_schedules_micro_batches(tmp_pat
     # FSDP2 over 2 ranks of each stage: the stage's share halved (every size divides).
     _, live, _ = run_stage(1, "1f1b", 2, "--strategy", "fsdp", "--world-size", "4")
     assert live["optimizer_state"] == 8 * share[1] // 2, live
+    # PyTorch's stage reduces the gradients once, after the last micro-batch: until then the
+    # stage's are whole (unsharded), accumulated in fp32 under a bf16 policy.
+    fsdp = ("--strategy", "fsdp", "--world-size", "4", "--fsdp-param-dtype", "bf16")
+    _, _, held = run_stage(1, "1f1b", 2, *fsdp, peak_of=("gradient",))
+    assert held >= 4 * share[1], (held, share[1])
     for bad, needle in (
         (["--pp", "8", "--schedule", "1f1b"], "4 layers do not fill 8 pipeline stages"),
         (["--pp", "2", "--microbatches", "3"], "does not split into 3 equal micro-batches"),
