@@ -15,6 +15,7 @@ its bucket, which is all-reduced and divided by the world size in place, and cop
 """
 
 import contextlib
+import itertools
 import re
 
 import torch
@@ -133,12 +134,15 @@ class _Rebuilding:
 
 
 class _MetaStream:
-    """A CUDA stream and event where there is no device: one stream, everything in order."""
+    """A CUDA stream and event where there is no device: everything runs in order, but each
+    stream a ``_MetaDevice`` makes is its own (its id): what is allocated while it is current
+    comes from its own pool of the caching allocator, as on a GPU. The default stream and
+    events are id 0."""
 
-    stream_id = device_index = device_type = 0
+    device_index = device_type = 0
 
-    def __init__(self, *args, **kwargs):
-        pass
+    def __init__(self, *args, stream_id=0, **kwargs):
+        self.stream_id = stream_id
 
     def wait_stream(self, other):
         pass
@@ -160,17 +164,35 @@ class _MetaStream:
 
 
 class _MetaDevice:
-    """``torch.cuda`` as FSDP2 uses it, for the meta device."""
+    """``torch.cuda`` as FSDP2 uses it, for the meta device: the current stream, which
+    ``on_stream(id)`` hears of as FSDP2 enters and leaves its own (all-gather copy-in,
+    reduce-scatter) streams."""
 
-    Stream = Event = _MetaStream
+    Event = _MetaStream
+    DEFAULT = _MetaStream()
 
-    @staticmethod
-    def current_stream(*args):
-        return _MetaStream()
+    def __init__(self, on_stream):
+        self.on_stream = on_stream
+        self.current = [self.DEFAULT]
+        # Numbered per traced job, so that traces of one job at two depths (made in one
+        # process) name their streams alike.
+        self.made = itertools.count(1)
 
-    @staticmethod
-    def stream(s):
-        return contextlib.nullcontext()
+    def Stream(self, *args, **kwargs):  # noqa: N802 (torch.cuda.Stream's name)
+        return _MetaStream(stream_id=next(self.made))
+
+    def current_stream(self, *args):
+        return self.current[-1]
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        self.current.append(s if isinstance(s, _MetaStream) else self.DEFAULT)
+        self.on_stream(self.current[-1].stream_id)
+        try:
+            yield
+        finally:
+            self.current.pop()
+            self.on_stream(self.current[-1].stream_id)
 
     @staticmethod
     def current_device():
@@ -506,6 +528,7 @@ def fsdp(
     reshard_after_forward,
     on_alloc,
     on_free,
+    on_stream=lambda stream_id: None,
     param_dtype=None,
     cpu_offload=False,
     experts=(),
@@ -528,7 +551,9 @@ def fsdp(
     second dimension where ``efsdp × ep`` outnumbers the experts (torchtitan's ``apply_fsdp``).
     FSDP2 frees a layer's gathered parameters by resizing their storage to nothing and gathers
     them again into the same storage: ``on_free(tensor)`` and ``on_alloc(tensor)`` hear of each
-    (a storage that is resized is not a tensor that dies)."""
+    (a storage that is resized is not a tensor that dies). ``on_stream(id)`` hears of each
+    change of the current stream (FSDP2's all-gather and reduce-scatter streams; 0 the
+    default)."""
     try:
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.fsdp._fully_shard import (
@@ -542,8 +567,10 @@ def fsdp(
         raise ReferenceError_(
             f"tracing FSDP2 needs torch 2.6 or newer, where fully_shard is public (this is {torch.__version__})"
         ) from e
-    real = _fsdp_param_group._get_device_handle
-    handle = lambda kind: _MetaDevice if kind == "meta" else real(kind)
+    real = getattr(_fsdp_param_group, "_gpumem_handle", _fsdp_param_group._get_device_handle)
+    _fsdp_param_group._gpumem_handle = real
+    device = _MetaDevice(on_stream)
+    handle = lambda kind: device if kind == "meta" else real(kind)
     for m in (_fsdp_collectives, _fsdp_param_group, _fsdp_state):
         m._get_device_handle = handle
     _fully_shard._get_device_from_mesh = lambda mesh: torch.device("meta")
@@ -557,7 +584,7 @@ def fsdp(
 
         def finalize_backward(self):
             current = torch.accelerator.current_stream
-            torch.accelerator.current_stream = lambda *a, **k: _MetaStream()
+            torch.accelerator.current_stream = lambda *a, **k: _MetaDevice.DEFAULT
             try:
                 group._gpumem_finalize(self)
             finally:

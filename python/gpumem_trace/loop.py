@@ -534,6 +534,7 @@ def trace_training(opts: TraceOptions, out_path: str):
                         opts.reshard_after_forward,
                         on_alloc=lambda t: mode.track(t, "fsdp_all_gather"),
                         on_free=lambda t: rec.free(storage_key(t)),
+                        on_stream=lambda stream_id: setattr(rec, "stream", stream_id),
                         param_dtype={None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[
                             opts.fsdp_param_dtype
                         ],

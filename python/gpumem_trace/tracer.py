@@ -65,6 +65,9 @@ class Recorder:
         self.next_id = 1
         self.phase = "setup"
         self.category = None  # overrides the phase's default category
+        # The stream new storages are made on (0: the default; FSDP2's own streams get their
+        # own pools in the caching allocator, as on a GPU).
+        self.stream = 0
         self.op_name = None  # overrides the op that made an allocation (a wrapper's buffer)
         self.untracked = set()  # storage keys whose memory a wrapper accounts for itself
         self.iterations = 0
@@ -96,6 +99,8 @@ class Recorder:
         }
         if module:
             e["module"] = module
+        if self.stream:
+            e["stream"] = self.stream
         self.events.append(e)
         if key is not None:
             self.live[key] = (i, len(self.events) - 1)

@@ -1146,6 +1146,18 @@ def test_fsdp_rank_holds_its_shards(tmp_path):
 
     header, (single, _) = run_fsdp()
     states = header["parameters"] * 4 * 4  # fp32 parameters, gradients, exp_avg, exp_avg_sq
+    # FSDP2's own streams, as its code chooses them: each gather's buffers come from the
+    # all-gather copy-in stream's pool (forward and backward), each reduce-scatter's output
+    # from the reduce-scatter stream's (backward's gradients); nothing else leaves stream 0.
+    _, evs = traced([ref, "--batch", "2", "--strategy", "fsdp", "--world-size", "4"], tmp_path)
+    streams = {}
+    for e in evs:
+        if e["ev"] == "alloc" and e.get("stream", 0):
+            streams.setdefault(e["stream"], set()).add((e["phase"], e["category"]))
+    assert sorted(streams.values(), key=len) == [
+        {("backward", "gradient")},
+        {("forward", "activation"), ("backward", "temporary")},
+    ], streams
     for n in (2, 4):
         h, (end, peak) = run_fsdp("--strategy", "fsdp", "--world-size", str(n))
         assert strategy_of(h) == ("fsdp", n)
