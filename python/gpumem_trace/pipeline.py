@@ -259,8 +259,8 @@ class Schedule:
         """Every micro-batch of ``input_ids`` (the rank's batch: the labels too) through the
         rank's chunks, forward and backward in the schedule's order. Each backward runs through
         PyTorch's own ``backward_maybe_with_nosync`` (an FSDP chunk's gradients accumulate
-        unsharded, its layers stay gathered, until the last micro-batch), and the step ends with
-        each chunk's gradients reduced as PyTorch's stage finishes them."""
+        unsharded, its layers stay gathered, until its last micro-batch), and each chunk's
+        gradients are reduced right after that, as PyTorch's schedules do."""
         if input_ids.shape[0] % self.microbatches:
             raise ReferenceError_(
                 f"a batch of {input_ids.shape[0]} does not split into {self.microbatches} equal micro-batches"
@@ -296,34 +296,45 @@ class Schedule:
                     )
                 else:
                     _backward(stage, "weight", final, param_groups=later)
-                continue
-            out, x = cache.pop((c, m))
-            # The loss (the last chunk's output), or the output and its received gradient.
-            grad = None if grads is None else grads[m]
-            inputs = [] if chunk.first else [x]
-            if kind == "B":
-                _backward(
-                    stage, "full", final, stage_output=out, output_grads=grad, input_values=inputs
-                )
-            elif chunk.first:
-                weights_later[c, m] = (out, grad)
             else:
-                _, later = _backward(
-                    stage,
-                    "input",
-                    final,
-                    stage_output=[out],
-                    output_grads=None if grad is None else [grad],
-                    input_values=inputs,
-                )
-                weights_later[c, m] = later
-            del out
-        self.rec.phase = "backward"
-        for stage in stages:
-            for grad in _unreduced_gradients(stage.submod):
-                self.rec.relabel(grad, "gradient")
-            if hasattr(stage, "perform_reduce_grad"):  # PyTorch 2.10 on: a step of its own
-                stage.perform_reduce_grad(1)
+                out, x = cache.pop((c, m))
+                # The loss (the last chunk's output), or the output and its received gradient.
+                grad = None if grads is None else grads[m]
+                inputs = [] if chunk.first else [x]
+                if kind == "B":
+                    _backward(
+                        stage,
+                        "full",
+                        final,
+                        stage_output=out,
+                        output_grads=grad,
+                        input_values=inputs,
+                    )
+                elif chunk.first:
+                    weights_later[c, m] = (out, grad)
+                else:
+                    _, later = _backward(
+                        stage,
+                        "input",
+                        final,
+                        stage_output=[out],
+                        output_grads=None if grad is None else [grad],
+                        input_values=inputs,
+                    )
+                    weights_later[c, m] = later
+                del out
+            if final:
+                self._reduce(stage)
+
+    def _reduce(self, stage):
+        """A chunk's gradients reduced right after its last backward action, where PyTorch's
+        schedules put it (``_add_reduce_grad``; releases before 2.10 reduce inside that
+        backward): an interleaved rank's later chunk frees its unsharded gradients before its
+        earlier chunk's backwards are done."""
+        for grad in _unreduced_gradients(stage.submod):
+            self.rec.relabel(grad, "gradient")
+        if hasattr(stage, "perform_reduce_grad"):  # PyTorch 2.10 on: a step of its own
+            stage.perform_reduce_grad(1)
 
 
 def _unreduced_gradients(chunk):
