@@ -16,6 +16,7 @@ neither (its output lists them as not modelled) and sizes them eager, in bf16.
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -102,8 +103,8 @@ def main():
             errors.append((est - truth) / truth)
             below = "" if bound >= truth else " (below)"
             print(f"{row} | {est:,.0f} MiB | {errors[-1]:+.1%} | {bound:,.0f} MiB{below} |")
-    errors.sort(key=abs)
-    print(f"\nmedian |error| {abs(errors[len(errors) // 2]):.1%} over {len(errors)} rows sized")
+    median = statistics.median(abs(e) for e in errors)
+    print(f"\nmedian |error| {median:.1%} over {len(errors)} rows sized")
 
 
 if __name__ == "__main__":

@@ -567,6 +567,7 @@ def fsdp(
         raise ReferenceError_(
             f"tracing FSDP2 needs torch 2.6 or newer, where fully_shard is public (this is {torch.__version__})"
         ) from e
+    # PyTorch's own handle, not an earlier job's stand-in (one process traces many jobs).
     real = getattr(_fsdp_param_group, "_gpumem_handle", _fsdp_param_group._get_device_handle)
     _fsdp_param_group._gpumem_handle = real
     device = _MetaDevice(on_stream)
