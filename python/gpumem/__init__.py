@@ -381,15 +381,22 @@ def plan(
     world_size=None,
     lora=None,
     options=None,
+    tp=None,
+    pp=None,
+    cp=None,
+    ep=None,
+    gpus_per_node=None,
 ):
     """The fastest setups of the job that fit ``gpu``, as ``gpumem plan`` searches them:
     precision (``precisions``; by default fp32, amp-bf16 where the GPU has it, amp-fp16) ×
     activation checkpointing (``checkpointing``: ``both``, ``all``, ``on`` or one mode) ×
     micro-batch (powers of two, or the divisors of ``global_batch`` with gradient accumulation
     making up the rest) and, over ``gpus`` GPUs, the multi-GPU ``strategies`` (ddp, fsdp,
-    zero1..zero3; all by default), timed by the physical model (``bus_gbs``: the collectives'
-    bandwidth per rank). ``strategy`` and ``world_size`` instead plan one rank of that job. The
-    model and the other options as ``estimate`` takes them."""
+    zero1..zero3; all by default) and FSDP's meshes of tensor, pipeline, context and expert
+    parallelism (``tp``, ``pp``, ``cp``, ``ep``: lists of degrees; by default searched as far
+    as a rank needs, tensor parallelism within ``gpus_per_node``), timed by the physical model
+    (``bus_gbs``: the collectives' bandwidth per rank). ``strategy`` and ``world_size`` instead
+    plan one rank of that job. The model and the other options as ``estimate`` takes them."""
     reference, doc = _job(
         model, input, seq_len, optimizer, "fp32", strategy, world_size, lora, False, options
     )
@@ -400,6 +407,11 @@ def plan(
         "checkpointing": checkpointing,
         "global_batch": global_batch,
         "bus_gbs": bus_gbs,
+        "tp": list(tp or []),
+        "pp": list(pp or []),
+        "cp": list(cp or []),
+        "ep": list(ep or []),
+        "gpus_per_node": gpus_per_node,
     }
     report = _call(_native.plan, reference, doc, gpu, json.dumps(request), _profile(profile))
     return Plan(report)

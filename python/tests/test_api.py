@@ -160,6 +160,8 @@ def test_plan_equals_the_command():
         gpumem.plan("torchvision:resnet18", strategies=["ddp"])
     with pytest.raises(gpumem.InputError, match="global_batch 3 must be a positive multiple"):
         gpumem.plan("torchvision:resnet18", gpus=2, global_batch=3)
+    with pytest.raises(gpumem.InputError, match="tp and the other mesh degrees search FSDP"):
+        gpumem.plan("torchvision:resnet18", tp=[2])
 
 
 def test_the_documented_example_runs(capsys):

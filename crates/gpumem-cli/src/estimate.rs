@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::Args;
 use gpumem_core::estimate::{Breakdown, Estimate, Estimator, Replay};
 use gpumem_core::families::ModelSpec;
-use gpumem_core::job::{MeshDim, RoutingImbalance, Strategy};
+use gpumem_core::job::{RoutingImbalance, Strategy};
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::trace::Trace;
 use gpumem_core::units::bytes_to_mib;
@@ -320,13 +320,6 @@ fn print_run(r: &gpumem_core::run::RunReport) {
 
 /// A multi-GPU job's mesh, whose one rank the estimate is.
 fn print_ranks(s: &Strategy) {
-    let mesh = s.mesh();
-    // Expert parallelism borrows its ranks: said apart, not multiplied in.
-    let dims: Vec<String> = MeshDim::ALL
-        .into_iter()
-        .filter(|d| mesh.degree(*d) > 1 && *d != MeshDim::Expert)
-        .map(|d| format!("{} {}", d.name(), mesh.degree(d)))
-        .collect();
     let experts = s.routing_imbalance().map_or(String::new(), |r| {
         format!(
             ", experts split over {} of them (the estimate routes tokens evenly; {})",
@@ -353,7 +346,7 @@ fn print_ranks(s: &Strategy) {
     println!(
         "ranks        {}: {} = {} GPUs{experts}{pipeline} (the estimate is one rank's{})",
         s.name(),
-        dims.join(" × "),
+        s.mesh().label(),
         s.world_size(),
         if pipeline.is_empty() {
             ""

@@ -3,7 +3,7 @@
 //! batch) — with why the others lose (gpumem-workload's `plan` does the search).
 
 use clap::Args;
-use gpumem_core::job::{Optimizer, OptionValues, Precision};
+use gpumem_core::job::{MeshDim, Optimizer, OptionValues, Precision};
 use gpumem_workload::plan::{Interconnect, Plan, PlanRequest, Setup, plan as search};
 use gpumem_workload::{Checkpointing, InputShape, Strategy};
 
@@ -27,6 +27,26 @@ pub struct PlanArgs {
     /// (default: all of them; ZeRO with DeepSpeed's default settings).
     #[arg(long, value_delimiter = ',', requires = "gpus")]
     strategies: Vec<String>,
+    /// Tensor-parallel degrees of FSDP's meshes to search with --gpus (default: powers of two up
+    /// to a machine's GPUs, searched as far as a rank needs; listing any degree searches every
+    /// mesh of them). docs/parallelism.md.
+    #[arg(long, value_delimiter = ',', requires = "gpus")]
+    tp_degrees: Vec<u32>,
+    /// Pipeline stages to search with --gpus (default: 2, 4, 8; 1F1B over as many
+    /// micro-batches as stages).
+    #[arg(long, value_delimiter = ',', requires = "gpus")]
+    pp_degrees: Vec<u32>,
+    /// Context-parallel degrees to search with --gpus (default: powers of two up to 8 from
+    /// sequences of 16,384 tokens, else none).
+    #[arg(long, value_delimiter = ',', requires = "gpus")]
+    cp_degrees: Vec<u32>,
+    /// Expert-parallel degrees (mixture-of-experts models) to search with --gpus (default:
+    /// none).
+    #[arg(long, value_delimiter = ',', requires = "gpus")]
+    ep_degrees: Vec<u32>,
+    /// GPUs per machine: tensor parallelism stays within one (default 8).
+    #[arg(long, requires = "gpus")]
+    gpus_per_node: Option<u32>,
     /// NCCL bus bandwidth per rank, GB/s, that times the strategies' collectives (default: the
     /// GPU's usual link: NVLink on SXM parts, else PCIe).
     #[arg(long)]
@@ -74,8 +94,29 @@ pub struct PlanArgs {
 }
 
 fn label(strategy: Option<Strategy>, precision: Precision, checkpointing: Checkpointing) -> String {
+    // A mesh with model parallelism names its dimensions (FSDP's shard ranks are the rest).
     let on = strategy
-        .map(|s| format!("{} · ", s.name()))
+        .map(|s| {
+            let mesh = s.mesh();
+            if mesh.world_size() == mesh.data_parallel() && s.expert_parallel() == 1 {
+                format!("{} · ", s.name())
+            } else {
+                let short = |d: MeshDim| match d {
+                    MeshDim::Replicate => "replicas",
+                    MeshDim::Shard => "fsdp",
+                    MeshDim::Tensor => "tp",
+                    MeshDim::Pipeline => "pp",
+                    MeshDim::Context => "cp",
+                    MeshDim::Expert => "ep",
+                };
+                let dims: Vec<String> = MeshDim::ALL
+                    .into_iter()
+                    .filter(|&d| mesh.degree(d) > 1)
+                    .map(|d| format!("{} {}", short(d), mesh.degree(d)))
+                    .collect();
+                format!("{} · ", dims.join("×"))
+            }
+        })
         .unwrap_or_default();
     let ckpt = match checkpointing {
         Checkpointing::Off => String::new(),
@@ -127,6 +168,11 @@ pub fn plan(a: PlanArgs) -> CliResult {
         checkpointing: Some(a.checkpointing),
         global_batch: a.global_batch,
         bus_gbs: a.bus_gbs,
+        tp: a.tp_degrees,
+        pp: a.pp_degrees,
+        cp: a.cp_degrees,
+        ep: a.ep_degrees,
+        gpus_per_node: a.gpus_per_node,
     };
     let (space, link, world) = request
         .space(&base, &profile)
@@ -196,7 +242,7 @@ fn print_table(
         "samples/s"
     };
     println!(
-        "{:>3}  {:<34} {:>6} {:>6} {:>12} {:>12} {:>10}  vs best",
+        "{:>3}  {:<44} {:>6} {:>6} {:>12} {:>12} {:>10}  vs best",
         "#", "setup", "micro", "accum", "peak MiB", "bound MiB", unit
     );
     for (i, s) in p.fits.iter().take(top).enumerate() {
@@ -209,7 +255,7 @@ fn print_table(
             )
         };
         println!(
-            "{:>3}  {:<34} {:>6} {:>6} {:>12.1} {:>12.1} {}  {slower}",
+            "{:>3}  {:<44} {:>6} {:>6} {:>12.1} {:>12.1} {}  {slower}",
             i + 1,
             label(s.strategy, s.precision, s.checkpointing),
             s.micro_batch,
@@ -232,7 +278,7 @@ fn print_table(
     let key = |s: &Setup| (s.strategy, s.precision, s.checkpointing);
     let mut kinds: Vec<(Option<Strategy>, Precision, Checkpointing)> =
         p.fits.iter().chain(&p.too_big).map(key).collect();
-    kinds.sort_by_key(|(s, p, c)| (s.map(|s| s.name()), p.name(), *c));
+    kinds.sort_by_key(|&(s, p, c)| label(s, p, c));
     kinds.dedup();
     for (strategy, precision, ckpt) in kinds {
         let mine = p
@@ -263,12 +309,12 @@ fn print_table(
             None => Some(limit.unwrap_or_else(|| "nothing fits".into())),
         };
         if let Some(line) = line {
-            why.push(format!("  {:<34} {line}", label(strategy, precision, ckpt)));
+            why.push(format!("  {:<44} {line}", label(strategy, precision, ckpt)));
         }
     }
     why.extend(p.skipped.iter().map(|s| {
         format!(
-            "  {:<34} not planned: {}",
+            "  {:<44} not planned: {}",
             label(s.strategy, s.precision, s.checkpointing),
             s.reason
         )

@@ -947,6 +947,109 @@ fn plan_searches_strategies_over_the_gpus() {
     }
 }
 
+/// `plan --gpus` searches FSDP over meshes of tensor and pipeline parallelism: each mesh's
+/// setups share a rank's batch as its data-parallel ranks do, a pipeline's micro-batches are
+/// whole multiples of its micro-batch count, and every setup's bound is its worst rank's (a
+/// pipeline's worst stage, as `estimate` sizes it). Without listed degrees, a model that data
+/// parallelism already fits traces no mesh.
+#[test]
+fn plan_searches_meshes_of_model_parallelism() {
+    if !common::torch("planning meshes") {
+        return;
+    }
+    let model = "hf:LlamaForCausalLM(hidden_size=256,intermediate_size=512,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=2,vocab_size=1000)";
+    let plan = |more: &[&str]| {
+        let mut args = vec![
+            "plan",
+            model,
+            "--seq-len",
+            "128",
+            "--gpus",
+            "4xh100-80gb-sxm",
+            "--strategies",
+            "fsdp",
+            "--precisions",
+            "amp-bf16",
+            "--checkpointing",
+            "off",
+            "--global-batch",
+            "16",
+            "--json",
+        ];
+        args.extend(more);
+        let o = gpumem(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let v = plan(&["--tp-degrees", "1,2", "--pp-degrees", "1,2"]);
+    let capacity = v["capacity_mib"].as_f64().unwrap();
+    let setups = v["setups"].as_array().unwrap();
+    let mesh = |s: &serde_json::Value, dim: &str| s["mesh"][dim].as_u64().unwrap_or(1);
+    for (tp, pp) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
+        assert!(
+            setups
+                .iter()
+                .any(|s| mesh(s, "tensor") == tp && mesh(s, "pipeline") == pp),
+            "tp {tp} × pp {pp}: {v}"
+        );
+    }
+    for s in setups {
+        assert!(s["upper_bound_mib"].as_f64().unwrap() <= capacity, "{s}");
+        let share = 16 / mesh(s, "shard");
+        let (micro, accum) = (
+            s["micro_batch"].as_u64().unwrap(),
+            s["grad_accum"].as_u64().unwrap(),
+        );
+        assert_eq!(micro * accum, share, "{s}");
+        if mesh(s, "pipeline") == 2 {
+            assert_eq!(s["pipeline"]["microbatches"], 2, "{s}");
+            assert_eq!(micro % 2, 0, "{s}");
+        }
+    }
+    // The pipeline's bound is its worst stage's, as estimate sizes the job.
+    let staged = setups
+        .iter()
+        .find(|s| mesh(s, "pipeline") == 2 && mesh(s, "tensor") == 2)
+        .unwrap();
+    let batch = staged["micro_batch"].as_u64().unwrap().to_string();
+    let o = gpumem(&[
+        "estimate",
+        model,
+        "--batch",
+        &batch,
+        "--seq-len",
+        "128",
+        "--precision",
+        "amp-bf16",
+        "--gpu",
+        "h100-80gb-sxm",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let e: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(e["stages"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        e["upper_bound_mib"], staged["upper_bound_mib"],
+        "{e} {staged}"
+    );
+    // By default, meshes are searched only where data parallelism falls short: FSDP fits a
+    // rank's whole share here, so none is traced.
+    let v = plan(&[]);
+    let all: Vec<&serde_json::Value> = ["setups", "too_big", "skipped"]
+        .iter()
+        .flat_map(|k| v[k].as_array().unwrap())
+        .collect();
+    assert!(
+        all.iter()
+            .all(|s| s["mesh"].get("tensor").is_none() && s["mesh"].get("pipeline").is_none()),
+        "{v}"
+    );
+}
+
 /// A DDP or ZeRO-1 setup whose copy of the model states alone (DDP: parameters, gradients,
 /// Adam's moments; ZeRO-1: parameters and gradients, and its partition of the fp32 master
 /// weights and moments) exceeds a GPU is listed as not fitting without being traced; FSDP2 is

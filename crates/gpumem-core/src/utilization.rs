@@ -123,6 +123,41 @@ fn peak_flops(profile: &GpuProfile, unit: Unit, precision: &str) -> f64 {
     tflops.max(1e-3) * 1e12
 }
 
+/// The training steps' ops of `trace`, each as (name, flops, bytes read, bytes written):
+/// outside a whole run every op, inside one those after `RunPhase::Train` until the next part
+/// begins.
+pub fn step_ops(trace: &Trace) -> impl Iterator<Item = (&str, u64, u64, u64)> {
+    let mut stepping = !trace.is_whole_run();
+    trace.events().iter().filter_map(move |ev| {
+        if let Event::RunPhase { phase } = *ev {
+            stepping = phase == RunPhase::Train;
+        }
+        match *ev {
+            Event::Op {
+                op,
+                flops,
+                bytes_read,
+                bytes_written,
+            } if stepping => Some((trace.op_name(op), flops, bytes_read, bytes_written)),
+            _ => None,
+        }
+    })
+}
+
+/// The least seconds a step of `trace` takes under [`physical`]: its kernels' arithmetic at the
+/// GPU's attainable peak alone, no memory traffic, no launch cost, no host. A search's floor:
+/// no setup doing the same arithmetic is faster.
+pub fn compute_floor_s(trace: &Trace, profile: &GpuProfile) -> f64 {
+    let precision = trace.header.options.precision.name();
+    let seconds: f64 = step_ops(trace)
+        .filter(|(name, ..)| !NO_KERNEL.contains(name))
+        .map(|(name, flops, ..)| {
+            flops as f64 / (peak_flops(profile, unit(name), precision) * COMPUTE_EFFICIENCY)
+        })
+        .sum();
+    seconds / trace.header.iterations.max(1) as f64
+}
+
 /// Per-step utilization of `trace` on `profile`: of its training steps alone where it is a whole
 /// run's (the load, the evaluation and the save are not steps).
 pub fn physical(trace: &Trace, profile: &GpuProfile, host: &HostModel) -> Utilization {
@@ -133,24 +168,7 @@ pub fn physical(trace: &Trace, profile: &GpuProfile, host: &HostModel) -> Utiliz
         (0.0, 0.0, 0.0, 0.0, 0.0, 0u64, 0u64);
     // Outside a whole run every op is the steps'; inside one, those after `RunPhase::Train`
     // until the next part begins.
-    let mut stepping = !trace.is_whole_run();
-    for ev in trace.events() {
-        if let Event::RunPhase { phase } = *ev {
-            stepping = phase == RunPhase::Train;
-        }
-        if !stepping {
-            continue;
-        }
-        let Event::Op {
-            op,
-            flops,
-            bytes_read,
-            bytes_written,
-        } = *ev
-        else {
-            continue;
-        };
-        let name = trace.op_name(op);
+    for (name, flops, bytes_read, bytes_written) in step_ops(trace) {
         if NO_KERNEL.contains(&name) {
             host_ops += 1;
             continue;
@@ -244,6 +262,26 @@ mod tests {
             large.gract > small.gract && large.smact > small.smact,
             "{small:?} {large:?}"
         );
+    }
+
+    #[test]
+    fn no_step_is_faster_than_its_arithmetic() {
+        let h100 = builtin("h100-80gb-sxm").unwrap();
+        for (spec, batch) in [
+            (
+                "mlp:input=4096,output=10,depth=6,arch=uniform,act=relu",
+                1024,
+            ),
+            ("mlp:input=256,output=10,depth=3,arch=uniform,act=relu", 8),
+        ] {
+            let trace = ModelSpec::parse(spec)
+                .unwrap()
+                .trace(&JobOptions::new(batch))
+                .unwrap();
+            let floor = compute_floor_s(&trace, &h100);
+            let step = physical(&trace, &h100, &HostModel::default()).step_s;
+            assert!(floor > 0.0 && floor < step, "{floor} {step}");
+        }
     }
 
     #[test]

@@ -64,12 +64,6 @@ pub enum WorkloadError {
         "{0} needs one sequence length, and this job's varies by step: give --seq-len N (the run's longest, for a bound of its steps)"
     )]
     OneLength(&'static str),
-    /// A plan over a job sized by several traces: a pipeline's stages (each stage's rank its
-    /// own), or an expert-parallel job bounded at a router imbalance (its own trace).
-    #[error(
-        "a plan of a pipeline-parallel job, or of one bounded at a routing imbalance, is not sized yet: estimate or max-batch it (every stage and both routings are sized)"
-    )]
-    SeveralReadings,
     /// A run's steps could not be joined (the loop keeps different tensors across steps at
     /// different lengths).
     #[error(transparent)]
@@ -87,7 +81,6 @@ impl WorkloadError {
             | WorkloadError::Native(_)
             | WorkloadError::Batch(_)
             | WorkloadError::OneLength(_)
-            | WorkloadError::SeveralReadings
             | WorkloadError::Tracer(BridgeError::Reference(_)) => true,
             WorkloadError::Row { source, .. } => source.is_input(),
             WorkloadError::Tracer(_) | WorkloadError::Run(_) => false,
@@ -472,30 +465,10 @@ impl Workload {
         }))
     }
 
-    /// Traces of this job at any batch size: the native families build each directly; a
-    /// PyTorch model is traced once into a batch-symbolic trace, and a whole run by a tracer
-    /// run at each batch size asked.
-    pub fn symbolic(&self, profile: &GpuProfile) -> Result<Symbolic, WorkloadError> {
-        if self.options.seq_lens.is_some() {
-            return Err(WorkloadError::OneLength(
-                "a batch-size search (max-batch, plan)",
-            ));
-        }
-        if self.several_readings() {
-            return Err(WorkloadError::SeveralReadings);
-        }
-        self.one_rank_symbolic(profile)
-    }
-
     fn is_pipeline(&self) -> bool {
         self.options
             .strategy
             .is_some_and(|s| s.pipeline().is_some())
-    }
-
-    /// Whether this PyTorch job is sized by several traces (see [`Workload::alternatives`]).
-    fn several_readings(&self) -> bool {
-        !self.model.is_native() && self.alternatives().len() > 1
     }
 
     /// The largest batch whose upper bound fits on `profile`'s GPU on every rank this job
@@ -507,37 +480,22 @@ impl Workload {
         profile: &GpuProfile,
         estimator: &dyn Estimator,
     ) -> Result<Option<(u64, Estimate)>, SizeError> {
-        if !self.several_readings() {
-            return self.symbolic(profile)?.max_batch(profile, estimator);
+        self.readings(profile)?.max_batch(profile, estimator)
+    }
+
+    /// Every reading of this job (see [`Workload::alternatives`]) as a batch-symbolic trace,
+    /// traced side by side.
+    pub fn readings(&self, profile: &GpuProfile) -> Result<Readings, WorkloadError> {
+        if self.options.seq_lens.is_some() {
+            return Err(WorkloadError::OneLength(
+                "a batch-size search (max-batch, plan)",
+            ));
         }
-        let alternatives = self.alternatives();
-        let readings = side_by_side(&alternatives, |w| w.one_rank_symbolic(profile))
+        let jobs = self.alternatives();
+        let symbolic = side_by_side(&jobs, |w| w.one_rank_symbolic(profile))
             .into_iter()
             .collect::<Result<Vec<Symbolic>, _>>()?;
-        let mut least = u64::MAX;
-        for s in &readings {
-            match s.max_batch(profile, estimator)? {
-                Some((b, _)) => least = least.min(b),
-                None => return Ok(None),
-            }
-        }
-        // The estimate there is the worst balanced reading's, its bound the largest of all
-        // (as `size` answers).
-        let mut worst: Option<Estimate> = None;
-        let mut bound = 0;
-        for (w, s) in alternatives.iter().zip(&readings) {
-            let e = estimator.estimate(&s.at(least)?, profile)?;
-            bound = bound.max(e.upper_bound_bytes);
-            if w.routing == RoutingImbalance::BALANCED
-                && worst.as_ref().is_none_or(|w| e.peak_bytes > w.peak_bytes)
-            {
-                worst = Some(e);
-            }
-        }
-        Ok(worst.map(|mut e| {
-            e.upper_bound_bytes = bound;
-            (least, e)
-        }))
+        Ok(Readings { jobs, symbolic })
     }
 
     /// [`Workload::symbolic`] of this job's own rank (a pipeline's: `pipeline_rank`'s).
@@ -639,6 +597,68 @@ impl Symbolic {
         };
         let best = search::max_batch_with(&mut |b| self.at(b * unit), profile, estimator)?;
         Ok(best.map(|(b, e)| (b * unit, e)))
+    }
+}
+
+/// A job's readings (one per pipeline stage, and at the upper bound's router imbalance; see
+/// [`Workload::alternatives`]) as batch-symbolic traces, sized together: the estimate is the
+/// worst balanced reading's, the upper bound the largest of all, as [`Workload::size`] answers.
+/// Invariant: one symbolic trace per job, in the same order, at least one.
+#[derive(Debug, Clone)]
+pub struct Readings {
+    jobs: Vec<Workload>,
+    symbolic: Vec<Symbolic>,
+}
+
+impl Readings {
+    /// The trainable parameters the tracer counted (the whole model's, on any reading).
+    pub fn trainable_parameters(&self) -> Option<u64> {
+        self.symbolic
+            .iter()
+            .find_map(Symbolic::trainable_parameters)
+    }
+
+    /// The worst rank's estimate at `batch` (its bound the largest reading's), and every
+    /// balanced reading's trace (a pipeline's stages: each its own rank's time).
+    pub fn at(
+        &self,
+        batch: u64,
+        profile: &GpuProfile,
+        estimator: &dyn Estimator,
+    ) -> Result<(Estimate, Vec<Trace>), SizeError> {
+        let mut worst: Option<Estimate> = None;
+        let (mut bound, mut traces) = (0, Vec::new());
+        for (w, s) in self.jobs.iter().zip(&self.symbolic) {
+            let trace = s.at(batch)?;
+            let e = estimator.estimate(&trace, profile)?;
+            bound = bound.max(e.upper_bound_bytes);
+            if w.routing == RoutingImbalance::BALANCED {
+                if worst.as_ref().is_none_or(|w| e.peak_bytes > w.peak_bytes) {
+                    worst = Some(e);
+                }
+                traces.push(trace);
+            }
+        }
+        let mut worst = worst.expect("a job has a balanced reading");
+        worst.upper_bound_bytes = bound;
+        Ok((worst, traces))
+    }
+
+    /// The largest batch whose upper bound fits on every reading (the least of theirs), and
+    /// the estimate there; `None` if even the smallest does not fit on one of them.
+    pub fn max_batch(
+        &self,
+        profile: &GpuProfile,
+        estimator: &dyn Estimator,
+    ) -> Result<Option<(u64, Estimate)>, SizeError> {
+        let mut least = u64::MAX;
+        for s in &self.symbolic {
+            match s.max_batch(profile, estimator)? {
+                Some((b, _)) => least = least.min(b),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some((least, self.at(least, profile, estimator)?.0)))
     }
 }
 
@@ -757,7 +777,7 @@ mod tests {
             ),
             (32, "sgd".to_string(), "amp-bf16")
         );
-        let sym = w.symbolic(&p).unwrap();
+        let sym = w.one_rank_symbolic(&p).unwrap();
         assert_eq!(sym.at(32).unwrap().events(), t.events());
         let (b, e) = sym.max_batch(&p, &Replay::default()).unwrap().unwrap();
         let direct = Replay::default().estimate(&sym.at(b).unwrap(), &p).unwrap();

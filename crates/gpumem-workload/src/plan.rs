@@ -1,16 +1,19 @@
-//! The fastest setup of a job that fits its GPUs: multi-GPU strategy × precision × activation
-//! checkpointing × micro-batch (× gradient accumulation to a global batch), each sized by its
-//! upper bound on every rank and timed by the physical model plus the strategy's collectives
-//! ([`Interconnect`]). One batch-symbolic trace per (strategy, precision, checkpointing)
-//! answers every micro-batch, so a PyTorch model is traced a handful of times, not once per
-//! point, and those traces run side by side, one tracer process per core.
+//! The fastest setup of a job that fits its GPUs: multi-GPU strategy (data parallelism, and
+//! FSDP over meshes with tensor, pipeline, context and expert parallelism) × precision ×
+//! activation checkpointing × micro-batch (× gradient accumulation to a global batch), each
+//! sized by its upper bound on every rank (every pipeline stage's) and timed by the physical
+//! model plus the strategy's collectives ([`Interconnect`]) and a pipeline's bubble. One
+//! batch-symbolic trace per (strategy, precision, checkpointing) and rank answers every
+//! micro-batch, so a PyTorch model is traced a handful of times, not once per point, and those
+//! traces run side by side, one tracer process per core.
 
 use gpumem_core::estimate::{Estimate, Estimator};
-use gpumem_core::job::{Engine, Precision, ZeroStage};
+use gpumem_core::job::{Engine, Mesh, MeshDim, Precision, ZeroStage};
 use gpumem_core::profile::GpuProfile;
-use gpumem_core::utilization::{HostModel, physical};
+use gpumem_core::trace::Trace;
+use gpumem_core::utilization::{HostModel, compute_floor_s, physical, step_ops};
 
-use crate::{Checkpointing, SizeError, Strategy, Symbolic, Workload, WorkloadError, side_by_side};
+use crate::{Checkpointing, Readings, SizeError, Strategy, Workload, WorkloadError, side_by_side};
 
 /// Setups whose time per sample is this close to the fastest's count as as fast.
 pub const TIE: f64 = 0.01;
@@ -20,6 +23,11 @@ pub const TIE: f64 = 0.01;
 pub struct Space {
     /// Multi-GPU strategies (`None`: one GPU, or the base job's own strategy).
     pub strategies: Vec<Option<Strategy>>,
+    /// FSDP over meshes with model parallelism (tensor, pipeline, context, expert ranks).
+    pub meshes: Vec<Strategy>,
+    /// Whether every mesh is searched, or (the default search) only as far as a rank needs:
+    /// see [`plan`].
+    pub every_mesh: bool,
     pub precisions: Vec<Precision>,
     pub checkpointing: Vec<Checkpointing>,
     /// Samples per optimizer step over every rank of the job's strategy (a whole multiple of its
@@ -82,33 +90,68 @@ impl Interconnect {
                 ..
             } => ring * bytes + ring * bytes / grad_accum.max(1) as f64,
             Engine::Zero { .. } => 3.0 * ring * bytes,
-            // A mixed-precision policy gathers in its 16-bit dtype and reduces in fp32. HSDP
-            // gathers and reduce-scatters within a group of N/R ranks, then all-reduces its shard
-            // across the R groups (counted at the same bandwidth).
+            // A mixed-precision policy gathers in its 16-bit dtype and reduces in fp32. FSDP
+            // shards a rank's part of the model (its tensor shards, its stage's layers) over
+            // the shard and context ranks, gathering and reduce-scattering within them; HSDP
+            // then all-reduces its shard across the R replica groups (counted at the same
+            // bandwidth). Tensor, context and expert parallelism's own collectives are the
+            // trace's ([`traced_collective_bytes`]).
             Engine::Fsdp {
                 reshard_after_forward,
                 param_dtype,
                 ..
             } => {
-                let replicas = strategy.replicas();
+                let mesh = strategy.mesh();
+                let degree = |d| f64::from(mesh.degree(d));
                 let (gathered, reduced) = if param_dtype.is_some() {
                     (2.0, 4.0)
                 } else {
                     (word, word)
                 };
                 let gathers = if reshard_after_forward { 2.0 } else { 1.0 };
-                let (group, r) = (n / f64::from(replicas), f64::from(replicas));
+                let part =
+                    parameters as f64 / (degree(MeshDim::Tensor) * degree(MeshDim::Pipeline));
+                let group = degree(MeshDim::Shard) * degree(MeshDim::Context);
+                let r = degree(MeshDim::Replicate);
                 let within = (group - 1.0) / group;
-                let across = if replicas > 1 {
-                    2.0 * (r - 1.0) / r * reduced / group
-                } else {
-                    0.0
-                };
-                parameters as f64 * (within * (gathers * gathered + reduced) + across)
+                let across = 2.0 * (r - 1.0) / r * reduced / group;
+                part * (within * (gathers * gathered + reduced) + across)
             }
         };
         moved / (self.bus_gbs.max(1e-3) * 1e9)
     }
+}
+
+/// Bytes one rank moves per step in the collectives its trace records as functional
+/// collectives: DTensor's redistributions under tensor parallelism, ring attention's gathered
+/// keys and values, the experts' all-to-all dispatch and combine (FSDP's own c10d calls are
+/// [`Interconnect::comm_s`]'s, from the parameters). A ring moves at most an all-gather's output,
+/// a reduce-scatter's or an all-to-all's input, and twice an all-reduce's per rank.
+fn traced_collective_bytes(trace: &Trace) -> f64 {
+    let moved: u64 = step_ops(trace)
+        .map(|(name, _, read, written)| match name {
+            "all_gather_into_tensor" => written,
+            "reduce_scatter_tensor" | "all_to_all_single" => read,
+            "all_reduce" => 2 * read,
+            _ => 0,
+        })
+        .sum();
+    moved as f64 / f64::from(trace.header.iterations.max(1))
+}
+
+/// How much longer a pipeline's step takes than its stage's work: its bubble, (S − 1) idle
+/// micro-batch slots over S stages and M micro-batches, shrunk by the V chunks per rank of the
+/// interleaved schedules; none for zero bubble (its weights' backwards fill it).
+fn bubble(strategy: Option<Strategy>) -> f64 {
+    let Some((stages, pipeline)) =
+        strategy.and_then(|s| Some((s.mesh().degree(MeshDim::Pipeline), s.pipeline()?)))
+    else {
+        return 1.0;
+    };
+    if pipeline.schedule() == gpumem_core::job::Schedule::ZeroBubble {
+        return 1.0;
+    }
+    1.0 + f64::from(stages - 1) / f64::from(pipeline.virtual_stages() * pipeline.microbatches())
 }
 
 /// One setup, sized and timed.
@@ -120,19 +163,26 @@ pub struct Setup {
     pub micro_batch: u64,
     pub grad_accum: u64,
     pub estimate: Estimate,
-    /// Seconds per micro-batch step: forward, backward and optimizer by the physical model,
-    /// plus `comm_s`.
+    /// Seconds per micro-batch step: forward, backward and optimizer by the physical model
+    /// (the slowest pipeline stage's, with the bubble), plus `comm_s`.
     pub step_s: f64,
     /// Of `step_s`, the strategy's collectives.
     pub comm_s: f64,
+    /// The least `step_s` could be: its slowest rank's arithmetic at the GPU's peak
+    /// ([`compute_floor_s`]).
+    pub floor_s: f64,
 }
 
 impl Setup {
-    /// Seconds per sample: what ranks setups (for a fixed global batch, the time of its step
-    /// over the batch; the optimizer's step is counted once per micro-batch, a small
-    /// overestimate for many accumulation steps).
+    /// Seconds of one rank per sample: what ranks setups (for a fixed global batch, the time
+    /// of its step over the rank's share of the batch; the optimizer's step is counted once
+    /// per micro-batch, a small overestimate for many accumulation steps). A rank of a mesh
+    /// shares each of its samples with its tensor, pipeline and context ranks.
     pub fn seconds_per_sample(&self) -> f64 {
-        self.step_s / self.micro_batch as f64
+        let sharing = self
+            .strategy
+            .map_or(1, |s| s.world_size() / s.mesh().data_parallel());
+        self.step_s * f64::from(sharing) / self.micro_batch as f64
     }
 }
 
@@ -152,6 +202,12 @@ pub enum SkipReason {
     /// checkpoint or shard, a precision the families refuse, FSDP2 on an old torch).
     #[error(transparent)]
     Refused(WorkloadError),
+    /// The rank's share of the global batch is not a whole number of the pipeline's
+    /// micro-batches.
+    #[error(
+        "a rank's {share} samples of the global batch do not split into the pipeline's {unit} micro-batches"
+    )]
+    Unit { share: u64, unit: u64 },
     /// What every rank holds of the model states alone exceeds the GPU (not traced).
     #[error(
         "its model states alone do not fit: what every rank holds of the {:.1} M trainable parameters, their gradients and {optimizer}'s states needs {:.0} MiB",
@@ -198,19 +254,20 @@ fn micro_batches(global: Option<u64>, max: u64) -> Vec<u64> {
         .collect()
 }
 
-/// The batch-symbolic trace of `base`'s model under `options`; `Ok(Err(why))` for a setup the
-/// model cannot take (its options; the tracer's refusal: no blocks to checkpoint or shard, a
-/// precision the families refuse, FSDP2 on an old torch), which the plan skips; the tracer
-/// missing altogether is an error.
+/// The batch-symbolic traces of `base`'s model under `options`, one per rank that differs (a
+/// pipeline's stages), and the batch unit (a pipeline's micro-batches); `Ok(Err(why))` for a
+/// setup the model cannot take (its options; the tracer's refusal: no blocks to checkpoint or
+/// shard, a precision the families refuse, FSDP2 on an old torch), which the plan skips; the
+/// tracer missing altogether is an error.
 fn setup_trace(
     base: &Workload,
     options: Result<crate::Options, crate::OptionError>,
     profile: &GpuProfile,
-) -> Result<Result<Symbolic, SkipReason>, WorkloadError> {
+) -> Result<Result<(Readings, u64), SkipReason>, WorkloadError> {
     let traced = options
         .map_err(WorkloadError::from)
         .and_then(|o| Workload::new(base.model().clone(), 1, o))
-        .and_then(|w| w.symbolic(profile));
+        .and_then(|w| Ok((w.readings(profile)?, w.options().batch_unit())));
     match traced {
         Ok(s) => Ok(Ok(s)),
         Err(e)
@@ -282,71 +339,146 @@ struct MicroBatches {
     too_big: Vec<Setup>,
 }
 
-/// Sizes and times the micro-batches of one setup from its batch-symbolic trace.
+/// A setup: its strategy, precision and activation checkpointing.
+type Key = (Option<Strategy>, Precision, Checkpointing);
+
+/// A setup's micro-batches sized, or why it was not planned.
+type Sized = Result<Result<MicroBatches, SkipReason>, SizeError>;
+
+/// Sizes and times the micro-batches of one setup from its ranks' batch-symbolic traces;
+/// `unit`: the batch's (a pipeline's micro-batches), which every micro-batch is a multiple of.
 fn size(
-    sym: &Symbolic,
-    (strategy, precision, checkpointing): (Option<Strategy>, Precision, Checkpointing),
+    (readings, unit): &(Readings, u64),
+    (strategy, precision, checkpointing): Key,
     profile: &GpuProfile,
     estimator: &dyn Estimator,
     space: &Space,
     link: Interconnect,
-) -> Result<MicroBatches, SizeError> {
+) -> Sized {
     let host = HostModel::default();
+    let unit = *unit;
     let mut sized = MicroBatches {
-        trainable: sym.trainable_parameters(),
+        trainable: readings.trainable_parameters(),
         fits: Vec::new(),
         too_big: Vec::new(),
     };
-    let world = u64::from(strategy.map_or(1, |s| s.world_size()));
-    let rank_batch = space.global_batch.map(|g| g / world);
-    let Some((max, _)) = sym.max_batch(profile, estimator)? else {
-        let estimate = estimator.estimate(&sym.at(1)?, profile)?;
-        sized.too_big.push(Setup {
+    let data_parallel = u64::from(strategy.map_or(1, |s| s.mesh().data_parallel()));
+    let rank_batch = space.global_batch.map(|g| g / data_parallel);
+    if let Some(share) = rank_batch.filter(|b| b % unit != 0) {
+        return Ok(Err(SkipReason::Unit { share, unit }));
+    }
+    let setup = |micro_batch, grad_accum, estimate, traces: &[Trace]| {
+        // The slowest rank sets the pace; a pipeline's ranks also wait out its bubble.
+        let traced = traces
+            .iter()
+            .map(|t| {
+                (
+                    physical(t, profile, &host).step_s * bubble(strategy),
+                    traced_collective_bytes(t) / (link.bus_gbs.max(1e-3) * 1e9),
+                )
+            })
+            .max_by(|a, b| (a.0 + a.1).total_cmp(&(b.0 + b.1)))
+            .unwrap_or_default();
+        let parameters = traces
+            .first()
+            .and_then(|t| t.header.parameters)
+            .unwrap_or(0);
+        let comm_s = link.comm_s(strategy, parameters, precision, grad_accum) + traced.1;
+        let floor_s = traces
+            .iter()
+            .map(|t| compute_floor_s(t, profile))
+            .fold(0.0, f64::max);
+        Setup {
             strategy,
             precision,
             checkpointing,
-            micro_batch: 1,
-            grad_accum: rank_batch.unwrap_or(1),
+            micro_batch,
+            grad_accum,
             estimate,
-            step_s: 0.0,
-            comm_s: 0.0,
-        });
-        return Ok(sized);
-    };
-    for m in micro_batches(rank_batch, max) {
-        let trace = sym.at(m)?;
-        let estimate = estimator.estimate(&trace, profile)?;
-        let grad_accum = rank_batch.map_or(1, |g| g / m);
-        let comm_s = link.comm_s(
-            strategy,
-            trace.header.parameters.unwrap_or(0),
-            precision,
-            grad_accum,
-        );
-        let step_s = physical(&trace, profile, &host).step_s + comm_s;
-        let setup = Setup {
-            strategy,
-            precision,
-            checkpointing,
-            micro_batch: m,
-            grad_accum,
-            step_s,
+            step_s: traced.0 + comm_s,
             comm_s,
-            estimate,
-        };
+            floor_s,
+        }
+    };
+    let Some((max, _)) = readings.max_batch(profile, estimator)? else {
+        let (estimate, traces) = readings.at(unit, profile, estimator)?;
+        let accum = rank_batch.map_or(1, |b| b / unit);
+        sized.too_big.push(setup(unit, accum, estimate, &traces));
+        return Ok(Ok(sized));
+    };
+    for m in micro_batches(rank_batch.map(|b| b / unit), max / unit) {
+        let m = m * unit;
+        let (estimate, traces) = readings.at(m, profile, estimator)?;
+        let s = setup(m, rank_batch.map_or(1, |g| g / m), estimate, &traces);
         if m > max {
-            sized.too_big.push(setup);
+            sized.too_big.push(s);
         } else {
-            sized.fits.push(setup);
+            sized.fits.push(s);
         }
     }
-    Ok(sized)
+    Ok(Ok(sized))
+}
+
+/// What the search has learnt of a precision and checkpointing: whether a setup of theirs
+/// already fits a rank's whole share of the global batch in one micro-batch (without a global
+/// batch: fits at all), and the least arithmetic of a sample at the GPU's peak on their
+/// data-parallel setups' traces (infinite before one is traced). No mesh splits that
+/// arithmetic into less (tensor and context ranks share it, stages divide it), so it floors
+/// every mesh's time per sample — up to the optimizer's share of it, counted per sample at the
+/// micro-batch traced.
+fn learnt(
+    plan: &Plan,
+    space: &Space,
+    (precision, checkpointing): (Precision, Checkpointing),
+) -> (bool, f64) {
+    let mine = |s: &&Setup| s.precision == precision && s.checkpointing == checkpointing;
+    let settled = plan
+        .fits
+        .iter()
+        .filter(mine)
+        .any(|s| space.global_batch.is_none() || s.grad_accum == 1);
+    let arithmetic = plan
+        .fits
+        .iter()
+        .chain(&plan.too_big)
+        .filter(mine)
+        .filter(|s| s.strategy.is_none_or(|s| sharing(s.mesh()) == 1))
+        .map(|s| s.floor_s / s.micro_batch as f64)
+        .fold(f64::INFINITY, f64::min);
+    (settled, arithmetic)
+}
+
+/// The least time per sample `mesh` could take at `precision`, a sample's arithmetic taking
+/// `arithmetic`: that arithmetic with the pipeline's bubble, and FSDP's collectives over the
+/// rank's whole share in one micro-batch (known from the parameters before a trace).
+fn mesh_floor(
+    mesh: Strategy,
+    precision: Precision,
+    arithmetic: f64,
+    parameters: u64,
+    space: &Space,
+    link: Interconnect,
+) -> f64 {
+    let share = space
+        .global_batch
+        .map(|g| g / u64::from(mesh.mesh().data_parallel()));
+    let comm = share.map_or(0.0, |b| {
+        link.comm_s(Some(mesh), parameters, precision, 1) * f64::from(sharing(mesh.mesh()))
+            / b as f64
+    });
+    arithmetic * bubble(Some(mesh)) + comm
 }
 
 /// Plans `base` (its model and fixed options; its strategy where `space` lists none, and its
 /// precision, checkpointing and batch are searched) on `profile`, every rank's GPU.
 /// `traced(done, of)` hears how many of the `of` (strategy, precision, checkpointing) setups
-/// are traced (the cold part: a tracer run each), first with none.
+/// are traced (the cold part: a tracer run each per rank that differs), first with none.
+///
+/// The meshes of model parallelism are searched after data parallelism, by the ranks that
+/// share a sample (2, 4, 8, …), and — unless `space.every_mesh` — for a precision and
+/// checkpointing only until one of their setups fits a rank's whole share in one micro-batch
+/// (past which more model parallelism only adds collectives and bubbles to the same
+/// arithmetic), and a mesh only where its floor ([`mesh_floor`]) beats the fastest setup found.
 pub fn plan(
     base: &Workload,
     profile: &GpuProfile,
@@ -360,16 +492,18 @@ pub fn plan(
     } else {
         space.strategies.clone()
     };
-    let mut pairs = Vec::new();
-    for &strategy in &strategies {
-        for &precision in &space.precisions {
-            for &checkpointing in &space.checkpointing {
-                pairs.push((strategy, precision, checkpointing));
-            }
+    let mut kinds = Vec::new();
+    for &precision in &space.precisions {
+        for &checkpointing in &space.checkpointing {
+            kinds.push((precision, checkpointing));
         }
     }
-    // Each pair's trace is a tracer process of its own (Python, one core each): side by side,
-    // each sized as soon as it is traced, beside the traces still running.
+    let pairs: Vec<Key> = strategies
+        .iter()
+        .flat_map(|&s| kinds.iter().map(move |&(p, c)| (s, p, c)))
+        .collect();
+    // Each setup's traces are tracer processes of their own (Python, one core each): side by
+    // side, each sized as soon as it is traced, beside the traces still running.
     use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
     let (done, of) = (AtomicUsize::new(0), AtomicUsize::new(pairs.len()));
     traced(0, pairs.len());
@@ -383,14 +517,21 @@ pub fn plan(
         }
         .check()
     };
-    let trace_each = |pairs: &[(Option<Strategy>, Precision, Checkpointing)]| {
-        let sized = side_by_side(pairs, |&(strategy, precision, checkpointing)| -> Result<Result<MicroBatches, SkipReason>, SizeError> {
-            let sym = setup_trace(base, options(strategy, precision, checkpointing), profile);
+    let trace_each = |pairs: &[Key]| {
+        let sized = side_by_side(pairs, |&(strategy, precision, checkpointing)| -> Sized {
+            let readings = setup_trace(base, options(strategy, precision, checkpointing), profile);
             traced(done.fetch_add(1, Relaxed) + 1, of.load(Relaxed));
-            Ok(match sym? {
-                Ok(sym) => Ok(size(&sym, (strategy, precision, checkpointing), profile, estimator, space, link)?),
-                Err(reason) => Err(reason),
-            })
+            match readings? {
+                Ok(r) => size(
+                    &r,
+                    (strategy, precision, checkpointing),
+                    profile,
+                    estimator,
+                    space,
+                    link,
+                ),
+                Err(reason) => Ok(Err(reason)),
+            }
         });
         pairs.iter().copied().zip(sized).collect::<Vec<_>>()
     };
@@ -443,18 +584,41 @@ pub fn plan(
         }
     }
     setups.extend(trace_each(&to_trace));
-    for ((strategy, precision, checkpointing), sized) in setups {
-        match sized? {
-            Ok(sized) => {
-                out.fits.extend(sized.fits);
-                out.too_big.extend(sized.too_big);
-            }
-            Err(reason) => out.skipped.push(Skipped {
-                strategy,
-                precision,
-                checkpointing,
-                reason,
-            }),
+    out.add(setups)?;
+    let mut levels: Vec<u32> = space.meshes.iter().map(|s| sharing(s.mesh())).collect();
+    levels.sort_unstable();
+    levels.dedup();
+    // Within a level, the precisions and checkpointing of least arithmetic first: once one
+    // fits, the others may no longer be worth a mesh.
+    kinds.sort_by(|&a, &b| {
+        learnt(&out, space, a)
+            .1
+            .total_cmp(&learnt(&out, space, b).1)
+    });
+    let parameters = trainable.unwrap_or(0);
+    for n in levels {
+        for &(precision, checkpointing) in &kinds {
+            let (settled, arithmetic) = learnt(&out, space, (precision, checkpointing));
+            let fastest = out
+                .fits
+                .iter()
+                .map(Setup::seconds_per_sample)
+                .fold(f64::INFINITY, f64::min);
+            let level: Vec<Key> = space
+                .meshes
+                .iter()
+                .filter(|s| sharing(s.mesh()) == n)
+                .filter(|&&s| {
+                    space.every_mesh
+                        || !settled
+                            && (arithmetic.is_infinite()
+                                || mesh_floor(s, precision, arithmetic, parameters, space, link)
+                                    < fastest)
+                })
+                .map(|&s| (Some(s), precision, checkpointing))
+                .collect();
+            of.fetch_add(level.len(), Relaxed);
+            out.add(trace_each(&level))?;
         }
     }
     out.fits
@@ -475,6 +639,32 @@ pub fn plan(
     Ok(out)
 }
 
+/// The ranks of a mesh that share each sample: its tensor, pipeline and context ranks.
+fn sharing(mesh: Mesh) -> u32 {
+    mesh.world_size() / mesh.data_parallel()
+}
+
+impl Plan {
+    /// Adds sized setups: those that fit, those too big, and the skipped with why.
+    fn add(&mut self, setups: Vec<(Key, Sized)>) -> Result<(), SizeError> {
+        for ((strategy, precision, checkpointing), sized) in setups {
+            match sized? {
+                Ok(sized) => {
+                    self.fits.extend(sized.fits);
+                    self.too_big.extend(sized.too_big);
+                }
+                Err(reason) => self.skipped.push(Skipped {
+                    strategy,
+                    precision,
+                    checkpointing,
+                    reason,
+                }),
+            }
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -489,6 +679,18 @@ mod tests {
         // bf16: 2 GB; ZeRO-2 reduce-scatters each micro-batch, gathers weights once per 4.
         assert!((link.comm_s(z(2), p, Precision::Bf16, 4) - (0.015 + 0.015 / 4.0)).abs() < 1e-12);
         assert!((link.comm_s(z(3), p, Precision::Bf16, 4) - 0.045).abs() < 1e-12);
+        // FSDP on a mesh gathers and reduces a rank's tensor shard within its 4 shard ranks:
+        // 1 GB of its 2 GB, 3/4 of it twice gathered and once reduced; tensor parallelism alone
+        // leaves the collectives to its trace.
+        let fsdp = Strategy::fsdp(8, 1, true, None, false).unwrap().engine();
+        let mesh =
+            |dims: &[(MeshDim, u32)]| Some(Strategy::new(Mesh::new(dims).unwrap(), fsdp).unwrap());
+        let on = mesh(&[(MeshDim::Shard, 4), (MeshDim::Tensor, 2)]);
+        assert!((link.comm_s(on, p, Precision::Bf16, 1) - 0.0225).abs() < 1e-12);
+        assert_eq!(
+            link.comm_s(mesh(&[(MeshDim::Tensor, 2)]), p, Precision::Bf16, 1),
+            0.0
+        );
         assert_eq!(
             Interconnect::for_gpu("NVIDIA H100 80GB HBM3 (SXM5)").bus_gbs,
             360.0
@@ -627,6 +829,128 @@ mod tests {
     }
 
     #[test]
+    fn meshes_of_model_parallelism_divide_the_gpus() {
+        let h100 = builtin("h100-80gb-sxm").unwrap();
+        let base = Workload::parse(
+            "hf:LlamaForCausalLM(hidden_size=64)",
+            1,
+            crate::Options::default(),
+        )
+        .unwrap();
+        let request = |r: PlanRequest| {
+            r.space(&base, &h100)
+                .map(|(space, ..)| {
+                    let mut meshes: Vec<String> =
+                        space.meshes.iter().map(|s| s.mesh().label()).collect();
+                    meshes.sort();
+                    (meshes, space.every_mesh)
+                })
+                .map_err(|e| e.as_flag())
+        };
+        let gpus = |n| PlanRequest {
+            gpus: Some(n),
+            ..PlanRequest::default()
+        };
+        // The defaults on 8 GPUs: TP 1–8 × PP 1–8 whose ranks divide 8, FSDP over the rest;
+        // no context parallelism on short sequences, no expert parallelism.
+        let (meshes, every) = request(gpus(8)).unwrap();
+        assert!(!every);
+        assert_eq!(meshes.len(), 9, "{meshes:?}");
+        for m in [
+            "shard 4 × tensor 2",
+            "tensor 8",
+            "tensor 2 × pipeline 4",
+            "pipeline 8",
+        ] {
+            assert!(meshes.contains(&m.to_string()), "{m}: {meshes:?}");
+        }
+        // Tensor parallelism stays within a machine.
+        let (meshes, _) = request(PlanRequest {
+            gpus_per_node: Some(2),
+            ..gpus(8)
+        })
+        .unwrap();
+        assert!(
+            meshes
+                .iter()
+                .all(|m| !m.contains("tensor 4") && !m.contains("tensor 8"))
+        );
+        // Listed degrees: every mesh of them, searched whole.
+        let (meshes, every) = request(PlanRequest {
+            tp: vec![2],
+            pp: vec![1, 2],
+            cp: vec![1, 2],
+            ..gpus(8)
+        })
+        .unwrap();
+        assert!(every);
+        assert_eq!(
+            meshes,
+            [
+                "shard 2 × tensor 2 × context 2",
+                "shard 2 × tensor 2 × pipeline 2",
+                "shard 4 × tensor 2",
+                "tensor 2 × pipeline 2 × context 2"
+            ]
+        );
+        // Data parallelism alone where FSDP is not searched; degrees need GPUs and FSDP.
+        let ddp = PlanRequest {
+            strategies: vec!["ddp".into()],
+            ..gpus(8)
+        };
+        assert_eq!(request(ddp.clone()).unwrap().0.len(), 0);
+        for (bad, says) in [
+            (
+                PlanRequest { tp: vec![2], ..ddp },
+                "--tp and the other mesh degrees search FSDP's meshes",
+            ),
+            (
+                PlanRequest {
+                    tp: vec![16],
+                    ..gpus(16)
+                },
+                "--tp 16 spans machines of 8 GPUs",
+            ),
+            (
+                PlanRequest {
+                    pp: vec![3],
+                    ..gpus(8)
+                },
+                "--tp and the other degrees listed make no mesh of 8 GPUs",
+            ),
+        ] {
+            let e = request(bad).unwrap_err();
+            assert!(e.starts_with(says), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_pipeline_waits_out_its_bubble() {
+        use gpumem_core::job::{Pipeline, Schedule};
+        let mesh = |stages| {
+            Strategy::new(
+                Mesh::new(&[(MeshDim::Pipeline, stages)]).unwrap(),
+                Strategy::fsdp(2, 1, true, None, false).unwrap().engine(),
+            )
+            .unwrap()
+        };
+        assert_eq!(bubble(None), 1.0);
+        // 1F1B over 4 stages and as many micro-batches: 3 idle slots to 4 busy.
+        assert_eq!(bubble(Some(mesh(4))), 1.75);
+        let with = |schedule, m, v| {
+            mesh(4)
+                .with_pipeline(Pipeline::new(schedule, m, v).unwrap())
+                .unwrap()
+        };
+        assert_eq!(bubble(Some(with(Schedule::Gpipe, 12, 1))), 1.25);
+        assert_eq!(
+            bubble(Some(with(Schedule::Interleaved, 12, 3))),
+            1.0 + 3.0 / 36.0
+        );
+        assert_eq!(bubble(Some(with(Schedule::ZeroBubble, 12, 2))), 1.0);
+    }
+
+    #[test]
     fn the_fastest_setup_that_fits_comes_first() {
         let t4 = builtin("t4").unwrap();
         let base = Workload::parse(
@@ -637,6 +961,8 @@ mod tests {
         .unwrap();
         let space = Space {
             strategies: Vec::new(),
+            meshes: Vec::new(),
+            every_mesh: false,
             precisions: vec![Precision::Fp32, Precision::AmpFp16],
             checkpointing: vec![Checkpointing::Off],
             global_batch: Some(4096),
@@ -698,6 +1024,15 @@ pub struct PlanRequest {
     pub global_batch: Option<u64>,
     /// NCCL bus bandwidth per rank, GB/s (`None`: the GPU's usual link).
     pub bus_gbs: Option<f64>,
+    /// With `gpus` and FSDP among the strategies: the degrees of tensor, pipeline, context
+    /// and expert parallelism to search FSDP's meshes over (empty: the defaults, see
+    /// [`PlanRequest::meshes`]). Listing any searches every mesh of them.
+    pub tp: Vec<u32>,
+    pub pp: Vec<u32>,
+    pub cp: Vec<u32>,
+    pub ep: Vec<u32>,
+    /// GPUs per machine: tensor parallelism stays within one (`None`: 8).
+    pub gpus_per_node: Option<u32>,
 }
 
 /// A [`PlanRequest`] field that is wrong: `field` as the package spells it (`global_batch`),
@@ -820,14 +1155,119 @@ impl PlanRequest {
                 format!(" {g} must be a positive multiple of the world size ({world})"),
             ));
         }
+        let fsdp = strategies
+            .iter()
+            .any(|s| s.is_some_and(|s| matches!(s.engine(), Engine::Fsdp { .. })));
+        let listed = listed_any(self);
+        let meshes = match self.gpus {
+            Some(n) if n > 1 && fsdp => self.meshes(n, base.options().seq_len)?,
+            _ if listed || self.gpus_per_node.is_some() => {
+                return Err(PlanInputError::new(
+                    if listed { "tp" } else { "gpus_per_node" },
+                    " and the other mesh degrees search FSDP's meshes: they need gpus (more than one) and fsdp among the strategies",
+                ));
+            }
+            _ => Vec::new(),
+        };
         let space = Space {
             strategies,
+            meshes,
+            every_mesh: listed,
             precisions,
             checkpointing,
             global_batch: self.global_batch,
         };
         Ok((space, link, world))
     }
+
+    /// FSDP's meshes over `gpus` GPUs with model parallelism: every combination of the listed
+    /// degrees (where listed; a combination FSDP's mesh refuses is an error) or of the defaults —
+    /// tensor parallelism in powers of two up to a machine's GPUs, pipelines of 2, 4 and 8
+    /// stages, context parallelism in powers of two up to 8 from sequences of 16,384 tokens
+    /// (below, none), no expert parallelism — whose ranks divide the GPUs (the defaults'
+    /// invalid combinations left out). FSDP shards over the rest; each pipeline runs 1F1B over
+    /// as many micro-batches as stages (torchtitan's default).
+    fn meshes(&self, gpus: u32, seq_len: Option<u64>) -> Result<Vec<Strategy>, PlanInputError> {
+        let per_node = self.gpus_per_node.unwrap_or(8);
+        if per_node == 0 {
+            return Err(PlanInputError::new("gpus_per_node", " must be at least 1"));
+        }
+        let powers = |most: u32| -> Vec<u32> {
+            std::iter::successors(Some(1u32), |d| d.checked_mul(2))
+                .take_while(|&d| d <= most)
+                .collect()
+        };
+        let long = seq_len.is_some_and(|s| s >= 16_384);
+        let degrees = |listed: &Vec<u32>, default: Vec<u32>| {
+            if listed.is_empty() {
+                default
+            } else {
+                listed.clone()
+            }
+        };
+        let tp = degrees(&self.tp, powers(per_node.min(8)));
+        let pp = degrees(&self.pp, powers(8));
+        let cp = degrees(&self.cp, if long { powers(8) } else { vec![1] });
+        let ep = degrees(&self.ep, vec![1]);
+        let fsdp = Strategy::try_from(
+            gpumem_core::job::StrategyValues::named("fsdp", gpus).expect("fsdp is a strategy"),
+        )
+        .map_err(|e| PlanInputError::new("gpus", format!(": {e}")))?
+        .engine();
+        if let Some(t) = tp.iter().find(|&&t| t > per_node) {
+            return Err(PlanInputError::new(
+                "tp",
+                format!(" {t} spans machines of {per_node} GPUs (gpus_per_node)"),
+            ));
+        }
+        let mut combinations = Vec::new();
+        for &t in &tp {
+            for &p in &pp {
+                for &c in &cp {
+                    combinations.extend(ep.iter().map(|&e| (t, p, c, e)));
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for (t, p, c, e) in combinations {
+            let group = t.saturating_mul(p).saturating_mul(c);
+            if group == 1 && e == 1 {
+                continue; // FSDP alone: a strategy of its own
+            }
+            if group == 0 || !gpus.is_multiple_of(group) {
+                continue; // not a mesh of these GPUs
+            }
+            let mesh = Mesh::new(&[
+                (MeshDim::Shard, gpus / group),
+                (MeshDim::Tensor, t),
+                (MeshDim::Pipeline, p),
+                (MeshDim::Context, c),
+                (MeshDim::Expert, e),
+            ]);
+            match mesh.and_then(|m| Strategy::new(m, fsdp)) {
+                Ok(s) => out.push(s),
+                Err(_) if !listed_any(self) => {}
+                Err(err) => {
+                    return Err(PlanInputError::new(
+                        "tp",
+                        format!(" {t} × pp {p} × cp {c} × ep {e}: {err}"),
+                    ));
+                }
+            }
+        }
+        if out.is_empty() && listed_any(self) {
+            return Err(PlanInputError::new(
+                "tp",
+                format!(" and the other degrees listed make no mesh of {gpus} GPUs"),
+            ));
+        }
+        Ok(out)
+    }
+}
+
+/// Whether a request lists any mesh degree.
+fn listed_any(r: &PlanRequest) -> bool {
+    [&r.tp, &r.pp, &r.cp, &r.ep].iter().any(|d| !d.is_empty())
 }
 
 /// `strategies` over `world` ranks (all five where none are listed).
@@ -854,12 +1294,28 @@ fn named_strategies(names: &[String], world: u32) -> Result<Vec<Option<Strategy>
         .collect()
 }
 
+/// A strategy's mesh as `gpumem plan --json` lists it: its dimensions above degree 1.
+fn mesh_json(strategy: Option<Strategy>) -> serde_json::Value {
+    strategy.map_or(serde_json::Value::Null, |s| {
+        MeshDim::ALL
+            .into_iter()
+            .filter(|&d| s.mesh().degree(d) > 1)
+            .map(|d| (d.name().to_string(), serde_json::json!(s.mesh().degree(d))))
+            .collect::<serde_json::Map<_, _>>()
+            .into()
+    })
+}
+
 impl Setup {
     /// The setup as `gpumem plan --json` lists it.
     pub fn to_json(&self) -> serde_json::Value {
         let mib = gpumem_core::units::mib;
+        let pipeline = self.strategy.and_then(|s| s.pipeline()).map(|p| {
+            serde_json::json!({"schedule": p.schedule().name(), "microbatches": p.microbatches()})
+        });
         serde_json::json!({
             "strategy": self.strategy.map(|s| s.name()), "world_size": self.strategy.map(|s| s.world_size()),
+            "mesh": mesh_json(self.strategy), "pipeline": pipeline,
             "precision": self.precision.name(), "checkpointing": self.checkpointing.name(), "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "peak_mib": mib(self.estimate.peak_bytes), "upper_bound_mib": mib(self.estimate.upper_bound_bytes),
             "step_s": self.step_s, "comm_s": self.comm_s,
@@ -882,7 +1338,7 @@ impl Plan {
             "model": model, "gpu": profile.name, "capacity_mib": profile.capacity_mib, "global_batch": space.global_batch, "world_size": world, "bus_gbs": link.bus_gbs,
             "setups": self.fits.iter().map(Setup::to_json).collect::<Vec<_>>(),
             "too_big": self.too_big.iter().map(Setup::to_json).collect::<Vec<_>>(),
-            "skipped": self.skipped.iter().map(|s| serde_json::json!({"strategy": s.strategy.map(|s| s.name()), "precision": s.precision.name(), "checkpointing": s.checkpointing.name(), "reason": s.reason.to_string()})).collect::<Vec<_>>(),
+            "skipped": self.skipped.iter().map(|s| serde_json::json!({"strategy": s.strategy.map(|s| s.name()), "mesh": mesh_json(s.strategy), "precision": s.precision.name(), "checkpointing": s.checkpointing.name(), "reason": s.reason.to_string()})).collect::<Vec<_>>(),
         })
     }
 }

@@ -121,6 +121,23 @@ impl Mesh {
         Mesh::ranks(&self.degrees).map(|d| d as u32).product()
     }
 
+    /// The ranks that each take samples of their own: the data-parallel ones (replicate ×
+    /// shard). Tensor, pipeline and context ranks share their group's samples.
+    pub fn data_parallel(&self) -> u32 {
+        self.degree(MeshDim::Replicate) * self.degree(MeshDim::Shard)
+    }
+
+    /// The dimensions that add ranks, those above degree 1, as a person reads them: `shard 8 ×
+    /// tensor 8` (the expert dimension borrows its ranks, so it is said apart).
+    pub fn label(&self) -> String {
+        MeshDim::ALL
+            .into_iter()
+            .filter(|&d| self.degree(d) > 1 && d != MeshDim::Expert)
+            .map(|d| format!("{} {}", d.name(), self.degree(d)))
+            .collect::<Vec<_>>()
+            .join(" × ")
+    }
+
     fn ranks(degrees: &[u32; 6]) -> impl Iterator<Item = u64> + '_ {
         MeshDim::ALL
             .into_iter()
