@@ -474,11 +474,13 @@ fn mesh_floor(
 /// `traced(done, of)` hears how many of the `of` (strategy, precision, checkpointing) setups
 /// are traced (the cold part: a tracer run each per rank that differs), first with none.
 ///
-/// The meshes of model parallelism are searched after data parallelism, by the ranks that
-/// share a sample (2, 4, 8, …), and — unless `space.every_mesh` — for a precision and
-/// checkpointing only until one of their setups fits a rank's whole share in one micro-batch
-/// (past which more model parallelism only adds collectives and bubbles to the same
-/// arithmetic), and a mesh only where its floor ([`mesh_floor`]) beats the fastest setup found.
+/// The meshes of model parallelism are searched after data parallelism, level by level — by
+/// the ranks that share a sample, 2, 4, 8, … — and, unless `space.every_mesh`, for a precision
+/// and checkpointing only up to one level past the first at which one of their setups fits,
+/// and not past one that fits a rank's whole share in one micro-batch: more model parallelism
+/// adds collectives and bubbles to the same arithmetic, and pays only where it lets a rank
+/// take a larger micro-batch, which the next level shows. Within a level a mesh is traced only
+/// where its floor ([`mesh_floor`]) beats the fastest setup found.
 pub fn plan(
     base: &Workload,
     profile: &GpuProfile,
@@ -596,29 +598,40 @@ pub fn plan(
             .total_cmp(&learnt(&out, space, b).1)
     });
     let parameters = trainable.unwrap_or(0);
-    for n in levels {
-        for &(precision, checkpointing) in &kinds {
+    // The level (0: data parallelism) at which each precision and checkpointing first fit.
+    let fit_at = |out: &Plan, k: (Precision, Checkpointing)| {
+        out.fits.iter().any(|s| (s.precision, s.checkpointing) == k)
+    };
+    let mut first_fit: Vec<Option<usize>> = kinds
+        .iter()
+        .map(|&k| fit_at(&out, k).then_some(0))
+        .collect();
+    for (level, n) in levels.into_iter().enumerate().map(|(i, n)| (i + 1, n)) {
+        for (i, &(precision, checkpointing)) in kinds.iter().enumerate() {
             let (settled, arithmetic) = learnt(&out, space, (precision, checkpointing));
+            let searched =
+                space.every_mesh || !settled && first_fit[i].is_none_or(|first| level <= first + 1);
             let fastest = out
                 .fits
                 .iter()
                 .map(Setup::seconds_per_sample)
                 .fold(f64::INFINITY, f64::min);
-            let level: Vec<Key> = space
+            let meshes: Vec<Key> = space
                 .meshes
                 .iter()
-                .filter(|s| sharing(s.mesh()) == n)
+                .filter(|s| searched && sharing(s.mesh()) == n)
                 .filter(|&&s| {
                     space.every_mesh
-                        || !settled
-                            && (arithmetic.is_infinite()
-                                || mesh_floor(s, precision, arithmetic, parameters, space, link)
-                                    < fastest)
+                        || arithmetic.is_infinite()
+                        || mesh_floor(s, precision, arithmetic, parameters, space, link) < fastest
                 })
                 .map(|&s| (Some(s), precision, checkpointing))
                 .collect();
-            of.fetch_add(level.len(), Relaxed);
-            out.add(trace_each(&level))?;
+            of.fetch_add(meshes.len(), Relaxed);
+            out.add(trace_each(&meshes))?;
+            if first_fit[i].is_none() && fit_at(&out, (precision, checkpointing)) {
+                first_fit[i] = Some(level);
+            }
         }
     }
     out.fits
