@@ -2,8 +2,9 @@
 //!
 //! A [`Workload`] is a model ([`ModelRef`]: a native family spec or a PyTorch reference), a batch
 //! size and the typed [`Options`] of the loop around it, checked when it is made. It is traced
-//! by the native families or by the PyTorch tracer ([`Workload::trace`]), and gives a
-//! [`Symbolic`] source of traces for any batch size ([`Workload::symbolic`]). The CLI, the
+//! by the native families or by the PyTorch tracer ([`Workload::trace`]), and gives each of
+//! its ranks that differ a [`Symbolic`] source of traces for any batch size
+//! ([`Workload::readings`]). The CLI, the
 //! simulator's task tracing and the daemon all go through here, so a job means the same thing
 //! everywhere, and a [`gpumem_torch::TraceRequest`] is built in one place.
 
@@ -498,7 +499,9 @@ impl Workload {
         Ok(Readings { jobs, symbolic })
     }
 
-    /// [`Workload::symbolic`] of this job's own rank (a pipeline's: `pipeline_rank`'s).
+    /// Traces of this job's own rank (a pipeline's: `pipeline_rank`'s) at any batch size: the
+    /// native families build each directly; a PyTorch model is traced once into a
+    /// batch-symbolic trace, and a whole run by a tracer run at each batch size asked.
     fn one_rank_symbolic(&self, profile: &GpuProfile) -> Result<Symbolic, WorkloadError> {
         Ok(match &self.model {
             ModelRef::Native(spec) => Symbolic::Native(spec.clone(), self.native_job(profile)),
