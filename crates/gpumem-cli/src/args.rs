@@ -452,8 +452,21 @@ impl StrategyArgs {
                 ));
             }
             (Some(name), Some(w), _) => (name, w),
-            // --strategy requires --world-size (clap).
-            (_, None, _) => return Ok(None),
+            // --strategy requires --world-size (clap). FSDP's settings with no strategy to take
+            // them (plan --gpus plans FSDP with its defaults) are refused, not ignored.
+            (_, None, _) => {
+                let fsdp = [
+                    (self.fsdp_param_dtype.is_some(), "--fsdp-param-dtype"),
+                    (self.fsdp_cpu_offload, "--fsdp-cpu-offload"),
+                    (self.no_reshard_after_forward, "--no-reshard-after-forward"),
+                ];
+                return match fsdp.into_iter().find(|(given, _)| *given) {
+                    Some((_, flag)) => Err(CliError::input(format!(
+                        "{flag} is for --strategy fsdp or hsdp with --world-size"
+                    ))),
+                    None => Ok(None),
+                };
+            }
         };
         let named = StrategyValues::named(name, world_size).ok_or_else(|| {
             CliError::input(format!(

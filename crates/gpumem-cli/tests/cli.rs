@@ -306,6 +306,17 @@ fn bad_inputs_exit_2_with_one_line() {
     );
     bad_input(
         &[
+            "plan",
+            "hf:gpt2",
+            "--gpus",
+            "8xh100-80gb-sxm",
+            "--fsdp-param-dtype",
+            "bf16",
+        ],
+        "--fsdp-param-dtype is for --strategy fsdp or hsdp with --world-size",
+    );
+    bad_input(
+        &[
             "estimate",
             "hf:gpt2",
             "--strategy",
