@@ -98,7 +98,7 @@ fn label(strategy: Option<Strategy>, precision: Precision, checkpointing: Checkp
     let on = strategy
         .map(|s| {
             let mesh = s.mesh();
-            if mesh.world_size() == mesh.data_parallel() && s.expert_parallel() == 1 {
+            if mesh.model_parallel() == 1 && s.expert_parallel() == 1 {
                 format!("{} · ", s.name())
             } else {
                 let short = |d: MeshDim| match d {

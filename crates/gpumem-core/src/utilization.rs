@@ -166,8 +166,6 @@ pub fn physical(trace: &Trace, profile: &GpuProfile, host: &HostModel) -> Utiliz
     let precision = trace.header.options.precision.name();
     let (mut busy, mut sm_busy, mut occupied, mut dram, mut fp32, mut kernels, mut host_ops) =
         (0.0, 0.0, 0.0, 0.0, 0.0, 0u64, 0u64);
-    // Outside a whole run every op is the steps'; inside one, those after `RunPhase::Train`
-    // until the next part begins.
     for (name, flops, bytes_read, bytes_written) in step_ops(trace) {
         if NO_KERNEL.contains(&name) {
             host_ops += 1;

@@ -647,13 +647,13 @@ impl Readings {
         Ok((worst, traces))
     }
 
-    /// The largest batch whose upper bound fits on every reading (the least of theirs), and
-    /// the estimate there; `None` if even the smallest does not fit on one of them.
-    pub fn max_batch(
+    /// The largest batch whose upper bound fits on every reading (the least of theirs);
+    /// `None` if even the smallest does not fit on one of them.
+    pub fn largest_fitting(
         &self,
         profile: &GpuProfile,
         estimator: &dyn Estimator,
-    ) -> Result<Option<(u64, Estimate)>, SizeError> {
+    ) -> Result<Option<u64>, SizeError> {
         let mut least = u64::MAX;
         for s in &self.symbolic {
             match s.max_batch(profile, estimator)? {
@@ -661,7 +661,18 @@ impl Readings {
                 None => return Ok(None),
             }
         }
-        Ok(Some((least, self.at(least, profile, estimator)?.0)))
+        Ok(Some(least))
+    }
+
+    /// [`Readings::largest_fitting`], and the estimate there.
+    pub fn max_batch(
+        &self,
+        profile: &GpuProfile,
+        estimator: &dyn Estimator,
+    ) -> Result<Option<(u64, Estimate)>, SizeError> {
+        self.largest_fitting(profile, estimator)?
+            .map(|b| Ok((b, self.at(b, profile, estimator)?.0)))
+            .transpose()
     }
 }
 

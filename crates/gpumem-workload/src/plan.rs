@@ -179,9 +179,7 @@ impl Setup {
     /// per micro-batch, a small overestimate for many accumulation steps). A rank of a mesh
     /// shares each of its samples with its tensor, pipeline and context ranks.
     pub fn seconds_per_sample(&self) -> f64 {
-        let sharing = self
-            .strategy
-            .map_or(1, |s| s.world_size() / s.mesh().data_parallel());
+        let sharing = self.strategy.map_or(1, |s| s.mesh().model_parallel());
         self.step_s * f64::from(sharing) / self.micro_batch as f64
     }
 }
@@ -400,7 +398,7 @@ fn size(
             floor_s,
         }
     };
-    let Some((max, _)) = readings.max_batch(profile, estimator)? else {
+    let Some(max) = readings.largest_fitting(profile, estimator)? else {
         let (estimate, traces) = readings.at(unit, profile, estimator)?;
         let accum = rank_batch.map_or(1, |b| b / unit);
         sized.too_big.push(setup(unit, accum, estimate, &traces));
@@ -442,7 +440,7 @@ fn learnt(
         .iter()
         .chain(&plan.too_big)
         .filter(mine)
-        .filter(|s| s.strategy.is_none_or(|s| sharing(s.mesh()) == 1))
+        .filter(|s| s.strategy.is_none_or(|s| s.mesh().model_parallel() == 1))
         .map(|s| s.floor_s / s.micro_batch as f64)
         .fold(f64::INFINITY, f64::min);
     (settled, arithmetic)
@@ -463,7 +461,7 @@ fn mesh_floor(
         .global_batch
         .map(|g| g / u64::from(mesh.mesh().data_parallel()));
     let comm = share.map_or(0.0, |b| {
-        link.comm_s(Some(mesh), parameters, precision, 1) * f64::from(sharing(mesh.mesh()))
+        link.comm_s(Some(mesh), parameters, precision, 1) * f64::from(mesh.mesh().model_parallel())
             / b as f64
     });
     arithmetic * bubble(Some(mesh)) + comm
@@ -587,7 +585,11 @@ pub fn plan(
     }
     setups.extend(trace_each(&to_trace));
     out.add(setups)?;
-    let mut levels: Vec<u32> = space.meshes.iter().map(|s| sharing(s.mesh())).collect();
+    let mut levels: Vec<u32> = space
+        .meshes
+        .iter()
+        .map(|s| s.mesh().model_parallel())
+        .collect();
     levels.sort_unstable();
     levels.dedup();
     // Within a level, the precisions and checkpointing of least arithmetic first: once one
@@ -619,7 +621,7 @@ pub fn plan(
             let meshes: Vec<Key> = space
                 .meshes
                 .iter()
-                .filter(|s| searched && sharing(s.mesh()) == n)
+                .filter(|s| searched && s.mesh().model_parallel() == n)
                 .filter(|&&s| {
                     space.every_mesh
                         || arithmetic.is_infinite()
@@ -650,11 +652,6 @@ pub fn plan(
         }
     }
     Ok(out)
-}
-
-/// The ranks of a mesh that share each sample: its tensor, pipeline and context ranks.
-fn sharing(mesh: Mesh) -> u32 {
-    mesh.world_size() / mesh.data_parallel()
 }
 
 impl Plan {

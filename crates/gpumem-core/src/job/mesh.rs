@@ -127,6 +127,12 @@ impl Mesh {
         self.degree(MeshDim::Replicate) * self.degree(MeshDim::Shard)
     }
 
+    /// The ranks that share each sample: the tensor, pipeline and context ones (world size
+    /// over the data-parallel ranks).
+    pub fn model_parallel(&self) -> u32 {
+        self.world_size() / self.data_parallel()
+    }
+
     /// The dimensions that add ranks, those above degree 1, as a person reads them: `shard 8 ×
     /// tensor 8` (the expert dimension borrows its ranks, so it is said apart).
     pub fn label(&self) -> String {
