@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CACHE="${GPUMEM_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpumem-ci}"
-COMMON="timm==1.0.31 transformers==5.24.0 segmentation-models-pytorch==0.6.0 peft==0.21.2 bitsandbytes==0.50.2 torchao==0.16.0 pytest==9.2.0 numpy==2.4.6 jsonschema==4.25.1"
+COMMON="timm==1.0.31 transformers==5.24.0 segmentation-models-pytorch==0.6.0 peft==0.21.2 bitsandbytes==0.50.2 torchao==0.16.0 liger-kernel==0.8.5 pytest==9.2.0 numpy==2.4.6 jsonschema==4.25.1"
 PINNED="torch==2.9.1 torchvision==0.24.1 $COMMON"
 NEWEST="torch==2.15.0 torchvision==0.29.2 $COMMON"
 # The trainers whose own code the tracer runs where it is installed — torchtitan (its activation
@@ -30,7 +30,7 @@ MATURIN="maturin==1.16.0"
 # again unless MODULES import); empty if the install failed.
 venv() {
   local dir="$CACHE/venv-$(echo "$1" | cksum | cut -d' ' -f1)"
-  local modules="${2:-torch, torchvision, timm, transformers, segmentation_models_pytorch, peft, bitsandbytes, pytest, jsonschema}"
+  local modules="${2:-torch, torchvision, timm, transformers, segmentation_models_pytorch, peft, bitsandbytes, liger_kernel, pytest, jsonschema}"
   if ! "$dir/bin/python" -c "import $modules" 2>/dev/null; then
     echo "== installing $1 into $dir (cached)" >&2
     rm -rf "$dir"

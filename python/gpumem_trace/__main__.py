@@ -75,6 +75,13 @@ def flags():
         help="torchtune's chunked cross-entropy over N slices (causal language models)",
     )
     p.add_argument(
+        "--liger",
+        nargs="?",
+        const="",
+        metavar="KERNELS",
+        help="Liger's kernels on a Hugging Face model (KERNEL=true|false,...; alone: Liger's defaults)",
+    )
+    p.add_argument(
         "--data-parallel",
         type=int,
         default=1,

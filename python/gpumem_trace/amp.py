@@ -168,7 +168,9 @@ class Autocast(TorchFunctionMode):
     def low(self, t):
         if not (t.is_floating_point() and t.dtype == torch.float32):
             return t
-        if t.is_leaf and t.requires_grad:
+        # CUDA's cache (autocast_mode.cpp, cached_cast): fp32 leaves that require grad, not
+        # views of them (a weight's `.t()` made where grad is off is such a leaf).
+        if t.is_leaf and t.requires_grad and not t._is_view():
             c = self.cache.get(id(t))
             if c is None or c[0]() is not t:
                 import weakref
@@ -180,7 +182,8 @@ class Autocast(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.enabled:
+        # Autocast's lists hold the functional ops: an `out=` variant runs as it is called.
+        if not self.enabled or kwargs.get("out") is not None:
             return func(*args, **kwargs)
         if func in LOW or getattr(func, "autocast_low", False):
             return func(*_map(args, self.low), **_map(kwargs, self.low))
@@ -375,6 +378,13 @@ class _AutocastCall:
                 return fn(*a, **k)
 
         return wrapped
+
+
+def active_dtype():
+    """The dtype the emulated autocast casts to here, or None where it is off: what
+    ``torch.is_autocast_enabled()``/``torch.get_autocast_dtype("cuda")`` answer on the GPU."""
+    mode = _ACTIVE[-1] if _ACTIVE else None
+    return mode.dtype if mode is not None and mode.enabled else None
 
 
 @contextlib.contextmanager

@@ -122,6 +122,20 @@ def register_meta_kernels():
     for name, kernel in attention.MISSING_META.items():
         if not has(f"aten::{name}", "Meta"):
             _meta_lib.impl(name, kernel, "Meta")
+    # addmm with an fp32 result from 16-bit operands (Liger's in-place accumulation of the
+    # head's gradient): torch's meta kernel runs addmm's decomposition, which takes the dtype
+    # for `beta` and fails. Its output is `out`, or one of the product's shape in that dtype.
+    if hasattr(torch.ops.aten.addmm, "dtype_out"):
+        _meta_lib.m.impl("addmm.dtype_out", "Meta", _addmm_dtype_out, False)
+        _meta_lib.m.impl("addmm.dtype", "Meta", _addmm_dtype, False)
+
+
+def _addmm_dtype_out(self, mat1, mat2, out_dtype, beta=1, alpha=1, *, out):
+    return out
+
+
+def _addmm_dtype(self, mat1, mat2, out_dtype, beta=1, alpha=1):
+    return torch.empty((mat1.shape[0], mat2.shape[1]), dtype=out_dtype, device=self.device)
 
 
 @contextlib.contextmanager
@@ -144,7 +158,11 @@ def patches(stack):
     if jit:
 
         def run(self, *args, **kwargs):
-            if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args):
+            # Tensors go in by position or by name (Liger's launches name theirs).
+            if any(
+                isinstance(a, torch.Tensor) and a.device.type == "meta"
+                for a in (*args, *kwargs.values())
+            ):
                 return None
             return launch(self, *args, **kwargs)
 

@@ -24,6 +24,7 @@ from . import (
     cuda,
     distributed,
     hf_trainer,
+    liger,
     lora,
     losses,
     optimizers,
@@ -73,6 +74,7 @@ class TraceOptions:
         False  # each parameter stepped in backward (optimizers.InBackward)
     )
     chunked_ce: int = None  # torchtune's chunked cross-entropy over this many slices (losses.py)
+    liger: dict = None  # Liger's kernels, {name: on} over Liger's defaults (liger.py), or None
     # The whole run (docs/run.md) as the job document states it — {"evaluation": {...}} — or
     # None: the training steps alone.
     whole_run: dict = None
@@ -344,6 +346,9 @@ def trace_training(opts: TraceOptions, out_path: str):
         lora.apply(model, opts.lora, opts.model)
     if opts.chunked_ce:
         job = losses.chunked_output(job, model, opts.chunked_ce, opts.model)
+    if opts.liger is not None:
+        # As Hugging Face's Trainer does, on the model it is given (after PEFT's wrapping).
+        liger.apply(model, opts.liger, opts.model)
     ranks = None  # the job's DeviceMesh, where it is a multi-GPU job that needs one
     if opts.strategy == "fsdp":
         ranks = distributed.device_mesh(
@@ -518,6 +523,9 @@ def trace_training(opts: TraceOptions, out_path: str):
         mode,
         autocast.under_checkpoint() if autocast else contextlib.nullcontext(),
         sharded_loss,
+        liger.on_the_gpu(standin.StandinGpu.with_capability(opts.gpu_capability), rec)
+        if opts.liger is not None
+        else contextlib.nullcontext(),
     ):
         whole_run = opts.whole_run is not None
         if whole_run:

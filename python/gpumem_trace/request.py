@@ -69,6 +69,19 @@ def write_answer(path, answer):
     os.replace(tmp, path)
 
 
+def liger_document(spec):
+    """``--liger KERNEL=true|false,...`` as the job document states it (None: no Liger)."""
+    if spec is None:
+        return None
+    kernels = {}
+    for item in filter(None, (t.strip() for t in spec.split(","))):
+        name, _, value = item.partition("=")
+        if value not in ("true", "false"):
+            raise ValueError(f"--liger: `{item}` is not KERNEL=true or KERNEL=false")
+        kernels[name.strip()] = value == "true"
+    return kernels
+
+
 def trace_options(request):
     """The ``TraceOptions`` of a request's job (its first batch size; the caller sets the others)."""
     from .loop import TraceOptions
@@ -106,6 +119,7 @@ def trace_options(request):
         lora=lora,
         optimizer_in_backward=o.get("optimizer_in_backward", False),
         chunked_ce=o.get("chunked_ce"),
+        liger=o.get("liger"),
         whole_run=o.get("whole_run"),
         every_iteration=request.get("every_iteration", False),
         document=o,
@@ -328,6 +342,7 @@ def from_flags(a):
             "strategy": strategy,
             "optimizer_in_backward": a.optimizer_in_backward,
             "chunked_ce": a.chunked_ce,
+            "liger": liger_document(a.liger),
             "whole_run": whole_run_document(a),
         },
         "gpu_capability": a.gpu_capability,

@@ -277,15 +277,8 @@ def _module_to(real):
     return to
 
 
-@contextlib.contextmanager
-def cuda(gpu: StandinGpu, rec):
-    """Library code inside sees ``gpu`` and allocates on the recorder's meta device (the
-    caller's ``TraceMode`` must be active to record it)."""
-    # torch._dynamo maps torch's functions to its rules by identity when it is imported (as
-    # PyTorch's own Python references do on first use): before they are stood in for.
-    import torch._dynamo  # noqa: F401
-
-    stats = _Stats(rec)
+def _cuda_queries(gpu, rec, stats):
+    """``torch.cuda``'s queries as ``gpu`` answers them, over the recorder's live tensors."""
     props = type(
         "_CudaDeviceProperties",
         (),
@@ -310,6 +303,8 @@ def cuda(gpu: StandinGpu, rec):
         device_count=lambda: gpu.count,
         current_device=lambda: 0,
         set_device=nothing,
+        # `with torch.cuda.device(i):` (a kernel library choosing where to launch): one GPU.
+        device=lambda device=None: contextlib.nullcontext(),
         synchronize=nothing,
         init=nothing,
         get_device_name=lambda device=None: gpu.name,
@@ -329,6 +324,28 @@ def cuda(gpu: StandinGpu, rec):
         # torch.optim's step asks before it runs (a captured step takes other paths).
         is_current_stream_capturing=lambda: False,
     )
+    return cuda_queries
+
+
+@contextlib.contextmanager
+def device_calls(gpu: StandinGpu, rec):
+    """The narrow stand-in, for a kernel library's Python inside a traced step: ``torch.cuda``'s
+    queries answer as ``gpu`` would and calls naming a CUDA device make (recorded) meta tensors;
+    nothing else is stood in for."""
+    with patched(torch.cuda, **_cuda_queries(gpu, rec, _Stats(rec))), _CudaOnMeta(rec, None):
+        yield
+
+
+@contextlib.contextmanager
+def cuda(gpu: StandinGpu, rec):
+    """Library code inside sees ``gpu`` and allocates on the recorder's meta device (the
+    caller's ``TraceMode`` must be active to record it)."""
+    # torch._dynamo maps torch's functions to its rules by identity when it is imported (as
+    # PyTorch's own Python references do on first use): before they are stood in for.
+    import torch._dynamo  # noqa: F401
+
+    stats = _Stats(rec)
+    cuda_queries = _cuda_queries(gpu, rec, stats)
     accelerator = getattr(torch, "accelerator", None)
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(torch.cuda, **cuda_queries))
@@ -358,8 +375,8 @@ def cuda(gpu: StandinGpu, rec):
                     current_accelerator=lambda check_available=False: torch.device("cuda"),
                     device_count=lambda: gpu.count,
                     current_device_index=lambda: 0,
-                    synchronize=nothing,
-                    set_device_index=nothing,
+                    synchronize=cuda_queries["synchronize"],
+                    set_device_index=cuda_queries["set_device"],
                 )
             )
         stack.enter_context(

@@ -2154,3 +2154,45 @@ def test_the_routers_stand_in_counts():
     assert capped[:2] == [1024, 1024] and sum(capped) == 2048, capped
     with pytest.raises(ValueError, match="not a number ≥ 1"):
         Routing(4, 0.5)
+
+
+def test_liger_runs_its_own_python_as_on_the_gpu(tmp_path):
+    """--liger: Liger's kernels in place of the model's ops, by Liger's own code (its Triton
+    launches do nothing on meta). Its fused linear cross-entropy never makes the logits: in
+    forward it makes the head's gradient (V × H, fp32 under amp) and one chunk of logits at a
+    time — Liger's chunk, the next power of two of BT / ⌈V / H⌉ — and, reading its tensors as
+    CUDA ones, accumulates the head's gradient in place (its fallback for other devices makes a
+    V × H temporary per chunk)."""
+    pytest.importorskip("liger_kernel")
+    batch, seq, hidden, vocab = 2, 256, 128, 16000
+    model = f"hf:LlamaForCausalLM(hidden_size={hidden},intermediate_size=256,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,vocab_size={vocab})"
+    common = [model, "--batch", str(batch), "--seq-len", str(seq), "--precision", "amp-bf16"]
+    _, plain = traced(common, tmp_path)
+    header, liger = traced([*common, "--liger"], tmp_path)
+    assert header["options"]["liger"] == {}
+    logits = batch * seq * vocab * 4
+    assert max(e["bytes"] for e in allocs(plain)) >= logits
+    head = vocab * hidden * 4  # < logits: the largest tensor is a (V × H) one, no logits
+    assert max(e["bytes"] for e in allocs(liger) if e.get("category") != "workspace") == head
+    loss = [e for e in allocs(liger, phase="forward", module="LlamaForCausalLM")]
+    assert len([e for e in loss if e["bytes"] == head]) == header["iterations"]
+    chunk = 2 ** math.ceil(math.log2(math.ceil(batch * seq / math.ceil(vocab / hidden))))
+    assert len([e for e in loss if e["bytes"] == chunk * vocab * 2]) >= batch * seq // chunk - 1
+    assert live_and_peak(liger)[1] < live_and_peak(plain)[1] - logits // 2
+
+
+def test_liger_needs_a_model_it_has_kernels_for(tmp_path):
+    pytest.importorskip("liger_kernel")
+    p, _ = run(
+        [
+            "hf:BertForSequenceClassification(hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,vocab_size=100)",
+            "--batch",
+            "2",
+            "--seq-len",
+            "16",
+            "--liger",
+            "rope=false",
+        ],
+        tmp_path,
+    )
+    assert p.returncode == 2 and "Liger has no kernels for model type `bert`" in p.stderr

@@ -10,7 +10,7 @@ use gpumem_core::dataset::Measurement;
 use gpumem_core::estimate::Estimator;
 use gpumem_core::hub::{HubCache, HubError, HubSource};
 use gpumem_core::job::{
-    EngineKind, Evaluation, Generation, LengthSchedule, MeshValues, Optimizer, OptionValues,
+    EngineKind, Evaluation, Generation, LengthSchedule, Liger, MeshValues, Optimizer, OptionValues,
     Precision, RoutingImbalance, Save, Schedule, StrategyValues, WholeRun,
 };
 use gpumem_core::model::ModelError;
@@ -235,6 +235,20 @@ pub struct WorkloadArgs {
     /// CEWithChunkedOutputLoss; it uses 8), in place of the model's own loss.
     #[arg(long, value_name = "N")]
     chunked_ce: Option<u32>,
+    /// Liger's kernels in place of a Hugging Face model's own (as `use_liger_kernel` switches
+    /// them on): alone, Liger's defaults for the model's type (rope, the norm, the MLP's gate,
+    /// the fused linear cross-entropy); KERNEL=true|false,… sets kernels by Liger's names
+    /// (rope, rms_norm, layer_norm, swiglu, geglu, cross_entropy, fused_linear_cross_entropy),
+    /// after an `=`: `--liger=rope=false`.
+    /// Liger's own code is traced: it must be installed beside torch.
+    #[arg(
+        long,
+        value_name = "KERNELS",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = ""
+    )]
+    liger: Option<String>,
     #[command(flatten)]
     whole_run: WholeRunArgs,
     /// GPUs of a torch.nn.DataParallel job (PyTorch models): --batch is then the whole batch
@@ -689,6 +703,11 @@ impl WorkloadArgs {
             }
         };
         let lora = self.lora.as_deref().map(lora).transpose()?;
+        let liger = self
+            .liger
+            .as_deref()
+            .map(|spec| Liger::parse(spec).map_err(|e| CliError::input(format!("--{e}"))))
+            .transpose()?;
         let options = OptionValues {
             optimizer: optimizer.unwrap_or_default(),
             precision: precision.unwrap_or(Precision::Fp32),
@@ -707,6 +726,7 @@ impl WorkloadArgs {
             strategy: None,
             optimizer_in_backward: self.optimizer_in_backward,
             chunked_ce: self.chunked_ce,
+            liger: liger.clone(),
             whole_run: self.whole_run.whole_run(),
         };
         if let Some(config) = self.train_config()? {
@@ -797,6 +817,12 @@ impl WorkloadArgs {
                     note("--chunked-ce", n.to_string(), format!("{:?}", v.chunked_ce));
                 }
                 v.chunked_ce = Some(n);
+            }
+            if let Some(l) = liger {
+                if let Some(stated) = &v.liger {
+                    note("--liger", l.spec(), stated.spec());
+                }
+                v.liger = Some(l);
             }
             if let Some(run) = options.whole_run {
                 note(

@@ -164,7 +164,7 @@ fn bad_inputs_exit_2_with_one_line() {
     bad_input(&["estimate", MLP, "--gpu", "b300"], "unknown GPU `b300`");
     bad_input(
         &["estimate", MLP, "--lora", "r=8,targets=q_proj"],
-        "--lora and --strategy apply to PyTorch models",
+        "--optimizer-in-backward and --strategy apply to PyTorch models",
     );
     bad_input(
         &["estimate", "hf:gpt2", "--lora", "r=0,targets=q_proj"],
@@ -183,6 +183,15 @@ fn bad_inputs_exit_2_with_one_line() {
         &["estimate", "hf:gpt2", "--world-size", "4"],
         "--world-size needs --strategy",
     );
+    bad_input(
+        &["estimate", "hf:gpt2", "--liger=rope=maybe"],
+        "--liger: `rope=maybe` is not KERNEL=true or KERNEL=false",
+    );
+    bad_input(
+        &["estimate", "hf:gpt2", "--liger", "--chunked-ce", "8"],
+        "liger (--liger) with its fused_linear_cross_entropy and chunked_ce (--chunked-ce) both replace the loss",
+    );
+    bad_input(&["estimate", MLP, "--liger"], "apply to PyTorch models");
     bad_input(
         &[
             "estimate",

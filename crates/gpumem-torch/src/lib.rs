@@ -22,7 +22,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 30] = [
+const SOURCES: [(&str, &str); 31] = [
     (
         "__init__.py",
         include_str!("../../../python/gpumem_trace/__init__.py"),
@@ -63,6 +63,10 @@ const SOURCES: [(&str, &str); 30] = [
     (
         "hf_trainer.py",
         include_str!("../../../python/gpumem_trace/hf_trainer.py"),
+    ),
+    (
+        "liger.py",
+        include_str!("../../../python/gpumem_trace/liger.py"),
     ),
     (
         "loop.py",

@@ -15,12 +15,14 @@ use schemars::JsonSchema;
 use crate::UnknownName;
 
 pub mod lengths;
+pub mod liger;
 pub mod lora;
 pub mod mesh;
 pub mod optim;
 pub mod whole_run;
 
 pub use lengths::{LengthError, LengthSchedule, LengthSource, LengthSummary};
+pub use liger::{Liger, LigerError, LigerKernel};
 pub use lora::{Lora, LoraError, LoraValues, Quant4, QuantLoader, Release};
 pub use mesh::{
     DDP_BUCKET_CAP_MB, Engine, EngineKind, HalfDtype, MAX_MICROBATCHES, MAX_ROUTING_IMBALANCE,
@@ -426,6 +428,10 @@ pub struct OptionValues {
     /// loss one at a time, in place of the model's own loss. Left out where absent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chunked_ce: Option<u32>,
+    /// Liger's kernels in place of a Hugging Face model's own ops (Liger's code, traced where
+    /// it is installed). Left out where absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub liger: Option<Liger>,
     /// The whole run, not the training steps alone (docs/run.md): the load, the steps, and the
     /// parts it states. Left out where absent.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -452,6 +458,7 @@ impl Default for OptionValues {
             strategy: None,
             optimizer_in_backward: false,
             chunked_ce: None,
+            liger: None,
             whole_run: None,
         }
     }
@@ -521,6 +528,10 @@ pub enum OptionError {
     ZeroFullSave,
     #[error("chunked_ce (--chunked-ce) {0} is out of range (1..={MAX_CE_CHUNKS})")]
     CeChunks(u32),
+    #[error(
+        "liger (--liger) with its fused_linear_cross_entropy and chunked_ce (--chunked-ce) both replace the loss: give one (or set fused_linear_cross_entropy=false)"
+    )]
+    LigerAndChunkedCe,
     #[error("optimizer_in_backward (--optimizer-in-backward) cannot go with {0}")]
     OptimizerInBackward(&'static str),
     #[error("data_parallel (--data-parallel) {0} is out of range (1..={MAX_DATA_PARALLEL})")]
@@ -626,7 +637,7 @@ pub struct RanksNotGpus {
 /// Options a native family model cannot take, on a native model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs, --attention-mask, --attention, --lora and --strategy apply to PyTorch models ({})",
+    "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs, --attention-mask, --attention, --lora, --liger, --chunked-ce, --optimizer-in-backward and --strategy apply to PyTorch models ({})",
     TORCH_PREFIXES.join(", ")
 )]
 pub struct TorchOnly;
@@ -653,6 +664,9 @@ impl OptionValues {
         }
         if self.chunked_ce.is_some_and(|n| n == 0 || n > MAX_CE_CHUNKS) {
             return Err(OptionError::CeChunks(self.chunked_ce.unwrap_or_default()));
+        }
+        if self.chunked_ce.is_some() && self.liger.as_ref().is_some_and(Liger::fuses_the_loss) {
+            return Err(OptionError::LigerAndChunkedCe);
         }
         if let Some(run) = &self.whole_run {
             if let Some(e) = &run.evaluation {
@@ -725,6 +739,8 @@ impl OptionValues {
                     Some("amp-fp16 (GradScaler)")
                 } else if self.chunked_ce.is_some() {
                     Some("chunked_ce (--chunked-ce)")
+                } else if self.liger.is_some() {
+                    Some("liger (--liger)")
                 } else if self.validate != Validate::None {
                     Some("validate (--validate)")
                 } else if self.attention_mask != AttentionMask::None {

@@ -1,12 +1,15 @@
 //! axolotl's YAML (`axolotl train config.yml`).
 
+use std::collections::BTreeMap;
+
 use gpumem_core::job::{
-    Attention, AttentionMask, Checkpointing, Evaluation, Precision, Quant4, WholeRun,
+    Attention, AttentionMask, Checkpointing, Evaluation, Liger, LigerKernel, Precision, Quant4,
+    WholeRun,
 };
 use serde_json::Value;
 
 use super::{
-    ATTN, CLIP, COMPILE, Class, Doc, EVAL, LIGER, OFFLOAD_ACT, PACKED, Table, TrainConfig,
+    ATTN, CLIP, COMPILE, Class, Doc, EVAL, OFFLOAD_ACT, PACKED, Table, TrainConfig,
     TrainConfigError, hf,
 };
 
@@ -20,17 +23,6 @@ pub(crate) const TABLE: Table = &[
     ("save_safetensors", Class::No),
     ("torch_compile", Class::Not(COMPILE)),
     ("torch_compile_backend", Class::Not(COMPILE)),
-    (
-        "plugins",
-        Class::Not(
-            "axolotl plugins (Liger, Cut Cross Entropy, …) replace modules and losses; not modelled",
-        ),
-    ),
-    ("liger_rope", Class::Not(LIGER)),
-    ("liger_rms_norm", Class::Not(LIGER)),
-    ("liger_glu_activation", Class::Not(LIGER)),
-    ("liger_layer_norm", Class::Not(LIGER)),
-    ("liger_fused_linear_cross_entropy", Class::Not(LIGER)),
     ("cut_cross_entropy", Class::Not(super::CHUNKED_CE)),
     ("max_grad_norm", Class::Not(CLIP)),
     (
@@ -114,6 +106,57 @@ pub(crate) const TABLE: Table = &[
     ("local_rank", Class::No),
 ];
 
+/// axolotl's plugins: its Liger plugin applies Liger's function for the model's type with each
+/// kernel its `liger_*` key turns on (an absent key is off: the plugin passes `None`); the GLU
+/// key is Liger's `swiglu` or `geglu`, whichever the model's function takes. Other plugins are
+/// not modelled.
+fn liger(doc: &mut Doc) -> Result<Option<Liger>, TrainConfigError> {
+    const KEYS: [(&str, &[LigerKernel]); 6] = [
+        ("liger_rope", &[LigerKernel::Rope]),
+        ("liger_rms_norm", &[LigerKernel::RmsNorm]),
+        ("liger_layer_norm", &[LigerKernel::LayerNorm]),
+        (
+            "liger_glu_activation",
+            &[LigerKernel::Swiglu, LigerKernel::Geglu],
+        ),
+        ("liger_cross_entropy", &[LigerKernel::CrossEntropy]),
+        (
+            "liger_fused_linear_cross_entropy",
+            &[LigerKernel::FusedLinearCrossEntropy],
+        ),
+    ];
+    let plugins = doc.names("plugins")?.unwrap_or_default();
+    let (ligers, others): (Vec<_>, Vec<_>) =
+        plugins.iter().partition(|p| p.ends_with("LigerPlugin"));
+    if !others.is_empty() {
+        doc.not_modelled(
+            "plugins",
+            format!(
+                "axolotl plugins other than Liger's ({}) replace modules and losses; not modelled",
+                others
+                    .iter()
+                    .map(|p| p.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        );
+    }
+    if ligers.is_empty() {
+        for (key, _) in KEYS {
+            doc.no_memory(key);
+        }
+        return Ok(None);
+    }
+    let mut kernels = BTreeMap::new();
+    for (key, set) in KEYS {
+        let on = doc.flag(key)?.unwrap_or(false);
+        kernels.extend(set.iter().map(|k| (*k, on)));
+    }
+    Liger::new(kernels)
+        .map(Some)
+        .map_err(|e| doc.err("liger_cross_entropy", e.to_string()))
+}
+
 pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainConfigError> {
     if let Some(m) = doc.text("base_model")? {
         out.model = Some((m, "base_model".into()));
@@ -126,6 +169,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     }
     out.grad_accum = doc.count32("gradient_accumulation_steps")?;
     out.seq_len = doc.positive("sequence_len")?;
+    out.liger = liger(doc)?;
     // An evaluation split (val_set_size: a fraction or a count) runs the Trainer's evaluation
     // loop at eval_batch_size (axolotl's default: micro_batch_size), losses only.
     let evaluates = doc.number("val_set_size")?.is_some_and(|v| v > 0.0);

@@ -2,12 +2,14 @@
 //! --config` and the alignment handbook's recipes state them), as JSON or YAML of the arguments.
 
 use gpumem_core::job::{
-    AttentionMask, Evaluation, Generation, HalfDtype, Precision, Quant4, Save, WholeRun,
+    AttentionMask, Evaluation, Generation, HalfDtype, Liger, LigerKernel, Precision, Quant4, Save,
+    WholeRun,
 };
 use serde_json::Value;
+use std::collections::BTreeMap;
 
 use super::{
-    BROADCAST_LOAD, CLIP, COMPILE, Class, Doc, EVAL, LIGER, Layout, PACKED, TRAINER_SAVE, Table,
+    BROADCAST_LOAD, CLIP, COMPILE, Class, Doc, EVAL, Layout, PACKED, TRAINER_SAVE, Table,
     TrainConfig, TrainConfigError, TrainerKind,
 };
 use crate::deepspeed;
@@ -33,8 +35,6 @@ pub(crate) const TABLE: Table = &[
     ("torch_compile", Class::Not(COMPILE)),
     ("torch_compile_backend", Class::Not(COMPILE)),
     ("torch_compile_mode", Class::Not(COMPILE)),
-    ("use_liger_kernel", Class::Not(LIGER)),
-    ("liger_kernel_config", Class::Not(LIGER)),
     ("max_grad_norm", Class::Not(CLIP)),
     (
         "neftune_noise_alpha",
@@ -148,6 +148,37 @@ pub(crate) const TABLE: Table = &[
     ("hub_model_revision", Class::No),
 ];
 
+/// The Trainer's `use_liger_kernel`: Liger applied to the model as the Trainer applies it, with
+/// `liger_kernel_config`'s keywords (each a kernel on or off) over Liger's defaults.
+fn liger(doc: &mut Doc) -> Result<Option<Liger>, TrainConfigError> {
+    if doc.flag("use_liger_kernel")? != Some(true) {
+        doc.no_memory("liger_kernel_config");
+        return Ok(None);
+    }
+    let names: Vec<String> = match doc.get("liger_kernel_config") {
+        None | Some(Value::Null) => vec![],
+        Some(Value::Object(m)) => m.keys().cloned().collect(),
+        Some(other) => {
+            return Err(doc.err(
+                "liger_kernel_config",
+                format!("{other} is not a table of kernels"),
+            ));
+        }
+    };
+    let mut kernels = BTreeMap::new();
+    for name in names {
+        let key = format!("liger_kernel_config.{name}");
+        let kernel = LigerKernel::parse(&name).map_err(|e| doc.err(&key, e.to_string()))?;
+        let on = doc
+            .flag(&key)?
+            .ok_or_else(|| doc.err(&key, "is not true or false"))?;
+        kernels.insert(kernel, on);
+    }
+    Liger::new(kernels)
+        .map(Some)
+        .map_err(|e| doc.err("liger_kernel_config", e.to_string()))
+}
+
 fn precision_of_dtype(
     doc: &Doc,
     field: &str,
@@ -239,6 +270,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         out.checkpointing = Some(super::hf_checkpointing(doc, on)?);
     }
     read_peft(doc, out)?;
+    out.liger = liger(doc)?;
     let evaluation = evaluation(doc)?;
     let generation = rollouts(doc, out)?;
     let resume = doc.resumes("resume_from_checkpoint")?;

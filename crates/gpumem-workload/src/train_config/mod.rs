@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use gpumem_core::job::{
-    Attention, AttentionMask, Checkpointing, Engine, HalfDtype, Implementation, Lora, Mesh,
+    Attention, AttentionMask, Checkpointing, Engine, HalfDtype, Implementation, Liger, Lora, Mesh,
     MeshDim, Optimizer, OptionError, OptionValues, Options, Pipeline, Precision, Quant4, Strategy,
     WholeRun,
 };
@@ -179,6 +179,8 @@ pub struct TrainConfig {
     pub optimizer_in_backward: Option<bool>,
     /// torchtune's `CEWithChunkedOutputLoss`'s chunk count.
     pub chunked_ce: Option<u32>,
+    /// Liger's kernels (Hugging Face's `use_liger_kernel`, axolotl's Liger plugin).
+    pub liger: Option<Liger>,
     /// The whole run, where the config names a part of it beyond the steps (an evaluation).
     pub whole_run: Option<WholeRun>,
     pub layout: Layout,
@@ -426,6 +428,7 @@ impl TrainConfig {
                 .optimizer_in_backward
                 .unwrap_or(base.optimizer_in_backward),
             chunked_ce: self.chunked_ce.or(base.chunked_ce),
+            liger: self.liger.clone().or(base.liger),
             whole_run: self.whole_run.or(base.whole_run),
             strategy: strategy.or(base.strategy),
             ..base
@@ -507,7 +510,6 @@ pub(crate) fn hf_checkpointing(doc: &mut Doc, on: bool) -> Result<Checkpointing,
 }
 pub(crate) const OFFLOAD_ACT: &str = "activation offloading is not in the job vocabulary yet; sized with activations on the GPU (an upper bound)";
 pub(crate) const CHUNKED_CE: &str = "chunked / fused linear cross-entropy is not in the job vocabulary yet; sized with the whole logits (an upper bound)";
-pub(crate) const LIGER: &str = "Liger kernels (fused RMSNorm, SwiGLU, linear cross-entropy) are not modelled; sized with PyTorch's own ops (an upper bound)";
 pub(crate) const ATTN: &str =
     "gpumem models the eager, SDPA and FlashAttention-2 implementations, not this one";
 
@@ -1069,6 +1071,7 @@ pub fn read_text(
         attention: None,
         optimizer_in_backward: None,
         chunked_ce: None,
+        liger: None,
         whole_run: None,
         layout: Layout::Launcher {
             bucket_cap_mb: gpumem_core::job::DDP_BUCKET_CAP_MB,

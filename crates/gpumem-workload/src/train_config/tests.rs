@@ -1076,3 +1076,58 @@ fn an_fsdp_broadcast_load_is_listed_as_not_modelled() {
         "fsdp_config.cpu_ram_efficient_loading"
     ));
 }
+
+/// Liger's kernels as the trainers switch them on: Hugging Face's `use_liger_kernel` (Liger's
+/// defaults, `liger_kernel_config` over them) and axolotl's Liger plugin (each `liger_*` key,
+/// absent ones off); the keys are used, not reported, and Liger off leaves them without bearing.
+#[test]
+fn liger_kernels_as_the_trainers_switch_them_on() {
+    let config = |text: &str| read_text("c.yaml", text, Path::new("."), None);
+    let hf = config(
+        "per_device_train_batch_size: 2\nuse_liger_kernel: true\nliger_kernel_config:\n  rope: false\n  swiglu: true\n",
+    )
+    .unwrap();
+    assert_eq!(
+        hf.liger,
+        Some(gpumem_core::job::Liger::parse("rope=false,swiglu=true").unwrap())
+    );
+    assert!(used(&hf, "use_liger_kernel") && used(&hf, "liger_kernel_config.rope"));
+    let defaults = config("per_device_train_batch_size: 2\nuse_liger_kernel: true\n").unwrap();
+    assert_eq!(defaults.liger, Some(gpumem_core::job::Liger::default()));
+    let off = config(
+        "per_device_train_batch_size: 2\nuse_liger_kernel: false\nliger_kernel_config:\n  rope: false\n",
+    )
+    .unwrap();
+    assert_eq!(off.liger, None);
+    assert!(!not_modelled(&off, "liger_kernel_config"));
+    let e = config(
+        "per_device_train_batch_size: 2\nuse_liger_kernel: true\nliger_kernel_config:\n  rmsnorm: true\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.starts_with("c.yaml: `liger_kernel_config.rmsnorm`: liger: unknown kernel `rmsnorm`"),
+        "{e}"
+    );
+
+    let axolotl = config(
+        "base_model: x\nplugins:\n  - axolotl.integrations.liger.LigerPlugin\nliger_rms_norm: true\nliger_glu_activation: true\nliger_fused_linear_cross_entropy: true\n",
+    )
+    .unwrap();
+    assert_eq!(
+        axolotl.liger,
+        Some(
+            gpumem_core::job::Liger::parse(
+                "rope=false,rms_norm=true,layer_norm=false,swiglu=true,geglu=true,cross_entropy=false,fused_linear_cross_entropy=true"
+            )
+            .unwrap()
+        )
+    );
+    assert!(used(&axolotl, "plugins") && used(&axolotl, "liger_rms_norm"));
+    let other = config(
+        "base_model: x\nplugins:\n  - axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin\nliger_rope: true\n",
+    )
+    .unwrap();
+    assert_eq!(other.liger, None);
+    assert!(not_modelled(&other, "plugins") && !not_modelled(&other, "liger_rope"));
+}
