@@ -187,10 +187,14 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             ..WholeRun::default()
         });
     }
-    match doc.flag("sample_packing")? {
-        Some(true) => doc.not_modelled("sample_packing", PACKED),
-        _ => out.attention_mask = Some(AttentionMask::Padded),
-    }
+    // Packed (axolotl's multipack), every row is full — sequence_len tokens of several samples —
+    // and carries their position ids, no padding mask.
+    let packed = doc.flag("sample_packing")? == Some(true);
+    out.attention_mask = Some(if packed {
+        AttentionMask::None
+    } else {
+        AttentionMask::Padded
+    });
     // pad_to_sequence_len: every batch padded to sequence_len, which is the length sized.
     doc.flag("pad_to_sequence_len")?;
     // Precision: axolotl loads the model in bf16/fp16 when bf16/fp16 is on (`auto`: bf16 where
@@ -229,6 +233,11 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         }
     }
     super::hf_attention(doc, "attn_implementation", out)?;
+    // FlashAttention-2 runs packed samples apart (varlen) with no mask; axolotl's other
+    // implementations get a block-diagonal mask.
+    if packed && out.attention != Some(Attention::Flash) {
+        doc.not_modelled("sample_packing", PACKED);
+    }
     if let Some(o) = doc.text("optimizer")? {
         out.optimizer = Some(super::optimizer(doc, "optimizer", &o, None)?);
     }

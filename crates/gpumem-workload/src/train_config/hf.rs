@@ -2,8 +2,8 @@
 //! --config` and the alignment handbook's recipes state them), as JSON or YAML of the arguments.
 
 use gpumem_core::job::{
-    AttentionMask, Evaluation, Generation, HalfDtype, Liger, LigerKernel, Precision, Quant4, Save,
-    WholeRun,
+    Attention, AttentionMask, Evaluation, Generation, HalfDtype, Liger, LigerKernel, Precision,
+    Quant4, Save, WholeRun,
 };
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -70,7 +70,6 @@ pub(crate) const TABLE: Table = &[
             "length-grouped batches change the padded length per batch; sized at the stated length",
         ),
     ),
-    ("padding_free", Class::Not(PACKED)),
     (
         "dataset_kwargs",
         Class::Not(
@@ -213,8 +212,16 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             out.seq_len = Some(n);
         }
     }
-    match doc.flag("packing")? {
-        Some(true) => doc.not_modelled("packing", super::PACKED),
+    // Packed (TRL's `packing`) or padding-free, every row is full — the maximum length of
+    // several samples, no padding — and no padding mask is passed (TRL's default packing, "bfd",
+    // is padding-free: position ids mark where each sample starts).
+    let packed = doc.flag("packing")?;
+    let padding_free = doc.flag("padding_free")? == Some(true)
+        || (packed == Some(true)
+            && doc.text("packing_strategy")?.as_deref().unwrap_or("bfd") == "bfd");
+    match packed {
+        Some(true) => out.attention_mask = Some(AttentionMask::None),
+        _ if padding_free => out.attention_mask = Some(AttentionMask::None),
         // TRL's collator pads a batch and passes its attention mask.
         Some(false) => out.attention_mask = Some(AttentionMask::Padded),
         // TRL pads (and passes the mask) unless told to pack.
@@ -262,6 +269,15 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         "model_init_kwargs.attn_implementation",
     ] {
         super::hf_attention(doc, key, out)?;
+    }
+    // Only FlashAttention-2 runs padding-free rows as separate samples without a mask.
+    if padding_free && out.attention != Some(Attention::Flash) {
+        let key = if packed == Some(true) {
+            "packing"
+        } else {
+            "padding_free"
+        };
+        doc.not_modelled(key, PACKED);
     }
     if let Some(o) = doc.text("optim")? {
         out.optimizer = Some(super::optimizer(doc, "optim", &o, None)?);

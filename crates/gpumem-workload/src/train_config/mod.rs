@@ -487,7 +487,7 @@ pub(crate) const TRAINER_SAVE: &str = "checkpoints are sized from save_strategy/
 /// it but for the smallest batches).
 pub(crate) const BROADCAST_LOAD: &str = "the load's broadcast of each whole parameter from rank 0 is sized only with --broadcast-load (a whole run)";
 pub(crate) const COMPILE: &str = "torch.compile fuses kernels and changes what activations are kept; gpumem traces the eager step";
-pub(crate) const PACKED: &str = "packed batches (several sequences per row) are not in the job vocabulary yet; sized as one sequence of the full length per row, without a mask";
+pub(crate) const PACKED: &str = "packed rows are sized full (the maximum length, no padding) with no mask; under SDPA or eager attention transformers builds a block-causal mask from the packed position ids ([batch, 1, seq, seq] booleans), which is not sized";
 /// Hugging Face's checkpointing (HF Trainer, TRL, axolotl): `gradient_checkpointing` `on`, with
 /// `gradient_checkpointing_kwargs.use_reentrant` choosing torch's reentrant checkpoint or the
 /// non-reentrant one (transformers 5's default where unset); the kwargs' other keys are not

@@ -224,7 +224,8 @@ fn axolotl_qlora_yaml() {
         (32, 16.0, 7)
     );
     assert!(lora.quant().is_some());
-    assert!(not_modelled(&c, "sample_packing"));
+    // Packed under FlashAttention-2: full rows of several samples, no mask.
+    assert!(used(&c, "sample_packing") && c.attention_mask == Some(AttentionMask::None));
     assert_eq!(c.attention, Some(Attention::Flash));
     assert!(used(&c, "attn_implementation"));
     accounted(
@@ -1130,4 +1131,33 @@ fn liger_kernels_as_the_trainers_switch_them_on() {
     .unwrap();
     assert_eq!(other.liger, None);
     assert!(not_modelled(&other, "plugins") && !not_modelled(&other, "liger_rope"));
+}
+
+/// Packed batches: full rows of several samples with no padding mask (TRL's `packing`,
+/// `padding_free`, axolotl's `sample_packing`, torchtune's `dataset.packed`). Padding-free rows
+/// under an attention other than FlashAttention-2 get a block-causal mask from their position
+/// ids, which is reported as not sized; TRL's "wrapped" packing has none.
+#[test]
+fn packed_batches_are_full_rows_without_a_mask() {
+    let config = |text: &str| read_text("c.yaml", text, Path::new("."), None).unwrap();
+    let trl = "model_name_or_path: x\nmax_length: 1024\npacking: true\n";
+    let flash = config(&format!("{trl}attn_implementation: flash_attention_2\n"));
+    assert_eq!(flash.attention_mask, Some(AttentionMask::None));
+    assert!(used(&flash, "packing"));
+    let sdpa = config(trl);
+    assert_eq!(sdpa.attention_mask, Some(AttentionMask::None));
+    assert!(not_modelled(&sdpa, "packing"));
+    let wrapped = config(&format!("{trl}packing_strategy: wrapped\n"));
+    assert!(used(&wrapped, "packing") && used(&wrapped, "packing_strategy"));
+    let unpacked =
+        config("model_name_or_path: x\nper_device_train_batch_size: 2\npacking: false\n");
+    assert_eq!(unpacked.attention_mask, Some(AttentionMask::Padded));
+    let axolotl = config("base_model: x\nsample_packing: true\nsdp_attention: true\n");
+    assert_eq!(axolotl.attention_mask, Some(AttentionMask::None));
+    assert!(not_modelled(&axolotl, "sample_packing"));
+    let tune = config(
+        "model:\n  _component_: torchtune.models.llama3_2.llama3_2_1b\nbatch_size: 2\ndataset:\n  packed: true\n",
+    );
+    assert_eq!(tune.attention_mask, Some(AttentionMask::None));
+    assert!(used(&tune, "dataset.packed"));
 }

@@ -5,8 +5,8 @@ use gpumem_core::job::{
 };
 
 use super::{
-    CHUNKED_CE, CLIP, COMPILE, Class, Doc, EVAL, Layout, OFFLOAD_ACT, PACKED, SAVE, Table,
-    TrainConfig, TrainConfigError,
+    CHUNKED_CE, CLIP, COMPILE, Class, Doc, EVAL, Layout, OFFLOAD_ACT, SAVE, Table, TrainConfig,
+    TrainConfigError,
 };
 
 pub(crate) const TABLE: Table = &[
@@ -90,11 +90,11 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     }
     out.grad_accum = doc.count32("gradient_accumulation_steps")?;
     out.seq_len = doc.positive("tokenizer.max_seq_len")?;
-    match doc.flag("dataset.packed")? {
-        Some(true) => doc.not_modelled("dataset.packed", PACKED),
-        // torchtune's padded collate passes no attention mask (causal attention over the pads).
-        _ => out.attention_mask = Some(AttentionMask::None),
-    }
+    // torchtune's padded collate passes no attention mask (causal attention over the pads);
+    // packed (PackedDataset), every row is max_seq_len tokens of several samples, whose
+    // block-causal mask is FlexAttention's BlockMask on GPUs that run it (capability 7.5 on).
+    doc.flag("dataset.packed")?;
+    out.attention_mask = Some(AttentionMask::None);
     // dtype: torchtune trains the weights themselves in it (no autocast).
     out.precision = Some(match doc.text("dtype")?.as_deref() {
         None | Some("fp32") => Precision::Fp32,
