@@ -75,6 +75,11 @@ def flags():
         help="torchtune's chunked cross-entropy over N slices (causal language models)",
     )
     p.add_argument(
+        "--activation-offloading",
+        action="store_true",
+        help="torchtune's OffloadActivations around the model's forward",
+    )
+    p.add_argument(
         "--liger",
         nargs="?",
         const="",

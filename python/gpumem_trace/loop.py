@@ -27,6 +27,7 @@ from . import (
     liger,
     lora,
     losses,
+    offload,
     optimizers,
     pipeline,
     routing,
@@ -75,6 +76,9 @@ class TraceOptions:
     )
     chunked_ce: int = None  # torchtune's chunked cross-entropy over this many slices (losses.py)
     liger: dict = None  # Liger's kernels, {name: on} over Liger's defaults (liger.py), or None
+    activation_offloading: bool = (
+        False  # torchtune's OffloadActivations around forward (offload.py)
+    )
     # The whole run (docs/run.md) as the job document states it — {"evaluation": {...}} — or
     # None: the training steps alone.
     whole_run: dict = None
@@ -504,7 +508,9 @@ def trace_training(opts: TraceOptions, out_path: str):
         calls `end_autocast()`: leaving `with autocast():` clears the cast cache only after the
         assignments inside it have dropped the previous outputs."""
         with autocast if autocast is not None else contextlib.nullcontext():
-            outputs = parallel(job.forward, batch) if parallel else job.forward(runner, batch)
+            # torchtune offloads what the model's forward saves, not the loss's.
+            with offloading:
+                outputs = parallel(job.forward, batch) if parallel else job.forward(runner, batch)
             if outputs_fp32:
                 outputs = outputs_in_fp32(outputs)
             loss = job.loss(outputs, batch)
@@ -526,6 +532,9 @@ def trace_training(opts: TraceOptions, out_path: str):
         liger.on_the_gpu(standin.StandinGpu.with_capability(opts.gpu_capability), rec)
         if opts.liger is not None
         else contextlib.nullcontext(),
+        offload.on_meta(model, opts.model, rec)
+        if opts.activation_offloading
+        else contextlib.nullcontext(contextlib.nullcontext()) as offloading,
     ):
         whole_run = opts.whole_run is not None
         if whole_run:

@@ -8,6 +8,7 @@ environment scripts/test.sh makes); where it is not installed they are skipped w
 unless GPUMEM_TEST_REQUIRE_TITAN=1 (CI), where its absence fails them."""
 
 import importlib
+import json
 
 import pytest
 import torch
@@ -85,3 +86,56 @@ def test_optimizer_in_backward_hooks_as_torchtune_registers_them(monkeypatch):
     theirs, ours = step(True), step(False)
     assert any(e[0] == "alloc" for e in theirs)
     assert ours == theirs
+
+
+def _trace(tmp_path, name, **options):
+    from gpumem_trace.loop import TraceOptions, trace_training
+
+    out = tmp_path / f"{name}.jsonl"
+    trace_training(
+        TraceOptions(
+            model="torchtitan:llama3(flavor=debugmodel)",
+            batch=4,
+            seq_len=1024,
+            precision="bf16",
+            iterations=1,
+            **options,
+        ),
+        out,
+    )
+    return [json.loads(line) for line in out.read_text().splitlines()[1:]]
+
+
+def _live_when_backward_starts(events):
+    live = {}
+    for e in events:
+        if e["ev"] == "alloc":
+            if e["phase"] == "backward":
+                break
+            live[e["id"]] = e["bytes"]
+        elif e["ev"] == "free":
+            live.pop(e["id"], None)
+    return sum(live.values())
+
+
+def test_activation_offloading_runs_torchtunes_own_hooks(tmp_path):
+    """--activation-offloading: torchtune's OffloadActivations around the model's forward. What
+    forward saves goes to the host (no GPU allocation), but for the last few copies still in
+    flight (its forward stash), the output head's (a NoOpManager) and tensors under 1 KiB; in
+    backward each comes back as a new GPU tensor on torchtune's side stream (its own allocator
+    pool), freed once its node has run."""
+    from gpumem_trace.offload import OFFLOAD_STREAMS
+
+    plain = _trace(tmp_path, "plain")
+    offloaded = _trace(tmp_path, "offloaded", activation_offloading=True)
+    kept, held = _live_when_backward_starts(plain), _live_when_backward_starts(offloaded)
+    assert held < kept / 3, (held, kept)
+    back = [
+        e
+        for e in offloaded
+        if e["ev"] == "alloc" and e.get("stream") == OFFLOAD_STREAMS and e["phase"] == "backward"
+    ]
+    assert sum(e["bytes"] for e in back) >= (kept - held) / 2
+    assert not any(
+        e.get("stream") == OFFLOAD_STREAMS for e in offloaded if e.get("phase") == "forward"
+    )

@@ -235,6 +235,11 @@ pub struct WorkloadArgs {
     /// CEWithChunkedOutputLoss; it uses 8), in place of the model's own loss.
     #[arg(long, value_name = "N")]
     chunked_ce: Option<u32>,
+    /// The activations saved for backward offloaded to the host in forward and brought back in
+    /// backward, by torchtune's own OffloadActivations (torchtune's
+    /// enable_activation_offloading; torchtune must be installed beside torch).
+    #[arg(long)]
+    activation_offloading: bool,
     /// Liger's kernels in place of a Hugging Face model's own (as `use_liger_kernel` switches
     /// them on): alone, Liger's defaults for the model's type (rope, the norm, the MLP's gate,
     /// the fused linear cross-entropy); KERNEL=true|false,… sets kernels by Liger's names
@@ -726,6 +731,7 @@ impl WorkloadArgs {
             strategy: None,
             optimizer_in_backward: self.optimizer_in_backward,
             chunked_ce: self.chunked_ce,
+            activation_offloading: self.activation_offloading,
             liger: liger.clone(),
             whole_run: self.whole_run.whole_run(),
         };
@@ -817,6 +823,9 @@ impl WorkloadArgs {
                     note("--chunked-ce", n.to_string(), format!("{:?}", v.chunked_ce));
                 }
                 v.chunked_ce = Some(n);
+            }
+            if self.activation_offloading {
+                v.activation_offloading = true;
             }
             if let Some(l) = liger {
                 if let Some(stated) = &v.liger {

@@ -22,7 +22,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 31] = [
+const SOURCES: [(&str, &str); 32] = [
     (
         "__init__.py",
         include_str!("../../../python/gpumem_trace/__init__.py"),
@@ -83,6 +83,10 @@ const SOURCES: [(&str, &str); 31] = [
     (
         "models.py",
         include_str!("../../../python/gpumem_trace/models.py"),
+    ),
+    (
+        "offload.py",
+        include_str!("../../../python/gpumem_trace/offload.py"),
     ),
     (
         "optimizers.py",

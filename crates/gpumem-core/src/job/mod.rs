@@ -428,6 +428,12 @@ pub struct OptionValues {
     /// loss one at a time, in place of the model's own loss. Left out where absent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chunked_ce: Option<u32>,
+    /// The activations saved for backward offloaded to the host as forward makes them and
+    /// brought back for backward, by torchtune's `OffloadActivations` (its
+    /// `enable_activation_offloading`; torchtune's code, traced where it is installed). Left out
+    /// where false.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub activation_offloading: bool,
     /// Liger's kernels in place of a Hugging Face model's own ops (Liger's code, traced where
     /// it is installed). Left out where absent.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -458,6 +464,7 @@ impl Default for OptionValues {
             strategy: None,
             optimizer_in_backward: false,
             chunked_ce: None,
+            activation_offloading: false,
             liger: None,
             whole_run: None,
         }
@@ -637,7 +644,7 @@ pub struct RanksNotGpus {
 /// Options a native family model cannot take, on a native model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs, --attention-mask, --attention, --lora, --liger, --chunked-ce, --optimizer-in-backward and --strategy apply to PyTorch models ({})",
+    "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs, --attention-mask, --attention, --lora, --liger, --chunked-ce, --activation-offloading, --optimizer-in-backward and --strategy apply to PyTorch models ({})",
     TORCH_PREFIXES.join(", ")
 )]
 pub struct TorchOnly;
@@ -741,6 +748,8 @@ impl OptionValues {
                     Some("chunked_ce (--chunked-ce)")
                 } else if self.liger.is_some() {
                     Some("liger (--liger)")
+                } else if self.activation_offloading {
+                    Some("activation_offloading (--activation-offloading)")
                 } else if self.validate != Validate::None {
                     Some("validate (--validate)")
                 } else if self.attention_mask != AttentionMask::None {

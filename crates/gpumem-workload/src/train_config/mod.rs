@@ -179,6 +179,8 @@ pub struct TrainConfig {
     pub optimizer_in_backward: Option<bool>,
     /// torchtune's `CEWithChunkedOutputLoss`'s chunk count.
     pub chunked_ce: Option<u32>,
+    /// torchtune's `enable_activation_offloading`.
+    pub activation_offloading: Option<bool>,
     /// Liger's kernels (Hugging Face's `use_liger_kernel`, axolotl's Liger plugin).
     pub liger: Option<Liger>,
     /// The whole run, where the config names a part of it beyond the steps (an evaluation).
@@ -428,6 +430,9 @@ impl TrainConfig {
                 .optimizer_in_backward
                 .unwrap_or(base.optimizer_in_backward),
             chunked_ce: self.chunked_ce.or(base.chunked_ce),
+            activation_offloading: self
+                .activation_offloading
+                .unwrap_or(base.activation_offloading),
             liger: self.liger.clone().or(base.liger),
             whole_run: self.whole_run.or(base.whole_run),
             strategy: strategy.or(base.strategy),
@@ -1071,6 +1076,7 @@ pub fn read_text(
         attention: None,
         optimizer_in_backward: None,
         chunked_ce: None,
+        activation_offloading: None,
         liger: None,
         whole_run: None,
         layout: Layout::Launcher {

@@ -339,6 +339,21 @@ fn torchtune_full_single_device_yaml() {
     );
     let options = c.over(OptionValues::default(), None).unwrap();
     assert!(options.optimizer_in_backward && options.chunked_ce == Some(8));
+    // Its activation offloading, off here, is read (torchtune's own hooks, where on).
+    assert_eq!(c.activation_offloading, Some(false));
+    assert!(used(&c, "enable_activation_offloading"));
+    let on = read_text(
+        "c.yaml",
+        "model:\n  _component_: torchtune.models.llama3_2.llama3_2_1b\nbatch_size: 2\nenable_activation_offloading: true\n",
+        Path::new("."),
+        None,
+    )
+    .unwrap();
+    assert!(
+        on.over(OptionValues::default(), None)
+            .unwrap()
+            .activation_offloading
+    );
     accounted(
         "torchtune-8B_full_single_device.yaml",
         &c,

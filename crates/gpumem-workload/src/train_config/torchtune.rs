@@ -5,8 +5,7 @@ use gpumem_core::job::{
 };
 
 use super::{
-    CHUNKED_CE, CLIP, COMPILE, Class, Doc, EVAL, Layout, OFFLOAD_ACT, SAVE, Table, TrainConfig,
-    TrainConfigError,
+    CHUNKED_CE, CLIP, COMPILE, Class, Doc, EVAL, Layout, SAVE, Table, TrainConfig, TrainConfigError,
 };
 
 pub(crate) const TABLE: Table = &[
@@ -139,7 +138,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             Checkpointing::Off
         });
     }
-    doc.off_or_not_modelled("enable_activation_offloading", OFFLOAD_ACT);
+    out.activation_offloading = doc.flag("enable_activation_offloading")?;
     doc.off_or_not_modelled("ac_mode", "torchtune's selective modes are not mapped");
     doc.off_or_not_modelled("ac_option", "torchtune's selective modes are not mapped");
     // LoRA: the builder's name says LoRA or QLoRA, its arguments the rest.
