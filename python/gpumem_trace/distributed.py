@@ -376,13 +376,16 @@ def tensor_parallel(model, mesh, name, context_parallel=False):
       scattering its output over the sequence (``Shard(1)``), as torchtitan's plan does;
     - sequence parallelism: between blocks the residual stream is each rank's 1/N of the
       sequence, the blocks' norms and the final norm ``SequenceParallel``, and each attention
-      and MLP all-gathers the sequence at its input (torchtitan's ``PrepareModuleInput``);
+      and MLP all-gathers the sequence at its input (torchtitan's ``PrepareModuleInput``); a
+      column-wise layer that is the block's own (BioGPT's and OPT's ``fc1``) gathers its input
+      itself;
     - the input embedding row-wise (vocabulary sharded, output sharded over the sequence), the
       head column-wise with its logits gathered whole on every rank (transformers'
       ``colwise_gather_output``; torchtitan's loss parallelism, which keeps them sharded, is
       not modelled);
     - layers the plan replicates (``replicated_with_grad_allreduce``: Qwen3's per-head norms)
-      stay whole on every rank.
+      stay whole on every rank; so do learned positions (BioGPT's, OPT's), whose output is cut
+      to the rank's part of the sequence before it joins the stream.
 
     Refused in one line: a model without a plan, a plan style other than these, heads that do
     not divide over the ranks, a layer that is not a plain Linear (LoRA's).
@@ -415,6 +418,8 @@ def tensor_parallel(model, mesh, name, context_parallel=False):
         (re.compile(re.escape(k).replace(r"\*", r"[^.]+") + "$"), k, v) for k, v in plan.items()
     ]
     styles, gathers = {}, set()
+    is_norm = lambda m: "Norm" in type(m).__name__
+    modules = dict(base.named_modules())
     for path, module in base.named_modules():
         for pattern, key, style in patterns:
             if not pattern.match(path):
@@ -430,16 +435,20 @@ def tensor_parallel(model, mesh, name, context_parallel=False):
                     f"{name}: {path} is a {type(module).__name__}, not a Linear: tensor parallelism of it (LoRA's layers) is not modelled"
                 )
             if style == _COLUMN:
-                styles[path] = ColwiseParallel()
-                gathers.add(path.rpartition(".")[0])
+                parent = path.rpartition(".")[0]
+                if any(is_norm(c) for c in modules[parent].children()):
+                    # A block's own layer (BioGPT's, OPT's fc1): it gathers its input itself.
+                    styles[path] = ColwiseParallel(input_layouts=Shard(1))
+                else:
+                    # An attention's or MLP's layers share one gathered input.
+                    styles[path] = ColwiseParallel()
+                    gathers.add(parent)
             else:
                 styles[path] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
             break
     if not styles:
         raise ReferenceError_(f"{name}: its tensor-parallel plan names none of its layers")
-    is_norm = lambda m: "Norm" in type(m).__name__
     blocks = {g.rpartition(".")[0] for g in gathers}
-    modules = dict(base.named_modules())
     for block in blocks:
         for child, m in modules[block].named_children():
             if is_norm(m):
@@ -452,6 +461,9 @@ def tensor_parallel(model, mesh, name, context_parallel=False):
         input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
     )
     parallelize_module(base, mesh, styles)
+    for m in base.children():
+        if isinstance(m, torch.nn.Embedding) and m is not embedding:
+            _positions(m, mesh)
     for path in gathers:
         modules[path].register_forward_pre_hook(_gathered, with_kwargs=True)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -463,6 +475,28 @@ def tensor_parallel(model, mesh, name, context_parallel=False):
         if tied:  # one parameter, sharded over the vocabulary for both
             head.weight = embedding.weight
     return model
+
+
+def _positions(module, mesh):
+    """Learned positions (BioGPT's, OPT's), added to the sequence-sharded stream: the table
+    whole on every rank (a replicated DTensor, as the norms' weights are), the ids it is given
+    replicated, its output cut to the rank's part of the sequence."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+
+    def replicated(x):
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        return x
+
+    distribute_module(module, mesh)
+    module.register_forward_pre_hook(
+        lambda _m, args, kwargs: (
+            tuple(replicated(a) for a in args),
+            {k: replicated(v) for k, v in kwargs.items()},
+        ),
+        with_kwargs=True,
+    )
+    module.register_forward_hook(lambda _m, _args, out: out.redistribute(mesh, [Shard(1)]))
 
 
 def _torchtitan_tensor_parallel(model, mesh, name, context_parallel):

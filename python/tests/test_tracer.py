@@ -2102,22 +2102,43 @@ def test_a_gpt_layers_activations_are_korthikantis_closed_form(tmp_path):
     """Korthikanti et al. (arXiv 2205.05198, eq. 1): a GPT layer — multi-head attention without
     GQA, LayerNorm, GELU, dropout on, no recomputation, trained as Megatron trains fp16 (model
     and activations in fp16, master weights apart) — keeps s·b·h·(34 + 5·a·s/h) bytes for
-    backward. BioGPT is that layer (separate q/k/v projections, learned positions, eager
-    attention); its traced activations per layer, the difference of a 4- and a 2-layer model at
-    the end of forward, are within 2% of it at two sequence lengths, so both the s·b·h and the
-    attention's a·s²·b terms are checked. (Under torch's autocast the layout differs — an fp32
-    residual stream and softmax and autocast's fp16 copies: docs/parallelism.md.)"""
-    h, a, b = 512, 8, 2
+    backward, and with tensor and sequence parallelism over t ranks 1/t of it (their eq. 4).
+    BioGPT is that layer (separate q/k/v projections, learned positions, eager attention); its
+    traced activations per layer, the difference of a 4- and a 2-layer model at the end of
+    forward, are within 2% of it at two sequence lengths, so both the s·b·h and the attention's
+    a·s²·b terms are checked, at t = 1, 2 and 4 (BioGPT given Megatron's layout as its
+    tensor-parallel plan). Where PyTorch's sequence parallelism differs from Megatron's, the
+    trace shows it: each column-wise layer's input is all-gathered by DTensor and saved whole by
+    the layer (q/k/v share one, fc1 has its own), where Megatron saves the rank's part and
+    gathers it again in backward — 2 × 2·s·b·h·(1 − 1/t) bytes more, added to the formula.
+    (Under torch's autocast the layout differs too — an fp32 residual stream and softmax and
+    autocast's fp16 copies: docs/parallelism.md.)"""
+    import torch
 
-    def kept(layers, s):
+    h, a, b = 512, 8, 2
+    plan = json.dumps(
+        {
+            "layers.*.self_attn.q_proj": "colwise",
+            "layers.*.self_attn.k_proj": "colwise",
+            "layers.*.self_attn.v_proj": "colwise",
+            "layers.*.self_attn.out_proj": "rowwise",
+            "layers.*.fc1": "colwise",
+            "layers.*.fc2": "rowwise",
+        },
+        separators=(",", ":"),
+    )
+
+    def kept(layers, s, t):
         ref = (
             f"hf:BioGptForCausalLM(hidden_size={h},num_attention_heads={a},intermediate_size={4 * h},"
             f"num_hidden_layers={layers},vocab_size=1024,max_position_embeddings=1024,"
-            "hidden_dropout_prob=0.1,attention_probs_dropout_prob=0.1,activation_dropout=0.0,layerdrop=0.0)"
+            "hidden_dropout_prob=0.1,attention_probs_dropout_prob=0.1,activation_dropout=0.0,layerdrop=0.0,"
+            f"base_model_tp_plan={plan})"
         )
         _, evs = traced(
             [ref, "--batch", str(b), "--seq-len", str(s), "--precision", "fp16"]
-            + ["--attention", "eager"],
+            + ["--attention", "eager"]
+            + (["--tp", str(t)] if t > 1 else []),
             tmp_path,
         )
         live, iteration = {}, 0
@@ -2131,10 +2152,66 @@ def test_a_gpt_layers_activations_are_korthikantis_closed_form(tmp_path):
                 live.pop(e["id"], None)
         return sum(live.values())
 
-    for s in (256, 512):
-        per_layer = (kept(4, s) - kept(2, s)) / 2
-        formula = s * b * h * (34 + 5 * a * s / h)
-        assert abs(per_layer / formula - 1) < 0.02, (s, per_layer, formula)
+    tp = (1, 2, 4) if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 6) else (1,)
+    for t in tp:
+        for s in (256, 512):
+            per_layer = (kept(4, s, t) - kept(2, s, t)) / 2
+            formula = s * b * h * (34 + 5 * a * s / h) / t + 4 * s * b * h * (1 - 1 / t)
+            assert abs(per_layer / formula - 1) < 0.02, (t, s, per_layer, formula)
+
+
+def test_a_ranks_parameters_are_megatrons_most_loaded_shard(tmp_path):
+    """Megatron-LM's ``compute_weight_and_optimizer_memory`` (megatron/training/
+    theoretical_memory_usage.py at NVIDIA/Megatron-LM 38644dd756c46142787b1bd5dc08ed82ca0e6de1),
+    restated: the most loaded rank of TP = t × PP = p holds ((the layers' parameters)/p + one
+    embedding)/t, plus the untied head where p = 1, the layers' parameters being
+    2·L·h²·(1 + ffn/h + g/a + 2/h + 1/(L·h)) (no linear biases; LayerNorms of weight and bias).
+    A Llama rank traced under TP × PP (stage 0: the embedding and the first layers) holds exactly
+    that, with two differences of layout put in: its RMSNorms have a weight only (h each, not
+    2h) and PyTorch keeps them whole on every rank where the formula divides them by t; and
+    SwiGLU's three matrices of size I are the formula's MLP at ffn = 3I/2 (the gated factor later
+    commits add). The bytes per parameter differ by design — Megatron's 18 (a bf16 model, fp32
+    gradient and master copy, Adam) against the 16 of PyTorch's autocast (an fp32 model and
+    gradient, Adam) — and the distributed optimizer (6 + 12/dp) has no counterpart with TP here:
+    docs/parallelism.md."""
+    import torch
+
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6):
+        return  # the DTensor plans as the tracer uses them
+    h, a, g, layers, inter, vocab = 256, 8, 4, 4, 512, 1024
+    ref = (
+        f"hf:LlamaForCausalLM(hidden_size={h},intermediate_size={inter},num_hidden_layers={layers},"
+        f"num_attention_heads={a},num_key_value_heads={g},vocab_size={vocab},tie_word_embeddings=false)"
+    )
+
+    def megatron(t, p):
+        ffn = 3 * inter / 2
+        in_layers = 2 * layers * h * h * (1 + ffn / h + g / a + 2 / h + 1 / (layers * h))
+        embedding = h * vocab
+        most_loaded = (in_layers / p + embedding) / t
+        if p == 1:
+            most_loaded += embedding / t
+        return most_loaded, (4 * layers * h + 2 * h) / p / t  # and its norms' share
+
+    def traced_parameters(t, p):
+        extra = (["--tp", str(t)] if t > 1 else []) + (
+            ["--pp", str(p), "--pp-rank", "0", "--microbatches", str(p)] if p > 1 else []
+        )
+        _, evs = traced([ref, "--batch", str(2 * p), "--seq-len", "64", *extra], tmp_path)
+        live = {}
+        for e in evs:
+            if e["ev"] == "alloc" and e["category"] == "parameter" and e["phase"] == "setup":
+                live[e["id"]] = e["bytes"]
+            elif e["ev"] == "free":
+                live.pop(e["id"], None)
+        return sum(live.values())
+
+    buffers = 2 * (h // a // 2) * 4  # the rotary tables (inv_freq and its original), fp32
+    for t, p in [(1, 1), (2, 1), (4, 1), (2, 2)]:
+        formula, norms = megatron(t, p)
+        rms_norms = 2 * h * layers // p + (h if p == 1 else 0)  # whole on every rank
+        expected = formula - norms + rms_norms
+        assert traced_parameters(t, p) == 4 * expected + buffers, (t, p)
 
 
 def test_the_routers_stand_in_counts():
