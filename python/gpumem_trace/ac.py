@@ -21,6 +21,7 @@ torchtitan's two modes run torchtitan's own code (``_apply_op_sac``, ``_apply_la
 import contextlib
 import functools
 import importlib
+import sys
 
 # torch is imported by the functions that run checkpointing, not by this module: the request
 # loader reads modes with it before anything imports torch.
@@ -28,7 +29,15 @@ import importlib
 # The torchtitan release whose policies the restatement below states.
 TITAN_RELEASE = "0.2.2"
 
-MODES = ("off", "full", "full-reentrant", "selective", "selective-op", "selective-layer:N")
+MODES = (
+    "off",
+    "full",
+    "full-reentrant",
+    "selective",
+    "selective-op",
+    "selective-attention",
+    "selective-layer:N",
+)
 
 
 class ModeError(ValueError):
@@ -43,7 +52,14 @@ def parse(mode):
         return "full", None
     if mode in (False, None):
         return "off", None
-    if mode in ("off", "full", "full-reentrant", "selective", "selective-op"):
+    if mode in (
+        "off",
+        "full",
+        "full-reentrant",
+        "selective",
+        "selective-op",
+        "selective-attention",
+    ):
         return mode, None
     if isinstance(mode, str) and mode.startswith("selective-layer:"):
         n = mode.split(":", 1)[1]
@@ -304,6 +320,8 @@ def apply(model, blocks, mode, autocast=None):
             for b in blocks():
                 checkpoint_block(b, contexts)
         return {}, "gpumem's selective policy (every matmul and attention output saved)"
+    if kind == "selective-attention":
+        return {}, _recompute_core_attention(model)
     # torchtitan's modes wrap each block as torchtitan does; a Hugging Face model's blocks are
     # then called by its own forward, which must not keep a KV cache.
     if hf and getattr(model, "config", None) is not None:
@@ -318,6 +336,53 @@ def apply(model, blocks, mode, autocast=None):
         elif titan_layer_wrapped(i, every):
             checkpoint_block(b)
     return wrappers, f"gpumem's restatement of torchtitan {TITAN_RELEASE}'s {kind} policy"
+
+
+def _recompute_core_attention(model):
+    """Megatron-LM's ``selective`` recomputation (``CheckpointWithoutOutput`` of its core
+    attention) on a Hugging Face model: the attention function every attention layer calls with
+    q, k and v — the model's own eager one, or the kernel its implementation names — registered
+    with transformers' ``AttentionInterface`` under ``torch.utils.checkpoint`` (non-reentrant),
+    so what it computes from q, k and v (QKᵀ, softmax, dropout, ·V) is recomputed in backward and
+    q, k and v are what it keeps."""
+    import torch.utils.checkpoint
+
+    from .models import ReferenceError_
+
+    config = getattr(model, "config", None)
+    try:
+        from transformers import AttentionInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        AttentionInterface = None
+    if config is None or AttentionInterface is None:
+        raise ReferenceError_(
+            "selective-attention recomputes a Hugging Face model's attention function (transformers' AttentionInterface); this model has none"
+        )
+    impl = config._attn_implementation
+    if impl == "eager":
+        layers = [
+            m
+            for m in model.modules()
+            if hasattr(sys.modules.get(type(m).__module__), "eager_attention_forward")
+        ]
+        if not layers:
+            raise ReferenceError_(
+                "selective-attention: this model's attention does not go through transformers' attention functions"
+            )
+        core = sys.modules[type(layers[0]).__module__].eager_attention_forward
+    else:
+        core = ALL_ATTENTION_FUNCTIONS[impl]
+
+    def recomputed(module, query, key, value, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(
+            core, module, query, key, value, *args, use_reentrant=False, **kwargs
+        )
+
+    name = f"gpumem-recomputed-{impl}"
+    AttentionInterface.register(name, recomputed)
+    model.set_attn_implementation(name)
+    return f"Megatron's selective recomputation: the {impl} attention function under torch.utils.checkpoint"
 
 
 def _apply_titan(model, blocks, kind, every, autocast, titan):

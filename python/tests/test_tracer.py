@@ -2111,8 +2111,10 @@ def test_a_gpt_layers_activations_are_korthikantis_closed_form(tmp_path):
     trace shows it: each column-wise layer's input is all-gathered by DTensor and saved whole by
     the layer (q/k/v share one, fc1 has its own), where Megatron saves the rank's part and
     gathers it again in backward — 2 × 2·s·b·h·(1 − 1/t) bytes more, added to the formula.
-    (Under torch's autocast the layout differs too — an fp32 residual stream and softmax and
-    autocast's fp16 copies: docs/parallelism.md.)"""
+    Their selective recomputation (eq. 6; Megatron's and NeMo's ``selective``,
+    ``--checkpointing=selective-attention``) drops the a·s²·b term: 34·s·b·h/t. (Under torch's
+    autocast the layout differs — an fp32 residual stream and softmax and autocast's fp16
+    copies: docs/parallelism.md.)"""
     import torch
 
     h, a, b = 512, 8, 2
@@ -2128,7 +2130,7 @@ def test_a_gpt_layers_activations_are_korthikantis_closed_form(tmp_path):
         separators=(",", ":"),
     )
 
-    def kept(layers, s, t):
+    def kept(layers, s, t, checkpointing="off"):
         ref = (
             f"hf:BioGptForCausalLM(hidden_size={h},num_attention_heads={a},intermediate_size={4 * h},"
             f"num_hidden_layers={layers},vocab_size=1024,max_position_embeddings=1024,"
@@ -2137,7 +2139,7 @@ def test_a_gpt_layers_activations_are_korthikantis_closed_form(tmp_path):
         )
         _, evs = traced(
             [ref, "--batch", str(b), "--seq-len", str(s), "--precision", "fp16"]
-            + ["--attention", "eager"]
+            + ["--attention", "eager", f"--checkpointing={checkpointing}"]
             + (["--tp", str(t)] if t > 1 else []),
             tmp_path,
         )
@@ -2153,11 +2155,17 @@ def test_a_gpt_layers_activations_are_korthikantis_closed_form(tmp_path):
         return sum(live.values())
 
     tp = (1, 2, 4) if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 6) else (1,)
+    gathered = lambda s, t: 4 * s * b * h * (1 - 1 / t)  # noqa: E731
     for t in tp:
         for s in (256, 512):
             per_layer = (kept(4, s, t) - kept(2, s, t)) / 2
-            formula = s * b * h * (34 + 5 * a * s / h) / t + 4 * s * b * h * (1 - 1 / t)
+            formula = s * b * h * (34 + 5 * a * s / h) / t + gathered(s, t)
             assert abs(per_layer / formula - 1) < 0.02, (t, s, per_layer, formula)
+    for t, s in [(1, 256), (1, 512), *((t, 512) for t in tp[1:])]:
+        mode = "selective-attention"
+        per_layer = (kept(4, s, t, mode) - kept(2, s, t, mode)) / 2
+        formula = s * b * h * 34 / t + gathered(s, t)
+        assert abs(per_layer / formula - 1) < 0.02, (mode, t, s, per_layer, formula)
 
 
 def test_a_ranks_parameters_are_megatrons_most_loaded_shard(tmp_path):

@@ -212,7 +212,9 @@ pub struct WorkloadArgs {
     /// Activation checkpointing of the repeated blocks (PyTorch models), as a trainer means it:
     /// `--checkpointing` alone is full (non-reentrant); `--checkpointing=MODE` one of off,
     /// full, full-reentrant, selective (gpumem's: every matmul and attention output saved),
-    /// selective-op (torchtitan's op policy), selective-layer:N (torchtitan's every Nth block).
+    /// selective-op (torchtitan's op policy), selective-attention (Megatron-LM's and NeMo's
+    /// selective: each attention's core recomputed), selective-layer:N (torchtitan's every Nth
+    /// block).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "full", value_name = "MODE")]
     checkpointing: Option<String>,
     /// Same as --checkpointing=selective: each repeated block checkpointed with gpumem's policy,

@@ -61,7 +61,7 @@ pub struct PlanArgs {
     precisions: Vec<String>,
     /// Activation checkpointing to consider (PyTorch models): both (off and full), all (and
     /// selective), on, or one mode: off, full, full-reentrant, selective, selective-op,
-    /// selective-layer:N.
+    /// selective-attention, selective-layer:N.
     #[arg(long, default_value = "both")]
     checkpointing: String,
     /// Optimizer, as gpumem or the trainer names it (as `estimate --optimizer`; docs/intake.md).

@@ -158,6 +158,10 @@ pub enum Checkpointing {
     /// save list (`mm`, the attention kernels, `max`, reduce-scatter, …) with every second `mm`
     /// of a block recomputed, counted per block and pass.
     SelectiveOp,
+    /// Megatron-LM's and NeMo's `selective` granularity (Korthikanti et al.'s selective
+    /// recomputation): each attention's core — QKᵀ, softmax, dropout, ·V — recomputed in
+    /// backward from the q, k and v it saves; the rest of each block kept.
+    SelectiveAttention,
     /// torchtitan's layer-wise selective checkpointing, `selective_ac_option = "N"`: every Nth
     /// block (the 1-based count divisible by N) recomputed whole, the others kept; N = 1 is
     /// `Full`.
@@ -180,8 +184,7 @@ impl LayerFrequency {
 
 impl Checkpointing {
     /// The spellings, as a phrase for messages.
-    pub const EXPECTED: &str =
-        "off, full, full-reentrant, selective, selective-op or selective-layer:N (N ≥ 1)";
+    pub const EXPECTED: &str = "off, full, full-reentrant, selective, selective-op, selective-attention or selective-layer:N (N ≥ 1)";
 
     /// torchtitan's layer-wise mode, every `n`th block; `None` for 0.
     pub fn every_nth_layer(n: u32) -> Option<Checkpointing> {
@@ -196,6 +199,7 @@ impl Checkpointing {
             "full-reentrant" => Checkpointing::FullReentrant,
             "selective" => Checkpointing::Selective,
             "selective-op" => Checkpointing::SelectiveOp,
+            "selective-attention" => Checkpointing::SelectiveAttention,
             _ => {
                 let n = s.strip_prefix("selective-layer:").ok_or_else(unknown)?;
                 // Digits only: no sign, no spaces (`u32::from_str` takes a leading `+`).
@@ -229,6 +233,7 @@ impl fmt::Display for Checkpointing {
             Checkpointing::FullReentrant => f.write_str("full-reentrant"),
             Checkpointing::Selective => f.write_str("selective"),
             Checkpointing::SelectiveOp => f.write_str("selective-op"),
+            Checkpointing::SelectiveAttention => f.write_str("selective-attention"),
             Checkpointing::SelectiveLayer(n) => write!(f, "selective-layer:{}", n.get()),
         }
     }
@@ -390,8 +395,8 @@ pub struct OptionValues {
     /// documents read as before.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub seq_lens: Option<LengthSchedule>,
-    /// Activation checkpointing: `off`, `full`, `full-reentrant`, `selective`, `selective-op`
-    /// or `selective-layer:N` (stored as `false`/`true` for off and full, as before the modes).
+    /// Activation checkpointing: `off`, `full`, `full-reentrant`, `selective`, `selective-op`,
+    /// `selective-attention` or `selective-layer:N` (stored as `false`/`true` for off and full, as before the modes).
     #[serde(with = "checkpointing_compat")]
     #[schemars(with = "serde_json::Value")]
     pub checkpointing: Checkpointing,

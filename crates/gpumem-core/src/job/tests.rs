@@ -84,6 +84,7 @@ fn checks_and_native_options() {
         ("\"selective\"", Checkpointing::Selective),
         ("\"full-reentrant\"", Checkpointing::FullReentrant),
         ("\"selective-op\"", Checkpointing::SelectiveOp),
+        ("\"selective-attention\"", Checkpointing::SelectiveAttention),
         (
             "\"selective-layer:3\"",
             Checkpointing::every_nth_layer(3).unwrap(),
@@ -117,6 +118,7 @@ fn checks_and_native_options() {
         Checkpointing::FullReentrant,
         Checkpointing::Selective,
         Checkpointing::SelectiveOp,
+        Checkpointing::SelectiveAttention,
         Checkpointing::every_nth_layer(1).unwrap(),
         Checkpointing::every_nth_layer(12).unwrap(),
     ] {
