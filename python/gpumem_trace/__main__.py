@@ -80,6 +80,11 @@ def flags():
         help="torchtune's OffloadActivations around the model's forward",
     )
     p.add_argument(
+        "--reference-model",
+        action="store_true",
+        help="TRL's frozen KL reference beside the model, scoring each batch before the step",
+    )
+    p.add_argument(
         "--liger",
         nargs="?",
         const="",

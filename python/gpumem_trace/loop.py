@@ -12,6 +12,7 @@ Hugging Face models train as their Trainer runs them, ``loss = model(**batch).lo
 """
 
 import contextlib
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -76,9 +77,9 @@ class TraceOptions:
     )
     chunked_ce: int = None  # torchtune's chunked cross-entropy over this many slices (losses.py)
     liger: dict = None  # Liger's kernels, {name: on} over Liger's defaults (liger.py), or None
-    activation_offloading: bool = (
-        False  # torchtune's OffloadActivations around forward (offload.py)
-    )
+    # torchtune's OffloadActivations around the forward (offload.py).
+    activation_offloading: bool = False
+    reference_model: bool = False  # TRL's frozen KL reference beside the model (losses.py)
     # The whole run (docs/run.md) as the job document states it — {"evaluation": {...}} — or
     # None: the training steps alone.
     whole_run: dict = None
@@ -345,6 +346,8 @@ def trace_training(opts: TraceOptions, out_path: str):
     )
     model = job.model
     model.train()
+    # TRL's create_reference_model: a copy of the model as loaded, frozen, in eval mode.
+    reference = copy.deepcopy(model).eval().requires_grad_(False) if opts.reference_model else None
     if opts.lora:
         # As one fine-tunes with PEFT: get_peft_model on the loaded model, then the loop.
         lora.apply(model, opts.lora, opts.model)
@@ -587,6 +590,8 @@ def trace_training(opts: TraceOptions, out_path: str):
             else:
                 with lora.loading_in_4bit(stage if whole_run else None):
                     to_device_keeping_ties(model, weights_dtype)
+        if reference is not None:
+            to_device_keeping_ties(reference, weights_dtype)
         if opts.channels_last:
             model.to(memory_format=torch.channels_last)
         if opts.strategy == "ddp":
@@ -621,6 +626,7 @@ def trace_training(opts: TraceOptions, out_path: str):
                 rec.relabel(t, category)
         scaler = GradScaler() if opts.precision == "amp-fp16" else None
         batch = outputs = loss = None
+        scored = {}  # what TRL computes for a batch beside it (the reference's log-probabilities)
         if whole_run:
             rec.run_phase("train")
         for it in range(len(step_specs)):
@@ -656,6 +662,16 @@ def trace_training(opts: TraceOptions, out_path: str):
                             rec.relabel(p.grad, "gradient")
                     continue
                 rec.phase = "forward"
+                if reference is not None:
+                    # TRL scores the batch with the reference first (under no_grad); its
+                    # per-token log-probabilities stay with the step's inputs until the next.
+                    scored["reference_logps"] = losses.reference_logps(
+                        job,
+                        reference,
+                        batch,
+                        autocast if autocast is not None else contextlib.nullcontext(),
+                    )
+                    end_autocast()
                 outputs, loss = forward_and_loss(batch)
                 if not keep_outputs:
                     outputs = None

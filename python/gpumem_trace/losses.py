@@ -101,3 +101,33 @@ def chunked_output(job, model, chunks, ref):
         keeps_outputs=False,  # the recipe's `del logits` before backward
         specs_at=job.specs_at,
     )
+
+
+def reference_logps(job, reference, batch, autocast):
+    """TRL's scoring of a batch by its KL reference (``_get_per_token_logps``, under
+    ``torch.no_grad()``, before the step): the reference's logits over the batch's tokens (no
+    labels: no loss of its own), then ``selective_log_softmax`` gathered at those tokens — for
+    16-bit logits one row's log-softmax at a time, for fp32 ones the gathered logits less each
+    row's logsumexp — leaving one log-probability per token, which the step's loss reads.
+    TRL's GRPO asks for the completion's logits only (``logits_to_keep``); these are the whole
+    sequence's, an upper bound there. ``autocast``: the context the forward runs in (accelerate
+    wraps a prepared model's forward in the job's autocast; the log-softmax runs outside it)."""
+    if job.inputs is None:
+        raise ReferenceError_("--reference-model scores Hugging Face language models")
+    inputs = {k: v for k, v in job.inputs(batch).items() if k != "labels"}
+    index = batch[1]
+    with torch.no_grad():
+        with autocast:
+            logits = getattr(reference(**inputs), "logits", None)
+        if logits is None or logits.dim() != 3 or index.shape != logits.shape[:2]:
+            raise ReferenceError_(
+                "--reference-model scores causal language models (logits per token)"
+            )
+        if logits.dtype in (torch.float32, torch.float64):
+            picked = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)
+            return picked - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+        rows = [
+            F.log_softmax(row, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+            for row, ids in zip(logits, index)
+        ]
+        return torch.stack(rows)

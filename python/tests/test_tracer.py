@@ -2281,3 +2281,43 @@ def test_liger_needs_a_model_it_has_kernels_for(tmp_path):
         tmp_path,
     )
     assert p.returncode == 2 and "Liger has no kernels for model type `bert`" in p.stderr
+
+
+def test_a_kl_reference_is_a_frozen_copy_scoring_each_batch(tmp_path):
+    """--reference-model (TRL's KL reference with beta > 0 and no PEFT): a frozen copy of the
+    model beside it — its weights once more in setup, no gradient or optimizer state of its
+    own — whose no-grad forward scores each step's batch (its logits, then one log-probability
+    per token) before the model's."""
+    batch, seq, vocab = 2, 96, 1000  # logits of another size than any weight's
+    model = (
+        "hf:LlamaForCausalLM(hidden_size=128,intermediate_size=256,num_hidden_layers=2,"
+        f"num_attention_heads=4,num_key_value_heads=2,vocab_size={vocab})"
+    )
+
+    def run(*extra):
+        header, evs = traced(
+            [
+                model,
+                "--batch",
+                str(batch),
+                "--seq-len",
+                str(seq),
+                "--precision",
+                "amp-bf16",
+                *extra,
+            ],
+            tmp_path,
+        )
+        by = {}
+        for e in allocs(evs):
+            key = (e["phase"], e["category"])
+            by[key] = by.get(key, 0) + e["bytes"]
+        logits = len(allocs(evs, phase="forward", bytes=batch * seq * vocab * 2))
+        return header, by, logits
+
+    _, plain, plain_logits = run()
+    header, scored, scored_logits = run("--reference-model")
+    assert header["options"]["reference_model"] is True
+    assert scored[("setup", "parameter")] == 2 * plain[("setup", "parameter")]
+    assert scored.get(("backward", "gradient")) == plain.get(("backward", "gradient"))
+    assert scored_logits == plain_logits + header["iterations"]

@@ -242,6 +242,11 @@ pub struct WorkloadArgs {
     /// enable_activation_offloading; torchtune must be installed beside torch).
     #[arg(long)]
     activation_offloading: bool,
+    /// A frozen copy of the model beside it, run without gradients on each step's batch before
+    /// it (TRL's KL reference: GRPO, DPO, PPO with beta > 0 and no PEFT adapter). One GPU or
+    /// DDP; not with --lora (TRL's reference is then the base model, adapters off).
+    #[arg(long)]
+    reference_model: bool,
     /// Liger's kernels in place of a Hugging Face model's own (as `use_liger_kernel` switches
     /// them on): alone, Liger's defaults for the model's type (rope, the norm, the MLP's gate,
     /// the fused linear cross-entropy); KERNEL=true|false,… sets kernels by Liger's names
@@ -734,6 +739,7 @@ impl WorkloadArgs {
             optimizer_in_backward: self.optimizer_in_backward,
             chunked_ce: self.chunked_ce,
             activation_offloading: self.activation_offloading,
+            reference_model: self.reference_model,
             liger: liger.clone(),
             whole_run: self.whole_run.whole_run(),
         };
@@ -828,6 +834,9 @@ impl WorkloadArgs {
             }
             if self.activation_offloading {
                 v.activation_offloading = true;
+            }
+            if self.reference_model {
+                v.reference_model = true;
             }
             if let Some(l) = liger {
                 if let Some(stated) = &v.liger {

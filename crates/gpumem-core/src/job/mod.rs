@@ -439,6 +439,11 @@ pub struct OptionValues {
     /// where false.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub activation_offloading: bool,
+    /// A frozen copy of the model beside it — TRL's KL reference (GRPO, DPO, PPO with
+    /// `beta` > 0 and no PEFT adapter) — run without gradients on each step's batch before the
+    /// model, its per-token log-probabilities kept for the loss. Left out where false.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub reference_model: bool,
     /// Liger's kernels in place of a Hugging Face model's own ops (Liger's code, traced where
     /// it is installed). Left out where absent.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -470,6 +475,7 @@ impl Default for OptionValues {
             optimizer_in_backward: false,
             chunked_ce: None,
             activation_offloading: false,
+            reference_model: false,
             liger: None,
             whole_run: None,
         }
@@ -544,6 +550,8 @@ pub enum OptionError {
         "liger (--liger) with its fused_linear_cross_entropy and chunked_ce (--chunked-ce) both replace the loss: give one (or set fused_linear_cross_entropy=false)"
     )]
     LigerAndChunkedCe,
+    #[error("reference_model (--reference-model) cannot go with {0}")]
+    ReferenceModel(&'static str),
     #[error("optimizer_in_backward (--optimizer-in-backward) cannot go with {0}")]
     OptimizerInBackward(&'static str),
     #[error("data_parallel (--data-parallel) {0} is out of range (1..={MAX_DATA_PARALLEL})")]
@@ -649,7 +657,7 @@ pub struct RanksNotGpus {
 /// Options a native family model cannot take, on a native model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs, --attention-mask, --attention, --lora, --liger, --chunked-ce, --activation-offloading, --optimizer-in-backward and --strategy apply to PyTorch models ({})",
+    "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs, --attention-mask, --attention, --lora, --liger, --chunked-ce, --activation-offloading, --reference-model, --optimizer-in-backward and --strategy apply to PyTorch models ({})",
     TORCH_PREFIXES.join(", ")
 )]
 pub struct TorchOnly;
@@ -676,6 +684,26 @@ impl OptionValues {
         }
         if self.chunked_ce.is_some_and(|n| n == 0 || n > MAX_CE_CHUNKS) {
             return Err(OptionError::CeChunks(self.chunked_ce.unwrap_or_default()));
+        }
+        if self.reference_model {
+            let clash = if self.lora.is_some() {
+                // TRL's reference is then the model itself with its adapters off.
+                Some(
+                    "lora (--lora): a LoRA job's reference is its base model with the adapters off, no copy",
+                )
+            } else if self
+                .strategy
+                .is_some_and(|s| s.engine().kind() != EngineKind::Ddp)
+            {
+                Some(
+                    "a sharded strategy (only one GPU or DDP: the reference is whole on each rank)",
+                )
+            } else {
+                None
+            };
+            if let Some(clash) = clash {
+                return Err(OptionError::ReferenceModel(clash));
+            }
         }
         if self.chunked_ce.is_some() && self.liger.as_ref().is_some_and(Liger::fuses_the_loss) {
             return Err(OptionError::LigerAndChunkedCe);

@@ -447,11 +447,11 @@ fn rollouts(doc: &mut Doc, out: &mut TrainConfig) -> Result<Option<Generation>, 
             );
         }
     }
-    if doc.number("beta")?.is_some_and(|b| b > 0.0) {
-        doc.not_modelled(
-            "beta",
-            "the KL term's reference model (a second copy of the weights, run without gradients) is not modelled",
-        );
+    // The KL term's reference: a frozen copy of the model (TRL's create_reference_model), but
+    // for a PEFT model, whose reference is itself with its adapters off. TRL's default beta
+    // has been 0 (no reference) since 0.19.
+    if doc.number("beta")?.is_some_and(|b| b > 0.0) && out.lora.is_none() {
+        out.reference_model = Some(true);
     }
     if doc.flag("use_vllm")? == Some(true) {
         doc.not_modelled(

@@ -181,6 +181,8 @@ pub struct TrainConfig {
     pub chunked_ce: Option<u32>,
     /// torchtune's `enable_activation_offloading`.
     pub activation_offloading: Option<bool>,
+    /// TRL's KL reference model (`beta` > 0 without PEFT).
+    pub reference_model: Option<bool>,
     /// Liger's kernels (Hugging Face's `use_liger_kernel`, axolotl's Liger plugin).
     pub liger: Option<Liger>,
     /// The whole run, where the config names a part of it beyond the steps (an evaluation).
@@ -433,6 +435,7 @@ impl TrainConfig {
             activation_offloading: self
                 .activation_offloading
                 .unwrap_or(base.activation_offloading),
+            reference_model: self.reference_model.unwrap_or(base.reference_model),
             liger: self.liger.clone().or(base.liger),
             whole_run: self.whole_run.or(base.whole_run),
             strategy: strategy.or(base.strategy),
@@ -1077,6 +1080,7 @@ pub fn read_text(
         optimizer_in_backward: None,
         chunked_ce: None,
         activation_offloading: None,
+        reference_model: None,
         liger: None,
         whole_run: None,
         layout: Layout::Launcher {

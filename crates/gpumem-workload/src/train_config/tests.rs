@@ -1016,7 +1016,16 @@ fn trl_grpo_generates_its_completions_before_it_trains() {
         (g.new_tokens, g.batch_size, g.prompt_len, c.seq_len),
         (512, Some(16), Some(256), Some(768))
     );
-    assert!(used(&c, "num_generations") && not_modelled(&c, "beta"));
+    assert!(used(&c, "num_generations") && used(&c, "beta"));
+    // beta > 0: the KL term's reference model, a frozen copy — but not for a PEFT model, whose
+    // reference is itself with its adapters off.
+    assert_eq!(c.reference_model, Some(true));
+    let peft = read(&format!("{grpo}use_peft: true\nlora_r: 16\n"));
+    assert_eq!(peft.reference_model, None);
+    assert_eq!(
+        read(&grpo.replace("beta: 0.04", "beta: 0.0")).reference_model,
+        None
+    );
     let dpo =
         read("model_name_or_path: x\nper_device_train_batch_size: 2\nmax_completion_length: 128\n");
     assert!(dpo.whole_run.and_then(|r| r.generation).is_none());
