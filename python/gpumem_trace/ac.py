@@ -46,20 +46,13 @@ class ModeError(ValueError):
 
 def parse(mode):
     """``(kind, every)`` of a mode as the job vocabulary spells it (``True``/``False``: full and
-    off, as stored before the modes): kind one of off, full, full-reentrant, selective,
-    selective-op, selective-layer; every the layer frequency (≥ 1) of selective-layer, else None."""
+    off, as stored before the modes): kind one of MODES (selective-layer without its count);
+    every the layer frequency (≥ 1) of selective-layer, else None."""
     if mode is True:
         return "full", None
     if mode in (False, None):
         return "off", None
-    if mode in (
-        "off",
-        "full",
-        "full-reentrant",
-        "selective",
-        "selective-op",
-        "selective-attention",
-    ):
+    if mode in MODES[:-1]:  # every mode but selective-layer:N, which takes a count
         return mode, None
     if isinstance(mode, str) and mode.startswith("selective-layer:"):
         n = mode.split(":", 1)[1]

@@ -1646,8 +1646,20 @@ def test_chunked_cross_entropy_never_holds_the_whole_fp32_logits(tmp_path):
     assert live_and_peak(chunked)[1] < live_and_peak(plain)[1] - whole // 2
 
 
-def test_chunked_cross_entropy_needs_a_causal_language_model(tmp_path):
-    pytest.importorskip("transformers")
+@pytest.mark.parametrize(
+    "flags,needs,message",
+    [
+        (
+            ["--chunked-ce", "4"],
+            "transformers",
+            "--chunked-ce applies to Hugging Face causal language models",
+        ),
+        (["--liger", "rope=false"], "liger_kernel", "Liger has no kernels for model type `bert`"),
+    ],
+)
+def test_a_loss_of_causal_language_models_needs_one(tmp_path, flags, needs, message):
+    """A BERT classifier refuses what replaces a causal language model's loss, in one line."""
+    pytest.importorskip(needs)
     p, _ = run(
         [
             "hf:BertForSequenceClassification(hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,vocab_size=100)",
@@ -1655,15 +1667,11 @@ def test_chunked_cross_entropy_needs_a_causal_language_model(tmp_path):
             "2",
             "--seq-len",
             "16",
-            "--chunked-ce",
-            "4",
+            *flags,
         ],
         tmp_path,
     )
-    assert (
-        p.returncode == 2
-        and "--chunked-ce applies to Hugging Face causal language models" in p.stderr
-    )
+    assert p.returncode == 2 and message in p.stderr
 
 
 def test_attention_implementation_as_the_job_states_it(tmp_path):
@@ -2264,23 +2272,6 @@ def test_liger_runs_its_own_python_as_on_the_gpu(tmp_path):
     chunk = 2 ** math.ceil(math.log2(math.ceil(batch * seq / math.ceil(vocab / hidden))))
     assert len([e for e in loss if e["bytes"] == chunk * vocab * 2]) >= batch * seq // chunk - 1
     assert live_and_peak(liger)[1] < live_and_peak(plain)[1] - logits // 2
-
-
-def test_liger_needs_a_model_it_has_kernels_for(tmp_path):
-    pytest.importorskip("liger_kernel")
-    p, _ = run(
-        [
-            "hf:BertForSequenceClassification(hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,vocab_size=100)",
-            "--batch",
-            "2",
-            "--seq-len",
-            "16",
-            "--liger",
-            "rope=false",
-        ],
-        tmp_path,
-    )
-    assert p.returncode == 2 and "Liger has no kernels for model type `bert`" in p.stderr
 
 
 def test_a_kl_reference_is_a_frozen_copy_scoring_each_batch(tmp_path):
