@@ -128,6 +128,9 @@ def flags():
     )
     p.add_argument("--generate-batch-size", type=int, metavar="B")
     p.add_argument("--generate-prompt-len", type=int, metavar="L")
+    p.add_argument("--generate-top-k", type=int, metavar="K", help="transformers' top-k filter")
+    p.add_argument("--generate-top-p", type=float, metavar="P", help="its top-p filter (1: none)")
+    p.add_argument("--generate-min-p", type=float, metavar="P", help="its min-p filter (0: none)")
     p.add_argument(
         "--save",
         choices=["sharded", "full", "full-offload"],

@@ -10,8 +10,10 @@ temperature (a new tensor, counted even where the temperature is 1), turned into
 probabilities (softmax) and sampled (``torch.multinomial``); the token is appended to the ids
 (``torch.cat``) and run through the model with the cache. The loop's own stopping test reads
 values (``unfinished_sequences.max() == 0``), which a trace has none of: every prompt runs to
-its ``new_tokens``, the longest generation. Top-k/top-p's sorted copies of the logits and
-encoder-decoder models are not modelled.
+its ``new_tokens``, the longest generation. The sampling filters a job states (top-k, top-p,
+min-p) are transformers' own warpers, applied as ``generate()`` orders them, after the
+temperature: top-p's sort of every token's score (and its int64 indices), softmax and cumulative
+sum are what they allocate. Encoder-decoder models are not modelled.
 """
 
 import contextlib
@@ -23,10 +25,11 @@ from .device import DEVICE
 from .models import ReferenceError_
 
 
-def generate(model, prompt_shape, new_tokens, autocast, rec):
-    """``model.generate(prompts, max_new_tokens=new_tokens, do_sample=True)`` in eval mode under
-    ``torch.no_grad()`` (and ``autocast``, where training runs under it): prompts of
-    ``prompt_shape`` (batch, length) token ids made on the GPU, then ``new_tokens`` tokens."""
+def generate(model, prompt_shape, new_tokens, autocast, rec, filters=None):
+    """``model.generate(prompts, max_new_tokens=new_tokens, do_sample=True, **filters)`` in eval
+    mode under ``torch.no_grad()`` (and ``autocast``, where training runs under it): prompts of
+    ``prompt_shape`` (batch, length) token ids made on the GPU, then ``new_tokens`` tokens.
+    ``filters``: the job document's (``top_k``, ``top_p``, ``min_p``)."""
     params = inspect.signature(model.forward).parameters
     if "use_cache" not in params or not hasattr(model, "generate"):
         raise ReferenceError_(
@@ -35,6 +38,7 @@ def generate(model, prompt_shape, new_tokens, autocast, rec):
     # transformers 5.24 renamed `past_key_values` to `cache`; earlier releases take the old name.
     cache_name = "cache" if "cache" in params else "past_key_values"
     keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    warpers = _warpers(filters or {})
     model.eval()
     rec.kernels = False
     with torch.no_grad(), autocast if autocast is not None else contextlib.nullcontext():
@@ -48,6 +52,8 @@ def generate(model, prompt_shape, new_tokens, autocast, rec):
             # The temperature's processor (a temperature other than 1): a new tensor, kept
             # here whatever the temperature, for the bound.
             scores = logits / 1.0
+            for warp in warpers:
+                scores = warp(ids, scores)
             probs = torch.softmax(scores, dim=-1)
             tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
             logits = scores = probs = None
@@ -61,3 +67,24 @@ def generate(model, prompt_shape, new_tokens, autocast, rec):
         out = cache = ids = tokens = None
     rec.kernels = True
     model.train()
+
+
+def _warpers(filters):
+    """transformers' own sampling warpers for ``filters``, in ``generate()``'s order (top-k,
+    top-p, min-p); the values of p do not change what they allocate."""
+    if not any(filters.values()):
+        return []
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    warpers = []
+    if filters.get("top_k"):
+        warpers.append(TopKLogitsWarper(top_k=filters["top_k"]))
+    if filters.get("top_p"):
+        warpers.append(TopPLogitsWarper(top_p=0.9))
+    if filters.get("min_p"):
+        warpers.append(MinPLogitsWarper(min_p=0.05))
+    return warpers

@@ -768,7 +768,14 @@ def trace_training(opts: TraceOptions, out_path: str):
             batch = outputs = loss = None
             prompts = job.batch_specs(generation.get("batch_size") or opts.batch)[0][0]
             prompts = (prompts[0], generation.get("prompt_len") or prompts[-1])
-            generate(model, prompts, generation["new_tokens"], autocast, rec)
+            generate(
+                model,
+                prompts,
+                generation["new_tokens"],
+                autocast,
+                rec,
+                generation.get("filters"),
+            )
         how = (opts.whole_run or {}).get("save")
         if how:
             rec.run_phase("save")

@@ -151,6 +151,13 @@ def whole_run_document(a):
             generation["batch_size"] = a.generate_batch_size
         if a.generate_prompt_len is not None:
             generation["prompt_len"] = a.generate_prompt_len
+        filters = {
+            "top_k": a.generate_top_k or None,
+            "top_p": (a.generate_top_p or 1.0) < 1.0,
+            "min_p": (a.generate_min_p or 0.0) > 0.0,
+        }
+        if any(filters.values()):
+            generation["filters"] = {k: v for k, v in filters.items() if v}
     load = a.resume or a.broadcast_load
     if not (a.whole_run or evaluation or generation or a.save or load):
         return None

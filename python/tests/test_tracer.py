@@ -2066,7 +2066,7 @@ def test_whole_run_generation_grows_the_models_own_key_value_cache(tmp_path):
     """--generate-tokens: model.generate()'s loop after the steps, through the model's own
     DynamicCache: the generation's peak grows with the tokens by at least the cache they add
     (keys and values, every layer, in bf16), and each token's sampling holds the last position's
-    logits in fp32 and their probabilities."""
+    logits in fp32 and their probabilities — and, with top-p, their sorted copy."""
     pytest.importorskip("transformers")
     batch, seq, vocab = 4, 32, 16000
     layers, kv_heads, head_dim = 2, 4, 16
@@ -2104,6 +2104,12 @@ def test_whole_run_generation_grows_the_models_own_key_value_cache(tmp_path):
     # Prompts of their own length (TRL's max_prompt_length): the cache starts from it.
     _, made = generate(16, "--generate-prompt-len", "8")
     assert any(e["op"] == "cat" and e["bytes"] == one_layer_key * 9 for e in made)
+    # Top-k and top-p, transformers' own warpers: top-p sorts every token's score each step
+    # (the values in fp32, their indices in int64), then its softmax's cumulative sum.
+    assert not any(e["op"] in ("sort", "cumsum") for e in made)
+    _, made = generate(16, "--generate-top-k", "50", "--generate-top-p", "0.9")
+    for op, nbytes in [("sort", scores), ("sort", 2 * scores), ("cumsum", scores)]:
+        assert sum(e["op"] == op and e["bytes"] == nbytes for e in made) == 16, (op, nbytes)
 
 
 def test_a_gpt_layers_activations_are_korthikantis_closed_form(tmp_path):

@@ -10,8 +10,8 @@ use gpumem_core::dataset::Measurement;
 use gpumem_core::estimate::Estimator;
 use gpumem_core::hub::{HubCache, HubError, HubSource};
 use gpumem_core::job::{
-    EngineKind, Evaluation, Generation, LengthSchedule, Liger, MeshValues, Optimizer, OptionValues,
-    Precision, RoutingImbalance, Save, Schedule, StrategyValues, WholeRun,
+    EngineKind, Evaluation, Filters, Generation, LengthSchedule, Liger, MeshValues, Optimizer,
+    OptionValues, Precision, RoutingImbalance, Save, Schedule, StrategyValues, WholeRun,
 };
 use gpumem_core::model::ModelError;
 use gpumem_core::profile::{self, GpuProfile};
@@ -126,6 +126,17 @@ pub struct WholeRunArgs {
     /// Tokens per prompt (default: --seq-len).
     #[arg(long, value_name = "L", requires = "generate_tokens")]
     generate_prompt_len: Option<u64>,
+    /// Each token sampled from the K most likely (transformers' top-k filter).
+    #[arg(long, value_name = "K", requires = "generate_tokens")]
+    generate_top_k: Option<u32>,
+    /// Each token sampled from the nucleus of probability P (transformers' top-p filter; 1 is
+    /// none).
+    #[arg(long, value_name = "P", requires = "generate_tokens", value_parser = probability)]
+    generate_top_p: Option<f64>,
+    /// Tokens under P times the most likely one's probability masked (transformers' min-p
+    /// filter; 0 is none).
+    #[arg(long, value_name = "P", requires = "generate_tokens", value_parser = probability)]
+    generate_min_p: Option<f64>,
     /// The whole run ends with a checkpoint's save (implies --whole-run): sharded (each rank
     /// its own; on one GPU, torch.save: nothing more on the GPU), full (FSDP2's full state
     /// dicts, gathered on every rank's GPU; ZeRO-3's consolidated 16-bit weights, gathered
@@ -145,6 +156,14 @@ pub struct WholeRunArgs {
     broadcast_load: bool,
 }
 
+/// A probability, 0 to 1.
+fn probability(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
+        _ => Err(format!("`{s}` is not a probability (0 to 1)")),
+    }
+}
+
 impl WholeRunArgs {
     /// The whole run the flags state: `--whole-run`, or any `--eval-*`, `--generate-*`, `--save`,
     /// `--resume` or `--broadcast-load`.
@@ -161,6 +180,11 @@ impl WholeRunArgs {
             new_tokens,
             batch_size: self.generate_batch_size,
             prompt_len: self.generate_prompt_len,
+            filters: Filters {
+                top_k: self.generate_top_k,
+                top_p: self.generate_top_p.is_some_and(|p| p < 1.0),
+                min_p: self.generate_min_p.is_some_and(|p| p > 0.0),
+            },
         });
         let stated = evaluation.is_some() || generation.is_some();
         let load = self.resume || self.broadcast_load;

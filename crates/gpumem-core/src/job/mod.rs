@@ -33,7 +33,7 @@ pub use optim::{
     Adafactor, Bnb, BnbAlgorithm, BnbBits, Implementation, Loop, NoImplementation, Optimizer,
     Torchao,
 };
-pub use whole_run::{Evaluation, EvaluationError, Generation, GenerationError, WholeRun};
+pub use whole_run::{Evaluation, EvaluationError, Filters, Generation, GenerationError, WholeRun};
 
 /// Prefixes of model references only the PyTorch tracer can resolve. `live:` names a model
 /// object in the Python process that asks (the Python API's), traced there and nowhere else.

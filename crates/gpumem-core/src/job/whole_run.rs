@@ -129,6 +129,31 @@ pub struct Generation {
     /// Tokens per prompt (TRL's `max_prompt_length`); absent, the job's sequence length.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_len: Option<u64>,
+    /// The sampling filters on each token's scores, as `generate()` applies them; absent, none.
+    #[serde(default, skip_serializing_if = "Filters::is_none")]
+    pub filters: Filters,
+}
+
+/// transformers' sampling warpers, in the order `generate()` applies them: top-k (`top_k`: the
+/// scores below the k-th largest masked), top-p (`top_p` below 1: the scores sorted, softmaxed
+/// and summed to find the nucleus) and min-p (`min_p`: those under a fraction of the most
+/// likely token's probability masked). Their values do not change what they allocate, so top-p
+/// and min-p are stated as on or off.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Filters {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<u32>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub top_p: bool,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub min_p: bool,
+}
+
+impl Filters {
+    pub fn is_none(&self) -> bool {
+        *self == Filters::default()
+    }
 }
 
 /// Why a generation is refused; each message names the field and its flag.
@@ -140,6 +165,10 @@ pub enum GenerationError {
     BatchSize,
     #[error("generation prompt_len (--generate-prompt-len) must be at least 1")]
     PromptLen,
+    #[error(
+        "generation top_k (--generate-top-k) must be at least 1 (0 is no filter: leave it out)"
+    )]
+    TopK,
 }
 
 impl Generation {
@@ -152,6 +181,9 @@ impl Generation {
         }
         if self.prompt_len == Some(0) {
             return Err(GenerationError::PromptLen);
+        }
+        if self.filters.top_k == Some(0) {
+            return Err(GenerationError::TopK);
         }
         Ok(())
     }

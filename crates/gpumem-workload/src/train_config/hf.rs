@@ -2,8 +2,8 @@
 //! --config` and the alignment handbook's recipes state them), as JSON or YAML of the arguments.
 
 use gpumem_core::job::{
-    Attention, AttentionMask, Evaluation, Generation, HalfDtype, Liger, LigerKernel, Precision,
-    Quant4, Save, WholeRun,
+    Attention, AttentionMask, Evaluation, Filters, Generation, HalfDtype, Liger, LigerKernel,
+    Precision, Quant4, Save, WholeRun,
 };
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -439,14 +439,13 @@ fn rollouts(doc: &mut Doc, out: &mut TrainConfig) -> Result<Option<Generation>, 
             "a generation batch over every process; each GPU is sized at per_device_train_batch_size × steps_per_generation",
         );
     }
-    for key in ["top_k", "top_p", "min_p"] {
-        if doc.get(key).is_some() {
-            doc.not_modelled(
-                key,
-                "top-k/top-p sampling's sorted copies of the logits are not modelled",
-            );
-        }
-    }
+    // The sampling filters TRL passes to generate(): top-k from 1, top-p below 1, min-p above 0
+    // (none where the config is silent).
+    let filters = Filters {
+        top_k: doc.count32("top_k")?.filter(|&k| k > 0),
+        top_p: doc.number("top_p")?.is_some_and(|p| p < 1.0),
+        min_p: doc.number("min_p")?.is_some_and(|p| p > 0.0),
+    };
     // The KL term's reference: a frozen copy of the model (TRL's create_reference_model), but
     // for a PEFT model, whose reference is itself with its adapters off. TRL's default beta
     // has been 0 (no reference) since 0.19.
@@ -464,6 +463,7 @@ fn rollouts(doc: &mut Doc, out: &mut TrainConfig) -> Result<Option<Generation>, 
         new_tokens,
         batch_size: out.micro_batch.as_ref().map(|b| b.0 * u64::from(steps)),
         prompt_len: Some(prompt_len),
+        filters,
     }))
 }
 

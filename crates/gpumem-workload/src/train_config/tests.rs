@@ -1026,6 +1026,24 @@ fn trl_grpo_generates_its_completions_before_it_trains() {
         read(&grpo.replace("beta: 0.04", "beta: 0.0")).reference_model,
         None
     );
+    // Its sampling filters, as TRL passes them to generate(): top-p below 1 sorts each token's
+    // scores; a top-p of 1 and a min-p of 0 filter nothing.
+    let filters = |text: &str| {
+        read(&format!("{grpo}{text}"))
+            .whole_run
+            .and_then(|r| r.generation)
+            .unwrap()
+            .filters
+    };
+    assert_eq!(
+        filters("top_k: 50\ntop_p: 0.9\nmin_p: 0.0\n"),
+        gpumem_core::job::Filters {
+            top_k: Some(50),
+            top_p: true,
+            min_p: false
+        }
+    );
+    assert!(filters("top_p: 1.0\n").is_none());
     let dpo =
         read("model_name_or_path: x\nper_device_train_batch_size: 2\nmax_completion_length: 128\n");
     assert!(dpo.whole_run.and_then(|r| r.generation).is_none());
