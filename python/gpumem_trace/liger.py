@@ -81,9 +81,10 @@ def on_the_gpu(gpu, rec):
             yield
             return
         depth[0] += 1
-        torch.Tensor.device = property(device)  # over TensorBase's, for Liger's frames alone
         try:
             with (
+                # Over TensorBase's, for Liger's frames alone.
+                standin.patched(torch.Tensor, device=property(device)),
                 standin.patched(
                     torch,
                     is_autocast_enabled=autocast_enabled,
@@ -94,7 +95,6 @@ def on_the_gpu(gpu, rec):
             ):
                 yield
         finally:
-            del torch.Tensor.device
             depth[0] -= 1
 
     def run(f):

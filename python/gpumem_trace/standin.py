@@ -164,8 +164,10 @@ def _caches_cleared():
 
 @contextlib.contextmanager
 def patched(target, **attrs):
-    """``target``'s attributes set to ``attrs`` inside, as they were after."""
-    saved = {k: getattr(target, k) for k in attrs if hasattr(target, k)}
+    """``target``'s attributes set to ``attrs`` inside, as they were after: its own put back
+    as they were stored (a ``staticmethod`` stays one), an inherited one by deleting the
+    override."""
+    saved = {k: vars(target)[k] for k in attrs if k in vars(target)}
     for k, v in attrs.items():
         setattr(target, k, v)
     try:
