@@ -227,6 +227,10 @@ class Schedule:
     dtype)."""
 
     def __init__(self, stages, schedule, rank, count, microbatches, rec, activation_dtype):
+        # Imported before the step is traced: its modules make tensors as they load
+        # (microbatch.py's `torch.tensor(0.0)`), which only a process's first trace would see.
+        import torch.distributed.pipelining.stage  # noqa: F401
+
         self.chunks = list(stages.chunks)
         self.order = actions(schedule, rank, count, microbatches, len(self.chunks))
         self.microbatches = microbatches

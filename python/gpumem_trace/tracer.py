@@ -21,6 +21,13 @@ try:
 except ImportError:  # older torch
     _FAKE = None
 
+
+def _faking():
+    """Whether a FakeTensorMode is active (its factories reach the modes below it)."""
+    key = getattr(torch._C, "_TorchDispatchModeKey", None)
+    return key is not None and torch._C._get_dispatch_mode(key.FAKE) is not None
+
+
 try:
     from torch.utils.flop_counter import flop_registry
 except ImportError:  # older torch
@@ -499,10 +506,10 @@ class TraceMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in _COLLECTIVES:
             self._communicator(func, args, kwargs or {})
-        if _FAKE is not None and any(issubclass(t, _FAKE) for t in types):
+        if _FAKE is not None and (any(issubclass(t, _FAKE) for t in types) or _faking()):
             # A FakeTensorMode's own computation (DTensor's sharding propagation runs each op
-            # once on fake tensors of the global shape to learn its output's): no memory, no
-            # kernel.
+            # once on fake tensors of the global shape to learn its output's, making them with
+            # factories that take no tensor): no memory, no kernel.
             return func(*args, **(kwargs or {}))
         if self.dtensor_dispatch and any(issubclass(t, _DTENSOR) for t in types):
             # A tensor-parallel DTensor: its own dispatch runs the op on the rank's local

@@ -641,6 +641,8 @@ def test_probe_lists_a_jobs_convolutions_without_a_gpu(tmp_path):
 
 
 LLAMA = "hf:LlamaForCausalLM(hidden_size=128,intermediate_size=256,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,vocab_size=1000)"
+# Narrower and with a larger vocabulary: where the head and the loss dominate.
+LLAMA_16K = "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=4,vocab_size=16000)"
 
 
 @pytest.mark.parametrize(
@@ -694,7 +696,7 @@ def test_lora_trains_what_peft_trains(tmp_path, ref, targets):
 def test_lora_refuses_what_it_cannot_wrap(tmp_path):
     p, _ = run(
         [
-            LLAMA,
+            LLAMA_16K,
             "--batch",
             "2",
             "--seq-len",
@@ -709,7 +711,7 @@ def test_lora_refuses_what_it_cannot_wrap(tmp_path):
     assert p.returncode == 2 and "no module matches the LoRA targets nothing_here" in p.stderr
     p, _ = run(
         [
-            LLAMA,
+            LLAMA_16K,
             "--batch",
             "2",
             "--seq-len",
@@ -1276,9 +1278,9 @@ def test_a_lora_model_is_still_sharded_and_checkpointed_by_its_layers():
     from gpumem_trace.lora import Lora, apply
     from gpumem_trace.models import resolve
 
-    model = resolve(LLAMA, seq_len=32).model
-    apply(model, Lora(8, 16.0, ("q_proj", "v_proj")), LLAMA)
-    assert {type(b).__name__ for b in repeated_blocks(model, LLAMA, "FSDP")} == {
+    model = resolve(LLAMA_16K, seq_len=32).model
+    apply(model, Lora(8, 16.0, ("q_proj", "v_proj")), LLAMA_16K)
+    assert {type(b).__name__ for b in repeated_blocks(model, LLAMA_16K, "FSDP")} == {
         "LlamaDecoderLayer"
     }
 
@@ -1350,7 +1352,7 @@ def test_a_deep_stack_is_cut_only_where_its_blocks_repeat():
     params = sum(p.numel() for p in deep.parameters())
     assert cut_blocks(deep, "llama", 3) == 16
     assert len(deep.model.layers) == 3 and sum(p.numel() for p in deep.parameters()) < params
-    shallow = resolve(LLAMA, seq_len=16).model
+    shallow = resolve(LLAMA_16K, seq_len=16).model
     assert cut_blocks(shallow, "llama", 3) is None
     resnet = torchvision.models.resnet18()
     assert cut_blocks(resnet, "resnet18", 2) is None
@@ -1476,7 +1478,7 @@ def test_a_copied_iteration_is_the_one_the_loop_runs(tmp_path, options):
     """The third iteration copied from the second (the default) is the trace of running it,
     event for event — with checkpointing, whose recomputation stops early inside a module."""
     pytest.importorskip("transformers")
-    args = [LLAMA, "--batch", "2", "--seq-len", "16", *options]
+    args = [LLAMA_16K, "--batch", "2", "--seq-len", "16", *options]
     _, copied = traced(args, tmp_path)
     _, ran = traced([*args, "--every-iteration"], tmp_path)
     assert copied == ran
@@ -1485,7 +1487,7 @@ def test_a_copied_iteration_is_the_one_the_loop_runs(tmp_path, options):
 @pytest.mark.parametrize(
     "args",
     [
-        [LLAMA, "--seq-len", "16", "--precision", "amp-bf16", "--checkpointing"],
+        [LLAMA_16K, "--seq-len", "16", "--precision", "amp-bf16", "--checkpointing"],
         [
             "torchvision:resnet18",
             "--input",
@@ -1532,7 +1534,7 @@ def test_batch_sizes_traced_side_by_side_are_each_traced_alone(tmp_path, options
     """The batch sizes, traced in forks of the tracer side by side, are what a tracer given each
     alone writes."""
     pytest.importorskip("transformers")
-    args = [LLAMA, "--seq-len", "16", *options]
+    args = [LLAMA_16K, "--seq-len", "16", *options]
     env = dict(os.environ, PYTHONPATH=str(PKG))
     outs = [tmp_path / f"b{b}.jsonl" for b in (2, 3, 4)]
     tracer = [sys.executable, "-m", "gpumem_trace", *args]
@@ -1620,9 +1622,6 @@ def test_the_pool_forks_a_tracer_per_request_and_answers_each(tmp_path):
     assert "no_such_net" in answer["message"]
 
 
-LLAMA = "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=4,vocab_size=16000)"
-
-
 def test_chunked_cross_entropy_never_holds_the_whole_fp32_logits(tmp_path):
     """torchtune's chunked cross-entropy: the output projection per slice, each slice upcast to
     fp32 in turn. The model's own loss makes the whole fp32 logits at once; chunked, no
@@ -1633,7 +1632,16 @@ def test_chunked_cross_entropy_never_holds_the_whole_fp32_logits(tmp_path):
 
     def trace(*extra):
         return traced(
-            [LLAMA, "--batch", str(batch), "--seq-len", str(seq), "--precision", "bf16", *extra],
+            [
+                LLAMA_16K,
+                "--batch",
+                str(batch),
+                "--seq-len",
+                str(seq),
+                "--precision",
+                "bf16",
+                *extra,
+            ],
             tmp_path,
         )
 
@@ -1681,7 +1689,7 @@ def test_attention_implementation_as_the_job_states_it(tmp_path):
     kernel; a model that is not Hugging Face's refuses the flag."""
     pytest.importorskip("transformers")
     batch, seq, heads = 2, 128, 4
-    common = [LLAMA, "--batch", str(batch), "--seq-len", str(seq), "--gpu-capability", "8.0"]
+    common = [LLAMA_16K, "--batch", str(batch), "--seq-len", str(seq), "--gpu-capability", "8.0"]
 
     def sdpa_ops(evs):
         return {e["op"] for e in evs if e["ev"] == "op" and "scaled_dot_product" in e["op"]}
@@ -1699,7 +1707,7 @@ def test_attention_implementation_as_the_job_states_it(tmp_path):
         assert p.returncode == 2 and "flash attention cannot run this call" in p.stderr
     p, _ = run(["timm:resnet18", "--batch", "2", "--attention", "eager"], tmp_path)
     assert p.returncode == 2 and "--attention applies to Hugging Face models" in p.stderr
-    flash_key = LLAMA[:-1] + ",attn_implementation=flash_attention_2)"
+    flash_key = LLAMA_16K[:-1] + ",attn_implementation=flash_attention_2)"
     p, _ = run([flash_key, "--batch", "2", "--precision", "bf16"], tmp_path)
     assert p.returncode == 2 and "give --attention flash" in p.stderr
 
@@ -1766,7 +1774,7 @@ def test_whole_run_evaluation_keeps_logits_until_accumulation_moves_them(tmp_pat
     pytest.importorskip("transformers")
     batch, seq, vocab = 4, 64, 4000
     common = [
-        LLAMA[: LLAMA.index("vocab_size=")] + f"vocab_size={vocab})",
+        LLAMA_16K[: LLAMA_16K.index("vocab_size=")] + f"vocab_size={vocab})",
         "--batch",
         str(batch),
         "--seq-len",
@@ -1836,7 +1844,7 @@ def test_whole_run_loads_a_4bit_model_one_16bit_weight_at_a_time(tmp_path):
     GPU in 16 bits and is quantized there, so the load holds the quantized model plus at most
     one 16-bit weight; a 16-bit load holds the model once, nothing staged."""
     pytest.importorskip("transformers")
-    common = [LLAMA, "--batch", "2", "--seq-len", "32", "--precision", "bf16", "--whole-run"]
+    common = [LLAMA_16K, "--batch", "2", "--seq-len", "32", "--precision", "bf16", "--whole-run"]
     lora = ["--lora-rank", "8", "--lora-targets", "all-linear"]
 
     def load(*extra):
@@ -1863,7 +1871,7 @@ def test_whole_run_qlora_under_autocast_loads_as_its_recipe_does(tmp_path):
     prepare_model_for_kbit_training then casts the others (embeddings, norms, the head) to
     fp32 one at a time, and only then does get_peft_model make the fp32 LoRA factors."""
     pytest.importorskip("transformers")
-    args = [LLAMA, "--batch", "2", "--seq-len", "32", "--precision", "amp-bf16", "--whole-run"]
+    args = [LLAMA_16K, "--batch", "2", "--seq-len", "32", "--precision", "amp-bf16", "--whole-run"]
     header, evs = traced(
         [*args, "--lora-rank", "8", "--lora-targets", "all-linear", "--lora-quant", "nf4"],
         tmp_path,
@@ -1897,7 +1905,7 @@ def test_trainer_in_16_bits_gets_fp32_outputs_and_tied_weights_load_once(tmp_pat
     embeddings reaches the GPU with that table once."""
     pytest.importorskip("transformers")
     batch, seq, vocab = 2, 32, 16000
-    tied = LLAMA[:-1] + ",tie_word_embeddings=true)"
+    tied = LLAMA_16K[:-1] + ",tie_word_embeddings=true)"
     args = [tied, "--batch", str(batch), "--seq-len", str(seq), "--precision", "bf16"]
     fp32_logits = lambda evs: [
         e
@@ -1919,7 +1927,7 @@ def test_whole_run_fsdp_save_gathers_as_pytorch_state_dicts_do(tmp_path):
     gathered, so the GPU holds one at a time; `sharded` gathers nothing."""
     pytest.importorskip("transformers")
     common = [
-        LLAMA,
+        LLAMA_16K,
         "--batch",
         "2",
         "--seq-len",
@@ -1957,7 +1965,7 @@ def test_whole_run_zero3_full_save_gathers_one_module_at_a_time(tmp_path):
     under param_persistence_threshold stay gathered from the steps. Its per-rank save
     (sharded) gathers nothing."""
     pytest.importorskip("transformers")
-    common = [LLAMA, "--batch", "2", "--seq-len", "32", "--precision", "bf16"]
+    common = [LLAMA_16K, "--batch", "2", "--seq-len", "32", "--precision", "bf16"]
     common += ["--optimizer", "adamw", "--strategy", "zero3", "--world-size", "4"]
 
     def save(how):
@@ -1988,7 +1996,7 @@ def test_whole_run_resume_reads_the_optimizer_state_in_at_the_load(tmp_path):
     size 4 as torch.distributed.checkpoint's sharded load (a rank's shard of it) — and the first
     step no longer makes it."""
     pytest.importorskip("transformers")
-    common = [LLAMA, "--batch", "2", "--seq-len", "32", "--optimizer", "adamw"]
+    common = [LLAMA_16K, "--batch", "2", "--seq-len", "32", "--optimizer", "adamw"]
     full_model = (64 * 16000 * 2 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64) * 4  # fp32
     for layout, share in (([], 1), (["--strategy", "fsdp", "--world-size", "4"], 4)):
         runs = {}
@@ -2018,7 +2026,7 @@ def test_whole_run_zero_resume_reads_the_state_in_beside_the_live_one(tmp_path, 
     which die once they are replaced — the load allocates the moments once more and its peak
     grows by at most them, while the steps, whose state was there already, are unchanged."""
     pytest.importorskip("transformers")
-    common = [LLAMA, "--batch", "2", "--seq-len", "32", "--precision", "bf16"]
+    common = [LLAMA_16K, "--batch", "2", "--seq-len", "32", "--precision", "bf16"]
     common += ["--optimizer", "adamw", "--strategy", stage, "--world-size", "4"]
     runs = {}
     for resumed in (False, True):
@@ -2038,7 +2046,7 @@ def test_whole_run_broadcast_load_holds_one_whole_parameter_beside_the_shards(tm
     rank's shards — the largest being the embeddings (16000 x 64, fp32). The load's peak stays
     where it was: fully_shard's own split of each whole parameter is as large."""
     pytest.importorskip("transformers")
-    common = [LLAMA, "--batch", "2", "--seq-len", "32", "--optimizer", "adamw"]
+    common = [LLAMA_16K, "--batch", "2", "--seq-len", "32", "--optimizer", "adamw"]
     common += ["--strategy", "fsdp", "--world-size", "4"]
     runs = {}
     for broadcast in (False, True):
@@ -2074,7 +2082,7 @@ def test_whole_run_generation_grows_the_models_own_key_value_cache(tmp_path):
     def generate(tokens, *extra):
         header, evs = traced(
             [
-                LLAMA,
+                LLAMA_16K,
                 "--batch",
                 str(batch),
                 "--seq-len",

@@ -751,6 +751,22 @@ impl TorchTracer {
         for tmp in &tmps {
             let _ = fs::remove_file(shallowest(tmp));
         }
+        // A batch size whose cut trace does not align with the lead's (at batch 1 a slice of
+        // a one-row tensor is contiguous, and Hugging Face's loss makes no copy of its labels)
+        // is cut at every depth on its own where the lead's rebuilt: a third of a whole trace.
+        if traces[lead].is_some() && !tmps[lead].exists() {
+            for i in 0..batches.len() {
+                if traces[i].is_some() {
+                    continue;
+                }
+                self.run(req, &batches[i..=i], &tmps[i..=i], true)?;
+                traces[i] = if tmps[i].exists() {
+                    Some(self.read_tracer_output(req, tmps[i], batches[i])?)
+                } else {
+                    self.rebuild_depth(req, tmps[i], batches[i])?
+                };
+            }
+        }
         let whole: Vec<usize> = (0..batches.len())
             .filter(|&i| traces[i].is_none())
             .collect();

@@ -432,29 +432,34 @@ fn a_ddp_rank_carries_its_buckets() {
 
 /// A model of many identical blocks is traced cut to three depths and rebuilt at its whole
 /// depth: event for event the trace the tracer takes of the whole model, with and without
-/// FSDP2 and checkpointing.
+/// FSDP2 and checkpointing, over a mesh with tensor parallelism (whose DTensors learn their
+/// outputs' shapes on fake tensors, once per shape: no kernel), and a pipeline stage cut
+/// within the blocks it holds.
 #[test]
 fn a_deep_model_rebuilt_from_cut_traces_is_its_whole_trace() {
     use gpumem_core::depth;
     use gpumem_core::job::Precision;
-    use gpumem_core::job::{Checkpointing, Strategy};
+    use gpumem_core::job::{Checkpointing, Mesh, MeshDim, Pipeline, Schedule, Strategy};
     use gpumem_core::trace::Trace;
     let Some(t) = tracer() else { return };
-    let model = "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=16,num_attention_heads=4,num_key_value_heads=2,vocab_size=256)";
+    let llama = |layers: u32| {
+        format!(
+            "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers={layers},num_attention_heads=4,num_key_value_heads=2,vocab_size=256)"
+        )
+    };
     let plain = OptionValues {
         seq_len: Some(32),
         ..OptionValues::default()
     }
     .check()
     .unwrap();
-    let fsdp = OptionValues {
+    let fsdp_values = OptionValues {
         strategy: Some(Strategy::fsdp(4, 1, true, None, false).unwrap()),
         precision: Precision::Bf16,
         checkpointing: Checkpointing::Full,
         ..plain.values()
-    }
-    .check()
-    .unwrap();
+    };
+    let fsdp = fsdp_values.clone().check().unwrap();
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("depth-test");
     std::fs::create_dir_all(&dir).unwrap();
     let text = |t: &Trace| {
@@ -467,10 +472,36 @@ fn a_deep_model_rebuilt_from_cut_traces_is_its_whole_trace() {
             .1
             .to_string()
     };
-    for (name, options) in [("plain", plain), ("fsdp", fsdp)] {
+    let meshed = |dims: &[(MeshDim, u32)], pipeline: Option<Pipeline>| {
+        let engine = fsdp_values.strategy.unwrap().engine();
+        let mut strategy = Strategy::new(Mesh::new(dims).unwrap(), engine).unwrap();
+        if let Some(p) = pipeline {
+            strategy = strategy.with_pipeline(p).unwrap();
+        }
+        OptionValues {
+            strategy: Some(strategy),
+            ..fsdp_values.clone()
+        }
+        .check()
+        .unwrap()
+    };
+    let tp = meshed(&[(MeshDim::Shard, 2), (MeshDim::Tensor, 2)], None);
+    let one_f_one_b = Pipeline::new(Schedule::OneForwardOneBackward, 2, 1).unwrap();
+    let pp = meshed(
+        &[(MeshDim::Shard, 2), (MeshDim::Pipeline, 2)],
+        Some(one_f_one_b),
+    );
+    for (name, options, layers, rank) in [
+        ("plain", plain, 16, 0),
+        ("fsdp", fsdp, 16, 0),
+        ("tp", tp, 16, 0),
+        ("pp", pp, 32, 1),
+    ] {
+        let model = llama(layers);
         let req = TraceRequest {
             options,
-            ..TraceRequest::new(model, 2)
+            pipeline_rank: rank,
+            ..TraceRequest::new(&model, 2)
         };
         let traced = |out: &std::path::Path, cut: bool| {
             let file = dir.join(format!("{name}-request.json"));

@@ -216,9 +216,15 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     // several samples, no padding — and no padding mask is passed (TRL's default packing, "bfd",
     // is padding-free: position ids mark where each sample starts).
     let packed = doc.flag("packing")?;
-    let padding_free = doc.flag("padding_free")? == Some(true)
-        || (packed == Some(true)
-            && doc.text("packing_strategy")?.as_deref().unwrap_or("bfd") == "bfd");
+    let padding_free = doc.flag("padding_free")? == Some(true);
+    let padding_free = if packed == Some(true) {
+        let strategy = doc.text("packing_strategy")?;
+        padding_free || strategy.as_deref().unwrap_or("bfd") == "bfd"
+    } else {
+        // How to pack, where nothing is packed, bears on nothing.
+        doc.no_memory("packing_strategy");
+        padding_free
+    };
     match packed {
         Some(true) => out.attention_mask = Some(AttentionMask::None),
         _ if padding_free => out.attention_mask = Some(AttentionMask::None),

@@ -1191,9 +1191,17 @@ fn packed_batches_are_full_rows_without_a_mask() {
     assert!(not_modelled(&sdpa, "packing"));
     let wrapped = config(&format!("{trl}packing_strategy: wrapped\n"));
     assert!(used(&wrapped, "packing") && used(&wrapped, "packing_strategy"));
-    let unpacked =
-        config("model_name_or_path: x\nper_device_train_batch_size: 2\npacking: false\n");
+    let unpacked = config(
+        "model_name_or_path: x\nper_device_train_batch_size: 2\npacking: false\npacking_strategy: wrapped\n",
+    );
     assert_eq!(unpacked.attention_mask, Some(AttentionMask::Padded));
+    assert!(
+        unpacked
+            .fields
+            .no_memory
+            .iter()
+            .any(|k| k == "packing_strategy")
+    );
     let axolotl = config("base_model: x\nsample_packing: true\nsdp_attention: true\n");
     assert_eq!(axolotl.attention_mask, Some(AttentionMask::None));
     assert!(not_modelled(&axolotl, "sample_packing"));
