@@ -13,7 +13,14 @@ values (``unfinished_sequences.max() == 0``), which a trace has none of: every p
 its ``new_tokens``, the longest generation. The sampling filters a job states (top-k, top-p,
 min-p) are transformers' own warpers, applied as ``generate()`` orders them, after the
 temperature: top-p's sort of every token's score (and its int64 indices), softmax and cumulative
-sum are what they allocate. Encoder-decoder models are not modelled.
+sum are what they allocate.
+
+An encoder-decoder model (T5, BART) generates as ``generate()`` runs it for one: the encoder
+once over the prompts (its output, and the prompts, kept to the end), then the decoder from its
+start token (``decoder_start_token_id``: one id per prompt), the tokens appended to the
+decoder's ids; its cache is transformers' ``EncoderDecoderCache``, the decoder's self-attention
+keys and values growing by a token per step beside the cross-attention's, made from the
+encoder's output at the first step and kept.
 """
 
 import contextlib
@@ -44,7 +51,17 @@ def generate(model, prompt_shape, new_tokens, autocast, rec, filters=None):
     with torch.no_grad(), autocast if autocast is not None else contextlib.nullcontext():
         ids = torch.empty(prompt_shape, dtype=torch.long, device=DEVICE)
         rec.phase = "forward"
-        out = model(input_ids=ids, use_cache=True, **keep)
+        if getattr(model.config, "is_encoder_decoder", False):
+            prompts = ids
+            encoded = model.get_encoder()(input_ids=prompts, return_dict=True)
+            ids = torch.empty((prompt_shape[0], 1), dtype=torch.long, device=DEVICE)
+            # The decoder's turn: the encoder's output rides along with each token.
+            step_input = lambda tokens, **kw: dict(  # noqa: E731
+                encoder_outputs=encoded, decoder_input_ids=tokens, **kw
+            )
+        else:
+            step_input = lambda tokens, **kw: dict(input_ids=tokens, **kw)  # noqa: E731
+        out = model(**step_input(ids, use_cache=True, **keep))
         for step in range(new_tokens):
             logits = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
             cache = getattr(out, cache_name, None) or out.past_key_values
@@ -60,11 +77,11 @@ def generate(model, prompt_shape, new_tokens, autocast, rec, filters=None):
             ids = torch.cat([ids, tokens[:, None]], dim=-1)
             if step + 1 < new_tokens:
                 out = model(
-                    input_ids=tokens[:, None], use_cache=True, **{cache_name: cache}, **keep
+                    **step_input(tokens[:, None], use_cache=True, **{cache_name: cache}, **keep)
                 )
             if autocast is not None:
                 autocast.clear()
-        out = cache = ids = tokens = None
+        out = cache = ids = tokens = step_input = None
     rec.kernels = True
     model.train()
 

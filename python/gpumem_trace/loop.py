@@ -396,9 +396,11 @@ def trace_training(opts: TraceOptions, out_path: str):
         and (opts.cut_spanning or opts.strategy not in SPANS_BLOCKS)
         # Layer-wise checkpointing treats every Nth block apart: no one block repeats.
         and not ac.changes_by_block(opts.checkpointing)
+        # A pipeline rank holds its share of the blocks, and with several micro-batches in
+        # flight a backward frees one of theirs that no pick by recency names at every depth.
+        and opts.pipeline == 1
     )
-    # A pipeline rank holds its share of the blocks: cut within it, once split.
-    blocks = cut_blocks(model, opts.model, opts.depth) if cut and opts.pipeline == 1 else None
+    blocks = cut_blocks(model, opts.model, opts.depth) if cut else None
     if opts.precision not in PRECISIONS:
         raise ReferenceError_(
             f"unknown precision `{opts.precision}` (expected {', '.join(PRECISIONS)})"
@@ -425,8 +427,6 @@ def trace_training(opts: TraceOptions, out_path: str):
             ranks["tensor"] if opts.tensor > 1 else None,
             loss=lambda out, labels: job.loss(out, [None, labels]),
         )
-        if cut:
-            blocks = cut_blocks(model, opts.model, opts.depth)
         if sharded and isinstance(model.chunks[0], pipeline.TitanChunk):
             # Each torchtitan part is a copy of the model: its own blocks (as checkpointing
             # left them) are FSDP's units.

@@ -2120,6 +2120,33 @@ def test_whole_run_generation_grows_the_models_own_key_value_cache(tmp_path):
         assert sum(e["op"] == op and e["bytes"] == nbytes for e in made) == 16, (op, nbytes)
 
 
+def test_an_encoder_decoder_generates_from_its_encoders_output(tmp_path):
+    """--generate-tokens on T5: the encoder once over the prompts, then the decoder token by
+    token from its start token, through transformers' EncoderDecoderCache — the decoder's own
+    keys and values grow by a token a step in every layer, the cross-attention's are the
+    prompts' length, made once per layer and kept."""
+    pytest.importorskip("transformers")
+    batch, seq, tokens, layers, heads, d_kv = 2, 32, 8, 2, 4, 16
+    t5 = (
+        f"hf:T5ForConditionalGeneration(d_model=64,d_ff=128,num_layers={layers},"
+        f"num_decoder_layers={layers},num_heads={heads},d_kv={d_kv},vocab_size=1000)"
+    )
+    header, evs = traced(
+        [t5, "--batch", str(batch), "--seq-len", str(seq), "--precision", "bf16"]
+        + ["--generate-tokens", str(tokens)],
+        tmp_path,
+    )
+    check_valid([header, *evs])
+    _, made = phase_peaks(evs)
+    cats = [e["bytes"] for e in made["generate"] if e["op"] == "cat"]
+    per_token = batch * heads * d_kv * 2  # one layer's keys (or values) of one token, bf16
+    for n in range(1, tokens + 1):
+        assert cats.count(n * per_token) == 2 * layers, (n, sorted(cats))
+    assert cats.count(seq * per_token) == 2 * layers  # cross-attention's, made once
+    # The decoder's ids, from its start token: one int64 per prompt more each step.
+    assert all(batch * 8 * (n + 1) in cats for n in range(1, tokens + 1))
+
+
 def test_a_gpt_layers_activations_are_korthikantis_closed_form(tmp_path):
     """Korthikanti et al. (arXiv 2205.05198, eq. 1): a GPT layer — multi-head attention without
     GQA, LayerNorm, GELU, dropout on, no recomputation, trained as Megatron trains fp16 (model

@@ -10,8 +10,8 @@ use gpumem_core::dataset::Measurement;
 use gpumem_core::estimate::Estimator;
 use gpumem_core::hub::{HubCache, HubError, HubSource};
 use gpumem_core::job::{
-    EngineKind, Evaluation, Filters, Generation, LengthSchedule, Liger, MeshValues, Optimizer,
-    OptionValues, Precision, RoutingImbalance, Save, Schedule, StrategyValues, WholeRun,
+    EngineKind, Evaluation, Filters, Generation, LengthSchedule, LengthSource, Liger, MeshValues,
+    Optimizer, OptionValues, Precision, RoutingImbalance, Save, Schedule, StrategyValues, WholeRun,
 };
 use gpumem_core::model::ModelError;
 use gpumem_core::profile::{self, GpuProfile};
@@ -212,7 +212,9 @@ pub struct WorkloadArgs {
     /// gradients and optimizer state in that dtype; PyTorch models).
     #[arg(long)]
     precision: Option<String>,
-    /// Input shape CxHxW (PyTorch image models; default: the model's own).
+    /// Input shape CxHxW (PyTorch image models; default: the model's own), or `CxMIN..MAX`
+    /// for square images whose side varies by step (multi-scale training: a seeded run of
+    /// --steps steps, uniform over the range, each side a multiple of --pad-to-multiple-of).
     #[arg(long)]
     input: Option<String>,
     /// Sequence length (PyTorch sequence models): `N`, or `MIN..MAX` for batches padded to a
@@ -223,14 +225,14 @@ pub struct WorkloadArgs {
     /// drawn from it, weighted by the counts.
     #[arg(long, conflicts_with = "seq_len")]
     seq_len_histogram: Option<PathBuf>,
-    /// With a varying length: each step's length rounded up to a multiple of this (Hugging
-    /// Face's pad_to_multiple_of).
+    /// With a varying length or image side: each step's rounded up to a multiple of this
+    /// (Hugging Face's pad_to_multiple_of; a detector's stride, 32 for YOLO).
     #[arg(long, default_value_t = 1)]
     pad_to_multiple_of: u64,
-    /// With a varying length: how many steps the run draws.
+    /// With a varying length or image side: how many steps the run draws.
     #[arg(long, default_value_t = gpumem_core::job::lengths::DEFAULT_STEPS)]
     steps: u32,
-    /// With a varying length: the seed of the draws.
+    /// With a varying length or image side: the seed of the draws.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Activation checkpointing of the repeated blocks (PyTorch models), as a trainer means it:
@@ -671,9 +673,35 @@ impl WorkloadArgs {
             .map_err(CliError::input)
     }
 
-    /// Whether the sequence length varies by step (a range or a histogram).
+    /// `--input CxHxW`, or `CxMIN..MAX`: the largest square and the schedule of its sides.
+    fn input(&self) -> CliResult<(Option<InputShape>, Option<LengthSchedule>)> {
+        let Some(text) = &self.input else {
+            return Ok((None, None));
+        };
+        let bad = || CliError::input(format!("--input `{text}` is not CxHxW or CxMIN..MAX"));
+        if !text.contains("..") {
+            return Ok((Some(InputShape::parse(text).ok_or_else(bad)?), None));
+        }
+        let (channels, range) = text.split_once('x').ok_or_else(bad)?;
+        let channels = channels.parse::<u64>().map_err(|_| bad())?;
+        let source = LengthSchedule::parse_range(range).map_err(|_| {
+            CliError::input(format!(
+                "--input `{text}`: the side's range is MIN..MAX, whole numbers with 1 <= MIN <= MAX"
+            ))
+        })?;
+        let LengthSource::Range { max, .. } = source else {
+            return Err(bad());
+        };
+        let schedule = LengthSchedule::new(source, self.pad_to_multiple_of, self.steps, self.seed)
+            .map_err(CliError::input)?;
+        let largest = max.div_ceil(self.pad_to_multiple_of) * self.pad_to_multiple_of;
+        let shape = InputShape::square(channels, largest).ok_or_else(bad)?;
+        Ok((Some(shape), Some(schedule)))
+    }
+
+    /// Whether the sequence length or the image side varies by step.
     pub fn varies(&self) -> CliResult<bool> {
-        Ok(self.seq_lens()?.is_some())
+        Ok(self.seq_lens()?.is_some() || self.input()?.1.is_some())
     }
 
     /// The trainer config --train-config names, read (once).
@@ -701,13 +729,7 @@ impl WorkloadArgs {
     /// The typed options, and where a flag given explicitly overrode what --train-config
     /// states (each as one line).
     pub fn options_and_overrides(&self) -> CliResult<(Options, Vec<String>)> {
-        let input = match &self.input {
-            Some(i) => Some(
-                InputShape::parse(i)
-                    .ok_or_else(|| CliError::input(format!("--input `{i}` is not CxHxW")))?,
-            ),
-            None => None,
-        };
+        let (input, image_sides) = self.input()?;
         let optimizer = self
             .optimizer
             .as_deref()
@@ -750,6 +772,7 @@ impl WorkloadArgs {
             input,
             seq_len: self.fixed_seq_len()?,
             seq_lens: self.seq_lens()?,
+            image_sides: image_sides.clone(),
             checkpointing: checkpointing.unwrap_or(Checkpointing::Off),
             channels_last: self.channels_last,
             grad_accum: self.grad_accum.unwrap_or(1),
@@ -877,6 +900,7 @@ impl WorkloadArgs {
                 v.whole_run = Some(run);
             }
             v.input = input;
+            v.image_sides = image_sides;
             v.channels_last = self.channels_last;
             v.data_parallel = self.data_parallel;
             v.validate = self.validate;

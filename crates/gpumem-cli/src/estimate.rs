@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::Args;
 use gpumem_core::estimate::{Breakdown, Estimate, Estimator, Replay};
 use gpumem_core::families::ModelSpec;
-use gpumem_core::job::{RoutingImbalance, Strategy};
+use gpumem_core::job::{RoutingImbalance, StepAxis, Strategy};
 use gpumem_core::profile::GpuProfile;
 use gpumem_core::trace::Trace;
 use gpumem_core::units::bytes_to_mib;
@@ -294,11 +294,16 @@ fn shown_model(arg: &str, reference: &str) -> String {
     }
 }
 
-/// A run's lengths, and its reserved memory against its longest step's and the bound.
+/// A run's lengths (or image sides), and its reserved memory against its longest step's and
+/// the bound.
 fn print_run(r: &gpumem_core::run::RunReport) {
     let l = &r.lengths;
+    let what = match l.axis {
+        StepAxis::SeqLen => "lengths    ",
+        StepAxis::ImageSide => "image sides",
+    };
     println!(
-        "lengths      {} steps, {}..{} ({} distinct): {}",
+        "{what}  {} steps, {}..{} ({} distinct): {}",
         l.steps, l.min, l.max, l.distinct, l.distribution
     );
     if r.rounded_up {

@@ -1528,3 +1528,94 @@ fn max_batch_and_plan_size_the_whole_run_when_it_is_stated() {
         "{plan}"
     );
 }
+
+/// Images whose side varies by step (multi-scale training, `--input CxMIN..MAX`): a run of
+/// square sizes drawn from the range, each a multiple of the stride, replayed through one
+/// allocator, its bound covering any order of them.
+#[test]
+fn image_sides_that_vary_by_step_are_a_run() {
+    for (input, needle) in [
+        ("3x0..64", "--input `3x0..64`: the side's range is MIN..MAX"),
+        (
+            "3x96..64",
+            "--input `3x96..64`: the side's range is MIN..MAX",
+        ),
+        ("x64..96", "--input `x64..96` is not CxHxW or CxMIN..MAX"),
+        ("0x64..96", "--input `0x64..96` is not CxHxW or CxMIN..MAX"),
+    ] {
+        bad_input(
+            &["estimate", "torchvision:resnet18", "--input", input],
+            needle,
+        );
+    }
+    bad_input(
+        &[
+            "estimate",
+            "torchvision:resnet18",
+            "--input",
+            "3x64..96",
+            "--whole-run",
+        ],
+        "image_sides (--input CxMIN..MAX) is not yet taken with it",
+    );
+    if !common::torch("an image run") {
+        return;
+    }
+    let args = [
+        "estimate",
+        "torchvision:resnet18",
+        "--batch",
+        "4",
+        "--input",
+        "3x64..160",
+        "--pad-to-multiple-of",
+        "32",
+        "--steps",
+        "12",
+        "--seed",
+        "3",
+    ];
+    let o = gpumem(&[&args[..], &["--json"]].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let run = &v["run"];
+    assert_eq!(run["lengths"]["axis"], "image_side");
+    assert_eq!(run["lengths"]["steps"], 12);
+    let traced: Vec<u64> = run["traced_lengths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l.as_u64().unwrap())
+        .collect();
+    assert!(traced.len() > 1, "{traced:?}");
+    assert!(
+        traced
+            .iter()
+            .all(|&s| s % 32 == 0 && (64..=160).contains(&s)),
+        "{traced:?}"
+    );
+    let bytes = |x: &serde_json::Value| x.as_u64().unwrap();
+    assert!(bytes(&run["any_order"]["reserved_bytes"]) >= bytes(&run["reserved_bytes"]));
+    assert!(bytes(&v["upper_bound_bytes"]) >= bytes(&run["any_order"]["reserved_bytes"]));
+    // The largest side alone, as a fixed shape: one order of the run begins with it (its
+    // first step makes the optimizer's state), which the bound covers.
+    let largest = format!("3x{0}x{0}", traced[traced.len() - 1]);
+    let o = gpumem(&[
+        "estimate",
+        "torchvision:resnet18",
+        "--batch",
+        "4",
+        "--input",
+        &largest,
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let fixed: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let reserved = bytes(&fixed["allocator"]["peak_reserved"]);
+    assert!(bytes(&v["upper_bound_bytes"]) >= reserved, "{reserved}");
+    let text = String::from_utf8(gpumem(&args).stdout).unwrap();
+    assert!(
+        text.contains("image sides  12 steps, "),
+        "the text names what varies: {text}"
+    );
+}

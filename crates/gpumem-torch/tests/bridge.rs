@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use gpumem_core::estimate::{Estimator, Replay};
 use gpumem_core::families::{JobOptions, ModelSpec};
-use gpumem_core::job::{InputShape, OptionValues};
+use gpumem_core::job::{InputShape, OptionValues, StepAxis};
 use gpumem_core::profile::builtin;
 use gpumem_core::symbolic::SymbolicTrace;
 use gpumem_torch::{TorchTracer, TraceRequest};
@@ -432,21 +432,16 @@ fn a_ddp_rank_carries_its_buckets() {
 
 /// A model of many identical blocks is traced cut to three depths and rebuilt at its whole
 /// depth: event for event the trace the tracer takes of the whole model, with and without
-/// FSDP2 and checkpointing, over a mesh with tensor parallelism (whose DTensors learn their
-/// outputs' shapes on fake tensors, once per shape: no kernel), and a pipeline stage cut
-/// within the blocks it holds.
+/// FSDP2 and checkpointing, and over a mesh with tensor parallelism (whose DTensors learn their
+/// outputs' shapes on fake tensors, once per shape and process: no kernel).
 #[test]
 fn a_deep_model_rebuilt_from_cut_traces_is_its_whole_trace() {
     use gpumem_core::depth;
     use gpumem_core::job::Precision;
-    use gpumem_core::job::{Checkpointing, Mesh, MeshDim, Pipeline, Schedule, Strategy};
+    use gpumem_core::job::{Checkpointing, Mesh, MeshDim, Strategy};
     use gpumem_core::trace::Trace;
     let Some(t) = tracer() else { return };
-    let llama = |layers: u32| {
-        format!(
-            "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers={layers},num_attention_heads=4,num_key_value_heads=2,vocab_size=256)"
-        )
-    };
+    let model = "hf:LlamaForCausalLM(hidden_size=64,intermediate_size=128,num_hidden_layers=16,num_attention_heads=4,num_key_value_heads=2,vocab_size=256)";
     let plain = OptionValues {
         seq_len: Some(32),
         ..OptionValues::default()
@@ -472,36 +467,17 @@ fn a_deep_model_rebuilt_from_cut_traces_is_its_whole_trace() {
             .1
             .to_string()
     };
-    let meshed = |dims: &[(MeshDim, u32)], pipeline: Option<Pipeline>| {
-        let engine = fsdp_values.strategy.unwrap().engine();
-        let mut strategy = Strategy::new(Mesh::new(dims).unwrap(), engine).unwrap();
-        if let Some(p) = pipeline {
-            strategy = strategy.with_pipeline(p).unwrap();
-        }
-        OptionValues {
-            strategy: Some(strategy),
-            ..fsdp_values.clone()
-        }
-        .check()
-        .unwrap()
-    };
-    let tp = meshed(&[(MeshDim::Shard, 2), (MeshDim::Tensor, 2)], None);
-    let one_f_one_b = Pipeline::new(Schedule::OneForwardOneBackward, 2, 1).unwrap();
-    let pp = meshed(
-        &[(MeshDim::Shard, 2), (MeshDim::Pipeline, 2)],
-        Some(one_f_one_b),
-    );
-    for (name, options, layers, rank) in [
-        ("plain", plain, 16, 0),
-        ("fsdp", fsdp, 16, 0),
-        ("tp", tp, 16, 0),
-        ("pp", pp, 32, 1),
-    ] {
-        let model = llama(layers);
+    let mesh = Mesh::new(&[(MeshDim::Shard, 2), (MeshDim::Tensor, 2)]).unwrap();
+    let tp = OptionValues {
+        strategy: Some(Strategy::new(mesh, fsdp_values.strategy.unwrap().engine()).unwrap()),
+        ..fsdp_values
+    }
+    .check()
+    .unwrap();
+    for (name, options) in [("plain", plain), ("fsdp", fsdp), ("tp", tp)] {
         let req = TraceRequest {
             options,
-            pipeline_rank: rank,
-            ..TraceRequest::new(&model, 2)
+            ..TraceRequest::new(model, 2)
         };
         let traced = |out: &std::path::Path, cut: bool| {
             let file = dir.join(format!("{name}-request.json"));
@@ -783,7 +759,7 @@ fn a_run_spliced_from_its_lengths_is_the_run_traced_in_order() {
         .iter()
         .map(|&l| {
             t.trace(&TraceRequest {
-                options: options.at_seq_len(l),
+                options: options.at_step(StepAxis::SeqLen, l),
                 ..TraceRequest::new(model, 8)
             })
             .unwrap()
@@ -797,7 +773,7 @@ fn a_run_spliced_from_its_lengths_is_the_run_traced_in_order() {
         header.clone(),
         &profile,
         &Replay::default(),
-        schedule.summary(&lengths),
+        schedule.summary(&lengths, StepAxis::SeqLen),
         traced.clone(),
         rounded,
     )
@@ -805,7 +781,7 @@ fn a_run_spliced_from_its_lengths_is_the_run_traced_in_order() {
     // The same job traced on meta, its steps at those lengths in that order.
     let in_order = t
         .trace(&TraceRequest {
-            options: options.at_seq_len(lengths[0]),
+            options: options.at_step(StepAxis::SeqLen, lengths[0]),
             iterations: lengths.len() as u32,
             seq_lens: lengths.clone(),
             ..TraceRequest::new(model, 8)

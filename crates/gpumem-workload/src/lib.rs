@@ -60,9 +60,9 @@ pub enum WorkloadError {
     /// The PyTorch tracer could not trace it.
     #[error(transparent)]
     Tracer(#[from] BridgeError),
-    /// A job whose sequence length varies by step, where one length is needed.
+    /// A job whose sequence length or image size varies by step, where one is needed.
     #[error(
-        "{0} needs one sequence length, and this job's varies by step: give --seq-len N (the run's longest, for a bound of its steps)"
+        "{0} needs one input shape, and this job's varies by step: give --seq-len N or --input CxHxW (the run's largest, for a bound of its steps)"
     )]
     OneLength(&'static str),
     /// A run's steps could not be joined (the loop keeps different tensors across steps at
@@ -367,8 +367,8 @@ impl Workload {
         profile: &GpuProfile,
         for_reestimates: bool,
     ) -> Result<Trace, WorkloadError> {
-        if self.options.seq_lens.is_some() {
-            // A run of steps at varying lengths: its trace is theirs, spliced in order.
+        if self.options.step_sizes().is_some() {
+            // A run of steps of varying shapes: its trace is theirs, spliced in order.
             let (shapes, order, _) = self.run_shapes(profile)?;
             let refs: Vec<&Trace> = shapes.iter().collect();
             return Ok(StepSequence::new(&refs, order)?.splice(self.run_header(&shapes[0]))?);
@@ -397,17 +397,16 @@ impl Workload {
         &self,
         profile: &GpuProfile,
     ) -> Result<(Vec<Trace>, Vec<usize>, RunLengths), WorkloadError> {
-        let schedule = self
+        let (schedule, axis) = self
             .options
-            .seq_lens
-            .as_ref()
-            .expect("a run has a length schedule");
+            .step_sizes()
+            .expect("a run has a schedule of sizes");
         let lengths = schedule.draw();
         let (traced, order, rounded_up) = gpumem_core::run::traced_lengths(&lengths);
         let jobs: Vec<Workload> = traced
             .iter()
             .map(|&l| Workload {
-                options: self.options.at_seq_len(l),
+                options: self.options.at_step(axis, l),
                 ..self.clone()
             })
             .collect();
@@ -415,7 +414,7 @@ impl Workload {
             .into_iter()
             .collect::<Result<Vec<Trace>, _>>()?;
         let info = RunLengths {
-            summary: schedule.summary(&lengths),
+            summary: schedule.summary(&lengths, axis),
             traced,
             rounded_up,
         };
@@ -440,7 +439,7 @@ impl Workload {
         profile: &GpuProfile,
         estimator: &dyn Estimator,
     ) -> Result<Option<RunSizing>, SizeError> {
-        if self.options.seq_lens.is_none() {
+        if self.options.step_sizes().is_none() {
             return Ok(None);
         }
         let (shapes, order, info) = self.run_shapes(profile)?;
@@ -487,7 +486,7 @@ impl Workload {
     /// Every reading of this job (see [`Workload::alternatives`]) as a batch-symbolic trace,
     /// traced side by side.
     pub fn readings(&self, profile: &GpuProfile) -> Result<Readings, WorkloadError> {
-        if self.options.seq_lens.is_some() {
+        if self.options.step_sizes().is_some() {
             return Err(WorkloadError::OneLength(
                 "a batch-size search (max-batch, plan)",
             ));

@@ -41,6 +41,25 @@ pub struct LengthSchedule {
     seed: u64,
 }
 
+/// What a schedule's sizes size: each step's sequence length (`seq_lens`), or the side of
+/// each step's square images (`image_sides`: multi-scale training, YOLO's `multi_scale`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum StepAxis {
+    SeqLen,
+    ImageSide,
+}
+
+impl StepAxis {
+    /// The options' field that holds such a schedule, and its flag.
+    pub fn field(self) -> &'static str {
+        match self {
+            StepAxis::SeqLen => "seq_lens (--seq-len MIN..MAX)",
+            StepAxis::ImageSide => "image_sides (--input CxMIN..MAX)",
+        }
+    }
+}
+
 /// A schedule refused, naming the field (and the flag) that is wrong.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LengthError {
@@ -298,6 +317,8 @@ impl JsonSchema for LengthSchedule {
 /// What a run's lengths were, as the output states them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct LengthSummary {
+    /// What the sizes are.
+    pub axis: StepAxis,
     /// The schedule, in words.
     pub distribution: String,
     pub steps: u32,
@@ -310,11 +331,12 @@ pub struct LengthSummary {
 
 impl LengthSchedule {
     /// The summary of `lengths` drawn from this schedule.
-    pub fn summary(&self, lengths: &[u64]) -> LengthSummary {
+    pub fn summary(&self, lengths: &[u64], axis: StepAxis) -> LengthSummary {
         let mut distinct = lengths.to_vec();
         distinct.sort_unstable();
         distinct.dedup();
         LengthSummary {
+            axis,
             distribution: self.to_string(),
             steps: self.steps,
             seed: self.seed,
@@ -368,7 +390,7 @@ mod tests {
         let long = a.iter().filter(|&&l| l == 512).count();
         assert!(a.iter().all(|&l| l == 64 || l == 512));
         assert!((700..1300).contains(&long), "{long} of 10000 at weight 0.1");
-        let sum = s.summary(&a);
+        let sum = s.summary(&a, StepAxis::SeqLen);
         assert_eq!(
             (sum.min, sum.max, sum.distinct, sum.steps),
             (64, 512, 2, 10_000)

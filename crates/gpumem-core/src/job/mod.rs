@@ -21,7 +21,7 @@ pub mod mesh;
 pub mod optim;
 pub mod whole_run;
 
-pub use lengths::{LengthError, LengthSchedule, LengthSource, LengthSummary};
+pub use lengths::{LengthError, LengthSchedule, LengthSource, LengthSummary, StepAxis};
 pub use liger::{Liger, LigerError, LigerKernel};
 pub use lora::{Lora, LoraError, LoraValues, Quant4, QuantLoader, Release};
 pub use mesh::{
@@ -69,6 +69,15 @@ pub struct InputShape {
 }
 
 impl InputShape {
+    /// `channels` square images of `side`; `None` where either is 0.
+    pub fn square(channels: u64, side: u64) -> Option<InputShape> {
+        (channels > 0 && side > 0).then_some(InputShape {
+            channels,
+            height: side,
+            width: side,
+        })
+    }
+
     pub fn parse(s: &str) -> Option<InputShape> {
         let v: Vec<u64> = s
             .split('x')
@@ -395,6 +404,10 @@ pub struct OptionValues {
     /// documents read as before.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub seq_lens: Option<LengthSchedule>,
+    /// The side of square images that varies by step (multi-scale training): a seeded
+    /// schedule over `input`'s height and width, its channels kept. Left out where absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_sides: Option<LengthSchedule>,
     /// Activation checkpointing: `off`, `full`, `full-reentrant`, `selective`, `selective-op`,
     /// `selective-attention` or `selective-layer:N` (stored as `false`/`true` for off and full, as before the modes).
     #[serde(with = "checkpointing_compat")]
@@ -462,6 +475,7 @@ impl Default for OptionValues {
             input: None,
             seq_len: None,
             seq_lens: None,
+            image_sides: None,
             checkpointing: Checkpointing::Off,
             channels_last: false,
             grad_accum: 1,
@@ -532,10 +546,8 @@ pub enum OptionError {
     Evaluation(#[from] EvaluationError),
     #[error(transparent)]
     Generation(#[from] GenerationError),
-    #[error(
-        "whole_run (--whole-run) is sized at one sequence length; seq_lens (--seq-len MIN..MAX) is not yet taken with it"
-    )]
-    WholeRunOneLength,
+    #[error("whole_run (--whole-run) is sized at one input shape; {0} is not yet taken with it")]
+    WholeRunOneLength(&'static str),
     #[error(
         "broadcast_load (--broadcast-load): a load broadcast from rank 0 is FSDP's (--strategy fsdp)"
     )]
@@ -560,6 +572,10 @@ pub enum OptionError {
     SeqLen,
     #[error("seq_len and seq_lens both state the sequence length: give one")]
     TwoSeqLens,
+    #[error("seq_lens and image_sides both vary by step: give one")]
+    TwoStepSchedules,
+    #[error("image_sides (--input CxMIN..MAX) varies input's height and width: state input")]
+    ImageSidesInput,
     #[error(transparent)]
     SeqLens(#[from] LengthError),
     #[error(
@@ -668,6 +684,15 @@ pub const MAX_DATA_PARALLEL: u32 = 64;
 pub const MAX_CE_CHUNKS: u32 = 1024;
 
 impl OptionValues {
+    /// The schedule of a size that varies by step, and what it sizes (at most one: checked).
+    pub fn step_sizes(&self) -> Option<(&LengthSchedule, StepAxis)> {
+        match (&self.seq_lens, &self.image_sides) {
+            (Some(s), _) => Some((s, StepAxis::SeqLen)),
+            (None, Some(s)) => Some((s, StepAxis::ImageSide)),
+            (None, None) => None,
+        }
+    }
+
     /// These values as [`Options`], or the first option out of range or at odds with another.
     pub fn check(self) -> Result<Options, OptionError> {
         if self.grad_accum == 0 {
@@ -681,6 +706,14 @@ impl OptionValues {
         }
         if self.seq_len.is_some() && self.seq_lens.is_some() {
             return Err(OptionError::TwoSeqLens);
+        }
+        if self.image_sides.is_some() {
+            if self.seq_lens.is_some() {
+                return Err(OptionError::TwoStepSchedules);
+            }
+            if self.input.is_none() {
+                return Err(OptionError::ImageSidesInput);
+            }
         }
         if self.chunked_ce.is_some_and(|n| n == 0 || n > MAX_CE_CHUNKS) {
             return Err(OptionError::CeChunks(self.chunked_ce.unwrap_or_default()));
@@ -715,8 +748,8 @@ impl OptionValues {
             if let Some(g) = &run.generation {
                 g.check()?;
             }
-            if self.seq_lens.is_some() {
-                return Err(OptionError::WholeRunOneLength);
+            if let Some((_, axis)) = self.step_sizes() {
+                return Err(OptionError::WholeRunOneLength(axis.field()));
             }
             if self.strategy.is_some_and(|s| s.tensor_parallel() > 1) {
                 return Err(OptionError::NotSizedWith(
@@ -773,8 +806,8 @@ impl OptionValues {
                 // The stages run their own loop (pipeline.py): what it does not run is refused.
                 let clash = if self.whole_run.is_some() {
                     Some("whole_run (--whole-run)")
-                } else if self.seq_lens.is_some() {
-                    Some("seq_lens (--seq-len MIN..MAX)")
+                } else if let Some((_, axis)) = self.step_sizes() {
+                    Some(axis.field())
                 } else if self.precision == Precision::AmpFp16 {
                     Some("amp-fp16 (GradScaler)")
                 } else if self.chunked_ce.is_some() {
@@ -827,13 +860,25 @@ impl Options {
         self.0.clone()
     }
 
-    /// These options at one length of their sequence-length schedule: the fixed-length job a
-    /// step of that length is (drawn lengths are at least 1, so the result is checked).
-    pub fn at_seq_len(&self, len: u64) -> Options {
-        Options(OptionValues {
-            seq_len: Some(len.max(1)),
-            seq_lens: None,
-            ..self.0.clone()
+    /// These options at one size of their schedule (`axis`): the fixed-shape job a step of
+    /// that size is (drawn sizes are at least 1, so the result is checked).
+    pub fn at_step(&self, axis: StepAxis, size: u64) -> Options {
+        let size = size.max(1);
+        Options(match axis {
+            StepAxis::SeqLen => OptionValues {
+                seq_len: Some(size),
+                seq_lens: None,
+                ..self.0.clone()
+            },
+            StepAxis::ImageSide => OptionValues {
+                input: self.input.map(|i| InputShape {
+                    height: size,
+                    width: size,
+                    ..i
+                }),
+                image_sides: None,
+                ..self.0.clone()
+            },
         })
     }
 

@@ -593,7 +593,7 @@ fn a_whole_run_is_stated_and_checked_as_the_job_document_spells_it() {
     );
     assert!(
         refused(r#"{"whole_run":{},"seq_lens":{"min":64,"max":512}}"#)
-            .contains("one sequence length")
+            .contains("one input shape; seq_lens (--seq-len MIN..MAX) is not yet taken")
     );
     let zero = r#"{"optimizer":"adamw","strategy":{"kind":"zero","mesh":{"shard":4},"stage":3},"whole_run":{"save":"full-offload"}}"#;
     assert!(refused(zero).contains("gathered module by module (--save full)"));
@@ -639,5 +639,44 @@ fn a_whole_run_is_stated_and_checked_as_the_job_document_spells_it() {
     assert!(
         refused(r#"{"whole_run":{"generation":{"new_tokens":8,"prompt_len":0}}}"#)
             .contains("--generate-prompt-len")
+    );
+}
+
+#[test]
+fn image_sides_vary_the_inputs_height_and_width_by_step() {
+    let o: Options = serde_json::from_str(
+        r#"{"input":"3x640x640","image_sides":{"min":320,"max":640,"pad_to":32,"steps":10,"seed":1}}"#,
+    )
+    .unwrap();
+    let (schedule, axis) = o.step_sizes().unwrap();
+    assert_eq!(axis, StepAxis::ImageSide);
+    assert!(
+        schedule
+            .draw()
+            .iter()
+            .all(|s| s % 32 == 0 && (320..=640).contains(s))
+    );
+    let step = o.at_step(StepAxis::ImageSide, 416);
+    assert_eq!(
+        (step.input.unwrap().to_string(), step.image_sides.is_none()),
+        ("3x416x416".to_string(), true)
+    );
+    let back: Options = serde_json::from_str(&serde_json::to_string(&o).unwrap()).unwrap();
+    assert_eq!(back, o);
+    let refused = |doc: &str| {
+        serde_json::from_str::<Options>(doc)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(refused(r#"{"image_sides":{"min":32,"max":64}}"#).contains("state input"));
+    assert!(
+        refused(
+            r#"{"input":"3x64x64","image_sides":{"min":32,"max":64},"seq_lens":{"min":8,"max":16}}"#
+        )
+        .contains("seq_lens and image_sides both vary by step")
+    );
+    assert!(
+        refused(r#"{"input":"3x64x64","image_sides":{"min":32,"max":64},"whole_run":{}}"#)
+            .contains("image_sides (--input CxMIN..MAX) is not yet taken")
     );
 }
