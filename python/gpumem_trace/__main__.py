@@ -166,6 +166,11 @@ def flags():
         default=1,
         help="tensor-parallel ranks: alone, a job of that many; with --strategy fsdp, within --world-size",
     )
+    p.add_argument(
+        "--no-sequence-parallel",
+        action="store_true",
+        help="with --tp: the norms and the stream between layers whole on every rank",
+    )
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (composes as --tp does)")
     p.add_argument(
         "--cp",

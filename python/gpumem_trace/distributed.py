@@ -366,7 +366,7 @@ def context_parallel(model, mesh, name):
 _COLUMN, _ROW, _REPLICATED = "colwise", "rowwise", "replicated_with_grad_allreduce"
 
 
-def tensor_parallel(model, mesh, name, context_parallel=False):
+def tensor_parallel(model, mesh, name, context_parallel=False, sequence_parallel=True):
     """Tensor parallelism over ``mesh`` (1-D) as torchtitan applies it to a Llama-like decoder,
     on the layers the Hugging Face model's own plan (``config.base_model_tp_plan``) names
     column-wise and row-wise, with PyTorch's ``parallelize_module``:
@@ -387,10 +387,19 @@ def tensor_parallel(model, mesh, name, context_parallel=False):
       stay whole on every rank; so do learned positions (BioGPT's, OPT's), whose output is cut
       to the rank's part of the sequence before it joins the stream.
 
+    Without ``sequence_parallel`` (Megatron-LM without ``--sequence-parallel``): the stream, the
+    norms and the positions stay whole on every rank, each column-wise layer takes that whole
+    input as it is and each row-wise one all-reduces its output (PyTorch's default layouts),
+    the embedding's output is all-reduced whole too.
+
     Refused in one line: a model without a plan, a plan style other than these, heads that do
     not divide over the ranks, a layer that is not a plain Linear (LoRA's).
     ``context_parallel``: the job's sequence is split too (torchtitan's plans are told)."""
     if type(model).__module__.startswith("torchtitan.models."):
+        if not sequence_parallel:
+            raise ReferenceError_(
+                f"{name}: torchtitan's tensor parallelism is sequence-parallel; --no-sequence-parallel applies to Hugging Face models"
+            )
         return _torchtitan_tensor_parallel(model, mesh, name, context_parallel)
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -434,7 +443,9 @@ def tensor_parallel(model, mesh, name, context_parallel=False):
                 raise ReferenceError_(
                     f"{name}: {path} is a {type(module).__name__}, not a Linear: tensor parallelism of it (LoRA's layers) is not modelled"
                 )
-            if style == _COLUMN:
+            if style == _COLUMN and not sequence_parallel:
+                styles[path] = ColwiseParallel()
+            elif style == _COLUMN:
                 parent = path.rpartition(".")[0]
                 if any(is_norm(c) for c in modules[parent].children()):
                     # A block's own layer (BioGPT's, OPT's fc1): it gathers its input itself.
@@ -443,45 +454,60 @@ def tensor_parallel(model, mesh, name, context_parallel=False):
                     # An attention's or MLP's layers share one gathered input.
                     styles[path] = ColwiseParallel()
                     gathers.add(parent)
+            elif not sequence_parallel:
+                styles[path] = RowwiseParallel()
             else:
                 styles[path] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
             break
     if not styles:
         raise ReferenceError_(f"{name}: its tensor-parallel plan names none of its layers")
-    blocks = {g.rpartition(".")[0] for g in gathers}
-    for block in blocks:
-        for child, m in modules[block].named_children():
-            if is_norm(m):
-                styles[f"{block}.{child}"] = SequenceParallel()
-    for child, m in base.named_children():
-        if is_norm(m):
-            styles[child] = SequenceParallel(use_local_output=True)
     embedding = base.get_input_embeddings()
-    styles[_path_of(base, embedding)] = RowwiseParallel(
-        input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
-    )
+    if sequence_parallel:
+        blocks = {g.rpartition(".")[0] for g in gathers}
+        for block in blocks:
+            for child, m in modules[block].named_children():
+                if is_norm(m):
+                    styles[f"{block}.{child}"] = SequenceParallel()
+        for child, m in base.named_children():
+            if is_norm(m):
+                styles[child] = SequenceParallel(use_local_output=True)
+        styles[_path_of(base, embedding)] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        )
+    else:
+        styles[_path_of(base, embedding)] = RowwiseParallel(input_layouts=Replicate())
     parallelize_module(base, mesh, styles)
-    for m in base.children():
-        if isinstance(m, torch.nn.Embedding) and m is not embedding:
-            _positions(m, mesh)
-    for path in gathers:
-        modules[path].register_forward_pre_hook(_gathered, with_kwargs=True)
+    if sequence_parallel:
+        for m in base.children():
+            if isinstance(m, torch.nn.Embedding) and m is not embedding:
+                _replicated(m, mesh, Shard(1))
+        for path in gathers:
+            modules[path].register_forward_pre_hook(_gathered, with_kwargs=True)
+    else:
+        # What the plan leaves whole (the norms, learned positions): replicated DTensors, as
+        # every parameter of a tensor-parallel model is (the optimizer's foreach kernels take
+        # no mix of the two).
+        for path, m in base.named_modules():
+            if path not in styles and next(m.parameters(recurse=False), None) is not None:
+                _replicated(m, mesh)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
         tied = head.weight is embedding.weight
+        stream = Shard(1) if sequence_parallel else Replicate()
         parallelize_module(
-            head, mesh, ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+            head, mesh, ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
         )
         if tied:  # one parameter, sharded over the vocabulary for both
             head.weight = embedding.weight
     return model
 
 
-def _positions(module, mesh):
-    """Learned positions (BioGPT's, OPT's), added to the sequence-sharded stream: the table
-    whole on every rank (a replicated DTensor, as the norms' weights are), the ids it is given
-    replicated, its output cut to the rank's part of the sequence."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+def _replicated(module, mesh, placement=None):
+    """A module the plan does not split, whole on every rank: its parameters replicated
+    DTensors (as the norms' weights are under sequence parallelism), whatever it is given taken
+    as replicated, its output redistributed to ``placement`` (learned positions joining the
+    sequence-sharded stream: ``Shard(1)``) or, without one, handed on as the rank's tensor."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
     def replicated(x):
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
@@ -496,7 +522,11 @@ def _positions(module, mesh):
         ),
         with_kwargs=True,
     )
-    module.register_forward_hook(lambda _m, _args, out: out.redistribute(mesh, [Shard(1)]))
+    module.register_forward_hook(
+        lambda _m, _args, out: (
+            out.to_local() if placement is None else out.redistribute(mesh, [placement])
+        )
+    )
 
 
 def _torchtitan_tensor_parallel(model, mesh, name, context_parallel):

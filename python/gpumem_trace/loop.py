@@ -91,6 +91,7 @@ class TraceOptions:
     fsdp_param_dtype: str = None  # FSDP2's MixedPrecisionPolicy param_dtype: "bf16" or "fp16"
     replicas: int = 1  # FSDP2 over a 2-D mesh (HSDP): replicated this many times
     tensor: int = 1  # tensor-parallel ranks (distributed.tensor_parallel), within world_size
+    sequence_parallel: bool = True  # with tensor: the stream between layers split over the sequence
     # Expert-parallel ranks (distributed.expert_parallel), borrowed from FSDP's and tensor
     # parallelism's, and the router's stand-in imbalance (routing.py).
     expert: int = 1
@@ -364,7 +365,9 @@ def trace_training(opts: TraceOptions, out_path: str):
     sharded_loss = contextlib.nullcontext()
     if opts.tensor > 1:
         # As torchtitan orders it: tensor parallelism first, then checkpointing, then FSDP.
-        distributed.tensor_parallel(model, ranks["tensor"], opts.model, opts.context > 1)
+        distributed.tensor_parallel(
+            model, ranks["tensor"], opts.model, opts.context > 1, opts.sequence_parallel
+        )
         sharded_loss = distributed.loss_parallel(model)
     if opts.context > 1:
         # torchtitan's order: context parallelism after tensor parallelism. Each step's batch

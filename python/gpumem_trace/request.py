@@ -192,6 +192,7 @@ def strategy_options(strategy):
             world_size=world,
             replicas=mesh.get("replicate", 1),
             tensor=mesh.get("tensor", 1),
+            sequence_parallel=strategy.get("sequence_parallel", True),
             pipeline=mesh.get("pipeline", 1),
             expert=mesh.get("expert", 1),
             context=mesh.get("context", 1),
@@ -275,6 +276,10 @@ def from_flags(a):
         raise ValueError(
             f"--pp {a.pp}: --schedule one of {', '.join(pipeline.SCHEDULES)}, --pp-rank below {a.pp}"
         )
+    if a.no_sequence_parallel and (a.tp < 2 or a.pp > 1 or a.cp > 1):
+        raise ValueError(
+            "--no-sequence-parallel applies to --tp without --pp or --cp (their stream is split over the sequence)"
+        )
     model_parallel = a.tp * a.pp * a.cp
     if model_parallel > 1 and not a.strategy:
         a.strategy, a.world_size = "fsdp", model_parallel
@@ -310,6 +315,8 @@ def from_flags(a):
                 "param_dtype": a.fsdp_param_dtype,
                 "cpu_offload": a.cpu_offload,
             }
+            if a.no_sequence_parallel:
+                strategy["sequence_parallel"] = False
             if a.pp > 1:
                 strategy.update(
                     schedule=a.schedule,

@@ -2179,7 +2179,7 @@ def test_a_gpt_layers_activations_are_korthikantis_closed_form(tmp_path):
         separators=(",", ":"),
     )
 
-    def kept(layers, s, t, checkpointing="off"):
+    def kept(layers, s, t, checkpointing="off", sequence_parallel=True):
         ref = (
             f"hf:BioGptForCausalLM(hidden_size={h},num_attention_heads={a},intermediate_size={4 * h},"
             f"num_hidden_layers={layers},vocab_size=1024,max_position_embeddings=1024,"
@@ -2189,7 +2189,8 @@ def test_a_gpt_layers_activations_are_korthikantis_closed_form(tmp_path):
         _, evs = traced(
             [ref, "--batch", str(b), "--seq-len", str(s), "--precision", "fp16"]
             + ["--attention", "eager", f"--checkpointing={checkpointing}"]
-            + (["--tp", str(t)] if t > 1 else []),
+            + (["--tp", str(t)] if t > 1 else [])
+            + ([] if sequence_parallel else ["--no-sequence-parallel"]),
             tmp_path,
         )
         live, iteration = {}, 0
@@ -2215,6 +2216,16 @@ def test_a_gpt_layers_activations_are_korthikantis_closed_form(tmp_path):
         per_layer = (kept(4, s, t, mode) - kept(2, s, t, mode)) / 2
         formula = s * b * h * 34 / t + gathered(s, t)
         assert abs(per_layer / formula - 1) < 0.02, (mode, t, s, per_layer, formula)
+    # Without sequence parallelism (their eq. 2): the two norms' inputs, the two dropouts' masks
+    # on the stream and the column-wise layers' inputs stay whole on every rank, 10·s·b·h;
+    # what runs inside the attention and the MLP is split. No all-gather: nothing added.
+    for t in tp[1:]:
+        s = 512
+        per_layer = (
+            kept(4, s, t, sequence_parallel=False) - kept(2, s, t, sequence_parallel=False)
+        ) / 2
+        formula = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        assert abs(per_layer / formula - 1) < 0.02, ("no sp", t, s, per_layer, formula)
 
 
 def test_a_ranks_parameters_are_megatrons_most_loaded_shard(tmp_path):

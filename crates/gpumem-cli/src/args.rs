@@ -363,6 +363,11 @@ pub struct StrategyArgs {
     /// sharding over the rest. Hugging Face decoders (their base_model_tp_plan).
     #[arg(long, conflicts_with_all = ["deepspeed", "accelerate"])]
     pub tp: Option<u32>,
+    /// With --tp: no sequence parallelism — the norms and the stream between layers whole on
+    /// every rank, each row-wise layer's output all-reduced (Megatron-LM without
+    /// --sequence-parallel).
+    #[arg(long, requires = "tp")]
+    no_sequence_parallel: bool,
     /// Pipeline stages (docs/parallelism.md): the decoder's layers cut into N consecutive
     /// stages, one rank each, micro-batches through them in --pp-schedule's order; every
     /// stage's rank is sized and the worst answers. Alone, a job of N ranks (× --tp); with
@@ -587,6 +592,7 @@ impl StrategyArgs {
                     )?
                 }),
                 routing_imbalance,
+                sequence_parallel: self.no_sequence_parallel.then_some(false),
                 world_size: None,
                 replicas: None,
                 schedule: self

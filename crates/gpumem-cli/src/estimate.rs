@@ -348,8 +348,12 @@ fn print_ranks(s: &Strategy) {
             }
         )
     });
+    let layout = match s.sequence_parallel() {
+        Some(false) => ", no sequence parallelism",
+        _ => "",
+    };
     println!(
-        "ranks        {}: {} = {} GPUs{experts}{pipeline} (the estimate is one rank's{})",
+        "ranks        {}: {} = {} GPUs{layout}{experts}{pipeline} (the estimate is one rank's{})",
         s.name(),
         s.mesh().label(),
         s.world_size(),

@@ -521,6 +521,10 @@ pub struct Strategy {
     pipeline: Option<Pipeline>,
     /// Present exactly where the mesh has expert-parallel ranks: the upper bound's routing.
     routing: Option<RoutingImbalance>,
+    /// Present exactly where the mesh has tensor-parallel ranks: whether sequence parallelism
+    /// splits the norms and the stream between layers over the sequence (torchtitan's, and
+    /// Megatron-LM's `--sequence-parallel`), else they stay whole on every rank.
+    sequence_parallel: Option<bool>,
 }
 
 impl Strategy {
@@ -612,6 +616,7 @@ impl Strategy {
                 engine,
                 pipeline: (stages > 1).then(|| Pipeline::default_for(stages)),
                 routing: (expert > 1).then_some(RoutingImbalance::BALANCED),
+                sequence_parallel: (tensor > 1).then_some(true),
             }),
         }
     }
@@ -629,6 +634,35 @@ impl Strategy {
             }),
             None => Err(OptionError::NoExperts),
         }
+    }
+
+    /// This strategy with sequence parallelism on or off; refused without tensor-parallel
+    /// ranks, and off where a pipeline or context parallelism would take the stream split.
+    pub fn with_sequence_parallel(self, on: bool) -> Result<Strategy, OptionError> {
+        if self.sequence_parallel.is_none() {
+            return Err(OptionError::SequenceParallel(
+                "applies to tensor parallelism (strategy.mesh.tensor)",
+            ));
+        }
+        if !on && self.pipeline.is_some() {
+            return Err(OptionError::SequenceParallel(
+                "off is not sized with pipeline stages (their stream is split over the sequence)",
+            ));
+        }
+        if !on && self.context_parallel() > 1 {
+            return Err(OptionError::SequenceParallel(
+                "off is not sized with context parallelism",
+            ));
+        }
+        Ok(Strategy {
+            sequence_parallel: Some(on),
+            ..self
+        })
+    }
+
+    /// Whether sequence parallelism splits the stream, where the mesh has tensor-parallel ranks.
+    pub fn sequence_parallel(&self) -> Option<bool> {
+        self.sequence_parallel
     }
 
     /// The router imbalance the upper bound assumes, where the mesh has expert-parallel ranks.
@@ -814,6 +848,10 @@ pub struct StrategyValues {
     /// balanced, as the estimate).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub routing_imbalance: Option<RoutingImbalance>,
+    /// Tensor-parallel ranks: sequence parallelism between layers (default true; written
+    /// only where false).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sequence_parallel: Option<bool>,
 }
 
 impl StrategyValues {
@@ -835,6 +873,7 @@ impl StrategyValues {
             microbatches: None,
             virtual_stages: None,
             routing_imbalance: None,
+            sequence_parallel: None,
         }
     }
 
@@ -916,6 +955,9 @@ impl TryFrom<StrategyValues> for Strategy {
         if let Some(routing) = v.routing_imbalance {
             strategy = strategy.with_routing_imbalance(routing)?;
         }
+        if let Some(on) = v.sequence_parallel {
+            strategy = strategy.with_sequence_parallel(on)?;
+        }
         let Some(default) = strategy.pipeline else {
             for (setting, set) in [
                 ("schedule", v.schedule.is_some()),
@@ -971,6 +1013,7 @@ impl From<Strategy> for StrategyValues {
             }
         }
         v.routing_imbalance = s.routing.filter(|&r| r != RoutingImbalance::BALANCED);
+        v.sequence_parallel = s.sequence_parallel.filter(|&on| !on);
         if let Some(p) = s.pipeline {
             v.schedule = Some(p.schedule);
             v.microbatches = Some(p.microbatches);

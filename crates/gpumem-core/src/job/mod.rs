@@ -582,6 +582,8 @@ pub enum OptionError {
         "strategy's world size (--world-size) {0} is out of range (2..={MAX_WORLD_SIZE}; 1..={MAX_WORLD_SIZE} under ZeRO)"
     )]
     WorldSize(u32),
+    #[error("strategy.sequence_parallel (--no-sequence-parallel) {0}")]
+    SequenceParallel(&'static str),
     #[error("strategy.mesh.{0} has degree 0 (every mesh dimension has at least 1 rank)")]
     MeshDegree(&'static str),
     #[error(

@@ -680,3 +680,40 @@ fn image_sides_vary_the_inputs_height_and_width_by_step() {
             .contains("image_sides (--input CxMIN..MAX) is not yet taken")
     );
 }
+
+#[test]
+fn sequence_parallelism_is_a_tensor_parallel_setting() {
+    let doc =
+        r#"{"strategy":{"kind":"fsdp","mesh":{"shard":2,"tensor":2},"sequence_parallel":false}}"#;
+    let o: Options = serde_json::from_str(doc).unwrap();
+    let s = o.strategy.unwrap();
+    assert_eq!(s.sequence_parallel(), Some(false));
+    let back = serde_json::to_string(&o).unwrap();
+    assert!(back.contains(r#""sequence_parallel":false"#), "{back}");
+    assert_eq!(serde_json::from_str::<Options>(&back).unwrap(), o);
+    // On by default, and then not written: older documents read and write as before.
+    let on: Options =
+        serde_json::from_str(r#"{"strategy":{"kind":"fsdp","mesh":{"shard":2,"tensor":2}}}"#)
+            .unwrap();
+    assert_eq!(on.strategy.unwrap().sequence_parallel(), Some(true));
+    assert!(
+        !serde_json::to_string(&on)
+            .unwrap()
+            .contains("sequence_parallel")
+    );
+    let refused = |doc: &str| {
+        serde_json::from_str::<Options>(doc)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(
+        refused(r#"{"strategy":{"kind":"fsdp","mesh":{"shard":4},"sequence_parallel":false}}"#)
+            .contains("applies to tensor parallelism")
+    );
+    assert!(
+        refused(
+            r#"{"strategy":{"kind":"fsdp","mesh":{"tensor":2,"pipeline":2},"sequence_parallel":false}}"#
+        )
+        .contains("not sized with pipeline stages")
+    );
+}
