@@ -1,6 +1,13 @@
 use super::*;
 use crate::model::ModelRef;
 
+/// Why a job document is refused.
+fn refused(doc: &str) -> String {
+    serde_json::from_str::<Options>(doc)
+        .unwrap_err()
+        .to_string()
+}
+
 #[test]
 fn one_prefix_table() {
     assert_eq!(
@@ -575,11 +582,6 @@ fn a_whole_run_is_stated_and_checked_as_the_job_document_spells_it() {
     );
     let back: Options = serde_json::from_str(&serde_json::to_string(&o).unwrap()).unwrap();
     assert_eq!(back, o);
-    let refused = |doc: &str| {
-        serde_json::from_str::<Options>(doc)
-            .unwrap_err()
-            .to_string()
-    };
     assert!(
         refused(r#"{"whole_run":{"evaluation":{"batches":0}}}"#)
             .contains("evaluation batches (--eval-batches) 0 is out of range")
@@ -663,11 +665,6 @@ fn image_sides_vary_the_inputs_height_and_width_by_step() {
     );
     let back: Options = serde_json::from_str(&serde_json::to_string(&o).unwrap()).unwrap();
     assert_eq!(back, o);
-    let refused = |doc: &str| {
-        serde_json::from_str::<Options>(doc)
-            .unwrap_err()
-            .to_string()
-    };
     assert!(refused(r#"{"image_sides":{"min":32,"max":64}}"#).contains("state input"));
     assert!(
         refused(
@@ -701,11 +698,6 @@ fn sequence_parallelism_is_a_tensor_parallel_setting() {
             .unwrap()
             .contains("sequence_parallel")
     );
-    let refused = |doc: &str| {
-        serde_json::from_str::<Options>(doc)
-            .unwrap_err()
-            .to_string()
-    };
     assert!(
         refused(r#"{"strategy":{"kind":"fsdp","mesh":{"shard":4},"sequence_parallel":false}}"#)
             .contains("applies to tensor parallelism")
