@@ -51,6 +51,7 @@ def generate(model, prompt_shape, new_tokens, autocast, rec, filters=None):
     with torch.no_grad(), autocast if autocast is not None else contextlib.nullcontext():
         ids = torch.empty(prompt_shape, dtype=torch.long, device=DEVICE)
         rec.phase = "forward"
+        prompts = encoded = None
         if getattr(model.config, "is_encoder_decoder", False):
             prompts = ids
             encoded = model.get_encoder()(input_ids=prompts, return_dict=True)
@@ -81,7 +82,7 @@ def generate(model, prompt_shape, new_tokens, autocast, rec, filters=None):
                 )
             if autocast is not None:
                 autocast.clear()
-        out = cache = ids = tokens = step_input = None
+        out = cache = ids = tokens = step_input = prompts = encoded = None
     rec.kernels = True
     model.train()
 
