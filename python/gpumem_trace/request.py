@@ -344,8 +344,10 @@ def from_flags(a):
             "precision": a.precision,
             "input": a.input,
             "seq_len": a.seq_len,
-            # A schedule is gpumem's to draw; the tracer is given the drawn lengths (seq_lens).
+            # A schedule is gpumem's to draw; the tracer is given the drawn lengths (seq_lens),
+            # and each image side as a job of its own.
             "seq_lens": None,
+            "image_sides": None,
             "checkpointing": checkpointing,
             "channels_last": a.channels_last,
             "grad_accum": a.grad_accum,

@@ -48,6 +48,7 @@ def test_the_request_a_person_types_is_the_one_gpumem_sends():
             "bf16",
         ],
         ["--strategy", "zero3", "--world-size", "8", "--zero", '{"offload_param": true}'],
+        ["--strategy", "fsdp", "--world-size", "8", "--tp", "2", "--no-sequence-parallel"],
         ["--lora-rank", "8", "--lora-targets", "q_proj,v_proj", "--lora-quant", "nf4"],
         ["--selective", "--precision", "amp-bf16", "--seq-len", "128", "--sdpa", "flash"],
     ],
@@ -86,6 +87,7 @@ def test_every_strategy_setting_the_schema_names_is_read():
             "virtual_stages": 2,
         },
         {"kind": "fsdp", "mesh": {"shard": 8, "tensor": 2, "expert": 4}},
+        {"kind": "fsdp", "mesh": {"shard": 4, "tensor": 2}, "sequence_parallel": False},
     ]
     assert set().union(*(set(s) - {"kind"} for s in strategies)) == stated
     fsdp = strategy_options(strategies[1])
@@ -97,3 +99,5 @@ def test_every_strategy_setting_the_schema_names_is_read():
     ep = strategy_options(strategies[4])
     assert (ep["world_size"], ep["tensor"], ep["expert"]) == (16, 2, 4)
     assert set(definition("Zero")["properties"]) >= set(strategies[2]["zero"])
+    assert not strategy_options(strategies[5])["sequence_parallel"]
+    assert strategy_options(strategies[4])["sequence_parallel"]
