@@ -33,9 +33,11 @@ RULES (stated once; every row follows them)
  R5 lengths. A dataset truncated/padded to a stated maximum -> `--seq-len MAX` (the run's peak
     step is its longest batch); tagged `varlen` where lengths vary per batch. Packing -> the packed
     length, no tag.
- R6 model code. A framework's own model implementation (litgpt GPT, torchtitan/torchtune Llama)
-    -> the Hugging Face transformers class of the same checkpoint, config from
-    data/hub-configs; tagged `framework-model`. Instruct/chat variants use their own config.
+ R6 model code. litgpt's GPT -> litgpt's own model, `litgpt:NAME` (its config of the row's
+    checkpoint: LITGPT_NAMES), its LoRA targets in litgpt's names. Another framework's own model
+    implementation (torchtitan/torchtune Llama) -> the Hugging Face transformers class of the same
+    checkpoint, config from data/hub-configs; tagged `framework-model`. Instruct/chat variants use
+    their own config.
  R7 torch.compile -> traced eager; tagged `compile`.
  R8 GPUs. The row's GPU profile where gpumem has it; A800 80GB -> a100-80gb; "A100" with
     figures above 40 GiB or stated 80GB -> a100-80gb; RTX 4070 Ti SUPER -> rtx4090 (same Ada
@@ -63,7 +65,7 @@ RULES (stated once; every row follows them)
     (v4.36, December 2023: a release v4.0x-v4.35 or a year up to 2023 in the source) ->
     `--attention eager`, the only implementation transformers had then.
  R14 training loop. litgpt's scripts keep the model's output (`logits = model(input_ids)`)
-    until the next forward returns -> `--outputs kept`.
+    until the next forward returns: what a `litgpt:` model's step does.
 """
 import csv
 import os
@@ -275,39 +277,31 @@ def unsloth(n, r):
     return no("vague", "settings only in linked Colab notebooks")
 
 
-LITGPT_LORA = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "projection": "o_proj", "head": "lm_head"}
+# R6: the litgpt config of each row's checkpoint (config_hub/finetune/<dir>/*.yaml's checkpoint_dir).
+LITGPT_NAMES = {
+    "falcon-7b": "falcon-7b", "gemma-2-2b": "Gemma-2-2b", "gemma-2-9b": "Gemma-2-9b", "gemma-2b": "Gemma-2b",
+    "gemma-7b": "Gemma-7b", "llama-2-7b": "Llama-2-7b-hf", "llama-3-8b": "Llama-3-8B",
+    "llama-3.1-8b": "Llama-3.1-8B", "llama-3.2-1b": "Llama-3.2-1B", "llama-3.2-3b": "Llama-3.2-3B",
+    "mistral-7b": "Mistral-7B-v0.1", "mistral-7b-v0.2": "Mistral-7B-v0.2", "phi-2": "phi-2",
+    "phi-3-mini-4k-instruct": "Phi-3-mini-4k-instruct", "stablelm-base-alpha-3b": "stablelm-base-alpha-3b",
+    "tiny-llama": "tiny-llama-1.1b", "tinyllama 1.1b (pretrain on tinystories)": "tiny-llama-1.1b",
+}
 
 
-def litgpt_lora_targets(o, mid):
+def litgpt_lora_targets(o):
+    """The row's LoRA in litgpt's own names (its Config's lora_* switches)."""
     d = dict(re.findall(r"'lora_(\w+)': (True|False)", o))
-    t = [LITGPT_LORA[k] for k in ("query", "key", "value", "projection") if d.get(k) == "True"]
-    if "falcon" in mid:
-        t = ["query_key_value"] if any(d.get(k) == "True" for k in ("query", "key", "value")) else []
-        if d.get("projection") == "True":
-            t.append("dense")
-    if d.get("mlp") == "True":
-        t += (["dense_h_to_4h", "dense_4h_to_h"] if ("falcon" in mid or "stablelm" in mid) else
-              ["fc1", "fc2"] if "phi-2" in mid else ["gate_up_proj", "down_proj"] if "Phi-3" in mid else
-              ["gate_proj", "up_proj", "down_proj"])
-    if "stablelm" in mid and t:
-        t = ["query_key_value" if x in ("q_proj", "v_proj", "k_proj") else x for x in t]
-        t = sorted(set(t), key=t.index)
-    if "phi-2" in mid:
-        t = ["dense" if x == "o_proj" else x for x in t]
-    if "Phi-3" in mid:
-        t = ["qkv_proj" if x in ("q_proj", "k_proj", "v_proj") else x for x in t]
-        t = sorted(set(t), key=t.index)
-    if d.get("head") == "True":
-        t.append("lm_head")
+    t = [k for k in ("query", "key", "value", "projection", "mlp", "head") if d.get(k) == "True"]
     rr = int(re.search(r"'lora_r': (\d+)", o).group(1))
     a = int(re.search(r"'lora_alpha': (\d+)", o).group(1))
-    return f"r={rr},alpha={a},targets=" + ",".join(t)
+    dropout = re.search(r"'lora_dropout': ([0-9.]+)", o)
+    drop = f",dropout={dropout.group(1)}" if dropout and float(dropout.group(1)) > 0 else ""
+    return f"r={rr},alpha={a}{drop},targets=" + ",".join(t)
 
 
 def litgpt(n, r):
     s, o = r["strategy"], r["other_settings"]
-    m = hub(r)
-    loop = ["--outputs", "kept"]  # R14
+    m = "litgpt:" + LITGPT_NAMES[r["model"].strip().lower()]
     if "thunder" in r["source"]:
         if "Thunder" in o:
             return no("thunder-compiler", "Lightning Thunder executors (nvFuser, torch.compile)")
@@ -316,21 +310,22 @@ def litgpt(n, r):
             st = "fsdp"
         elif "DDP" in s:
             st = "ddp"
-        return run(m, "a100-40gb", r["micro_batch"], "allocated", seq=2048, precision="bf16", ckpt="off",
-                   strategy=st, world=r["n_gpus"] if st else None, extra=loop,
-                   tags=["framework-model"] + (["fsdp1"] if st == "fsdp" else []))
+        # litgpt pretrain.py's step: the whole logits, cross-entropy in chunks (R6).
+        return run(m + "(lm_head_chunk_size=0)", "a100-40gb", r["micro_batch"], "allocated", seq=2048,
+                   precision="bf16", ckpt="off", strategy=st, world=r["n_gpus"] if st else None,
+                   tags=["fsdp1"] if st == "fsdp" else [])
     meas = "oom" if r["what_measured"].startswith("OOM") else "allocated"
-    tags = ["framework-model", "varlen", "whole-run"]
+    tags = ["varlen", "whole-run"]
     qlora = "nf4" in r["precision"]
     # R2: Fabric's quantizer, on the bitsandbytes litgpt pinned through 2024 for rows of 2024.
     pinned = ",bnb=0.42" if "(2024-" in r["source"] else ""
     quant = ",quant=nf4,double_quant=false,loader=fabric" + pinned if qlora else ""
-    lora = litgpt_lora_targets(o, m) + quant if "lora" in s else None
+    lora = litgpt_lora_targets(o) + quant if "lora" in s else None
     gpu = "a10"  # A10G 24GB (config_hub README's GPU)
     if "FSDP" in s:
         return run(m, gpu, r["micro_batch"], meas, seq=512, ckpt="full", strategy="fsdp", world=r["n_gpus"],
-                   extra=loop, tags=tags + ["fsdp1"])
-    return run(m, gpu, r["micro_batch"], meas, seq=512, lora=lora, ckpt="off", extra=loop,
+                   tags=tags + ["fsdp1"])
+    return run(m, gpu, r["micro_batch"], meas, seq=512, lora=lora, ckpt="off",
                optimizer="paged_adamw_32bit" if qlora else "adamw", tags=tags)
 
 

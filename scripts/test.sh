@@ -12,7 +12,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CACHE="${GPUMEM_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpumem-ci}"
-COMMON="timm==1.0.31 transformers==5.24.0 segmentation-models-pytorch==0.6.0 peft==0.21.2 bitsandbytes==0.50.2 torchao==0.16.0 liger-kernel==0.8.5 pytest==9.2.0 numpy==2.4.6 jsonschema==4.25.1"
+COMMON="timm==1.0.31 transformers==5.24.0 segmentation-models-pytorch==0.6.0 peft==0.21.2 bitsandbytes==0.50.2 torchao==0.16.0 liger-kernel==0.8.5 lightning==2.6.1 psutil==7.2.2 pytest==9.2.0 numpy==2.4.6 jsonschema==4.25.1"
+# litgpt, whose own model, LoRA and loss the tracer runs (litgpt: models), pins
+# huggingface-hub<1.4 where transformers 5 needs 1.31 or later; its model code imports neither
+# (Lightning, psutil and PyYAML it does, in COMMON), so it is installed without its dependencies.
+LITGPT="litgpt==0.5.13"
+MODULES="torch, torchvision, timm, transformers, segmentation_models_pytorch, peft, bitsandbytes, liger_kernel, litgpt.lora, pytest, jsonschema"
 PINNED="torch==2.9.1 torchvision==0.24.1 $COMMON"
 NEWEST="torch==2.15.0 torchvision==0.29.2 $COMMON"
 # The trainers whose own code the tracer runs where it is installed — torchtitan (its activation
@@ -26,19 +31,20 @@ TITAN="torch==2.10.0 torchtitan==0.2.2 torchtune==0.6.1 torchao==0.13.0 torchdat
 RUFF="0.17.6"
 MATURIN="maturin==1.16.0"
 
-# venv PACKAGES [MODULES]: the cached environment's interpreter, installed on first use (and
-# again unless MODULES import); empty if the install failed.
+# venv PACKAGES MODULES [NO_DEPS]: the cached environment's interpreter, installed on first use
+# (and again unless MODULES import), NO_DEPS then installed without their dependencies; empty
+# if the install failed.
 venv() {
-  local dir="$CACHE/venv-$(echo "$1" | cksum | cut -d' ' -f1)"
-  local modules="${2:-torch, torchvision, timm, transformers, segmentation_models_pytorch, peft, bitsandbytes, liger_kernel, pytest, jsonschema}"
-  if ! "$dir/bin/python" -c "import $modules" 2>/dev/null; then
-    echo "== installing $1 into $dir (cached)" >&2
+  local dir="$CACHE/venv-$(echo "$1${3:+ $3}" | cksum | cut -d' ' -f1)"
+  if ! "$dir/bin/python" -c "import $2" 2>/dev/null; then
+    echo "== installing $1${3:+ and, without dependencies, $3} into $dir (cached)" >&2
     rm -rf "$dir"
     mkdir -p "$CACHE"
     python3 -m venv "$dir"
     # shellcheck disable=SC2086
-    if ! "$dir/bin/pip" install -q --disable-pip-version-check $1 >&2; then
-      echo "WARNING: could not install $1" >&2
+    if ! "$dir/bin/pip" install -q --disable-pip-version-check $1 >&2 \
+      || { [ -n "${3:-}" ] && ! "$dir/bin/pip" install -q --disable-pip-version-check --no-deps $3 >&2; }; then
+      echo "WARNING: could not install $1 ${3:-}" >&2
       return 0
     fi
   fi
@@ -54,7 +60,7 @@ prefetch() {
   venv "$@" > /dev/null 2> "$prefetch/$(echo "$1" | cksum | cut -d' ' -f1).log" &
   fetching["$1"]=$!
 }
-# awaited PACKAGES [MODULES]: sets `got` to the environment's interpreter (as `venv` prints it)
+# awaited PACKAGES MODULES [NO_DEPS]: sets `got` to the environment's interpreter (as `venv` prints it)
 # once its background install is done. Not called in $(…): a subshell cannot wait for it.
 awaited() {
   if [ -n "${fetching[$1]:-}" ]; then
@@ -65,8 +71,8 @@ awaited() {
   got="$(venv "$@")"
 }
 if [ -z "${GPUMEM_PYTHON:-}" ]; then
-  prefetch "$PINNED"
-  prefetch "$NEWEST"
+  prefetch "$PINNED" "$MODULES" "$LITGPT"
+  prefetch "$NEWEST" "$MODULES" "$LITGPT"
 fi
 prefetch "$TITAN" "torch, torchtitan, torchtune, pytest"
 prefetch "$MATURIN" "maturin"
@@ -107,9 +113,9 @@ tracer_tests() {
 if [ -n "${GPUMEM_PYTHON:-}" ]; then
   tracer_tests "$GPUMEM_PYTHON"
 else
-  awaited "$PINNED"
+  awaited "$PINNED" "$MODULES" "$LITGPT"
   pinned="$got"
-  awaited "$NEWEST"
+  awaited "$NEWEST" "$MODULES" "$LITGPT"
   newest="$got"
   # The two environments' tests run side by side (each mostly one core: tracing is on meta
   # tensors), their output shown in order; either failing fails the run.

@@ -172,7 +172,7 @@ def repeated_blocks(model, name, purpose):
     def visit(m, d):
         for c in m.children():
             # A LoRA layer wraps one layer: the block is what holds the layers.
-            if isinstance(c, lora.LoraLayer):
+            if lora.is_adapter(c):
                 continue
             if (
                 not isinstance(c, containers)
@@ -349,7 +349,10 @@ def trace_training(opts: TraceOptions, out_path: str):
     model.train()
     # TRL's create_reference_model: a copy of the model as loaded, frozen, in eval mode.
     reference = copy.deepcopy(model).eval().requires_grad_(False) if opts.reference_model else None
-    if opts.lora:
+    if opts.lora and job.own_lora is not None:
+        # The trainer's own LoRA model (litgpt's), quantized as its loader quantizes.
+        model = job.own_lora(opts.lora, lambda m: lora.quantize(m, opts.lora, fabric=True))
+    elif opts.lora:
         # As one fine-tunes with PEFT: get_peft_model on the loaded model, then the loop.
         lora.apply(model, opts.lora, opts.model)
     if opts.chunked_ce:
@@ -607,7 +610,9 @@ def trace_training(opts: TraceOptions, out_path: str):
                 on_bucket=lambda t: rec.relabel(t, "gradient"),
                 rebuilding=lambda: rec.parameter_sized("ddp_rebuild_buckets"),
             )
-        trainable = [p for p in model.parameters() if p.requires_grad]
+        trainable = [
+            p for n, p in model.named_parameters() if p.requires_grad and n not in job.unoptimized
+        ]
         if opts.optimizer_in_backward:
             optimizer = optimizers.InBackward(
                 trainable,

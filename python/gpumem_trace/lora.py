@@ -22,6 +22,7 @@ quantized from fp16. bitsandbytes need not be installed (``Linear4bit`` below ho
 
 import contextlib
 import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,11 @@ class Linear4bit(torch.nn.Module):
         if self.bias is not None:
             self.bias.requires_grad_(False)
 
+    @property
+    def weight(self):
+        """The packed bytes, as bitsandbytes' ``Params4bit`` weight is (code reads its device)."""
+        return self.weight_packed
+
     # While a whole run loads the model: a function of a weight's shape that makes its copy on
     # the GPU before it is quantized (see loading_in_4bit); None otherwise.
     stage = None
@@ -161,13 +167,14 @@ def loading_in_4bit(stage):
         Linear4bit.stage = saved
 
 
-def quantize(model, lora: Lora):
+def quantize(model, lora: Lora, fabric=False):
     """Loads ``model`` in 4 bits: every linear layer but the output embeddings becomes a
     ``Linear4bit`` (transformers' default ``llm_int8_skip_modules``) — or every one, from fp16,
     as Lightning Fabric's ``BitsandbytesPrecision`` replaces ``torch.nn.Linear`` and quantizes
-    ``weight.to(torch.half)``."""
+    ``weight.to(torch.half)`` (``lora.loader`` fabric, or ``fabric``: a trainer whose only
+    quantizer is Fabric's)."""
     linear = (torch.nn.Linear,) + _conv1d_types()
-    fabric = lora.loader == "fabric"
+    fabric = fabric or lora.loader == "fabric"
     output = None if fabric else _output_embeddings(model)
     chosen = [
         (n, m) for n, m in model.named_modules() if n and isinstance(m, linear) and m is not output
@@ -190,6 +197,13 @@ def _conv1d_types():
     except ImportError:
         return ()
     return (Conv1D,)
+
+
+def is_adapter(module):
+    """Whether ``module`` is a LoRA layer — this PEFT restatement's or litgpt's own
+    (``litgpt.lora.LoRALayer``, where litgpt is loaded): one layer wrapped, not a block."""
+    lit = sys.modules.get("litgpt.lora")
+    return isinstance(module, LoraLayer) or (lit is not None and isinstance(module, lit.LoRALayer))
 
 
 class LoraLayer(torch.nn.Module):

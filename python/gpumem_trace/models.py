@@ -1,6 +1,7 @@
 """Model references: ``torchvision:NAME``, ``timm:NAME``, ``hf:CLASS(key=value,...)``,
 ``smp:ARCH(key=value,...)`` (segmentation_models_pytorch), ``torchtitan:MODEL(flavor=F,...)``
-(torchtitan's own model builders) and ``py:path/to/file.py:function``.
+(torchtitan's own model builders), ``litgpt:NAME(key=value,...)`` (litgpt's own GPT) and
+``py:path/to/file.py:function``.
 Each resolves to a ``Job``: the model (built on the CPU with weight initialisation skipped), how
 to make a batch of a given size, and the loss."""
 
@@ -35,8 +36,15 @@ class Job:
         specs_at=None,
         trainer_outputs_fp32=False,
         inputs=None,
+        own_lora=None,
     ):
         self.model = model
+        # (lora.Lora, quantize) -> the model fine-tuned with LoRA as its trainer builds it, for a
+        # source whose trainer has its own LoRA (litgpt's); None: PEFT's, on the model as it is.
+        self.own_lora = own_lora
+        # Names of parameters that train (a gradient each backward) but that the trainer's
+        # optimizer does not hold, so that nothing ever frees their gradients.
+        self.unoptimized = frozenset()
         # Whether the usual loop for this kind of model holds its output through backward.
         self.keeps_outputs = keeps_outputs
         # Whether that loop is Hugging Face's Trainer, whose model forward accelerate wraps:
@@ -647,6 +655,127 @@ def torchtitan_job(spec, ref, seq_len, gpu_capability):
     return Job(model, specs, loss, seq_len=seq_len, keeps_outputs=False)
 
 
+# litgpt's LoRA switches (its Config's lora_* fields), and the Hugging Face module names a LoRA
+# target may be given by instead.
+LITGPT_LORA = ("query", "key", "value", "projection", "mlp", "head")
+LITGPT_HF_TARGETS = {
+    "q_proj": "query",
+    "k_proj": "key",
+    "v_proj": "value",
+    "o_proj": "projection",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+    "lm_head": "head",
+}
+
+
+def litgpt_job(spec, ref, seq_len):
+    """``litgpt:NAME(key=value,...)``: litgpt's own GPT (``litgpt.Config.from_name(NAME,
+    **keys)``; NAME a litgpt config name or the Hub id it stands for), trained as its fine-tuning
+    scripts (``litgpt finetune``/``finetune_lora``, 0.5.x) run a step: ``model.max_seq_length``
+    set to the job's length; ``logits = model(input_ids, lm_head_chunk_size=128)`` — the head's
+    output as a list of 128-position chunks, the last one shifted; ``chunked_cross_entropy``
+    over them; backward; the logits held until the next forward. ``lm_head_chunk_size=0`` (a
+    key of the reference, not of litgpt's Config) is ``litgpt pretrain``'s step: the whole
+    logits, cross-entropy over chunks of 128 rows. With LoRA, litgpt's own LoRA model
+    (``litgpt.lora.GPT``, see ``own_lora``). Needs litgpt installed."""
+    try:
+        config_mod = importlib.import_module("litgpt.config")
+        model_mod = importlib.import_module("litgpt.model")
+        utils = importlib.import_module("litgpt.utils")
+    except ImportError as e:
+        raise ReferenceError_(
+            f"{ref}: litgpt models need litgpt installed in this Python ({e}); "
+            "install it: pip install litgpt==0.5.13"
+        ) from e
+    name, kw = _split_call(spec, ref)
+    chunk = int(kw.pop("lm_head_chunk_size", 128))
+
+    def config(cls, **lora):
+        try:
+            return cls.from_name(name, **kw, **lora)
+        except ValueError:
+            _unknown("litgpt", name, sorted(config_mod.name_to_config))
+        except TypeError as e:
+            raise ReferenceError_(f"{ref}: litgpt's Config: {e}") from e
+
+    base = config(config_mod.Config)
+    seq = seq_len or base.block_size
+    if seq > base.block_size:
+        raise ReferenceError_(
+            f"{ref}: a sequence of {seq} tokens is longer than litgpt's block_size {base.block_size} for {name}"
+        )
+
+    def make(cls, cfg):
+        model = build(lambda: cls(cfg))
+        # fit() sets it to the longest sample: the rope cache is built for that length.
+        model.max_seq_length = seq
+        return model
+
+    def specs(b):
+        return [((b, seq), torch.long), ((b, seq), torch.long)]
+
+    def forward(m, b):
+        return m(b[0], lm_head_chunk_size=chunk)
+
+    def loss(logits, b):
+        if isinstance(logits, list):
+            # The script's shift: output n predicts token n + 1.
+            logits[-1] = logits[-1][..., :-1, :]
+            return utils.chunked_cross_entropy(logits, b[1][..., 1:])
+        return utils.chunked_cross_entropy(logits, b[1])
+
+    job = Job(make(model_mod.GPT, base), specs, loss, forward=forward, seq_len=seq)
+
+    def own_lora(lora, quantize):
+        """litgpt's LoRA as ``litgpt finetune_lora`` sets it up: ``litgpt.lora.GPT`` from its
+        Config with ``lora_r``, ``lora_alpha``, ``lora_dropout`` and a switch per target
+        (query, key, value, projection, mlp, head, or the Hugging Face names of those layers;
+        ``all-linear``: all but the head), then ``mark_only_lora_as_trainable``. QLoRA
+        (``quant``): Lightning Fabric's ``BitsandbytesPrecision``, litgpt's only quantizer —
+        every linear layer, the head's too — and, as litgpt 0.5 does after the optimizer is
+        made, the embedding swapped for bitsandbytes' ``StableEmbedding``: trained (its
+        gradient made each backward) but in no optimizer, so its gradient is never freed."""
+        lit_lora = importlib.import_module("litgpt.lora")
+        parts = set()
+        for t in lora.targets:
+            if t == "all-linear":
+                parts |= set(LITGPT_LORA) - {"head"}
+                continue
+            part = LITGPT_HF_TARGETS.get(t, t)
+            if part not in LITGPT_LORA:
+                raise ReferenceError_(
+                    f"{ref}: LoRA target `{t}` is none of litgpt's ({', '.join(LITGPT_LORA)}, or all-linear)"
+                )
+            parts.add(part)
+        cfg = config(
+            lit_lora.Config,
+            lora_r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            **{f"lora_{p}": True for p in parts},
+        )
+        model = make(lit_lora.GPT, cfg)
+        if lora.quant:
+            quantize(model)
+        lit_lora.mark_only_lora_as_trainable(model)
+        if lora.quant:
+            old = model.transformer.wte
+            stable = _require("bitsandbytes.nn", "bitsandbytes").StableEmbedding
+            model.transformer.wte = build(lambda: stable(old.num_embeddings, old.embedding_dim)).to(
+                dtype=old.weight.dtype
+            )
+            job.unoptimized = frozenset(
+                f"transformer.wte.{n}" for n, _ in model.transformer.wte.named_parameters()
+            )
+        job.model = model
+        return model
+
+    job.own_lora = own_lora
+    return job
+
+
 def _mask(batch, index):
     """The attention mask, where the batch carries one (it is then the last tensor)."""
     return {"attention_mask": batch[index]} if len(batch) > index else {}
@@ -775,7 +904,7 @@ def resolve(
     kind, sep, spec = ref.partition(":")
     if not sep:
         raise ReferenceError_(
-            f"`{ref}` is not a model reference (torchvision:NAME, timm:NAME, hf:CLASS(...), smp:ARCH(...), torchtitan:MODEL(flavor=...), py:FILE:FUNCTION)"
+            f"`{ref}` is not a model reference (torchvision:NAME, timm:NAME, hf:CLASS(...), smp:ARCH(...), torchtitan:MODEL(flavor=...), litgpt:NAME, py:FILE:FUNCTION)"
         )
     for flag, given in (("--attention-mask", attention_mask != "none"), ("--attention", attention)):
         if given and kind not in ("hf", "live"):
@@ -792,8 +921,10 @@ def resolve(
         return py_job(spec, ref, batch_hint)
     if kind == "torchtitan":
         return torchtitan_job(spec, ref, seq_len, gpu_capability)
+    if kind == "litgpt":
+        return litgpt_job(spec, ref, seq_len)
     if kind == "live":
         return live_job(spec, ref, input_shape, seq_len, attention_mask, attention)
     raise ReferenceError_(
-        f"unknown model source `{kind}` in `{ref}` (expected torchvision, timm, hf, smp, torchtitan or py)"
+        f"unknown model source `{kind}` in `{ref}` (expected torchvision, timm, hf, smp, torchtitan, litgpt or py)"
     )

@@ -332,7 +332,7 @@ pub struct WorkloadArgs {
     #[arg(long, conflicts_with_all = ["deepspeed", "accelerate"])]
     train_config: Option<String>,
     /// The config's kind where it cannot be told from its keys: hf-trainer, trl-sft, axolotl,
-    /// torchtune, torchtitan-toml, torchtitan-python, lightning, deepspeed, accelerate.
+    /// torchtune, torchtitan-toml, torchtitan-python, lightning, litgpt, deepspeed, accelerate.
     #[arg(long, requires = "train_config", value_parser = TrainerKind::parse)]
     train_config_kind: Option<TrainerKind>,
     /// The config, read once.

@@ -37,13 +37,14 @@ pub use whole_run::{Evaluation, EvaluationError, Filters, Generation, Generation
 
 /// Prefixes of model references only the PyTorch tracer can resolve. `live:` names a model
 /// object in the Python process that asks (the Python API's), traced there and nowhere else.
-pub const TORCH_PREFIXES: [&str; 7] = [
+pub const TORCH_PREFIXES: [&str; 8] = [
     "torchvision:",
     "timm:",
     "hf:",
     "smp:",
     "py:",
     "torchtitan:",
+    "litgpt:",
     LIVE_PREFIX,
 ];
 

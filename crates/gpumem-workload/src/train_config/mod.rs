@@ -28,6 +28,7 @@ mod axolotl;
 mod hf;
 mod launchers;
 mod lightning;
+mod litgpt;
 mod torchtitan;
 mod torchtune;
 
@@ -50,6 +51,8 @@ pub enum TrainerKind {
     TorchtitanPython,
     /// A Lightning CLI YAML (`trainer:`, `model:`, `data:`, `optimizer:`).
     Lightning,
+    /// litgpt's YAML (`litgpt finetune_lora|finetune_full|pretrain --config`).
+    Litgpt,
     Deepspeed,
     Accelerate,
 }
@@ -63,6 +66,7 @@ impl TrainerKind {
         "torchtitan-toml",
         "torchtitan-python",
         "lightning",
+        "litgpt",
         "deepspeed",
         "accelerate",
     ];
@@ -76,6 +80,7 @@ impl TrainerKind {
             TrainerKind::TorchtitanToml => "torchtitan-toml",
             TrainerKind::TorchtitanPython => "torchtitan-python",
             TrainerKind::Lightning => "lightning",
+            TrainerKind::Litgpt => "litgpt",
             TrainerKind::Deepspeed => "deepspeed",
             TrainerKind::Accelerate => "accelerate",
         }
@@ -90,6 +95,7 @@ impl TrainerKind {
             TrainerKind::TorchtitanToml,
             TrainerKind::TorchtitanPython,
             TrainerKind::Lightning,
+            TrainerKind::Litgpt,
             TrainerKind::Deepspeed,
             TrainerKind::Accelerate,
         ]
@@ -960,6 +966,14 @@ pub fn detect(file: &str, root: &Value, toml_file: bool) -> Result<TrainerKind, 
     if root.get("trainer").is_some_and(Value::is_object) {
         return Ok(TrainerKind::Lightning);
     }
+    if root
+        .get("train")
+        .and_then(|t| t.get("micro_batch_size"))
+        .is_some()
+        && (has("checkpoint_dir") || has("model_name"))
+    {
+        return Ok(TrainerKind::Litgpt);
+    }
     if has("parallelism") && has("training") {
         return Ok(TrainerKind::TorchtitanPython);
     }
@@ -1096,6 +1110,7 @@ pub fn read_text(
             torchtitan::read(&mut doc, &mut out)?
         }
         TrainerKind::Lightning => lightning::read(&mut doc, &mut out)?,
+        TrainerKind::Litgpt => litgpt::read(&mut doc, &mut out)?,
         TrainerKind::Deepspeed => launchers::deepspeed(&mut doc, &mut out, text)?,
         TrainerKind::Accelerate => launchers::accelerate(&mut doc, &mut out, text)?,
     };

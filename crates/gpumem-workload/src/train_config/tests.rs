@@ -722,6 +722,115 @@ fn lightning_cli_yaml() {
 }
 
 #[test]
+fn litgpt_qlora_yaml() {
+    let c = read("litgpt-llama-3-8b-qlora.yaml");
+    assert_eq!(c.kind, TrainerKind::Litgpt);
+    // litgpt's own model of the checkpoint's Hub id, its LoRA in litgpt's names.
+    assert_eq!(
+        c.model.as_ref().unwrap().0,
+        "litgpt:meta-llama/Meta-Llama-3-8B"
+    );
+    assert_eq!(c.micro_batch.as_ref().unwrap().0, 2);
+    // bnb.nf4 swaps AdamW for bitsandbytes' paged one; 8 samples / 1 device / micro 2.
+    assert_eq!(
+        (c.precision, c.optimizer, c.grad_accum, c.seq_len),
+        (
+            Some(Precision::Bf16),
+            Some(o("paged_adamw_32bit")),
+            Some(4),
+            Some(512)
+        )
+    );
+    let lora = c.lora.as_ref().unwrap();
+    assert_eq!(
+        (lora.rank(), lora.alpha(), lora.targets(), lora.dropout()),
+        (
+            32,
+            16.0,
+            &["query".to_string(), "value".to_string()][..],
+            0.05
+        )
+    );
+    let quant = lora.quant().unwrap();
+    assert!(quant.nf4 && !quant.double_quant);
+    assert_eq!(quant.loader, gpumem_core::job::QuantLoader::Fabric);
+    assert_eq!(c.layout, Layout::Single);
+    assert!(not_modelled(&c, "eval"));
+    accounted(
+        "litgpt-llama-3-8b-qlora.yaml",
+        &c,
+        &[
+            "checkpoint_dir",
+            "precision",
+            "quantize",
+            "devices",
+            "lora_r",
+            "lora_query",
+            "lora_mlp",
+            "train.micro_batch_size",
+            "train.global_batch_size",
+            "train.max_seq_length",
+            "optimizer.class_path",
+            "eval.interval",
+            "train.save_interval",
+        ],
+    );
+    // Several devices: fine-tuning's FSDP with every Block checkpointed; pretraining's
+    // sharded within a node, replicated across nodes, unchecked.
+    let yaml = |extra: &str| {
+        read_text(
+            "l.yaml",
+            &format!("train:\n  micro_batch_size: 1\n{extra}"),
+            &examples(),
+            None,
+        )
+        .unwrap()
+    };
+    let full = yaml("checkpoint_dir: checkpoints/microsoft/phi-2\ndevices: 4\n");
+    assert_eq!(full.model.as_ref().unwrap().0, "litgpt:microsoft/phi-2");
+    assert_eq!(
+        full.precision,
+        Some(Precision::AmpBf16),
+        "bf16-mixed by default"
+    );
+    assert_eq!(full.checkpointing, Some(Checkpointing::Full));
+    assert!(matches!(
+        full.layout,
+        Layout::Fsdp {
+            replicate: 1,
+            shard: Some(4),
+            ..
+        }
+    ));
+    let pre = yaml("model_name: tiny-llama-1.1b\ndevices: 8\nnum_nodes: 2\n");
+    assert_eq!(
+        pre.model.as_ref().unwrap().0,
+        "litgpt:tiny-llama-1.1b(lm_head_chunk_size=0)"
+    );
+    assert_eq!(pre.checkpointing, None);
+    assert!(matches!(
+        pre.layout,
+        Layout::Fsdp {
+            replicate: 2,
+            shard: Some(8),
+            ..
+        }
+    ));
+    let bad = read_text(
+        "l.yaml",
+        "checkpoint_dir: x\nquantize: bnb.nf4\ntrain:\n  micro_batch_size: 1\n",
+        &examples(),
+        None,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        bad.contains("quantize") && bad.contains("bf16-true"),
+        "{bad}"
+    );
+}
+
+#[test]
 fn deepspeed_and_accelerate_as_trainer_configs() {
     let ds = read("ds_config_zero2.json");
     assert_eq!(ds.kind, TrainerKind::Deepspeed);
