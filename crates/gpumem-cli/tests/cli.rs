@@ -1070,6 +1070,68 @@ fn plan_searches_meshes_of_model_parallelism() {
     );
 }
 
+/// A pipeline fits only where each stage does: its first stage is traced alone first, and where
+/// one micro-batch of it does not fit, the other stages are not traced (the setup is too big,
+/// sized by that stage). 939 million fp32 parameters with AdamW's state on stage 0 of two: 15 GB,
+/// over a T4, well within an H100 — where both stages are traced, twice the traces.
+#[test]
+fn plan_traces_a_pipelines_other_stages_only_where_its_first_fits() {
+    if !common::torch("planning a pipeline") {
+        return;
+    }
+    let traces = |gpu: &str| {
+        let cache = tmp(&format!("pipeline-cache-{gpu}"));
+        let _ = std::fs::remove_dir_all(&cache);
+        let o = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args([
+                "plan",
+                "hf:LlamaForCausalLM(hidden_size=4096,intermediate_size=11008,num_hidden_layers=8,num_attention_heads=32,num_key_value_heads=32,vocab_size=32000)",
+                "--seq-len",
+                "64",
+                "--gpu",
+                gpu,
+                "--strategy",
+                "fsdp",
+                "--world-size",
+                "2",
+                "--pp",
+                "2",
+                "--precisions",
+                "fp32",
+                "--checkpointing",
+                "off",
+                "--global-batch",
+                "2",
+                "--json",
+            ])
+            .env("GPUMEM_CACHE", &cache)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let files = std::fs::read_dir(cache.join("traces"))
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .path()
+                    .extension()
+                    .is_some_and(|x| x == "jsonl")
+            })
+            .count();
+        (v, files)
+    };
+    let (small, first_only) = traces("t4");
+    assert!(small["setups"].as_array().unwrap().is_empty(), "{small}");
+    assert_eq!(small["too_big"].as_array().unwrap().len(), 1, "{small}");
+    let (large, both) = traces("h100-80gb-sxm");
+    assert!(!large["setups"].as_array().unwrap().is_empty(), "{large}");
+    assert!(
+        first_only > 0 && both == 2 * first_only,
+        "{first_only} {both}"
+    );
+}
+
 /// A DDP or ZeRO-1 setup whose copy of the model states alone (DDP: parameters, gradients,
 /// Adam's moments; ZeRO-1: parameters and gradients, and its partition of the fp32 master
 /// weights and moments) exceeds a GPU is listed as not fitting without being traced; FSDP2 is

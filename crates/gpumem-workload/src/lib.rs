@@ -486,12 +486,34 @@ impl Workload {
     /// Every reading of this job (see [`Workload::alternatives`]) as a batch-symbolic trace,
     /// traced side by side.
     pub fn readings(&self, profile: &GpuProfile) -> Result<Readings, WorkloadError> {
+        self.readings_of(self.alternatives(), profile)
+    }
+
+    /// [`Workload::readings`] of pipeline stage `stage` alone (with its reading at the router's
+    /// imbalance, where there is one).
+    pub fn stage_readings(
+        &self,
+        profile: &GpuProfile,
+        stage: u32,
+    ) -> Result<Readings, WorkloadError> {
+        let jobs = self
+            .alternatives()
+            .into_iter()
+            .filter(|w| w.pipeline_rank == stage)
+            .collect();
+        self.readings_of(jobs, profile)
+    }
+
+    fn readings_of(
+        &self,
+        jobs: Vec<Workload>,
+        profile: &GpuProfile,
+    ) -> Result<Readings, WorkloadError> {
         if self.options.step_sizes().is_some() {
             return Err(WorkloadError::OneLength(
                 "a batch-size search (max-batch, plan)",
             ));
         }
-        let jobs = self.alternatives();
         let symbolic = side_by_side(&jobs, |w| w.one_rank_symbolic(profile))
             .into_iter()
             .collect::<Result<Vec<Symbolic>, _>>()?;

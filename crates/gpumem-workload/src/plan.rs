@@ -257,23 +257,48 @@ fn micro_batches(global: Option<u64>, max: u64) -> Vec<u64> {
 /// setup the model cannot take (its options; the tracer's refusal: no blocks to checkpoint or
 /// shard, a precision the families refuse, FSDP2 on an old torch), which the plan skips; the
 /// tracer missing altogether is an error.
+///
+/// A pipeline fits only where each of its stages does, and a stage's memory grows with the
+/// micro-batch: its first stage (under 1F1B the one with the most micro-batches in flight) is
+/// traced alone first, and where even one micro-batch of it does not fit, the other stages are
+/// not traced — the setup is too big, sized by that stage alone.
 fn setup_trace(
     base: &Workload,
     options: Result<crate::Options, crate::OptionError>,
     profile: &GpuProfile,
-) -> Result<Result<(Readings, u64), SkipReason>, WorkloadError> {
-    let traced = options
+    estimator: &dyn Estimator,
+) -> Result<Result<(Readings, u64), SkipReason>, SizeError> {
+    let refused = |e: WorkloadError| {
+        if e.is_input() || matches!(&e, WorkloadError::Tracer(b) if b.is_model_failure()) {
+            Ok(Err(SkipReason::Refused(e)))
+        } else {
+            Err(SizeError::from(e))
+        }
+    };
+    let job = match options
         .map_err(WorkloadError::from)
         .and_then(|o| Workload::new(base.model().clone(), 1, o))
-        .and_then(|w| Ok((w.readings(profile)?, w.options().batch_unit())));
-    match traced {
-        Ok(s) => Ok(Ok(s)),
-        Err(e)
-            if e.is_input() || matches!(&e, WorkloadError::Tracer(b) if b.is_model_failure()) =>
-        {
-            Ok(Err(SkipReason::Refused(e)))
+    {
+        Ok(job) => job,
+        Err(e) => return refused(e),
+    };
+    let unit = job.options().batch_unit();
+    if job
+        .options()
+        .strategy
+        .is_some_and(|s| s.pipeline().is_some())
+    {
+        let first = match job.stage_readings(profile, 0) {
+            Ok(r) => r,
+            Err(e) => return refused(e),
+        };
+        if first.largest_fitting(profile, estimator)?.is_none() {
+            return Ok(Ok((first, unit)));
         }
-        Err(e) => Err(e),
+    }
+    match job.readings(profile) {
+        Ok(r) => Ok(Ok((r, unit))),
+        Err(e) => refused(e),
     }
 }
 
@@ -478,7 +503,8 @@ fn mesh_floor(
 /// and not past one that fits a rank's whole share in one micro-batch: more model parallelism
 /// adds collectives and bubbles to the same arithmetic, and pays only where it lets a rank
 /// take a larger micro-batch, which the next level shows. Within a level a mesh is traced only
-/// where its floor ([`mesh_floor`]) beats the fastest setup found.
+/// where its floor ([`mesh_floor`]) beats the fastest setup found, and a pipeline's other
+/// stages only where its first fits ([`setup_trace`]).
 pub fn plan(
     base: &Workload,
     profile: &GpuProfile,
@@ -519,7 +545,12 @@ pub fn plan(
     };
     let trace_each = |pairs: &[Key]| {
         let sized = side_by_side(pairs, |&(strategy, precision, checkpointing)| -> Sized {
-            let readings = setup_trace(base, options(strategy, precision, checkpointing), profile);
+            let readings = setup_trace(
+                base,
+                options(strategy, precision, checkpointing),
+                profile,
+                estimator,
+            );
             traced(done.fetch_add(1, Relaxed) + 1, of.load(Relaxed));
             match readings? {
                 Ok(r) => size(
