@@ -4,6 +4,9 @@ and QLoRA's StableEmbedding trains outside the optimizer as litgpt 0.5 leaves it
 installed into both of scripts/test.sh's tracer environments (without its dependencies: see
 there); where it is not, these tests are skipped, saying so."""
 
+import re
+
+import pytest
 import torch
 from test_tracer import allocs, live_and_peak, run, traced
 from trainers import requires
@@ -68,19 +71,37 @@ def test_lora_trains_what_litgpt_trains(tmp_path):
     """litgpt's own LoRA (its fused query-key-value layer padded with zeros where a part has no
     LoRA), given litgpt's names or the Hugging Face ones: litgpt's trainable count, and only
     those get gradients and AdamW's state."""
-    lora = ["--lora-rank", "8", "--lora-alpha", "16", "--lora-dropout", "0.05"]
+    from gpumem_trace.lora import Lora
+    from gpumem_trace.models import resolve
+
     trainable = trained_by_litgpt(lora_r=8, lora_alpha=16, lora_query=True, lora_value=True)
-    for targets in ("query,value", "q_proj,v_proj"):
-        header, evs = traced(
-            litgpt_flags("--precision", "bf16", *lora, "--lora-targets", targets), tmp_path
-        )
-        assert header["parameters"] == trainable
-        grads = sum(e["bytes"] for e in allocs(evs, category="gradient"))
-        state = sum(e["bytes"] for e in allocs(evs, category="optimizer_state"))
-        assert (grads, state) == (header["iterations"] * trainable * 2, 2 * trainable * 2)
+    header, evs = traced(
+        litgpt_flags(
+            "--precision",
+            "bf16",
+            "--lora-rank",
+            "8",
+            "--lora-alpha",
+            "16",
+            "--lora-dropout",
+            "0.05",
+            "--lora-targets",
+            "query,value",
+        ),
+        tmp_path,
+    )
+    assert header["parameters"] == trainable
+    grads = sum(e["bytes"] for e in allocs(evs, category="gradient"))
+    state = sum(e["bytes"] for e in allocs(evs, category="optimizer_state"))
+    assert (grads, state) == (header["iterations"] * trainable * 2, 2 * trainable * 2)
     # The zero padding of the fused layer's key part: a (BATCH, SEQ, query+key+value) tensor.
     qkv = (4 + 2 + 2) * 32
     assert allocs(evs, op="new_zeros", bytes=BATCH * SEQ * qkv * 2)
+    # The Hugging Face names of the same layers build the same model.
+    model = resolve(f"litgpt:{SMALL}", seq_len=SEQ).own_lora(
+        Lora(rank=8, alpha=16, targets=("q_proj", "v_proj")), lambda m: None
+    )
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == trainable
     assert trained_by_litgpt(lora_r=8, lora_mlp=True) != trainable
 
 
@@ -116,26 +137,19 @@ def test_qlora_embedding_trains_outside_the_optimizer(tmp_path):
 
 
 def test_litgpt_refusals(tmp_path):
-    for ref, says in (
-        ("litgpt:Llama-3.2-1X", "unknown litgpt model `Llama-3.2-1X`; did you mean"),
-        ("litgpt:pythia-14m(no_such_key=1)", "litgpt's Config"),
+    from gpumem_trace.lora import Lora
+    from gpumem_trace.models import ReferenceError_, resolve
+
+    for ref, seq, says in (
+        ("litgpt:Llama-3.2-1X", 64, "unknown litgpt model `Llama-3.2-1X`; did you mean"),
+        ("litgpt:pythia-14m(no_such_key=1)", 64, "litgpt's Config"),
+        ("litgpt:pythia-14m", 4096, "longer than litgpt's block_size 512"),
     ):
-        p, _ = run([ref, "--batch", "1", "--seq-len", "64"], tmp_path)
-        assert p.returncode == 2 and says in p.stderr, p.stderr
-    p, _ = run(["litgpt:pythia-14m", "--batch", "1", "--seq-len", "4096"], tmp_path)
-    assert p.returncode == 2 and "longer than litgpt's block_size 512" in p.stderr, p.stderr
-    p, _ = run(
-        [
-            "litgpt:pythia-14m",
-            "--batch",
-            "1",
-            "--seq-len",
-            "64",
-            "--lora-rank",
-            "8",
-            "--lora-targets",
-            "dense",
-        ],
-        tmp_path,
-    )
-    assert p.returncode == 2 and "LoRA target `dense` is none of litgpt's" in p.stderr, p.stderr
+        with pytest.raises(ReferenceError_, match=re.escape(says)):
+            resolve(ref, seq_len=seq)
+    job = resolve("litgpt:pythia-14m", seq_len=64)
+    with pytest.raises(ReferenceError_, match="LoRA target `dense` is none of litgpt's"):
+        job.own_lora(Lora(rank=8, alpha=8, targets=("dense",)), lambda m: None)
+    # A refusal leaves the tracer with exit code 2, its message on stderr.
+    p, _ = run(["litgpt:Llama-3.2-1X", "--batch", "1", "--seq-len", "64"], tmp_path)
+    assert p.returncode == 2 and "unknown litgpt model" in p.stderr, p.stderr
