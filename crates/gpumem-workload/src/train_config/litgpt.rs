@@ -143,25 +143,25 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     let rank = doc.count32("lora_r")?;
     let alpha = doc.number("lora_alpha")?;
     let dropout = doc.number("lora_dropout")?;
-    let mut targets = Vec::new();
+    // A config with any LoRA key is finetune_lora's, whose defaults fill the rest: r 8, alpha
+    // 16, dropout 0.05, LoRA on the query and the value.
+    let (mut targets, mut switches) = (Vec::new(), false);
     for part in LORA_PARTS {
-        if doc.flag(&format!("lora_{part}"))? == Some(true) {
+        let on = doc.flag(&format!("lora_{part}"))?;
+        switches |= on.is_some();
+        if on.unwrap_or(matches!(part, "query" | "value")) {
             targets.push(part.to_string());
         }
     }
-    match rank {
-        // finetune_lora's defaults: r 8, alpha 16, dropout 0.05, query and value.
-        Some(r) if r > 0 => {
+    let lora = rank.is_some() || alpha.is_some() || dropout.is_some() || switches;
+    match rank.unwrap_or(8) {
+        r if lora && r > 0 => {
             out.lora = Some(super::lora(
                 doc,
                 "lora_r",
                 r,
                 alpha.unwrap_or(16.0),
-                if targets.is_empty() {
-                    vec!["query".into(), "value".into()]
-                } else {
-                    targets
-                },
+                targets,
                 dropout.unwrap_or(0.05),
                 quant,
             )?);

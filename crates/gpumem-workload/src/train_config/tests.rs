@@ -802,6 +802,19 @@ fn litgpt_qlora_yaml() {
             ..
         }
     ));
+    // finetune_lora's defaults fill what a config leaves out: alpha 16, dropout 0.05, LoRA on
+    // the query and the value unless a switch says otherwise.
+    let defaults = yaml("checkpoint_dir: checkpoints/microsoft/phi-2\nlora_r: 4\nlora_mlp: true\n");
+    let l = defaults.lora.as_ref().unwrap();
+    assert_eq!(
+        (l.rank(), l.alpha(), l.dropout(), l.targets()),
+        (
+            4,
+            16.0,
+            0.05,
+            &["query".to_string(), "value".into(), "mlp".into()][..]
+        )
+    );
     let pre = yaml("model_name: tiny-llama-1.1b\ndevices: 8\nnum_nodes: 2\n");
     assert_eq!(
         pre.model.as_ref().unwrap().0,
