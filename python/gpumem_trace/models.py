@@ -178,6 +178,19 @@ def _require(module, hint):
         ) from e
 
 
+def _trainer_modules(ref, release, *modules):
+    """A trainer's own modules, for its models (``release``: the one gpumem runs, ``NAME==X``);
+    a one-line refusal saying how to install it where they do not import."""
+    trainer = release.split("==")[0]
+    try:
+        return [importlib.import_module(m) for m in modules]
+    except ImportError as e:
+        raise ReferenceError_(
+            f"{ref}: {trainer} models need {trainer} installed in this Python ({e}); "
+            f"install it: pip install {release}"
+        ) from e
+
+
 def _unknown(kind, name, known):
     close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -573,14 +586,12 @@ def torchtitan_job(spec, ref, seq_len, gpu_capability):
     count of valid tokens, ``del pred``, backward. Needs torchtitan installed.
     ``gpu_capability``: the GPU the job runs on, which ``update_from_config`` asks (its MoE
     experts' grouped GEMMs need SM90; below, a loop over the experts)."""
-    try:
-        train_spec = importlib.import_module("torchtitan.protocols.train_spec")
-        job_config_mod = importlib.import_module("torchtitan.config.job_config")
-    except ImportError as e:
-        raise ReferenceError_(
-            f"{ref}: torchtitan models need torchtitan installed in this Python ({e}); "
-            "install it: pip install torchtitan==0.2.2"
-        ) from e
+    train_spec, job_config_mod = _trainer_modules(
+        ref,
+        "torchtitan==0.2.2",
+        "torchtitan.protocols.train_spec",
+        "torchtitan.config.job_config",
+    )
     import copy
     import dataclasses
 
@@ -680,15 +691,9 @@ def litgpt_job(spec, ref, seq_len):
     key of the reference, not of litgpt's Config) is ``litgpt pretrain``'s step: the whole
     logits, cross-entropy over chunks of 128 rows. With LoRA, litgpt's own LoRA model
     (``litgpt.lora.GPT``, see ``own_lora``). Needs litgpt installed."""
-    try:
-        config_mod = importlib.import_module("litgpt.config")
-        model_mod = importlib.import_module("litgpt.model")
-        utils = importlib.import_module("litgpt.utils")
-    except ImportError as e:
-        raise ReferenceError_(
-            f"{ref}: litgpt models need litgpt installed in this Python ({e}); "
-            "install it: pip install litgpt==0.5.13"
-        ) from e
+    config_mod, model_mod, utils = _trainer_modules(
+        ref, "litgpt==0.5.13", "litgpt.config", "litgpt.model", "litgpt.utils"
+    )
     name, kw = _split_call(spec, ref)
     chunk = int(kw.pop("lm_head_chunk_size", 128))
 

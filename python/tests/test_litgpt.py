@@ -25,6 +25,8 @@ KEYS = dict(
     head_size=32,
 )
 BATCH, SEQ, VOCAB, EMBD = 2, 256, 1024, 128
+# litgpt's LoRA on the query and the value, rank 8, alpha 16, in bf16.
+LORA = ["--precision", "bf16", "--lora-rank", "8", "--lora-alpha", "16"]
 
 
 def litgpt_flags(*extra):
@@ -76,19 +78,7 @@ def test_lora_trains_what_litgpt_trains(tmp_path):
 
     trainable = trained_by_litgpt(lora_r=8, lora_alpha=16, lora_query=True, lora_value=True)
     header, evs = traced(
-        litgpt_flags(
-            "--precision",
-            "bf16",
-            "--lora-rank",
-            "8",
-            "--lora-alpha",
-            "16",
-            "--lora-dropout",
-            "0.05",
-            "--lora-targets",
-            "query,value",
-        ),
-        tmp_path,
+        litgpt_flags(*LORA, "--lora-dropout", "0.05", "--lora-targets", "query,value"), tmp_path
     )
     assert header["parameters"] == trainable
     grads = sum(e["bytes"] for e in allocs(evs, category="gradient"))
@@ -111,17 +101,7 @@ def test_qlora_embedding_trains_outside_the_optimizer(tmp_path):
     gradient made by the first backward and never freed; the optimizer's state is the LoRA
     factors' alone."""
     flags = litgpt_flags(
-        "--precision",
-        "bf16",
-        "--lora-rank",
-        "8",
-        "--lora-alpha",
-        "16",
-        "--lora-targets",
-        "query,value",
-        "--lora-quant",
-        "nf4",
-        "--lora-single-quant",
+        *LORA, "--lora-targets", "query,value", "--lora-quant", "nf4", "--lora-single-quant"
     )
     header, evs = traced(flags, tmp_path)
     trainable = trained_by_litgpt(lora_r=8, lora_alpha=16, lora_query=True, lora_value=True)
