@@ -489,17 +489,17 @@ impl Workload {
         self.readings_of(self.alternatives(), profile)
     }
 
-    /// [`Workload::readings`] of pipeline stage `stage` alone (with its reading at the router's
-    /// imbalance, where there is one).
+    /// [`Workload::readings`] of the pipeline stages `stages` picks (each with its reading at
+    /// the router's imbalance, where there is one).
     pub fn stage_readings(
         &self,
         profile: &GpuProfile,
-        stage: u32,
+        stages: impl Fn(u32) -> bool,
     ) -> Result<Readings, WorkloadError> {
         let jobs = self
             .alternatives()
             .into_iter()
-            .filter(|w| w.pipeline_rank == stage)
+            .filter(|w| stages(w.pipeline_rank))
             .collect();
         self.readings_of(jobs, profile)
     }
@@ -635,6 +635,13 @@ pub struct Readings {
 }
 
 impl Readings {
+    /// These readings and then `more`'s (a job's stages read in two goes, in stage order).
+    pub fn join(mut self, more: Readings) -> Readings {
+        self.jobs.extend(more.jobs);
+        self.symbolic.extend(more.symbolic);
+        self
+    }
+
     /// The trainable parameters the tracer counted (the whole model's, on any reading).
     pub fn trainable_parameters(&self) -> Option<u64> {
         self.symbolic

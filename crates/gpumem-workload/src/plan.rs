@@ -288,13 +288,17 @@ fn setup_trace(
         .strategy
         .is_some_and(|s| s.pipeline().is_some())
     {
-        let first = match job.stage_readings(profile, 0) {
+        let first = match job.stage_readings(profile, |stage| stage == 0) {
             Ok(r) => r,
             Err(e) => return refused(e),
         };
         if first.largest_fitting(profile, estimator)?.is_none() {
             return Ok(Ok((first, unit)));
         }
+        return match job.stage_readings(profile, |stage| stage != 0) {
+            Ok(rest) => Ok(Ok((first.join(rest), unit))),
+            Err(e) => refused(e),
+        };
     }
     match job.readings(profile) {
         Ok(r) => Ok(Ok((r, unit))),
