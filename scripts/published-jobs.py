@@ -66,6 +66,12 @@ RULES (stated once; every row follows them)
     `--attention eager`, the only implementation transformers had then.
  R14 training loop. litgpt's scripts keep the model's output (`logits = model(input_ids)`)
     until the next forward returns: what a `litgpt:` model's step does.
+ R15 accumulation (added 2026-12-07, with FSDP's `no_sync`). Stated ("grad accum N",
+    "gradient_accumulation_steps N", "GA N") -> `--grad-accum N`; litgpt: its
+    `gradient_accumulation_iters`, global_bs // (GPUs x micro-batch) where that is at least 1
+    (else the config read at HEAD is not the run's: 1). Under FSDP each trainer's own way:
+    torchtitan and torchtune reduce every micro-batch -> `--sync-each-batch`; Hugging Face's
+    Trainer/accelerate and litgpt (Fabric) accumulate under `no_sync` -> gpumem's default.
 """
 import csv
 import os
@@ -322,11 +328,15 @@ def litgpt(n, r):
     quant = ",quant=nf4,double_quant=false,loader=fabric" + pinned if qlora else ""
     lora = litgpt_lora_targets(o) + quant if "lora" in s else None
     gpu = "a10"  # A10G 24GB (config_hub README's GPU)
+    # R15: litgpt's gradient_accumulation_iters.
+    stated = re.search(r"global_bs (\d+), mbs (\d+)", o)
+    accum = int(stated.group(1)) // (int(r["n_gpus"]) * int(stated.group(2))) if stated else 0
+    accum = accum if accum > 1 else None
     if "FSDP" in s:
         return run(m, gpu, r["micro_batch"], meas, seq=512, ckpt="full", strategy="fsdp", world=r["n_gpus"],
-                   tags=tags + ["fsdp1"])
+                   tags=tags + ["fsdp1"], grad_accum=accum)
     return run(m, gpu, r["micro_batch"], meas, seq=512, lora=lora, ckpt="off",
-               optimizer="paged_adamw_32bit" if qlora else "adamw", tags=tags)
+               optimizer="paged_adamw_32bit" if qlora else "adamw", tags=tags, grad_accum=accum)
 
 
 def swift(n, r):
@@ -391,7 +401,7 @@ def mapping(n, r):
                    ("huggingface/peft", peft), ("huggingface/transformers", hf_docs), ("unslothai", unsloth),
                    ("litgpt", litgpt), ("ms-swift", swift), ("huggingface/blog", blog), ("axolotl", axolotl)):
         if key in src:
-            return attention(f(n, r), r)
+            return accumulation(attention(f(n, r), r), r, key)
     return no("vague", "unknown source")
 
 
@@ -413,6 +423,24 @@ def attention(job, r):
     return job
 
 
+ACCUM = re.compile(r"(?:grad(?:ient)?[ _]acc(?:um(?:ulation)?)?(?:[ _]steps)?|\bGA)\s*[:=]?\s*(\d+)", re.I)
+
+
+def accumulation(job, r, source):
+    """Rule R15: the row's gradient accumulation, and how its trainer accumulates under FSDP."""
+    if job["status"] != "run":
+        return job
+    if "grad_accum" not in job:
+        m = ACCUM.search(" ".join(r[k] for k in ("strategy", "other_settings", "notes")))
+        if m and int(m.group(1)) > 1:
+            job["grad_accum"] = int(m.group(1))
+    if job.get("grad_accum", 1) > 1 and job.get("strategy") == "fsdp" and source in (
+        "pytorch/torchtitan", "pytorch/torchtune", "pytorch/ao"
+    ):
+        job.setdefault("extra", []).append("--sync-each-batch")
+    return job
+
+
 def toml_value(v):
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -426,7 +454,7 @@ def toml_value(v):
 def main():
     rows = list(csv.DictReader(open(CSV, newline="")))
     out = ["# gpumem jobs of the published dev rows: written by scripts/published-jobs.py (its docstring",
-           "# states the mapping rules R1-R14). `line` is the row's line in published_runs_dev.csv;",
+           "# states the mapping rules R1-R15). `line` is the row's line in published_runs_dev.csv;",
            "# `status = \"no\"` rows carry the missing mechanism as `reason`.", ""]
     for i, r in enumerate(rows):
         n = i + 2

@@ -195,6 +195,11 @@ def flags():
     p.add_argument("--microbatches", type=int, default=1)
     p.add_argument("--virtual-stages", type=int, default=1)
     p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument(
+        "--sync-each-batch",
+        action="store_true",
+        help="FSDP under --grad-accum: reduce each micro-batch's gradients (else no_sync until the last)",
+    )
     p.add_argument("--zero", default="{}", help="ZeRO: a JSON object of zero_optimization settings")
     p.add_argument("--lora-rank", type=int)
     p.add_argument("--lora-alpha", type=float, default=8.0)

@@ -729,6 +729,27 @@ def _meshes_on_the_trace_device(model):
             setattr(m, attr(m), saved[k])
 
 
+def unreduced_gradients(module):
+    """An FSDP module's gradients still unsharded, accumulated over micro-batches (a pipeline
+    chunk's, or a model's under ``no_sync``): FSDP's fp32 accumulators, or its gathered
+    parameters' own."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not isinstance(module, FSDPModule):
+        return []
+    out = []
+    for state in fully_shard.state(module)._state_ctx.all_states:
+        group = state._fsdp_param_group
+        for param in group.fsdp_params if group is not None else ():
+            grad = getattr(param, "unsharded_accumulated_grad", None)
+            if grad is None:
+                unsharded = getattr(param, "_unsharded_param", None)
+                grad = getattr(unsharded, "grad", None)
+            if grad is not None:
+                out.append(grad)
+    return out
+
+
 def fsdp_state_dicts(model, optimizer, how):
     """A checkpoint of an FSDP2 job, as torch.distributed.checkpoint's state-dict functions make
     it (run here): ``get_model_state_dict`` and ``get_optimizer_state_dict`` with

@@ -105,6 +105,9 @@ class TraceOptions:
     cpu_offload: bool = (
         False  # FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the host
     )
+    # FSDP under accumulation: each micro-batch's gradients reduce-scattered as made (else
+    # they accumulate unsharded until the last, FSDP's no_sync: accelerate's, Fabric's way).
+    sync_each_batch: bool = False
     zero: object = None  # a zero.ZeroConfig for the zero strategies
     depth: int = None  # trace the model cut to this many of its repeated blocks (see cut_blocks)
     # With depth: cut even a job whose buffers span blocks (SPANS_BLOCKS), whose cut traces
@@ -659,6 +662,11 @@ def trace_training(opts: TraceOptions, out_path: str):
                 if micro == 0:
                     rec.phase = "zero_grad"
                     optimizer.zero_grad(set_to_none=True)
+                if sharded and not schedule and opts.grad_accum > 1 and not opts.sync_each_batch:
+                    # FSDP's no_sync: the gradients stay unsharded (and accumulate there)
+                    # until the last micro-batch's backward reduce-scatters them.
+                    for root, _ in roots:
+                        root.set_requires_gradient_sync(micro == opts.grad_accum - 1)
                 if schedule:
                     # The rank's micro-batches, forward and backward in its schedule's order.
                     with autocast if autocast is not None else contextlib.nullcontext():
@@ -703,6 +711,9 @@ def trace_training(opts: TraceOptions, out_path: str):
                 for p in model.parameters():
                     if p.grad is not None:
                         rec.relabel(p.grad, "gradient")
+                for root, _ in roots if sharded and not opts.sync_each_batch else ():
+                    for grad in distributed.unreduced_gradients(root):
+                        rec.relabel(grad, "gradient")
             rec.phase = "optimizer"
             # Offloaded, the optimizer steps the host's shards with the host's gradients.
             with rec.on_host() if opts.cpu_offload else contextlib.nullcontext():

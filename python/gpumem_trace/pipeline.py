@@ -25,6 +25,7 @@ import types
 
 import torch
 
+from . import distributed
 from .models import ReferenceError_
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -289,7 +290,7 @@ class Schedule:
             self.rec.phase = "backward"
             final = i == last[c]
             if final:  # what earlier micro-batches accumulated (releases before 2.10 reduce in it)
-                for grad in _unreduced_gradients(chunk):
+                for grad in distributed.unreduced_gradients(chunk):
                     self.rec.relabel(grad, "gradient")
             if kind == "W":
                 later = weights_later.pop((c, m))
@@ -335,30 +336,10 @@ class Schedule:
         schedules put it (``_add_reduce_grad``; releases before 2.10 reduce inside that
         backward): an interleaved rank's later chunk frees its unsharded gradients before its
         earlier chunk's backwards are done."""
-        for grad in _unreduced_gradients(stage.submod):
+        for grad in distributed.unreduced_gradients(stage.submod):
             self.rec.relabel(grad, "gradient")
         if hasattr(stage, "perform_reduce_grad"):  # PyTorch 2.10 on: a step of its own
             stage.perform_reduce_grad(1)
-
-
-def _unreduced_gradients(chunk):
-    """An FSDP chunk's gradients still unsharded, accumulated over micro-batches: FSDP's fp32
-    accumulators, or its gathered parameters' own."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    if not isinstance(chunk, FSDPModule):
-        return []
-    out = []
-    for state in fully_shard.state(chunk)._state_ctx.all_states:
-        group = state._fsdp_param_group
-        for param in group.fsdp_params if group is not None else ():
-            grad = getattr(param, "unsharded_accumulated_grad", None)
-            if grad is None:
-                unsharded = getattr(param, "_unsharded_param", None)
-                grad = getattr(unsharded, "grad", None)
-            if grad is not None:
-                out.append(grad)
-    return out
 
 
 def _backward(stage, how, last, **kwargs):

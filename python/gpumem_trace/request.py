@@ -202,6 +202,7 @@ def strategy_options(strategy):
             reshard_after_forward=strategy.get("reshard_after_forward", True),
             fsdp_param_dtype=strategy.get("param_dtype"),
             cpu_offload=strategy.get("cpu_offload", False),
+            sync_each_batch=strategy.get("sync_each_batch", False),
         )
     from .zero import ZeroConfig
 
@@ -272,6 +273,10 @@ def from_flags(a):
         raise ValueError(
             f"--ep {a.ep} does not divide the {a.world_size // (a.replicas * a.pp)} FSDP and tensor-parallel ranks it borrows"
         )
+    if a.sync_each_batch and a.strategy != "fsdp":
+        raise ValueError(
+            "--sync-each-batch is FSDP's (--strategy fsdp): how it reduces gradients under --grad-accum"
+        )
     if a.pp > 1 and (a.schedule not in pipeline.SCHEDULES or not 0 <= a.pp_rank < a.pp):
         raise ValueError(
             f"--pp {a.pp}: --schedule one of {', '.join(pipeline.SCHEDULES)}, --pp-rank below {a.pp}"
@@ -315,6 +320,8 @@ def from_flags(a):
                 "param_dtype": a.fsdp_param_dtype,
                 "cpu_offload": a.cpu_offload,
             }
+            if a.sync_each_batch:
+                strategy["sync_each_batch"] = True
             if a.no_sequence_parallel:
                 strategy["sequence_parallel"] = False
             if a.pp > 1:

@@ -1127,6 +1127,50 @@ def test_pipeline_stage_holds_its_layers_and_its_schedules_micro_batches(tmp_pat
         assert p.returncode == 2 and needle in p.stderr, p.stderr
 
 
+def test_fsdp_accumulation_under_no_sync_holds_the_whole_gradient(tmp_path):
+    """FSDP2 under gradient accumulation, PyTorch's own code: with the trainers' ``no_sync``
+    (accelerate's, Hugging Face's Trainer's, Fabric's: ``set_requires_gradient_sync(False)``
+    until the last micro-batch) a rank holds the whole model's gradients unsharded — in fp32,
+    FSDP's accumulators, under a bf16 policy too — reduce-scattered only by the last backward;
+    reducing each micro-batch's (``--sync-each-batch``: torchtitan's, torchtune's) it never
+    holds more than a quarter of them and a layer's."""
+    import torch
+
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6):
+        return  # FSDP2 (test_fsdp_rank_holds_its_shards checks the refusal)
+    ref = "hf:GPT2LMHeadModel(n_embd=64,n_layer=2,n_head=2,vocab_size=8000)"
+    fsdp = [ref, "--batch", "2", "--seq-len", "32", "--strategy", "fsdp", "--world-size", "4"]
+
+    def gradients_and_peak(*extra):
+        header, evs = traced([*fsdp, *extra], tmp_path)
+        sizes, held, peak = {}, 0, 0
+        category = {}  # as the trace ends (a relabel rewrites the allocation's)
+        for e in evs:
+            if e["ev"] == "alloc":
+                sizes[e["id"]] = e["bytes"]
+                category[e["id"]] = e["category"]
+            elif e["ev"] == "free":
+                sizes.pop(e["id"])
+            held = max(held, sum(b for i, b in sizes.items() if category[i] == "gradient"))
+            peak = max(peak, sum(sizes.values()))
+        return header["parameters"], held, peak
+
+    whole = None
+    for policy in ((), ("--fsdp-param-dtype", "bf16")):
+        params, held, peak = gradients_and_peak("--grad-accum", "2", *policy)
+        whole = 4 * params
+        assert held >= whole, (policy, held, whole)
+        assert gradients_and_peak("--grad-accum", "3", *policy)[1:] == (held, peak)
+        _, synced, synced_peak = gradients_and_peak(
+            "--grad-accum", "2", "--sync-each-batch", *policy
+        )
+        assert synced < whole // 2 and synced_peak < peak, (policy, synced, synced_peak, peak)
+    # One micro-batch: nothing to defer, the same trace either way.
+    assert gradients_and_peak() == gradients_and_peak("--sync-each-batch")
+    p, _ = run([ref, "--strategy", "ddp", "--world-size", "2", "--sync-each-batch"], tmp_path)
+    assert p.returncode == 2 and "--sync-each-batch is FSDP's" in p.stderr, p.stderr
+
+
 def test_fsdp_rank_holds_its_shards(tmp_path):
     """One rank of FSDP2 (fully_shard per block, then the model), PyTorch's own code on a fake
     process group: at the end of a step it holds a single GPU's bytes less (N-1)/N of the

@@ -419,6 +419,12 @@ pub struct StrategyArgs {
     /// layer's shards copied to the GPU for its all-gather.
     #[arg(long)]
     fsdp_cpu_offload: bool,
+    /// Under --grad-accum, FSDP reduce-scatters each micro-batch's gradients as backward makes
+    /// them (torchtitan, torchtune, Lightning's Trainer, accelerate's sync_each_batch=True).
+    /// Without it they accumulate unsharded until the last micro-batch (FSDP's no_sync, as
+    /// accelerate, Hugging Face's Trainer and Fabric accumulate): one whole gradient more.
+    #[arg(long)]
+    sync_each_batch: bool,
     /// A DeepSpeed config (JSON) for a ZeRO job: its zero_optimization settings, and what it
     /// states of the loop (bf16/fp16, optimizer type, train_micro_batch_size_per_gpu,
     /// gradient_accumulation_steps; "auto" leaves the flag's value) replace the flags. Ranks:
@@ -516,6 +522,7 @@ impl StrategyArgs {
                     (self.fsdp_param_dtype.is_some(), "--fsdp-param-dtype"),
                     (self.fsdp_cpu_offload, "--fsdp-cpu-offload"),
                     (self.no_reshard_after_forward, "--no-reshard-after-forward"),
+                    (self.sync_each_batch, "--sync-each-batch"),
                 ];
                 return match fsdp.into_iter().find(|(given, _)| *given) {
                     Some((_, flag)) => Err(CliError::input(format!(
@@ -536,10 +543,15 @@ impl StrategyArgs {
                 "--tp, --pp and --cp compose with --strategy fsdp or hsdp, not {name}"
             )));
         }
-        if self.fsdp_cpu_offload && !fsdp {
-            return Err(CliError::input(
-                "--fsdp-cpu-offload is for --strategy fsdp or hsdp",
-            ));
+        for (given, flag) in [
+            (self.fsdp_cpu_offload, "--fsdp-cpu-offload"),
+            (self.sync_each_batch, "--sync-each-batch"),
+        ] {
+            if given && !fsdp {
+                return Err(CliError::input(format!(
+                    "{flag} is for --strategy fsdp or hsdp"
+                )));
+            }
         }
         let values = match named.kind {
             EngineKind::Fsdp => StrategyValues {
@@ -558,6 +570,7 @@ impl StrategyArgs {
                     (_, None) => None,
                 },
                 cpu_offload: self.fsdp_cpu_offload.then_some(true),
+                sync_each_batch: self.sync_each_batch.then_some(true),
                 ..named
             },
             EngineKind::Ddp => StrategyValues {

@@ -66,7 +66,7 @@ impl Interconnect {
     /// all-reduces the gradients each micro-batch (2·(N−1)/N of their bytes); ZeRO-1/2
     /// reduce-scatter them ((N−1)/N) and all-gather the updated 16-bit weights once per step;
     /// FSDP and ZeRO-3 gather the weights for forward and again for backward (once when FSDP
-    /// keeps them) and reduce-scatter the gradients.
+    /// keeps them) and reduce-scatter the gradients (once per step under FSDP's `no_sync`).
     pub fn comm_s(
         self,
         strategy: Option<Strategy>,
@@ -99,6 +99,7 @@ impl Interconnect {
             Engine::Fsdp {
                 reshard_after_forward,
                 param_dtype,
+                sync_each_batch,
                 ..
             } => {
                 let mesh = strategy.mesh();
@@ -115,7 +116,13 @@ impl Interconnect {
                 let r = degree(MeshDim::Replicate);
                 let within = (group - 1.0) / group;
                 let across = 2.0 * (r - 1.0) / r * reduced / group;
-                part * (within * (gathers * gathered + reduced) + across)
+                // Under `no_sync` the gradients are reduced once per step, not per micro-batch.
+                let per_step = if sync_each_batch {
+                    1.0
+                } else {
+                    grad_accum.max(1) as f64
+                };
+                part * (within * (gathers * gathered + reduced / per_step) + across / per_step)
             }
         };
         moved / (self.bus_gbs.max(1e-3) * 1e9)
@@ -1254,11 +1261,9 @@ impl PlanRequest {
         let pp = degrees(&self.pp, powers(8));
         let cp = degrees(&self.cp, if long { powers(8) } else { vec![1] });
         let ep = degrees(&self.ep, vec![1]);
-        let fsdp = Strategy::try_from(
-            gpumem_core::job::StrategyValues::named("fsdp", gpus).expect("fsdp is a strategy"),
-        )
-        .map_err(|e| PlanInputError::new("gpus", format!(": {e}")))?
-        .engine();
+        let fsdp = Strategy::try_from(planned("fsdp", gpus).expect("fsdp is a strategy"))
+            .map_err(|e| PlanInputError::new("gpus", format!(": {e}")))?
+            .engine();
         if let Some(t) = tp.iter().find(|&&t| t > per_node) {
             return Err(PlanInputError::new(
                 "tp",
@@ -1326,17 +1331,26 @@ fn named_strategies(names: &[String], world: u32) -> Result<Vec<Option<Strategy>
     let refused = |rest: String| PlanInputError::new("strategies", rest);
     names
         .into_iter()
-        .map(
-            |n| match gpumem_core::job::StrategyValues::named(n, world) {
-                Some(named) if all.contains(&n) => Strategy::try_from(named)
-                    .map(Some)
-                    .map_err(|e| refused(format!(": {e}"))),
-                _ => Err(refused(format!(
-                    ": `{n}` is not ddp, fsdp, zero1, zero2 or zero3"
-                ))),
-            },
-        )
+        .map(|n| match planned(n, world) {
+            Some(named) if all.contains(&n) => Strategy::try_from(named)
+                .map(Some)
+                .map_err(|e| refused(format!(": {e}"))),
+            _ => Err(refused(format!(
+                ": `{n}` is not ddp, fsdp, zero1, zero2 or zero3"
+            ))),
+        })
         .collect()
+}
+
+/// The strategy `name` as the plan sets it up over `world` ranks: the engine's defaults, but
+/// FSDP reduces each micro-batch's gradients (`sync_each_batch`), since a setup is sized by one
+/// micro-batch's trace and its accumulation then costs no memory.
+fn planned(name: &str, world: u32) -> Option<gpumem_core::job::StrategyValues> {
+    let named = gpumem_core::job::StrategyValues::named(name, world)?;
+    Some(gpumem_core::job::StrategyValues {
+        sync_each_batch: (named.kind == gpumem_core::job::EngineKind::Fsdp).then_some(true),
+        ..named
+    })
 }
 
 /// A strategy's mesh as `gpumem plan --json` lists it: its dimensions above degree 1.

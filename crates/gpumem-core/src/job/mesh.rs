@@ -462,11 +462,17 @@ pub enum Engine {
     /// `param_dtype`: `MixedPrecisionPolicy`'s (layers gathered and computed in it, gradients
     /// reduced into fp32 shards); a `replicate` dimension makes it HSDP (replicated across
     /// the groups); `cpu_offload`: `CPUOffloadPolicy` (shards, gradients and the optimizer
-    /// step on the host; each layer's shards copied to the GPU for its all-gather).
+    /// step on the host; each layer's shards copied to the GPU for its all-gather);
+    /// `sync_each_batch`: under gradient accumulation each micro-batch's gradients are
+    /// reduce-scattered as backward makes them (torchtitan, torchtune, Lightning's Trainer,
+    /// accelerate's `sync_each_batch=True`), else they accumulate unsharded until the last
+    /// micro-batch (FSDP's `no_sync`/`set_requires_gradient_sync(False)`, as accelerate, Hugging
+    /// Face's Trainer and Fabric run accumulation): a whole unsharded copy of the gradients.
     Fsdp {
         reshard_after_forward: bool,
         param_dtype: Option<HalfDtype>,
         cpu_offload: bool,
+        sync_each_batch: bool,
     },
     /// DeepSpeed ZeRO over the mesh's `shard` ranks, modelled from its config (DeepSpeed need
     /// not be installed).
@@ -560,10 +566,15 @@ impl Strategy {
             Engine::Fsdp {
                 param_dtype,
                 cpu_offload,
+                sync_each_batch,
                 ..
-            } if replicate * shard * context == 1 && (param_dtype.is_some() || cpu_offload) => {
+            } if replicate * shard * context == 1
+                && (param_dtype.is_some() || cpu_offload || sync_each_batch) =>
+            {
                 return Err(OptionError::NoShards(if cpu_offload {
                     "cpu_offload"
+                } else if sync_each_batch {
+                    "sync_each_batch"
                 } else {
                     "param_dtype"
                 }));
@@ -722,6 +733,7 @@ impl Strategy {
             reshard_after_forward,
             param_dtype,
             cpu_offload,
+            sync_each_batch: false,
         };
         Strategy::new(Mesh::of_ranks(engine.kind(), world_size, replicas)?, engine)
     }
@@ -829,6 +841,10 @@ pub struct StrategyValues {
     /// FSDP: `CPUOffloadPolicy`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_offload: Option<bool>,
+    /// FSDP: each micro-batch's gradients reduce-scattered as they are made (default false:
+    /// accumulated unsharded until the last micro-batch, FSDP's `no_sync`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync_each_batch: Option<bool>,
     /// ZeRO: the stage, 1 to 3.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stage: Option<u8>,
@@ -867,6 +883,7 @@ impl StrategyValues {
             reshard_after_forward: None,
             param_dtype: None,
             cpu_offload: None,
+            sync_each_batch: None,
             stage: None,
             zero: None,
             schedule: None,
@@ -925,6 +942,11 @@ impl TryFrom<StrategyValues> for Strategy {
         )?;
         foreign("param_dtype", v.param_dtype.is_some(), EngineKind::Fsdp)?;
         foreign("cpu_offload", v.cpu_offload.is_some(), EngineKind::Fsdp)?;
+        foreign(
+            "sync_each_batch",
+            v.sync_each_batch.is_some(),
+            EngineKind::Fsdp,
+        )?;
         foreign("replicas", v.replicas.is_some(), EngineKind::Fsdp)?;
         foreign("stage", v.stage.is_some(), EngineKind::Zero)?;
         foreign("zero", v.zero.is_some(), EngineKind::Zero)?;
@@ -937,6 +959,7 @@ impl TryFrom<StrategyValues> for Strategy {
                 reshard_after_forward: v.reshard_after_forward.unwrap_or(true),
                 param_dtype: v.param_dtype,
                 cpu_offload: v.cpu_offload.unwrap_or(false),
+                sync_each_batch: v.sync_each_batch.unwrap_or(false),
             },
             EngineKind::Zero => Engine::Zero {
                 stage: ZeroStage::new(v.stage.ok_or(OptionError::NoStage)?)?,
@@ -1002,10 +1025,12 @@ impl From<Strategy> for StrategyValues {
                 reshard_after_forward,
                 param_dtype,
                 cpu_offload,
+                sync_each_batch,
             } => {
                 v.reshard_after_forward = Some(reshard_after_forward);
                 v.param_dtype = param_dtype;
                 v.cpu_offload = cpu_offload.then_some(true);
+                v.sync_each_batch = sync_each_batch.then_some(true);
             }
             Engine::Zero { stage, zero } => {
                 v.stage = Some(stage.number());

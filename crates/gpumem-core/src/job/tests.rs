@@ -336,6 +336,14 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
             "strategy.cpu_offload is FSDP's, and this mesh has no ranks to shard over",
         ),
         (
+            r#"{"kind":"fsdp","mesh":{"tensor":2},"sync_each_batch":true}"#,
+            "strategy.sync_each_batch is FSDP's, and this mesh has no ranks to shard over",
+        ),
+        (
+            r#"{"kind":"ddp","world_size":2,"sync_each_batch":false}"#,
+            "sync_each_batch",
+        ),
+        (
             r#"{"kind":"zero","stage":3,"mesh":{"shard":2,"context":2}}"#,
             "strategy.mesh.context: zero",
         ),

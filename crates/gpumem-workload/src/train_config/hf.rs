@@ -690,6 +690,11 @@ pub(crate) fn fsdp(
         Some(Precision::AmpFp16 | Precision::Fp16) => Some(HalfDtype::Fp16),
         _ => None,
     };
+    // Under accumulation the Trainer wraps all but the last micro-batch in accelerate's
+    // `no_sync` (the gradients accumulate unsharded) unless accelerate is told to sync each.
+    let sync_each_batch = doc
+        .flag("accelerator_config.gradient_accumulation_kwargs.sync_each_batch")?
+        .unwrap_or(false);
     Ok(Some(Layout::Fsdp {
         replicate: 1,
         shard: None,
@@ -701,6 +706,7 @@ pub(crate) fn fsdp(
         reshard_after_forward: reshard,
         param_dtype,
         cpu_offload,
+        sync_each_batch,
         field: if key == "fsdp" { "fsdp" } else { "fsdp_config" },
     }))
 }

@@ -224,6 +224,8 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
                 reshard_after_forward: reshard,
                 param_dtype: half,
                 cpu_offload: cpu,
+                // Lightning's Trainer blocks gradient sync under accumulation for DDP alone.
+                sync_each_batch: true,
                 field: "trainer.strategy",
             }
         }

@@ -234,6 +234,8 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
                     _ => None,
                 },
                 cpu_offload: false,
+                // litgpt accumulates under Fabric's `no_backward_sync`: FSDP's `no_sync`.
+                sync_each_batch: false,
                 field: "devices",
             }
         }

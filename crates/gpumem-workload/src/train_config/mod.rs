@@ -154,6 +154,9 @@ pub enum Layout {
         reshard_after_forward: bool,
         param_dtype: Option<HalfDtype>,
         cpu_offload: bool,
+        /// Each micro-batch's gradients reduced as made, not accumulated unsharded until the
+        /// last (the trainer's way of accumulating: see [`Engine::Fsdp`]).
+        sync_each_batch: bool,
         /// The key that asked for it, for errors.
         field: &'static str,
     },
@@ -270,6 +273,7 @@ impl TrainConfig {
                 reshard_after_forward,
                 param_dtype,
                 cpu_offload,
+                sync_each_batch,
                 field,
             } => {
                 let group = replicate * pipeline * context * tensor;
@@ -311,6 +315,7 @@ impl TrainConfig {
                     reshard_after_forward: *reshard_after_forward,
                     param_dtype: param_dtype.filter(|_| sharded),
                     cpu_offload: *cpu_offload && sharded,
+                    sync_each_batch: *sync_each_batch && sharded,
                 };
                 let mesh = Mesh::new(&[
                     (MeshDim::Replicate, *replicate),

@@ -397,6 +397,7 @@ fn torchtitan_toml() {
         Engine::Fsdp {
             param_dtype: Some(HalfDtype::Bf16),
             reshard_after_forward: true,
+            sync_each_batch: true,
             ..
         }
     ));
@@ -1240,6 +1241,53 @@ fn an_fsdp_broadcast_load_is_listed_as_not_modelled() {
         &read(false),
         "fsdp_config.cpu_ram_efficient_loading"
     ));
+}
+
+/// FSDP under accumulation as each trainer runs it: Hugging Face's Trainer (accelerate's
+/// `no_sync`) and litgpt (Fabric's) hold the gradients unsharded until the last micro-batch,
+/// unless accelerate is told `sync_each_batch`; torchtitan reduces each micro-batch's.
+#[test]
+fn fsdp_accumulation_syncs_as_each_trainer_does() {
+    let synced = |kind, text: &str, world| {
+        let c =
+            read_text("c.yaml", text, Path::new("."), Some(kind)).unwrap_or_else(|e| panic!("{e}"));
+        let s = c.strategy(world).unwrap().unwrap();
+        match s.engine() {
+            Engine::Fsdp {
+                sync_each_batch, ..
+            } => (sync_each_batch, c),
+            other => panic!("{other:?}"),
+        }
+    };
+    let hf = "per_device_train_batch_size: 2\ngradient_accumulation_steps: 4\nfsdp: full_shard\n";
+    assert!(!synced(TrainerKind::HfTrainer, hf, Some(4)).0);
+    let (on, c) = synced(
+        TrainerKind::HfTrainer,
+        &format!(
+            "{hf}accelerator_config:\n  gradient_accumulation_kwargs:\n    sync_each_batch: true\n"
+        ),
+        Some(4),
+    );
+    assert!(
+        on && used(
+            &c,
+            "accelerator_config.gradient_accumulation_kwargs.sync_each_batch"
+        )
+    );
+    let litgpt = "checkpoint_dir: checkpoints/meta-llama/Meta-Llama-3-8B\ndevices: 4\ntrain:\n  global_batch_size: 16\n  micro_batch_size: 1\n";
+    assert!(!synced(TrainerKind::Litgpt, litgpt, None).0);
+    assert!(
+        read("torchtitan-llama3_8b.toml")
+            .strategy(Some(8))
+            .unwrap()
+            .is_some_and(|s| matches!(
+                s.engine(),
+                Engine::Fsdp {
+                    sync_each_batch: true,
+                    ..
+                }
+            ))
+    );
 }
 
 /// Liger's kernels as the trainers switch them on: Hugging Face's `use_liger_kernel` (Liger's

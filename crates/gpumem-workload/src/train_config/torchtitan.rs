@@ -412,6 +412,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
                             reshard_after_forward: true,
                             param_dtype: None,
                             cpu_offload: false,
+                            sync_each_batch: false,
                         },
                     )
                 })
@@ -545,6 +546,8 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             reshard_after_forward: reshard,
             param_dtype: if pure { None } else { param },
             cpu_offload: false,
+            // torchtitan reduce-scatters each micro-batch's gradients (no `no_sync`).
+            sync_each_batch: true,
             field: "parallelism.data_parallel_shard_degree",
         }
     };

@@ -208,6 +208,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
                                 reshard_after_forward: true,
                                 param_dtype: None,
                                 cpu_offload: false,
+                                sync_each_batch: false,
                             },
                         )
                     })
@@ -239,6 +240,8 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             reshard_after_forward: doc.flag("fsdp_reshard_after_forward")?.unwrap_or(true),
             param_dtype: None,
             cpu_offload: doc.flag("fsdp_cpu_offload")?.unwrap_or(false),
+            // torchtune's recipes reduce each micro-batch's gradients (no `no_sync`).
+            sync_each_batch: true,
             field: "fsdp_cpu_offload",
         }
     } else {
