@@ -104,6 +104,11 @@ echo "== ruff check, ruff format --check (python/)"
 "$ruff" format --check python
 echo "== import circles (crates/, python/)"
 python3 scripts/import-cycles.py
+# The release build of every test while the environments are still installing (on a fresh
+# machine pip takes about 12 minutes, mostly waiting on the network and the disk): the Rust
+# tests further down then only run.
+echo "== cargo test --release --no-run (while the environments install)"
+cargo test --release --workspace --no-run
 
 tracer_tests() {
   echo "== Python tracer tests ($1: $("$1" -c 'import torch; print("torch", torch.__version__)'))"

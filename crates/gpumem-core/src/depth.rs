@@ -23,7 +23,7 @@
 
 use std::collections::HashMap;
 
-use crate::trace::{Event, NO_MODULE, RunPhase, Trace, TraceBuilder};
+use crate::trace::{Event, NO_MODULE, Phase, RunPhase, Trace, TraceBuilder};
 
 /// The depths the tracer cuts a model to (`--depths`): three, so that what one block adds is
 /// seen twice and checked.
@@ -379,6 +379,60 @@ fn picks(t: &Trace, kind: &[u32]) -> Picks {
     out
 }
 
+/// The most cells (a byte each) one alignment fills: a longer pair of traces is aligned micro-batch
+/// by micro-batch ([`segmented_insertions`]), or not at all (the model is then traced whole).
+const MAX_CELLS: usize = 1 << 28;
+
+/// Where each forward of `t` starts: its first allocation in the forward phase after one in
+/// another phase (0 first). Under gradient accumulation one per micro-batch, so a trace of many
+/// aligns as many short ones.
+fn forward_starts(t: &Trace) -> Vec<usize> {
+    let mut starts = vec![0];
+    let mut last = None;
+    for (i, e) in t.events().iter().enumerate() {
+        if let Event::Alloc { phase, .. } = *e {
+            if phase == Phase::Forward && last.is_some_and(|p| p != Phase::Forward) {
+                starts.push(i);
+            }
+            last = Some(phase);
+        }
+    }
+    starts
+}
+
+/// [`insertions`] of `long` into `short` (each `[exact, loose]`), whole where that fits in
+/// [`MAX_CELLS`], else forward by forward (`starts` of each: [`forward_starts`]), where both
+/// have as many and no inserted run spans two of them. `None` where neither aligns.
+fn segmented_insertions(
+    short: [&[u32]; 2],
+    long: [&[u32]; 2],
+    starts: [&[usize]; 2],
+) -> Option<Vec<Chunk>> {
+    let (n, m) = (short[0].len(), long[0].len());
+    if (n + 1).saturating_mul(m.saturating_sub(n) + 1) <= MAX_CELLS
+        || starts[0].len() != starts[1].len()
+    {
+        return insertions(short, long);
+    }
+    let ends = |s: &[usize], len: usize| s.iter().skip(1).copied().chain([len]).collect::<Vec<_>>();
+    let (short_ends, long_ends) = (ends(starts[0], n), ends(starts[1], m));
+    let mut chunks = Vec::new();
+    for k in 0..starts[0].len() {
+        let (a, b) = (starts[0][k], short_ends[k]);
+        let (c, d) = (starts[1][k], long_ends[k]);
+        let part = insertions(
+            [&short[0][a..b], &short[1][a..b]],
+            [&long[0][c..d], &long[1][c..d]],
+        )?;
+        chunks.extend(part.into_iter().map(|ch| Chunk {
+            gap: ch.gap + a,
+            start: ch.start + c,
+            len: ch.len,
+        }));
+    }
+    Some(chunks)
+}
+
 /// `long` as `short` with the fewest runs of events inserted (the runs one block adds, whole,
 /// where the events repeat); `None` if `short` is not a subsequence of `long`. A minimal diff
 /// may cut one block's run in two at different places, which do not repeat; fewest runs is a
@@ -387,6 +441,9 @@ fn picks(t: &Trace, kind: &[u32]) -> Picks {
 fn insertions(short: [&[u32]; 2], long: [&[u32]; 2]) -> Option<Vec<Chunk>> {
     let (n, m) = (short[0].len(), long[0].len());
     let w = m.checked_sub(n)?;
+    if (n + 1).saturating_mul(w + 1) > MAX_CELLS {
+        return None;
+    }
     const NONE: u64 = u64::MAX;
     const RUN: u64 = 1 << 32; // a run costs more than any number of loose matches
     // Cell (i, k) aligns short[..i] with long[..i + k]; `matched`: its last event is short's,
@@ -501,13 +558,17 @@ pub fn extrapolate(traces: &[Trace; 3], blocks: u32) -> Result<Trace, DepthError
     let (exact, interned) = (intern(Detail::Exact), intern(Detail::Loose));
     // What two blocks more insert, each run a square (X X, or X X Y Y ... where two runs of
     // blocks meet, as an optimizer's per-parameter loops do): one block inserts each half.
-    let two_more =
-        insertions([&exact[0], &interned[0]], [&exact[2], &interned[2]]).ok_or_else(|| {
-            not_periodic(format!(
-                "the {}-block trace is not the {}-block one with events inserted",
-                DEPTHS[2], DEPTHS[0]
-            ))
-        })?;
+    let two_more = segmented_insertions(
+        [&exact[0], &interned[0]],
+        [&exact[2], &interned[2]],
+        [&forward_starts(&traces[0]), &forward_starts(&traces[2])],
+    )
+    .ok_or_else(|| {
+        not_periodic(format!(
+            "the {}-block trace is not the {}-block one with events inserted",
+            DEPTHS[2], DEPTHS[0]
+        ))
+    })?;
     let mut chunks = Vec::new();
     for run in two_more {
         let halves = squares(&exact[2][run.start..run.start + run.len]).ok_or_else(|| {
@@ -761,6 +822,32 @@ mod tests {
         let rebuilt = extrapolate(&cut, 10).unwrap();
         assert_eq!(rebuilt.header.depth, None);
         assert_eq!(text(&rebuilt), text(&toy(10, None, false)));
+    }
+
+    /// Traces too long to align at once (a step of many accumulated micro-batches) align
+    /// forward by forward: each one's block runs found, placed in the whole trace.
+    #[test]
+    fn long_traces_align_forward_by_forward() {
+        let (micro, block) = (20_000, 7);
+        let segment = |blocks: usize| {
+            let mut s = vec![0];
+            s.extend(std::iter::repeat_n(block, blocks));
+            s.push(1);
+            s
+        };
+        let (short, long) = (segment(2).repeat(micro), segment(4).repeat(micro));
+        assert!((short.len() + 1) * (long.len() - short.len() + 1) > MAX_CELLS);
+        assert!(insertions([&short, &short], [&long, &long]).is_none());
+        let starts = |len: usize| (0..micro).map(|k| k * len).collect::<Vec<_>>();
+        let chunks =
+            segmented_insertions([&short, &short], [&long, &long], [&starts(4), &starts(6)])
+                .unwrap();
+        assert_eq!(chunks.len(), micro);
+        for (k, c) in chunks.iter().enumerate() {
+            assert_eq!(c.len, 2);
+            assert!((4 * k + 1..=4 * k + 3).contains(&c.gap), "{k}: {c:?}");
+            assert_eq!(long[c.start..c.start + 2], [block, block]);
+        }
     }
 
     #[test]
