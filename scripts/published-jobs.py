@@ -66,6 +66,10 @@ RULES (stated once; every row follows them)
     `--attention eager`, the only implementation transformers had then.
  R14 training loop. litgpt's scripts keep the model's output (`logits = model(input_ids)`)
     until the next forward returns: what a `litgpt:` model's step does.
+ R16 float8 (added 2026-12-07). Linears trained in float8 by torchao's tensorwise, rowwise or
+    rowwise_with_gw_hp recipe (an unnamed one: tensorwise, torchtitan's default) -> `--float8
+    RECIPE`; "float8 all-gather" stated -> `--float8-all-gather`. MXFP8, NVFP4 and INT8 training
+    stay not expressible.
  R15 accumulation (added 2026-12-07, with FSDP's `no_sync`). Stated ("grad accum N",
     "gradient_accumulation_steps N", "GA N") -> `--grad-accum N`; litgpt: its
     `gradient_accumulation_iters`, global_bs // (GPUs x micro-batch) where that is at least 1
@@ -139,10 +143,24 @@ def hub(row):
     return HUB.get(row["model"].strip().lower())
 
 
+def float8(precision):
+    """Rule R16: torchao's float8 recipe of the row's linears -> `--float8` flags; None where its
+    low-precision training is another (MXFP8, NVFP4)."""
+    p = precision.lower()
+    if any(k in p for k in ("mxfp8", "nvfp4", "nocompile")):
+        return None
+    recipe = next((k for k in ("rowwise_with_gw_hp", "rowwise", "tensorwise") if k in p), "tensorwise")
+    gather = recipe == "tensorwise" and ("float8 all-gather" in p or "f8 all-gather" in p)
+    return ["--float8", recipe] + (["--float8-all-gather"] if gather else [])
+
+
 def torchtitan(n, r):
     p = r["precision"].lower()
+    low = None
     if any(k in p for k in ("float8", "fp8", "nvfp4")):
-        return no("low-precision-training", "float8/MXFP8/NVFP4 linears (torchao) not modelled")
+        low = float8(p)
+        if low is None:
+            return no("low-precision-training", "MXFP8/NVFP4 linears (torchao) not modelled")
     if r["gpu"].startswith("MI300X"):
         return no("gpu-profile", "MI300X/ROCm: no profile")
     if "llama4" in r["model"].lower() or "moe" in r["source"]:
@@ -161,7 +179,8 @@ def torchtitan(n, r):
     if "not stated" in r["checkpointing"]:
         tags.append("ac-not-stated")
     return run(m, gpu, r["micro_batch"], "reserved", seq=r["seq_len"], precision="fp32",
-               ckpt=ck, strategy="fsdp", world=r["n_gpus"], extra=["--fsdp-param-dtype", "bf16"], tags=tags)
+               ckpt=ck, strategy="fsdp", world=r["n_gpus"], extra=["--fsdp-param-dtype", "bf16"] + (low or []),
+               tags=tags)
 
 
 def torchao(n, r):
@@ -454,7 +473,7 @@ def toml_value(v):
 def main():
     rows = list(csv.DictReader(open(CSV, newline="")))
     out = ["# gpumem jobs of the published dev rows: written by scripts/published-jobs.py (its docstring",
-           "# states the mapping rules R1-R15). `line` is the row's line in published_runs_dev.csv;",
+           "# states the mapping rules R1-R16). `line` is the row's line in published_runs_dev.csv;",
            "# `status = \"no\"` rows carry the missing mechanism as `reason`.", ""]
     for i, r in enumerate(rows):
         n = i + 2

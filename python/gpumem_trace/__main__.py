@@ -92,6 +92,16 @@ def flags():
         help="Liger's kernels on a Hugging Face model (KERNEL=true|false,...; alone: Liger's defaults)",
     )
     p.add_argument(
+        "--float8",
+        choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"],
+        help="float8 training of the linear layers (torchao's Float8Linear, as torchtitan converts them)",
+    )
+    p.add_argument(
+        "--float8-all-gather",
+        action="store_true",
+        help="with --float8 tensorwise under FSDP: weights all-gathered in float8",
+    )
+    p.add_argument(
         "--data-parallel",
         type=int,
         default=1,

@@ -24,6 +24,7 @@ from . import (
     amp,
     cuda,
     distributed,
+    float8,
     hf_trainer,
     liger,
     lora,
@@ -77,6 +78,7 @@ class TraceOptions:
     )
     chunked_ce: int = None  # torchtune's chunked cross-entropy over this many slices (losses.py)
     liger: dict = None  # Liger's kernels, {name: on} over Liger's defaults (liger.py), or None
+    float8: dict = None  # torchao's float8 training of the linear layers (float8.py), or None
     # torchtune's OffloadActivations around the forward (offload.py).
     activation_offloading: bool = False
     reference_model: bool = False  # TRL's frozen KL reference beside the model (losses.py)
@@ -363,6 +365,9 @@ def trace_training(opts: TraceOptions, out_path: str):
     if opts.liger is not None:
         # As Hugging Face's Trainer does, on the model it is given (after PEFT's wrapping).
         liger.apply(model, opts.liger, opts.model)
+    if opts.float8:
+        # torchtitan's order: the model's converters before any parallelism.
+        float8.convert(model, opts.float8)
     ranks = None  # the job's DeviceMesh, where it is a multi-GPU job that needs one
     if opts.strategy == "fsdp":
         ranks = distributed.device_mesh(
@@ -456,6 +461,7 @@ def trace_training(opts: TraceOptions, out_path: str):
         DEVICE,
         dtensor_dispatch=opts.tensor > 1 or opts.context > 1,
         routing=routing.Routing(opts.expert, opts.routing_imbalance),
+        unwrapped=float8.subclasses() if opts.float8 else (),
     )
     specs = job.batch_specs(opts.batch)
     if opts.seq_lens:
@@ -721,6 +727,8 @@ def trace_training(opts: TraceOptions, out_path: str):
                     scaler.step(optimizer)
                 else:
                     optimizer.step()
+            if opts.float8 and sharded:
+                float8.after_optimizer_step(model, opts.float8)
             for t, category in optimizers.state_tensors(optimizer, DEVICE):
                 rec.relabel(t, category)
             rec.iteration_end()

@@ -120,6 +120,7 @@ def trace_options(request):
         optimizer_in_backward=o.get("optimizer_in_backward", False),
         chunked_ce=o.get("chunked_ce"),
         liger=o.get("liger"),
+        float8=o.get("float8"),
         activation_offloading=o.get("activation_offloading", False),
         reference_model=o.get("reference_model", False),
         whole_run=o.get("whole_run"),
@@ -273,6 +274,9 @@ def from_flags(a):
         raise ValueError(
             f"--ep {a.ep} does not divide the {a.world_size // (a.replicas * a.pp)} FSDP and tensor-parallel ranks it borrows"
         )
+    if a.float8_all_gather and (a.float8 != "tensorwise" or a.strategy != "fsdp"):
+        needs = "the tensorwise recipe" if a.float8 != "tensorwise" else "--strategy fsdp"
+        raise ValueError(f"--float8-all-gather gathers FSDP's weights in float8: it needs {needs}")
     if a.sync_each_batch and a.strategy != "fsdp":
         raise ValueError(
             "--sync-each-batch is FSDP's (--strategy fsdp): how it reduces gradients under --grad-accum"
@@ -370,6 +374,9 @@ def from_flags(a):
             "activation_offloading": a.activation_offloading,
             "reference_model": a.reference_model,
             "liger": liger_document(a.liger),
+            "float8": {"recipe": a.float8, "fsdp_all_gather": a.float8_all_gather}
+            if a.float8
+            else None,
             "whole_run": whole_run_document(a),
         },
         "gpu_capability": a.gpu_capability,

@@ -447,7 +447,9 @@ class ModulePaths(TorchFunctionMode):
 class TraceMode(TorchDispatchMode):
     """Sees every ATen op below autograd; records new device storages and their deaths."""
 
-    def __init__(self, recorder, modules, device="meta", dtensor_dispatch=False, routing=None):
+    def __init__(
+        self, recorder, modules, device="meta", dtensor_dispatch=False, routing=None, unwrapped=()
+    ):
         super().__init__()
         self.r = recorder
         # A mixture-of-experts router's stand-in counts (routing.Routing), or None.
@@ -458,6 +460,9 @@ class TraceMode(TorchDispatchMode):
         self.memo = META_MEMO if device == "meta" else None
         # Tensor parallelism's DTensors redistribute inside their own dispatch: see there.
         self.dtensor_dispatch = dtensor_dispatch and _DTENSOR is not None
+        # Tensor subclasses whose own dispatch runs each op on their inner tensors (torchao's
+        # float8 casts): traced there, where their memory is.
+        self.unwrapped = tuple(unwrapped)
 
     def track(self, t, op):
         if t.device.type != self.device:
@@ -511,6 +516,8 @@ class TraceMode(TorchDispatchMode):
             # once on fake tensors of the global shape to learn its output's, making them with
             # factories that take no tensor): no memory, no kernel.
             return func(*args, **(kwargs or {}))
+        if self.unwrapped and any(issubclass(t, self.unwrapped) for t in types):
+            return NotImplemented
         if self.dtensor_dispatch and any(issubclass(t, _DTENSOR) for t in types):
             # A tensor-parallel DTensor: its own dispatch runs the op on the rank's local
             # tensors, and redistributes them first where the layouts ask — those ops come back

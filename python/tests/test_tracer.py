@@ -1127,6 +1127,60 @@ def test_pipeline_stage_holds_its_layers_and_its_schedules_micro_batches(tmp_pat
         assert p.returncode == 2 and needle in p.stderr, p.stderr
 
 
+def test_float8_linears_run_torchaos_own_casts_and_matmuls(tmp_path):
+    """--float8: torchao's own Float8Linear in place of each linear layer but the head, as
+    torchtitan's converter swaps it in, traced through its float8 tensors: every matmul of a
+    converted layer (forward, input and weight gradients) is ``_scaled_mm`` on 1-byte casts,
+    the head's stay ``mm``; torchao keeps the layer's 16-bit input for backward, so forward
+    ends holding what bf16 holds; under FSDP2 with float8 all-gathers each converted weight is
+    gathered in one byte instead of two (the embedding, norms and head still in bf16)."""
+    import torch  # noqa: F401
+
+    pytest.importorskip("torchao.float8")
+    ref = (
+        "hf:LlamaForCausalLM(hidden_size=256,intermediate_size=1024,num_hidden_layers=2,"
+        "num_attention_heads=4,num_key_value_heads=4,vocab_size=4096)"
+    )
+    linear_params = 2 * (4 * 256 * 256 + 3 * 256 * 1024)  # q, k, v, o, gate, up, down
+
+    def second_step(*extra):
+        _, evs = traced([ref, "--batch", "2", "--seq-len", "64", *extra], tmp_path)
+        live, iteration, kept, gathered, kernels = {}, 0, None, 0, {}
+        for e in evs:
+            iteration += e["ev"] == "iteration"
+            if iteration != 1:
+                continue
+            if e["ev"] == "alloc":
+                live[e["id"]] = e
+                if e["phase"] == "forward" and e["op"] == "fsdp_all_gather":
+                    gathered += e["bytes"]
+                if e["phase"] == "backward" and kept is None:
+                    kept = sum(a["bytes"] for a in live.values() if a["category"] == "activation")
+            elif e["ev"] == "free":
+                live.pop(e["id"], None)
+            elif e["ev"] == "op":
+                kernels[e["op"]] = kernels.get(e["op"], 0) + 1
+        return kept, gathered, kernels.get("_scaled_mm", 0), kernels.get("mm", 0)
+
+    bf16 = second_step("--precision", "bf16")
+    f8 = second_step("--precision", "bf16", "--float8", "tensorwise")
+    assert (bf16[2], bf16[3]) == (0, 45) and (f8[2], f8[3]) == (42, 3), (bf16, f8)
+    assert f8[0] == bf16[0], (bf16, f8)
+    fsdp = ("--strategy", "fsdp", "--world-size", "4", "--fsdp-param-dtype", "bf16")
+    _, bf16_gathered, _, _ = second_step(*fsdp)
+    _, f8_gathered, scaled, _ = second_step(*fsdp, "--float8", "tensorwise", "--float8-all-gather")
+    assert scaled == 42 and bf16_gathered - f8_gathered == linear_params, (
+        bf16_gathered,
+        f8_gathered,
+    )
+    for bad, needle in (
+        (["--float8", "rowwise", "--float8-all-gather", *fsdp], "the tensorwise recipe"),
+        (["--float8", "tensorwise", "--float8-all-gather"], "--strategy fsdp"),
+    ):
+        p, _ = run([ref, *bad], tmp_path)
+        assert p.returncode == 2 and needle in p.stderr, p.stderr
+
+
 def test_fsdp_accumulation_under_no_sync_holds_the_whole_gradient(tmp_path):
     """FSDP2 under gradient accumulation, PyTorch's own code: with the trainers' ``no_sync``
     (accelerate's, Hugging Face's Trainer's, Fabric's: ``set_requires_gradient_sync(False)``

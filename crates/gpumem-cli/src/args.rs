@@ -263,6 +263,16 @@ pub struct WorkloadArgs {
     /// CEWithChunkedOutputLoss; it uses 8), in place of the model's own loss.
     #[arg(long, value_name = "N")]
     chunked_ce: Option<u32>,
+    /// Float8 training of the linear layers by torchao's own Float8Linear (torchao installed
+    /// beside torch), as torchtitan's float8 converter swaps it in: every nn.Linear whose
+    /// dimensions are multiples of 16 but the output head. RECIPE: torchao's tensorwise,
+    /// rowwise or rowwise_with_gw_hp.
+    #[arg(long, value_name = "RECIPE", value_parser = float8_recipe)]
+    float8: Option<gpumem_core::job::Float8Recipe>,
+    /// With --float8 tensorwise under FSDP: the weights all-gathered in float8 (torchtitan's
+    /// enable_fsdp_float8_all_gather).
+    #[arg(long, requires = "float8")]
+    float8_all_gather: bool,
     /// The activations saved for backward offloaded to the host in forward and brought back in
     /// backward, by torchtune's own OffloadActivations (torchtune's
     /// enable_activation_offloading; torchtune must be installed beside torch).
@@ -785,6 +795,10 @@ impl WorkloadArgs {
             .as_deref()
             .map(|spec| Liger::parse(spec).map_err(|e| CliError::input(format!("--{e}"))))
             .transpose()?;
+        let float8 = self.float8.map(|recipe| gpumem_core::job::Float8 {
+            recipe,
+            fsdp_all_gather: self.float8_all_gather,
+        });
         let options = OptionValues {
             optimizer: optimizer.unwrap_or_default(),
             precision: precision.unwrap_or(Precision::Fp32),
@@ -807,6 +821,7 @@ impl WorkloadArgs {
             activation_offloading: self.activation_offloading,
             reference_model: self.reference_model,
             liger: liger.clone(),
+            float8,
             whole_run: self.whole_run.whole_run(),
         };
         if let Some(config) = self.train_config()? {
@@ -903,6 +918,12 @@ impl WorkloadArgs {
             }
             if self.reference_model {
                 v.reference_model = true;
+            }
+            if let Some(f8) = float8 {
+                if let Some(stated) = v.float8 {
+                    note("--float8", format!("{f8:?}"), format!("{stated:?}"));
+                }
+                v.float8 = Some(f8);
             }
             if let Some(l) = liger {
                 if let Some(stated) = &v.liger {
@@ -1185,4 +1206,14 @@ pub fn row_trace(
         Err(e @ WorkloadError::Tracer(_)) => Ok(Err(e.to_string())),
         Err(e) => Err(CliError::input(format!("line {}: {e}", m.line))),
     }
+}
+
+/// `--float8`'s recipe, by torchao's name.
+fn float8_recipe(name: &str) -> Result<gpumem_core::job::Float8Recipe, String> {
+    gpumem_core::job::Float8Recipe::parse(name).ok_or_else(|| {
+        format!(
+            "`{name}` is not a float8 recipe ({})",
+            gpumem_core::job::Float8Recipe::NAMES.join(", ")
+        )
+    })
 }

@@ -22,7 +22,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 32] = [
+const SOURCES: [(&str, &str); 33] = [
     (
         "__init__.py",
         include_str!("../../../python/gpumem_trace/__init__.py"),
@@ -55,6 +55,10 @@ const SOURCES: [(&str, &str); 32] = [
     (
         "families.py",
         include_str!("../../../python/gpumem_trace/families.py"),
+    ),
+    (
+        "float8.py",
+        include_str!("../../../python/gpumem_trace/float8.py"),
     ),
     (
         "generation.py",

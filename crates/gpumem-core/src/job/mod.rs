@@ -14,6 +14,7 @@ use schemars::JsonSchema;
 
 use crate::UnknownName;
 
+pub mod float8;
 pub mod lengths;
 pub mod liger;
 pub mod lora;
@@ -21,6 +22,7 @@ pub mod mesh;
 pub mod optim;
 pub mod whole_run;
 
+pub use float8::{Float8, Float8Recipe};
 pub use lengths::{LengthError, LengthSchedule, LengthSource, LengthSummary, StepAxis};
 pub use liger::{Liger, LigerError, LigerKernel};
 pub use lora::{Lora, LoraError, LoraValues, Quant4, QuantLoader, Release};
@@ -462,6 +464,10 @@ pub struct OptionValues {
     /// it is installed). Left out where absent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub liger: Option<Liger>,
+    /// Float8 training of the linear layers (torchao's `Float8Linear`, torchtitan's float8
+    /// converter). Left out where absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub float8: Option<Float8>,
     /// The whole run, not the training steps alone (docs/run.md): the load, the steps, and the
     /// parts it states. Left out where absent.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -492,6 +498,7 @@ impl Default for OptionValues {
             activation_offloading: false,
             reference_model: false,
             liger: None,
+            float8: None,
             whole_run: None,
         }
     }
@@ -567,6 +574,10 @@ pub enum OptionError {
     ReferenceModel(&'static str),
     #[error("optimizer_in_backward (--optimizer-in-backward) cannot go with {0}")]
     OptimizerInBackward(&'static str),
+    #[error(
+        "float8.fsdp_all_gather (--float8-all-gather) gathers FSDP's weights in float8: it needs {0}"
+    )]
+    Float8AllGather(&'static str),
     #[error("data_parallel (--data-parallel) {0} is out of range (1..={MAX_DATA_PARALLEL})")]
     DataParallel(u32),
     #[error("seq_len (--seq-len) must be at least 1")]
@@ -795,6 +806,21 @@ impl OptionValues {
                 return Err(OptionError::OptimizerInBackward(clash));
             }
         }
+        if let Some(f8) = self.float8.filter(|f| f.fsdp_all_gather) {
+            let fsdp = self.strategy.is_some_and(|s| {
+                s.engine().kind() == EngineKind::Fsdp
+                    && s.mesh().degree(MeshDim::Shard)
+                        * s.mesh().degree(MeshDim::Replicate)
+                        * s.mesh().degree(MeshDim::Context)
+                        > 1
+            });
+            if f8.recipe != Float8Recipe::Tensorwise {
+                return Err(OptionError::Float8AllGather("the tensorwise recipe"));
+            }
+            if !fsdp {
+                return Err(OptionError::Float8AllGather("--strategy fsdp or hsdp"));
+            }
+        }
         if let Some(strategy) = self.strategy {
             if strategy.zero_stage().is_some() && self.precision == Precision::AmpFp16 {
                 return Err(OptionError::ZeroAmpFp16);
@@ -817,6 +843,8 @@ impl OptionValues {
                     Some("chunked_ce (--chunked-ce)")
                 } else if self.liger.is_some() {
                     Some("liger (--liger)")
+                } else if self.float8.is_some() {
+                    Some("float8 (--float8)")
                 } else if self.activation_offloading {
                     Some("activation_offloading (--activation-offloading)")
                 } else if self.validate != Validate::None {

@@ -194,6 +194,8 @@ pub struct TrainConfig {
     pub reference_model: Option<bool>,
     /// Liger's kernels (Hugging Face's `use_liger_kernel`, axolotl's Liger plugin).
     pub liger: Option<Liger>,
+    /// Float8 training of the linear layers (torchtitan's float8 converter).
+    pub float8: Option<gpumem_core::job::Float8>,
     /// The whole run, where the config names a part of it beyond the steps (an evaluation).
     pub whole_run: Option<WholeRun>,
     pub layout: Layout,
@@ -448,6 +450,7 @@ impl TrainConfig {
                 .unwrap_or(base.activation_offloading),
             reference_model: self.reference_model.unwrap_or(base.reference_model),
             liger: self.liger.clone().or(base.liger),
+            float8: self.float8.or(base.float8),
             whole_run: self.whole_run.or(base.whole_run),
             strategy: strategy.or(base.strategy),
             ..base
@@ -1101,6 +1104,7 @@ pub fn read_text(
         activation_offloading: None,
         reference_model: None,
         liger: None,
+        float8: None,
         whole_run: None,
         layout: Layout::Launcher {
             bucket_cap_mb: gpumem_core::job::DDP_BUCKET_CAP_MB,

@@ -573,7 +573,15 @@ fn torchtitan_toml_of_2024() {
     assert_eq!(c.checkpointing, Some(Checkpointing::Full));
     assert!(used(&c, "training.tensor_parallel_degree"));
     assert!(not_modelled(&c, "training.compile"));
-    assert!(not_modelled(&c, "float8"));
+    // Its float8 section: torchao's tensorwise Float8Linear, weights all-gathered in float8.
+    assert_eq!(
+        c.float8,
+        Some(gpumem_core::job::Float8 {
+            recipe: gpumem_core::job::Float8Recipe::Tensorwise,
+            fsdp_all_gather: true
+        })
+    );
+    assert!(used(&c, "float8.enable_fsdp_float8_all_gather"));
     assert!(not_modelled(
         &c,
         "experimental.enable_async_tensor_parallel"
@@ -1241,6 +1249,57 @@ fn an_fsdp_broadcast_load_is_listed_as_not_modelled() {
         &read(false),
         "fsdp_config.cpu_ram_efficient_loading"
     ));
+}
+
+/// torchtitan's float8 converter under each release's name: its recipe and all-gathers read,
+/// another filter than the output head's reported, an MX converter still not modelled.
+#[test]
+fn torchtitan_float8_converters() {
+    use gpumem_core::job::{Float8, Float8Recipe};
+    let toml = |converters: &str, section: &str, keys: &str| {
+        let text = format!(
+            "[model]\nname = \"llama3\"\nflavor = \"8B\"\nconverters = [{converters}]\n[training]\nlocal_batch_size = 1\nseq_len = 8192\n[{section}]\n{keys}"
+        );
+        read_text("t.toml", &text, Path::new("."), None)
+    };
+    let c = toml(
+        "\"quantize.linear.float8\"",
+        "quantize.linear.float8",
+        "recipe_name = \"rowwise\"\nfilter_fqns = [\"output\"]\n",
+    )
+    .unwrap();
+    assert_eq!(
+        c.float8,
+        Some(Float8 {
+            recipe: Float8Recipe::Rowwise,
+            fsdp_all_gather: false
+        })
+    );
+    assert!(used(&c, "quantize.linear.float8.filter_fqns") && used(&c, "model.converters"));
+    let c = toml(
+        "\"float8\"",
+        "float8",
+        "enable_fsdp_float8_all_gather = true\nfilter_fqns = [\"output\", \"attention.wq\"]\n",
+    )
+    .unwrap();
+    assert_eq!(
+        c.float8.map(|f| (f.recipe, f.fsdp_all_gather)),
+        Some((Float8Recipe::Tensorwise, true))
+    );
+    assert!(not_modelled(&c, "float8.filter_fqns"));
+    let c = toml(
+        "\"quantize.linear.mx\"",
+        "quantize.linear.mx",
+        "recipe_name = \"mxfp8\"\n",
+    )
+    .unwrap();
+    assert!(c.float8.is_none() && not_modelled(&c, "model.converters"));
+    let bad = toml("\"float8\"", "float8", "recipe_name = \"fp4\"\n").unwrap_err();
+    assert!(
+        bad.to_string()
+            .contains("`float8.recipe_name`: `fp4` is not a float8 recipe"),
+        "{bad}"
+    );
 }
 
 /// FSDP under accumulation as each trainer runs it: Hugging Face's Trainer (accelerate's

@@ -6,8 +6,8 @@
 //! left, `-1`).
 
 use gpumem_core::job::{
-    Checkpointing, Engine, HalfDtype, Implementation, LayerFrequency, Mesh, MeshDim, Pipeline,
-    Precision, Schedule, Strategy,
+    Checkpointing, Engine, Float8, Float8Recipe, HalfDtype, Implementation, LayerFrequency, Mesh,
+    MeshDim, Pipeline, Precision, Schedule, Strategy,
 };
 use serde_json::Value;
 
@@ -173,10 +173,40 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         doc.used("model.name");
         doc.used("model.flavor");
     }
-    if let Some(conv) = doc.names("model.converters")?
-        && !conv.is_empty()
-    {
+    // torchtitan's float8 converter, by each release's name for it: its section's settings
+    // become gpumem's float8 (torchao's Float8Linear, traced); MX and grouped-GEMM converters
+    // are not modelled.
+    let converters = doc.names("model.converters")?.unwrap_or_default();
+    let float8_section = converters
+        .iter()
+        .find_map(|c| match c.as_str() {
+            "float8" => Some("float8"),
+            "quantize.linear.float8" => Some("quantize.linear.float8"),
+            "quantize.dense.float8" => Some("quantize.dense.float8"),
+            _ => None,
+        })
+        .or_else(|| {
+            (doc.get("float8.enable_float8_linear") == Some(&Value::Bool(true))).then_some("float8")
+        });
+    let others = converters
+        .iter()
+        .any(|c| !c.ends_with("float8") || c.contains("grouped_mm"));
+    if others {
         doc.not_modelled("model.converters", FP8);
+    }
+    // The converters' sections: another converter's not modelled, none's inactive; then the
+    // float8 one's settings read (over what that marked).
+    for section in ["float8", "quantize", "mx"] {
+        if doc.get(section).is_some() {
+            if others {
+                doc.not_modelled(section, FP8);
+            } else {
+                doc.no_memory(section);
+            }
+        }
+    }
+    if let Some(section) = float8_section {
+        out.float8 = Some(float8(doc, section)?);
     }
     // The older releases chose the norm by name; the traced model's is RMSNorm.
     match doc.text("model.norm_type")?.as_deref() {
@@ -185,22 +215,6 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             "model.norm_type",
             "torchtitan's model is traced with its RMSNorm",
         ),
-    }
-    // The older releases switch float8 on in its own section.
-    let converters = doc
-        .get("model.converters")
-        .and_then(Value::as_array)
-        .is_some_and(|a| !a.is_empty())
-        || doc.get("float8.enable_float8_linear") == Some(&Value::Bool(true));
-    for section in ["float8", "quantize", "mx"] {
-        if doc.get(section).is_some() {
-            if converters {
-                doc.not_modelled(section, FP8);
-            } else {
-                // Inactive: no converter is named.
-                doc.no_memory(section);
-            }
-        }
     }
     // Micro-batch and sequence: JobConfig's training.local_batch_size (or batch_size) and
     // seq_len; Trainer.Config's tokens per micro-batch over the context length.
@@ -669,4 +683,42 @@ fn pipeline(doc: &mut Doc, out: &TrainConfig, degree: u32) -> Result<Pipeline, T
     }
     let microbatches = u32::try_from(local / size).unwrap_or(u32::MAX);
     Pipeline::new(schedule, microbatches, per_rank).map_err(|e| doc.err(SIZE, e.to_string()))
+}
+
+/// torchtitan's float8 section (`float8`, `quantize.linear.float8`, `quantize.dense.float8`): its
+/// recipe (`recipe_name`; none: tensorwise) and FSDP's float8 all-gathers. gpumem converts every
+/// linear layer whose dimensions are multiples of 16 but the output head (torchtitan's configs'
+/// `filter_fqns = ["output"]`); another filter is reported as not modelled.
+fn float8(doc: &mut Doc, section: &str) -> Result<Float8, TrainConfigError> {
+    let key = |name: &str| format!("{section}.{name}");
+    let recipe = match doc.text(&key("recipe_name"))? {
+        None => Float8Recipe::Tensorwise,
+        Some(name) => Float8Recipe::parse(&name).ok_or_else(|| {
+            doc.err(
+                &key("recipe_name"),
+                format!(
+                    "`{name}` is not a float8 recipe gpumem models ({})",
+                    Float8Recipe::NAMES.join(", ")
+                ),
+            )
+        })?,
+    };
+    let fsdp_all_gather = doc.flag(&key("enable_fsdp_float8_all_gather"))? == Some(true);
+    // With the all-gathers gpumem precomputes the scales, as torchtitan's hook does.
+    doc.used(&key("precompute_float8_dynamic_scale_for_fsdp"));
+    doc.used(&key("enable_float8_linear"));
+    let filters = doc.names(&key("filter_fqns"))?;
+    if filters.is_some_and(|f| f.iter().any(|f| f != "output")) {
+        doc.not_modelled(
+            &key("filter_fqns"),
+            "gpumem keeps the output head alone out of float8",
+        );
+    }
+    for name in ["emulate", "force_recompute_fp8_weight_in_bwd"] {
+        doc.no_memory(&key(name));
+    }
+    Ok(Float8 {
+        recipe,
+        fsdp_all_gather,
+    })
 }
