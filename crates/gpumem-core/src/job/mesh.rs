@@ -468,6 +468,7 @@ pub enum Engine {
     /// accelerate's `sync_each_batch=True`), else they accumulate unsharded until the last
     /// micro-batch (FSDP's `no_sync`/`set_requires_gradient_sync(False)`, as accelerate, Hugging
     /// Face's Trainer and Fabric run accumulation): a whole unsharded copy of the gradients.
+    /// Invariant ([`Strategy::new`]): false where the mesh has no ranks to shard over.
     Fsdp {
         reshard_after_forward: bool,
         param_dtype: Option<HalfDtype>,
@@ -534,11 +535,20 @@ pub struct Strategy {
 }
 
 impl Strategy {
-    pub fn new(mesh: Mesh, engine: Engine) -> Result<Strategy, OptionError> {
+    pub fn new(mesh: Mesh, mut engine: Engine) -> Result<Strategy, OptionError> {
         let world_size = mesh.world_size();
         let (replicate, shard) = (mesh.degree(MeshDim::Replicate), mesh.degree(MeshDim::Shard));
         let (tensor, stages) = (mesh.degree(MeshDim::Tensor), mesh.degree(MeshDim::Pipeline));
         let (context, expert) = (mesh.degree(MeshDim::Context), mesh.degree(MeshDim::Expert));
+        // How FSDP accumulates is moot where it has no ranks to shard over (tensor or pipeline
+        // parallelism alone): held false there, so one mesh is one strategy.
+        if let Engine::Fsdp {
+            sync_each_batch, ..
+        } = &mut engine
+            && replicate * shard * context == 1
+        {
+            *sync_each_batch = false;
+        }
         // FSDP's engine alone splits a model's layers, sequence or experts.
         let beyond_data = [
             MeshDim::Tensor,
@@ -566,15 +576,10 @@ impl Strategy {
             Engine::Fsdp {
                 param_dtype,
                 cpu_offload,
-                sync_each_batch,
                 ..
-            } if replicate * shard * context == 1
-                && (param_dtype.is_some() || cpu_offload || sync_each_batch) =>
-            {
+            } if replicate * shard * context == 1 && (param_dtype.is_some() || cpu_offload) => {
                 return Err(OptionError::NoShards(if cpu_offload {
                     "cpu_offload"
-                } else if sync_each_batch {
-                    "sync_each_batch"
                 } else {
                     "param_dtype"
                 }));

@@ -195,6 +195,26 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
     let new: Strategy =
         serde_json::from_str(r#"{"kind":"fsdp","mesh":{"replicate":2,"shard":4}}"#).unwrap();
     assert_eq!(old, new);
+    // How FSDP accumulates: stated and written back where it shards; moot (held false) where
+    // tensor parallelism alone takes the ranks.
+    let synced: Strategy =
+        serde_json::from_str(r#"{"kind":"fsdp","mesh":{"shard":4},"sync_each_batch":true}"#)
+            .unwrap();
+    assert!(
+        serde_json::to_string(&synced)
+            .unwrap()
+            .contains(r#""sync_each_batch":true"#)
+    );
+    let moot: Strategy =
+        serde_json::from_str(r#"{"kind":"fsdp","mesh":{"tensor":2},"sync_each_batch":true}"#)
+            .unwrap();
+    assert!(matches!(
+        moot.engine(),
+        Engine::Fsdp {
+            sync_each_batch: false,
+            ..
+        }
+    ));
     assert_eq!(
         (new.name(), new.world_size(), new.replicas()),
         ("hsdp", 8, 2)
@@ -334,10 +354,6 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
         (
             r#"{"kind":"fsdp","mesh":{"tensor":2},"cpu_offload":true}"#,
             "strategy.cpu_offload is FSDP's, and this mesh has no ranks to shard over",
-        ),
-        (
-            r#"{"kind":"fsdp","mesh":{"tensor":2},"sync_each_batch":true}"#,
-            "strategy.sync_each_batch is FSDP's, and this mesh has no ranks to shard over",
         ),
         (
             r#"{"kind":"ddp","world_size":2,"sync_each_batch":false}"#,

@@ -317,7 +317,7 @@ impl TrainConfig {
                     reshard_after_forward: *reshard_after_forward,
                     param_dtype: param_dtype.filter(|_| sharded),
                     cpu_offload: *cpu_offload && sharded,
-                    sync_each_batch: *sync_each_batch && sharded,
+                    sync_each_batch: *sync_each_batch,
                 };
                 let mesh = Mesh::new(&[
                     (MeshDim::Replicate, *replicate),
