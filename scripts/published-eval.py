@@ -78,6 +78,8 @@ def command(job, gpumem, tmp):
         a.append("--checkpointing")
     elif job.get("checkpointing") == "selective":
         a.append("--selective-checkpointing")
+    elif job.get("checkpointing") == "selective-op":
+        a.append("--checkpointing=selective-op")
     if "lora" in job:
         a += ["--lora", job["lora"]]
     if "strategy" in job and not any(x == "--deepspeed" for x in job.get("extra", [])):

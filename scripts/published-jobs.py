@@ -22,7 +22,9 @@ RULES (stated once; every row follows them)
     litgpt quantizes through Lightning Fabric's BitsandbytesPrecision -> `loader=fabric`; its
     releases of 2024 pinned bitsandbytes 0.42.0 (pyproject.toml, 2024-03-11 to 2024-12-28) ->
     `bnb=0.42` for rows of 2024.
- R3 checkpointing. on / full / per-Block -> `--checkpointing`; per-op SAC -> `--selective-checkpointing`;
+ R3 checkpointing. on / full / per-Block -> `--checkpointing`; per-op SAC -> `--selective-checkpointing`
+    (torchtitan's and torchao's torchtitan rows: torchtitan's own op policy,
+    `--checkpointing=selective-op` — amended 2026-12-07: gpumem's `selective` saves every matmul);
     "not stated" -> the framework's default config of the time where the row's notes name it,
     else off.
  R4 optimizer. AdamW (any implementation: HF default, fused, foreach) -> `adamw`; bitsandbytes
@@ -171,7 +173,7 @@ def torchtitan(n, r):
     if m is None:
         return no("vague", "custom model config not published in the row")
     ck = r["checkpointing"].lower()
-    ck = "selective" if ("sac" in ck or "selective" in ck) else ("full" if ck == "full" else "off")
+    ck = "selective-op" if ("sac" in ck or "selective" in ck) else ("full" if ck == "full" else "off")
     gpu = "h100-80gb-sxm" if r["gpu"].startswith("H100") else ("h200" if "H200" in r["gpu"] else "h200")
     tags = ["framework-model", "compile"]
     if gpu == "h200" and "H200" not in r["gpu"]:
