@@ -23,7 +23,7 @@ import signal
 import sys
 import traceback
 
-from . import ac
+from . import ac, float8
 from .request import OK, VERSION, Failure, from_flags, model_failure, trace_options, write_answer
 
 # The oldest torch release the tracer is tested on (scripts/test.sh runs the pinned and newest).
@@ -93,7 +93,7 @@ def flags():
     )
     p.add_argument(
         "--float8",
-        choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"],
+        choices=float8.RECIPES,
         help="float8 training of the linear layers (torchao's Float8Linear, as torchtitan converts them)",
     )
     p.add_argument(
