@@ -77,6 +77,7 @@ def test_every_strategy_setting_the_schema_names_is_read():
             "reshard_after_forward": False,
             "param_dtype": "bf16",
             "cpu_offload": True,
+            "sync_each_batch": True,
         },
         {"kind": "zero", "mesh": {"shard": 8}, "stage": 2, "zero": {"offload_optimizer": True}},
         {
@@ -92,6 +93,7 @@ def test_every_strategy_setting_the_schema_names_is_read():
     assert set().union(*(set(s) - {"kind"} for s in strategies)) == stated
     fsdp = strategy_options(strategies[1])
     assert (fsdp["world_size"], fsdp["replicas"], fsdp["reshard_after_forward"]) == (8, 2, False)
+    assert fsdp["sync_each_batch"] and not strategy_options(strategies[3])["sync_each_batch"]
     pp = strategy_options(strategies[3])
     assert (pp["world_size"], pp["tensor"], pp["pipeline"]) == (16, 2, 4)
     assert (pp["schedule"], pp["microbatches"], pp["virtual_stages"]) == ("interleaved-1f1b", 8, 2)
