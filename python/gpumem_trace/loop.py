@@ -647,6 +647,9 @@ def trace_training(opts: TraceOptions, out_path: str):
         scored = {}  # what TRL computes for a batch beside it (the reference's log-probabilities)
         if whole_run:
             rec.run_phase("train")
+        # FSDP under accumulation without sync_each_batch: reduction deferred to the last
+        # micro-batch (a pipeline's schedule runs its own).
+        deferred = sharded and not schedule and opts.grad_accum > 1 and not opts.sync_each_batch
         for it in range(len(step_specs)):
             # From the third iteration on, a loop in its steady state repeats the last one:
             # copied, not run (about a quarter of the tracing time). A validation pass after
@@ -668,7 +671,7 @@ def trace_training(opts: TraceOptions, out_path: str):
                 if micro == 0:
                     rec.phase = "zero_grad"
                     optimizer.zero_grad(set_to_none=True)
-                if sharded and not schedule and opts.grad_accum > 1 and not opts.sync_each_batch:
+                if deferred:
                     # FSDP's no_sync: the gradients stay unsharded (and accumulate there)
                     # until the last micro-batch's backward reduce-scatters them.
                     for root, _ in roots:
@@ -717,7 +720,7 @@ def trace_training(opts: TraceOptions, out_path: str):
                 for p in model.parameters():
                     if p.grad is not None:
                         rec.relabel(p.grad, "gradient")
-                for root, _ in roots if sharded and not opts.sync_each_batch else ():
+                for root, _ in roots if deferred else ():
                     for grad in distributed.unreduced_gradients(root):
                         rec.relabel(grad, "gradient")
             rec.phase = "optimizer"

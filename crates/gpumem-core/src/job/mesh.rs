@@ -127,6 +127,12 @@ impl Mesh {
         self.degree(MeshDim::Replicate) * self.degree(MeshDim::Shard)
     }
 
+    /// The ranks FSDP applies over: the replicate, shard and context ones (context parallelism's
+    /// ranks shard too, torchtitan's dp_shard_cp). 1: tensor or pipeline parallelism alone.
+    pub fn fsdp_ranks(&self) -> u32 {
+        self.data_parallel() * self.degree(MeshDim::Context)
+    }
+
     /// The ranks that share each sample: the tensor, pipeline and context ones (world size
     /// over the data-parallel ranks).
     pub fn model_parallel(&self) -> u32 {
@@ -545,7 +551,7 @@ impl Strategy {
         if let Engine::Fsdp {
             sync_each_batch, ..
         } = &mut engine
-            && replicate * shard * context == 1
+            && mesh.fsdp_ranks() == 1
         {
             *sync_each_batch = false;
         }
@@ -572,12 +578,11 @@ impl Strategy {
                     borrowed: shard * context * tensor,
                 });
             }
-            // Context parallelism's ranks shard too (torchtitan's dp_shard_cp).
             Engine::Fsdp {
                 param_dtype,
                 cpu_offload,
                 ..
-            } if replicate * shard * context == 1 && (param_dtype.is_some() || cpu_offload) => {
+            } if mesh.fsdp_ranks() == 1 && (param_dtype.is_some() || cpu_offload) => {
                 return Err(OptionError::NoShards(if cpu_offload {
                     "cpu_offload"
                 } else {

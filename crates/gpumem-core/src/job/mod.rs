@@ -808,11 +808,7 @@ impl OptionValues {
         }
         if let Some(f8) = self.float8.filter(|f| f.fsdp_all_gather) {
             let fsdp = self.strategy.is_some_and(|s| {
-                s.engine().kind() == EngineKind::Fsdp
-                    && s.mesh().degree(MeshDim::Shard)
-                        * s.mesh().degree(MeshDim::Replicate)
-                        * s.mesh().degree(MeshDim::Context)
-                        > 1
+                s.engine().kind() == EngineKind::Fsdp && s.mesh().fsdp_ranks() > 1
             });
             if f8.recipe != Float8Recipe::Tensorwise {
                 return Err(OptionError::Float8AllGather("the tensorwise recipe"));
