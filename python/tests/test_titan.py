@@ -19,6 +19,7 @@ from collections import Counter
 
 import pytest
 import torch
+from test_tracer import run
 from trainers import requires
 
 from gpumem_trace import ac, cuda
@@ -258,22 +259,9 @@ def test_the_estimate_moves_with_selective_ac_option_by_the_saved_bytes(tmp_path
 
 def _traced(tmp_path, ref, *flags):
     """The header and events of the tracer run as a person runs it on ``ref`` (batch 2)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    out = tmp_path / "t.jsonl"
-    p = subprocess.run(
-        [sys.executable, "-m", "gpumem_trace", ref, "--batch", "2", *flags, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])),
-        timeout=300,
-    )
+    p, events = run([ref, "--batch", "2", *flags], tmp_path, timeout=300)
     assert p.returncode == 0, p.stderr
-    lines = out.read_text().splitlines()
-    return json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
+    return events[0], events[1:]
 
 
 def test_tensor_parallel_is_torchtitans_own_apply_tp(tmp_path):

@@ -16,20 +16,68 @@ FIX = HERE / "fixtures" / "user_models.py"
 
 
 def run(args, tmp_path, timeout=120):
+    """``python -m gpumem_trace ARGS --out FILE``, as a fork of the tracer pool gpumem runs
+    (``gpumem_trace.pool``: torch and the model libraries imported once, not once per trace —
+    most of a small trace's time): the completed process (stdout and stderr both the fork's
+    log) and the trace's events."""
+    import contextlib
+    import io
+
+    from gpumem_trace.__main__ import flags
+    from gpumem_trace.request import from_flags
+
     out = tmp_path / "t.jsonl"
-    env = dict(os.environ, PYTHONPATH=str(PKG))
-    p = subprocess.run(
-        [sys.executable, "-m", "gpumem_trace", *args, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
-    events = []
-    if p.returncode == 0:
-        lines = out.read_text().splitlines()
-        events = [json.loads(line) for line in lines]
-    return p, events
+    argv = [*args, "--out", str(out)]
+    messages = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(messages):
+            request = from_flags(flags().parse_args(argv))
+    except SystemExit as e:  # argparse's refusal, its usage on stderr
+        return subprocess.CompletedProcess(argv, e.code, "", messages.getvalue()), []
+    except ValueError as e:
+        return subprocess.CompletedProcess(argv, 2, "", f"gpumem_trace: {e}\n"), []
+    log = tmp_path / "t.log"
+    code = POOL.trace(request, log, timeout)
+    text = log.read_text()
+    events = [json.loads(line) for line in out.read_text().splitlines()] if code == 0 else []
+    return subprocess.CompletedProcess(argv, code, text, text), events
+
+
+class Pool:
+    """The tests' one ``gpumem_trace.pool``, started at its first trace, ended with the tests."""
+
+    def __init__(self):
+        self.process, self.ids = None, 0
+
+    def trace(self, request, log, timeout):
+        import select
+
+        if self.process is None:
+            import atexit
+
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "gpumem_trace.pool"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=dict(os.environ, PYTHONPATH=str(PKG)),
+            )
+            atexit.register(self.process.stdin.close)
+        self.ids += 1
+        line = json.dumps({"id": self.ids, "request": request, "log": str(log)})
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        if not select.select([self.process.stdout], [], [], timeout)[0]:
+            self.process.stdin.write(json.dumps({"kill": self.ids}) + "\n")
+            self.process.stdin.flush()
+            self.process.stdout.readline()
+            raise subprocess.TimeoutExpired(request["model"], timeout)
+        answer = json.loads(self.process.stdout.readline())
+        assert answer["id"] == self.ids, answer
+        return answer["code"]
+
+
+POOL = Pool()
 
 
 def traced(args, tmp_path):
