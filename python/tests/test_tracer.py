@@ -1221,6 +1221,22 @@ def test_float8_linears_run_torchaos_own_casts_and_matmuls(tmp_path):
         bf16_gathered,
         f8_gathered,
     )
+    # A pipeline stage (torchtitan converts before it splits the model): its one layer's
+    # matmuls in float8 for each of its two micro-batches, its weights gathered in one byte —
+    # twice on the first stage (1F1B: both forwards before a backward), once on the last (a
+    # stage keeps its weights gathered from one micro-batch's backward to the next forward).
+    pp = ("--pp", "2", "--microbatches", "2")
+    for rank, gathers in (("0", 2), ("1", 1)):
+        _, bf16_gathered, _, _ = second_step(*fsdp, *pp, "--pp-rank", rank)
+        _, f8_gathered, scaled, _ = second_step(
+            *fsdp, *pp, "--pp-rank", rank, "--float8", "tensorwise", "--float8-all-gather"
+        )
+        assert scaled == 42 and bf16_gathered - f8_gathered == gathers * linear_params // 2, (
+            rank,
+            scaled,
+            bf16_gathered,
+            f8_gathered,
+        )
     for bad, needle in (
         (["--float8", "rowwise", "--float8-all-gather", *fsdp], "the tensorwise recipe"),
         (["--float8", "tensorwise", "--float8-all-gather"], "--strategy fsdp"),

@@ -839,8 +839,6 @@ impl OptionValues {
                     Some("chunked_ce (--chunked-ce)")
                 } else if self.liger.is_some() {
                     Some("liger (--liger)")
-                } else if self.float8.is_some() {
-                    Some("float8 (--float8)")
                 } else if self.activation_offloading {
                     Some("activation_offloading (--activation-offloading)")
                 } else if self.validate != Validate::None {
