@@ -149,8 +149,6 @@ fi
 awaited "$TITAN" "torch, torchtitan, torchtune, pytest"
 titan="$got"
 [ -n "$titan" ] || { echo "FAILED: could not install $TITAN"; exit 1; }
-echo "== trainers' own code: torchtitan and torchtune tests ($("$titan" -c 'import torch, torchtitan, torchtune; print("torch", torch.__version__, "torchtitan", torchtitan.__version__, "torchtune", torchtune.__version__)'))"
-(cd python && GPUMEM_TEST_REQUIRE_TITAN=1 PYTHONDONTWRITEBYTECODE=1 "$titan" -m pytest -q -p no:cacheprovider tests/test_titan.py tests/test_torchtune.py)
 export GPUMEM_TITAN_PYTHON="$titan" GPUMEM_TEST_REQUIRE_TITAN=1
 
 if [ -n "${GPUMEM_PYTHON:-}" ]; then
@@ -181,8 +179,22 @@ else
   echo "SKIPPED: the Slurm integration test (Slurm is not installed and cannot be here)"
 fi
 
+# The trainers' tests (mostly one core: one trace at a time) run beside the Rust tests, their
+# output shown after them; either failing fails the run.
+titan_log="$(mktemp)"
+(cd python && PYTHONDONTWRITEBYTECODE=1 "$titan" -m pytest -q -p no:cacheprovider tests/test_titan.py tests/test_torchtune.py) \
+  > "$titan_log" 2>&1 &
+titan_tests=$!
 echo "== Rust tests (bridge against ${GPUMEM_PYTHON:-nothing})"
-cargo test --release --workspace
+rust=0
+cargo test --release --workspace || rust=$?
+echo "== trainers' own code: torchtitan and torchtune tests ($("$titan" -c 'import torch, torchtitan, torchtune; print("torch", torch.__version__, "torchtitan", torchtitan.__version__, "torchtune", torchtune.__version__)'))"
+trainers=0
+wait "$titan_tests" || trainers=$?
+cat "$titan_log"
+rm -f "$titan_log"
+[ "$trainers" = 0 ] || { echo "FAILED: the trainers' own code tests"; exit 1; }
+[ "$rust" = 0 ] || { echo "FAILED: Rust tests"; exit 1; }
 
 # The gpumem-estimate wheel (scripts/wheel.sh: maturin over the same target/), installed into a
 # fresh virtual environment as a user installs it, torch taken from the pinned environment (a
