@@ -74,6 +74,12 @@ def command(job, gpumem, tmp):
          "--batch", str(job["batch"]), "--precision", job["precision"], "--optimizer", job["optimizer"]]
     if "seq_len" in job:
         a += ["--seq-len", str(job["seq_len"])]
+    if "seq_len_histogram" in job:  # rule R17: written beside the cache, a CSV of `length,count`
+        path = os.path.join(tmp, "lengths", "%d.csv" % job["line"])
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.writelines("%d,%d\n" % (n, w) for n, w in job["seq_len_histogram"])
+        a += ["--seq-len-histogram", path]
     if job.get("checkpointing") == "full":
         a.append("--checkpointing")
     elif job.get("checkpointing") == "selective":

@@ -72,6 +72,13 @@ RULES (stated once; every row follows them)
     rowwise_with_gw_hp recipe (an unnamed one: tensorwise, torchtitan's default) -> `--float8
     RECIPE`; "float8 all-gather" stated -> `--float8-all-gather`. MXFP8, NVFP4 and INT8 training
     stay not expressible.
+ R17 stated length distributions (added 2026-12-07, with the multi-step replay). Where a row
+    states its dataset's token lengths as a mean and a standard deviation ("3234+-2548 tokens")
+    and truncates to a maximum, the run is a run of varying lengths, not R5's longest batch: a
+    normal(mean, sd) over lengths 1.., each batch padded to the longest of its samples (the
+    distribution of the maximum of `batch` draws), lengths above the maximum at the maximum, as
+    a histogram of 64 equal bins plus the maximum -> `--seq-len-histogram` (gpumem's default
+    100 steps, seed 0). Applied before any estimate of such a row was seen at this rule.
  R15 accumulation (added 2026-12-07, with FSDP's `no_sync`). Stated ("grad accum N",
     "gradient_accumulation_steps N", "GA N") -> `--grad-accum N`; litgpt: its
     `gradient_accumulation_iters`, global_bs // (GPUs x micro-batch) where that is at least 1
@@ -80,6 +87,7 @@ RULES (stated once; every row follows them)
     Trainer/accelerate and litgpt (Fabric) accumulate under `no_sync` -> gpumem's default.
 """
 import csv
+import math
 import os
 import re
 import sys
@@ -422,7 +430,7 @@ def mapping(n, r):
                    ("huggingface/peft", peft), ("huggingface/transformers", hf_docs), ("unslothai", unsloth),
                    ("litgpt", litgpt), ("ms-swift", swift), ("huggingface/blog", blog), ("axolotl", axolotl)):
         if key in src:
-            return accumulation(attention(f(n, r), r), r, key)
+            return lengths(accumulation(attention(f(n, r), r), r, key), r)
     return no("vague", "unknown source")
 
 
@@ -462,6 +470,30 @@ def accumulation(job, r, source):
     return job
 
 
+STATED_LENGTHS = re.compile(r"(\d+)\s*(?:\+-|\+/-|±)\s*(\d+)\s*tokens")
+
+
+def lengths(job, r, bins=64):
+    """Rule R17: a stated mean +- sd of the dataset's lengths -> the histogram of each batch's
+    padded length, `seq_len_histogram = [[length, weight], ...]` (weights in millionths)."""
+    m = STATED_LENGTHS.search(r["other_settings"])
+    if job["status"] != "run" or not m or "seq_len" not in job:
+        return job
+    mean, sd, cap, batch = int(m.group(1)), int(m.group(2)), job["seq_len"], job["batch"]
+
+    def cdf(x):  # P(a batch's longest sample <= x), the normal cut to lengths of at least 1
+        lo = 0.5 * (1 + math.erf((1 - mean) / (sd * math.sqrt(2))))
+        f = 0.5 * (1 + math.erf((x - mean) / (sd * math.sqrt(2))))
+        return (max(f - lo, 0.0) / (1 - lo)) ** batch
+
+    edges = [1 + (cap - 1) * i / bins for i in range(bins + 1)]
+    hist = [[round((a + b) / 2), round((cdf(b) - cdf(a)) * 1e6)] for a, b in zip(edges, edges[1:])]
+    hist.append([cap, round((1 - cdf(cap)) * 1e6)])
+    job["seq_len_histogram"] = [h for h in hist if h[1] > 0]
+    del job["seq_len"]
+    return job
+
+
 def toml_value(v):
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -475,7 +507,7 @@ def toml_value(v):
 def main():
     rows = list(csv.DictReader(open(CSV, newline="")))
     out = ["# gpumem jobs of the published dev rows: written by scripts/published-jobs.py (its docstring",
-           "# states the mapping rules R1-R16). `line` is the row's line in published_runs_dev.csv;",
+           "# states the mapping rules R1-R17). `line` is the row's line in published_runs_dev.csv;",
            "# `status = \"no\"` rows carry the missing mechanism as `reason`.", ""]
     for i, r in enumerate(rows):
         n = i + 2
