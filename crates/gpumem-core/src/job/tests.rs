@@ -278,7 +278,10 @@ fn a_strategy_is_a_mesh_checked_and_stated_as_json() {
         r#"{"precision":"bf16","float8":{"recipe":"tensorwise","fsdp_all_gather":true},"strategy":{"kind":"fsdp","mesh":{"shard":2,"pipeline":2}}}"#,
     )
     .unwrap();
-    assert!(f8.float8.is_some_and(|f| f.fsdp_all_gather) && f8.strategy.and_then(|s| s.pipeline()).is_some());
+    assert!(
+        f8.float8.is_some_and(|f| f.fsdp_all_gather)
+            && f8.strategy.and_then(|s| s.pipeline()).is_some()
+    );
     let e = serde_json::from_str::<Options>(
         r#"{"strategy":{"kind":"fsdp","mesh":{"tensor":2}},"whole_run":{"save":"sharded"}}"#,
     )
