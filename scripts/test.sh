@@ -205,7 +205,7 @@ if [ -n "${GPUMEM_PYTHON:-}" ]; then
   [ -n "$got" ] || { echo "FAILED: could not install $MATURIN"; exit 1; }
   echo "== the gpumem-estimate wheel: build, install into a fresh venv, API tests"
   wheels="$(mktemp -d)"
-  MATURIN="$(dirname "$got")/maturin" scripts/wheel.sh "$wheels" > /dev/null
+  GPUMEM_BIN=target/release/gpumem MATURIN="$(dirname "$got")/maturin" scripts/wheel.sh "$wheels" > /dev/null
   fresh="$wheels/venv"
   python3 -m venv "$fresh"
   "$GPUMEM_PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
