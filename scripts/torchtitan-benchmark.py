@@ -7,8 +7,9 @@ Each row is written as the TOML of that torchtitan (degrees under [training] and
 from the table's caption, the rest torchtitan's defaults, and sized with
 `gpumem estimate --train-config FILE --world-size N --gpu h100-96gb --json`. The benchmark
 measured torch's reserved memory, so the estimate compared is gpumem's peak less the CUDA
-context. Rows that ran torch.compile and float8 linears state them in the TOML; gpumem models
-neither (its output lists them as not modelled) and sizes them eager, in bf16.
+context. Rows that ran torch.compile and float8 linears state them in the TOML: float8 is traced
+(torchao's Float8Linear, tensorwise, as `[float8] enable_float8_linear` reads), compile is not
+(listed as not modelled) — each step is sized eager.
 
     GPUMEM_PYTHON=<python with torch 2.10 and torchtitan 0.2.2> \
         python3 scripts/torchtitan-benchmark.py [path/to/gpumem]   # prints a markdown table
