@@ -78,7 +78,8 @@ RULES (stated once; every row follows them)
     normal(mean, sd) over lengths 1.., each batch padded to the longest of its samples (the
     distribution of the maximum of `batch` draws), lengths above the maximum at the maximum, as
     a histogram of 64 equal bins plus the maximum -> `--seq-len-histogram` (gpumem's default
-    100 steps, seed 0). Applied before any estimate of such a row was seen at this rule.
+    100 steps, seed 0). Written after two trial estimates of rows 231-232 (to see the replay
+    run on them); nothing in it (bins, steps, seed) was chosen by their figures.
  R15 accumulation (added 2026-12-07, with FSDP's `no_sync`). Stated ("grad accum N",
     "gradient_accumulation_steps N", "GA N") -> `--grad-accum N`; litgpt: its
     `gradient_accumulation_iters`, global_bs // (GPUs x micro-batch) where that is at least 1
