@@ -482,10 +482,13 @@ def lengths(job, r, bins=64):
         return job
     mean, sd, cap, batch = int(m.group(1)), int(m.group(2)), job["seq_len"], job["batch"]
 
+    def normal(x):
+        return 0.5 * (1 + math.erf((x - mean) / (sd * math.sqrt(2))))
+
+    lo = normal(1)
+
     def cdf(x):  # P(a batch's longest sample <= x), the normal cut to lengths of at least 1
-        lo = 0.5 * (1 + math.erf((1 - mean) / (sd * math.sqrt(2))))
-        f = 0.5 * (1 + math.erf((x - mean) / (sd * math.sqrt(2))))
-        return (max(f - lo, 0.0) / (1 - lo)) ** batch
+        return (max(normal(x) - lo, 0.0) / (1 - lo)) ** batch
 
     edges = [1 + (cap - 1) * i / bins for i in range(bins + 1)]
     hist = [[round((a + b) / 2), round((cdf(b) - cdf(a)) * 1e6)] for a, b in zip(edges, edges[1:])]

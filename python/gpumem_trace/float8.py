@@ -2,8 +2,8 @@
 torchao's own ``convert_to_float8_training`` (run here, on meta tensors) swaps each
 ``nn.Linear`` whose dimensions are multiples of 16 for torchao's ``Float8Linear``, which casts
 its input, weight and output gradient to float8 for each matmul (``torch._scaled_mm``); it keeps
-the 16-bit input for backward and casts it again there. The output head stays in 16 bits, as torchtitan's configs filter
-it (``filter_fqns = ["output"]``). ``recipe``: torchao's recipe name (tensorwise, rowwise,
+the 16-bit input for backward and casts it again there. The output head stays in 16 bits, as
+torchtitan's configs filter it (``filter_fqns = ["output"]``). ``recipe``: torchao's recipe name (tensorwise, rowwise,
 rowwise_with_gw_hp); ``fsdp_all_gather``: tensorwise weights all-gathered by FSDP2 in float8,
 their scales precomputed after each optimizer step
 (``precompute_float8_dynamic_scale_for_fsdp``)."""
