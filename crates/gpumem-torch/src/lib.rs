@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, UNIX_EPOCH};
 
+pub mod cache;
+
 use gpumem_core::depth;
 use gpumem_core::job::{Options, RoutingImbalance};
 use gpumem_core::profile::SdpaBackend;
@@ -416,6 +418,9 @@ impl BridgeError {
 pub struct TorchTracer {
     pub python: String,
     pub cache_dir: PathBuf,
+    /// Bytes of traces kept in `cache_dir` before the least recently used are removed
+    /// ([`cache::evict`]).
+    pub cache_max_bytes: u64,
     /// Seconds before a trace is abandoned.
     pub timeout_s: u64,
 }
@@ -458,7 +463,8 @@ fn tail(text: &str, lines: usize) -> String {
 impl TorchTracer {
     /// Interpreter from `GPUMEM_PYTHON`, else the `python` beside this program (the virtual
     /// environment the gpumem-estimate wheel installed it into), else `python3`; cache under
-    /// `GPUMEM_CACHE`, else `$XDG_CACHE_HOME/gpumem`, else `~/.cache/gpumem`.
+    /// `GPUMEM_CACHE`, else `$XDG_CACHE_HOME/gpumem`, else `~/.cache/gpumem`, holding at most
+    /// `GPUMEM_CACHE_MAX_MIB` of traces (default [`cache::DEFAULT_MAX_BYTES`]).
     pub fn from_env() -> Self {
         let beside = || {
             let exe = std::env::current_exe().ok()?;
@@ -480,9 +486,20 @@ impl TorchTracer {
             .ok()
             .and_then(|s| s.parse().ok())
             .unwrap_or(900);
+        let cache_max_bytes = match std::env::var("GPUMEM_CACHE_MAX_MIB") {
+            Err(_) => cache::DEFAULT_MAX_BYTES,
+            Ok(s) => s.trim().parse::<u64>().map(|mib| mib << 20).unwrap_or_else(|_| {
+                eprintln!(
+                    "warning: GPUMEM_CACHE_MAX_MIB={s:?} is not a whole number of MiB; the trace cache keeps its default {} MiB",
+                    cache::DEFAULT_MAX_BYTES >> 20
+                );
+                cache::DEFAULT_MAX_BYTES
+            }),
+        };
         TorchTracer {
             python,
             cache_dir,
+            cache_max_bytes,
             timeout_s,
         }
     }
@@ -594,8 +611,19 @@ impl TorchTracer {
     }
 
     fn cached_symbolic(&self, req: &TraceRequest, torch: &str) -> Option<SymbolicTrace> {
-        let f = fs::File::open(self.symbolic_path(req, torch)).ok()?;
-        SymbolicTrace::read(BufReader::new(f)).ok()
+        let path = self.symbolic_path(req, torch);
+        let sym = SymbolicTrace::read(BufReader::new(fs::File::open(&path).ok()?)).ok()?;
+        cache::touch(&path);
+        Some(sym)
+    }
+
+    /// Keeps the trace cache within its budget once new traces are in it.
+    fn evict(&self) {
+        cache::evict(
+            &self.cache_dir.join("traces"),
+            self.cache_max_bytes,
+            std::time::SystemTime::now(),
+        );
     }
 
     /// Batch sizes a symbolic trace of `req` is fitted at, besides `with` where given: whole
@@ -667,6 +695,7 @@ impl TorchTracer {
         self.run(req, &[req.batch], &[&tmp], false)?;
         let t = self.read_tracer_output(req, &tmp, req.batch)?;
         fs::rename(&tmp, &path).map_err(|e| self.io(&path, e))?;
+        self.evict();
         Ok(t)
     }
 
@@ -800,6 +829,7 @@ impl TorchTracer {
             fs::rename(tmp, path).map_err(|e| self.io(path, e))?;
             out.push(t);
         }
+        self.evict();
         Ok(out)
     }
 
@@ -1289,8 +1319,11 @@ fn depth_path(out: &Path, depth: u32) -> PathBuf {
     PathBuf::from(p)
 }
 
+/// A cached trace, marked as used ([`cache::touch`]).
 fn read_trace(path: &Path) -> Option<Trace> {
-    Trace::read(BufReader::new(fs::File::open(path).ok()?)).ok()
+    let t = Trace::read(BufReader::new(fs::File::open(path).ok()?)).ok()?;
+    cache::touch(path);
+    Some(t)
 }
 
 fn mtime(p: &Path) -> Option<u128> {
@@ -1344,6 +1377,7 @@ mod tests {
         let t = TorchTracer {
             python: "/nonexistent/python".into(),
             cache_dir: std::env::temp_dir().join("gpumem-bridge-test"),
+            cache_max_bytes: 0,
             timeout_s: 5,
         };
         let e = t

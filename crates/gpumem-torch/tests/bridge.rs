@@ -16,6 +16,7 @@ fn tracer() -> Option<TorchTracer> {
         Ok(p) if !p.is_empty() => Some(TorchTracer {
             python: p,
             cache_dir: PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("gpumem-cache"),
+            cache_max_bytes: gpumem_torch::cache::DEFAULT_MAX_BYTES,
             timeout_s: 600,
         }),
         _ => {
@@ -128,6 +129,60 @@ fn a_data_parallel_symbolic_trace_equals_a_direct_trace() {
         peak(&direct) > peak(&single),
         "GPU 0 of two at batch 20 holds more than one GPU at batch 10"
     );
+}
+
+/// The trace cache keeps to its budget: entries unused for longer than the grace window go,
+/// least recently used first, once new traces are written; a hit renews an entry.
+#[test]
+fn the_trace_cache_evicts_what_was_used_least_recently() {
+    let Some(t) = tracer() else { return };
+    let t = TorchTracer {
+        cache_dir: t.cache_dir.join("evict"),
+        cache_max_bytes: 1,
+        ..t
+    };
+    let _ = std::fs::remove_dir_all(&t.cache_dir);
+    let dir = t.cache_dir.join("traces");
+    let mlp = |input: u32| {
+        TraceRequest::new(
+            format!("py:{}:mlp(input={input},output=4,depth=2)", seed_models()),
+            8,
+        )
+    };
+    let entries = || {
+        let mut v: Vec<(String, std::time::SystemTime)> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                let m = e.metadata().unwrap().modified().unwrap();
+                (e.file_name().to_string_lossy().into_owned(), m)
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let (a, b) = (mlp(32), mlp(48));
+    t.trace(&a).unwrap();
+    let only_a = entries();
+    t.trace(&b).unwrap();
+    // Both are fresh: over a one-byte budget, yet kept.
+    assert_eq!(entries().len(), 2 * only_a.len());
+    // Both unused for two grace windows; then `a` is used again.
+    let long_ago = std::time::SystemTime::now() - 2 * gpumem_torch::cache::GRACE;
+    for (name, _) in entries() {
+        let f = std::fs::File::options()
+            .append(true)
+            .open(dir.join(name))
+            .unwrap();
+        f.set_modified(long_ago).unwrap();
+    }
+    t.trace(&a).unwrap();
+    t.trace(&mlp(64)).unwrap();
+    let left: Vec<String> = entries().into_iter().map(|(n, _)| n).collect();
+    for (name, _) in &only_a {
+        assert!(left.contains(name), "{name}, used again, was evicted");
+    }
+    assert_eq!(left.len(), 2 * only_a.len(), "b's traces evicted: {left:?}");
 }
 
 /// The first estimate of a model traces it at its batch size and two more, in one tracer run;
