@@ -7,6 +7,8 @@
   check is given meta while the step runs; fused kernels without a meta kernel (``_fused_sgd_``)
   get one that does what the CUDA kernel does to memory — nothing, it works in place.
 - transformers' Adafactor is the real class, as Hugging Face's Trainer makes it.
+- transformers' own AdamW (``optim="adamw_hf"``) is the real class where the installed
+  transformers still has it; newer ones removed it, and ``TransformersAdamW`` restates its step.
 - Muon takes only 2-D parameters; the others go to torch's AdamW (foreach), as torch's
   documentation pairs them: one optimizer over both (``MuonWithAdamW``).
 - bitsandbytes' classes are the real ones: their own ``init_state`` makes the state (its
@@ -22,6 +24,7 @@
 import contextlib
 import functools
 import importlib
+import math
 
 import torch
 
@@ -104,6 +107,49 @@ def _transformers_adafactor(params, lr):
         raise ReferenceError_(f"optimizer adafactor needs transformers: {e}") from e
     # Hugging Face's Trainer for optim="adafactor" (trainer_optimizer._get_adafactor).
     return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False)
+
+
+class TransformersAdamW(torch.optim.Optimizer):
+    """transformers' own ``AdamW`` (``transformers.optimization.AdamW``), what Hugging Face's
+    Trainer made for ``optim="adamw_hf"`` (its default until transformers 4.32): restated for the
+    transformers that no longer have it (removed in 2025, transformers PR 36177). Per parameter:
+    its moments, made the first time it is stepped; ``denom = exp_avg_sq.sqrt().add_(eps)``; the
+    rest in place."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                exp_avg.mul_(beta1).add_(p.grad, alpha=1.0 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
+                denom = exp_avg_sq.sqrt().add_(group["eps"])
+                bias1, bias2 = 1.0 - beta1 ** state["step"], 1.0 - beta2 ** state["step"]
+                p.addcdiv_(exp_avg, denom, value=-group["lr"] * math.sqrt(bias2) / bias1)
+                if group["weight_decay"] > 0.0:
+                    p.add_(p, alpha=-group["lr"] * group["weight_decay"])
+
+
+def _transformers_adamw(params, lr):
+    try:
+        from transformers.optimization import AdamW
+    except ImportError:
+        AdamW = TransformersAdamW
+    if issubclass(AdamW, torch.optim.AdamW):  # the name kept for torch's, after the removal
+        AdamW = TransformersAdamW
+    return AdamW(params, lr=lr)
 
 
 class MuonWithAdamW:
@@ -235,6 +281,7 @@ def _named():
         table["rmsprop" + suffix] = _torch("RMSprop", suffix)
         table["torch-adafactor" + suffix] = _torch("Adafactor", suffix)
     table["adafactor"] = _transformers_adafactor
+    table["transformers-adamw"] = _transformers_adamw
     table["muon"] = MuonWithAdamW
     for paged in ("", "paged-"):
         for bits in ("8bit", "32bit"):

@@ -43,6 +43,7 @@ NATIVE = [
     "torchao-adamw8bit",
     "torchao-adamw4bit",
     "torchao-adamw-fp8",
+    "transformers-adamw",
 ]
 
 aten = torch.ops.aten
@@ -143,6 +144,12 @@ def real(name, params, lr=1e-3):
         return Adafactor(
             params, lr=lr, scale_parameter=False, relative_step=False
         ), contextlib.nullcontext
+    if name == "transformers-adamw":
+        # The installed transformers' own class where it still has one; else the tracer's
+        # restatement (held to transformers' code by test_optimizers.py's own expectations).
+        from gpumem_trace.optimizers import _transformers_adamw
+
+        return _transformers_adamw(params, lr), contextlib.nullcontext
     if name == "muon":
         pair = [
             torch.optim.Muon([p for p in params if p.ndim == 2], lr=lr),

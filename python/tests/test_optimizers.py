@@ -134,3 +134,35 @@ def test_the_tracer_builds_exactly_the_optimizers_gpumem_names():
         return None
 
     assert find(schema) == list(OPTIMIZERS)
+
+
+def test_transformers_adamw_steps_one_parameter_at_a_time():
+    """transformers' AdamW (``adamw_hf``) as its step reads (transformers 4.46,
+    src/transformers/optimization.py, ``AdamW.step``): per parameter its two moments where it has
+    none, then ``denom = exp_avg_sq.sqrt().add_(eps)``, which dies when the next parameter's
+    replaces it. torch's for-loop makes every state first, and two temporaries per parameter."""
+    import math
+
+    from optimizer_steps import SHAPES
+
+    sizes = [4 * math.prod(s) for s in SHAPES]
+
+    def expected(first):
+        events, n, denom = [], 0, None
+        for b in sizes:
+            if first:
+                events += [["alloc", b, "optimizer_state"], ["alloc", b, "optimizer_state"]]
+                n += 2
+            events.append(["alloc", b, "temporary"])
+            if denom is not None:
+                events.append(["free", denom])
+            denom, n = n, n + 1
+        return events + [["free", denom]]
+
+    steps = record("transformers-adamw")
+    assert [s["events"] for s in steps] == [expected(True), expected(False)]
+    pairs = max(a + b for a, b in zip(sizes, sizes[1:]))
+    assert [s["peak_temporary_bytes"] for s in steps] == [pairs, pairs]
+    assert steps[0]["state_bytes"] == 2 * sum(sizes)
+    loop_first = record("adamw-for-loop")[0]["events"]
+    assert all(e[2] == "optimizer_state" for e in loop_first[: 2 * len(sizes)])

@@ -263,6 +263,6 @@ fn native_models_refuse_what_needs_parameter_shapes() {
         .to_string();
     assert_eq!(
         e,
-        "optimizer muon applies to PyTorch models here: it takes only the 2-D parameters, and the native graphs hold parameter sizes, not shapes (the native families model adam, adamw, sgd and sgd-momentum in every implementation, bitsandbytes' and torchao's optimizers)"
+        "optimizer muon applies to PyTorch models here: it takes only the 2-D parameters, and the native graphs hold parameter sizes, not shapes (the native families model adam, adamw, sgd and sgd-momentum in every implementation, transformers' AdamW, bitsandbytes' and torchao's optimizers)"
     );
 }

@@ -147,6 +147,10 @@ pub enum Optimizer {
     Adam(Implementation),
     /// `torch.optim.AdamW` (weight decay 0.01, decoupled).
     AdamW(Implementation),
+    /// transformers' own `AdamW` (`transformers.optimization.AdamW`), what Hugging Face's
+    /// Trainer made for `optim="adamw_hf"` (its default until transformers 4.32; the class was
+    /// removed in 2025): one parameter at a time, its two moments made when first stepped.
+    TransformersAdamW,
     /// `torch.optim.SGD` without momentum (no state).
     Sgd(Implementation),
     /// `torch.optim.SGD(momentum=0.9)`: one momentum buffer per parameter.
@@ -197,6 +201,7 @@ const SPELLINGS: &[(&str, Optimizer)] = {
         ("adamw_torch", O::AdamW(F)),
         ("adamw_torch_fused", O::AdamW(U)),
         ("adafactor", O::Adafactor(Adafactor::Transformers)),
+        ("adamw_hf", O::TransformersAdamW),
         ("adamw_torch_4bit", O::Torchao(Torchao::AdamW4bit)),
         ("adamw_torch_8bit", O::Torchao(Torchao::AdamW8bit)),
         ("sgd", O::Sgd(F)),
@@ -227,6 +232,8 @@ const SPELLINGS: &[(&str, Optimizer)] = {
             O::Adafactor(Adafactor::Torch(Loop::Foreach)),
         ),
         ("torch.optim.muon", O::Muon),
+        ("transformers.adamw", O::TransformersAdamW),
+        ("transformers.optimization.adamw", O::TransformersAdamW),
         (
             "transformers.adafactor",
             O::Adafactor(Adafactor::Transformers),
@@ -274,7 +281,6 @@ const SPELLINGS: &[(&str, Optimizer)] = {
 /// Names trainers use for optimizers gpumem does not model, with what they are: refused by
 /// name rather than as a typo.
 const NOT_MODELLED: &[&str] = &[
-    "adamw_hf",
     "adamw_torch_xla",
     "adamw_torch_npu_fused",
     "adamw_apex_fused",
@@ -330,6 +336,7 @@ impl Optimizer {
             ]);
         }
         v.extend([
+            Optimizer::TransformersAdamW,
             Optimizer::Adafactor(Adafactor::Transformers),
             Optimizer::Muon,
         ]);
@@ -362,6 +369,7 @@ impl Optimizer {
             Optimizer::Adagrad(l) => ("adagrad", l.into()),
             Optimizer::RmsProp(l) => ("rmsprop", l.into()),
             Optimizer::Adafactor(Adafactor::Torch(l)) => ("torch-adafactor", l.into()),
+            Optimizer::TransformersAdamW => return "transformers-adamw".into(),
             Optimizer::Adafactor(Adafactor::Transformers) => return "adafactor".into(),
             Optimizer::Muon => return "muon".into(),
             Optimizer::Bnb(b) => {
@@ -475,10 +483,11 @@ impl Optimizer {
             Optimizer::Adagrad(l)
             | Optimizer::RmsProp(l)
             | Optimizer::Adafactor(Adafactor::Torch(l)) => Some(l.into()),
-            // transformers' Adafactor is a for-loop; Muon steps one parameter at a time.
-            Optimizer::Adafactor(Adafactor::Transformers) | Optimizer::Muon => {
-                Some(Implementation::ForLoop)
-            }
+            // transformers' AdamW and Adafactor are for-loops; Muon steps one parameter at a
+            // time.
+            Optimizer::TransformersAdamW
+            | Optimizer::Adafactor(Adafactor::Transformers)
+            | Optimizer::Muon => Some(Implementation::ForLoop),
             Optimizer::Bnb(_) | Optimizer::Torchao(_) => None,
         }
     }
@@ -489,7 +498,7 @@ impl Optimizer {
     /// factored or 2-D-only ones may be none.
     pub fn state_floor(self, word: u64) -> u64 {
         match self {
-            Optimizer::Adam(_) | Optimizer::AdamW(_) => 2 * word,
+            Optimizer::Adam(_) | Optimizer::AdamW(_) | Optimizer::TransformersAdamW => 2 * word,
             Optimizer::SgdMomentum(_) | Optimizer::Adagrad(_) | Optimizer::RmsProp(_) => word,
             Optimizer::Sgd(_) | Optimizer::Adafactor(_) | Optimizer::Muon => 0,
             Optimizer::Bnb(Bnb { paged: true, .. }) => 0,
@@ -515,7 +524,7 @@ impl Optimizer {
     pub fn zero_family(self) -> Option<&'static str> {
         match self {
             Optimizer::Adam(_) => Some("adam"),
-            Optimizer::AdamW(_) => Some("adamw"),
+            Optimizer::AdamW(_) | Optimizer::TransformersAdamW => Some("adamw"),
             Optimizer::Sgd(_) => Some("sgd"),
             Optimizer::SgdMomentum(_) => Some("sgd-momentum"),
             _ => None,

@@ -463,12 +463,13 @@ fn optimizers_are_read_as_trainers_name_them() {
     for o in Optimizer::all() {
         assert_eq!(Optimizer::parse(&o.name()).unwrap(), o);
     }
-    assert_eq!(Optimizer::all().len(), 35);
+    assert_eq!(Optimizer::all().len(), 36);
     // Hugging Face Trainer's `optim` (its default on torch ≥ 2.8 is adamw_torch_fused).
     for (hf, ours) in [
         ("adamw_torch", "adamw"),
         ("adamw_torch_fused", "adamw-fused"),
         ("adafactor", "adafactor"),
+        ("adamw_hf", "transformers-adamw"),
         ("adamw_bnb_8bit", "adamw8bit"),
         ("adamw_8bit", "adamw8bit"),
         ("paged_adamw_32bit", "paged-adamw32bit"),
@@ -493,6 +494,7 @@ fn optimizers_are_read_as_trainers_name_them() {
     assert_eq!(p("torch.optim.Muon"), "muon");
     assert_eq!(p("torch.optim.Adafactor"), "torch-adafactor");
     assert_eq!(p("transformers.Adafactor"), "adafactor");
+    assert_eq!(p("transformers.AdamW"), "transformers-adamw");
     assert_eq!(p("ao_adamw_fp8"), "torchao-adamw-fp8");
     assert_eq!(p(" ADAMW "), "adamw");
     // Older gpumem spellings.

@@ -50,7 +50,7 @@ pub enum StepEvent {
 /// An optimizer a native family model cannot train with, and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "optimizer {optimizer} applies to PyTorch models here: {why} (the native families model adam, adamw, sgd and sgd-momentum in every implementation, bitsandbytes' and torchao's optimizers)"
+    "optimizer {optimizer} applies to PyTorch models here: {why} (the native families model adam, adamw, sgd and sgd-momentum in every implementation, transformers' AdamW, bitsandbytes' and torchao's optimizers)"
 )]
 pub struct NotNative {
     pub optimizer: String,
@@ -112,6 +112,7 @@ pub fn step_events(
     let mut e = Events(Vec::new(), 0);
     match optimizer {
         Optimizer::Adam(i) | Optimizer::AdamW(i) => adam(&mut e, i, torch, params, first),
+        Optimizer::TransformersAdamW => transformers_adamw(&mut e, params, first),
         Optimizer::Sgd(_) => {}
         Optimizer::SgdMomentum(_) => {
             if first {
@@ -197,6 +198,26 @@ fn adam(e: &mut Events, i: Implementation, torch: TorchBehaviour, params: &[Para
         }
         // `_fused_adam_`: one kernel, in place.
         Implementation::Fused => {}
+    }
+}
+
+/// transformers' AdamW: per parameter, its moments where it has none yet (`zeros_like(p)`),
+/// then `denom = exp_avg_sq.sqrt().add_(eps)`, which lives until the next parameter's replaces
+/// it; the rest of the update is in place.
+fn transformers_adamw(e: &mut Events, params: &[Param], first: bool) {
+    let mut denom = None;
+    for p in params {
+        if first {
+            e.state(p.bytes(), "exp_avg");
+            e.state(p.bytes(), "exp_avg_sq");
+        }
+        let d = e.temp(p.bytes(), "sqrt");
+        if let Some(old) = denom.replace(d) {
+            e.free(old);
+        }
+    }
+    if let Some(d) = denom {
+        e.free(d);
     }
 }
 
