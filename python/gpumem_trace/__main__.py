@@ -69,6 +69,11 @@ def flags():
         help="each parameter's optimizer step runs in backward as its gradient is ready",
     )
     p.add_argument(
+        "--keep-grads",
+        action="store_true",
+        help="zero_grad(set_to_none=False): the gradients zeroed in place, kept between steps",
+    )
+    p.add_argument(
         "--chunked-ce",
         type=int,
         metavar="N",

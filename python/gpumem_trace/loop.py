@@ -76,6 +76,7 @@ class TraceOptions:
     optimizer_in_backward: bool = (
         False  # each parameter stepped in backward (optimizers.InBackward)
     )
+    keep_grads: bool = False  # zero_grad(set_to_none=False): gradients zeroed, not freed
     chunked_ce: int = None  # torchtune's chunked cross-entropy over this many slices (losses.py)
     liger: dict = None  # Liger's kernels, {name: on} over Liger's defaults (liger.py), or None
     float8: dict = None  # torchao's float8 training of the linear layers (float8.py), or None
@@ -670,7 +671,7 @@ def trace_training(opts: TraceOptions, out_path: str):
                 batch = next_batch(batch, step_specs[it])
                 if micro == 0:
                     rec.phase = "zero_grad"
-                    optimizer.zero_grad(set_to_none=True)
+                    optimizer.zero_grad(set_to_none=not opts.keep_grads)
                 if deferred:
                     # FSDP's no_sync: the gradients stay unsharded (and accumulate there)
                     # until the last micro-batch's backward reduce-scatters them.
@@ -751,9 +752,10 @@ def trace_training(opts: TraceOptions, out_path: str):
         generation = (opts.whole_run or {}).get("generation")
         evaluated_by = None
         if evaluation or generation:
-            # Hugging Face's Trainer zeroes the gradients (to None) after every step.
+            # Hugging Face's Trainer zeroes the gradients after every step (to None, unless
+            # they are kept).
             rec.phase = "zero_grad"
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=not opts.keep_grads)
         if evaluation:
             rec.run_phase("evaluate")
             outputs = loss = None

@@ -1906,6 +1906,45 @@ def test_optimizer_in_backward_frees_each_gradient_after_its_step(tmp_path):
     assert 0 < grads_in_backward < params / 2
 
 
+def test_kept_gradients_live_through_the_next_forward(tmp_path):
+    """``zero_grad(set_to_none=False)`` (torch before 2.0's default): the gradients are zeroed in
+    place, so every later forward runs beside all of them, and backward makes none anew; by
+    default each step's forward runs with none."""
+    pytest.importorskip("transformers")
+    ref = "hf:LlamaForCausalLM(hidden_size=256,intermediate_size=512,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=4,vocab_size=512)"
+
+    def trace(*extra):
+        header, evs = traced(
+            [ref, "--batch", "2", "--seq-len", "32", "--optimizer", "adamw", *extra], tmp_path
+        )
+        # Gradient bytes alive as each iteration's forward starts, and gradients made per iteration.
+        sizes, live, at_forward, made, it, seen = {}, 0, [], [0], 0, False
+        for e in evs:
+            if e["ev"] == "iteration":
+                it, seen = it + 1, False
+                made.append(0)
+            elif e["ev"] == "alloc":
+                if e["category"] == "activation" and not seen:
+                    at_forward.append(live)
+                    seen = True
+                if e["category"] == "gradient":
+                    sizes[e["id"]] = e["bytes"]
+                    live += e["bytes"]
+                    made[it] += 1
+            elif e["ev"] == "free" and e["id"] in sizes:
+                live -= sizes.pop(e["id"])
+        return header, at_forward, made[: len(at_forward)]
+
+    header, kept, made_kept = trace("--keep-grads")
+    assert header["options"]["keep_grads"] is True
+    _, freed, made_freed = trace()
+    grads = header["parameters"] * 4
+    assert len(kept) >= 3 and kept[0] == 0 and all(g == grads for g in kept[1:]), kept
+    assert all(g == 0 for g in freed), freed
+    assert made_kept[0] > 0 and not any(made_kept[1:]), made_kept
+    assert all(n == made_freed[0] > 0 for n in made_freed), made_freed
+
+
 def phase_peaks(evs):
     """Each part of a whole run's most allocated bytes, the parts before it included, and the
     allocations it made."""

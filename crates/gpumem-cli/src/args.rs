@@ -258,6 +258,10 @@ pub struct WorkloadArgs {
     /// no gradient accumulation.
     #[arg(long)]
     optimizer_in_backward: bool,
+    /// The gradients kept between steps (PyTorch models): `zero_grad(set_to_none=False)`
+    /// zeroes them in place instead of freeing them, as PyTorch before 2.0 did by default.
+    #[arg(long)]
+    keep_grads: bool,
     /// Chunked cross-entropy (causal language models): the output projection on N chunks of
     /// the sequence, each upcast to fp32 for the loss in turn (torchtune's
     /// CEWithChunkedOutputLoss; it uses 8), in place of the model's own loss.
@@ -817,6 +821,7 @@ impl WorkloadArgs {
             lora: lora.clone(),
             strategy: None,
             optimizer_in_backward: self.optimizer_in_backward,
+            keep_grads: self.keep_grads,
             chunked_ce: self.chunked_ce,
             activation_offloading: self.activation_offloading,
             reference_model: self.reference_model,
@@ -906,6 +911,9 @@ impl WorkloadArgs {
             }
             if self.optimizer_in_backward {
                 v.optimizer_in_backward = true;
+            }
+            if self.keep_grads {
+                v.keep_grads = true;
             }
             if let Some(n) = self.chunked_ce {
                 if v.chunked_ce.is_some() {

@@ -444,6 +444,11 @@ pub struct OptionValues {
     /// `register_post_accumulate_grad_hook` recipe). Left out where false.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub optimizer_in_backward: bool,
+    /// `zero_grad(set_to_none=False)`: the gradients zeroed in place and kept allocated between
+    /// steps, as PyTorch before 2.0 did by default (and Hugging Face's Trainer with it), rather
+    /// than freed. Left out where false.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub keep_grads: bool,
     /// Chunked cross-entropy (torchtune's `CEWithChunkedOutputLoss`): a causal language model's
     /// output projection run on this many chunks of the sequence, each upcast to fp32 for the
     /// loss one at a time, in place of the model's own loss. Left out where absent.
@@ -494,6 +499,7 @@ impl Default for OptionValues {
             lora: None,
             strategy: None,
             optimizer_in_backward: false,
+            keep_grads: false,
             chunked_ce: None,
             activation_offloading: false,
             reference_model: false,
@@ -574,6 +580,8 @@ pub enum OptionError {
     ReferenceModel(&'static str),
     #[error("optimizer_in_backward (--optimizer-in-backward) cannot go with {0}")]
     OptimizerInBackward(&'static str),
+    #[error("keep_grads (--keep-grads) cannot go with {0}")]
+    KeepGrads(&'static str),
     #[error(
         "float8.fsdp_all_gather (--float8-all-gather) gathers FSDP's weights in float8: it needs {0}"
     )]
@@ -687,7 +695,7 @@ pub struct RanksNotGpus {
 /// Options a native family model cannot take, on a native model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs, --attention-mask, --attention, --lora, --liger, --chunked-ce, --activation-offloading, --reference-model, --optimizer-in-backward and --strategy apply to PyTorch models ({})",
+    "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs, --attention-mask, --attention, --lora, --liger, --chunked-ce, --activation-offloading, --reference-model, --optimizer-in-backward, --keep-grads and --strategy apply to PyTorch models ({})",
     TORCH_PREFIXES.join(", ")
 )]
 pub struct TorchOnly;
@@ -804,6 +812,18 @@ impl OptionValues {
             };
             if let Some(clash) = clash {
                 return Err(OptionError::OptimizerInBackward(clash));
+            }
+        }
+        if self.keep_grads {
+            let clash = if self.optimizer_in_backward {
+                Some("optimizer_in_backward (it frees each gradient as it applies it)")
+            } else if self.strategy.is_some_and(|s| s.zero_stage().is_some()) {
+                Some("ZeRO (DeepSpeed's engine keeps the gradients in its own buffers)")
+            } else {
+                None
+            };
+            if let Some(clash) = clash {
+                return Err(OptionError::KeepGrads(clash));
             }
         }
         if let Some(f8) = self.float8.filter(|f| f.fsdp_all_gather) {

@@ -579,6 +579,34 @@ fn zero_runs_only_its_own_optimizers() {
 }
 
 #[test]
+fn kept_gradients_are_stated_where_kept_and_refused_where_an_engine_owns_them() {
+    let plain = serde_json::to_string(&Options::default()).unwrap();
+    assert!(!plain.contains("keep_grads"), "{plain}");
+    let o: Options = serde_json::from_str(r#"{"keep_grads":true}"#).unwrap();
+    assert!(o.keep_grads && !o.native_compatible());
+    assert!(
+        serde_json::to_string(&o)
+            .unwrap()
+            .contains(r#""keep_grads":true"#)
+    );
+    assert_eq!(
+        refused(r#"{"keep_grads":true,"optimizer_in_backward":true}"#),
+        "keep_grads (--keep-grads) cannot go with optimizer_in_backward (it frees each gradient as it applies it)"
+    );
+    assert!(
+        refused(
+            r#"{"keep_grads":true,"optimizer":"adamw","strategy":{"kind":"zero","stage":2,"world_size":2}}"#
+        )
+        .contains("keep_grads (--keep-grads) cannot go with ZeRO"),
+    );
+    let fsdp: Options = serde_json::from_str(
+        r#"{"keep_grads":true,"strategy":{"kind":"fsdp","mesh":{"shard":2}}}"#,
+    )
+    .unwrap();
+    assert!(fsdp.keep_grads);
+}
+
+#[test]
 fn the_attention_implementation_is_left_out_where_the_model_chooses() {
     let plain = serde_json::to_string(&Options::default()).unwrap();
     assert!(!plain.contains("attention\""), "{plain}");
