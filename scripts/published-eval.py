@@ -69,8 +69,25 @@ def model_arg(model, tmp):
     return model
 
 
+def profile_arg(job, gpumem, tmp):
+    """`--gpu NAME`, or where the row states the CUDA context it measured (rule R19) a
+    `--profile` file: the built-in profile with that context."""
+    if "context_mib" not in job:
+        return ["--gpu", job["gpu"]]
+    out = subprocess.run([gpumem, "gpus", "--json"], capture_output=True, text=True, check=True).stdout
+    gpu = next(g for g in json.loads(out) if g["name"] == job["gpu"])
+    gpu["cuda_context_mib"] = float(job["context_mib"])
+    value = lambda v: ("{ " + ", ".join(f"{k} = {json.dumps(x)}" for k, x in v.items()) + " }"
+                       if isinstance(v, dict) else json.dumps(v))
+    path = os.path.join(tmp, "profiles", "%d.toml" % job["line"])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("[[gpu]]\n" + "".join(f"{k} = {value(v)}\n" for k, v in gpu.items()))
+    return ["--profile", path]
+
+
 def command(job, gpumem, tmp):
-    a = [gpumem, "estimate", model_arg(job["model"], tmp), "--json", "--gpu", job["gpu"],
+    a = [gpumem, "estimate", model_arg(job["model"], tmp), "--json", *profile_arg(job, gpumem, tmp),
          "--batch", str(job["batch"]), "--precision", job["precision"], "--optimizer", job["optimizer"]]
     if "seq_len" in job:
         a += ["--seq-len", str(job["seq_len"])]
@@ -94,6 +111,8 @@ def command(job, gpumem, tmp):
         a += ["--world-size", str(job["world_size"])]
     if "grad_accum" in job:
         a += ["--grad-accum", str(job["grad_accum"])]
+    if job.get("keep_grads"):
+        a.append("--keep-grads")
     a += [os.path.join(ROOT, x) if x.endswith(".json") else x for x in job.get("extra", [])]
     return a
 

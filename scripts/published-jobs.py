@@ -27,7 +27,9 @@ RULES (stated once; every row follows them)
     `--checkpointing=selective-op` — amended 2026-12-07: gpumem's `selective` saves every matmul);
     "not stated" -> the framework's default config of the time where the row's notes name it,
     else off.
- R4 optimizer. AdamW (any implementation: HF default, fused, foreach) -> `adamw`; bitsandbytes
+ R4 optimizer. AdamW (any implementation: HF default, fused, foreach) -> `adamw` (amended
+    2026-12-08: HF's `adamw_hf` stated -> `transformers-adamw`, transformers' own class, which
+    gpumem now models; see also R18's implementation); bitsandbytes
     8-bit -> `adamw8bit`, paged -> `paged-adamw8bit`; Adafactor -> `adafactor` (refused by gpumem
     builds without it: recorded as a gpumem refusal, not re-mapped). litgpt with `--quantize
     bnb.*` swaps an AdamW for bitsandbytes' PagedAdamW (instantiate_bnb_optimizer) ->
@@ -80,6 +82,16 @@ RULES (stated once; every row follows them)
     a histogram of 64 equal bins plus the maximum -> `--seq-len-histogram` (gpumem's default
     100 steps, seed 0). Written after two trial estimates of rows 231-232 (to see the replay
     run on them); nothing in it (bins, steps, seed) was chosen by their figures.
+ R18 PyTorch 1.x (added 2026-12-08, with `--keep-grads`). A row run before PyTorch 2.0 (March
+    2023) — dated by its source column ("2022-12", "(2022)"), or by the page itself (the
+    transformers single-GPU pages' nvidia-smi output reads January 2022, CUDA 11.2) — ran 1.x's
+    defaults: `zero_grad()` zeroes the gradients and keeps them (`--keep-grads`; not under
+    DeepSpeed, whose engine keeps its own), and torch.optim's optimizers run one parameter at a
+    time (foreach became the default in 2.0: `adamw` -> `adamw-for-loop`).
+ R19 stated CUDA context (added 2026-12-08). Where a row's source measures nvidia-smi and states
+    the context its own run took before the model (the transformers pages: "GPU memory
+    occupied: 1343 MB" after `torch.ones((1, 1)).to("cuda")`), the GPU's profile takes that
+    context (`context_mib`): a fixed cost the source measured, nothing fitted.
  R15 accumulation (added 2026-12-07, with FSDP's `no_sync`). Stated ("grad accum N",
     "gradient_accumulation_steps N", "GA N") -> `--grad-accum N`; litgpt: its
     `gradient_accumulation_iters`, global_bs // (GPUs x micro-batch) where that is at least 1
@@ -289,10 +301,13 @@ def hf_docs(n, r):
     ga = int(re.search(r"grad_accum (\d+)", o).group(1))
     prec = "amp-fp16" if "fp16" in r["precision"] else "fp32"
     opt = r["optimizer"]
-    opt = "adafactor" if "Adafactor" in opt else ("adam8bit" if "8bit" in opt else "adamw")
+    # R4: the Trainer's default optim of the time, adamw_hf (the row's settings name it).
+    opt = "adafactor" if "Adafactor" in opt else ("adam8bit" if "8bit" in opt else "transformers-adamw")
     ck = "full" if r["checkpointing"] == "on" else "off"
-    return run("hf:BertForSequenceClassification@google-bert/bert-large-uncased", "v100-16gb", r["micro_batch"],
-               "nvidia-smi", seq=512, precision=prec, optimizer=opt, ckpt=ck, grad_accum=ga, tags=["after-train"])
+    j = run("hf:BertForSequenceClassification@google-bert/bert-large-uncased", "v100-16gb", r["micro_batch"],
+            "nvidia-smi", seq=512, precision=prec, optimizer=opt, ckpt=ck, grad_accum=ga, tags=["after-train"])
+    j["context_mib"] = 1343  # R19
+    return j
 
 
 def unsloth(n, r):
@@ -498,6 +513,28 @@ def lengths(job, r, bins=64):
     return job
 
 
+# R18: runs dated by their page rather than their source column.
+RUN_DATES = {"huggingface/transformers": (2022, 1)}
+TORCH_2 = (2023, 3)
+
+
+def torch1(j, r):
+    """Rule R18: a row run before PyTorch 2.0 with 1.x's zero_grad and optimizer defaults."""
+    src = r["source"].split()[0].replace("github:", "")
+    m = re.search(r"\((?:[^()]*\D)?(20\d\d)(?:-(\d\d))?\)", r["source"])
+    date = next((d for k, d in RUN_DATES.items() if src.startswith(k)), None)
+    if date is None and m:
+        date = (int(m.group(1)), int(m.group(2) or 12))
+    if j.get("status") != "run" or date is None or date >= TORCH_2:
+        return j
+    if j.get("strategy", "").startswith("zero") or "--deepspeed" in j.get("extra", []):
+        return j
+    j["keep_grads"] = True
+    if j["optimizer"] in ("adam", "adamw", "sgd", "sgd-momentum"):
+        j["optimizer"] += "-for-loop"
+    return j
+
+
 def toml_value(v):
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -511,11 +548,11 @@ def toml_value(v):
 def main():
     rows = list(csv.DictReader(open(CSV, newline="")))
     out = ["# gpumem jobs of the published dev rows: written by scripts/published-jobs.py (its docstring",
-           "# states the mapping rules R1-R17). `line` is the row's line in published_runs_dev.csv;",
+           "# states the mapping rules R1-R19). `line` is the row's line in published_runs_dev.csv;",
            "# `status = \"no\"` rows carry the missing mechanism as `reason`.", ""]
     for i, r in enumerate(rows):
         n = i + 2
-        j = mapping(n, r)
+        j = torch1(mapping(n, r), r)
         key = re.sub(r"[^a-z0-9]+", "-", (r["source"].split()[0].split("/")[-1] + "-" + r["model"]).lower())[:48].strip("-")
         out.append("[[row]]")
         out.append(f"line = {n}")
