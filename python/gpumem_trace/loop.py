@@ -381,9 +381,11 @@ def trace_training(opts: TraceOptions, out_path: str):
             model, ranks["tensor"], opts.model, opts.context > 1, opts.sequence_parallel
         )
         sharded_loss = distributed.loss_parallel(model)
+    cut_batch = None
     if opts.context > 1:
         # torchtitan's order: context parallelism after tensor parallelism. Each step's batch
-        # is cut to the rank's chunks of the sequence before the model sees it.
+        # is cut to the rank's chunks of the sequence before the model sees it (before a
+        # pipeline's schedule splits it into micro-batches, as torchtitan's train step does).
         cut_batch = distributed.context_parallel(model, ranks["context"], opts.model)
 
         def forward_on_chunks(m, b):
@@ -679,6 +681,8 @@ def trace_training(opts: TraceOptions, out_path: str):
                         root.set_requires_gradient_sync(micro == opts.grad_accum - 1)
                 if schedule:
                     # The rank's micro-batches, forward and backward in its schedule's order.
+                    if cut_batch is not None:
+                        batch[0], batch[1], _ = cut_batch(batch[0], batch[1])
                     with autocast if autocast is not None else contextlib.nullcontext():
                         schedule.step(batch[0], hidden, opts.tensor)
                     end_autocast()

@@ -240,10 +240,6 @@ fn expert_and_context_parallel_jobs_are_checked_in_one_line() {
             "--tp, --pp and --cp compose with --strategy fsdp or hsdp, not ddp",
         ),
         (
-            &["--cp", "2", "--pp", "2"][..],
-            "pipeline parallelism (strategy.mesh.pipeline) with context parallelism (--cp) is not sized yet",
-        ),
-        (
             &["--cp", "2", "--whole-run"][..],
             "whole_run (--whole-run) with context parallelism (strategy.mesh.context) is not sized yet",
         ),
@@ -365,6 +361,61 @@ fn a_torchtitan_models_pipeline_stages_are_each_sized() {
         stages[0]["peak_bytes"], v["peak_bytes"],
         "the worst answers"
     );
+}
+
+/// Pipeline stages of context-parallel ranks: the batch cut to the rank's chunks of the
+/// sequence before the schedule splits it into micro-batches (torchtitan's train step), so each
+/// stage's activations fall with the context ranks, alone and on a 4-D mesh with FSDP and
+/// tensor parallelism.
+#[test]
+fn a_pipeline_stage_of_context_parallel_ranks_holds_its_chunks() {
+    let Some(python) = titan_python() else {
+        return;
+    };
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "estimate",
+            TITAN,
+            "--batch",
+            "2",
+            "--seq-len",
+            "8192",
+            "--gpu",
+            "h100-80gb-sxm",
+            "--precision",
+            "amp-bf16",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        serde_json::from_str(&titan_gpumem(&python, "titan-pp-cp", &args)).unwrap()
+    };
+    let activations = |v: &serde_json::Value| v["breakdown"]["activations_mib"].as_f64().unwrap();
+    let alone = run(&[]);
+    let halves = run(&["--cp", "2"]);
+    assert_eq!(halves["stages"].as_array().unwrap().len(), 2, "{halves}");
+    assert!(
+        activations(&halves) < 0.6 * activations(&alone),
+        "{} against {}",
+        activations(&halves),
+        activations(&alone)
+    );
+    let mesh = run(&[
+        "--strategy",
+        "fsdp",
+        "--world-size",
+        "16",
+        "--cp",
+        "2",
+        "--tp",
+        "2",
+    ]);
+    assert_eq!(mesh["strategy"]["mesh"]["context"], 2);
+    assert_eq!(mesh["strategy"]["mesh"]["pipeline"], 2);
+    assert!(activations(&mesh) < activations(&halves));
 }
 
 /// The largest batch of an expert-parallel job bounded at a router imbalance fits both

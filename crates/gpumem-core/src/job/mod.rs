@@ -865,9 +865,6 @@ impl OptionValues {
                     Some("validate (--validate)")
                 } else if self.attention_mask != AttentionMask::None {
                     Some("attention_mask (--attention-mask)")
-                } else if strategy.context_parallel() > 1 {
-                    // The stages are Hugging Face decoders', context parallelism torchtitan's.
-                    Some("context parallelism (--cp)")
                 } else if strategy.tensor_parallel() > 1
                     && strategy.pipeline().map(|p| p.schedule()) == Some(Schedule::ZeroBubble)
                 {
