@@ -280,8 +280,8 @@ def _named():
         table["adagrad" + suffix] = _torch("Adagrad", suffix)
         table["rmsprop" + suffix] = _torch("RMSprop", suffix)
         table["torch-adafactor" + suffix] = _torch("Adafactor", suffix)
-    table["adafactor"] = _transformers_adafactor
     table["transformers-adamw"] = _transformers_adamw
+    table["adafactor"] = _transformers_adafactor
     table["muon"] = MuonWithAdamW
     for paged in ("", "paged-"):
         for bits in ("8bit", "32bit"):
