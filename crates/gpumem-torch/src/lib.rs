@@ -489,10 +489,14 @@ impl TorchTracer {
         let cache_max_bytes = match std::env::var("GPUMEM_CACHE_MAX_MIB") {
             Err(_) => cache::DEFAULT_MAX_BYTES,
             Ok(s) => s.trim().parse::<u64>().map(|mib| mib << 20).unwrap_or_else(|_| {
-                eprintln!(
-                    "warning: GPUMEM_CACHE_MAX_MIB={s:?} is not a whole number of MiB; the trace cache keeps its default {} MiB",
-                    cache::DEFAULT_MAX_BYTES >> 20
-                );
+                // Once per process: a daemon or a plan reads the environment many times.
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    eprintln!(
+                        "warning: GPUMEM_CACHE_MAX_MIB={s:?} is not a whole number of MiB; the trace cache keeps its default {} MiB",
+                        cache::DEFAULT_MAX_BYTES >> 20
+                    )
+                });
                 cache::DEFAULT_MAX_BYTES
             }),
         };
