@@ -681,10 +681,11 @@ def trace_training(opts: TraceOptions, out_path: str):
                         root.set_requires_gradient_sync(micro == opts.grad_accum - 1)
                 if schedule:
                     # The rank's micro-batches, forward and backward in its schedule's order.
+                    kwargs = None
                     if cut_batch is not None:
-                        batch[0], batch[1], _ = cut_batch(batch[0], batch[1])
+                        batch[0], batch[1], kwargs = cut_batch(batch[0], batch[1])
                     with autocast if autocast is not None else contextlib.nullcontext():
-                        schedule.step(batch[0], hidden, opts.tensor)
+                        schedule.step(batch[0], hidden, opts.tensor, kwargs)
                     end_autocast()
                     for h in hooks if it == 0 else ():
                         h.remove()

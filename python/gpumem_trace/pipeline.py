@@ -141,8 +141,8 @@ class TitanChunk(torch.nn.Module):
         self.part, self.first, self.last = part, first, last
         self._loss = loss if last else None
 
-    def forward(self, x, labels=None):
-        out = self.part(x)
+    def forward(self, x, labels=None, **kwargs):
+        out = self.part(x, **kwargs)
         return out if self._loss is None else self._loss(out, labels)
 
 
@@ -260,9 +260,11 @@ class Schedule:
                 for c in self.chunks
             ]
 
-    def step(self, input_ids, hidden_size, sequence_shards=1):
+    def step(self, input_ids, hidden_size, sequence_shards=1, kwargs=None):
         """Every micro-batch of ``input_ids`` (the rank's batch: the labels too) through the
-        rank's chunks, forward and backward in the schedule's order. Each backward runs through
+        rank's chunks, forward and backward in the schedule's order; ``kwargs`` (context
+        parallelism's positions) split into micro-batches as the inputs are and given to every
+        chunk, as PyTorch's schedules give a step's keyword arguments to every stage. Each backward runs through
         PyTorch's own ``backward_maybe_with_nosync`` (an FSDP chunk's gradients accumulate
         unsharded, its layers stay gathered, until its last micro-batch), and each chunk's
         gradients are reduced right after that, as PyTorch's schedules do."""
@@ -271,6 +273,8 @@ class Schedule:
                 f"a batch of {input_ids.shape[0]} does not split into {self.microbatches} equal micro-batches"
             )
         ids = input_ids.tensor_split(self.microbatches)
+        split = {k: v.tensor_split(self.microbatches) for k, v in (kwargs or {}).items()}
+        kw = [{k: v[m] for k, v in split.items()} for m in range(self.microbatches)]
         if self.received is None:
             batch, seq = ids[0].shape
             self._buffers((batch, seq // sequence_shards, hidden_size), input_ids.device)
@@ -285,7 +289,7 @@ class Schedule:
                 self.rec.phase = "forward"
                 _before_forward(chunk)
                 x = ids[m] if acts is None else acts[m]
-                cache[c, m] = (chunk(x, labels=ids[m]), x)
+                cache[c, m] = (chunk(x, labels=ids[m], **kw[m]), x)
                 continue
             self.rec.phase = "backward"
             final = i == last[c]
