@@ -46,6 +46,24 @@ fn titan_gpumem(python: &str, suite: &str, args: &[&str]) -> String {
     String::from_utf8(o.stdout).unwrap()
 }
 
+/// `gpumem estimate` of the debug model at 2 × 8,192 tokens in amp-bf16 (the context-parallel
+/// tests' job), with `extra`.
+fn long_sequence_estimate(python: &str, suite: &str, extra: &[&str]) -> String {
+    let job = [
+        "estimate",
+        TITAN,
+        "--batch",
+        "2",
+        "--seq-len",
+        "8192",
+        "--gpu",
+        "h100-80gb-sxm",
+        "--precision",
+        "amp-bf16",
+    ];
+    titan_gpumem(python, suite, &[&job[..], extra].concat())
+}
+
 /// The estimate's peak and activations (bytes, MiB) for one checkpointing mode.
 fn estimate(python: &str, mode: &str) -> (u64, f64) {
     let o = Command::new(env!("CARGO_BIN_EXE_gpumem"))
@@ -258,22 +276,7 @@ fn a_context_parallel_rank_holds_its_chunks() {
     let Some(python) = titan_python() else {
         return;
     };
-    let run = |extra: &[&str]| {
-        let mut args = vec![
-            "estimate",
-            TITAN,
-            "--batch",
-            "2",
-            "--seq-len",
-            "8192",
-            "--gpu",
-            "h100-80gb-sxm",
-            "--precision",
-            "amp-bf16",
-        ];
-        args.extend_from_slice(extra);
-        titan_gpumem(&python, "titan-cp", &args)
-    };
+    let run = |extra: &[&str]| long_sequence_estimate(&python, "titan-cp", extra);
     let json = |extra: &[&str]| -> serde_json::Value {
         let mut all = extra.to_vec();
         all.push("--json");
@@ -373,25 +376,8 @@ fn a_pipeline_stage_of_context_parallel_ranks_holds_its_chunks() {
         return;
     };
     let run = |extra: &[&str]| -> serde_json::Value {
-        let mut args = vec![
-            "estimate",
-            TITAN,
-            "--batch",
-            "2",
-            "--seq-len",
-            "8192",
-            "--gpu",
-            "h100-80gb-sxm",
-            "--precision",
-            "amp-bf16",
-            "--pp",
-            "2",
-            "--microbatches",
-            "2",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        serde_json::from_str(&titan_gpumem(&python, "titan-pp-cp", &args)).unwrap()
+        let pipeline = [&["--pp", "2", "--microbatches", "2", "--json"], extra].concat();
+        serde_json::from_str(&long_sequence_estimate(&python, "titan-pp-cp", &pipeline)).unwrap()
     };
     let activations = |v: &serde_json::Value| v["breakdown"]["activations_mib"].as_f64().unwrap();
     let alone = run(&[]);
