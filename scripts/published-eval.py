@@ -16,6 +16,7 @@ after looking at them, come from data/published/diagnoses.toml (never used to ch
 import argparse
 import concurrent.futures as cf
 import csv
+import functools
 import json
 import os
 import shutil
@@ -69,13 +70,19 @@ def model_arg(model, tmp):
     return model
 
 
+@functools.cache
+def builtin_profiles(gpumem):
+    """The binary's built-in GPU profiles (`gpumem gpus --json`), read once."""
+    out = subprocess.run([gpumem, "gpus", "--json"], capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
 def profile_arg(job, gpumem, tmp):
     """`--gpu NAME`, or where the row states the CUDA context it measured (rule R19) a
     `--profile` file: the built-in profile with that context."""
     if "context_mib" not in job:
         return ["--gpu", job["gpu"]]
-    out = subprocess.run([gpumem, "gpus", "--json"], capture_output=True, text=True, check=True).stdout
-    gpu = next(g for g in json.loads(out) if g["name"] == job["gpu"])
+    gpu = dict(next(g for g in builtin_profiles(gpumem) if g["name"] == job["gpu"]))
     gpu["cuda_context_mib"] = float(job["context_mib"])
     value = lambda v: ("{ " + ", ".join(f"{k} = {json.dumps(x)}" for k, x in v.items()) + " }"
                        if isinstance(v, dict) else json.dumps(v))

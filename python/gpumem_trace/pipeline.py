@@ -264,8 +264,8 @@ class Schedule:
         """Every micro-batch of ``input_ids`` (the rank's batch: the labels too) through the
         rank's chunks, forward and backward in the schedule's order; ``kwargs`` (context
         parallelism's positions) split into micro-batches as the inputs are and given to every
-        chunk, as PyTorch's schedules give a step's keyword arguments to every stage. Each backward runs through
-        PyTorch's own ``backward_maybe_with_nosync`` (an FSDP chunk's gradients accumulate
+        chunk, as PyTorch's schedules give a step's keyword arguments to every stage. Each
+        backward runs through PyTorch's own ``backward_maybe_with_nosync`` (an FSDP chunk's gradients accumulate
         unsharded, its layers stay gathered, until its last micro-batch), and each chunk's
         gradients are reduced right after that, as PyTorch's schedules do."""
         if input_ids.shape[0] % self.microbatches:

@@ -670,7 +670,7 @@ impl TorchTracer {
             return Ok(t);
         }
         let path = self.cache_path(req, &torch);
-        if let Some(t) = read_trace(&path) {
+        if let Some(t) = cached_trace(&path) {
             return Ok(t);
         }
         let batches = if fit && symbolic_ok {
@@ -690,7 +690,7 @@ impl TorchTracer {
     /// shapes, nor the parts of a run), and cached.
     fn trace_in_order(&self, req: &TraceRequest, torch: &str) -> Result<Trace, BridgeError> {
         let path = self.cache_path(req, torch);
-        if let Some(t) = read_trace(&path) {
+        if let Some(t) = cached_trace(&path) {
             return Ok(t);
         }
         let dir = self.cache_dir.join("traces");
@@ -1178,7 +1178,7 @@ impl TorchTracer {
         let cached: Vec<Option<Trace>> = batches
             .iter()
             .map(|&b| {
-                read_trace(&self.cache_path(
+                cached_trace(&self.cache_path(
                     &TraceRequest {
                         batch: b,
                         ..req.clone()
@@ -1323,9 +1323,13 @@ fn depth_path(out: &Path, depth: u32) -> PathBuf {
     PathBuf::from(p)
 }
 
-/// A cached trace, marked as used ([`cache::touch`]).
 fn read_trace(path: &Path) -> Option<Trace> {
-    let t = Trace::read(BufReader::new(fs::File::open(path).ok()?)).ok()?;
+    Trace::read(BufReader::new(fs::File::open(path).ok()?)).ok()
+}
+
+/// A trace from the cache, marked as used ([`cache::touch`]).
+fn cached_trace(path: &Path) -> Option<Trace> {
+    let t = read_trace(path)?;
     cache::touch(path);
     Some(t)
 }
