@@ -42,7 +42,14 @@ RULES (stated once; every row follows them)
     implementation (torchtitan/torchtune Llama) -> the Hugging Face transformers class of the same
     checkpoint, config from data/hub-configs; tagged `framework-model`. Instruct/chat variants use
     their own config.
- R7 torch.compile -> traced eager; tagged `compile`.
+ R7 torch.compile -> traced eager; tagged `compile`. Amended 2026-12-08: where the trainer
+    compiles its loss with it -> `--compile`, the loss compiled as gpumem now models it (the
+    model's compiled blocks stay traced eagerly): torchtune's `compile_loss` (its chunked
+    cross-entropy's slices); torchtitan where the run's release compiled its loss — from
+    2024-10-22 to 2024-12-18 and from 2025-04-02 on (its git history: e10cb949, e8977b00,
+    bbb1b616) — placed by a date in the row (YYYY-MM, a nightly's devYYYYMMDD, a year from 2026);
+    a row that cannot be placed (torchtitan 0.0.2 spans April 2024 to June 2025) stays eager,
+    the larger estimate, as gpumem's reader takes torchtitan's older `training.compile`.
  R8 GPUs. The row's GPU profile where gpumem has it; A800 80GB -> a100-80gb; "A100" with
     figures above 40 GiB or stated 80GB -> a100-80gb; RTX 4070 Ti SUPER -> rtx4090 (same Ada
     architecture; only torch-side figures are compared); Titan RTX 24GB -> rtx3090; B200 /
@@ -177,6 +184,16 @@ def float8(precision):
     return ["--float8", recipe] + (["--float8-all-gather"] if gather else [])
 
 
+def titan_compiles_loss(r):
+    """R7: whether the row's torchtitan release compiled its loss, by the date the row states."""
+    text = f"{r['source']} {r['other_settings']}"
+    dated = re.search(r"\b(20\d\d)-(\d\d)\b", text) or re.search(r"dev(20\d\d)(\d\d)\d\d", text)
+    if dated:
+        month = dated.group(1) + "-" + dated.group(2)
+        return "2024-10" <= month <= "2024-12" or month >= "2025-04"
+    return any(int(y) >= 2026 for y in re.findall(r"\b(20\d\d)\b", text))
+
+
 def torchtitan(n, r):
     p = r["precision"].lower()
     low = None
@@ -202,7 +219,8 @@ def torchtitan(n, r):
     if "not stated" in r["checkpointing"]:
         tags.append("ac-not-stated")
     return run(m, gpu, r["micro_batch"], "reserved", seq=r["seq_len"], precision="fp32",
-               ckpt=ck, strategy="fsdp", world=r["n_gpus"], extra=["--fsdp-param-dtype", "bf16"] + (low or []),
+               ckpt=ck, strategy="fsdp", world=r["n_gpus"],
+               extra=["--fsdp-param-dtype", "bf16"] + (["--compile"] if titan_compiles_loss(r) else []) + (low or []),
                tags=tags)
 
 
@@ -233,7 +251,7 @@ def torchtune(n, r):
         if gpu is None:
             return no("gpu-profile", "RTX A6000: no profile")
         # torchtune's llama3_1 configs of 2024-09 train with CEWithChunkedOutputLoss (8 chunks).
-        chunked = ["--chunked-ce", "8"]
+        chunked = ["--chunked-ce", "8", "--compile"]  # R7: torchtune's compile_loss
         if "Full finetune" in s:
             # 8B_full_single_device: bnb PagedAdamW8bit stepped in backward, AC on.
             return run(m, gpu, r["micro_batch"], "reserved", seq=r["seq_len"], ckpt="full", optimizer="paged-adamw8bit",

@@ -74,6 +74,11 @@ def flags():
         help="zero_grad(set_to_none=False): the gradients zeroed in place, kept between steps",
     )
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="the loss compiled as the trainer compiles it (torch.compile: AOTAutograd, Inductor)",
+    )
+    p.add_argument(
         "--chunked-ce",
         type=int,
         metavar="N",

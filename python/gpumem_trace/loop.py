@@ -22,6 +22,7 @@ import torch.utils.checkpoint
 from . import (
     ac,
     amp,
+    compiled,
     cuda,
     distributed,
     float8,
@@ -78,6 +79,7 @@ class TraceOptions:
     )
     keep_grads: bool = False  # zero_grad(set_to_none=False): gradients zeroed, not freed
     chunked_ce: int = None  # torchtune's chunked cross-entropy over this many slices (losses.py)
+    compile: bool = False  # the loss compiled as the trainer compiles it (compiled.py)
     liger: dict = None  # Liger's kernels, {name: on} over Liger's defaults (liger.py), or None
     float8: dict = None  # torchao's float8 training of the linear layers (float8.py), or None
     # torchtune's OffloadActivations around the forward (offload.py).
@@ -363,6 +365,8 @@ def trace_training(opts: TraceOptions, out_path: str):
         lora.apply(model, opts.lora, opts.model)
     if opts.chunked_ce:
         job = losses.chunked_output(job, model, opts.chunked_ce, opts.model)
+    if opts.compile:
+        compiled.compile_loss(job, model, opts.model)
     if opts.liger is not None:
         # As Hugging Face's Trainer does, on the model it is given (after PEFT's wrapping).
         liger.apply(model, opts.liger, opts.model)

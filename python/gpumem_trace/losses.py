@@ -32,6 +32,12 @@ class ChunkedCrossEntropy(torch.nn.Module):
         self.num_output_chunks = num_output_chunks
         self.ignore_index = ignore_index
 
+    def compute_cross_entropy(self, logits, labels):
+        """One slice's summed cross-entropy: what torchtune's ``compile_loss`` compiles."""
+        return F.cross_entropy(
+            logits.float(), labels, ignore_index=self.ignore_index, reduction="sum"
+        )
+
     def forward(self, logits, labels):
         counted = (labels != self.ignore_index).sum()
         # Every slice's labels and logits flattened first (a slice of the labels along the
@@ -40,9 +46,7 @@ class ChunkedCrossEntropy(torch.nn.Module):
         flat = [part.reshape(-1, part.size(-1)) for part in logits]
         total = 0.0
         for part, target in zip(flat, targets):
-            total += F.cross_entropy(
-                part.float(), target, ignore_index=self.ignore_index, reduction="sum"
-            )
+            total += self.compute_cross_entropy(part, target)
         return total / counted
 
 
@@ -65,6 +69,15 @@ def chunked_output(job, model, chunks, ref):
     whole = head.forward
     head.forward = lambda h: [whole(part) for part in h.chunk(chunks, dim=1)]
     loss_fn = loss_class()(num_output_chunks=chunks)
+
+    def compile_loss(torch_compile):
+        # torchtune's recipes: `compile: True` compiles each slice's upcast and cross-entropy.
+        with torch_compile():
+            try:
+                importlib.import_module("torchtune.training").compile_loss(loss_fn, verbose=False)
+            except ImportError:
+                loss_fn.compute_cross_entropy = torch.compile(loss_fn.compute_cross_entropy)
+
     ignored = {}  # the recipe's ignore_labels_cache: one column per sample, made once
 
     def forward(m, b):
@@ -100,6 +113,7 @@ def chunked_output(job, model, chunks, ref):
         input_shape=job.input_shape,
         keeps_outputs=False,  # the recipe's `del logits` before backward
         specs_at=job.specs_at,
+        compile_loss=compile_loss,
     )
 
 

@@ -37,8 +37,13 @@ class Job:
         trainer_outputs_fp32=False,
         inputs=None,
         own_lora=None,
+        compile_loss=None,
     ):
         self.model = model
+        # (torch_compile) -> None: the job's loss switched to the trainer's compiled one
+        # (``--compile``; ``torch_compile``: compiled.torch_compile), for a job whose trainer
+        # compiles a loss of its own (torchtitan's, torchtune's).
+        self.compile_loss = compile_loss
         # (lora.Lora, quantize) -> the model fine-tuned with LoRA as its trainer builds it, for a
         # source whose trainer has its own LoRA (litgpt's); None: PEFT's, on the model as it is.
         self.own_lora = own_lora
@@ -650,6 +655,14 @@ def torchtitan_job(spec, ref, seq_len, gpu_capability):
         )
     model = build(lambda: ts.model_cls(args))
     loss_fn = ts.build_loss_fn(config)
+    built = [loss_fn]
+
+    def compile_loss(torch_compile):
+        # torchtitan's own choice: `compile.components` naming the loss compiles it.
+        config.compile.enable, config.compile.components = True, ["loss"]
+        with torch_compile():
+            built[0] = ts.build_loss_fn(config)
+
     ignore = getattr(importlib.import_module("torchtitan.components.loss"), "IGNORE_INDEX", -100)
     vocab = getattr(args, "vocab_size", None)
     if vocab is None:
@@ -661,9 +674,9 @@ def torchtitan_job(spec, ref, seq_len, gpu_capability):
     def loss(pred, batch):
         # The trainer divides the summed loss by the batch's valid tokens (all-reduced).
         valid = (batch[1] != ignore).sum()
-        return loss_fn(pred, batch[1]) / valid
+        return built[0](pred, batch[1]) / valid
 
-    return Job(model, specs, loss, seq_len=seq_len, keeps_outputs=False)
+    return Job(model, specs, loss, seq_len=seq_len, keeps_outputs=False, compile_loss=compile_loss)
 
 
 # litgpt's LoRA switches (its Config's lora_* fields), and the Hugging Face module names a LoRA

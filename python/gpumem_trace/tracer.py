@@ -1,6 +1,7 @@
 """Recording storages and kernels as gpumem trace events."""
 
 import contextlib
+import contextvars
 import json
 import weakref
 
@@ -52,6 +53,22 @@ CUBLAS_WORKSPACE_BYTES = 8_519_680  # resized per GPU by gpumem's replay
 # A matmul with a fused bias (addmm with a 1-D bias: linear in forward) runs through cuBLASLt,
 # whose workspace the thread also keeps; sized by the replay from the profile (probed).
 CUBLASLT_WORKSPACE_BYTES = 1 << 20
+
+# Set while a compiled kernel's intermediates are computed (compiled.py): the tensors made then
+# stand for values the fused kernel keeps in registers, no memory, and their ops for no kernel.
+_IN_REGISTERS = contextvars.ContextVar("gpumem_in_registers", default=False)
+
+
+@contextlib.contextmanager
+def in_registers():
+    """Tensors made inside hold no GPU memory, and ops run inside are no kernels of their own:
+    a fused kernel's intermediates."""
+    token = _IN_REGISTERS.set(True)
+    try:
+        yield
+    finally:
+        _IN_REGISTERS.reset(token)
+
 
 DEFAULT_CATEGORY = {
     "setup": "parameter",
@@ -172,7 +189,7 @@ class Recorder:
             self.making_no_memory = saved
 
     def op(self, name, flops, bytes_read, bytes_written):
-        if not self.kernels:
+        if not self.kernels or _IN_REGISTERS.get():  # a fused kernel's part: no kernel of its own
             return
         self.events.append(
             {
@@ -471,8 +488,8 @@ class TraceMode(TorchDispatchMode):
         key = st._cdata
         if key in self.r.live or key in self.r.untracked or st.nbytes() == 0:
             return
-        if self.r.host:
-            # The host's memory; the key is the GPU's again once the storage dies.
+        if self.r.host or _IN_REGISTERS.get():
+            # The host's memory, or none; the key is the GPU's again once the storage dies.
             self.r.untracked.add(key)
             weakref.finalize(st, self.r.untracked.discard, key)
             return

@@ -19,7 +19,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_tracer import run
+from test_tracer import live_and_peak, run
 from trainers import requires
 
 from gpumem_trace import ac, cuda
@@ -262,6 +262,21 @@ def _traced(tmp_path, ref, *flags):
     p, events = run([ref, "--batch", "2", *flags], tmp_path, timeout=300)
     assert p.returncode == 0, p.stderr
     return events[0], events[1:]
+
+
+def test_compile_compiles_torchtitans_own_loss(tmp_path):
+    """``--compile`` on a torchtitan model: torchtitan's own ``build_loss_fn`` compiles its
+    cross-entropy (``compile.components`` naming the loss), and the compiled loss keeps no fp32
+    log-probabilities: the trace's peak falls by those of the whole batch."""
+    _, eager = _traced(tmp_path, REF, "--seq-len", "256")
+    header, compiled = _traced(tmp_path, REF, "--seq-len", "256", "--compile")
+    assert header["options"]["compile"] is True
+    made = lambda events, op: [e for e in events if e["ev"] == "alloc" and e["op"] == op]
+    fp32 = made(eager, "_log_softmax")
+    assert fp32 and not made(compiled, "_log_softmax") and made(compiled, "amax")
+    # Less what the compiled loss keeps instead: a few fp32 values per token (2 x 256 tokens).
+    saved = live_and_peak(eager)[1] - live_and_peak(compiled)[1]
+    assert saved >= fp32[0]["bytes"] - 3 * 512 * 4
 
 
 def test_tensor_parallel_is_torchtitans_own_apply_tp(tmp_path):

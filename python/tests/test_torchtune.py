@@ -57,6 +57,43 @@ def test_chunked_cross_entropy_allocates_as_torchtune_does(chunks):
     assert ours == theirs
 
 
+def test_compiled_chunked_cross_entropy_is_torchtunes_compile_loss():
+    """``--compile`` with ``--chunked-ce``: torchtune's own ``compile_loss`` compiles each
+    slice's ``compute_cross_entropy`` (through gpumem's stand-in for ``torch.compile``), and
+    the restatement compiled the same way allocates the same, event by event — neither the
+    slices' fp32 log-probabilities."""
+    from gpumem_trace.compiled import Compiled, torch_compile
+
+    own = importlib.import_module("torchtune.modules.loss").CEWithChunkedOutputLoss
+    compile_loss = importlib.import_module("torchtune.training").compile_loss
+    batch, seq, vocab, chunks = 2, 64, 1000, 4
+
+    def step(loss_fn):
+        def run():
+            hidden = torch.empty(
+                batch, seq, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True
+            )
+            head = torch.empty(vocab, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+            logits = [part @ head.t() for part in hidden.chunk(chunks, dim=1)]
+            labels = torch.empty(batch, seq, device=DEVICE, dtype=torch.long)
+            loss = loss_fn(logits, labels)
+            del logits
+            loss.backward()
+
+        return recorded(run)
+
+    theirs = own(num_output_chunks=chunks)
+    with torch_compile():
+        compile_loss(theirs, verbose=False)
+    assert isinstance(theirs.compute_cross_entropy, Compiled)
+    ours = losses.ChunkedCrossEntropy(num_output_chunks=chunks)
+    ours.compute_cross_entropy = Compiled(ours.compute_cross_entropy)
+    events = step(theirs)
+    assert events == step(ours)
+    assert not [e for e in events if e[2] in ("_log_softmax", "_log_softmax_backward_data")]
+    assert [e for e in events if e[2] == "amax"]
+
+
 def test_optimizer_in_backward_hooks_as_torchtune_registers_them(monkeypatch):
     def step(use_torchtune):
         if not use_torchtune:

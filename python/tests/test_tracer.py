@@ -1816,6 +1816,78 @@ def test_chunked_cross_entropy_never_holds_the_whole_fp32_logits(tmp_path):
     assert live_and_peak(chunked)[1] < live_and_peak(plain)[1] - whole // 2
 
 
+def test_a_compiled_cross_entropy_keeps_what_inductor_keeps():
+    """``--compile``'s loss, byte for byte: AOTAutograd's min-cut partition keeps the row maxima
+    and log-sums for backward (not eager's fp32 log-probabilities), and Inductor's fused kernels
+    make no [tokens, vocab] buffer but the gradient, in the logits' dtype."""
+    import torch
+    import torch.nn.functional as F
+
+    from gpumem_trace.compiled import Compiled
+    from gpumem_trace.tracer import ModulePaths, Recorder, TraceMode
+
+    tokens, vocab = 512, 1000
+
+    def cross_entropy(logits, target):
+        return F.cross_entropy(logits.float(), target, reduction="sum")
+
+    def trace(loss):
+        rec = Recorder()
+        rec.phase = "forward"
+        with TraceMode(rec, ModulePaths(torch.nn.Identity()), "meta"):
+            logits = torch.empty(tokens, vocab, dtype=torch.bfloat16, device="meta")
+            logits.requires_grad_(True)
+            target = torch.zeros(tokens, dtype=torch.long, device="meta")
+            value = loss(logits, target)
+            rec.phase = "backward"
+            value.backward()
+        assert (logits.grad.shape, logits.grad.dtype) == (logits.shape, torch.bfloat16)
+        made = [(e["phase"], e["bytes"]) for e in rec.events if e["ev"] == "alloc"][2:]
+        return made, live_and_peak(rec.events)[1]
+
+    whole_fp32 = tokens * vocab * 4
+    eager, eager_peak = trace(cross_entropy)
+    assert ("forward", whole_fp32) in eager  # the upcast and the log-probabilities
+    compiled, compiled_peak = trace(Compiled(cross_entropy))
+    row = tokens * 4  # one fp32 value per token
+    assert compiled == [
+        ("forward", row),  # amax
+        ("forward", row),  # the sum of exponentials
+        ("forward", row),  # its log, kept for backward
+        ("forward", 4),  # the loss
+        ("backward", 4),  # autograd's seed gradient
+        ("backward", row),  # the sum of the one-hot gradient
+        ("backward", tokens * vocab * 2),  # the logits' gradient, bf16
+    ]
+    assert compiled_peak < eager_peak - 2 * whole_fp32
+
+
+def test_compile_traces_the_loss_the_trainer_compiles(tmp_path):
+    """``--compile`` on a Hugging Face language model compiles its ``loss_function``, and with
+    ``--chunked-ce`` torchtune's per-slice cross-entropy: neither makes fp32 log-probabilities
+    or their gradients (what stays fp32 is the Trainer's own cast of its outputs)."""
+    pytest.importorskip("transformers")
+    batch, seq, vocab, chunks = 2, 256, 16000, 4
+
+    def trace(*extra):
+        return traced(
+            [LLAMA_16K, "--batch", str(batch), "--seq-len", str(seq), "--precision", "bf16"]
+            + list(extra),
+            tmp_path,
+        )
+
+    for extra, slices in (((), 1), (("--chunked-ce", str(chunks)), chunks)):
+        _, eager = trace(*extra)
+        header, compiled = trace(*extra, "--compile")
+        assert header["options"]["compile"] is True
+        fp32 = batch * seq // slices * vocab * 4
+        assert allocs(eager, op="_log_softmax", bytes=fp32)
+        eager_only = ("_log_softmax", "_log_softmax_backward_data", "nll_loss_backward")
+        assert not [e for e in allocs(compiled) if e["op"] in eager_only]
+        assert allocs(compiled, op="amax", bytes=fp32 // vocab)  # a row's maximum
+        assert live_and_peak(compiled)[1] < live_and_peak(eager)[1] - fp32
+
+
 @pytest.mark.parametrize(
     "flags,needs,message",
     [

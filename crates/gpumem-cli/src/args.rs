@@ -262,6 +262,11 @@ pub struct WorkloadArgs {
     /// zeroes them in place instead of freeing them, as PyTorch before 2.0 did by default.
     #[arg(long)]
     keep_grads: bool,
+    /// torch.compile as the trainer applies it to the loss (PyTorch models; torchtitan's and
+    /// torchtune's compiled loss, a Hugging Face model's loss_function): the loss traced as
+    /// AOTAutograd and Inductor compile it. A compiled model's blocks are traced eagerly.
+    #[arg(long)]
+    compile: bool,
     /// Chunked cross-entropy (causal language models): the output projection on N chunks of
     /// the sequence, each upcast to fp32 for the loss in turn (torchtune's
     /// CEWithChunkedOutputLoss; it uses 8), in place of the model's own loss.
@@ -823,6 +828,7 @@ impl WorkloadArgs {
             optimizer_in_backward: self.optimizer_in_backward,
             keep_grads: self.keep_grads,
             chunked_ce: self.chunked_ce,
+            compile: self.compile,
             activation_offloading: self.activation_offloading,
             reference_model: self.reference_model,
             liger: liger.clone(),
@@ -914,6 +920,9 @@ impl WorkloadArgs {
             }
             if self.keep_grads {
                 v.keep_grads = true;
+            }
+            if self.compile {
+                v.compile = true;
             }
             if let Some(n) = self.chunked_ce {
                 if v.chunked_ce.is_some() {

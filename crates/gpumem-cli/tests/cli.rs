@@ -164,7 +164,7 @@ fn bad_inputs_exit_2_with_one_line() {
     bad_input(&["estimate", MLP, "--gpu", "b300"], "unknown GPU `b300`");
     bad_input(
         &["estimate", MLP, "--lora", "r=8,targets=q_proj"],
-        "--optimizer-in-backward, --keep-grads and --strategy apply to PyTorch models",
+        "--optimizer-in-backward, --keep-grads, --compile and --strategy apply to PyTorch models",
     );
     bad_input(
         &["estimate", "hf:gpt2", "--lora", "r=0,targets=q_proj"],

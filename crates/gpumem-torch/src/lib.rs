@@ -24,7 +24,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The tracer's sources, embedded so that `gpumem` needs only torch in the user's interpreter.
-const SOURCES: [(&str, &str); 33] = [
+const SOURCES: [(&str, &str); 34] = [
     (
         "__init__.py",
         include_str!("../../../python/gpumem_trace/__init__.py"),
@@ -37,6 +37,10 @@ const SOURCES: [(&str, &str); 33] = [
     (
         "amp.py",
         include_str!("../../../python/gpumem_trace/amp.py"),
+    ),
+    (
+        "compiled.py",
+        include_str!("../../../python/gpumem_trace/compiled.py"),
     ),
     (
         "config.py",

@@ -454,6 +454,12 @@ pub struct OptionValues {
     /// loss one at a time, in place of the model's own loss. Left out where absent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chunked_ce: Option<u32>,
+    /// `torch.compile` as the trainer applies it to its loss (torchtitan's `compile`
+    /// components, torchtune's `compile_loss`, a Hugging Face model's `loss_function`): the loss
+    /// traced as AOTAutograd partitions it and Inductor fuses it, its fp32 logits never
+    /// materialised. A compiled model's blocks are traced eagerly. Left out where false.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub compile: bool,
     /// The activations saved for backward offloaded to the host as forward makes them and
     /// brought back for backward, by torchtune's `OffloadActivations` (its
     /// `enable_activation_offloading`; torchtune's code, traced where it is installed). Left out
@@ -501,6 +507,7 @@ impl Default for OptionValues {
             optimizer_in_backward: false,
             keep_grads: false,
             chunked_ce: None,
+            compile: false,
             activation_offloading: false,
             reference_model: false,
             liger: None,
@@ -582,6 +589,8 @@ pub enum OptionError {
     OptimizerInBackward(&'static str),
     #[error("keep_grads (--keep-grads) cannot go with {0}")]
     KeepGrads(&'static str),
+    #[error("compile (--compile) cannot go with {0}")]
+    Compile(&'static str),
     #[error(
         "float8.fsdp_all_gather (--float8-all-gather) gathers FSDP's weights in float8: it needs {0}"
     )]
@@ -695,7 +704,7 @@ pub struct RanksNotGpus {
 /// Options a native family model cannot take, on a native model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs, --attention-mask, --attention, --lora, --liger, --chunked-ce, --activation-offloading, --reference-model, --optimizer-in-backward, --keep-grads and --strategy apply to PyTorch models ({})",
+    "--input, --seq-len, --checkpointing, --channels-last, --grad-accum, --data-parallel, --validate, --outputs, --attention-mask, --attention, --lora, --liger, --chunked-ce, --activation-offloading, --reference-model, --optimizer-in-backward, --keep-grads, --compile and --strategy apply to PyTorch models ({})",
     TORCH_PREFIXES.join(", ")
 )]
 pub struct TorchOnly;
@@ -825,6 +834,11 @@ impl OptionValues {
             if let Some(clash) = clash {
                 return Err(OptionError::KeepGrads(clash));
             }
+        }
+        if self.compile && self.strategy.is_some_and(|s| s.tensor_parallel() > 1) {
+            return Err(OptionError::Compile(
+                "tensor parallelism (its loss runs on sharded DTensor logits)",
+            ));
         }
         if let Some(f8) = self.float8.filter(|f| f.fsdp_all_gather) {
             let fsdp = self.strategy.is_some_and(|s| {

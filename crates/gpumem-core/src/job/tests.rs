@@ -770,3 +770,24 @@ fn sequence_parallelism_is_a_tensor_parallel_setting() {
         .contains("not sized with pipeline stages")
     );
 }
+
+#[test]
+fn a_compiled_loss_is_stated_where_compiled_and_refused_under_tensor_parallelism() {
+    let plain = serde_json::to_string(&Options::default()).unwrap();
+    assert!(!plain.contains("compile"), "{plain}");
+    let o: Options = serde_json::from_str(r#"{"compile":true}"#).unwrap();
+    assert!(o.compile && !o.native_compatible());
+    assert!(
+        serde_json::to_string(&o)
+            .unwrap()
+            .contains(r#""compile":true"#)
+    );
+    assert_eq!(
+        refused(r#"{"compile":true,"strategy":{"kind":"fsdp","mesh":{"shard":2,"tensor":2}}}"#),
+        "compile (--compile) cannot go with tensor parallelism (its loss runs on sharded DTensor logits)"
+    );
+    let fsdp: Options =
+        serde_json::from_str(r#"{"compile":true,"strategy":{"kind":"fsdp","mesh":{"shard":2}}}"#)
+            .unwrap();
+    assert!(fsdp.compile);
+}

@@ -21,7 +21,6 @@ pub(crate) const TABLE: Table = &[
     ("do_bench_eval", Class::Not(EVAL)),
     ("save_first_step", Class::No),
     ("save_safetensors", Class::No),
-    ("torch_compile", Class::Not(COMPILE)),
     ("torch_compile_backend", Class::Not(COMPILE)),
     ("cut_cross_entropy", Class::Not(super::CHUNKED_CE)),
     ("max_grad_norm", Class::Not(CLIP)),
@@ -169,6 +168,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     }
     out.grad_accum = doc.count32("gradient_accumulation_steps")?;
     out.seq_len = doc.positive("sequence_len")?;
+    super::compiled_model(doc, out, "torch_compile")?;
     out.liger = liger(doc)?;
     // An evaluation split (val_set_size: a fraction or a count) runs the Trainer's evaluation
     // loop at eval_batch_size (axolotl's default: micro_batch_size), losses only.

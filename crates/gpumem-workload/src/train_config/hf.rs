@@ -32,7 +32,6 @@ pub(crate) const TABLE: Table = &[
     ("save_on_each_node", Class::No),
     ("save_total_limit", Class::No),
     // Loop pieces that change memory, not modelled.
-    ("torch_compile", Class::Not(COMPILE)),
     ("torch_compile_backend", Class::Not(COMPILE)),
     ("torch_compile_mode", Class::Not(COMPILE)),
     ("max_grad_norm", Class::Not(CLIP)),
@@ -206,6 +205,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         out.micro_batch = Some((b, "per_device_train_batch_size".into()));
     }
     out.grad_accum = doc.count32("gradient_accumulation_steps")?;
+    super::compiled_model(doc, out, "torch_compile")?;
     // TRL's max_length (max_seq_length before), transformers' run_clm.py's block_size.
     for key in ["max_length", "max_seq_length", "block_size"] {
         if let Some(n) = doc.positive(key)? {

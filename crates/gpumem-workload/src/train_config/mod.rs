@@ -188,6 +188,9 @@ pub struct TrainConfig {
     pub optimizer_in_backward: Option<bool>,
     /// torchtune's `CEWithChunkedOutputLoss`'s chunk count.
     pub chunked_ce: Option<u32>,
+    /// torch.compile of the loss (torchtitan's `compile`, torchtune's `compile`, Hugging
+    /// Face's `torch_compile`).
+    pub compile: Option<bool>,
     /// torchtune's `enable_activation_offloading`.
     pub activation_offloading: Option<bool>,
     /// TRL's KL reference model (`beta` > 0 without PEFT).
@@ -445,6 +448,7 @@ impl TrainConfig {
                 .optimizer_in_backward
                 .unwrap_or(base.optimizer_in_backward),
             chunked_ce: self.chunked_ce.or(base.chunked_ce),
+            compile: self.compile.unwrap_or(base.compile),
             activation_offloading: self
                 .activation_offloading
                 .unwrap_or(base.activation_offloading),
@@ -509,6 +513,9 @@ pub(crate) const TRAINER_SAVE: &str = "checkpoints are sized from save_strategy/
 /// it but for the smallest batches).
 pub(crate) const BROADCAST_LOAD: &str = "the load's broadcast of each whole parameter from rank 0 is sized only with --broadcast-load (a whole run)";
 pub(crate) const COMPILE: &str = "torch.compile fuses kernels and changes what activations are kept; gpumem traces the eager step";
+/// A trainer's torch.compile of the model and its loss: the loss is modelled (`compile`), the
+/// model's compiled blocks are not.
+pub(crate) const COMPILED_BLOCKS: &str = "torch.compile of the loss is modelled (--compile); its fusion inside the model's compiled blocks is not (they are traced eagerly)";
 pub(crate) const PACKED: &str = "packed rows are sized full (the maximum length, no padding) with no mask; under SDPA or eager attention transformers builds a block-causal mask from the packed position ids ([batch, 1, seq, seq] booleans), which is not sized";
 /// Hugging Face's checkpointing (HF Trainer, TRL, axolotl): `gradient_checkpointing` `on`, with
 /// `gradient_checkpointing_kwargs.use_reentrant` choosing torch's reentrant checkpoint or the
@@ -554,6 +561,21 @@ pub(crate) const UNKNOWN: &str = "a key gpumem does not know: it may bear on mem
 pub(crate) const CLIP: &str =
     "gradient clipping's norm temporaries are not modelled (small: one scalar per tensor)";
 pub(crate) const FP8: &str = "float8/MX training is not modelled";
+
+/// A trainer's `torch.compile` of the whole model at `key` (Hugging Face's and axolotl's
+/// `torch_compile`, torchtune's `compile`): its loss compiled as gpumem models it, its blocks
+/// traced eagerly (stated as not modelled).
+pub(crate) fn compiled_model(
+    doc: &mut Doc,
+    out: &mut TrainConfig,
+    key: &str,
+) -> Result<(), TrainConfigError> {
+    if doc.flag(key)? == Some(true) {
+        out.compile = Some(true);
+        doc.not_modelled(key, COMPILED_BLOCKS);
+    }
+    Ok(())
+}
 
 fn flatten(prefix: &str, v: &Value, out: &mut BTreeMap<String, Value>) {
     match v {
@@ -1101,6 +1123,7 @@ pub fn read_text(
         attention: None,
         optimizer_in_backward: None,
         chunked_ce: None,
+        compile: None,
         activation_offloading: None,
         reference_model: None,
         liger: None,

@@ -1440,3 +1440,61 @@ fn packed_batches_are_full_rows_without_a_mask() {
     assert_eq!(tune.attention_mask, Some(AttentionMask::None));
     assert!(used(&tune, "dataset.packed"));
 }
+
+/// torch.compile as each trainer states it: the loss compiled where it runs on plain tensors,
+/// the model's compiled blocks stated as not modelled.
+#[test]
+fn a_compiled_loss_is_read_and_compiled_blocks_are_stated() {
+    let titan = |compile: &str| {
+        let path = examples().join("torchtitan-llama3_8b.toml");
+        let text = std::fs::read_to_string(&path).unwrap().replace(
+            "[compile]\nenable=false\ncomponents = [\"model\", \"loss\"]",
+            compile,
+        );
+        assert!(text.contains("[compile]"), "the fixture states compile");
+        read_text("t.toml", &text, &examples(), None).unwrap()
+    };
+    let both = titan("[compile]\nenable=true\ncomponents = [\"model\", \"loss\"]");
+    assert_eq!(both.compile, Some(true));
+    assert!(not_modelled(&both, "compile.components"));
+    let loss = titan("[compile]\nenable=true\ncomponents = [\"loss\"]");
+    assert_eq!(loss.compile, Some(true));
+    assert!(used(&loss, "compile.components"));
+    let model = titan("[compile]\nenable=true\ncomponents = [\"model\"]");
+    assert_eq!(model.compile, None);
+    assert!(not_modelled(&model, "compile.components"));
+    assert_eq!(titan("[compile]\nenable=false").compile, None);
+    // torchtitan's 2024 TOML compiles under tensor parallelism: a loss-parallel loss on
+    // DTensors, traced eagerly.
+    let tp = read("torchtitan-2024-llama3_405b.toml");
+    assert_eq!(tp.compile, None);
+    assert!(not_modelled(&tp, "training.compile"));
+    // Without it too: the older key compiled the loss in some releases only (read as eager).
+    let path = examples().join("torchtitan-2024-llama3_405b.toml");
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("tensor_parallel_degree = 8", "tensor_parallel_degree = 1");
+    let older = read_text("t.toml", &text, &examples(), None).unwrap();
+    assert_eq!(older.compile, None);
+    assert!(not_modelled(&older, "training.compile"));
+
+    let tune = read_text(
+        "c.yaml",
+        "model:\n  _component_: torchtune.models.llama3_2.llama3_2_1b\nbatch_size: 2\ncompile: True\n",
+        Path::new("."),
+        None,
+    )
+    .unwrap();
+    assert_eq!(tune.compile, Some(true));
+    assert!(not_modelled(&tune, "compile"));
+    assert!(tune.over(OptionValues::default(), None).unwrap().compile);
+    let hf = read_text(
+        "args.json",
+        r#"{"model_name_or_path": "gpt2", "per_device_train_batch_size": 2, "torch_compile": true}"#,
+        Path::new("."),
+        None,
+    )
+    .unwrap();
+    assert_eq!(hf.compile, Some(true));
+    assert!(not_modelled(&hf, "torch_compile"));
+}

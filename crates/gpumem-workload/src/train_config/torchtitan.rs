@@ -12,8 +12,8 @@ use gpumem_core::job::{
 use serde_json::Value;
 
 use super::{
-    CHUNKED_CE, CLIP, COMPILE, Class, Doc, EVAL, FP8, Layout, OFFLOAD_ACT, SAVE, Table,
-    TrainConfig, TrainConfigError, TrainerKind,
+    CHUNKED_CE, CLIP, COMPILE, COMPILED_BLOCKS, Class, Doc, EVAL, FP8, Layout, OFFLOAD_ACT, SAVE,
+    Table, TrainConfig, TrainConfigError, TrainerKind,
 };
 
 pub(crate) const TABLE: Table = &[
@@ -375,7 +375,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             doc.off_or_not_modelled(k, "matmuls forced to be recomputed are not modelled");
         }
     }
-    doc.off_or_not_modelled("compile.enable", COMPILE);
+    compile(doc, out)?;
     doc.off_or_not_modelled("activation_checkpoint.cpu_offload", OFFLOAD_ACT);
     // Saving and validation: the whole run's, where enabled.
     for (section, enable, why) in [
@@ -722,3 +722,50 @@ fn float8(doc: &mut Doc, section: &str) -> Result<Float8, TrainConfigError> {
         fsdp_all_gather,
     })
 }
+
+/// torchtitan's `compile`: `compile.components` (absent: its default, the model and the loss)
+/// say what `torch.compile` compiles. The older `training.compile` (before August 2025)
+/// compiled the loss only in some releases (October to December 2024, April to August 2025)
+/// and a config does not say which: read as the model's blocks alone, the larger estimate (a
+/// note says to add --compile for those releases). The loss is modelled where it runs on plain
+/// tensors (under tensor parallelism it is loss-parallel on DTensors: traced eagerly, stated).
+fn compile(doc: &mut Doc, out: &mut TrainConfig) -> Result<(), TrainConfigError> {
+    let older = doc.spelled("compile.enable") != "compile.enable";
+    if doc.flag("compile.enable")? != Some(true) {
+        return Ok(());
+    }
+    if older {
+        doc.not_modelled("compile.enable", OLDER_COMPILE);
+        return Ok(());
+    }
+    let named = |doc: &Doc, part: &str| match doc.get("compile.components") {
+        Some(Value::Array(parts)) => parts.iter().any(|p| p.as_str() == Some(part)),
+        _ => true,
+    };
+    let tensor_parallel = doc
+        .get("parallelism.tensor_parallel_degree")
+        .and_then(Value::as_u64)
+        .is_some_and(|d| d > 1);
+    if named(doc, "loss") && !tensor_parallel {
+        out.compile = Some(true);
+    }
+    let key = if doc.get("compile.components").is_some() {
+        "compile.components"
+    } else {
+        "compile.enable"
+    };
+    if named(doc, "model") || (named(doc, "loss") && tensor_parallel) {
+        let why = if tensor_parallel {
+            COMPILE
+        } else {
+            COMPILED_BLOCKS
+        };
+        doc.not_modelled(key, why);
+    } else {
+        doc.used(key);
+    }
+    Ok(())
+}
+
+/// Why the older `training.compile` is read as the model's blocks alone.
+const OLDER_COMPILE: &str = "torch.compile of the model's blocks is not modelled (traced eagerly); torchtitan's releases of October to December 2024 and April to August 2025 compiled the loss under this key too: add --compile for them";

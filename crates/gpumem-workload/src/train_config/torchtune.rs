@@ -5,7 +5,7 @@ use gpumem_core::job::{
 };
 
 use super::{
-    CHUNKED_CE, CLIP, COMPILE, Class, Doc, EVAL, Layout, SAVE, Table, TrainConfig, TrainConfigError,
+    CHUNKED_CE, CLIP, Class, Doc, EVAL, Layout, SAVE, Table, TrainConfig, TrainConfigError,
 };
 
 pub(crate) const TABLE: Table = &[
@@ -129,7 +129,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
         }
         Some(_) => doc.not_modelled("loss", CHUNKED_CE),
     }
-    doc.off_or_not_modelled("compile", COMPILE);
+    super::compiled_model(doc, out, "compile")?;
     doc.off_or_not_modelled("clip_grad_norm", CLIP);
     if let Some(on) = doc.flag("enable_activation_checkpointing")? {
         out.checkpointing = Some(if on {
