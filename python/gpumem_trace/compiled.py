@@ -199,20 +199,27 @@ def _capture(fn, args, training):
         partition_fn=min_cut_rematerialization_partition,
         decompositions=select_decomp_table(),
     )
-    with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=False):
-        fakes = [
-            torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cpu").requires_grad_(
-                a.requires_grad and training
-            )
-            for a in args
-        ]
-        with torch.set_grad_enabled(training):
-            out, spec = pytree.tree_flatten(compiled(*fakes))
-            differentiable = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
-            if differentiable:
-                torch.autograd.backward(
-                    differentiable, [torch.ones_like(o) for o in differentiable]
-                )
+    # The graphs are made on the host: CUDA is not asked, even where library code is shown a GPU
+    # (the stand-in CUDA of a Trainer's evaluation; AOTAutograd saves CUDA's RNG state where
+    # CUDA says it is available).
+    available, torch.cuda.is_available = torch.cuda.is_available, lambda: False
+    try:
+        with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=False):
+            fakes = [
+                torch.empty_strided(
+                    a.shape, a.stride(), dtype=a.dtype, device="cpu"
+                ).requires_grad_(a.requires_grad and training)
+                for a in args
+            ]
+            with torch.set_grad_enabled(training):
+                out, spec = pytree.tree_flatten(compiled(*fakes))
+                differentiable = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
+                if differentiable:
+                    torch.autograd.backward(
+                        differentiable, [torch.ones_like(o) for o in differentiable]
+                    )
+    finally:
+        torch.cuda.is_available = available
     return graphs, spec
 
 

@@ -1886,6 +1886,11 @@ def test_compile_traces_the_loss_the_trainer_compiles(tmp_path):
         assert not [e for e in allocs(compiled) if e["op"] in eager_only]
         assert allocs(compiled, op="amax", bytes=fp32 // vocab)  # a row's maximum
         assert live_and_peak(compiled)[1] < live_and_peak(eager)[1] - fp32
+    # In the Trainer's evaluation too (no gradients: the forward graph alone), where library
+    # code is shown a GPU and the graphs are still made on the host.
+    _, evaluated = trace("--compile", "--whole-run", "--eval-batches", "2")
+    assert any(e["ev"] == "run_phase" and e["name"] == "evaluate" for e in evaluated)
+    assert not [e for e in allocs(evaluated) if e["op"] in eager_only]
 
 
 @pytest.mark.parametrize(
