@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import os
 import re
 import sys
 
@@ -460,6 +461,58 @@ def hf_job(spec, ref, seq_len, attention_mask="none", attention=None):
         # constructor, stale ones kept as attributes the model does not read.
         mapped[k2] = v
     config = config_cls(**mapped)
+    _hf_config_defaults(config, name)
+    return hf_model_job(tr, name, ref, config, build(lambda: cls(config)), seq_len, attention_mask)
+
+
+# The auto classes a checkpoint's own code may name its model under, the training heads first.
+HF_CODE_HEADS = (
+    "AutoModelForCausalLM",
+    "AutoModelForSeq2SeqLM",
+    "AutoModelForSequenceClassification",
+    "AutoModelForMaskedLM",
+    "AutoModel",
+)
+
+
+def hf_code_job(spec, ref, seq_len, attention_mask="none"):
+    """``hf-code:DIR``: a checkpoint run by its own code (transformers' ``trust_remote_code``):
+    its config class and model class loaded from the modeling files in DIR that its
+    ``auto_map`` names (offline: DIR is a model directory or a Hub cache snapshot), the model
+    built from the config on no weights, and trained as ``hf_job`` trains the head its auto
+    class names (a causal language model on token ids with ``labels``)."""
+    tr = _require("transformers", "transformers")
+    if not os.path.isfile(os.path.join(spec, "config.json")):
+        raise ReferenceError_(f"{ref}: {spec} is no model directory with a config.json")
+    try:
+        config = tr.AutoConfig.from_pretrained(spec, trust_remote_code=True, local_files_only=True)
+        auto = getattr(config, "auto_map", None) or {}
+        head = next((h for h in HF_CODE_HEADS if h in auto), None)
+        if head is None:
+            raise ReferenceError_(
+                f"{ref}: its auto_map names no model class ({', '.join(auto) or 'nothing'})"
+            )
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        target = auto[head]
+        cls = get_class_from_dynamic_module(
+            target[0] if isinstance(target, (list, tuple)) else target, spec, local_files_only=True
+        )
+    except ReferenceError_:
+        raise
+    except Exception as e:  # noqa: BLE001 - the checkpoint's own code, whatever it raises
+        raise ReferenceError_(
+            f"{ref}: its own code could not be loaded with transformers {tr.__version__} "
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e})"
+        ) from e
+    # The head its auto class names, in the words hf_model_job reads (a class's own name,
+    # `QWenLMHeadModel`, need not say).
+    name = {
+        "AutoModelForCausalLM": "ForCausalLM",
+        "AutoModelForSeq2SeqLM": "ForConditionalGeneration",
+        "AutoModelForSequenceClassification": "ForSequenceClassification",
+        "AutoModelForMaskedLM": "ForMaskedLM",
+    }.get(head, cls.__name__)
     _hf_config_defaults(config, name)
     return hf_model_job(tr, name, ref, config, build(lambda: cls(config)), seq_len, attention_mask)
 
@@ -922,10 +975,14 @@ def resolve(
     kind, sep, spec = ref.partition(":")
     if not sep:
         raise ReferenceError_(
-            f"`{ref}` is not a model reference (torchvision:NAME, timm:NAME, hf:CLASS(...), smp:ARCH(...), torchtitan:MODEL(flavor=...), litgpt:NAME, py:FILE:FUNCTION)"
+            f"`{ref}` is not a model reference (torchvision:NAME, timm:NAME, hf:CLASS(...), hf-code:DIR, smp:ARCH(...), torchtitan:MODEL(flavor=...), litgpt:NAME, py:FILE:FUNCTION)"
         )
-    for flag, given in (("--attention-mask", attention_mask != "none"), ("--attention", attention)):
-        if given and kind not in ("hf", "live"):
+    for flag, given, kinds in (
+        ("--attention-mask", attention_mask != "none", ("hf", "hf-code", "live")),
+        # A checkpoint's own code chooses its attention itself (its config's keys).
+        ("--attention", attention, ("hf", "live")),
+    ):
+        if given and kind not in kinds:
             raise ReferenceError_(f"{flag} applies to Hugging Face models (hf:), not `{ref}`")
     if kind == "torchvision":
         return torchvision_job(spec, ref, input_shape)
@@ -933,6 +990,8 @@ def resolve(
         return timm_job(spec, ref, input_shape)
     if kind == "hf":
         return hf_job(spec, ref, seq_len, attention_mask, attention)
+    if kind == "hf-code":
+        return hf_code_job(spec, ref, seq_len, attention_mask)
     if kind == "smp":
         return smp_job(spec, ref, input_shape)
     if kind == "py":
@@ -944,5 +1003,5 @@ def resolve(
     if kind == "live":
         return live_job(spec, ref, input_shape, seq_len, attention_mask, attention)
     raise ReferenceError_(
-        f"unknown model source `{kind}` in `{ref}` (expected torchvision, timm, hf, smp, torchtitan, litgpt or py)"
+        f"unknown model source `{kind}` in `{ref}` (expected torchvision, timm, hf, hf-code, smp, torchtitan, litgpt or py)"
     )

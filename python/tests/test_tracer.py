@@ -430,6 +430,27 @@ def test_hugging_face_model_without_the_hub(tmp_path):
     assert header["options"]["seq_len"] == 32
 
 
+def test_a_checkpoint_runs_its_own_code(tmp_path):
+    """``hf-code:DIR``: a checkpoint whose model is only in its own modeling files (its
+    config's ``auto_map``) is built by that code, offline, and trained as a causal language
+    model — its own loss included (this one's shifted copy of the logits)."""
+    pytest.importorskip("transformers")
+    code = HERE / "fixtures" / "remote_code"
+    batch, seq, hidden, vocab, layers = 2, 64, 64, 1000, 2
+    _, evs = traced([f"hf-code:{code}", "--batch", str(batch), "--seq-len", str(seq)], tmp_path)
+    blocks = layers * (hidden * 4 * hidden + 4 * hidden + 4 * hidden * hidden + hidden)
+    params = vocab * hidden + blocks + hidden * vocab
+    assert sum(e["bytes"] for e in allocs(evs, category="parameter")) == 4 * params
+    shifted = batch * (seq - 1) * vocab * 4
+    assert allocs(evs, op="clone", bytes=shifted), "the model's own shifted copy of the logits"
+    # A directory whose config names no code of its own is refused in one line.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    p, _ = run([f"hf-code:{plain}", "--batch", "1"], tmp_path)
+    assert p.returncode == 2 and "auto_map names no model class" in p.stderr, p.stderr
+
+
 def test_data_parallel_traces_gpu0(tmp_path):
     """DataParallel over 2 GPUs at batch 8: GPU 0 runs 4 rows, gathers the whole batch's output,
     and gets its gradients as one flat reduce_add_coalesced buffer per step."""

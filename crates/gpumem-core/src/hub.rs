@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
+use crate::job::HF_CODE_PREFIX;
+
 /// Keys of a Hub `config.json` that say how the file was written or how the weights are stored,
 /// not the model's structure. The training precision comes from the job, not from `torch_dtype`
 /// (the weights' load dtype); `architectures` becomes the class.
@@ -170,19 +172,68 @@ impl HubSource {
 
     /// The config this source names, read.
     pub fn read(&self, cache: &HubCache) -> Result<HubModel, HubError> {
-        let path = match self {
-            HubSource::ConfigFile(p) => p.clone(),
+        HubModel::read(&self.config(cache)?)
+    }
+
+    /// Where the config this source names is.
+    fn config(&self, cache: &HubCache) -> Result<PathBuf, HubError> {
+        match self {
+            HubSource::ConfigFile(p) => Ok(p.clone()),
             HubSource::Directory(d) => {
                 let p = d.join("config.json");
                 if !p.is_file() {
                     return Err(HubError::NoConfig { dir: d.clone() });
                 }
-                p
+                Ok(p)
             }
-            HubSource::Id(id) => cache.config(id)?,
-        };
-        HubModel::read(&path)
+            HubSource::Id(id) => cache.config(id),
+        }
     }
+
+    /// The tracer's reference to this checkpoint run by its own code, as transformers'
+    /// `trust_remote_code=True` runs it: `hf-code:DIR`, DIR the directory of its config
+    /// (absolute), which must hold the code its `auto_map` names; a config that names none is
+    /// the model transformers has, its `hf:` reference.
+    pub fn code_reference(&self, cache: &HubCache) -> Result<String, HubError> {
+        let config = self.config(cache)?;
+        let text = std::fs::read_to_string(&config).map_err(|e| HubError::Read {
+            path: config.clone(),
+            message: e.to_string(),
+        })?;
+        let value: Value = serde_json::from_str(&text).map_err(|e| HubError::Json {
+            path: config.clone(),
+            message: e.to_string(),
+        })?;
+        let Some(Value::Object(auto)) = value.get("auto_map") else {
+            return Ok(HubModel::from_config(value)
+                .map_err(|problem| HubError::Config {
+                    path: config,
+                    problem,
+                })?
+                .reference());
+        };
+        let dir = config.parent().unwrap_or(Path::new("."));
+        let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+        for module in auto.values().filter_map(code_module) {
+            let file = dir.join(format!("{module}.py"));
+            if !file.is_file() {
+                return Err(HubError::MissingCode { file });
+            }
+        }
+        Ok(format!("{HF_CODE_PREFIX}{}", dir.display()))
+    }
+}
+
+/// The module of an `auto_map` entry (`modeling_qwen.QWenLMHeadModel`, or a tokenizer's pair),
+/// where it is in the checkpoint's own directory (not `REPO--module.Class`, another repository's).
+fn code_module(entry: &Value) -> Option<&str> {
+    let class = match entry {
+        Value::String(s) => s.as_str(),
+        Value::Array(a) => a.iter().find_map(Value::as_str)?,
+        _ => return None,
+    };
+    let (module, _) = class.rsplit_once('.')?;
+    (!module.contains("--")).then_some(module)
 }
 
 /// A Hugging Face model config, read. Invariant: `class` is the config's first architecture and
@@ -275,6 +326,12 @@ pub enum HubError {
     },
     #[error("{dir} has no config.json")]
     NoConfig { dir: PathBuf },
+    #[error(
+        "{file} is missing: `hf-code:` runs the checkpoint's own modeling files; download them with the config (`hf download REPO --include '*.py' config.json`)"
+    )]
+    MissingCode { file: PathBuf },
+    #[error("`hf-code:{named}`: `{named}` is no Hub id (ORG/NAME), model directory or config.json")]
+    NotModel { named: String },
     #[error("{path}: {message}")]
     Read { path: PathBuf, message: String },
     #[error("{path}: not JSON: {message}")]
@@ -383,6 +440,63 @@ mod tests {
         );
         // A bare name is a Hub id only where it is cached.
         assert_eq!(HubSource::of("resnet50", &cache), None);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+    /// `hf-code:`: a checkpoint named as any Hub source becomes its directory, where its config
+    /// names code of its own and the directory holds it.
+    #[test]
+    fn a_checkpoints_own_code_is_its_directory() {
+        let root = std::env::temp_dir().join(format!("gpumem-hub-code-{}", std::process::id()));
+        let snapshot = root.join("models--org--remote/snapshots/abc123");
+        std::fs::create_dir_all(root.join("models--org--remote/refs")).unwrap();
+        std::fs::create_dir_all(&snapshot).unwrap();
+        std::fs::write(root.join("models--org--remote/refs/main"), "abc123").unwrap();
+        std::fs::write(
+            snapshot.join("config.json"),
+            r#"{"architectures": ["QWenLMHeadModel"], "auto_map": {
+                "AutoConfig": "configuration_qwen.QWenConfig",
+                "AutoModelForCausalLM": "modeling_qwen.QWenLMHeadModel",
+                "AutoTokenizer": ["other/repo--tokenization.Tok", null]}}"#,
+        )
+        .unwrap();
+        let cache = HubCache::at(&root);
+        let code = |arg: &str| {
+            crate::model::ModelRef::parse_in(&format!("hf-code:{arg}"), &cache)
+                .map(|m| m.to_string())
+                .map_err(|e| e.to_string())
+        };
+        // The modeling files the auto_map names in this repository must be there.
+        let e = code("org/remote").unwrap_err();
+        assert!(e.contains("configuration_qwen.py is missing"), "{e}");
+        for f in ["configuration_qwen.py", "modeling_qwen.py"] {
+            std::fs::write(snapshot.join(f), "").unwrap();
+        }
+        let dir = std::fs::canonicalize(&snapshot).unwrap();
+        let want = format!("hf-code:{}", dir.display());
+        assert_eq!(code("org/remote").unwrap(), want);
+        assert_eq!(code(&snapshot.display().to_string()).unwrap(), want);
+        assert_eq!(
+            code(&snapshot.join("config.json").display().to_string()).unwrap(),
+            want
+        );
+        // A config without code of its own is the model transformers has (as
+        // trust_remote_code=True loads it); a name that is no source is one line.
+        let plain = root.join("plain");
+        std::fs::create_dir_all(&plain).unwrap();
+        std::fs::write(
+            plain.join("config.json"),
+            r#"{"architectures": ["GPT2LMHeadModel"]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            code(&plain.display().to_string()).unwrap(),
+            "hf:GPT2LMHeadModel()"
+        );
+        let e = code("resnet50").unwrap_err();
+        assert_eq!(
+            e,
+            "`hf-code:resnet50`: `resnet50` is no Hub id (ORG/NAME), model directory or config.json"
+        );
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

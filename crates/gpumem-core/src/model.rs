@@ -8,7 +8,7 @@ use std::fmt;
 
 use crate::families::{ModelSpec, SpecError};
 use crate::hub::{HubCache, HubError, HubSource};
-use crate::job::{TORCH_PREFIXES, is_native_spec};
+use crate::job::{HF_CODE_PREFIX, TORCH_PREFIXES, is_native_spec};
 
 /// Why a model argument names no model.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -41,8 +41,15 @@ impl ModelRef {
         Self::parse_in(model, &HubCache::from_env())
     }
 
-    /// [`ModelRef::parse`] with Hub ids read from `cache`.
+    /// [`ModelRef::parse`] with Hub ids read from `cache`. `hf-code:` followed by a Hub id,
+    /// model directory or `config.json` is that checkpoint's directory, run by its own code.
     pub fn parse_in(model: &str, cache: &HubCache) -> Result<ModelRef, ModelError> {
+        if let Some(named) = model.strip_prefix(HF_CODE_PREFIX) {
+            let source = HubSource::of(named, cache).ok_or_else(|| HubError::NotModel {
+                named: named.to_string(),
+            })?;
+            return Ok(ModelRef::Torch(source.code_reference(cache)?));
+        }
         if let Some(m) = Self::recognise(model)? {
             return Ok(m);
         }

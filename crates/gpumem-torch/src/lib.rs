@@ -16,7 +16,7 @@ use std::time::{Duration, UNIX_EPOCH};
 pub mod cache;
 
 use gpumem_core::depth;
-use gpumem_core::job::{Options, RoutingImbalance};
+use gpumem_core::job::{HF_CODE_PREFIX, Options, RoutingImbalance};
 use gpumem_core::profile::SdpaBackend;
 use gpumem_core::symbolic::{SymbolicError, SymbolicTrace};
 use gpumem_core::trace::{Trace, TraceError};
@@ -582,12 +582,25 @@ impl TorchTracer {
     }
 
     fn cache_key(&self, req: &TraceRequest, torch: &str) -> u64 {
-        // A user's model file is part of the key: editing it must not serve a stale trace.
+        // A user's model file is part of the key: editing it must not serve a stale trace. So
+        // are a checkpoint's own modeling files and config (`hf-code:DIR`).
         let user_file = req
             .model
             .strip_prefix("py:")
             .and_then(|r| r.rsplit_once(':'))
             .map(|(path, _)| mtime(Path::new(path)).unwrap_or(0).to_string())
+            .or_else(|| {
+                let dir = Path::new(req.model.strip_prefix(HF_CODE_PREFIX)?);
+                let newest = fs::read_dir(dir)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.extension().is_some_and(|e| e == "py" || e == "json"))
+                    .filter_map(|p| mtime(&p))
+                    .max();
+                Some(newest.unwrap_or(0).to_string())
+            })
             .unwrap_or_default();
         fnv(&[
             &format!("{req:?}"),

@@ -39,10 +39,11 @@ pub use whole_run::{Evaluation, EvaluationError, Filters, Generation, Generation
 
 /// Prefixes of model references only the PyTorch tracer can resolve. `live:` names a model
 /// object in the Python process that asks (the Python API's), traced there and nowhere else.
-pub const TORCH_PREFIXES: [&str; 8] = [
+pub const TORCH_PREFIXES: [&str; 9] = [
     "torchvision:",
     "timm:",
     "hf:",
+    HF_CODE_PREFIX,
     "smp:",
     "py:",
     "torchtitan:",
@@ -52,6 +53,10 @@ pub const TORCH_PREFIXES: [&str; 8] = [
 
 /// The prefix of a live model: `live:KEY`, KEY its fingerprint in the process that holds it.
 pub const LIVE_PREFIX: &str = "live:";
+
+/// The prefix of a checkpoint run by its own code (`trust_remote_code`): `hf-code:DIR`, DIR the
+/// model directory holding its `config.json` and the modeling files its `auto_map` names.
+pub const HF_CODE_PREFIX: &str = "hf-code:";
 
 /// The native families' spec prefixes (before the `:`): the models gpumem builds itself.
 pub const NATIVE_FAMILIES: [&str; 3] = ["mlp", "cnn", "transformer"];

@@ -62,7 +62,6 @@ pub(crate) const TABLE: Table = &[
     ("tokenizer_type", Class::No),
     ("tokenizer_config", Class::No),
     ("tokenizer_use_fast", Class::No),
-    ("trust_remote_code", Class::No),
     ("hub_model_id", Class::No),
     ("hub_strategy", Class::No),
     ("datasets.*", Class::No),
@@ -160,6 +159,7 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
     if let Some(m) = doc.text("base_model")? {
         out.model = Some((m, "base_model".into()));
     }
+    super::remote_code(doc, out, "trust_remote_code")?;
     if doc.get("base_model_config").is_some() {
         doc.used("base_model_config");
     }

@@ -139,7 +139,6 @@ pub(crate) const TABLE: Table = &[
     ("completion_only_loss", Class::No),
     ("assistant_only_loss", Class::No),
     ("model_revision", Class::No),
-    ("trust_remote_code", Class::No),
     ("tokenizer_name_or_path", Class::No),
     ("lora_task_type", Class::No),
     ("use_rslora", Class::No),
@@ -200,6 +199,9 @@ pub(crate) fn read(doc: &mut Doc, out: &mut TrainConfig) -> Result<Table, TrainC
             out.model = Some((m, key.into()));
             break;
         }
+    }
+    for key in ["trust_remote_code", "model_init_kwargs.trust_remote_code"] {
+        super::remote_code(doc, out, key)?;
     }
     if let Some(b) = doc.positive("per_device_train_batch_size")? {
         out.micro_batch = Some((b, "per_device_train_batch_size".into()));

@@ -577,6 +577,23 @@ pub(crate) fn compiled_model(
     Ok(())
 }
 
+/// `trust_remote_code` at `key` (Hugging Face's, TRL's, axolotl's): the model is loaded with
+/// its checkpoint's own code where its config names some, as transformers then loads it
+/// (`hf-code:`).
+pub(crate) fn remote_code(
+    doc: &mut Doc,
+    out: &mut TrainConfig,
+    key: &str,
+) -> Result<(), TrainConfigError> {
+    if doc.flag(key)? == Some(true)
+        && let Some((model, _)) = out.model.as_mut()
+        && !model.starts_with(gpumem_core::job::HF_CODE_PREFIX)
+    {
+        *model = format!("{}{model}", gpumem_core::job::HF_CODE_PREFIX);
+    }
+    Ok(())
+}
+
 fn flatten(prefix: &str, v: &Value, out: &mut BTreeMap<String, Value>) {
     match v {
         Value::Object(m) if !m.is_empty() => {

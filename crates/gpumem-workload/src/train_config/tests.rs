@@ -1498,3 +1498,46 @@ fn a_compiled_loss_is_read_and_compiled_blocks_are_stated() {
     assert_eq!(hf.compile, Some(true));
     assert!(not_modelled(&hf, "torch_compile"));
 }
+
+/// `trust_remote_code: true` loads the model with its checkpoint's own code (`hf-code:`),
+/// where its config names some (resolved then; a config naming none is the model transformers
+/// has).
+#[test]
+fn trust_remote_code_runs_the_checkpoints_own_code() {
+    let hf = read_text(
+        "args.json",
+        r#"{"model_name_or_path": "Qwen/Qwen-7B-Chat", "per_device_train_batch_size": 1, "trust_remote_code": true}"#,
+        Path::new("."),
+        None,
+    )
+    .unwrap();
+    assert_eq!(hf.model.as_ref().unwrap().0, "hf-code:Qwen/Qwen-7B-Chat");
+    assert!(used(&hf, "trust_remote_code"));
+    let trl = read_text(
+        "sft.yaml",
+        "model_name_or_path: THUDM/chatglm3-6b\nmodel_init_kwargs:\n  trust_remote_code: true\n",
+        Path::new("."),
+        None,
+    )
+    .unwrap();
+    assert_eq!(trl.model.as_ref().unwrap().0, "hf-code:THUDM/chatglm3-6b");
+    let axolotl = read_text(
+        "a.yml",
+        "base_model: baichuan-inc/Baichuan2-7B-Chat\nmicro_batch_size: 1\ntrust_remote_code: true\nsequence_len: 512\n",
+        Path::new("."),
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        axolotl.model.as_ref().unwrap().0,
+        "hf-code:baichuan-inc/Baichuan2-7B-Chat"
+    );
+    let off = read_text(
+        "args.json",
+        r#"{"model_name_or_path": "gpt2", "trust_remote_code": false}"#,
+        Path::new("."),
+        None,
+    )
+    .unwrap();
+    assert_eq!(off.model.as_ref().unwrap().0, "gpt2");
+}
