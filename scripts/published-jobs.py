@@ -414,7 +414,9 @@ def swift(n, r):
         return run("Qwen/Qwen2.5-14B", "a100-80gb", 1, "reserved", seq=8192, ckpt="full", strategy="zero3", world=8,
                    grad_accum=2, tags=["gpu-substitute", "whole-run"])
     if m in REMOTE_CODE:
-        return no("remote-code-model", "architecture only in the checkpoint's own code (trust_remote_code)")
+        # gpumem runs such code (`hf-code:`), but data/hub-configs holds the configs alone.
+        return no("remote-code-model", "architecture only in the checkpoint's own code (trust_remote_code; "
+                  "gpumem runs it as hf-code:, but its modeling files are not in data/hub-configs)")
     if r["n_gpus"] == "2":
         return no("device-map-split", "naive model parallelism (device_map over 2 GPUs)")
     if "openbuddy" in m:
