@@ -13,11 +13,11 @@ Then Inductor fuses the graphs' pointwise ops and reductions into kernels, and o
 their results are buffers in GPU memory; the rest live in registers inside a kernel. The trace
 runs each graph op by op and counts as memory exactly what Inductor realises as a buffer: each
 graph's outputs (the forward's kept tensors and results, the backward's gradients), each
-reduction's result, the inputs of the ops Inductor calls as kernels of their own (matmuls,
-attention, collectives: anything not pointwise, a reduction, an indexing or a view), and a
-constant scattered into where an op other than a pointwise one reads it (Inductor's
-``scatter_upon_const_tensor`` pass makes the one-hot of a cross-entropy's backward pointwise).
-A buffer is freed after its last reader, as Inductor's generated code deletes it. Not modelled:
+reduction's result, and the inputs of the ops Inductor calls as kernels of their own (matmuls,
+attention, collectives: anything not pointwise, a reduction, an indexing or a view). Constants
+are computed where they are read, and so is a one-hot scattered into one (Inductor's
+``scatter_upon_const_tensor`` pass makes a cross-entropy's backward pointwise). A buffer is
+freed after its last reader, as Inductor's generated code deletes it. Not modelled:
 Inductor's heuristics that realise a pointwise value read many times, and its kernels' own
 scratch space.
 
@@ -119,12 +119,12 @@ class _Plan:
                 elif _is_view(node) and node in memory:
                     memory.update(_inputs(node)[:1])  # a view in memory is its base's memory
         self.in_memory = memory
-        self.last_use = {}
+        last_use = {}
         for node in self.nodes:
             for arg in _inputs(node):
-                self.last_use[arg] = node
-        self.freed_after = {}
-        for value, node in self.last_use.items():
+                last_use[arg] = node
+        self.freed_after = {}  # node -> the values its run is the last reader of
+        for value, node in last_use.items():
             self.freed_after.setdefault(node, []).append(value)
 
     def run(self, inputs):
@@ -252,14 +252,14 @@ class Compiled:
         )
         graphs = self.graphs.get(key)
         if graphs is None:
-            found, spec = _capture(pure, tensors, training)
+            found, out_spec = _capture(pure, tensors, training)
             if len(found) != (2 if training else 1):
                 raise ReferenceError_(
                     f"--compile: {getattr(self.fn, '__name__', self.fn)} did not compile to "
                     "one forward and one backward graph"
                 )
             device = tensors[0].device if tensors else torch.device("cpu")
-            graphs = _Graphs(found[0], found[1] if training else None, spec, device)
+            graphs = _Graphs(found[0], found[1] if training else None, out_spec, device)
             self.graphs[key] = graphs
         if graphs.backward is None:
             out = graphs.forward.run(tensors)
@@ -278,11 +278,13 @@ def torch_compile():
     def compile_(model=None, **_options):
         if model is None:  # used as a decorator factory
             return lambda fn: Compiled(fn)
-        if isinstance(model, torch.nn.Module):
+        if isinstance(model, torch.nn.Module) and any(True for _ in model.parameters()):
+            # Its parameters would be the graphs' constants, not inputs with gradients.
             raise ReferenceError_(
-                "--compile: the trainer compiles a module; gpumem models a compiled loss function"
+                "--compile: the trainer compiles a module with parameters; gpumem models a "
+                "compiled loss"
             )
-        return Compiled(model)
+        return Compiled(model)  # a function, or a loss module (no parameters)
 
     torch.compile = compile_
     try:

@@ -32,27 +32,30 @@ def recorded(step):
     ]
 
 
+def chunked_loss_step(loss_fn, chunks, batch=2, seq=64, vocab=1000):
+    """The allocations of a step of ``loss_fn`` (a chunked cross-entropy) on a model's logits
+    taken per slice, the logits dropped before backward as torchtune's recipes drop them."""
+
+    def run():
+        hidden = torch.empty(
+            batch, seq, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True
+        )
+        head = torch.empty(vocab, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        logits = [part @ head.t() for part in hidden.chunk(chunks, dim=1)]
+        labels = torch.empty(batch, seq, device=DEVICE, dtype=torch.long)
+        loss = loss_fn(logits, labels)
+        del logits
+        loss.backward()
+
+    return recorded(run)
+
+
 @pytest.mark.parametrize("chunks", [1, 4, 8])
 def test_chunked_cross_entropy_allocates_as_torchtune_does(chunks):
     own = importlib.import_module("torchtune.modules.loss").CEWithChunkedOutputLoss
     assert losses.loss_class() is own, "torchtune's own class where it imports"
-    batch, seq, vocab = 2, 64, 1000
-
-    def step(loss_cls):
-        def run():
-            hidden = torch.empty(
-                batch, seq, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True
-            )
-            head = torch.empty(vocab, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
-            logits = [part @ head.t() for part in hidden.chunk(chunks, dim=1)]
-            labels = torch.empty(batch, seq, device=DEVICE, dtype=torch.long)
-            loss = loss_cls(num_output_chunks=chunks)(logits, labels)
-            del logits
-            loss.backward()
-
-        return recorded(run)
-
-    theirs, ours = step(own), step(losses.ChunkedCrossEntropy)
+    theirs = chunked_loss_step(own(num_output_chunks=chunks), chunks)
+    ours = chunked_loss_step(losses.ChunkedCrossEntropy(num_output_chunks=chunks), chunks)
     assert any(e[0] == "alloc" for e in theirs)
     assert ours == theirs
 
@@ -66,30 +69,15 @@ def test_compiled_chunked_cross_entropy_is_torchtunes_compile_loss():
 
     own = importlib.import_module("torchtune.modules.loss").CEWithChunkedOutputLoss
     compile_loss = importlib.import_module("torchtune.training").compile_loss
-    batch, seq, vocab, chunks = 2, 64, 1000, 4
-
-    def step(loss_fn):
-        def run():
-            hidden = torch.empty(
-                batch, seq, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True
-            )
-            head = torch.empty(vocab, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
-            logits = [part @ head.t() for part in hidden.chunk(chunks, dim=1)]
-            labels = torch.empty(batch, seq, device=DEVICE, dtype=torch.long)
-            loss = loss_fn(logits, labels)
-            del logits
-            loss.backward()
-
-        return recorded(run)
-
+    chunks = 4
     theirs = own(num_output_chunks=chunks)
     with torch_compile():
         compile_loss(theirs, verbose=False)
     assert isinstance(theirs.compute_cross_entropy, Compiled)
     ours = losses.ChunkedCrossEntropy(num_output_chunks=chunks)
     ours.compute_cross_entropy = Compiled(ours.compute_cross_entropy)
-    events = step(theirs)
-    assert events == step(ours)
+    events = chunked_loss_step(theirs, chunks)
+    assert events == chunked_loss_step(ours, chunks)
     assert not [e for e in events if e[2] in ("_log_softmax", "_log_softmax_backward_data")]
     assert [e for e in events if e[2] == "amax"]
 
