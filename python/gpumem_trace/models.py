@@ -197,10 +197,10 @@ def _trainer_modules(ref, release, *modules):
         ) from e
 
 
-def _unknown(kind, name, known):
+def _unknown(kind, name, known, also=""):
     close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
-    raise ReferenceError_(f"unknown {kind} model `{name}`{hint}")
+    raise ReferenceError_(f"unknown {kind} model `{name}`{hint}{also}")
 
 
 def _classification(model, shape, classes, batch_first_key="logits"):
@@ -425,7 +425,8 @@ def hf_job(spec, ref, seq_len, attention_mask="none", attention=None):
         ) from e
     if cls is None or not isinstance(cls, type) or not hasattr(cls, "config_class"):
         known = [n for n in dir(tr) if n[:1].isupper() and ("For" in n or n.endswith("Model"))]
-        _unknown("Hugging Face", name, known)
+        also = " (a model only in a checkpoint's own code runs as hf-code:ORG/NAME)"
+        _unknown("Hugging Face", name, known, also)
     # A warning that reads token values (pad tokens present without a mask?): on meta tensors
     # every such question answers yes, and for some configs the warning itself then fails.
     if hasattr(tr, "PreTrainedModel"):

@@ -170,3 +170,54 @@ fn a_missing_model_or_a_config_without_an_architecture_is_one_line() {
     std::fs::create_dir_all(&empty).unwrap();
     one_line(&["estimate", empty.to_str().unwrap()], "has no config.json");
 }
+
+/// `hf-code:`: a checkpoint whose model is only in its own modeling files (the tracer's
+/// fixture, cached as `org/tiny-remote`) is sized by that code under each of its names, one
+/// reference for all; without the prefix its class is unknown to transformers, and a missing
+/// modeling file is one line.
+#[test]
+fn a_checkpoints_own_code_sizes_under_any_of_its_names() {
+    if !torch("the hf-code: test") {
+        return;
+    }
+    let cache = scratch("hub-code", "hub");
+    let snapshot = cache.join("models--org--tiny-remote/snapshots/0123456789abcdef");
+    std::fs::create_dir_all(&snapshot).unwrap();
+    std::fs::create_dir_all(cache.join("models--org--tiny-remote/refs")).unwrap();
+    std::fs::write(
+        cache.join("models--org--tiny-remote/refs/main"),
+        "0123456789abcdef",
+    )
+    .unwrap();
+    let fixture =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../python/tests/fixtures/remote_code");
+    for f in std::fs::read_dir(&fixture).unwrap() {
+        let f = f.unwrap().path();
+        if f.is_file() {
+            std::fs::copy(&f, snapshot.join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    let by_id = sized(&cache, "hf-code:org/tiny-remote");
+    let dir = std::fs::canonicalize(&snapshot).unwrap();
+    assert_eq!(by_id.2, format!("hf-code:{}", dir.display()));
+    assert!(by_id.0 > 0.0);
+    let by_dir = sized(&cache, &format!("hf-code:{}", snapshot.display()));
+    let by_file = sized(
+        &cache,
+        &format!("hf-code:{}", snapshot.join("config.json").display()),
+    );
+    assert_eq!(by_id, by_dir);
+    assert_eq!(by_id, by_file);
+    let plain = gpumem_in(&cache, &["estimate", "org/tiny-remote", "--batch", "1"]);
+    let err = String::from_utf8_lossy(&plain.stderr);
+    assert!(
+        !plain.status.success() && err.contains("runs as hf-code:ORG/NAME"),
+        "{err}"
+    );
+    std::fs::remove_file(snapshot.join("modeling_tiny_remote.py")).unwrap();
+    let o = gpumem_in(&cache, &["estimate", "hf-code:org/tiny-remote"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains("modeling_tiny_remote.py is missing"), "{err}");
+}

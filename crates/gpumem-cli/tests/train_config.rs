@@ -85,3 +85,48 @@ fn example_configs_are_sized_with_a_stand_in_model() {
         );
     }
 }
+
+/// torchtune's `compile: True` compiles its chunked cross-entropy: read from the config, carried
+/// to the tracer, and sized below the same config eager (no slice's fp32 log-probabilities);
+/// the model's compiled layers stated as not modelled.
+#[test]
+fn a_torchtune_config_that_compiles_sizes_its_compiled_loss() {
+    if !torch() {
+        return;
+    }
+    let stand_in = "hf:LlamaForCausalLM(hidden_size=128,intermediate_size=256,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,vocab_size=32000)";
+    let text = std::fs::read_to_string(format!("{DIR}/torchtune-8B_lora_single_device.yaml"))
+        .unwrap()
+        .replace("compile: False", "compile: True");
+    assert!(text.contains("compile: True"), "the fixture states compile");
+    let compiled = common::scratch("train-config-compile", "compiled.yaml");
+    std::fs::write(&compiled, text).unwrap();
+    let sized = |path: &str| {
+        let o = gpumem(&[
+            "estimate",
+            stand_in,
+            "--train-config",
+            path,
+            "--seq-len",
+            "512",
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let eager = sized(&format!("{DIR}/torchtune-8B_lora_single_device.yaml"));
+    let v = sized(compiled.to_str().unwrap());
+    let peak = |v: &serde_json::Value| v["allocator"]["peak_allocated"].as_u64().unwrap();
+    // Batch 2 x 512 tokens, 8 slices: one slice's fp32 log-probabilities, 8 MiB, and more.
+    assert!(
+        peak(&v) + (2 * 512 / 8 * 32000 * 4) <= peak(&eager),
+        "{} vs {}",
+        peak(&v),
+        peak(&eager)
+    );
+    let not_modelled = v["train_config"]["not_modelled"].to_string();
+    assert!(
+        not_modelled.contains("compile"),
+        "the compiled layers are stated: {not_modelled}"
+    );
+}
