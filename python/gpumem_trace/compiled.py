@@ -295,15 +295,17 @@ def torch_compile():
 
 def compile_loss(job, model, ref):
     """``job``'s loss compiled as its trainer compiles it: the trainer's own compile where it
-    compiles a loss of its own (torchtitan's, torchtune's), else the loss a Hugging Face
-    model's forward computes (its ``loss_function``, which a whole-model compile fuses)."""
+    compiles a loss of its own (torchtitan's, torchtune's; None returned), else the loss a
+    Hugging Face model's forward computes (its ``loss_function``, which a whole-model compile
+    fuses): that ``Compiled``, which the loop checks was called (a forward may compute its loss
+    without it)."""
     if job.compile_loss is not None:
         job.compile_loss(torch_compile)
-        return
+        return None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if isinstance(getattr(type(base), "loss_function", None), property):
         base.loss_function = Compiled(base.loss_function)
-        return
+        return base.loss_function
     raise ReferenceError_(
         f"{ref}: --compile models a compiled loss: torchtitan's and torchtune's (--chunked-ce), "
         "or a Hugging Face model's loss_function; this model has none of them"

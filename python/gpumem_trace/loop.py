@@ -365,8 +365,7 @@ def trace_training(opts: TraceOptions, out_path: str):
         lora.apply(model, opts.lora, opts.model)
     if opts.chunked_ce:
         job = losses.chunked_output(job, model, opts.chunked_ce, opts.model)
-    if opts.compile:
-        compiled.compile_loss(job, model, opts.model)
+    compiled_loss = compiled.compile_loss(job, model, opts.model) if opts.compile else None
     if opts.liger is not None:
         # As Hugging Face's Trainer does, on the model it is given (after PEFT's wrapping).
         liger.apply(model, opts.liger, opts.model)
@@ -830,6 +829,12 @@ def trace_training(opts: TraceOptions, out_path: str):
                 engine.consolidated_16bit_state_dict()
             # And torch.save of the state dicts (one GPU, DDP's rank 0, DeepSpeed's per-rank
             # files): serialization copies each storage to the host; nothing more on the GPU.
+    if compiled_loss is not None and not compiled_loss.graphs:
+        raise ReferenceError_(
+            f"{opts.model}: --compile: the model's forward computes its loss without its "
+            "loss_function (its own code, or an older transformers'), so gpumem cannot compile "
+            "it; size it without --compile"
+        )
     header = {
         "model": opts.model,
         "batch_size": opts.batch,

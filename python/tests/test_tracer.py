@@ -443,6 +443,9 @@ def test_a_checkpoint_runs_its_own_code(tmp_path):
     assert sum(e["bytes"] for e in allocs(evs, category="parameter")) == 4 * params
     shifted = batch * (seq - 1) * vocab * 4
     assert allocs(evs, op="clone", bytes=shifted), "the model's own shifted copy of the logits"
+    # Its loss is its own code's, not transformers' loss_function: --compile cannot take it.
+    p, _ = run([f"hf-code:{code}", "--batch", "1", "--seq-len", "16", "--compile"], tmp_path)
+    assert p.returncode == 2 and "computes its loss without its loss_function" in p.stderr
     # A directory whose config names no code of its own is refused in one line.
     plain = tmp_path / "plain"
     plain.mkdir()
