@@ -466,14 +466,16 @@ def hf_job(spec, ref, seq_len, attention_mask="none", attention=None):
     return hf_model_job(tr, name, ref, config, build(lambda: cls(config)), seq_len, attention_mask)
 
 
-# The auto classes a checkpoint's own code may name its model under, the training heads first.
-HF_CODE_HEADS = (
-    "AutoModelForCausalLM",
-    "AutoModelForSeq2SeqLM",
-    "AutoModelForSequenceClassification",
-    "AutoModelForMaskedLM",
-    "AutoModel",
-)
+# The auto classes a checkpoint's own code may name its model under, the training heads first,
+# each with the class-name ending hf_model_job reads a head from (the code's own class name,
+# `QWenLMHeadModel`, need not say it).
+HF_CODE_HEADS = {
+    "AutoModelForCausalLM": "ForCausalLM",
+    "AutoModelForSeq2SeqLM": "ForConditionalGeneration",
+    "AutoModelForSequenceClassification": "ForSequenceClassification",
+    "AutoModelForMaskedLM": "ForMaskedLM",
+    "AutoModel": None,
+}
 
 
 def hf_code_job(spec, ref, seq_len, attention_mask="none"):
@@ -506,14 +508,7 @@ def hf_code_job(spec, ref, seq_len, attention_mask="none"):
             f"{ref}: its own code could not be loaded with transformers {tr.__version__} "
             f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e})"
         ) from e
-    # The head its auto class names, in the words hf_model_job reads (a class's own name,
-    # `QWenLMHeadModel`, need not say).
-    name = {
-        "AutoModelForCausalLM": "ForCausalLM",
-        "AutoModelForSeq2SeqLM": "ForConditionalGeneration",
-        "AutoModelForSequenceClassification": "ForSequenceClassification",
-        "AutoModelForMaskedLM": "ForMaskedLM",
-    }.get(head, cls.__name__)
+    name = HF_CODE_HEADS[head] or cls.__name__
     _hf_config_defaults(config, name)
     return hf_model_job(tr, name, ref, config, build(lambda: cls(config)), seq_len, attention_mask)
 
