@@ -196,21 +196,9 @@ impl HubSource {
     /// the model transformers has, its `hf:` reference.
     pub fn code_reference(&self, cache: &HubCache) -> Result<String, HubError> {
         let config = self.config(cache)?;
-        let text = std::fs::read_to_string(&config).map_err(|e| HubError::Read {
-            path: config.clone(),
-            message: e.to_string(),
-        })?;
-        let value: Value = serde_json::from_str(&text).map_err(|e| HubError::Json {
-            path: config.clone(),
-            message: e.to_string(),
-        })?;
+        let value = read_json(&config)?;
         let Some(Value::Object(auto)) = value.get("auto_map") else {
-            return Ok(HubModel::from_config(value)
-                .map_err(|problem| HubError::Config {
-                    path: config,
-                    problem,
-                })?
-                .reference());
+            return Ok(HubModel::from_config_at(&config, value)?.reference());
         };
         let dir = config.parent().unwrap_or(Path::new("."));
         let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
@@ -222,6 +210,18 @@ impl HubSource {
         }
         Ok(format!("{HF_CODE_PREFIX}{}", dir.display()))
     }
+}
+
+/// A config file's JSON, its problems naming the file.
+fn read_json(path: &Path) -> Result<Value, HubError> {
+    let text = std::fs::read_to_string(path).map_err(|e| HubError::Read {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    serde_json::from_str(&text).map_err(|e| HubError::Json {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
 }
 
 /// The module of an `auto_map` entry (`modeling_qwen.QWenLMHeadModel`, or a tokenizer's pair),
@@ -246,15 +246,12 @@ pub struct HubModel {
 
 impl HubModel {
     pub fn read(path: &Path) -> Result<HubModel, HubError> {
-        let text = std::fs::read_to_string(path).map_err(|e| HubError::Read {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        let value: Value = serde_json::from_str(&text).map_err(|e| HubError::Json {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        Self::from_config(value).map_err(|problem| HubError::Config {
+        Self::from_config_at(path, read_json(path)?)
+    }
+
+    /// [`HubModel::from_config`] of the config read from `path`, its problem naming the file.
+    fn from_config_at(path: &Path, config: Value) -> Result<HubModel, HubError> {
+        Self::from_config(config).map_err(|problem| HubError::Config {
             path: path.to_path_buf(),
             problem,
         })
@@ -442,6 +439,7 @@ mod tests {
         assert_eq!(HubSource::of("resnet50", &cache), None);
         std::fs::remove_dir_all(&root).unwrap();
     }
+
     /// `hf-code:`: a checkpoint named as any Hub source becomes its directory, where its config
     /// names code of its own and the directory holds it.
     #[test]
